@@ -1,0 +1,42 @@
+# Set-up is idempotent: each target below builds only what is missing or out of date.
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+# Quiet, no OpenMP spin-wait between co-located processes (notes P1).
+export OMP_WAIT_POLICY ?= PASSIVE
+
+.PHONY: setup demo test bench clean sysdeps
+
+setup: sysdeps $(STAMP)
+
+# Mooncake's engine links libibverbs.so.1 even without an RDMA device.
+sysdeps:
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
+	  if [ "$$(id -u)" != 0 ]; then \
+	    echo "error: Debian's libibverbs1 is missing (Mooncake needs it); run 'sudo apt-get install -y libibverbs1' and retry" >&2; exit 1; \
+	  fi; \
+	  echo "installing libibverbs1 (Debian) for Mooncake"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+	fi
+
+# torch first, pinned to the local CPU wheel: a bare torch requirement would pull a CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q -U pip
+	$(VPY) -m pip install -q $(TORCH_PIN)
+	$(VPY) -m pip install -q -e '.[cpu,test]'
+	@touch $(STAMP)
+
+demo: setup
+	$(VPY) -m bench.demo
+
+test: setup
+	$(VPY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/epd-bench transfer
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,134 @@
+"""A receiver in its own process: it owns a receive pool, offers slots and checks commits.
+
+Used by the transfer benchmark, the demo and the two-process tests. It speaks over a
+``multiprocessing`` pipe (control only; bytes move through the transport under test):
+
+    ("reserve", rows, width, dtype)            -> ("reserved", generation, {transport: offer JSON})
+    ("commit", commit JSON, seed | None)       -> ("accepted", byte_exact | None) or ("rejected", reason)
+    ("stats",)                                 -> ("stats", pool stats)
+    ("raw_done",)                              -> ("ok",)  # bare-engine path: no project code
+    ("stop",)                                  -> ("stopped", pool stats)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from dataclasses import dataclass
+
+PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # no OpenMP spin-wait between co-located processes (P1)
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    transports: tuple[str, ...] = ("shm", "mooncake")
+    pool_bytes: int = 256 << 20
+    slot_bytes: int = 1 << 20
+    quarantine_s: float = 30.0
+
+
+def pattern(rows: int, width: int, dtype: str, seed: int):
+    """Deterministic test embeddings, equal in every process for the same arguments."""
+    import torch
+
+    from data_plane.dtypes import dtype_from_wire
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=generator).to(dtype_from_wire(dtype))
+
+
+def build_transports(names, config=None):
+    from data_plane.loopback import LoopbackTransport
+    from data_plane.mooncake import MooncakeConfig, MooncakeTransport
+    from data_plane.shm_transport import ShmTransport
+
+    made = {}
+    for name in names:
+        if name == "mooncake":
+            made[name] = MooncakeTransport.for_process(config or MooncakeConfig())
+        elif name == "shm":
+            made[name] = ShmTransport()
+        elif name == "loopback":
+            made[name] = LoopbackTransport()
+        else:
+            raise ValueError(f"unknown transport {name!r}")
+    return made
+
+
+def _serve(conn, config: PeerConfig) -> None:
+    import torch
+
+    from data_plane.commit import Commit, EmbeddingLayout, accept_commit
+    from data_plane.pool import MemoryRegion, SlotPool
+
+    region = MemoryRegion.shared(config.pool_bytes)
+    pool = SlotPool(region, config.slot_bytes, config.quarantine_s)
+    transports = build_transports(config.transports)
+    for transport in transports.values():
+        transport.register(region)
+    conn.send(("ready", os.getpid()))
+    current = None  # (lease, layout)
+    try:
+        while True:
+            message = conn.recv()
+            kind = message[0]
+            if kind == "reserve":
+                _, rows, width, dtype = message
+                layout = EmbeddingLayout(rows, width, dtype)
+                lease = pool.lease(layout.nbytes)
+                current = (lease, layout)
+                offers = {name: t.offer(pool, lease).model_dump() for name, t in transports.items()}
+                conn.send(("reserved", lease.generation, offers))
+            elif kind == "commit":
+                _, commit_json, seed = message
+                lease, layout = current
+                try:
+                    rows = accept_commit(pool, lease, layout, Commit.model_validate(commit_json))
+                except ValueError as exc:
+                    pool.quarantine(lease)
+                    conn.send(("rejected", str(exc)))
+                    continue
+                exact = None
+                if seed is not None:
+                    exact = bool(torch.equal(rows, pattern(layout.rows, layout.width, layout.dtype, seed)))
+                pool.release(lease)
+                conn.send(("accepted", exact))
+            elif kind == "stats":
+                conn.send(("stats", pool.stats()))
+            elif kind == "raw_done":
+                conn.send(("ok",))
+            elif kind == "stop":
+                conn.send(("stopped", pool.stats()))
+                return
+    finally:
+        region.close()
+
+
+def _main(conn, config: PeerConfig) -> None:
+    try:
+        _serve(conn, config)
+    except BaseException:
+        conn.send(("crashed", traceback.format_exc()))
+        raise
+
+
+def start_peer(config: PeerConfig = PeerConfig()):
+    """Spawn a receiver; returns (process, connection) once its pool is ready."""
+    os.environ.update(PASSIVE_ENV)
+    context = mp.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=_main, args=(child, config), daemon=True)
+    process.start()
+    reply = parent.recv()
+    if reply[0] != "ready":
+        process.join(5)
+        raise RuntimeError(f"receiver failed to start: {reply[1]}")
+    return process, parent
+
+
+def stop_peer(process, conn) -> dict:
+    conn.send(("stop",))
+    reply = conn.recv()
+    process.join(10)
+    return reply[1]

@@ -1,0 +1,103 @@
+"""The contract between a reserved slot and the bytes committed into it.
+
+The receiver reserves an ``EmbeddingLayout`` (rows x width x dtype). The sender checks its rows
+against that layout before writing (a one-sided write cannot be truncated safely) and then
+commits: the slot generation it wrote, the layout it wrote, and a checksum. The receiver publishes
+the slot's bytes only if the generation is the lease's current one, the layout matches and the
+checksum (when sent) matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field
+
+from data_plane.dtypes import WIRE_DTYPES, dtype_from_wire, dtype_to_wire
+from data_plane.pool import Lease, SlotPool
+
+MAX_ROWS = 1 << 24
+MAX_WIDTH = 1 << 20
+
+
+class ContractError(ValueError):
+    """Rows, width, dtype, generation or checksum disagree with the reservation."""
+
+
+@dataclass(frozen=True)
+class EmbeddingLayout:
+    rows: int
+    width: int
+    dtype: str  # wire name, see data_plane.dtypes
+
+    def __post_init__(self) -> None:
+        if not (0 < self.rows <= MAX_ROWS and 0 < self.width <= MAX_WIDTH):
+            raise ContractError(f"rows {self.rows} and width {self.width} must be in (0, {MAX_ROWS}] x (0, {MAX_WIDTH}]")
+        dtype_from_wire(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_wire(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width * torch.empty(0, dtype=self.torch_dtype).element_size()
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> EmbeddingLayout:
+        if tensor.dim() != 2:
+            raise ContractError(f"embeddings must be 2-D [rows, width], got shape {tuple(tensor.shape)}")
+        return cls(int(tensor.shape[0]), int(tensor.shape[1]), dtype_to_wire(tensor.dtype))
+
+    def check(self, tensor: torch.Tensor) -> None:
+        """Raise unless ``tensor`` has exactly this layout."""
+        if EmbeddingLayout.of(tensor) != self:
+            raise ContractError(f"rows {tuple(tensor.shape)} {tensor.dtype} do not match the reserved "
+                                f"[{self.rows}, {self.width}] {self.dtype}")
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """xxh3-64 of a tensor's bytes (about 9 GB/s here: as much as a copy, so it is optional)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return xxhash.xxh3_64_intdigest(memoryview(flat.numpy()))
+
+
+class Commit(BaseModel):
+    """What a sender says after its write completed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    generation: int = Field(ge=0, lt=1 << 63)
+    rows: int = Field(gt=0, le=MAX_ROWS)
+    width: int = Field(gt=0, le=MAX_WIDTH)
+    dtype: str = Field(pattern="^(" + "|".join(WIRE_DTYPES) + ")$")
+    checksum: int | None = Field(default=None, ge=0, lt=1 << 64)
+
+    @property
+    def layout(self) -> EmbeddingLayout:
+        return EmbeddingLayout(self.rows, self.width, self.dtype)
+
+
+def make_commit(rows: torch.Tensor, generation: int, with_checksum: bool = True) -> Commit:
+    layout = EmbeddingLayout.of(rows)
+    return Commit(generation=generation, rows=layout.rows, width=layout.width, dtype=layout.dtype,
+                  checksum=checksum(rows) if with_checksum else None)
+
+
+def accept_commit(pool: SlotPool, lease: Lease, reserved: EmbeddingLayout, commit: Commit,
+                  verify_checksum: bool = True) -> torch.Tensor:
+    """Check a commit against the live lease and return the slot as a ``[rows, width]`` view."""
+    if commit.generation != lease.generation or not pool.is_current(lease):
+        raise ContractError(f"commit for generation {commit.generation} but the slot holds {lease.generation}"
+                            + ("" if pool.is_current(lease) else " (lease no longer live)"))
+    if commit.layout != reserved:
+        raise ContractError(f"committed [{commit.rows}, {commit.width}] {commit.dtype} but reserved "
+                            f"[{reserved.rows}, {reserved.width}] {reserved.dtype}")
+    if reserved.nbytes != lease.nbytes:
+        raise ContractError(f"reserved layout needs {reserved.nbytes} bytes but the lease holds {lease.nbytes}")
+    rows = pool.view(lease).view(reserved.torch_dtype).view(reserved.rows, reserved.width)
+    if verify_checksum and commit.checksum is not None and checksum(rows) != commit.checksum:
+        raise ContractError("checksum mismatch: the slot's bytes are not what the sender committed")
+    return rows

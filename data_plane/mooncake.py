@@ -1,0 +1,168 @@
+"""Mooncake TransferEngine transport: one-sided writes into the receiver's registered pool.
+
+One engine per process, created lazily in the process that uses it (an engine inherited across
+``fork`` hangs: notes P15) and kept for life (teardown costs ~1 s and holds the GIL: P10).
+P2PHANDSHAKE, so no etcd. RDMA is used automatically when an HCA is present; ``force_tcp`` sets
+``MC_FORCE_TCP``. Writes are submitted and polled (the sync calls busy-spin a core: P2), each has
+a deadline, and a failed write is reported unsettled until Mooncake itself gives up, because
+it may still land (P4).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from data_plane.pool import Lease, MemoryRegion, SlotPool
+from data_plane.transport import MooncakeOffer, Transfer, TransferRefused, TransferState, Transport
+
+INSTALL_HINT = (
+    "Mooncake is not usable here: {error}. On CPU hosts: pip install '.[cpu]' "
+    "(mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1; on GPU hosts: "
+    "pip install '.[gpu]' with the NVIDIA driver present. Never install both wheels."
+)
+# Mooncake's own timeout is clamped to >= 5 s and grows by 1 ns per byte (notes P3).
+MIN_ENGINE_TIMEOUT_S = 5
+
+
+class MooncakeUnavailable(RuntimeError):
+    """The Mooncake package, a library it links, or its engine could not be loaded."""
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    hostname: str = "127.0.0.1"  # address peers use to reach this process
+    device_names: str = ""  # comma-separated HCA filter; "" = every HCA found
+    force_tcp: bool = False
+    transfer_timeout_s: int = 10  # Mooncake's own per-transfer give-up time
+    log_level: str = "ERROR"
+
+    def engine_timeout_s(self, nbytes: int) -> float:
+        """When Mooncake itself gives up on an ``nbytes`` write: after this no byte can land."""
+        return max(self.transfer_timeout_s, MIN_ENGINE_TIMEOUT_S) + nbytes * 1e-9
+
+
+def _load_engine_class(config: MooncakeConfig):
+    os.environ.setdefault("MC_LOG_LEVEL", config.log_level)  # only read at import (P16)
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise MooncakeUnavailable(INSTALL_HINT.format(error=exc)) from None
+    return TransferEngine
+
+
+class _MooncakeTransfer(Transfer):
+    def __init__(self, transport: MooncakeTransport, src_addr: int, nbytes: int, offer: MooncakeOffer,
+                 deadline: float):
+        super().__init__(nbytes, deadline)
+        self._transport = transport
+        self._args = (offer.session, src_addr, offer.address, nbytes)
+        self._retried = False
+        self._settle_by = time.monotonic() + transport.config.engine_timeout_s(nbytes) + 1.0
+        self._batch_id = self._start()
+
+    def _start(self) -> int | None:
+        batch_id = self._transport.engine.transfer_submit_write(*self._args)
+        if batch_id < 0:
+            self._finish(TransferState.FAILED, "mooncake refused to submit the write", settled=not self._retried)
+            return None
+        return batch_id
+
+    def poll(self) -> TransferState:
+        now = time.monotonic()
+        if self._batch_id is not None:
+            status = self._transport.engine.transfer_check_status(self._batch_id)
+            if status == 1:
+                self._batch_id = None  # final: never poll a finished id again (P14)
+                self._finish(TransferState.DONE)  # also settles a transfer we had given up on
+            elif status < 0:
+                self._batch_id = None
+                if not self._retried and self.state is TransferState.PENDING and now < self.deadline:
+                    # a rejected request tears down a TCP lane; one retry rides over it (P6)
+                    self._retried = True
+                    self._batch_id = self._start()
+                else:
+                    reason = "mooncake transfer timed out" if status == -2 else "mooncake transfer failed"
+                    self._finish(TransferState.FAILED, reason, settled=False)  # it may still land (P4)
+        if self.state is TransferState.PENDING and now >= self.deadline:
+            self._finish(TransferState.FAILED, "deadline exceeded", settled=False)
+        if not self.settled and now >= self._settle_by:
+            self.settled = True  # past Mooncake's own timeout nothing more can land
+        return self.state
+
+
+class MooncakeTransport(Transport):
+    name = "mooncake"
+    _instance: MooncakeTransport | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self, config: MooncakeConfig = MooncakeConfig()):
+        engine_class = _load_engine_class(config)
+        os.environ["MC_TRANSFER_TIMEOUT"] = str(max(config.transfer_timeout_s, MIN_ENGINE_TIMEOUT_S))
+        if config.force_tcp:
+            os.environ["MC_FORCE_TCP"] = "1"
+        self.config = config
+        self.pid = os.getpid()
+        self.engine = engine_class()
+        rc = self.engine.initialize(config.hostname, "P2PHANDSHAKE", "tcp", config.device_names)
+        if rc != 0:
+            raise MooncakeUnavailable(f"TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE) returned {rc}")
+        self.session = f"{config.hostname}:{self.engine.get_rpc_port()}"
+        self._regions: list[MemoryRegion] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_process(cls, config: MooncakeConfig = MooncakeConfig()) -> MooncakeTransport:
+        """This process's engine, created on first use and kept for the life of the process."""
+        with cls._instance_lock:
+            if cls._instance is None or cls._instance.pid != os.getpid():
+                cls._instance = cls(config)
+            elif cls._instance.config != config:
+                raise ValueError("the process's Mooncake engine was already created with another config")
+            return cls._instance
+
+    def _check_process(self) -> None:
+        if os.getpid() != self.pid:
+            raise MooncakeUnavailable("a Mooncake engine cannot be used across fork(); create one per process")
+
+    def register(self, region: MemoryRegion) -> None:
+        self._check_process()
+        with self._lock:
+            if any(r is region for r in self._regions):
+                return
+            rc = self.engine.register_memory(region.address, region.nbytes)
+            if rc != 0:
+                raise MooncakeUnavailable(f"register_memory of {region.nbytes} bytes returned {rc}"
+                                          + (" (overlaps a registered region)" if rc == -7 else ""))
+            self._regions.append(region)
+
+    def offer(self, pool: SlotPool, lease: Lease) -> MooncakeOffer:
+        if not any(r is pool.region for r in self._regions):
+            raise TransferRefused("pool region is not registered with Mooncake")
+        return MooncakeOffer(session=self.session, address=pool.region.address + lease.offset, capacity=lease.nbytes)
+
+    def reachable(self, offer: MooncakeOffer) -> bool:
+        return True  # liveness is `alive(session)`; routability is the fabric's
+
+    def alive(self, session: str) -> bool:
+        """Cheap liveness probe of a peer engine (answers in under 1 ms)."""
+        self._check_process()
+        return self.engine.send_probe(session) == 0
+
+    def _submit(self, src: torch.Tensor, offer: MooncakeOffer, deadline: float) -> Transfer:
+        self._check_process()
+        address, nbytes = src.data_ptr(), src.numel()
+        # TCP accepts unregistered sources but RDMA needs an lkey (P7): enforce it everywhere.
+        if not any(region.contains(address, nbytes) for region in self._regions):
+            raise TransferRefused("source bytes are not in a region registered with Mooncake")
+        return _MooncakeTransfer(self, address, nbytes, offer, deadline)
+
+    def unregister(self, region: MemoryRegion) -> None:
+        with self._lock:
+            if any(r is region for r in self._regions):
+                self.engine.unregister_memory(region.address)
+                self._regions = [r for r in self._regions if r is not region]

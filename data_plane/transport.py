@@ -1,0 +1,138 @@
+"""The one small interface every transport implements, and the offers a receiver makes.
+
+Receiver side: ``register(region)`` once per pool, then ``offer(pool, lease)`` per room: a JSON-able
+description of where the sender may write. Sender side: ``reachable(offer)`` says whether this
+process can write there; ``submit(src, offer, deadline)`` starts the write and returns a
+``Transfer`` to poll. Polling never blocks; ``wait`` sleeps between polls instead of spinning.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from data_plane.pool import Lease, MemoryRegion, SlotPool
+
+MAX_BYTES = 1 << 40
+
+
+class MooncakeOffer(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["mooncake"] = "mooncake"
+    session: str = Field(min_length=3, max_length=300, pattern=r"^[A-Za-z0-9.\-_\[\]:]+:[0-9]{1,5}$")
+    address: int = Field(gt=0, lt=1 << 64)
+    capacity: int = Field(gt=0, le=MAX_BYTES)
+
+
+class ShmOffer(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["shm"] = "shm"
+    namespace: str = Field(min_length=1, max_length=128)
+    segment: str = Field(pattern=r"^epd-[A-Za-z0-9_-]{1,100}$")
+    offset: int = Field(ge=0, le=MAX_BYTES)
+    capacity: int = Field(gt=0, le=MAX_BYTES)
+
+
+class LoopbackOffer(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["loopback"] = "loopback"
+    region: int = Field(ge=0)
+    offset: int = Field(ge=0, le=MAX_BYTES)
+    capacity: int = Field(gt=0, le=MAX_BYTES)
+
+
+Offer = Annotated[MooncakeOffer | ShmOffer | LoopbackOffer, Field(discriminator="kind")]
+
+
+class TransferRefused(ValueError):
+    """The write was refused before any byte moved (too large, unreachable, bad source)."""
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Transfer(abc.ABC):
+    """One write in flight.
+
+    ``state`` is final once DONE or FAILED. ``settled`` says the transport will touch neither the
+    source nor the destination again: a FAILED transfer may be unsettled (its bytes may still
+    land), so its source slot stays leased and its destination slot must be quarantined.
+    """
+
+    def __init__(self, nbytes: int, deadline: float):
+        self.nbytes = nbytes
+        self.deadline = deadline
+        self.started = time.monotonic()
+        self.state = TransferState.PENDING
+        self.settled = False
+        self.error: str | None = None
+
+    @abc.abstractmethod
+    def poll(self) -> TransferState:
+        """Advance without blocking and return the state."""
+
+    def wait(self, poll_interval: float = 0.0002) -> TransferState:
+        """Sleep-poll until DONE or FAILED (bounded by the deadline)."""
+        while self.poll() is TransferState.PENDING:
+            time.sleep(poll_interval)
+        return self.state
+
+    def _finish(self, state: TransferState, error: str | None = None, settled: bool = True) -> None:
+        if self.state is TransferState.PENDING:
+            self.state = state
+            self.error = error
+        self.settled = self.settled or settled
+
+
+class CompletedTransfer(Transfer):
+    """A write that finished (or failed cleanly) inside ``submit``."""
+
+    def __init__(self, nbytes: int, deadline: float, error: str | None = None):
+        super().__init__(nbytes, deadline)
+        self._finish(TransferState.FAILED if error else TransferState.DONE, error)
+
+    def poll(self) -> TransferState:
+        return self.state
+
+
+class Transport(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def register(self, region: MemoryRegion) -> None:
+        """Make a region a valid source or destination (once per region, never per tensor)."""
+
+    @abc.abstractmethod
+    def offer(self, pool: SlotPool, lease: Lease) -> Offer:
+        """Describe a receive lease so a sender can write into it."""
+
+    @abc.abstractmethod
+    def reachable(self, offer: Offer) -> bool:
+        """Whether this process can write into ``offer`` with this transport."""
+
+    def submit(self, src: torch.Tensor, offer: Offer, deadline: float) -> Transfer:
+        """Start writing ``src`` (contiguous bytes) to ``offer``; refuse before moving any byte."""
+        if offer.kind != self.name:
+            raise TransferRefused(f"{self.name} transport cannot write to a {offer.kind} offer")
+        if not src.is_contiguous():
+            raise TransferRefused("source tensor must be contiguous")
+        nbytes = src.numel() * src.element_size()
+        if nbytes == 0 or nbytes > offer.capacity:
+            raise TransferRefused(f"{nbytes} bytes do not fit the receiver's {offer.capacity}-byte slot")
+        if not self.reachable(offer):
+            raise TransferRefused(f"{self.name} offer is not reachable from this process")
+        return self._submit(src.reshape(-1).view(torch.uint8), offer, deadline)
+
+    @abc.abstractmethod
+    def _submit(self, src: torch.Tensor, offer: Offer, deadline: float) -> Transfer: ...
+
+    def close(self) -> None:
+        """Release what the transport holds (engines, mappings)."""

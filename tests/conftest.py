@@ -1,0 +1,17 @@
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+import glob  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_new_segments():
+    """Fail the test if it leaves a /dev/shm segment of ours behind."""
+    before = set(glob.glob("/dev/shm/epd-*"))
+    yield
+    left = set(glob.glob("/dev/shm/epd-*")) - before
+    assert not left, f"leaked SHM segments: {sorted(left)}"

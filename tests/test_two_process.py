@@ -1,0 +1,76 @@
+"""Byte-exact transfers into a receiver running in another process, over Mooncake TCP and SHM."""
+
+import time
+
+import pytest
+import torch
+
+from bench.peer import PeerConfig, pattern, start_peer, stop_peer
+from data_plane.commit import make_commit
+from data_plane.pool import MemoryRegion
+from data_plane.transport import MooncakeOffer, ShmOffer, TransferState
+
+WIDTH = 2048
+SIZES = {  # bf16 rows x 2048 = 4 KiB per row
+    "4KiB": 1,
+    "1MiB": 256,
+    "16MiB": 4096,
+    "128MiB": 32768,
+}
+
+
+@pytest.fixture(scope="module")
+def peer():
+    process, conn = start_peer(PeerConfig(transports=("shm", "mooncake"), pool_bytes=160 << 20, slot_bytes=1 << 20))
+    yield conn
+    stats = stop_peer(process, conn)
+    assert stats["leased_slots"] == 0
+
+
+@pytest.fixture(scope="module")
+def sender():
+    from bench.peer import build_transports
+
+    transports = build_transports(("shm", "mooncake"))
+    region = MemoryRegion.anonymous(160 << 20)
+    for transport in transports.values():
+        if transport.name == "mooncake":
+            transport.register(region)
+    yield transports, region
+
+
+def _send(peer, transports, region, name, rows, seed):
+    payload = pattern(rows, WIDTH, "bfloat16", seed)
+    src = region.tensor[: payload.numel() * 2]
+    src.copy_(payload.view(-1).view(torch.uint8))
+    peer.send(("reserve", rows, WIDTH, "bfloat16"))
+    kind, generation, offers = peer.recv()
+    offer_type = {"mooncake": MooncakeOffer, "shm": ShmOffer}[name]
+    transfer = transports[name].submit(src, offer_type.model_validate(offers[name]), time.monotonic() + 30)
+    assert transfer.wait() is TransferState.DONE, transfer.error
+    peer.send(("commit", make_commit(payload, generation).model_dump(), seed))
+    return peer.recv()
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", ["mooncake", "shm"])
+def test_bf16_byte_exact(peer, sender, name, size):
+    transports, region = sender
+    assert _send(peer, transports, region, name, SIZES[size], seed=len(size) * 7 + len(name)) == ("accepted", True)
+
+
+def test_receiver_rejects_bytes_that_do_not_match_the_commit(peer, sender):
+    transports, region = sender
+    payload = pattern(16, WIDTH, "bfloat16", 5)
+    peer.send(("reserve", 16, WIDTH, "bfloat16"))
+    _, generation, offers = peer.recv()
+    src = region.tensor[: payload.numel() * 2]
+    src.copy_(payload.view(-1).view(torch.uint8))
+    src[100] ^= 0xFF  # one flipped byte in flight
+    transfer = transports["shm"].submit(src, ShmOffer.model_validate(offers["shm"]), time.monotonic() + 5)
+    assert transfer.wait() is TransferState.DONE
+    peer.send(("commit", make_commit(payload, generation).model_dump(), None))
+    kind, reason = peer.recv()
+    assert kind == "rejected" and "checksum" in reason
+    peer.send(("stats",))
+    assert peer.recv()[1]["quarantined_slots"] == 1  # the rejected slot is held, not reused
