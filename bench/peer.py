@@ -6,7 +6,7 @@ Used by the transfer benchmark, the demo and the two-process tests. It speaks ov
     ("reserve", rows, width, dtype)            -> ("reserved", generation, {transport: offer JSON})
     ("commit", commit JSON, seed | None)       -> ("accepted", byte_exact | None) or ("rejected", reason)
     ("stats",)                                 -> ("stats", pool stats)
-    ("raw_done",)                              -> ("ok",)  # bare-engine path: no project code
+    ("raw_done", seed | None)                  -> ("ok", byte_exact | None)  # bare-engine path
     ("stop",)                                  -> ("stopped", pool stats)
 """
 
@@ -97,7 +97,14 @@ def _serve(conn, config: PeerConfig) -> None:
             elif kind == "stats":
                 conn.send(("stats", pool.stats()))
             elif kind == "raw_done":
-                conn.send(("ok",))
+                _, seed = message
+                lease, layout = current
+                exact = None
+                if seed is not None:
+                    rows = pool.view(lease).view(layout.torch_dtype).view(layout.rows, layout.width)
+                    exact = bool(torch.equal(rows, pattern(layout.rows, layout.width, layout.dtype, seed)))
+                pool.release(lease)
+                conn.send(("ok", exact))
             elif kind == "stop":
                 conn.send(("stopped", pool.stats()))
                 return
@@ -120,6 +127,10 @@ def start_peer(config: PeerConfig = PeerConfig()):
     parent, child = context.Pipe()
     process = context.Process(target=_main, args=(child, config), daemon=True)
     process.start()
+    child.close()  # so a dead receiver reads as EOF here, not as a hang
+    if not parent.poll(60):
+        process.kill()
+        raise RuntimeError("receiver did not become ready within 60 s")
     reply = parent.recv()
     if reply[0] != "ready":
         process.join(5)

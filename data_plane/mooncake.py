@@ -10,7 +10,9 @@ it may still land (P4).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -46,10 +48,29 @@ class MooncakeConfig:
         return max(self.transfer_timeout_s, MIN_ENGINE_TIMEOUT_S) + nbytes * 1e-9
 
 
+@contextlib.contextmanager
+def _quiet_stderr(enabled: bool):
+    """glog prints two harmless lines per process whatever MC_LOG_LEVEL says (P16): hide fd 2."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _load_engine_class(config: MooncakeConfig):
     os.environ.setdefault("MC_LOG_LEVEL", config.log_level)  # only read at import (P16)
     try:
-        from mooncake.engine import TransferEngine
+        with _quiet_stderr(config.log_level == "ERROR"):
+            from mooncake.engine import TransferEngine
     except ImportError as exc:
         raise MooncakeUnavailable(INSTALL_HINT.format(error=exc)) from None
     return TransferEngine
@@ -107,8 +128,9 @@ class MooncakeTransport(Transport):
             os.environ["MC_FORCE_TCP"] = "1"
         self.config = config
         self.pid = os.getpid()
-        self.engine = engine_class()
-        rc = self.engine.initialize(config.hostname, "P2PHANDSHAKE", "tcp", config.device_names)
+        with _quiet_stderr(config.log_level == "ERROR"):
+            self.engine = engine_class()
+            rc = self.engine.initialize(config.hostname, "P2PHANDSHAKE", "tcp", config.device_names)
         if rc != 0:
             raise MooncakeUnavailable(f"TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE) returned {rc}")
         self.session = f"{config.hostname}:{self.engine.get_rpc_port()}"

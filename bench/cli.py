@@ -1,0 +1,32 @@
+"""`epd-bench`: the project's benchmarks, one subcommand each."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    transfer = sub.add_parser("transfer", help="bytes into a receiver's slot: memcpy vs shm vs mooncake vs loopback")
+    transfer.add_argument("--sizes", default="1M,16M,128M", help="comma-separated sizes (K/M/G suffixes)")
+    transfer.add_argument("--rounds", type=int, default=None, help="timed rounds per path and size")
+    transfer.add_argument("--json", default=None, help="write the results to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    args = build_parser().parse_args(argv)
+    if args.command == "transfer":
+        from bench import transfer
+
+        return transfer.main(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

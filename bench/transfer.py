@@ -1,0 +1,173 @@
+"""`epd-bench transfer`: one embedding's bytes from a send region into a receiver's slot, per path,
+side by side in one run (rounds interleaved, median per path).
+
+Paths: ``memcpy`` (in-process copy, the ceiling); ``shm`` (this project's SHM transport into a
+receiver in another process, until the receiver holds the slot as a tensor); ``mooncake_raw``
+(the bare engine's ``transfer_sync_write`` plus the same control round trip, no project code);
+``mooncake`` (this project's transport, submit + poll, plus its commit); ``loopback`` (in-process
+transport plus commit). ``+checksum`` variants add the xxh3-64 checksum the sender computes and
+the receiver verifies, to show what it costs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from bench.peer import PeerConfig, pattern, start_peer, stop_peer
+
+PATHS = ("memcpy", "shm", "shm+checksum", "mooncake_raw", "mooncake", "mooncake+checksum", "loopback")
+ROUNDS = {1 << 20: 30, 16 << 20: 15, 128 << 20: 7}
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text[-1:] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def shape_for(size: int) -> tuple[int, int]:
+    """bf16 [rows, width] of exactly ``size`` bytes, width up to 4096 (a real LLM width)."""
+    width = min(4096, max(1, size // 2))
+    if size % (2 * width):
+        raise ValueError(f"size {size} must be a multiple of {2 * width} bytes")
+    return size // (2 * width), width
+
+
+class _Bench:
+    def __init__(self, max_size: int):
+        from bench.peer import build_transports
+        from data_plane.loopback import LoopbackTransport
+        from data_plane.pool import MemoryRegion, SlotPool
+
+        pool_bytes = max_size + (1 << 20)
+        self.process, self.peer = start_peer(PeerConfig(("shm", "mooncake"), pool_bytes=pool_bytes))
+        self.transports = build_transports(("shm", "mooncake"))
+        self.send_region = MemoryRegion.anonymous(max_size)
+        self.transports["mooncake"].register(self.send_region)
+        self.copy_dst = MemoryRegion.anonymous(max_size)
+        self.loopback = LoopbackTransport()
+        self.loop_pool = SlotPool(MemoryRegion.anonymous(pool_bytes), 1 << 20, quarantine_s=30)
+        self.loopback.register(self.loop_pool.region)
+
+    def close(self) -> dict:
+        stats = stop_peer(self.process, self.peer)
+        self.transports["shm"].close()
+        return stats
+
+    def _reserve(self, rows, width):
+        self.peer.send(("reserve", rows, width, "bfloat16"))
+        _, generation, offers = self.peer.recv()
+        return generation, offers
+
+    def run(self, path: str, payload: torch.Tensor, seed: int | None) -> tuple[float, bool | None]:
+        """One round of ``path``; returns (seconds, byte_exact or None when not checked)."""
+        from data_plane.commit import accept_commit, EmbeddingLayout, make_commit
+        from data_plane.transport import MooncakeOffer, ShmOffer
+
+        nbytes = payload.numel() * 2
+        src = self.send_region.tensor[:nbytes]
+        rows, width = payload.shape
+        if path == "memcpy":
+            dst = self.copy_dst.tensor[:nbytes]
+            start = time.perf_counter()
+            dst.copy_(src)
+            return time.perf_counter() - start, bool(torch.equal(dst, src)) if seed is not None else None
+        if path == "loopback":
+            layout = EmbeddingLayout(rows, width, "bfloat16")
+            lease = self.loop_pool.lease(nbytes)
+            offer = self.loopback.offer(self.loop_pool, lease)
+            start = time.perf_counter()
+            self.loopback.submit(src, offer, time.monotonic() + 60).wait()
+            got = accept_commit(self.loop_pool, lease, layout, make_commit(payload, lease.generation, False))
+            elapsed = time.perf_counter() - start
+            exact = bool(torch.equal(got, payload)) if seed is not None else None
+            self.loop_pool.release(lease)
+            return elapsed, exact
+        generation, offers = self._reserve(rows, width)
+        if path == "mooncake_raw":
+            engine = self.transports["mooncake"].engine
+            offer = offers["mooncake"]
+            start = time.perf_counter()
+            rc = engine.transfer_sync_write(offer["session"], src.data_ptr(), offer["address"], nbytes)
+            self.peer.send(("raw_done", seed))
+            _, exact = self.peer.recv()
+            elapsed = time.perf_counter() - start
+            if rc != 0:
+                raise RuntimeError(f"transfer_sync_write returned {rc}")
+            return elapsed, exact
+        name, with_checksum = path.split("+")[0], path.endswith("+checksum")
+        offer = (MooncakeOffer if name == "mooncake" else ShmOffer).model_validate(offers[name])
+        start = time.perf_counter()
+        transfer = self.transports[name].submit(src, offer, time.monotonic() + 60)
+        commit = make_commit(payload, generation, with_checksum)  # overlaps an in-flight Mooncake write
+        if transfer.wait().value != "done":
+            raise RuntimeError(f"{path} transfer failed: {transfer.error}")
+        self.peer.send(("commit", commit.model_dump(), seed))
+        kind, exact = self.peer.recv()
+        elapsed = time.perf_counter() - start
+        if kind != "accepted":
+            raise RuntimeError(f"{path} commit rejected: {exact}")
+        return elapsed, exact
+
+
+def run(sizes: list[int], paths=PATHS, rounds: int | None = None, progress=print) -> dict:
+    bench = _Bench(max(sizes))
+    results = []
+    try:
+        for size in sizes:
+            rows, width = shape_for(size)
+            seed = size % 9973
+            payload = pattern(rows, width, "bfloat16", seed)
+            bench.send_region.tensor[:size].copy_(payload.view(-1).view(torch.uint8))
+            count = rounds or ROUNDS.get(size, 10)
+            times = {path: [] for path in paths}
+            for path in paths:  # warm-up: first connection, first mapping
+                bench.run(path, payload, None)
+            for _ in range(count):
+                for path in paths:
+                    times[path].append(bench.run(path, payload, None)[0])
+            for path in paths:
+                _, exact = bench.run(path, payload, seed)  # a checked round, untimed
+                median = statistics.median(times[path])
+                results.append({"path": path, "size_bytes": size, "gbps_median": size / median / 1e9,
+                                "byte_exact": exact, "rounds": count})
+                progress(f"  {path:18s} {size >> 20:5d} MiB  {size / median / 1e9:6.2f} GB/s  exact={exact}")
+    finally:
+        receiver_pool = bench.close()
+    return {"results": results, "receiver_pool_after": receiver_pool}
+
+
+def ratios(report: dict) -> list[dict]:
+    by = {(r["path"], r["size_bytes"]): r["gbps_median"] for r in report["results"]}
+    out = []
+    for size in sorted({r["size_bytes"] for r in report["results"]}):
+        row = {"size_bytes": size}
+        for name, num, den in (("shm/memcpy", "shm", "memcpy"), ("mooncake/mooncake_raw", "mooncake", "mooncake_raw"),
+                               ("shm+checksum/memcpy", "shm+checksum", "memcpy"),
+                               ("mooncake+checksum/mooncake_raw", "mooncake+checksum", "mooncake_raw")):
+            if (num, size) in by and (den, size) in by:
+                row[name] = by[(num, size)] / by[(den, size)]
+        out.append(row)
+    return out
+
+
+def main(args) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    print(f"epd-bench transfer: sizes {args.sizes}, bf16, receiver in a separate process")
+    report = run(sizes, rounds=args.rounds)
+    report["ratios"] = ratios(report)
+    print("\nratios (median GB/s over median GB/s, same run):")
+    for row in report["ratios"]:
+        cells = "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "size_bytes")
+        print(f"  {row['size_bytes'] >> 20:5d} MiB  {cells}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if all(r["byte_exact"] for r in report["results"]) else 1

@@ -1,0 +1,130 @@
+"""The loopback transport moves real bytes through the common interface, and its faults behave
+like the real failures they stand for."""
+
+import sys
+import time
+
+import pytest
+import torch
+
+from data_plane.commit import ContractError, EmbeddingLayout, accept_commit, make_commit
+from data_plane.loopback import LoopbackFault, LoopbackTransport
+from data_plane.mooncake import MooncakeConfig, MooncakeUnavailable, _load_engine_class
+from data_plane.pool import MemoryRegion, NoCapacity, SlotPool
+from data_plane.transport import MooncakeOffer, TransferRefused, TransferState
+
+
+@pytest.fixture
+def setup():
+    transport = LoopbackTransport()
+    pool = SlotPool(MemoryRegion.anonymous(1 << 20), 4096, quarantine_s=0.5)
+    transport.register(pool.region)
+    return transport, pool
+
+
+def _reserve(transport, pool, rows, width=64, dtype="bfloat16"):
+    layout = EmbeddingLayout(rows, width, dtype)
+    lease = pool.lease(layout.nbytes)
+    return layout, lease, transport.offer(pool, lease)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_bytes_arrive_exactly(setup, dtype):
+    transport, pool = setup
+    payload = torch.randn(37, 64).to(dtype)
+    layout, lease, offer = _reserve(transport, pool, 37, dtype=str(dtype).removeprefix("torch."))
+    assert transport.submit(payload, offer, time.monotonic() + 1).wait() is TransferState.DONE
+    got = accept_commit(pool, lease, layout, make_commit(payload, lease.generation))
+    assert torch.equal(got, payload) and got.data_ptr() == pool.view(lease).data_ptr()
+
+
+def test_oversize_and_foreign_offers_are_refused_before_any_write(setup):
+    transport, pool = setup
+    layout, lease, offer = _reserve(transport, pool, 2)
+    before = pool.region.tensor.clone()
+    with pytest.raises(TransferRefused):
+        transport.submit(torch.ones(3, 64, dtype=torch.bfloat16), offer, time.monotonic() + 1)
+    with pytest.raises(TransferRefused):
+        transport.submit(torch.ones(2, 64, dtype=torch.bfloat16).t(), offer, time.monotonic() + 1)
+    with pytest.raises(TransferRefused):
+        transport.submit(torch.ones(2, 64), MooncakeOffer(session="h:1", address=1, capacity=1 << 20),
+                         time.monotonic() + 1)
+    assert torch.equal(pool.region.tensor, before)
+
+
+def test_delay_fault_lands_then_completes(setup):
+    transport, pool = setup
+    layout, lease, offer = _reserve(transport, pool, 4)
+    transport.inject(LoopbackFault("delay", 0.05))
+    payload = torch.randn(4, 64).to(torch.bfloat16)
+    transfer = transport.submit(payload, offer, time.monotonic() + 2)
+    assert transfer.poll() is TransferState.PENDING
+    assert transfer.wait() is TransferState.DONE and transfer.settled
+    assert torch.equal(pool.view(lease).view(torch.bfloat16).view(4, 64), payload)
+
+
+def test_error_fault_fails_and_writes_nothing(setup):
+    transport, pool = setup
+    layout, lease, offer = _reserve(transport, pool, 4)
+    transport.inject(LoopbackFault("error"))
+    transfer = transport.submit(torch.ones(4, 64, dtype=torch.bfloat16), offer, time.monotonic() + 1)
+    assert transfer.poll() is TransferState.FAILED and transfer.settled
+    assert int(pool.view(lease).sum()) == 0
+
+
+def test_drop_fault_fails_at_the_deadline(setup):
+    transport, pool = setup
+    layout, lease, offer = _reserve(transport, pool, 4)
+    transport.inject(LoopbackFault("drop"))
+    transfer = transport.submit(torch.ones(4, 64, dtype=torch.bfloat16), offer, time.monotonic() + 0.05)
+    assert transfer.poll() is TransferState.PENDING
+    assert transfer.wait() is TransferState.FAILED and transfer.error == "deadline exceeded"
+
+
+def test_failed_write_that_lands_late_never_reaches_the_next_tenant(setup):
+    """The P4 case: the write 'fails', the slot is quarantined, the bytes land later. The next
+    tenant only gets the slot after the quarantine, so the late bytes never overwrite it."""
+    transport, pool = setup
+    pool_one_run = SlotPool(MemoryRegion.anonymous(4096), 4096, quarantine_s=0.3)
+    transport.register(pool_one_run.region)
+    layout, lease, offer = _reserve(transport, pool_one_run, 8)
+    transport.inject(LoopbackFault("late", 0.15))
+    stale = torch.full((8, 64), 9.0, dtype=torch.bfloat16)
+    failed = transport.submit(stale, offer, time.monotonic() + 1)
+    assert failed.poll() is TransferState.FAILED and not failed.settled
+    pool_one_run.quarantine(lease)
+    with pytest.raises(NoCapacity):
+        pool_one_run.lease(layout.nbytes)  # held while the late write may land
+    with pytest.raises(ContractError):
+        accept_commit(pool_one_run, lease, layout, make_commit(stale, lease.generation))
+    time.sleep(0.35)
+    layout2, lease2, offer2 = _reserve(transport, pool_one_run, 8)
+    assert lease2.generation > lease.generation
+    fresh = torch.full((8, 64), 1.0, dtype=torch.bfloat16)
+    assert transport.submit(fresh, offer2, time.monotonic() + 1).wait() is TransferState.DONE
+    time.sleep(0.05)
+    assert torch.equal(accept_commit(pool_one_run, lease2, layout2, make_commit(fresh, lease2.generation)), fresh)
+
+
+def test_commit_contract_is_checked(setup):
+    transport, pool = setup
+    payload = torch.randn(4, 64).to(torch.bfloat16)
+    layout, lease, offer = _reserve(transport, pool, 4)
+    transport.submit(payload, offer, time.monotonic() + 1).wait()
+    good = make_commit(payload, lease.generation)
+    for bad in (good.model_copy(update={"generation": lease.generation + 1}),
+                good.model_copy(update={"rows": 2, "width": 128}),
+                good.model_copy(update={"dtype": "float16"}),
+                good.model_copy(update={"checksum": (good.checksum + 1) % (1 << 64)})):
+        with pytest.raises(ContractError):
+            accept_commit(pool, lease, layout, bad)
+    assert torch.equal(accept_commit(pool, lease, layout, good), payload)
+    pool.release(lease)
+    with pytest.raises(ContractError, match="no longer live"):
+        accept_commit(pool, lease, layout, good)
+
+
+def test_missing_mooncake_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(MooncakeUnavailable, match="pip install"):
+        _load_engine_class(MooncakeConfig())
