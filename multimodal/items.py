@@ -107,6 +107,8 @@ class MultimodalInputs:
     video_token_id: int | None = None
     mrope_positions: torch.Tensor | None = None
     mrope_position_delta: torch.Tensor | None = None
+    mrope_position_delta_scalar: int | None = None
+    mrope_position_delta_repeated_cache: torch.Tensor | None = None
 
     def ensure_pad_values(self) -> None:
         for item in self.mm_items:

@@ -74,3 +74,22 @@ def test_receiver_rejects_bytes_that_do_not_match_the_commit(peer, sender):
     assert kind == "rejected" and "checksum" in reason
     peer.send(("stats",))
     assert peer.recv()[1]["quarantined_slots"] == 1  # the rejected slot is held, not reused
+
+
+def test_mooncake_liveness_probe_and_source_registration(peer, sender):
+    transports, region = sender
+    mooncake = transports["mooncake"]
+    peer.send(("reserve", 1, WIDTH, "bfloat16"))
+    _, generation, offers = peer.recv()
+    offer = MooncakeOffer.model_validate(offers["mooncake"])
+    assert mooncake.alive(offer.session)
+    assert not mooncake.alive("127.0.0.1:1")
+    from data_plane.transport import TransferRefused
+
+    with pytest.raises(TransferRefused, match="registered"):
+        mooncake.submit(torch.ones(WIDTH, dtype=torch.bfloat16), offer, time.monotonic() + 5)
+    payload = pattern(1, WIDTH, "bfloat16", 3)
+    region.tensor[: WIDTH * 2].copy_(payload.view(-1).view(torch.uint8))
+    assert mooncake.submit(region.tensor[: WIDTH * 2], offer, time.monotonic() + 5).wait() is TransferState.DONE
+    peer.send(("commit", make_commit(payload, generation).model_dump(), 3))
+    assert peer.recv() == ("accepted", True)
