@@ -15,6 +15,7 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
+from data_plane.json_fields import JsonInt
 from data_plane.dtypes import WIRE_DTYPES, dtype_from_wire, dtype_to_wire
 from data_plane.pool import Lease, SlotPool
 
@@ -69,11 +70,11 @@ class Commit(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    generation: int = Field(ge=0, lt=1 << 63)
-    rows: int = Field(gt=0, le=MAX_ROWS)
-    width: int = Field(gt=0, le=MAX_WIDTH)
+    generation: JsonInt = Field(ge=0, lt=1 << 63)
+    rows: JsonInt = Field(gt=0, le=MAX_ROWS)
+    width: JsonInt = Field(gt=0, le=MAX_WIDTH)
     dtype: str = Field(pattern="^(" + "|".join(WIRE_DTYPES) + ")$")
-    checksum: int | None = Field(default=None, ge=0, lt=1 << 64)
+    checksum: JsonInt | None = Field(default=None, ge=0, lt=1 << 64)
 
     @property
     def layout(self) -> EmbeddingLayout:

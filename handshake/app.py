@@ -1,0 +1,231 @@
+"""The handshake REST app (FastAPI): rooms under ``/v1``, plus ``/healthz``, ``/readyz``, ``/metrics``.
+
+Every body route takes a batch (an 8-image request costs one call per side) and answers per room:
+``{"results": [{"room", "ok", "view" | "error", "status"}]}``. Bad bodies get 4xx with a reason and
+change nothing. Auth (optional) is a bearer token compared in constant time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import Callable
+
+from fastapi import FastAPI, Path, Query
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from handshake.models import (
+    MAX_ROOM_ID,
+    BatchResponse,
+    BeginWriteRequest,
+    CancelRequest,
+    CommitRequest,
+    FailRequest,
+    MintRequest,
+    MintResponse,
+    RegisterRequest,
+    RoomResult,
+    RoomState,
+    RoomView,
+    WatchRequest,
+)
+from handshake.rooms import RoomError, RoomsFull, RoomTable
+
+MAX_BODY_BYTES = 1 << 20
+SWEEP_INTERVAL_S = 0.1
+BODY_ERRORS = {400: {"description": "Malformed JSON body"}, 413: {"description": "Body too large"}}
+AUTH_ERRORS = {401: {"description": "Missing or wrong bearer token"}}
+
+
+class HandshakeMetrics:
+    def __init__(self, table: RoomTable):
+        self.registry = CollectorRegistry()
+        self.transitions = Counter("epd_handshake_transitions", "Room state transitions", ["to"],
+                                   registry=self.registry)
+        self.latency = Histogram("epd_handshake_request_seconds", "Request latency by route", ["route", "method"],
+                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5, 30),
+                                 registry=self.registry)
+        Gauge("epd_handshake_longpoll_waiters", "Long-poll waiters now", registry=self.registry).set_function(
+            lambda: table.waiters)
+        self.registry.register(_RoomCollector(table))
+
+    def transition(self, old: RoomState | None, new: RoomState) -> None:
+        self.transitions.labels(new.value).inc()
+
+
+class _RoomCollector:
+    def __init__(self, table: RoomTable):
+        self.table = table
+
+    def collect(self):
+        family = GaugeMetricFamily("epd_handshake_rooms", "Rooms by state (terminal ones are tombstones)",
+                                   labels=["state"])
+        for state, count in self.table.counts().items():
+            family.add_metric([state.value], count)
+        yield family
+
+
+class _Guard:
+    """Pure ASGI middleware: body size limit, bearer auth on /v1, latency by route."""
+
+    def __init__(self, app, token: str | None, max_body_bytes: int, metrics: HandshakeMetrics):
+        self.app = app
+        self.token = token.encode() if token else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        headers = dict(scope["headers"])
+        if self.token is not None and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.token):
+                return await _reply(send, 401, "missing or wrong bearer token", {"www-authenticate": "Bearer"})
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await _reply(send, 413, f"body larger than {self.max_body_bytes} bytes")
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body_bytes:
+                raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await _reply(send, 413, f"body larger than {self.max_body_bytes} bytes")
+        route = scope.get("route")
+        self.metrics.latency.labels(route.path if route else "unmatched", scope["method"]).observe(
+            time.perf_counter() - started)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _reply(send, status: int, detail: str, extra: dict | None = None) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
+    try:
+        return RoomResult(room=room, ok=True, view=call())
+    except RoomError as exc:
+        return RoomResult(room=room, ok=False, error=str(exc), status=exc.status)
+
+
+def create_app(table: RoomTable | None = None, token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               ready: Callable[[], bool] = lambda: True) -> FastAPI:
+    """The handshake app over ``table``; ``ready`` lets an embedding process gate ``/readyz``."""
+    table = table or RoomTable()
+    metrics = HandshakeMetrics(table)
+    previous = table._on_transition
+    table._on_transition = lambda old, new: (previous(old, new), metrics.transition(old, new))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async def sweeper():
+            while True:
+                table.sweep()
+                await asyncio.sleep(SWEEP_INTERVAL_S)
+
+        task = asyncio.create_task(sweeper())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="EPD handshake", version="1", lifespan=lifespan,
+                  description="Bootstrap rooms: one per item, pairing an encode worker's write with its receiver.")
+    app.state.table = table
+    app.state.metrics = metrics
+
+    @app.post("/v1/rooms", response_model=MintResponse, responses={**BODY_ERRORS, **AUTH_ERRORS,
+              503: {"description": "Too many live rooms; retry after Retry-After seconds"}})
+    async def mint(body: MintRequest):
+        """Mint ``count`` rooms with unique 63-bit ids, alive for ``ttl_s``."""
+        try:
+            rooms = table.mint(body.count, body.ttl_s)
+        except RoomsFull as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+        return MintResponse(rooms=rooms, ttl_s=body.ttl_s)
+
+    @app.post("/v1/rooms/register", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    async def register(body: RegisterRequest):
+        """A receiver reserves its slot per room: generation, rows x width x dtype, transport offers."""
+        return BatchResponse(results=[_result(r.room, lambda r=r: table.register(r)) for r in body.receivers])
+
+    @app.post("/v1/rooms/begin-write", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    async def begin_write(body: BeginWriteRequest):
+        """A sender starts writing (REGISTERED -> WRITING); a cancelled room answers CANCELLED instead."""
+        return BatchResponse(results=[_result(w.room, lambda w=w: table.begin_write(w)) for w in body.writes])
+
+    @app.post("/v1/rooms/commit", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    async def commit(body: CommitRequest):
+        """A sender's write completed: generation, layout, checksum. Stale generations are refused."""
+        return BatchResponse(results=[_result(c.room, lambda c=c: table.commit(c)) for c in body.commits])
+
+    @app.post("/v1/rooms/fail", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    async def fail(body: FailRequest):
+        """Fail rooms with a reason the other side can read; ``settled`` if no byte can still land."""
+        return BatchResponse(results=[_result(f.room, lambda f=f: table.fail(f.room, f.reason, f.settled))
+                                      for f in body.failures])
+
+    @app.post("/v1/rooms/cancel", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    async def cancel(body: CancelRequest):
+        """Cancel rooms; one being written stays WRITING (cancel_requested) until the writer's outcome."""
+        return BatchResponse(results=[_result(room, lambda room=room: table.cancel(room, body.reason))
+                                      for room in body.rooms])
+
+    @app.post("/v1/rooms/watch", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    async def watch(body: WatchRequest):
+        """Long-poll: answers once any room is past its ``after_version`` or after ``wait_s``."""
+        versions = {item.room: item.after_version for item in body.rooms}
+        views = await table.watch(versions, body.wait_s)
+        return BatchResponse(results=[
+            RoomResult(room=room, ok=False, error=str(v), status=v.status) if isinstance(v, RoomError)
+            else RoomResult(room=room, ok=True, view=v) for room, v in zip(versions, views)])
+
+    @app.get("/v1/rooms/{room}", response_model=RoomView,
+             responses={**AUTH_ERRORS, 404: {"description": "Unknown room"}})
+    async def get_room(room: int = Path(ge=1, le=MAX_ROOM_ID),
+                       after_version: int = Query(0, ge=0, lt=1 << 63),
+                       wait_s: float = Query(0.0, ge=0, le=30)):
+        """One room; with ``wait_s`` it long-polls until its version passes ``after_version``."""
+        (view,) = await table.watch({room: after_version}, wait_s)
+        if isinstance(view, RoomError):
+            return JSONResponse({"detail": str(view)}, status_code=view.status)
+        return view
+
+    @app.get("/healthz")
+    async def healthz():
+        """Liveness: the process answers."""
+        return {"ok": True}
+
+    @app.get("/readyz", responses={503: {"description": "Not ready"}})
+    async def readyz():
+        """Readiness, as the embedding process defines it."""
+        if not ready():
+            return JSONResponse({"ready": False}, status_code=503)
+        return {"ready": True, "live_rooms": table.live_rooms}
+
+    @app.get("/metrics")
+    async def prometheus():
+        """Prometheus metrics: rooms by state, transitions, long-poll waiters, latency by route."""
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(_Guard, token=token, max_body_bytes=max_body_bytes, metrics=metrics)
+    return app

@@ -1,0 +1,147 @@
+"""Request and response bodies of the handshake API (pydantic 2; every field range-checked)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from data_plane.commit import MAX_ROWS, MAX_WIDTH
+from data_plane.dtypes import WIRE_DTYPES
+from data_plane.json_fields import JsonBool, JsonFloat, JsonInt
+from data_plane.transport import Offer
+from multimodal.wire import MAX_ROOM_ID
+
+MAX_BATCH = 256
+DTYPE_PATTERN = "^(" + "|".join(WIRE_DTYPES) + ")$"
+
+RoomId = Annotated[JsonInt, Field(ge=1, le=MAX_ROOM_ID)]
+
+
+class RoomState(str, enum.Enum):
+    PENDING = "PENDING"  # minted, no receiver yet
+    REGISTERED = "REGISTERED"  # a receiver reserved a slot and said where to write
+    WRITING = "WRITING"  # the sender started writing into that slot
+    SUCCESS = "SUCCESS"  # committed: the receiver may publish after its own checks
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    EXPIRED = "EXPIRED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({RoomState.SUCCESS, RoomState.FAILED, RoomState.CANCELLED, RoomState.EXPIRED})
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MintRequest(_Body):
+    count: JsonInt = Field(default=1, ge=1, le=MAX_BATCH)
+    ttl_s: JsonFloat = Field(default=120.0, gt=0, le=3600)
+
+
+class MintResponse(_Body):
+    rooms: list[int]
+    ttl_s: float
+
+
+class Registration(_Body):
+    """A receiver's reservation for one room: what it expects and where to write it."""
+
+    room: RoomId
+    generation: JsonInt = Field(ge=0, lt=1 << 63)
+    rows: JsonInt = Field(gt=0, le=MAX_ROWS)
+    width: JsonInt = Field(gt=0, le=MAX_WIDTH)
+    dtype: str = Field(pattern=DTYPE_PATTERN)
+    offers: list[Offer] = Field(min_length=1, max_length=3)
+    deadline_s: JsonFloat | None = Field(default=None, gt=0, le=3600)
+
+
+class RegisterRequest(_Body):
+    receivers: list[Registration] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class BeginWrite(_Body):
+    room: RoomId
+    generation: JsonInt = Field(ge=0, lt=1 << 63)
+    transport: Literal["mooncake", "shm", "loopback"]
+    write_timeout_s: JsonFloat = Field(default=30.0, gt=0, le=600)
+
+
+class BeginWriteRequest(_Body):
+    writes: list[BeginWrite] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class CommitBody(_Body):
+    room: RoomId
+    generation: JsonInt = Field(ge=0, lt=1 << 63)
+    transport: Literal["mooncake", "shm", "loopback"]
+    rows: JsonInt = Field(gt=0, le=MAX_ROWS)
+    width: JsonInt = Field(gt=0, le=MAX_WIDTH)
+    dtype: str = Field(pattern=DTYPE_PATTERN)
+    checksum: JsonInt | None = Field(default=None, ge=0, lt=1 << 64)
+    shm_segment: str | None = Field(default=None, pattern=r"^epd-[A-Za-z0-9_-]{1,100}$")
+
+
+class CommitRequest(_Body):
+    commits: list[CommitBody] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class FailBody(_Body):
+    room: RoomId
+    reason: str = Field(min_length=1, max_length=500)
+    # True: the writer knows no byte of it can still land (nothing was sent, or the write ended).
+    settled: JsonBool = False
+
+
+class FailRequest(_Body):
+    failures: list[FailBody] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class CancelRequest(_Body):
+    rooms: list[RoomId] = Field(min_length=1, max_length=MAX_BATCH)
+    reason: str = Field(default="cancelled by the receiver", min_length=1, max_length=500)
+
+
+class WatchItem(_Body):
+    room: RoomId
+    after_version: JsonInt = Field(default=0, ge=0, lt=1 << 63)
+
+
+class WatchRequest(_Body):
+    rooms: list[WatchItem] = Field(min_length=1, max_length=MAX_BATCH)
+    wait_s: JsonFloat = Field(default=0.0, ge=0, le=30)
+
+
+class RoomView(BaseModel):
+    """A room as the API reports it. ``version`` grows on every change: long-polls wait past it."""
+
+    room: int
+    state: RoomState
+    version: int
+    registration: Registration | None = None
+    transport: str | None = None
+    commit: CommitBody | None = None
+    reason: str | None = None
+    cancel_requested: bool = False
+    writer_settled: bool = False  # no byte of the writer can still land in the slot
+    expires_in_s: float
+
+
+class RoomResult(BaseModel):
+    """One room's answer in a batch: its view, or why the call was refused for it."""
+
+    room: int
+    ok: bool
+    view: RoomView | None = None
+    error: str | None = None
+    status: int = 200
+
+
+class BatchResponse(BaseModel):
+    results: list[RoomResult]

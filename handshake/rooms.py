@@ -1,0 +1,350 @@
+"""The room table: one state machine per item, bounded, thread-safe, with long-poll waiters.
+
+States move forward only: PENDING -> REGISTERED -> WRITING -> SUCCESS, and any live state ->
+FAILED / CANCELLED / EXPIRED. Terminal states are sticky; every call is idempotent (a retry gets
+the same answer, a conflicting retry gets ``RoomConflict`` and changes nothing). A cancel that
+arrives during a write is recorded and applied when the writer reports its outcome (or its write
+deadline passes). Terminal rooms stay as tombstones for ``tombstone_ttl_s`` and at most
+``max_tombstones``; live rooms are capped at ``max_live_rooms``.
+
+The table is used in-process by the encode worker and over REST (``handshake.app``) by everyone
+else; waiters are woken across threads and event loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from handshake.models import (
+    MAX_ROOM_ID,
+    BeginWrite,
+    CommitBody,
+    Registration,
+    RoomState,
+    RoomView,
+)
+
+
+class RoomError(Exception):
+    status = 400
+
+
+class RoomNotFound(RoomError):
+    status = 404
+
+
+class RoomConflict(RoomError):
+    status = 409
+
+
+class RoomsFull(RoomError):
+    status = 503
+
+
+@dataclass
+class _Room:
+    room_id: int
+    deadline: float
+    state: RoomState = RoomState.PENDING
+    version: int = 1
+    registration: Registration | None = None
+    transport: str | None = None
+    write_deadline: float | None = None
+    commit: CommitBody | None = None
+    reason: str | None = None
+    cancel_requested: bool = False
+    writer_settled: bool = False
+    waiters: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RoomLimits:
+    max_live_rooms: int = 65536
+    max_tombstones: int = 131072
+    tombstone_ttl_s: float = 120.0
+
+
+class _Waiter:
+    """Woken when any room it watches changes; works for threads and for event loops."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None):
+        self.loop = loop
+        self.future = loop.create_future() if loop else None
+        self.event = None if loop else threading.Event()
+
+    def wake(self) -> None:
+        if self.loop is None:
+            self.event.set()
+        else:
+            self.loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
+
+
+class RoomTable:
+    def __init__(self, limits: RoomLimits = RoomLimits(), clock: Callable[[], float] = time.monotonic,
+                 on_transition: Callable[[RoomState | None, RoomState], None] | None = None):
+        self.limits = limits
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _Room] = {}
+        self._tombstones: collections.OrderedDict[int, float] = collections.OrderedDict()  # id -> ended at
+        self._counts = collections.Counter()
+        self._due: list[tuple[float, int]] = []  # (deadline, room id) heap; stale entries skipped
+        self._on_transition = on_transition or (lambda old, new: None)
+        self.waiters = 0
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def counts(self) -> dict[RoomState, int]:
+        with self._lock:
+            return {state: self._counts[state] for state in RoomState}
+
+    @property
+    def live_rooms(self) -> int:
+        with self._lock:
+            return len(self._rooms) - len(self._tombstones)
+
+    def view(self, room_id: int) -> RoomView:
+        with self._lock:
+            return self._view(self._get(room_id))
+
+    # ---- transitions -----------------------------------------------------------------------
+
+    def mint(self, count: int, ttl_s: float) -> list[int]:
+        with self._lock:
+            self._sweep_locked()
+            if len(self._rooms) - len(self._tombstones) + count > self.limits.max_live_rooms:
+                raise RoomsFull(f"{self.limits.max_live_rooms} live rooms already; retry shortly")
+            deadline = self._clock() + ttl_s
+            minted = []
+            while len(minted) < count:
+                room_id = secrets.randbelow(MAX_ROOM_ID) + 1
+                if room_id not in self._rooms:  # live or tombstoned ids are never reused
+                    self._rooms[room_id] = _Room(room_id, deadline)
+                    heapq.heappush(self._due, (deadline, room_id))
+                    self._counts[RoomState.PENDING] += 1
+                    self._on_transition(None, RoomState.PENDING)
+                    minted.append(room_id)
+            return minted
+
+    def register(self, registration: Registration) -> RoomView:
+        with self._lock:
+            room = self._get(registration.room)
+            if room.registration is not None:
+                if room.registration != registration:
+                    raise RoomConflict("room already has a different receiver registration")
+            elif room.state is RoomState.PENDING:
+                room.registration = registration
+                if registration.deadline_s is not None and self._clock() + registration.deadline_s < room.deadline:
+                    room.deadline = self._clock() + registration.deadline_s
+                    heapq.heappush(self._due, (room.deadline, room.room_id))
+                self._move(room, RoomState.REGISTERED)
+            return self._view(room)  # terminal before any receiver came: the receiver learns why
+
+    def begin_write(self, write: BeginWrite) -> RoomView:
+        with self._lock:
+            room = self._get(write.room)
+            if room.state is RoomState.PENDING:
+                raise RoomConflict("no receiver has registered this room yet")
+            if room.registration is not None and room.registration.generation != write.generation:
+                raise RoomConflict(f"stale generation {write.generation}; the slot holds {room.registration.generation}")
+            if room.state is RoomState.REGISTERED:
+                room.transport = write.transport
+                room.write_deadline = min(room.deadline, self._clock() + write.write_timeout_s)
+                heapq.heappush(self._due, (room.write_deadline, room.room_id))
+                self._move(room, RoomState.WRITING)
+            elif room.state is RoomState.WRITING and room.transport != write.transport:
+                raise RoomConflict(f"write already started over {room.transport}")
+            return self._view(room)
+
+    def commit(self, commit: CommitBody) -> RoomView:
+        with self._lock:
+            room = self._get(commit.room)
+            if room.state.terminal:
+                if room.state is RoomState.SUCCESS and room.commit != commit:
+                    raise RoomConflict("room already committed with different content")
+                return self._view(room)
+            if room.registration is None:
+                raise RoomConflict("no receiver has registered this room yet")
+            registration = room.registration
+            if commit.generation != registration.generation:
+                raise RoomConflict(f"stale generation {commit.generation}; the slot holds {registration.generation}")
+            if (commit.rows, commit.width, commit.dtype) != (registration.rows, registration.width, registration.dtype):
+                raise RoomConflict(
+                    f"commit [{commit.rows}, {commit.width}] {commit.dtype} does not match the reservation "
+                    f"[{registration.rows}, {registration.width}] {registration.dtype}")
+            if room.transport is not None and commit.transport != room.transport:
+                raise RoomConflict(f"commit over {commit.transport} but the write began over {room.transport}")
+            room.commit = commit
+            room.transport = commit.transport
+            room.writer_settled = True
+            if room.cancel_requested:
+                self._move(room, RoomState.CANCELLED)
+            else:
+                self._move(room, RoomState.SUCCESS)
+            return self._view(room)
+
+    def fail(self, room_id: int, reason: str, settled: bool) -> RoomView:
+        with self._lock:
+            room = self._get(room_id)
+            if not room.state.terminal:
+                room.reason = reason if not room.cancel_requested else f"{room.reason}; writer: {reason}"
+                room.writer_settled = settled or room.state is not RoomState.WRITING
+                self._move(room, RoomState.CANCELLED if room.cancel_requested else RoomState.FAILED)
+            return self._view(room)
+
+    def cancel(self, room_id: int, reason: str) -> RoomView:
+        with self._lock:
+            room = self._get(room_id)
+            if room.state is RoomState.WRITING:
+                if not room.cancel_requested:
+                    room.cancel_requested = True
+                    room.reason = reason
+                    self._touch(room)  # wake the writer so it can stop early
+            elif not room.state.terminal:
+                room.reason = reason
+                room.writer_settled = True  # no write has begun
+                self._move(room, RoomState.CANCELLED)
+            return self._view(room)
+
+    # ---- waiting ---------------------------------------------------------------------------
+
+    async def watch(self, versions: dict[int, int], wait_s: float) -> list[RoomView | RoomError]:
+        """Views of the rooms, returned as soon as any is past its version (or after ``wait_s``)."""
+        waiter = self._arm(versions, asyncio.get_running_loop()) if wait_s > 0 else None
+        if waiter is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._disarm(waiter, versions)
+        return self._views(versions)
+
+    def watch_sync(self, versions: dict[int, int], wait_s: float) -> list[RoomView | RoomError]:
+        """``watch`` for threads (the encode worker's in-process path)."""
+        waiter = self._arm(versions, None) if wait_s > 0 else None
+        if waiter is not None:
+            try:
+                waiter.event.wait(wait_s)
+            finally:
+                self._disarm(waiter, versions)
+        return self._views(versions)
+
+    def _arm(self, versions: dict[int, int], loop) -> _Waiter | None:
+        """Register a waiter on every room, unless one already has news (changed or unknown)."""
+        with self._lock:
+            rooms = []
+            for room_id, after in versions.items():
+                room = self._rooms.get(room_id)
+                if room is None:
+                    return None
+                self._expire_if_due(room, self._clock())
+                if room.version > after:
+                    return None
+                rooms.append(room)
+            waiter = _Waiter(loop)
+            for room in rooms:
+                room.waiters.append(waiter)
+            self.waiters += 1
+            return waiter
+
+    def _disarm(self, waiter: _Waiter, versions: dict[int, int]) -> None:
+        with self._lock:
+            self.waiters -= 1
+            for room_id in versions:
+                room = self._rooms.get(room_id)
+                if room is not None and waiter in room.waiters:
+                    room.waiters.remove(waiter)
+
+    def _views(self, versions: dict[int, int]) -> list[RoomView | RoomError]:
+        with self._lock:
+            views = []
+            for room_id in versions:
+                try:
+                    views.append(self._view(self._get(room_id)))
+                except RoomNotFound as exc:
+                    views.append(exc)
+            return views
+
+    # ---- housekeeping ----------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Expire rooms past their deadline and drop old tombstones (called periodically)."""
+        with self._lock:
+            self._sweep_locked()
+
+    def _sweep_locked(self) -> None:
+        now = self._clock()
+        while self._due and self._due[0][0] <= now:
+            _, room_id = heapq.heappop(self._due)
+            room = self._rooms.get(room_id)
+            if room is not None:
+                self._expire_if_due(room, now)
+        ttl_edge = now - self.limits.tombstone_ttl_s
+        while self._tombstones:
+            room_id, ended = next(iter(self._tombstones.items()))
+            if ended > ttl_edge:
+                break
+            self._drop_oldest_tombstone()
+
+    def _drop_oldest_tombstone(self) -> None:
+        room_id, _ = self._tombstones.popitem(last=False)
+        room = self._rooms.pop(room_id)
+        self._counts[room.state] -= 1
+        for waiter in room.waiters:
+            waiter.wake()
+
+    def _get(self, room_id: int) -> _Room:
+        room = self._rooms.get(room_id)
+        if room is None:
+            raise RoomNotFound(f"room {room_id} is unknown here (never minted, or its tombstone expired)")
+        self._expire_if_due(room, self._clock())
+        return room
+
+    def _expire_if_due(self, room: _Room, now: float) -> None:
+        if room.state.terminal:
+            return
+        if room.state is RoomState.WRITING and room.write_deadline is not None and now >= room.write_deadline:
+            room.reason = room.reason or "the writer reported no outcome before its write deadline"
+            self._move(room, RoomState.CANCELLED if room.cancel_requested else RoomState.EXPIRED)
+        elif now >= room.deadline:
+            room.reason = room.reason or "the room's deadline passed"
+            room.writer_settled = room.state is not RoomState.WRITING
+            self._move(room, RoomState.EXPIRED)
+
+    def _move(self, room: _Room, new: RoomState) -> None:
+        old = room.state
+        room.state = new
+        self._counts[old] -= 1
+        self._counts[new] += 1
+        if new.terminal:
+            self._tombstones[room.room_id] = self._clock()
+            while len(self._tombstones) > self.limits.max_tombstones:
+                self._drop_oldest_tombstone()
+        self._on_transition(old, new)
+        self._touch(room)
+
+    def _touch(self, room: _Room) -> None:
+        room.version += 1
+        waiters, room.waiters = room.waiters, []
+        for waiter in waiters:
+            waiter.wake()
+
+    def _view(self, room: _Room) -> RoomView:
+        return RoomView(
+            room=room.room_id, state=room.state, version=room.version, registration=room.registration,
+            transport=room.transport, commit=room.commit, reason=room.reason,
+            cancel_requested=room.cancel_requested, writer_settled=room.writer_settled,
+            expires_in_s=max(0.0, room.deadline - self._clock()),
+        )

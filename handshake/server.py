@@ -1,0 +1,84 @@
+"""Running the handshake app: ``epd-handshake`` (standalone) and an in-thread server for embedding."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import uvicorn
+
+from handshake.app import MAX_BODY_BYTES, create_app
+from handshake.rooms import RoomLimits, RoomTable
+
+TOKEN_ENV = "EPD_HANDSHAKE_TOKEN"
+TOKEN_FILE_ENV = "EPD_HANDSHAKE_TOKEN_FILE"
+
+
+def load_token(token_file: str | None) -> str | None:
+    """The bearer token from ``--token-file`` / ``$EPD_HANDSHAKE_TOKEN_FILE``, else ``$EPD_HANDSHAKE_TOKEN``."""
+    path = token_file or os.environ.get(TOKEN_FILE_ENV)
+    if path:
+        with open(path) as f:
+            token = f.read().strip()
+        if not token:
+            raise ValueError(f"token file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+class ThreadedServer:
+    """A real uvicorn server on its own thread (the encode worker's bootstrap port, tests)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="handshake-server", daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> ThreadedServer:
+        self.thread.start()
+        end = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError("handshake server did not start")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd-handshake", description="Standalone bootstrap-room handshake service.")
+    parser.add_argument("--host", default=os.environ.get("EPD_HANDSHAKE_HOST", "0.0.0.0"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("EPD_HANDSHAKE_PORT", "8998")))
+    parser.add_argument("--token-file", default=None, help=f"bearer token file (or ${TOKEN_FILE_ENV}, ${TOKEN_ENV})")
+    parser.add_argument("--max-live-rooms", type=int, default=RoomLimits.max_live_rooms)
+    parser.add_argument("--max-tombstones", type=int, default=RoomLimits.max_tombstones)
+    parser.add_argument("--tombstone-ttl-s", type=float, default=RoomLimits.tombstone_ttl_s)
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    limits = RoomLimits(args.max_live_rooms, args.max_tombstones, args.tombstone_ttl_s)
+    app = create_app(RoomTable(limits), token=load_token(args.token_file), max_body_bytes=args.max_body_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

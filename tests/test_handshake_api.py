@@ -1,0 +1,262 @@
+"""The handshake service against a real uvicorn server on loopback, through the project's client."""
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from handshake.app import create_app
+from handshake.client import HandshakeError, SyncHandshakeClient
+from handshake.models import FailBody, RoomState
+from handshake.rooms import RoomLimits, RoomTable
+from handshake.server import ThreadedServer, load_token
+from tests.handshake_helpers import begin, commit, registration
+
+
+def _serve(**limits_and_token):
+    token = limits_and_token.pop("token", None)
+    table = RoomTable(RoomLimits(**limits_and_token))
+    server = ThreadedServer(create_app(table, token=token, max_body_bytes=64 << 10)).start()
+    return server, table
+
+
+@pytest.fixture(scope="module")
+def served():
+    server, table = _serve()
+    client = SyncHandshakeClient(server.url)
+    yield server, client, table
+    client.close()
+    server.stop()
+
+
+def _one(results):
+    (result,) = results
+    return result
+
+
+def test_full_lifecycle_and_every_call_idempotent(served):
+    server, client, _ = served
+    (room,) = client.mint(1, 30)
+    assert client.get(room).state is RoomState.PENDING
+    reg = registration(room)
+    first = _one(client.register([reg]))
+    assert first.ok and first.view.state is RoomState.REGISTERED
+    again = _one(client.register([reg]))
+    assert again.view.state is RoomState.REGISTERED and again.view.version == first.view.version
+    writing = _one(client.begin_write([begin(room)]))
+    assert writing.view.state is RoomState.WRITING and writing.view.transport == "loopback"
+    assert _one(client.begin_write([begin(room)])).view.version == writing.view.version
+    done = _one(client.commit([commit(room)]))
+    assert done.view.state is RoomState.SUCCESS and done.view.commit.checksum == 7 and done.view.writer_settled
+    assert _one(client.commit([commit(room)])).view.version == done.view.version  # a retried commit
+    # terminal is sticky: late fail / cancel / register answer the same terminal view
+    assert _one(client.fail([FailBody(room=room, reason="late")])).view.state is RoomState.SUCCESS
+    assert _one(client.cancel([room])).view.state is RoomState.SUCCESS
+    assert _one(client.register([reg])).view.state is RoomState.SUCCESS
+    assert client.get(room).version == done.view.version
+
+
+def test_conflicting_calls_are_refused_and_change_nothing(served):
+    _, client, _ = served
+    (room,) = client.mint()
+    assert _one(client.begin_write([begin(room)])).status == 409  # no receiver yet
+    client.register([registration(room, generation=5)])
+    other = _one(client.register([registration(room, generation=6)]))
+    assert not other.ok and other.status == 409
+    version = client.get(room).version
+    stale = _one(client.commit([commit(room, generation=4)]))
+    assert stale.status == 409 and "stale generation" in stale.error
+    wrong_shape = _one(client.commit([commit(room, generation=5, rows=65)]))
+    assert wrong_shape.status == 409 and "does not match" in wrong_shape.error
+    assert _one(client.begin_write([begin(room, generation=4)])).status == 409
+    view = client.get(room)
+    assert view.state is RoomState.REGISTERED and view.version == version
+    assert _one(client.commit([commit(room, generation=5)])).view.state is RoomState.SUCCESS
+    assert _one(client.commit([commit(room, generation=5, checksum=8)])).status == 409
+
+
+def test_receiver_first_then_sender_learns_by_long_poll(served):
+    _, client, _ = served
+    (room,) = client.mint()
+    version = client.get(room).version
+    threading.Timer(0.2, lambda: client.client and SyncHandshakeClient(client.client.base_url).register(
+        [registration(room)])).start()
+    started = time.monotonic()
+    (result,) = client.watch({room: version}, wait_s=10)
+    assert result.view.state is RoomState.REGISTERED and time.monotonic() - started < 2
+
+
+def test_encoder_fails_before_receiver_registers(served):
+    _, client, _ = served
+    (room,) = client.mint()
+    client.fail([FailBody(room=room, reason="corrupt image: cannot decode PNG", settled=True)])
+    late = _one(client.register([registration(room)]))
+    assert late.view.state is RoomState.FAILED and "cannot decode" in late.view.reason
+
+
+def test_cancel_during_write_waits_for_the_writer(served):
+    _, client, _ = served
+    rooms = client.mint(2)
+    for room in rooms:
+        client.register([registration(room)])
+        client.begin_write([begin(room, write_timeout_s=0.5)])
+    for room in rooms:
+        view = _one(client.cancel([room], "request aborted")).view
+        assert view.state is RoomState.WRITING and view.cancel_requested
+    finished = _one(client.commit([commit(rooms[0])])).view
+    assert finished.state is RoomState.CANCELLED and finished.writer_settled
+    # the second writer never reports: its write deadline ends the room, unsettled
+    (result,) = client.watch({rooms[1]: client.get(rooms[1]).version}, wait_s=5)
+    assert result.view.state is RoomState.CANCELLED and not result.view.writer_settled
+
+
+def test_cancel_before_write_stops_the_writer(served):
+    _, client, _ = served
+    (room,) = client.mint()
+    client.register([registration(room)])
+    assert _one(client.cancel([room])).view.state is RoomState.CANCELLED
+    assert _one(client.begin_write([begin(room)])).view.state is RoomState.CANCELLED
+
+
+def test_expiry_wakes_long_pollers(served):
+    _, client, _ = served
+    (room,) = client.mint(1, ttl_s=0.3)
+    started = time.monotonic()
+    view = client.get(room, after_version=client.get(room).version, wait_s=10)
+    assert view.state is RoomState.EXPIRED and time.monotonic() - started < 1.5
+
+
+def test_tombstones_have_a_ttl_and_a_bound():
+    server, table = _serve(max_tombstones=3, tombstone_ttl_s=0.3)
+    client = SyncHandshakeClient(server.url)
+    try:
+        rooms = client.mint(5)
+        for room in rooms:
+            client.cancel([room])
+        assert [_one(client.watch({r: 0})).status for r in rooms] == [404, 404, 200, 200, 200]
+        time.sleep(0.5)
+        assert all(_one(client.watch({r: 0})).status == 404 for r in rooms)
+        with pytest.raises(HandshakeError) as info:
+            client.get(rooms[-1])
+        assert info.value.status == 404
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_live_rooms_are_bounded_with_retry_after():
+    server, table = _serve(max_live_rooms=4)
+    client = SyncHandshakeClient(server.url)
+    try:
+        client.mint(4)
+        request = urllib.request.Request(server.url + "/v1/rooms", data=b'{"count": 1}',
+                                         headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=5)
+        assert info.value.code == 503 and info.value.headers["Retry-After"] == "1"
+        with pytest.raises(HandshakeError) as refused:
+            client.mint(1)
+        assert refused.value.status == 503
+        assert table.live_rooms == 4
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_bearer_token(tmp_path, monkeypatch):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    assert load_token(str(token_file)) == "s3cret"
+    monkeypatch.setenv("EPD_HANDSHAKE_TOKEN", "from-env")
+    assert load_token(None) == "from-env"
+    server, _ = _serve(token="s3cret")
+    anonymous = SyncHandshakeClient(server.url, retries=0)
+    wrong = SyncHandshakeClient(server.url, token="nope", retries=0)
+    right = SyncHandshakeClient(server.url, token="s3cret")
+    try:
+        for client in (anonymous, wrong):
+            with pytest.raises(HandshakeError) as info:
+                client.mint()
+            assert info.value.status == 401
+        assert right.mint(2)
+        assert anonymous.healthy()  # probes need no token
+    finally:
+        for client in (anonymous, wrong, right):
+            client.close()
+        server.stop()
+
+
+def _post(url, data: bytes):
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/rooms", b"{not json", 422),
+    ("/v1/rooms", b'{"count": true}', 422),
+    ("/v1/rooms", b'{"count": "3"}', 422),
+    ("/v1/rooms", b'{"count": 0}', 422),
+    ("/v1/rooms", b'{"count": 1, "bogus": 1}', 422),
+    ("/v1/rooms/cancel", b'{"rooms": [0]}', 422),
+    ("/v1/rooms/cancel", b'{"rooms": [9223372036854775808]}', 422),
+    ("/v1/rooms/commit", b'{"commits": [{"room": 1, "generation": 1, "transport": "loopback", "rows": 1, '
+                         b'"width": 1, "dtype": "float64"}]}', 422),
+    ("/v1/rooms/register", b'{"receivers": [{"room": 1, "generation": 1, "rows": 1, "width": 1, '
+                           b'"dtype": "bfloat16", "offers": [{"kind": "shm", "namespace": "n", '
+                           b'"segment": "../etc", "offset": 0, "capacity": 2}]}]}', 422),
+    ("/v1/rooms/cancel", b'{"rooms": [1]}' + b" " * (70 << 10), 413),
+])
+def test_bad_input_gets_4xx_with_a_reason(served, path, body, status):
+    server, client, table = served
+    before = table.counts()
+    code, answer = _post(server.url + path, body)
+    assert code == status and answer.get("detail")
+    assert table.counts() == before
+
+
+def test_metrics_and_probes(served):
+    server, client, _ = served
+    (room,) = client.mint()
+    client.cancel([room])
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    assert 'epd_handshake_rooms{state="CANCELLED"}' in text
+    assert 'epd_handshake_transitions_total{to="CANCELLED"}' in text
+    assert "epd_handshake_longpoll_waiters" in text
+    assert 'epd_handshake_request_seconds_count{method="POST",route="/v1/rooms/cancel"}' in text
+    with urllib.request.urlopen(server.url + "/readyz", timeout=5) as response:
+        assert json.loads(response.read())["ready"] is True
+
+
+def test_concurrent_lifecycles_all_succeed(served):
+    server, _, table = served
+    errors = []
+
+    def worker():
+        client = SyncHandshakeClient(server.url)
+        try:
+            for _ in range(20):
+                rooms = client.mint(8)
+                client.register([registration(r) for r in rooms])
+                client.begin_write([begin(r) for r in rooms])
+                results = client.commit([commit(r) for r in rooms])
+                if not all(r.view.state is RoomState.SUCCESS for r in results):
+                    errors.append(results)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
