@@ -15,7 +15,7 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
-from data_plane.json_fields import JsonInt
+from data_plane.json_fields import json_int
 from data_plane.dtypes import WIRE_DTYPES, dtype_from_wire, dtype_to_wire
 from data_plane.pool import Lease, SlotPool
 
@@ -70,11 +70,11 @@ class Commit(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    generation: JsonInt = Field(ge=0, lt=1 << 63)
-    rows: JsonInt = Field(gt=0, le=MAX_ROWS)
-    width: JsonInt = Field(gt=0, le=MAX_WIDTH)
+    generation: json_int(ge=0, lt=1 << 63)
+    rows: json_int(gt=0, le=MAX_ROWS)
+    width: json_int(gt=0, le=MAX_WIDTH)
     dtype: str = Field(pattern="^(" + "|".join(WIRE_DTYPES) + ")$")
-    checksum: JsonInt | None = Field(default=None, ge=0, lt=1 << 64)
+    checksum: json_int(ge=0, lt=1 << 64) | None = None
 
     @property
     def layout(self) -> EmbeddingLayout:

@@ -1,14 +1,15 @@
 """JSON field types for messages from the network: numbers stay numbers, bools stay bools.
 
 Pydantic's lax mode would accept ``true`` or ``"12"`` as an int; strict mode would refuse
-``12.0``, which JSON Schema calls a valid integer. These types take exactly what the schema says.
+``12.0``, which JSON Schema calls a valid integer. These types take exactly what the schema says; their constraints sit inside the validator so that
+they show in the OpenAPI schema.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, Field
 
 
 def _json_int(value):
@@ -33,6 +34,14 @@ def _json_bool(value):
     return value
 
 
-JsonInt = Annotated[int, BeforeValidator(_json_int)]
-JsonFloat = Annotated[float, BeforeValidator(_json_number)]
+def json_int(**constraints):
+    """An int field with ``Field`` constraints (ge, le, ...) that also appear in the JSON schema."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_json_int)]
+
+
+def json_float(**constraints):
+    return Annotated[float, Field(**constraints), BeforeValidator(_json_number)]
+
+
+JsonInt = json_int()
 JsonBool = Annotated[bool, BeforeValidator(_json_bool)]

@@ -84,7 +84,7 @@ class LoopbackTransport(Transport):
         region_id = self._region_ids.get(id(pool.region))
         if region_id is None:
             raise TransferRefused("pool region is not registered with the loopback transport")
-        return LoopbackOffer(region=region_id, offset=lease.offset, capacity=lease.nbytes)
+        return LoopbackOffer(kind="loopback", region=region_id, offset=lease.offset, capacity=lease.nbytes)
 
     def reachable(self, offer: LoopbackOffer) -> bool:
         return offer.region in self._regions

@@ -165,7 +165,7 @@ class MooncakeTransport(Transport):
     def offer(self, pool: SlotPool, lease: Lease) -> MooncakeOffer:
         if not any(r is pool.region for r in self._regions):
             raise TransferRefused("pool region is not registered with Mooncake")
-        return MooncakeOffer(session=self.session, address=pool.region.address + lease.offset, capacity=lease.nbytes)
+        return MooncakeOffer(kind="mooncake", session=self.session, address=pool.region.address + lease.offset, capacity=lease.nbytes)
 
     def reachable(self, offer: MooncakeOffer) -> bool:
         return True  # liveness is `alive(session)`; routability is the fabric's

@@ -31,7 +31,7 @@ class ShmTransport(Transport):
     def offer(self, pool: SlotPool, lease: Lease) -> ShmOffer:
         if pool.region.shm is None:
             raise TransferRefused("pool is not backed by /dev/shm")
-        return ShmOffer(namespace=namespace_id(), segment=pool.region.shm.name, offset=lease.offset,
+        return ShmOffer(kind="shm", namespace=namespace_id(), segment=pool.region.shm.name, offset=lease.offset,
                         capacity=lease.nbytes)
 
     def reachable(self, offer: ShmOffer) -> bool:

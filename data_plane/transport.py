@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from data_plane.json_fields import JsonInt
+from data_plane.json_fields import json_int
 from data_plane.pool import Lease, MemoryRegion, SlotPool
 
 MAX_BYTES = 1 << 40
@@ -24,27 +24,27 @@ MAX_BYTES = 1 << 40
 
 class MooncakeOffer(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: Literal["mooncake"] = "mooncake"
+    kind: Literal["mooncake"]
     session: str = Field(min_length=3, max_length=300, pattern=r"^[A-Za-z0-9.\-_\[\]:]+:[0-9]{1,5}$")
-    address: JsonInt = Field(gt=0, lt=1 << 64)
-    capacity: JsonInt = Field(gt=0, le=MAX_BYTES)
+    address: json_int(gt=0, lt=1 << 64)
+    capacity: json_int(gt=0, le=MAX_BYTES)
 
 
 class ShmOffer(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: Literal["shm"] = "shm"
+    kind: Literal["shm"]
     namespace: str = Field(min_length=1, max_length=128)
     segment: str = Field(pattern=r"^epd-[A-Za-z0-9_-]{1,100}$")
-    offset: JsonInt = Field(ge=0, le=MAX_BYTES)
-    capacity: JsonInt = Field(gt=0, le=MAX_BYTES)
+    offset: json_int(ge=0, le=MAX_BYTES)
+    capacity: json_int(gt=0, le=MAX_BYTES)
 
 
 class LoopbackOffer(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: Literal["loopback"] = "loopback"
-    region: JsonInt = Field(ge=0)
-    offset: JsonInt = Field(ge=0, le=MAX_BYTES)
-    capacity: JsonInt = Field(gt=0, le=MAX_BYTES)
+    kind: Literal["loopback"]
+    region: json_int(ge=0)
+    offset: json_int(ge=0, le=MAX_BYTES)
+    capacity: json_int(gt=0, le=MAX_BYTES)
 
 
 Offer = Annotated[MooncakeOffer | ShmOffer | LoopbackOffer, Field(discriminator="kind")]

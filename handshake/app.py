@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from fastapi import FastAPI, Path, Query
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
@@ -199,7 +199,7 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
             RoomResult(room=room, ok=False, error=str(v), status=v.status) if isinstance(v, RoomError)
             else RoomResult(room=room, ok=True, view=v) for room, v in zip(versions, views)])
 
-    @app.get("/v1/rooms/{room}", response_model=RoomView,
+    @app.get("/v1/rooms/{room:int}", response_model=RoomView,
              responses={**AUTH_ERRORS, 404: {"description": "Unknown room"}})
     async def get_room(room: int = Path(ge=1, le=MAX_ROOM_ID),
                        after_version: int = Query(0, ge=0, lt=1 << 63),
@@ -222,7 +222,7 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
             return JSONResponse({"ready": False}, status_code=503)
         return {"ready": True, "live_rooms": table.live_rooms}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
         """Prometheus metrics: rooms by state, transitions, long-poll waiters, latency by route."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

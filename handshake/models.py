@@ -9,14 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from data_plane.commit import MAX_ROWS, MAX_WIDTH
 from data_plane.dtypes import WIRE_DTYPES
-from data_plane.json_fields import JsonBool, JsonFloat, JsonInt
+from data_plane.json_fields import JsonBool, json_float, json_int
 from data_plane.transport import Offer
 from multimodal.wire import MAX_ROOM_ID
 
 MAX_BATCH = 256
 DTYPE_PATTERN = "^(" + "|".join(WIRE_DTYPES) + ")$"
 
-RoomId = Annotated[JsonInt, Field(ge=1, le=MAX_ROOM_ID)]
+RoomId = json_int(ge=1, le=MAX_ROOM_ID)
 
 
 class RoomState(str, enum.Enum):
@@ -41,8 +41,8 @@ class _Body(BaseModel):
 
 
 class MintRequest(_Body):
-    count: JsonInt = Field(default=1, ge=1, le=MAX_BATCH)
-    ttl_s: JsonFloat = Field(default=120.0, gt=0, le=3600)
+    count: json_int(ge=1, le=MAX_BATCH) = 1
+    ttl_s: json_float(gt=0, le=3600) = 120.0
 
 
 class MintResponse(_Body):
@@ -54,12 +54,12 @@ class Registration(_Body):
     """A receiver's reservation for one room: what it expects and where to write it."""
 
     room: RoomId
-    generation: JsonInt = Field(ge=0, lt=1 << 63)
-    rows: JsonInt = Field(gt=0, le=MAX_ROWS)
-    width: JsonInt = Field(gt=0, le=MAX_WIDTH)
+    generation: json_int(ge=0, lt=1 << 63)
+    rows: json_int(gt=0, le=MAX_ROWS)
+    width: json_int(gt=0, le=MAX_WIDTH)
     dtype: str = Field(pattern=DTYPE_PATTERN)
     offers: list[Offer] = Field(min_length=1, max_length=3)
-    deadline_s: JsonFloat | None = Field(default=None, gt=0, le=3600)
+    deadline_s: json_float(gt=0, le=3600) | None = None
 
 
 class RegisterRequest(_Body):
@@ -68,9 +68,9 @@ class RegisterRequest(_Body):
 
 class BeginWrite(_Body):
     room: RoomId
-    generation: JsonInt = Field(ge=0, lt=1 << 63)
+    generation: json_int(ge=0, lt=1 << 63)
     transport: Literal["mooncake", "shm", "loopback"]
-    write_timeout_s: JsonFloat = Field(default=30.0, gt=0, le=600)
+    write_timeout_s: json_float(gt=0, le=600) = 30.0
 
 
 class BeginWriteRequest(_Body):
@@ -79,12 +79,12 @@ class BeginWriteRequest(_Body):
 
 class CommitBody(_Body):
     room: RoomId
-    generation: JsonInt = Field(ge=0, lt=1 << 63)
+    generation: json_int(ge=0, lt=1 << 63)
     transport: Literal["mooncake", "shm", "loopback"]
-    rows: JsonInt = Field(gt=0, le=MAX_ROWS)
-    width: JsonInt = Field(gt=0, le=MAX_WIDTH)
+    rows: json_int(gt=0, le=MAX_ROWS)
+    width: json_int(gt=0, le=MAX_WIDTH)
     dtype: str = Field(pattern=DTYPE_PATTERN)
-    checksum: JsonInt | None = Field(default=None, ge=0, lt=1 << 64)
+    checksum: json_int(ge=0, lt=1 << 64) | None = None
     shm_segment: str | None = Field(default=None, pattern=r"^epd-[A-Za-z0-9_-]{1,100}$")
 
 
@@ -110,12 +110,12 @@ class CancelRequest(_Body):
 
 class WatchItem(_Body):
     room: RoomId
-    after_version: JsonInt = Field(default=0, ge=0, lt=1 << 63)
+    after_version: json_int(ge=0, lt=1 << 63) = 0
 
 
 class WatchRequest(_Body):
     rooms: list[WatchItem] = Field(min_length=1, max_length=MAX_BATCH)
-    wait_s: JsonFloat = Field(default=0.0, ge=0, le=30)
+    wait_s: json_float(ge=0, le=30) = 0.0
 
 
 class RoomView(BaseModel):

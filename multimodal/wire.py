@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from data_plane.json_fields import JsonInt
+from data_plane.json_fields import json_int
 from multimodal.items import Modality, MultimodalDataItem
 from multimodal.rows import item_rows
 
@@ -19,9 +19,9 @@ class EncodeHandshake(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bootstrap_room: JsonInt = Field(ge=0, le=MAX_ROOM_ID)
+    bootstrap_room: json_int(ge=0, le=MAX_ROOM_ID)
     bootstrap_host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:\-\[\]_]+$")
-    bootstrap_port: JsonInt = Field(ge=1, le=65535)
+    bootstrap_port: json_int(ge=1, le=65535)
 
 
 class ItemMetadata(BaseModel):
@@ -34,8 +34,8 @@ class ItemMetadata(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     modality: str = Field(pattern=r"^(IMAGE|VIDEO|AUDIO)$")
-    hash: JsonInt | None = Field(default=None, ge=0, lt=1 << 128)
-    pad_value: JsonInt | None = Field(default=None, ge=0)
+    hash: json_int(ge=0, lt=1 << 128) | None = None
+    pad_value: json_int(ge=0) | None = None
     offsets: list[tuple[int, int]] | None = Field(default=None, max_length=MAX_SPANS)
     model_specific_data: dict[str, Any] = Field(default_factory=dict)
     encode_handshake: EncodeHandshake | None = None

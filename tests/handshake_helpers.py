@@ -6,7 +6,7 @@ from handshake.models import BeginWrite, CommitBody, Registration
 
 def registration(room: int, generation: int = 1, rows: int = 64, width: int = 128, **extra) -> Registration:
     return Registration(room=room, generation=generation, rows=rows, width=width, dtype="bfloat16",
-                        offers=[LoopbackOffer(region=1, offset=0, capacity=rows * width * 2)], **extra)
+                        offers=[LoopbackOffer(kind="loopback", region=1, offset=0, capacity=rows * width * 2)], **extra)
 
 
 def begin(room: int, generation: int = 1, **extra) -> BeginWrite:

@@ -47,7 +47,7 @@ def test_oversize_and_foreign_offers_are_refused_before_any_write(setup):
     with pytest.raises(TransferRefused):
         transport.submit(torch.ones(2, 64, dtype=torch.bfloat16).t(), offer, time.monotonic() + 1)
     with pytest.raises(TransferRefused):
-        transport.submit(torch.ones(2, 64), MooncakeOffer(session="h:1", address=1, capacity=1 << 20),
+        transport.submit(torch.ones(2, 64), MooncakeOffer(kind="mooncake", session="h:1", address=1, capacity=1 << 20),
                          time.monotonic() + 1)
     assert torch.equal(pool.region.tensor, before)
 
