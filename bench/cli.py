@@ -14,6 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--sizes", default="1M,16M,128M", help="comma-separated sizes (K/M/G suffixes)")
     transfer.add_argument("--rounds", type=int, default=None, help="timed rounds per path and size")
     transfer.add_argument("--json", default=None, help="write the results to this file")
+    handshake = sub.add_parser("handshake", help="room lifecycles per second through the client, single and batch-8")
+    handshake.add_argument("--seconds", type=float, default=3.0, help="duration of each concurrency level")
+    handshake.add_argument("--json", default=None, help="write the results to this file")
     return parser
 
 
@@ -25,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import transfer
 
         return transfer.main(args)
+    if args.command == "handshake":
+        from bench import handshake
+
+        return handshake.main(args)
     return 2
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from data_plane.offers import DTYPE_NAMES
+
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -12,6 +14,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
     "int64": torch.int64,
 }
+assert tuple(WIRE_DTYPES) == DTYPE_NAMES
 _NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 
 

@@ -17,10 +17,10 @@ from typing import Literal
 
 import torch
 
+from data_plane.offers import LoopbackOffer
 from data_plane.pool import Lease, MemoryRegion, SlotPool
 from data_plane.transport import (
     CompletedTransfer,
-    LoopbackOffer,
     Transfer,
     TransferRefused,
     TransferState,

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from data_plane.offers import MooncakeOffer
 from data_plane.pool import Lease, MemoryRegion, SlotPool
-from data_plane.transport import MooncakeOffer, Transfer, TransferRefused, TransferState, Transport
+from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
 
 INSTALL_HINT = (
     "Mooncake is not usable here: {error}. On CPU hosts: pip install '.[cpu]' "

@@ -11,9 +11,10 @@ import threading
 
 import torch
 
+from data_plane.offers import ShmOffer
 from data_plane.pool import Lease, MemoryRegion, SlotPool
 from data_plane.shm import ShmError, ShmSegment, namespace_id
-from data_plane.transport import CompletedTransfer, ShmOffer, Transfer, TransferRefused, Transport
+from data_plane.transport import CompletedTransfer, Transfer, TransferRefused, Transport
 
 
 class ShmTransport(Transport):

@@ -7,14 +7,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from data_plane.commit import MAX_ROWS, MAX_WIDTH
-from data_plane.dtypes import WIRE_DTYPES
 from data_plane.json_fields import JsonBool, json_float, json_int
-from data_plane.transport import Offer
-from multimodal.wire import MAX_ROOM_ID
+from data_plane.offers import DTYPE_NAMES, MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, Offer
 
 MAX_BATCH = 256
-DTYPE_PATTERN = "^(" + "|".join(WIRE_DTYPES) + ")$"
+DTYPE_PATTERN = "^(" + "|".join(DTYPE_NAMES) + ")$"
 
 RoomId = json_int(ge=1, le=MAX_ROOM_ID)
 

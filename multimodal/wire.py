@@ -7,10 +7,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from data_plane.json_fields import json_int
+from data_plane.offers import MAX_ROOM_ID
 from multimodal.items import Modality, MultimodalDataItem
 from multimodal.rows import item_rows
 
-MAX_ROOM_ID = (1 << 63) - 1
 MAX_SPANS = 4096
 
 

@@ -1,6 +1,6 @@
 """Shared helpers for the handshake tests: a real server on loopback and ready-made bodies."""
 
-from data_plane.transport import LoopbackOffer
+from data_plane.offers import LoopbackOffer
 from handshake.models import BeginWrite, CommitBody, Registration
 
 
