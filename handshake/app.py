@@ -43,8 +43,8 @@ AUTH_ERRORS = {401: {"description": "Missing or wrong bearer token"}}
 
 
 class HandshakeMetrics:
-    def __init__(self, table: RoomTable):
-        self.registry = CollectorRegistry()
+    def __init__(self, table: RoomTable, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
         self.transitions = Counter("epd_handshake_transitions", "Room state transitions", ["to"],
                                    registry=self.registry)
         self.latency = Histogram("epd_handshake_request_seconds", "Request latency by route", ["route", "method"],
@@ -143,10 +143,11 @@ def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
 
 
 def create_app(table: RoomTable | None = None, token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               ready: Callable[[], bool] = lambda: True) -> FastAPI:
-    """The handshake app over ``table``; ``ready`` lets an embedding process gate ``/readyz``."""
+               ready: Callable[[], bool] = lambda: True, registry: CollectorRegistry | None = None) -> FastAPI:
+    """The handshake app over ``table``. An embedding process (the encode worker) gates ``/readyz``
+    with ``ready`` and adds its own metrics to ``/metrics`` through ``registry``."""
     table = table or RoomTable()
-    metrics = HandshakeMetrics(table)
+    metrics = HandshakeMetrics(table, registry)
     previous = table._on_transition
     table._on_transition = lambda old, new: (previous(old, new), metrics.transition(old, new))
 

@@ -1,0 +1,104 @@
+"""Intake over ZMQ (ROUTER): one item per message, acknowledged or refused at once with a reason.
+
+Request frames (after the ROUTER identity): ``[metadata JSON, payload]``; the payload frame is
+the encoded image file (``source="bytes"``), raw ``uint8 [H, W, 3]`` pixels
+(``source="pixels"``, with ``shape``), or absent (``source="shm"``, with the handle in
+``shm``). Nothing from the network is unpickled. Reply: one JSON frame
+``{"ok", "room", "reason"}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from data_plane.json_fields import json_int
+from multimodal.wire import EncodeHandshake
+
+MAX_METADATA_BYTES = 64 << 10
+
+
+class ShmPixels(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    shm_name: str = Field(pattern=r"^epd-[A-Za-z0-9_-]{1,100}$")
+    shape: list[json_int(gt=0, le=16384)] = Field(min_length=3, max_length=3)
+    dtype: Literal["uint8"]
+
+
+class IntakeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
+    modality: Literal["IMAGE"] = "IMAGE"
+    content_hash: json_int(ge=0, lt=1 << 128) | None = None
+    encode_handshake: EncodeHandshake
+    source: Literal["bytes", "pixels", "shm"]
+    shape: list[json_int(gt=0, le=16384)] | None = Field(default=None, min_length=3, max_length=3)
+    shm: ShmPixels | None = None
+    token: str | None = Field(default=None, max_length=256)
+
+
+class IntakeRefused(ValueError):
+    """The message is refused; the reason goes back to the dispatcher."""
+
+
+def parse_request(frames: list[bytes], max_payload_bytes: int, token: str | None) -> tuple[IntakeRequest, bytes | None]:
+    """Validate one request's frames (identity already removed)."""
+    if not 1 <= len(frames) <= 2:
+        raise IntakeRefused(f"expected [metadata, payload] frames, got {len(frames)}")
+    if len(frames[0]) > MAX_METADATA_BYTES:
+        raise IntakeRefused(f"metadata frame larger than {MAX_METADATA_BYTES} bytes")
+    try:
+        request = IntakeRequest.model_validate_json(frames[0])
+    except ValidationError as exc:
+        raise IntakeRefused(f"bad metadata: {exc.errors(include_url=False)[:3]}") from None
+    if token is not None and not hmac.compare_digest((request.token or "").encode(), token.encode()):
+        raise IntakeRefused("missing or wrong intake token")
+    payload = frames[1] if len(frames) == 2 else None
+    if request.source == "shm":
+        if request.shm is None or payload is not None:
+            raise IntakeRefused("source 'shm' needs the 'shm' handle and no payload frame")
+    else:
+        if payload is None or not payload:
+            raise IntakeRefused(f"source {request.source!r} needs a payload frame")
+        if len(payload) > max_payload_bytes:
+            raise IntakeRefused(f"payload of {len(payload)} bytes exceeds {max_payload_bytes}")
+        if request.source == "pixels":
+            if request.shape is None or request.shape[2] != 3:
+                raise IntakeRefused("source 'pixels' needs shape [H, W, 3]")
+            if request.shape[0] * request.shape[1] * 3 != len(payload):
+                raise IntakeRefused(f"payload of {len(payload)} bytes does not match shape {request.shape}")
+    return request, payload
+
+
+class IntakeClient:
+    """The dispatcher's side of intake: one DEALER socket, one request in flight at a time."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0):
+        import zmq
+
+        self._zmq = zmq
+        self.endpoint = endpoint
+        self.timeout_ms = int(timeout_s * 1000)
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+
+    def send(self, request: dict, payload: bytes | None = None) -> dict:
+        frames = [IntakeRequest.model_validate(request).model_dump_json(exclude_none=True).encode()]
+        if payload is not None:
+            frames.append(payload)
+        return self.send_raw(frames)
+
+    def send_raw(self, frames: list[bytes]) -> dict:
+        """Send frames as they are (tests use it for malformed messages); wait for the reply."""
+        import json
+
+        self._socket.send_multipart(frames)
+        if not self._socket.poll(self.timeout_ms):
+            raise TimeoutError(f"no answer from encode worker intake {self.endpoint}")
+        return json.loads(self._socket.recv())
+
+    def close(self) -> None:
+        self._socket.close(0)

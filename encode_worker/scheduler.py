@@ -1,0 +1,75 @@
+"""Encode jobs and the bounded FIFO that batches them under a patch budget and an item cap.
+
+A job whose patches alone exceed the budget runs in a batch of its own. ``put`` never blocks: a
+full queue is refused at once, so the dispatcher learns it (backpressure) instead of waiting.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from multimodal.wire import EncodeHandshake
+
+
+@dataclass
+class EncodeJob:
+    request_id: str
+    handshake: EncodeHandshake
+    content_hash: int
+    source: str  # "bytes" | "pixels" | "shm"
+    payload: Any  # bytes, uint8 [H, W, 3] tensor, or ShmTensorHandle
+    patches: int  # estimated at intake from the image size, for batching
+    modality: str = "IMAGE"
+    received_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def room(self) -> int:
+        return self.handshake.bootstrap_room
+
+
+class BatchQueue:
+    def __init__(self, max_items: int, patch_budget: int, batch_items: int):
+        self.max_items = max_items
+        self.patch_budget = patch_budget
+        self.batch_items = batch_items
+        self._jobs: collections.deque[EncodeJob] = collections.deque()
+        self._ready = threading.Condition()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def put(self, job: EncodeJob) -> bool:
+        with self._ready:
+            if self.closed or len(self._jobs) >= self.max_items:
+                return False
+            self._jobs.append(job)
+            self._ready.notify()
+            return True
+
+    def take_batch(self, timeout: float) -> list[EncodeJob]:
+        """The next FIFO batch: at least one job, then more while within budget and cap."""
+        with self._ready:
+            if not self._jobs and not self._ready.wait_for(lambda: self._jobs or self.closed, timeout):
+                return []
+            batch: list[EncodeJob] = []
+            patches = 0
+            while self._jobs and len(batch) < self.batch_items:
+                job = self._jobs[0]
+                if batch and patches + job.patches > self.patch_budget:
+                    break
+                batch.append(self._jobs.popleft())
+                patches += job.patches
+            return batch
+
+    def drain(self) -> list[EncodeJob]:
+        with self._ready:
+            self.closed = True
+            jobs = list(self._jobs)
+            self._jobs.clear()
+            self._ready.notify_all()
+            return jobs

@@ -1,0 +1,203 @@
+"""The send path: one item's staged rows -> the receiver registered in its room.
+
+Per item, on a pool of sender threads: wait (bounded, long-poll, no spinning) for the room's
+receiver; pick the transport from what both sides offer (SHM on the same node, else Mooncake;
+loopback in tests); check rows x width x dtype and capacity before any byte moves; begin the
+write; write; commit with the slot generation and a checksum. Any failure fails only this room,
+with a reason the receiver can read. The send-ring slot is released once the transport has
+settled (a write that may still read it keeps it leased).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from data_plane.commit import EmbeddingLayout
+from data_plane.pool import Lease, SlotPool
+from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
+from handshake.client import HandshakeError
+from handshake.models import BeginWrite, CommitBody, RoomState, RoomView
+from handshake.rooms import RoomError
+from multimodal.wire import EncodeHandshake
+
+log = logging.getLogger(__name__)
+TRANSPORT_PREFERENCE = ("shm", "mooncake", "loopback")
+
+
+@dataclass
+class StagedItem:
+    request_id: str
+    handshake: EncodeHandshake
+    lease: Lease  # in the send ring
+    layout: EmbeddingLayout
+    checksum: int | None
+    timings: dict[str, float]
+
+    @property
+    def room(self) -> int:
+        return self.handshake.bootstrap_room
+
+
+@dataclass
+class Outcome:
+    room: int
+    state: str  # "SUCCESS" or the reason class: "FAILED", "CANCELLED", "EXPIRED"
+    transport: str | None
+    reason: str | None
+    nbytes: int
+    seconds: float
+
+
+class Sender:
+    def __init__(self, ring: SlotPool, transports: dict[str, Transport], rooms_for: Callable[[EncodeHandshake], object],
+                 receiver_wait_s: float = 30.0, write_timeout_s: float = 30.0, workers: int = 8,
+                 on_outcome: Callable[[Outcome], None] = lambda outcome: None):
+        self.ring = ring
+        self.transports = transports
+        self.rooms_for = rooms_for
+        self.receiver_wait_s = receiver_wait_s
+        self.write_timeout_s = write_timeout_s
+        self.on_outcome = on_outcome
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sender")
+        self._unsettled: list[tuple[Transfer, Lease]] = []
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self.slot_freed = threading.Condition()
+
+    def submit(self, item: StagedItem) -> None:
+        self._pool.submit(self._deliver_safely, item)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop: items still waiting for a receiver fail at once; writes in flight finish."""
+        self._closing.set()
+        self._pool.shutdown(wait=wait)
+
+    # ---- one item --------------------------------------------------------------------------
+
+    def _deliver_safely(self, item: StagedItem) -> None:
+        started = time.monotonic()
+        try:
+            outcome = self._deliver(item)
+        except Exception as exc:  # never lose an item silently: fail its room
+            log.exception("delivery of room %d crashed", item.room)
+            outcome = self._fail(item, f"encode worker error: {type(exc).__name__}: {exc}", settled=True)
+        outcome.seconds = time.monotonic() - started
+        self.on_outcome(outcome)
+
+    def _deliver(self, item: StagedItem) -> Outcome:
+        rooms = self.rooms_for(item.handshake)
+        view = self._wait_for_receiver(rooms, item)
+        if view.state is RoomState.PENDING and self._closing.is_set():
+            return self._fail(item, "encode worker shutting down", settled=True)
+        if view.state is not RoomState.REGISTERED:
+            return self._finish(item, view.state.value, None, view.reason or "room ended before a receiver came")
+        registration = view.registration
+        reserved = EmbeddingLayout(registration.rows, registration.width, registration.dtype)
+        if reserved != item.layout:
+            return self._fail(item, f"contract mismatch: encoder has [{item.layout.rows}, {item.layout.width}] "
+                                    f"{item.layout.dtype}, receiver reserved [{reserved.rows}, {reserved.width}] "
+                                    f"{reserved.dtype}", settled=True)
+        chosen = self._choose(registration.offers)
+        if chosen is None:
+            kinds = [offer.kind for offer in registration.offers]
+            return self._fail(item, f"no common transport: receiver offers {kinds}, "
+                                    f"encoder has {sorted(self.transports)}", settled=True)
+        transport, offer = chosen
+        if offer.capacity < item.layout.nbytes:
+            return self._fail(item, f"receiver slot holds {offer.capacity} bytes, item needs "
+                                    f"{item.layout.nbytes}", settled=True)
+        view = rooms.begin_write(BeginWrite(room=item.room, generation=registration.generation,
+                                            transport=transport.name, write_timeout_s=self.write_timeout_s))
+        if view.state is not RoomState.WRITING or view.cancel_requested:
+            return self._finish(item, view.state.value, None, view.reason or "cancelled before the write")
+        started = time.monotonic()
+        try:
+            transfer = transport.submit(self.ring.view(item.lease), offer, started + self.write_timeout_s)
+        except TransferRefused as exc:
+            return self._fail(item, f"{transport.name} refused the write: {exc}", settled=True)
+        state = transfer.wait()
+        item.timings["transfer_s"] = time.monotonic() - started
+        if state is not TransferState.DONE:
+            self._hold_until_settled(transfer, item.lease)
+            return self._fail(item, f"{transport.name} write failed: {transfer.error}", settled=transfer.settled,
+                              release=False)
+        view = rooms.commit(CommitBody(room=item.room, generation=registration.generation, transport=transport.name,
+                                       rows=item.layout.rows, width=item.layout.width, dtype=item.layout.dtype,
+                                       checksum=item.checksum,
+                                       shm_segment=getattr(offer, "segment", None)))
+        return self._finish(item, view.state.value, transport.name, view.reason)
+
+    def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView:
+        deadline = time.monotonic() + self.receiver_wait_s
+        version = 0
+        while True:
+            view = rooms.wait(item.room, version, max(0.0, min(0.5, deadline - time.monotonic())))
+            if view.state is not RoomState.PENDING or time.monotonic() >= deadline or self._closing.is_set():
+                return view
+            version = view.version
+
+    def _choose(self, offers) -> tuple[Transport, object] | None:
+        for name in TRANSPORT_PREFERENCE:
+            transport = self.transports.get(name)
+            if transport is None:
+                continue
+            for offer in offers:
+                if offer.kind == name and transport.reachable(offer):
+                    return transport, offer
+        return None
+
+    # ---- endings ---------------------------------------------------------------------------
+
+    def _fail(self, item: StagedItem, reason: str, settled: bool, release: bool = True) -> Outcome:
+        try:
+            view = self.rooms_for(item.handshake).fail(item.room, reason, settled)
+            state = view.state.value
+        except (RoomError, HandshakeError) as exc:
+            state, reason = "FAILED", f"{reason} (and the room could not be told: {exc})"
+        if release:
+            self._release(item.lease)
+        return Outcome(item.room, state, None, reason, item.layout.nbytes, 0.0)
+
+    def _finish(self, item: StagedItem, state: str, transport: str | None, reason: str | None) -> Outcome:
+        self._release(item.lease)
+        return Outcome(item.room, state, transport, reason, item.layout.nbytes, 0.0)
+
+    def _release(self, lease: Lease) -> None:
+        self.ring.release(lease)
+        with self.slot_freed:
+            self.slot_freed.notify_all()
+
+    def _hold_until_settled(self, transfer: Transfer, lease: Lease) -> None:
+        if transfer.settled:
+            self._release(lease)
+            return
+        with self._lock:
+            self._unsettled.append((transfer, lease))
+
+    def reap(self) -> int:
+        """Release ring slots whose failed writes have settled; returns how many are still held."""
+        with self._lock:
+            still = []
+            for transfer, lease in self._unsettled:
+                transfer.poll()
+                if transfer.settled:
+                    self._release(lease)
+                else:
+                    still.append((transfer, lease))
+            self._unsettled = still
+            return len(still)
+
+
+def stage(ring: SlotPool, rows: torch.Tensor) -> Lease:
+    """Copy an item's rows into a send-ring lease (raises ``NoCapacity`` / ``TooLarge``)."""
+    flat = rows.contiguous().reshape(-1).view(torch.uint8)
+    lease = ring.lease(flat.numel())
+    ring.view(lease).copy_(flat)
+    return lease

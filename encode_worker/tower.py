@@ -1,0 +1,139 @@
+"""The vision tower: transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL towers, loaded alone.
+
+``VisionTower.load(dir)`` reads a full VLM checkpoint (weights under ``visual.`` or
+``model.visual.``) or a vision-only one, and refuses to start when any tower weight is missing
+(transformers would only warn and random-initialise it). The image processor comes from the same
+directory, so the encode worker and the prefill side agree on rows per image.
+
+Wire layout: one ``[rows, width]`` tensor per item. For Qwen3-VL the DeepStack levels travel in
+the same rows, concatenated on the hidden dimension (as vLLM does):
+``[rows, out_width * (1 + levels)]``; ``split_deepstack`` cuts it back into ``encoded`` and
+``encoded_deepstack``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoImageProcessor
+from transformers.utils import logging as hf_logging
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+from data_plane.dtypes import dtype_from_wire
+from multimodal.rows import split_rows
+
+TOWER_CLASSES = {
+    "qwen2_vl": (Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel),
+    "qwen2_5_vl": (Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel),
+    "qwen3_vl": (Qwen3VLVisionConfig, Qwen3VLVisionModel),
+}
+# Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).
+KEY_MAPPING = {r"^model\.visual\.": "", r"^visual\.": ""}
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
+class TowerLoadError(RuntimeError):
+    """The checkpoint cannot give a complete tower of a supported family."""
+
+
+def detect_family(directory: str) -> str:
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            model_type = json.load(f).get("model_type", "")
+    except (OSError, ValueError) as exc:
+        raise TowerLoadError(f"cannot read {path}: {exc}") from exc
+    family = model_type.removesuffix("_vision")
+    if family not in TOWER_CLASSES:
+        raise TowerLoadError(f"model_type {model_type!r} is not a supported tower ({sorted(TOWER_CLASSES)})")
+    return family
+
+
+@dataclass(frozen=True)
+class TowerInfo:
+    family: str
+    out_width: int  # main embedding width (the LLM's hidden size)
+    deepstack_levels: int  # 0 except Qwen3-VL
+    merge: int
+    patch_size: int
+
+    @property
+    def wire_width(self) -> int:
+        return self.out_width * (1 + self.deepstack_levels)
+
+
+class VisionTower:
+    def __init__(self, model: torch.nn.Module, info: TowerInfo, processor, dtype: torch.dtype, device: str,
+                 model_id: str):
+        self.model = model
+        self.info = info
+        self.processor = processor
+        self.dtype = dtype
+        self.device = device
+        self.model_id = model_id
+
+    @classmethod
+    def load(cls, directory: str, dtype: str = "float32", device: str = "cpu") -> VisionTower:
+        family = detect_family(directory)
+        config_class, tower_class = TOWER_CLASSES[family]
+        torch_dtype = dtype_from_wire(dtype)
+        config = config_class.from_pretrained(directory)
+        with _quiet_transformers():  # the LLM's weights are "unexpected" here, by design
+            model, info = tower_class.from_pretrained(
+                directory, config=config, dtype=torch_dtype, key_mapping=KEY_MAPPING, output_loading_info=True,
+                local_files_only=True)
+        if info["missing_keys"]:
+            missing = sorted(info["missing_keys"])
+            raise TowerLoadError(f"{len(missing)} tower weights missing from {directory} (e.g. {missing[:3]}); "
+                                 "refusing to run a randomly initialised tower")
+        model = model.to(device).eval()
+        processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True)
+        out_width = getattr(config, "out_hidden_size", None) or config.hidden_size
+        levels = len(getattr(config, "deepstack_visual_indexes", None) or [])
+        tower_info = TowerInfo(family, out_width, levels, config.spatial_merge_size, config.patch_size)
+        return cls(model, tower_info, processor, torch_dtype, device, model_id=os.path.abspath(directory))
+
+    def rows_per_item(self, grid_thw: torch.Tensor) -> list[int]:
+        merge2 = self.info.merge ** 2
+        return [int(t * h * w) // merge2 for t, h, w in grid_thw.tolist()]
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Packed wire rows ``[sum rows, wire_width]`` for a batch of items, in item order."""
+        out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid_thw.to(self.device))
+        if isinstance(out, torch.Tensor):
+            return out
+        merged = out.pooler_output
+        if self.info.deepstack_levels:
+            merged = torch.cat([merged, *out.deepstack_features], dim=1)
+        return merged
+
+    def encode_items(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """One ``[rows_i, wire_width]`` tensor per item (views of one packed output)."""
+        return split_rows(self.encode(pixel_values, grid_thw), self.rows_per_item(grid_thw))
+
+    def split_deepstack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Wire rows -> (``encoded``, ``encoded_deepstack`` or None)."""
+        if not self.info.deepstack_levels:
+            return rows, None
+        return rows[:, : self.info.out_width], rows[:, self.info.out_width :]

@@ -1,0 +1,382 @@
+"""The encode worker process: intake -> batch -> tower -> row split -> cache -> send ring -> send.
+
+Threads: the ZMQ intake loop, one encode loop (the tower), a pool of sender threads, and a
+housekeeping loop (reap settled transfers, idle health probe). The handshake app is served on the
+bootstrap port by uvicorn in the same process; this worker reaches its own rooms in-process.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+from PIL import Image
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from data_plane.commit import EmbeddingLayout, checksum
+from data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
+from data_plane.shm import ShmTensorHandle
+from encode_worker.cache import CacheKey, EmbeddingCache
+from encode_worker.inputs import BadItem, image_from_bytes, image_from_pixels, image_from_shm
+from encode_worker.intake import IntakeRefused, parse_request
+from encode_worker.scheduler import BatchQueue, EncodeJob
+from encode_worker.sender import Outcome, Sender, StagedItem, stage
+from encode_worker.tower import VisionTower
+from handshake.access import LocalRooms, RemoteRooms
+from handshake.app import create_app
+from handshake.client import SyncHandshakeClient
+from handshake.rooms import RoomError, RoomTable
+from handshake.server import ThreadedServer
+from multimodal.hashing import hash_feature
+from multimodal.rows import RowContractError, split_rows
+from multimodal.wire import EncodeHandshake
+
+log = logging.getLogger(__name__)
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
+
+
+@dataclass
+class WorkerConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"  # the address peers use for this worker (rooms, Mooncake)
+    bind: str = "0.0.0.0"
+    bootstrap_port: int = 8998
+    intake_port: int = 8999
+    transports: tuple[str, ...] = ("shm", "mooncake")
+    mooncake_hca: str = ""
+    mooncake_force_tcp: bool = False
+    batch_patches: int = 16384  # tower input patches per batch
+    batch_items: int = 8
+    queue_items: int = 64
+    max_payload_bytes: int = 64 << 20
+    ring_bytes: int = 512 << 20
+    ring_slot_bytes: int = 1 << 20
+    cache_bytes: int = 1 << 30
+    receiver_wait_s: float = 30.0
+    write_timeout_s: float = 30.0
+    checksum: bool = True
+    send_workers: int = 8
+    handshake_token: str | None = None
+    intake_token: str | None = None
+    probe_interval_s: float = 10.0
+    extra: dict = field(default_factory=dict)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry, worker: EncodeWorker):
+        self.requests = Counter("epd_encoder_requests", "Items by modality and outcome", ["modality", "status"],
+                                registry=registry)
+        self.batch_items = Histogram("epd_encoder_batch_items", "Items per tower batch",
+                                     buckets=(1, 2, 4, 8, 16, 32), registry=registry)
+        self.encode_seconds = Histogram("epd_encoder_encode_seconds", "Tower time per batch", registry=registry)
+        self.transfer_seconds = Histogram("epd_encoder_transfer_seconds", "Write time per item", ["transport"],
+                                          registry=registry)
+        self.bytes = Counter("epd_encoder_bytes", "Bytes delivered", ["transport"], registry=registry)
+        Gauge("epd_encoder_queue_depth", "Items waiting for the tower", registry=registry).set_function(
+            lambda: len(worker.queue))
+        Gauge("epd_encoder_ring_occupancy", "Leased fraction of the send ring", registry=registry).set_function(
+            lambda: worker.ring.stats()["leased_slots"] / worker.ring.slot_count)
+        for name, attr in (("hits", "hits"), ("misses", "misses"), ("evictions", "evictions")):
+            Gauge(f"epd_encoder_cache_{name}", f"Embedding cache {name}", registry=registry).set_function(
+                lambda attr=attr: getattr(worker.cache, attr))
+
+
+class EncodeWorker:
+    def __init__(self, config: WorkerConfig, tower: VisionTower | None = None, transports: dict | None = None):
+        self.config = config
+        self.tower = tower or VisionTower.load(config.model, config.dtype, config.device)
+        self.preprocess_id = f"{zlib.crc32(json.dumps(self.tower.processor.to_dict(), sort_keys=True, default=str).encode()):08x}"
+        self.cache = EmbeddingCache(config.cache_bytes)
+        self.queue = BatchQueue(config.queue_items, config.batch_patches, config.batch_items)
+        self.transports = transports if transports is not None else _build_transports(config)
+        self.ring = SlotPool(MemoryRegion.anonymous(config.ring_bytes), config.ring_slot_bytes,
+                             quarantine_s=config.write_timeout_s * 2)
+        for transport in self.transports.values():
+            if transport.name == "mooncake":
+                transport.register(self.ring.region)
+        self.table = RoomTable()
+        registry = CollectorRegistry()
+        self.metrics = WorkerMetrics(registry, self)
+        self.app = create_app(self.table, token=config.handshake_token, ready=self.ready, registry=registry)
+        self.sender = Sender(self.ring, self.transports, self.rooms_for, config.receiver_wait_s,
+                             config.write_timeout_s, config.send_workers, on_outcome=self._on_outcome)
+        self._remote: dict[tuple[str, int], RemoteRooms] = {}
+        self._stopping = threading.Event()
+        self._healthy = False
+        self._last_ok = 0.0
+        self._busy = False
+        self._threads: list[threading.Thread] = []
+        self.server: ThreadedServer | None = None
+        self.intake_port: int | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> EncodeWorker:
+        self._probe()
+        self.server = ThreadedServer(self.app, self.config.bind, self.config.bootstrap_port).start()
+        context = zmq.Context.instance()
+        self._socket = context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload_bytes + (1 << 20))
+        if self.config.intake_port:
+            self._socket.bind(f"tcp://{self.config.bind}:{self.config.intake_port}")
+            self.intake_port = self.config.intake_port
+        else:
+            self.intake_port = self._socket.bind_to_random_port(f"tcp://{self.config.bind}")
+        for target, name in ((self._intake_loop, "intake"), (self._encode_loop, "encode"),
+                             (self._housekeeping_loop, "housekeeping")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    @property
+    def bootstrap_port(self) -> int:
+        return self.server.port if self.server else self.config.bootstrap_port
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop intake, fail what is queued, let in-flight deliveries end, release memory."""
+        self._stopping.set()
+        for job in self.queue.drain():
+            self._fail_room(job.handshake, "encode worker shutting down", "IMAGE")
+        for thread in self._threads:
+            thread.join(grace_s)
+        self.sender.close(wait=True)
+        self.sender.reap()
+        if self.server is not None:
+            self.server.stop()
+        for remote in self._remote.values():
+            remote.client.close()
+        for transport in self.transports.values():
+            transport.close()
+        self.ring.region.close()
+
+    # ---- health ----------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return self._healthy and (self._busy or time.monotonic() - self._last_ok < 3 * self.config.probe_interval_s)
+
+    def _probe(self) -> None:
+        """A tiny dummy encode; runs only when the tower is idle."""
+        try:
+            pixels = self.tower.processor(images=[Image.new("RGB", (56, 56))], return_tensors="pt")
+            self.tower.encode(pixels["pixel_values"], pixels["image_grid_thw"])
+            self._healthy, self._last_ok = True, time.monotonic()
+        except Exception:
+            log.exception("tower health probe failed")
+            self._healthy = False
+
+    # ---- rooms -----------------------------------------------------------------------------
+
+    def rooms_for(self, handshake: EncodeHandshake):
+        if handshake.bootstrap_port == self.bootstrap_port and handshake.bootstrap_host in LOCAL_HOSTS | {self.config.host}:
+            return LocalRooms(self.table)
+        key = (handshake.bootstrap_host, handshake.bootstrap_port)
+        remote = self._remote.get(key)
+        if remote is None:
+            if len(self._remote) >= 256:
+                _, oldest = self._remote.popitem()
+                oldest.client.close()
+            url = f"http://{handshake.bootstrap_host}:{handshake.bootstrap_port}"
+            remote = self._remote[key] = RemoteRooms(SyncHandshakeClient(url, token=self.config.handshake_token))
+        return remote
+
+    def _fail_room(self, handshake: EncodeHandshake, reason: str, modality: str) -> None:
+        self.metrics.requests.labels(modality, "failed").inc()
+        try:
+            self.rooms_for(handshake).fail(handshake.bootstrap_room, reason, True)
+        except Exception as exc:
+            log.warning("could not fail room %d (%s): %s", handshake.bootstrap_room, reason, exc)
+
+    def _on_outcome(self, outcome: Outcome) -> None:
+        self.metrics.requests.labels("IMAGE", outcome.state.lower()).inc()
+        if outcome.state == "SUCCESS" and outcome.transport:
+            self.metrics.bytes.labels(outcome.transport).inc(outcome.nbytes)
+            self.metrics.transfer_seconds.labels(outcome.transport).observe(outcome.seconds)
+
+    # ---- intake ----------------------------------------------------------------------------
+
+    def _intake_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self._socket.recv_multipart(copy=True)
+            identity, body = frames[0], frames[1:]
+            reply = self._accept(body)
+            self._socket.send_multipart([identity, json.dumps(reply).encode()])
+        self._socket.close(0)
+
+    def _accept(self, frames: list[bytes]) -> dict:
+        try:
+            request, payload = parse_request(frames, self.config.max_payload_bytes, self.config.intake_token)
+        except IntakeRefused as exc:
+            self.metrics.requests.labels("IMAGE", "refused").inc()
+            return {"ok": False, "room": None, "reason": str(exc)}
+        room = request.encode_handshake.bootstrap_room
+        try:
+            job = self._job(request, payload)
+        except BadItem as exc:
+            self._fail_room(request.encode_handshake, str(exc), request.modality)
+            return {"ok": False, "room": room, "reason": str(exc)}
+        if not self.queue.put(job):
+            self.metrics.requests.labels(request.modality, "refused").inc()
+            return {"ok": False, "room": room, "reason": "queue full", "retry_after_s": 0.1}
+        self.metrics.requests.labels(request.modality, "accepted").inc()
+        return {"ok": True, "room": room, "reason": None}
+
+    def _job(self, request, payload: bytes | None) -> EncodeJob:
+        if request.source == "bytes":
+            try:
+                with Image.open(io.BytesIO(payload)) as probe:
+                    width, height = probe.size
+            except Exception as exc:
+                raise BadItem(f"cannot read image header: {type(exc).__name__}") from None
+            source_payload = payload
+        elif request.source == "pixels":
+            height, width = request.shape[0], request.shape[1]
+            source_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(height, width, 3)
+        else:
+            height, width = request.shm.shape[0], request.shm.shape[1]
+            source_payload = ShmTensorHandle(request.shm.shm_name, tuple(request.shm.shape), torch.uint8)
+        content_hash = request.content_hash
+        if content_hash is None:
+            if request.source == "shm":
+                raise BadItem("SHM-backed items must carry a content hash")
+            content_hash = hash_feature(payload)
+        return EncodeJob(request.request_id, request.encode_handshake, content_hash, request.source,
+                         source_payload, self._patches(height, width), request.modality)
+
+    def _patches(self, height: int, width: int) -> int:
+        processor = self.tower.processor
+        factor = processor.patch_size * processor.merge_size
+        size = processor.size
+        try:
+            h, w = smart_resize(height, width, factor=factor, min_pixels=size["shortest_edge"],
+                                max_pixels=size["longest_edge"])
+        except ValueError as exc:
+            raise BadItem(f"image of {width}x{height} cannot be resized for the tower: {exc}") from None
+        return (h // processor.patch_size) * (w // processor.patch_size)
+
+    # ---- encode ----------------------------------------------------------------------------
+
+    def _encode_loop(self) -> None:
+        while not self._stopping.is_set():
+            batch = self.queue.take_batch(0.2)
+            if not batch:
+                continue
+            self._busy = True
+            try:
+                self.encode_batch(batch)
+            except Exception:
+                log.exception("batch crashed")
+                for job in batch:
+                    self._fail_room(job.handshake, "encode worker error while encoding", job.modality)
+            finally:
+                self._busy = False
+
+    def encode_batch(self, batch: list[EncodeJob]) -> None:
+        misses, ready = [], []
+        for job in batch:
+            try:
+                image = self._image(job)
+                key = CacheKey(job.content_hash, self.tower.model_id, self.preprocess_id)
+                cached = self.cache.get(key)
+                if cached is not None:
+                    ready.append((job, cached))
+                else:
+                    misses.append((job, key, self.tower.processor(images=[image], return_tensors="pt")))
+            except BadItem as exc:
+                self._fail_room(job.handshake, str(exc), job.modality)
+        if misses:
+            for (job, key, _), rows in zip(misses, self._encode_misses(misses)):
+                if rows is None:
+                    continue
+                self.cache.put(key, rows)
+                ready.append((job, rows))
+        for job, rows in ready:
+            self._stage_and_send(job, rows)
+
+    def _encode_misses(self, misses) -> list[torch.Tensor | None]:
+        pixel_values = torch.cat([inputs["pixel_values"] for _, _, inputs in misses])
+        grid_thw = torch.cat([inputs["image_grid_thw"] for _, _, inputs in misses])
+        started = time.monotonic()
+        try:
+            rows = split_rows(self.tower.encode(pixel_values, grid_thw), self.tower.rows_per_item(grid_thw))
+            self.metrics.encode_seconds.observe(time.monotonic() - started)
+            self.metrics.batch_items.observe(len(misses))
+            self._last_ok = time.monotonic()
+            return rows
+        except (RuntimeError, ValueError, RowContractError) as exc:
+            if len(misses) == 1:
+                job = misses[0][0]
+                self._fail_room(job.handshake, f"vision tower failed on this item: {exc}", job.modality)
+                return [None]
+            log.warning("batch of %d failed (%s); encoding items one by one", len(misses), exc)
+            return [self._encode_misses([miss])[0] for miss in misses]
+
+    def _image(self, job: EncodeJob) -> Image.Image:
+        if job.source == "bytes":
+            return image_from_bytes(job.payload)
+        if job.source == "pixels":
+            return image_from_pixels(job.payload)
+        return image_from_shm(job.payload)
+
+    def _stage_and_send(self, job: EncodeJob, rows: torch.Tensor) -> None:
+        layout = EmbeddingLayout.of(rows)
+        deadline = time.monotonic() + self.config.receiver_wait_s
+        with self.sender.slot_freed:
+            while True:
+                try:
+                    lease = stage(self.ring, rows)
+                    break
+                except TooLarge:
+                    self._fail_room(job.handshake, f"item of {layout.nbytes} bytes is larger than the send ring",
+                                    job.modality)
+                    return
+                except NoCapacity:  # backpressure: the encode loop stops pulling work meanwhile
+                    if time.monotonic() >= deadline:
+                        self._fail_room(job.handshake, "send ring stayed full", job.modality)
+                        return
+                    self.sender.slot_freed.wait(0.05)
+        digest = checksum(self.ring.view(lease)) if self.config.checksum else None
+        timings = {"queue_s": time.monotonic() - job.received_at}
+        self.sender.submit(StagedItem(job.request_id, job.handshake, lease, layout, digest, timings))
+
+    def _housekeeping_loop(self) -> None:
+        while not self._stopping.wait(0.5):
+            self.sender.reap()
+            idle = not self._busy and not len(self.queue)
+            if idle and time.monotonic() - self._last_ok > self.config.probe_interval_s:
+                self._probe()
+
+
+def _build_transports(config: WorkerConfig) -> dict:
+    from data_plane.loopback import LoopbackTransport
+    from data_plane.mooncake import MooncakeConfig, MooncakeTransport
+    from data_plane.shm_transport import ShmTransport
+
+    made = {}
+    for name in config.transports:
+        if name == "shm":
+            made[name] = ShmTransport()
+        elif name == "mooncake":
+            made[name] = MooncakeTransport.for_process(MooncakeConfig(
+                hostname=config.host, device_names=config.mooncake_hca, force_tcp=config.mooncake_force_tcp,
+                transfer_timeout_s=max(5, int(config.write_timeout_s))))
+        elif name == "loopback":
+            made[name] = LoopbackTransport()
+        else:
+            raise ValueError(f"unknown transport {name!r}")
+    return made

@@ -1,0 +1,53 @@
+"""How either side reaches a room: in-process (the encode worker's own table, no HTTP to itself)
+or over REST (any other endpoint). Both raise ``RoomError`` subclasses or ``HandshakeError``."""
+
+from __future__ import annotations
+
+from handshake.client import SyncHandshakeClient
+from handshake.models import BeginWrite, CommitBody, FailBody, RoomView
+from handshake.rooms import RoomError, RoomNotFound, RoomTable
+
+
+class LocalRooms:
+    def __init__(self, table: RoomTable):
+        self.table = table
+
+    def wait(self, room: int, after_version: int, wait_s: float) -> RoomView:
+        (view,) = self.table.watch_sync({room: after_version}, wait_s)
+        if isinstance(view, RoomError):
+            raise view
+        return view
+
+    def begin_write(self, write: BeginWrite) -> RoomView:
+        return self.table.begin_write(write)
+
+    def commit(self, commit: CommitBody) -> RoomView:
+        return self.table.commit(commit)
+
+    def fail(self, room: int, reason: str, settled: bool) -> RoomView:
+        return self.table.fail(room, reason, settled)
+
+
+class RemoteRooms:
+    def __init__(self, client: SyncHandshakeClient):
+        self.client = client
+
+    @staticmethod
+    def _one(results) -> RoomView:
+        (result,) = results
+        if not result.ok:
+            error = RoomNotFound if result.status == 404 else RoomError
+            raise error(result.error)
+        return result.view
+
+    def wait(self, room: int, after_version: int, wait_s: float) -> RoomView:
+        return self._one(self.client.watch({room: after_version}, wait_s))
+
+    def begin_write(self, write: BeginWrite) -> RoomView:
+        return self._one(self.client.begin_write([write]))
+
+    def commit(self, commit: CommitBody) -> RoomView:
+        return self._one(self.client.commit([commit]))
+
+    def fail(self, room: int, reason: str, settled: bool) -> RoomView:
+        return self._one(self.client.fail([FailBody(room=room, reason=reason[:500], settled=settled)]))

@@ -1,0 +1,61 @@
+"""Test-side stand-ins for the peers of an encode worker: a receiver that reserves slots and
+checks commits (until the prefill library exists) and images to send."""
+
+import io
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+from data_plane.commit import Commit, EmbeddingLayout, accept_commit
+from data_plane.dtypes import dtype_to_wire
+from data_plane.pool import MemoryRegion, SlotPool
+from handshake.models import Registration, RoomState
+
+
+def png(height: int, width: int, seed: int) -> bytes:
+    pixels = np.random.RandomState(seed).randint(0, 255, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+class Receiver:
+    """Reserves one slot per room in its own pool and registers it with the room's table."""
+
+    def __init__(self, table, transports: dict, pool_bytes: int = 64 << 20):
+        self.table = table
+        self.transports = transports
+        self.pool = SlotPool(MemoryRegion.shared(pool_bytes), 1 << 16, quarantine_s=5)
+        for transport in transports.values():
+            transport.register(self.pool.region)
+        self.reserved = {}
+
+    def reserve(self, room: int, rows: int, width: int, dtype: torch.dtype):
+        layout = EmbeddingLayout(rows, width, dtype_to_wire(dtype))
+        lease = self.pool.lease(layout.nbytes)
+        offers = [t.offer(self.pool, lease) for t in self.transports.values()]
+        view = self.table.register(Registration(room=room, generation=lease.generation, rows=rows, width=width,
+                                                dtype=layout.dtype, offers=offers))
+        self.reserved[room] = (lease, layout)
+        return view
+
+    def wait(self, room: int, timeout: float = 30.0):
+        """(state, rows or None, view) once the room is terminal."""
+        end = time.monotonic() + timeout
+        version = 0
+        while time.monotonic() < end:
+            (view,) = self.table.watch_sync({room: version}, 1.0)
+            version = view.version
+            if view.state.terminal:
+                break
+        lease, layout = self.reserved[room]
+        if view.state is RoomState.SUCCESS:
+            commit = Commit(generation=view.commit.generation, rows=view.commit.rows, width=view.commit.width,
+                            dtype=view.commit.dtype, checksum=view.commit.checksum)
+            return view.state, accept_commit(self.pool, lease, layout, commit).clone(), view
+        return view.state, None, view
+
+    def close(self):
+        self.pool.region.close()

@@ -1,0 +1,235 @@
+"""The encode worker with real (small) Qwen-VL towers, a real ZMQ intake and real byte moves."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from data_plane.loopback import LoopbackTransport
+from encode_worker.inputs import image_from_bytes
+from encode_worker.intake import IntakeClient, IntakeRequest
+from encode_worker.small_checkpoints import build_full, build_vision_only
+from encode_worker.tower import TowerLoadError, VisionTower
+from encode_worker.worker import EncodeWorker, WorkerConfig
+from handshake.models import RoomState
+from multimodal.wire import EncodeHandshake
+from tests.encode_helpers import Receiver, png
+
+FULL_CLASSES = {
+    "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
+    "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+    "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+}
+SIZES = [(64, 64), (300, 200), (128, 96)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {family: build_full(family, str(tmp_path_factory.mktemp(family))) for family in FULL_CLASSES}
+
+
+def reference_rows(full_model, tower, image_png: bytes) -> torch.Tensor:
+    """transformers' own get_image_features for this image alone, in the wire layout."""
+    inputs = tower.processor(images=[image_from_bytes(image_png)], return_tensors="pt")
+    with torch.inference_mode():
+        out = full_model.get_image_features(inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+    (main,) = out.pooler_output
+    deepstack = getattr(out, "deepstack_features", None)
+    if deepstack:
+        return torch.cat([main, *[level[0] for level in deepstack]], dim=1)
+    return main
+
+
+def make_worker(checkpoint, tower=None, **overrides):
+    loopback = LoopbackTransport()
+    settings = dict(transports=("loopback",), bootstrap_port=0, intake_port=0, bind="127.0.0.1",
+                    ring_bytes=8 << 20, ring_slot_bytes=1 << 16, cache_bytes=32 << 20, receiver_wait_s=10)
+    config = WorkerConfig(model=checkpoint, **{**settings, **overrides})
+    worker = EncodeWorker(config, tower=tower, transports={"loopback": loopback}).start()
+    return worker, Receiver(worker.table, {"loopback": loopback})
+
+
+def handshake(worker, room):
+    return EncodeHandshake(bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=worker.bootstrap_port)
+
+
+def request(worker, room, request_id="r1", content_hash=None):
+    body = {"request_id": request_id, "encode_handshake": handshake(worker, room).model_dump(), "source": "bytes"}
+    if content_hash is not None:
+        body["content_hash"] = content_hash
+    return body
+
+
+@pytest.mark.parametrize("family", list(FULL_CLASSES))
+def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family):
+    directory = checkpoints[family]
+    full = FULL_CLASSES[family].from_pretrained(directory).eval()
+    worker, receiver = make_worker(directory)
+    try:
+        images = [png(h, w, seed) for seed, (h, w) in enumerate(SIZES)]
+        expected = [reference_rows(full, worker.tower, image) for image in images]
+        rooms = worker.table.mint(len(images), 60)
+        for room, rows in zip(rooms, expected):
+            receiver.reserve(room, rows.shape[0], rows.shape[1], rows.dtype)
+        jobs = [worker._job(_parse(request(worker, room)), image) for room, image in zip(rooms, images)]
+        worker.encode_batch(jobs)  # one mixed batch of three sizes
+        for room, rows in zip(rooms, expected):
+            state, got, view = receiver.wait(room)
+            assert state is RoomState.SUCCESS, view.reason
+            assert torch.equal(got, rows)
+            if family == "qwen3_vl":
+                main, deepstack = worker.tower.split_deepstack(got)
+                assert main.shape[1] == worker.tower.info.out_width and deepstack.shape[1] == 2 * main.shape[1]
+        assert worker.metrics.batch_items._sum.get() >= 3
+    finally:
+        worker.stop()
+        receiver.close()
+
+
+def _parse(body):
+    return IntakeRequest.model_validate(body)
+
+
+@pytest.fixture(scope="module")
+def qwen25(checkpoints):
+    return checkpoints["qwen2_5_vl"], VisionTower.load(checkpoints["qwen2_5_vl"])
+
+
+def test_intake_to_delivery_with_cache_hit(qwen25):
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower)
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    try:
+        image = png(200, 160, 7)
+        got = []
+        for attempt in range(2):
+            (room,) = worker.table.mint(1, 60)
+            reply = intake.send(request(worker, room, f"req{attempt}"), image)
+            assert reply == {"ok": True, "room": room, "reason": None}
+            # the receiver learns rows from the same processor config the worker uses
+            inputs = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
+            (rows,) = tower.rows_per_item(inputs["image_grid_thw"])
+            receiver.reserve(room, rows, tower.info.wire_width, tower.dtype)
+            state, data, view = receiver.wait(room)
+            assert state is RoomState.SUCCESS, view.reason
+            got.append(data)
+        assert worker.cache.hits == 1 and worker.cache.misses == 1
+        assert torch.equal(got[0], got[1])  # a hit ships the same bytes as the miss
+    finally:
+        intake.close()
+        worker.stop()
+        receiver.close()
+
+
+def rows_for(tower, image):
+    (rows,) = tower.rows_per_item(tower.processor(images=[image_from_bytes(image)], return_tensors="pt")["image_grid_thw"])
+    return rows
+
+
+def test_one_corrupt_image_fails_only_its_room(qwen25):
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower)
+    try:
+        good = [png(64, 64, 1), png(96, 64, 2)]
+        corrupt = png(64, 64, 3)[:200]  # a PNG header, then nothing
+        rooms = worker.table.mint(3, 60)
+        for room, image in ((rooms[0], good[0]), (rooms[2], good[1])):
+            receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
+        jobs = [worker._job(_parse(request(worker, room)), image)
+                for room, image in zip(rooms, [good[0], corrupt, good[1]])]
+        worker.encode_batch(jobs)
+        assert receiver.wait(rooms[0])[0] is RoomState.SUCCESS
+        assert receiver.wait(rooms[2])[0] is RoomState.SUCCESS
+        view = worker.table.view(rooms[1])
+        assert view.state is RoomState.FAILED and "cannot decode" in view.reason
+    finally:
+        worker.stop()
+        receiver.close()
+
+
+def test_full_send_ring_stops_intake_instead_of_growing(qwen25):
+    directory, tower = qwen25
+    image = png(448, 448, 4)  # 256 rows x 96 x fp32 = 96 KiB: two 64 KiB slots of a three-slot ring
+    worker, receiver = make_worker(directory, tower=tower, ring_bytes=3 << 16, queue_items=2, batch_items=1)
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    rooms = iter(worker.table.mint(8, 60))
+
+    def send():
+        room = next(rooms)
+        return room, intake.send(request(worker, room, f"r{room}", content_hash=room), image)
+
+    def eventually(condition, seconds=20):
+        end = time.monotonic() + seconds
+        while not condition() and time.monotonic() < end:
+            time.sleep(0.02)
+        return condition()
+
+    try:
+        accepted = [send(), send()]  # no receiver yet: A waits in the ring, B cannot be staged
+        assert all(reply["ok"] for _, reply in accepted)
+        assert eventually(lambda: worker.ring.stats()["leased_slots"] == 2 and len(worker.queue) == 0)
+        time.sleep(0.3)  # B is encoded and blocked on the full ring
+        accepted += [send(), send()]  # C and D fill the bounded queue
+        assert all(reply["ok"] for _, reply in accepted)
+        refused = [send(), send()]
+        time.sleep(0.3)
+        refused.append(send())  # still refused: the encode loop pulls nothing while the ring is full
+        assert all(reply == {"ok": False, "room": room, "reason": "queue full", "retry_after_s": 0.1}
+                   for room, reply in refused)
+        assert worker.ring.capacity == 3 << 16 and len(worker.queue) == 2
+        for room, _ in accepted:  # receivers arrive: everything accepted drains
+            receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
+        for room, _ in accepted:
+            assert receiver.wait(room)[0] is RoomState.SUCCESS
+        assert eventually(lambda: worker.ring.stats()["leased_slots"] == 0)
+    finally:
+        intake.close()
+        worker.stop()
+        receiver.close()
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([b"not json"], "bad metadata"),
+    ([b"{}", b"x", b"y"], "expected"),
+    ([json.dumps({"request_id": "a", "source": "bytes",
+                  "encode_handshake": {"bootstrap_room": 1, "bootstrap_host": "h", "bootstrap_port": 1}}).encode()],
+     "needs a payload"),
+    ([json.dumps({"request_id": "a", "source": "pixels", "shape": [2, 2, 3],
+                  "encode_handshake": {"bootstrap_room": 1, "bootstrap_host": "h", "bootstrap_port": 1}}).encode(),
+      b"12345"], "does not match shape"),
+    ([json.dumps({"request_id": "a", "source": "shm", "shm": {"shm_name": "../x", "shape": [1, 1, 3],
+                  "dtype": "uint8"},
+                  "encode_handshake": {"bootstrap_room": 1, "bootstrap_host": "h", "bootstrap_port": 1}}).encode()],
+     "bad metadata"),
+])
+def test_malformed_intake_is_refused_with_a_reason_and_the_worker_keeps_serving(qwen25, frames, reason):
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower)
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    try:
+        reply = intake.send_raw(frames)
+        assert reply["ok"] is False and reason in reply["reason"]
+        (room,) = worker.table.mint(1, 60)
+        image = png(64, 64, 9)
+        assert intake.send(request(worker, room), image)["ok"]
+        receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
+        assert receiver.wait(room)[0] is RoomState.SUCCESS
+    finally:
+        intake.close()
+        worker.stop()
+        receiver.close()
+
+
+def test_tower_refuses_missing_weights(tmp_path):
+    directory = build_vision_only("qwen2_5_vl", str(tmp_path / "v"))
+    assert VisionTower.load(directory).info.family == "qwen2_5_vl"  # a vision-only checkpoint loads
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    dropped = sorted(weights)[0]
+    del weights[dropped]
+    save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(TowerLoadError, match="missing"):
+        VisionTower.load(directory)
