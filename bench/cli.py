@@ -17,6 +17,16 @@ def build_parser() -> argparse.ArgumentParser:
     handshake = sub.add_parser("handshake", help="room lifecycles per second through the client, single and batch-8")
     handshake.add_argument("--seconds", type=float, default=3.0, help="duration of each concurrency level")
     handshake.add_argument("--json", default=None, help="write the results to this file")
+    encode = sub.add_parser("encode", help="encode worker items/s: batching, and delivery vs tower only")
+    encode.add_argument("--items", type=int, default=48)
+    encode.add_argument("--size", type=int, default=448, help="square image side in pixels")
+    encode.add_argument("--depth", type=int, default=2, help="tower layers")
+    encode.add_argument("--hidden", type=int, default=64, help="tower (ViT) width")
+    encode.add_argument("--dtype", default="float32", help="tower dtype (bfloat16 is ~5x slower on this CPU)")
+    encode.add_argument("--width", type=int, default=3584, help="output width (Qwen2.5-VL-7B: 3584)")
+    encode.add_argument("--transport", choices=("shm", "mooncake"), default="shm")
+    encode.add_argument("--rounds", type=int, default=3)
+    encode.add_argument("--json", default=None)
     return parser
 
 
@@ -28,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import transfer
 
         return transfer.main(args)
+    if args.command == "encode":
+        from bench import encode
+
+        return encode.main(args)
     if args.command == "handshake":
         from bench import handshake
 

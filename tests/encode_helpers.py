@@ -59,3 +59,36 @@ class Receiver:
 
     def close(self):
         self.pool.region.close()
+
+
+class RestReceiver(Receiver):
+    """The same receiver, reaching the rooms over REST (the encode worker is another process)."""
+
+    def __init__(self, client, transports: dict, pool_bytes: int = 64 << 20):
+        super().__init__(None, transports, pool_bytes)
+        self.client = client
+
+    def reserve(self, room: int, rows: int, width: int, dtype: torch.dtype):
+        layout = EmbeddingLayout(rows, width, dtype_to_wire(dtype))
+        lease = self.pool.lease(layout.nbytes)
+        offers = [t.offer(self.pool, lease) for t in self.transports.values()]
+        (result,) = self.client.register([Registration(room=room, generation=lease.generation, rows=rows,
+                                                       width=width, dtype=layout.dtype, offers=offers)])
+        self.reserved[room] = (lease, layout)
+        return result.view
+
+    def wait(self, room: int, timeout: float = 30.0):
+        end = time.monotonic() + timeout
+        version = 0
+        while time.monotonic() < end:
+            (result,) = self.client.watch({room: version}, 1.0)
+            view = result.view
+            version = view.version
+            if view.state.terminal:
+                break
+        lease, layout = self.reserved[room]
+        if view.state is RoomState.SUCCESS:
+            commit = Commit(generation=view.commit.generation, rows=view.commit.rows, width=view.commit.width,
+                            dtype=view.commit.dtype, checksum=view.commit.checksum)
+            return view.state, accept_commit(self.pool, lease, layout, commit).clone(), view
+        return view.state, None, view

@@ -4,12 +4,14 @@ import json
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
 from data_plane.loopback import LoopbackTransport
+from data_plane.shm import ShmTensorHandle
 from encode_worker.inputs import image_from_bytes
 from encode_worker.intake import IntakeClient, IntakeRequest
 from encode_worker.small_checkpoints import build_full, build_vision_only
@@ -233,3 +235,33 @@ def test_tower_refuses_missing_weights(tmp_path):
     save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(TowerLoadError, match="missing"):
         VisionTower.load(directory)
+
+
+def test_raw_pixels_and_shm_handles_encode_like_the_png(qwen25, no_new_segments):
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower, cache_bytes=0)
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    try:
+        image = png(120, 90, 21)
+        pixels = torch.from_numpy(np.array(image_from_bytes(image)))
+        handle = ShmTensorHandle.publish(pixels)
+        sends = [
+            (request(worker, 0, "png"), image),
+            ({**request(worker, 0, "raw"), "source": "pixels", "shape": list(pixels.shape)}, pixels.numpy().tobytes()),
+            ({**request(worker, 0, "shm", content_hash=5), "source": "shm", "shm": handle.to_wire()}, None),
+        ]
+        results = []
+        for body, payload in sends:
+            (room,) = worker.table.mint(1, 60)
+            body["encode_handshake"]["bootstrap_room"] = room
+            assert intake.send(body, payload)["ok"]
+            receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
+            state, rows, view = receiver.wait(room)
+            assert state is RoomState.SUCCESS, view.reason
+            results.append(rows)
+        assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+        assert not os.path.exists(f"/dev/shm/{handle.shm_name}")  # the worker consumed the handle
+    finally:
+        intake.close()
+        worker.stop()
+        receiver.close()

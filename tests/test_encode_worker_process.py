@@ -1,0 +1,125 @@
+"""`epd-encode-worker` as its own process: real Mooncake TCP and SHM writes into this process,
+readiness and metrics over HTTP, and a clean SIGTERM."""
+
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from data_plane.mooncake import MooncakeTransport
+from data_plane.shm_transport import ShmTransport
+from encode_worker.inputs import image_from_bytes
+from encode_worker.intake import IntakeClient
+from encode_worker.small_checkpoints import build_full
+from encode_worker.tower import VisionTower
+from handshake.client import SyncHandshakeClient
+from handshake.models import RoomState
+from tests.encode_helpers import RestReceiver, png
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, seconds: float = 60) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError("encode worker never became ready")
+
+
+@pytest.fixture(scope="module")
+def worker_process(tmp_path_factory):
+    directory = build_full("qwen2_5_vl", str(tmp_path_factory.mktemp("q25")))
+    bootstrap, intake = free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_WAIT_POLICY="PASSIVE", EPD_MODEL=directory,
+               EPD_BOOTSTRAP_PORT=str(bootstrap))
+    before = set(glob.glob("/dev/shm/epd-*"))
+    process = subprocess.Popen([sys.executable, "-m", "encode_worker.cli", "--dtype", "float32", "--bind", "127.0.0.1",
+                                "--intake-port", str(intake), "--transports", "shm,mooncake",
+                                "--ring-bytes", str(32 << 20)], env=env)
+    url = f"http://127.0.0.1:{bootstrap}"
+    try:
+        wait_ready(url)
+        yield process, url, intake, VisionTower.load(directory)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(30)
+    assert process.returncode == 0
+    assert set(glob.glob("/dev/shm/epd-*")) - before == set()
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_delivery_across_processes(worker_process, transport):
+    process, url, intake_port, tower = worker_process
+    made = {"shm": ShmTransport, "mooncake": MooncakeTransport.for_process}[transport]()
+    client = SyncHandshakeClient(url)
+    receiver = RestReceiver(client, {transport: made})
+    intake = IntakeClient(f"tcp://127.0.0.1:{intake_port}")
+    try:
+        images = [png(64, 64, 11), png(300, 200, 12)]
+        rooms = client.mint(len(images))
+        for index, (room, image) in enumerate(zip(rooms, images)):
+            expected = tower.encode_items(**_inputs(tower, image))[0]
+            if index == 0:  # receiver first
+                receiver.reserve(room, expected.shape[0], expected.shape[1], expected.dtype)
+            reply = intake.send({"request_id": f"{transport}{index}", "source": "bytes",
+                                 "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                                                      "bootstrap_port": int(url.rsplit(":", 1)[1])}}, image)
+            assert reply["ok"], reply
+            if index == 1:  # encoder first: the rows wait in the ring for the receiver
+                time.sleep(0.3)
+                receiver.reserve(room, expected.shape[0], expected.shape[1], expected.dtype)
+            state, got, view = receiver.wait(room)
+            assert state is RoomState.SUCCESS, view.reason
+            assert view.transport == transport
+            assert torch.equal(got, expected)
+    finally:
+        intake.close()
+        client.close()
+        receiver.close()
+
+
+def _inputs(tower, image):
+    inputs = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
+    return {"pixel_values": inputs["pixel_values"], "grid_thw": inputs["image_grid_thw"]}
+
+
+def test_probes_and_metrics(worker_process):
+    process, url, _, _ = worker_process
+    with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
+        assert response.status == 200
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for name in ("epd_encoder_requests_total", "epd_encoder_queue_depth", "epd_encoder_ring_occupancy",
+                 "epd_encoder_cache_hits", "epd_encoder_batch_items", "epd_handshake_rooms"):
+        assert name in text, name
+
+
+def test_every_flag_has_an_env_var():
+    from encode_worker.cli import FLAGS, build_parser, env_name
+
+    os.environ["EPD_BATCH_ITEMS"] = "3"
+    try:
+        assert build_parser().parse_args([]).batch_items == 3
+        assert build_parser().parse_args(["--batch-items", "5"]).batch_items == 5
+    finally:
+        del os.environ["EPD_BATCH_ITEMS"]
+    assert len({env_name(flag) for flag, *_ in FLAGS}) == len(FLAGS)
