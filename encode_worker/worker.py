@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import queue
 import threading
 import time
 import zlib
@@ -115,6 +116,8 @@ class EncodeWorker:
         self._healthy = False
         self._last_ok = 0.0
         self._busy = False
+        self._prepared: queue.Queue = queue.Queue(maxsize=1)  # batches decoded, waiting for the tower
+        self._encoded: queue.Queue = queue.Queue(maxsize=1)  # batches encoded, waiting for the ring
         self._threads: list[threading.Thread] = []
         self.server: ThreadedServer | None = None
         self.intake_port: int | None = None
@@ -133,7 +136,8 @@ class EncodeWorker:
             self.intake_port = self.config.intake_port
         else:
             self.intake_port = self._socket.bind_to_random_port(f"tcp://{self.config.bind}")
-        for target, name in ((self._intake_loop, "intake"), (self._encode_loop, "encode"),
+        for target, name in ((self._intake_loop, "intake"), (self._prepare_loop, "prepare"),
+                             (self._encode_loop, "encode"), (self._stage_loop, "stage"),
                              (self._housekeeping_loop, "housekeeping")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -147,10 +151,12 @@ class EncodeWorker:
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop intake, fail what is queued, let in-flight deliveries end, release memory."""
         self._stopping.set()
-        for job in self.queue.drain():
-            self._fail_room(job.handshake, "encode worker shutting down", "IMAGE")
+        self._fail_all(self.queue.drain(), "encode worker shutting down")
         for thread in self._threads:
             thread.join(grace_s)
+        for stage_queue, pick in ((self._prepared, lambda item: item[0]), (self._encoded, lambda item: [j for j, _ in item])):
+            while not stage_queue.empty():
+                self._fail_all(pick(stage_queue.get_nowait()), "encode worker shutting down")
         self.sender.close(wait=True)
         self.sender.reap()
         if self.server is not None:
@@ -271,22 +277,66 @@ class EncodeWorker:
 
     # ---- encode ----------------------------------------------------------------------------
 
-    def _encode_loop(self) -> None:
+    # Three stages, one thread each, joined by bounded queues, so decoding the next batch and
+    # staging the last one overlap the tower. A full send ring blocks staging, which fills the
+    # queues behind it, which stops the prepare stage pulling from intake: backpressure.
+
+    def _prepare_loop(self) -> None:
         while not self._stopping.is_set():
             batch = self.queue.take_batch(0.2)
-            if not batch:
+            if batch and not self._put(self._prepared, (batch, self.prepare(batch))):
+                self._fail_all(batch, "encode worker shutting down")
+
+    def _encode_loop(self) -> None:
+        while not self._stopping.is_set():
+            item = self._get(self._prepared)
+            if item is None:
                 continue
+            batch, (misses, ready) = item
             self._busy = True
             try:
-                self.encode_batch(batch)
+                ready = ready + self.encode(misses)
             except Exception:
                 log.exception("batch crashed")
-                for job in batch:
-                    self._fail_room(job.handshake, "encode worker error while encoding", job.modality)
+                self._fail_all([job for job, *_ in misses], "encode worker error while encoding")
             finally:
                 self._busy = False
+            if not self._put(self._encoded, ready):
+                self._fail_all([job for job, _ in ready], "encode worker shutting down")
+
+    def _stage_loop(self) -> None:
+        while not self._stopping.is_set():
+            ready = self._get(self._encoded)
+            for job, rows in ready or ():
+                self._stage_and_send(job, rows)
+
+    def _put(self, stage_queue: queue.Queue, item) -> bool:
+        while not self._stopping.is_set():
+            try:
+                stage_queue.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _get(self, stage_queue: queue.Queue):
+        try:
+            return stage_queue.get(timeout=0.2)
+        except queue.Empty:
+            return None
+
+    def _fail_all(self, jobs: list[EncodeJob], reason: str) -> None:
+        for job in jobs:
+            self._fail_room(job.handshake, reason, job.modality)
 
     def encode_batch(self, batch: list[EncodeJob]) -> None:
+        """All three stages in the caller's thread (tests, tools)."""
+        misses, ready = self.prepare(batch)
+        for job, rows in ready + self.encode(misses):
+            self._stage_and_send(job, rows)
+
+    def prepare(self, batch: list[EncodeJob]):
+        """Decode and preprocess; cache hits skip the tower. -> (misses, ready)."""
         misses, ready = [], []
         for job in batch:
             try:
@@ -299,14 +349,17 @@ class EncodeWorker:
                     misses.append((job, key, self.tower.processor(images=[image], return_tensors="pt")))
             except BadItem as exc:
                 self._fail_room(job.handshake, str(exc), job.modality)
+        return misses, ready
+
+    def encode(self, misses) -> list[tuple[EncodeJob, torch.Tensor]]:
+        """Run the tower once over all misses; cache and return each item's rows."""
+        ready = []
         if misses:
             for (job, key, _), rows in zip(misses, self._encode_misses(misses)):
-                if rows is None:
-                    continue
-                self.cache.put(key, rows)
-                ready.append((job, rows))
-        for job, rows in ready:
-            self._stage_and_send(job, rows)
+                if rows is not None:
+                    self.cache.put(key, rows)
+                    ready.append((job, rows))
+        return ready
 
     def _encode_misses(self, misses) -> list[torch.Tensor | None]:
         pixel_values = torch.cat([inputs["pixel_values"] for _, _, inputs in misses])
@@ -336,19 +389,19 @@ class EncodeWorker:
     def _stage_and_send(self, job: EncodeJob, rows: torch.Tensor) -> None:
         layout = EmbeddingLayout.of(rows)
         deadline = time.monotonic() + self.config.receiver_wait_s
-        with self.sender.slot_freed:
-            while True:
-                try:
-                    lease = stage(self.ring, rows)
-                    break
-                except TooLarge:
-                    self._fail_room(job.handshake, f"item of {layout.nbytes} bytes is larger than the send ring",
-                                    job.modality)
+        while True:
+            try:
+                lease = stage(self.ring, rows)
+                break
+            except TooLarge:
+                self._fail_room(job.handshake, f"item of {layout.nbytes} bytes is larger than the send ring",
+                                job.modality)
+                return
+            except NoCapacity:  # backpressure: this stage blocks, and so, in turn, do those before it
+                if time.monotonic() >= deadline:
+                    self._fail_room(job.handshake, "send ring stayed full", job.modality)
                     return
-                except NoCapacity:  # backpressure: the encode loop stops pulling work meanwhile
-                    if time.monotonic() >= deadline:
-                        self._fail_room(job.handshake, "send ring stayed full", job.modality)
-                        return
+                with self.sender.slot_freed:
                     self.sender.slot_freed.wait(0.05)
         digest = checksum(self.ring.view(lease)) if self.config.checksum else None
         timings = {"queue_s": time.monotonic() - job.received_at}
@@ -357,7 +410,7 @@ class EncodeWorker:
     def _housekeeping_loop(self) -> None:
         while not self._stopping.wait(0.5):
             self.sender.reap()
-            idle = not self._busy and not len(self.queue)
+            idle = not self._busy and not len(self.queue) and self._prepared.empty()
             if idle and time.monotonic() - self._last_ok > self.config.probe_interval_s:
                 self._probe()
 
