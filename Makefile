@@ -37,6 +37,8 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/epd-bench transfer
+	$(VENV)/bin/epd-bench handshake
+	$(VENV)/bin/epd-bench encode
 
 clean:
 	rm -rf $(VENV) build *.egg-info

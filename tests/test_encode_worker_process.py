@@ -44,20 +44,29 @@ def wait_ready(url: str, seconds: float = 60) -> None:
     raise TimeoutError("encode worker never became ready")
 
 
-@pytest.fixture(scope="module")
-def worker_process(tmp_path_factory):
-    directory = build_full("qwen2_5_vl", str(tmp_path_factory.mktemp("q25")))
+def spawn_worker(directory):
     bootstrap, intake = free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_WAIT_POLICY="PASSIVE", EPD_MODEL=directory,
                EPD_BOOTSTRAP_PORT=str(bootstrap))
-    before = set(glob.glob("/dev/shm/epd-*"))
     process = subprocess.Popen([sys.executable, "-m", "encode_worker.cli", "--dtype", "float32", "--bind", "127.0.0.1",
                                 "--intake-port", str(intake), "--transports", "shm,mooncake",
                                 "--ring-bytes", str(32 << 20)], env=env)
     url = f"http://127.0.0.1:{bootstrap}"
+    wait_ready(url)
+    return process, url, intake
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_full("qwen2_5_vl", str(tmp_path_factory.mktemp("q25")))
+
+
+@pytest.fixture(scope="module")
+def worker_process(checkpoint):
+    before = set(glob.glob("/dev/shm/epd-*"))
+    process, url, intake = spawn_worker(checkpoint)
     try:
-        wait_ready(url)
-        yield process, url, intake, VisionTower.load(directory)
+        yield process, url, intake, VisionTower.load(checkpoint)
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -123,3 +132,71 @@ def test_every_flag_has_an_env_var():
     finally:
         del os.environ["EPD_BATCH_ITEMS"]
     assert len({env_name(flag) for flag, *_ in FLAGS}) == len(FLAGS)
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_prefill_receiver_across_processes(worker_process, transport):
+    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from prefill_side import JobState, PrefillReceiver, ReceiverConfig
+
+    process, url, intake_port, tower = worker_process
+    port = int(url.rsplit(":", 1)[1])
+    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=16 << 20,
+                                              slot_bytes=1 << 16, transports=(transport,)))
+    client = SyncHandshakeClient(url)
+    intake = IntakeClient(f"tcp://127.0.0.1:{intake_port}")
+    try:
+        images = [png(64, 64, 31), png(300, 200, 32), png(200, 120, 33)]
+        rooms = client.mint(len(images))
+        expected = [tower.encode_items(**_inputs(tower, image))[0] for image in images]
+        items = [MultimodalDataItem(Modality.IMAGE, offsets=[[0, rows.shape[0] - 1]],
+                                    encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                                                      "bootstrap_port": port})
+                 for room, rows in zip(rooms, expected)]
+        job = receiver.start("req", MultimodalInputs(items))
+        for index, (room, image) in enumerate(zip(rooms, images)):
+            assert intake.send({"request_id": f"p{index}", "source": "bytes",
+                                "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                                                     "bootstrap_port": port}}, image)["ok"]
+        assert job.wait(30) is JobState.DONE, job.reasons
+        assert all(o.transport == transport for o in job.outcomes)
+        for item, rows in zip(items, expected):
+            assert torch.equal(item.encoded, rows)
+    finally:
+        intake.close()
+        client.close()
+        receiver.close()
+
+
+def test_encode_worker_killed_fails_the_job_fast_and_falls_back(checkpoint):
+    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from prefill_side import JobState, PrefillReceiver, ReceiverConfig
+
+    tower = VisionTower.load(checkpoint)
+    process, url, _ = spawn_worker(checkpoint)
+    port = int(url.rsplit(":", 1)[1])
+    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=16 << 20,
+                                              slot_bytes=1 << 16, transports=("shm",), fallback="local_tower"),
+                               local_tower=tower)
+    client = SyncHandshakeClient(url)
+    try:
+        image = png(96, 64, 41)
+        rows = tower.encode_items(**_inputs(tower, image))[0]
+        (room,) = client.mint(1)
+        item = MultimodalDataItem(Modality.IMAGE, offsets=[[0, rows.shape[0] - 1]], feature=image,
+                                  encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                                                    "bootstrap_port": port})
+        job = receiver.start("req", MultimodalInputs([item]))
+        time.sleep(0.5)  # registered; the pixels never arrive, and then the worker dies
+        process.kill()
+        killed = time.monotonic()
+        assert job.wait(10) is JobState.DONE
+        assert time.monotonic() - killed < 2.0
+        outcome = job.outcomes[0]
+        assert outcome.fallback and "unreachable" in outcome.reason
+        assert torch.equal(item.encoded, rows)
+    finally:
+        client.close()
+        receiver.close()
+        process.kill()
+        process.wait(10)

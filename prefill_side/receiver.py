@@ -1,0 +1,341 @@
+"""The receiver: reserve a slot per item, register it in the item's room, publish verified rows.
+
+One ``PrefillReceiver`` per engine process owns the registered receive pool and the transports.
+``start(request_id, mm_inputs)`` returns at once with a ``ReceiveJob``; the work runs on the
+receiver's own event-loop thread, so the engine's loop never blocks on HTTP. Per endpoint, one
+register call and one long-poll watch per round cover all of a request's items.
+
+``encoded`` is a copy of the slot's rows: the slot is released as soon as the rows are verified
+and copied, so receive-pool occupancy is bounded by items in flight, and ``encoded`` is plain
+memory owned by the item (freed with it). Items without an ``encode_handshake``, and items whose
+``encoded`` is already set (chunked prefill), are left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit
+from data_plane.pool import Lease, MemoryRegion, NoCapacity, SlotPool, TooLarge
+from handshake.client import HandshakeClient, HandshakeError
+from handshake.models import Registration, RoomState
+from multimodal.items import MultimodalDataItem, MultimodalInputs
+from multimodal.rows import RowContractError, item_rows
+from multimodal.wire import EncodeHandshake
+
+log = logging.getLogger(__name__)
+
+
+class JobState(enum.Enum):
+    PENDING = "PENDING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    width: int  # wire width of one row (Qwen3-VL: out_width * (1 + deepstack_levels))
+    dtype: str = "bfloat16"
+    deepstack_width: int = 0  # > 0: the last deepstack_width columns go to encoded_deepstack
+    pool_bytes: int = 1 << 30
+    slot_bytes: int = 1 << 20
+    quarantine_s: float = 40.0  # above the writers' own transfer timeout (see MooncakeConfig)
+    transports: tuple[str, ...] = ("shm", "mooncake")
+    item_timeout_s: float = 60.0
+    poll_s: float = 0.5  # long-poll slice: an unreachable endpoint is noticed within about this
+    fallback: str = "fail"  # or "local_tower": encode the kept pixels with a local VisionTower
+    handshake_token: str | None = None
+    verify_checksum: bool = True
+
+
+@dataclass
+class ItemOutcome:
+    index: int
+    state: str = "PENDING"  # PENDING, DONE, FAILED, SKIPPED
+    transport: str | None = None
+    reason: str | None = None
+    seconds: float = 0.0
+    fallback: bool = False
+
+
+@dataclass
+class _Pending:
+    index: int
+    item: MultimodalDataItem
+    handshake: EncodeHandshake
+    layout: EmbeddingLayout
+    lease: Lease
+    deadline: float
+    version: int = 0
+
+
+class ReceiveJob:
+    def __init__(self, request_id: str, inputs: MultimodalInputs, receiver: PrefillReceiver):
+        self.request_id = request_id
+        self.inputs = inputs
+        self.outcomes = [ItemOutcome(i) for i in range(len(inputs.mm_items))]
+        self._receiver = receiver
+        self._future: Future | None = None
+        self._cancelled = threading.Event()
+        self.started = time.monotonic()
+
+    def poll(self) -> JobState:
+        """Non-blocking: PENDING until every item is DONE (or skipped), or FAILED."""
+        if self._future is None or not self._future.done():
+            return JobState.PENDING
+        return JobState.FAILED if any(o.state == "FAILED" for o in self.outcomes) else JobState.DONE
+
+    def wait(self, timeout: float | None = None) -> JobState:
+        if self._future is not None:
+            try:
+                self._future.result(timeout)
+            except TimeoutError:
+                return JobState.PENDING
+        return self.poll()
+
+    @property
+    def reasons(self) -> dict[int, str]:
+        return {o.index: o.reason for o in self.outcomes if o.state == "FAILED"}
+
+    def cancel(self, reason: str = "request cancelled by the engine") -> None:
+        """Cancel the job's rooms so encode workers stop; items not yet received fail."""
+        self._cancelled.set()
+        self._cancel_reason = reason
+
+
+class ReceiverMetrics:
+    def __init__(self, registry: CollectorRegistry, receiver: PrefillReceiver):
+        self.items = Counter("epd_prefill_items", "Items by transport and outcome", ["transport", "outcome"],
+                             registry=registry)
+        self.latency = Histogram("epd_prefill_receive_seconds", "Start of job to item published",
+                                 registry=registry)
+        self.bytes = Counter("epd_prefill_bytes", "Bytes received", ["transport"], registry=registry)
+        self.fallbacks = Counter("epd_prefill_fallbacks", "Items encoded by the local tower", registry=registry)
+        Gauge("epd_prefill_pool_leased_slots", "Receive pool slots leased", registry=registry).set_function(
+            lambda: receiver.pool.stats()["leased_slots"])
+        Gauge("epd_prefill_pool_quarantined_slots", "Receive pool slots in quarantine",
+              registry=registry).set_function(lambda: receiver.pool.stats()["quarantined_slots"])
+
+
+class PrefillReceiver:
+    def __init__(self, config: ReceiverConfig, transports: dict | None = None, local_tower=None,
+                 registry: CollectorRegistry | None = None):
+        self.config = config
+        self.pool = SlotPool(MemoryRegion.shared(config.pool_bytes), config.slot_bytes, config.quarantine_s)
+        self.transports = transports if transports is not None else _build_transports(config.transports)
+        for transport in self.transports.values():
+            transport.register(self.pool.region)
+        self.local_tower = local_tower
+        self.registry = registry or CollectorRegistry()
+        self.metrics = ReceiverMetrics(self.registry, self)
+        self._clients: dict[tuple[str, int], HandshakeClient] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="prefill-receiver", daemon=True)
+        self._thread.start()
+
+    def start(self, request_id: str, inputs: MultimodalInputs) -> ReceiveJob:
+        job = ReceiveJob(request_id, inputs, self)
+        job._future = asyncio.run_coroutine_threadsafe(self._run(job), self._loop)
+        return job
+
+    def close(self) -> None:
+        async def shutdown():
+            for client in self._clients.values():
+                await client.close()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        for transport in self.transports.values():
+            transport.close()
+        self.pool.region.close()
+
+    # ---- the job, on the receiver's loop ----------------------------------------------------
+
+    def _client(self, handshake: EncodeHandshake) -> HandshakeClient:
+        key = (handshake.bootstrap_host, handshake.bootstrap_port)
+        client = self._clients.get(key)
+        if client is None:
+            url = f"http://{handshake.bootstrap_host}:{handshake.bootstrap_port}"
+            client = self._clients[key] = HandshakeClient(url, self.config.handshake_token, timeout_s=2.0,
+                                                          retries=2, backoff_s=0.1)
+        return client
+
+    async def _run(self, job: ReceiveJob) -> None:
+        pending: list[_Pending] = []
+        for index, item in enumerate(job.inputs.mm_items):
+            if item.encode_handshake is None or item.encoded is not None:
+                job.outcomes[index].state = "SKIPPED"
+                continue
+            try:
+                pending.append(self._reserve(index, item))
+            except (ValueError, RowContractError, NoCapacity, TooLarge) as exc:
+                await self._give_up(job, index, item, f"cannot reserve: {exc}", None, quarantine=False)
+        by_endpoint: dict[tuple[str, int], list[_Pending]] = {}
+        for entry in pending:
+            by_endpoint.setdefault((entry.handshake.bootstrap_host, entry.handshake.bootstrap_port), []).append(entry)
+        await asyncio.gather(*(self._serve_endpoint(job, entries) for entries in by_endpoint.values()))
+
+    def _reserve(self, index: int, item: MultimodalDataItem) -> _Pending:
+        handshake = EncodeHandshake(**item.encode_handshake)
+        layout = EmbeddingLayout(item_rows(item.offsets), self.config.width, self.config.dtype)
+        lease = self.pool.lease(layout.nbytes)  # NoCapacity: refuse now, never wait
+        return _Pending(index, item, handshake, layout, lease, time.monotonic() + self.config.item_timeout_s)
+
+    async def _serve_endpoint(self, job: ReceiveJob, entries: list[_Pending]) -> None:
+        client = self._client(entries[0].handshake)
+        registrations = []
+        for entry in entries:
+            offers = [t.offer(self.pool, entry.lease) for t in self.transports.values()]
+            registrations.append(Registration(room=entry.handshake.bootstrap_room, generation=entry.lease.generation,
+                                              rows=entry.layout.rows, width=entry.layout.width,
+                                              dtype=entry.layout.dtype, offers=offers,
+                                              deadline_s=self.config.item_timeout_s))
+        live = {entry.handshake.bootstrap_room: entry for entry in entries}
+        try:
+            results = await client.register(registrations)
+        except HandshakeError as exc:
+            for entry in entries:
+                await self._give_up(job, entry.index, entry.item, f"encode worker endpoint unreachable: {exc}", entry,
+                                    quarantine=False)
+            return
+        for result in results:
+            entry = live[result.room]
+            if not result.ok:
+                del live[result.room]
+                await self._give_up(job, entry.index, entry.item, f"registration refused: {result.error}", entry,
+                                    quarantine=False)
+            else:
+                entry.version = 0  # the first watch answers at once with the current state
+        cancel_sent = False
+        while live:
+            if job._cancelled.is_set() and not cancel_sent:
+                cancel_sent = True
+                try:
+                    await client.cancel(list(live), getattr(job, "_cancel_reason", "cancelled"))
+                except HandshakeError as exc:
+                    log.warning("cancel of %d rooms failed: %s", len(live), exc)
+            try:
+                results = await client.watch({room: e.version for room, e in live.items()}, self.config.poll_s)
+            except HandshakeError as exc:
+                for entry in list(live.values()):
+                    await self._give_up(job, entry.index, entry.item, f"encode worker endpoint unreachable: {exc}",
+                                        entry, quarantine=True)
+                return
+            now = time.monotonic()
+            for result in results:
+                entry = live.get(result.room)
+                if entry is None:
+                    continue
+                if not result.ok:
+                    del live[result.room]
+                    await self._give_up(job, entry.index, entry.item, f"room lost: {result.error}", entry,
+                                        quarantine=True)
+                    continue
+                view = result.view
+                entry.version = view.version
+                if view.state is RoomState.SUCCESS:
+                    del live[result.room]
+                    await self._publish(job, entry, view)
+                elif view.state.terminal:
+                    del live[result.room]
+                    await self._give_up(job, entry.index, entry.item,
+                                        f"room {view.state.value}: {view.reason or 'no reason given'}", entry,
+                                        quarantine=not view.writer_settled)
+                elif now >= entry.deadline:
+                    del live[result.room]
+                    try:
+                        await client.cancel([result.room], "receiver timed out")
+                    except HandshakeError:
+                        pass
+                    await self._give_up(job, entry.index, entry.item, "timed out waiting for the encode worker",
+                                        entry, quarantine=True)
+
+    async def _publish(self, job: ReceiveJob, entry: _Pending, view) -> None:
+        commit = Commit(generation=view.commit.generation, rows=view.commit.rows, width=view.commit.width,
+                        dtype=view.commit.dtype, checksum=view.commit.checksum)
+        try:
+            rows = accept_commit(self.pool, entry.lease, entry.layout, commit, self.config.verify_checksum)
+        except ContractError as exc:
+            await self._give_up(job, entry.index, entry.item, f"commit rejected: {exc}", entry, quarantine=True)
+            return
+        encoded = rows.clone()
+        self.pool.release(entry.lease)
+        self._set_encoded(entry.item, encoded)
+        outcome = job.outcomes[entry.index]
+        outcome.state, outcome.transport = "DONE", view.transport
+        outcome.seconds = time.monotonic() - job.started
+        self.metrics.items.labels(view.transport or "unknown", "done").inc()
+        self.metrics.bytes.labels(view.transport or "unknown").inc(entry.layout.nbytes)
+        self.metrics.latency.observe(outcome.seconds)
+
+    def _set_encoded(self, item: MultimodalDataItem, rows: torch.Tensor) -> None:
+        if self.config.deepstack_width:
+            item.encoded = rows[:, : rows.shape[1] - self.config.deepstack_width]
+            item.encoded_deepstack = rows[:, rows.shape[1] - self.config.deepstack_width :]
+        else:
+            item.encoded = rows
+
+    async def _give_up(self, job: ReceiveJob, index: int, item: MultimodalDataItem, reason: str,
+                       entry: _Pending | None, quarantine: bool) -> None:
+        """The room failed: free or quarantine its slot, then fall back or fail the item."""
+        if entry is not None:
+            (self.pool.quarantine if quarantine else self.pool.release)(entry.lease)
+        outcome = job.outcomes[index]
+        outcome.seconds = time.monotonic() - job.started
+        if self.config.fallback == "local_tower" and self.local_tower is not None and item.feature is not None \
+                and not job._cancelled.is_set():
+            try:
+                rows = await asyncio.get_running_loop().run_in_executor(None, self._encode_locally, item)
+                self._set_encoded(item, rows)
+                outcome.state, outcome.transport, outcome.fallback = "DONE", "local_tower", True
+                outcome.reason = f"fallback after: {reason}"
+                self.metrics.fallbacks.inc()
+                self.metrics.items.labels("local_tower", "done").inc()
+                return
+            except Exception as exc:  # the fallback failing must not hide the first reason
+                reason = f"{reason}; local tower also failed: {exc}"
+        outcome.state, outcome.reason = "FAILED", reason
+        self.metrics.items.labels("none", "failed").inc()
+
+    def _encode_locally(self, item: MultimodalDataItem) -> torch.Tensor:
+        from encode_worker.inputs import image_from_bytes, image_from_pixels
+
+        feature = item.feature
+        image = image_from_bytes(feature) if isinstance(feature, (bytes, bytearray)) else image_from_pixels(feature)
+        inputs = self.local_tower.processor(images=[image], return_tensors="pt")
+        (rows,) = self.local_tower.encode_items(inputs["pixel_values"], inputs["image_grid_thw"])
+        return rows.to(self.local_tower.dtype).clone()
+
+
+def _build_transports(names: tuple[str, ...]) -> dict:
+    from data_plane.loopback import LoopbackTransport
+    from data_plane.mooncake import MooncakeTransport, MooncakeUnavailable
+    from data_plane.shm_transport import ShmTransport
+
+    made = {}
+    for name in names:
+        if name == "shm":
+            made[name] = ShmTransport()
+        elif name == "mooncake":
+            try:
+                made[name] = MooncakeTransport.for_process()
+            except MooncakeUnavailable as exc:
+                if len(names) == 1:
+                    raise
+                log.warning("Mooncake unavailable, receiving over %s only: %s",
+                            ",".join(n for n in names if n != "mooncake"), exc)
+        elif name == "loopback":
+            made[name] = LoopbackTransport()
+        else:
+            raise ValueError(f"unknown transport {name!r}")
+    return made

@@ -1,0 +1,152 @@
+"""The prefill-side receiver against a real encode worker: in-process over loopback, faults."""
+
+import time
+
+import pytest
+import torch
+
+from data_plane.loopback import LoopbackFault, LoopbackTransport
+from encode_worker.inputs import image_from_bytes
+from encode_worker.intake import IntakeClient
+from encode_worker.small_checkpoints import build_full
+from encode_worker.tower import VisionTower
+from encode_worker.worker import EncodeWorker, WorkerConfig
+from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from prefill_side import JobState, PrefillReceiver, ReceiverConfig
+from tests.encode_helpers import png
+
+
+@pytest.fixture(scope="module")
+def tower(tmp_path_factory):
+    return VisionTower.load(build_full("qwen2_5_vl", str(tmp_path_factory.mktemp("q25"))))
+
+
+@pytest.fixture
+def stack(tower):
+    loopback = LoopbackTransport()
+    config = WorkerConfig(model=tower.model_id, transports=("loopback",), bootstrap_port=0, intake_port=0,
+                          bind="127.0.0.1", ring_bytes=8 << 20, ring_slot_bytes=1 << 16, cache_bytes=0,
+                          receiver_wait_s=10, write_timeout_s=2)
+    worker = EncodeWorker(config, tower=tower, transports={"loopback": loopback}).start()
+    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=8 << 20,
+                                              slot_bytes=1 << 16, quarantine_s=1.0, item_timeout_s=10,
+                                              fallback="local_tower"),
+                               transports={"loopback": loopback}, local_tower=tower)
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    yield worker, receiver, intake, loopback
+    intake.close()
+    receiver.close()
+    worker.stop()
+
+
+def expected_rows(tower, image):
+    inputs = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
+    return tower.encode_items(inputs["pixel_values"], inputs["image_grid_thw"])[0]
+
+
+def make_request(worker, tower, images, keep_pixels=False):
+    rooms = worker.table.mint(len(images), 60)
+    items = []
+    for room, image in zip(rooms, images):
+        rows = expected_rows(tower, image).shape[0]
+        items.append(MultimodalDataItem(
+            Modality.IMAGE, offsets=[[10, 10 + rows - 1]], feature=image if keep_pixels else None,
+            encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                              "bootstrap_port": worker.bootstrap_port}))
+    return MultimodalInputs(items), rooms
+
+
+def send(intake, worker, room, image, tag):
+    reply = intake.send({"request_id": tag, "source": "bytes",
+                         "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                                              "bootstrap_port": worker.bootstrap_port}}, image)
+    assert reply["ok"], reply
+
+
+@pytest.mark.parametrize("receiver_first", [True, False])
+def test_multi_item_request_is_byte_exact_in_either_order(stack, tower, receiver_first):
+    worker, receiver, intake, _ = stack
+    images = [png(64, 64, 1), png(300, 200, 2), png(128, 96, 3)]
+    inputs, rooms = make_request(worker, tower, images)
+    skipped_text = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 3]])  # no handshake: left alone
+    already = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 3]], encoded=torch.ones(4, 2),
+                                 encode_handshake={"bootstrap_room": 1, "bootstrap_host": "127.0.0.1",
+                                                   "bootstrap_port": worker.bootstrap_port})
+    inputs.mm_items += [skipped_text, already]
+    if receiver_first:
+        job = receiver.start("req", inputs)
+        time.sleep(0.2)
+    for index, (room, image) in enumerate(zip(rooms, images)):
+        send(intake, worker, room, image, f"r{index}")
+    if not receiver_first:
+        time.sleep(0.3)
+        job = receiver.start("req", inputs)
+    assert job.wait(20) is JobState.DONE, job.reasons
+    for item, image in zip(inputs.mm_items, images):
+        assert torch.equal(item.encoded, expected_rows(tower, image))
+    assert [o.state for o in job.outcomes] == ["DONE"] * 3 + ["SKIPPED"] * 2
+    assert all(o.transport == "loopback" for o in job.outcomes[:3])
+    assert torch.equal(already.encoded, torch.ones(4, 2)) and skipped_text.encoded is None
+    assert receiver.pool.stats()["leased_slots"] == 0  # encoded is a copy: slots are free again
+
+
+def test_poll_never_blocks_and_cancel_fails_fast(stack, tower):
+    worker, receiver, intake, _ = stack
+    images = [png(64, 64, 4)]
+    inputs, rooms = make_request(worker, tower, images)
+    job = receiver.start("req", inputs)
+    started = time.monotonic()
+    assert job.poll() is JobState.PENDING and time.monotonic() - started < 0.05
+    time.sleep(0.2)
+    job.cancel("user went away")
+    assert job.wait(3) is JobState.FAILED
+    assert "CANCELLED" in job.reasons[0] and time.monotonic() - started < 3
+    assert worker.table.view(rooms[0]).state.value == "CANCELLED"
+
+
+def test_request_larger_than_the_pool_is_refused_at_once(stack, tower):
+    worker, receiver, _, _ = stack
+    (room,) = worker.table.mint(1, 60)
+    huge = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 100_000]],
+                              encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                                                "bootstrap_port": worker.bootstrap_port})
+    job = receiver.start("big", MultimodalInputs([huge]))
+    assert job.wait(2) is JobState.FAILED and "cannot reserve" in job.reasons[0]
+    assert receiver.pool.stats()["leased_slots"] == 0
+
+
+def test_failed_write_that_lands_late_is_quarantined_and_falls_back(stack, tower):
+    worker, receiver, intake, loopback = stack
+    image = png(96, 96, 5)
+    inputs, rooms = make_request(worker, tower, [image], keep_pixels=True)
+    loopback.inject(LoopbackFault("late", 0.4))  # the write "fails" now, its bytes land in 0.4 s
+    job = receiver.start("late", inputs)
+    send(intake, worker, rooms[0], image, "late")
+    assert job.wait(10) is JobState.DONE
+    outcome = job.outcomes[0]
+    assert outcome.fallback and outcome.transport == "local_tower" and "write failed" in outcome.reason
+    assert torch.equal(inputs.mm_items[0].encoded, expected_rows(tower, image))
+    assert receiver.pool.stats()["quarantined_slots"] > 0  # the slot waits out the late write
+    # the next tenant gets other slots, and its bytes are intact after the late write lands
+    image2 = png(96, 96, 6)
+    inputs2, rooms2 = make_request(worker, tower, [image2])
+    job2 = receiver.start("next", inputs2)
+    send(intake, worker, rooms2[0], image2, "next")
+    assert job2.wait(10) is JobState.DONE, job2.reasons
+    time.sleep(0.5)
+    assert torch.equal(inputs2.mm_items[0].encoded, expected_rows(tower, image2))
+
+
+def test_unreachable_endpoint_fails_within_a_second(tower):
+    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=4 << 20,
+                                              slot_bytes=1 << 16, transports=("loopback",)))
+    try:
+        item = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 15]],
+                                  encode_handshake={"bootstrap_room": 5, "bootstrap_host": "127.0.0.1",
+                                                    "bootstrap_port": 1})
+        started = time.monotonic()
+        job = receiver.start("dead", MultimodalInputs([item]))
+        assert job.wait(5) is JobState.FAILED
+        assert time.monotonic() - started < 1.5 and "unreachable" in job.reasons[0]
+    finally:
+        receiver.close()
