@@ -200,3 +200,53 @@ def test_encode_worker_killed_fails_the_job_fast_and_falls_back(checkpoint):
         receiver.close()
         process.kill()
         process.wait(10)
+
+
+def test_reference_prefill_process_receives_and_verifies(worker_process, checkpoint):
+    """Three processes: this one dispatches, the encode worker encodes, epd-prefill receives."""
+    import base64
+    import json
+
+    process, url, intake_port, tower = worker_process
+    port = int(url.rsplit(":", 1)[1])
+    prefill_port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_WAIT_POLICY="PASSIVE")
+    prefill = subprocess.Popen([sys.executable, "-m", "prefill_side.server", "--host", "127.0.0.1", "--port",
+                                str(prefill_port), "--model", checkpoint, "--dtype", "float32", "--transports",
+                                "shm,mooncake", "--pool-bytes", str(16 << 20), "--slot-bytes", str(1 << 16)], env=env)
+    client = SyncHandshakeClient(url)
+    intake = IntakeClient(f"tcp://127.0.0.1:{intake_port}")
+    try:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{prefill_port}/healthz", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        images = [png(64, 64, 51), png(200, 300, 52)]
+        rooms = client.mint(len(images))
+        items = []
+        for room, image in zip(rooms, images):
+            rows = tower.encode_items(**_inputs(tower, image))[0].shape[0]
+            items.append({"offsets": [[5, 5 + rows - 1]], "image_b64": base64.b64encode(image).decode(),
+                          "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                                               "bootstrap_port": port}})
+        for index, (room, image) in enumerate(zip(rooms, images)):
+            assert intake.send({"request_id": f"x{index}", "source": "bytes",
+                                "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                                                     "bootstrap_port": port}}, image)["ok"]
+        request = urllib.request.Request(f"http://127.0.0.1:{prefill_port}/v1/prefill",
+                                         data=json.dumps({"request_id": "r", "items": items, "verify": True}).encode(),
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            report = json.loads(response.read())
+        assert report["state"] == "DONE", report
+        for item in report["items"]:
+            assert item["state"] == "DONE" and item["transport"] == "shm" and item["verified"] is True
+            assert item["width"] == tower.info.wire_width
+    finally:
+        intake.close()
+        client.close()
+        prefill.send_signal(signal.SIGTERM)
+        prefill.wait(30)
