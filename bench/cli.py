@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--transport", choices=("shm", "mooncake"), default="shm")
     encode.add_argument("--rounds", type=int, default=3)
     encode.add_argument("--json", default=None)
+    receive = sub.add_parser("receive", help="receive-path overhead per item beyond the raw transfer")
+    receive.add_argument("--jobs", type=int, default=60)
+    receive.add_argument("--json", default=None)
     return parser
 
 
@@ -38,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import transfer
 
         return transfer.main(args)
+    if args.command == "receive":
+        from bench import receive
+
+        return receive.main(args)
     if args.command == "encode":
         from bench import encode
 

@@ -80,6 +80,11 @@ class LoopbackTransport(Transport):
                 self._regions[region_id] = region
                 self._region_ids[id(region)] = region_id
 
+    def unregister(self, region: MemoryRegion) -> None:
+        with self._lock:
+            region_id = self._region_ids.pop(id(region), None)
+            self._regions.pop(region_id, None)
+
     def offer(self, pool: SlotPool, lease: Lease) -> LoopbackOffer:
         region_id = self._region_ids.get(id(pool.region))
         if region_id is None:

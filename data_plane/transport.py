@@ -80,6 +80,10 @@ class Transport(abc.ABC):
     def register(self, region: MemoryRegion) -> None:
         """Make a region a valid source or destination (once per region, never per tensor)."""
 
+    def unregister(self, region: MemoryRegion) -> None:
+        """Forget a region before its memory is freed (a freed, still-registered range would make
+        the next allocation at that address overlap)."""
+
     @abc.abstractmethod
     def offer(self, pool: SlotPool, lease: Lease) -> Offer:
         """Describe a receive lease so a sender can write into it."""

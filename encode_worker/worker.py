@@ -164,6 +164,7 @@ class EncodeWorker:
         for remote in self._remote.values():
             remote.client.close()
         for transport in self.transports.values():
+            transport.unregister(self.ring.region)
             transport.close()
         self.ring.region.close()
 

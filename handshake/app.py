@@ -181,8 +181,16 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
 
     @app.post("/v1/rooms/register", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
     async def register(body: RegisterRequest):
-        """A receiver reserves its slot per room: generation, rows x width x dtype, transport offers."""
-        return _json(BatchResponse(results=[_result(r.room, lambda r=r: table.register(r)) for r in body.receivers]))
+        """A receiver reserves its slot per room: generation, rows x width x dtype, transport offers.
+        With ``wait_s`` it then long-polls until one of the rooms changes again."""
+        results = [_result(r.room, lambda r=r: table.register(r)) for r in body.receivers]
+        if body.wait_s > 0:
+            versions = {r.room: r.view.version for r in results if r.ok and not r.view.state.terminal}
+            if len(versions) == len(results):
+                views = await table.watch(versions, body.wait_s)
+                results = [RoomResult(room=room, ok=False, error=str(v), status=v.status) if isinstance(v, RoomError)
+                           else RoomResult(room=room, ok=True, view=v) for room, v in zip(versions, views)]
+        return _json(BatchResponse(results=results))
 
     @app.post("/v1/rooms/begin-write", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
     async def begin_write(body: BeginWriteRequest):

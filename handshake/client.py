@@ -83,16 +83,20 @@ class HandshakeClient:
                 await asyncio.sleep(self.backoff_s * 2 ** attempt)
         raise AssertionError("unreachable")
 
-    async def _batch(self, path: str, key: str, items: Iterable) -> list[RoomResult]:
+    async def _batch(self, path: str, key: str, items: Iterable, wait_s: float = 0.0) -> list[RoomResult]:
         payload = {key: [item.model_dump(mode="json") for item in items]}
-        return BatchResponse.model_validate_json(await self._call("POST", path, body=payload)).results
+        if wait_s:
+            payload["wait_s"] = wait_s
+        return BatchResponse.model_validate_json(
+            await self._call("POST", path, body=payload, extra_timeout=wait_s)).results
 
     async def mint(self, count: int = 1, ttl_s: float = 120.0) -> list[int]:
         body = await self._call("POST", "/v1/rooms", body={"count": count, "ttl_s": ttl_s}, idempotent=False)
         return MintResponse.model_validate_json(body).rooms
 
-    async def register(self, registrations: Iterable[Registration]) -> list[RoomResult]:
-        return await self._batch("/v1/rooms/register", "receivers", registrations)
+    async def register(self, registrations: Iterable[Registration], wait_s: float = 0.0) -> list[RoomResult]:
+        """Register receivers; with ``wait_s``, also wait for the next change of any of the rooms."""
+        return await self._batch("/v1/rooms/register", "receivers", registrations, wait_s)
 
     async def begin_write(self, writes: Iterable[BeginWrite]) -> list[RoomResult]:
         return await self._batch("/v1/rooms/begin-write", "writes", writes)

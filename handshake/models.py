@@ -61,6 +61,9 @@ class Registration(_Body):
 
 class RegisterRequest(_Body):
     receivers: list[Registration] = Field(min_length=1, max_length=MAX_BATCH)
+    # > 0: after registering, long-poll (as /watch) until one of these rooms changes again, so
+    # a receiver whose rows are already staged learns of the commit in the same round trip.
+    wait_s: json_float(ge=0, le=30) = 0.0
 
 
 class BeginWrite(_Body):

@@ -131,9 +131,13 @@ class PrefillReceiver:
                  registry: CollectorRegistry | None = None):
         self.config = config
         self.pool = SlotPool(MemoryRegion.shared(config.pool_bytes), config.slot_bytes, config.quarantine_s)
-        self.transports = transports if transports is not None else _build_transports(config.transports)
-        for transport in self.transports.values():
-            transport.register(self.pool.region)
+        try:
+            self.transports = transports if transports is not None else _build_transports(config.transports)
+            for transport in self.transports.values():
+                transport.register(self.pool.region)
+        except BaseException:
+            self.pool.region.close()
+            raise
         self.local_tower = local_tower
         self.registry = registry or CollectorRegistry()
         self.metrics = ReceiverMetrics(self.registry, self)
@@ -156,6 +160,7 @@ class PrefillReceiver:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         for transport in self.transports.values():
+            transport.unregister(self.pool.region)
             transport.close()
         self.pool.region.close()
 
@@ -201,64 +206,54 @@ class PrefillReceiver:
                                               dtype=entry.layout.dtype, offers=offers,
                                               deadline_s=self.config.item_timeout_s))
         live = {entry.handshake.bootstrap_room: entry for entry in entries}
-        try:
-            results = await client.register(registrations)
-        except HandshakeError as exc:
-            for entry in entries:
-                await self._give_up(job, entry.index, entry.item, f"encode worker endpoint unreachable: {exc}", entry,
-                                    quarantine=False)
-            return
-        for result in results:
-            entry = live[result.room]
-            if not result.ok:
-                del live[result.room]
-                await self._give_up(job, entry.index, entry.item, f"registration refused: {result.error}", entry,
-                                    quarantine=False)
-            else:
-                entry.version = 0  # the first watch answers at once with the current state
         cancel_sent = False
+        first = True
         while live:
-            if job._cancelled.is_set() and not cancel_sent:
-                cancel_sent = True
-                try:
-                    await client.cancel(list(live), getattr(job, "_cancel_reason", "cancelled"))
-                except HandshakeError as exc:
-                    log.warning("cancel of %d rooms failed: %s", len(live), exc)
             try:
-                results = await client.watch({room: e.version for room, e in live.items()}, self.config.poll_s)
+                if first:  # register, and in the same round trip wait for the first change
+                    results = await client.register(registrations, wait_s=self.config.poll_s)
+                    first = False
+                else:
+                    if job._cancelled.is_set() and not cancel_sent:
+                        cancel_sent = True
+                        await client.cancel(list(live), getattr(job, "_cancel_reason", "cancelled"))
+                    results = await client.watch({room: e.version for room, e in live.items()}, self.config.poll_s)
             except HandshakeError as exc:
                 for entry in list(live.values()):
                     await self._give_up(job, entry.index, entry.item, f"encode worker endpoint unreachable: {exc}",
-                                        entry, quarantine=True)
+                                        entry, quarantine=entry.version > 0)
                 return
-            now = time.monotonic()
-            for result in results:
-                entry = live.get(result.room)
-                if entry is None:
-                    continue
-                if not result.ok:
-                    del live[result.room]
-                    await self._give_up(job, entry.index, entry.item, f"room lost: {result.error}", entry,
-                                        quarantine=True)
-                    continue
-                view = result.view
-                entry.version = view.version
-                if view.state is RoomState.SUCCESS:
-                    del live[result.room]
-                    await self._publish(job, entry, view)
-                elif view.state.terminal:
-                    del live[result.room]
-                    await self._give_up(job, entry.index, entry.item,
-                                        f"room {view.state.value}: {view.reason or 'no reason given'}", entry,
-                                        quarantine=not view.writer_settled)
-                elif now >= entry.deadline:
-                    del live[result.room]
-                    try:
-                        await client.cancel([result.room], "receiver timed out")
-                    except HandshakeError:
-                        pass
-                    await self._give_up(job, entry.index, entry.item, "timed out waiting for the encode worker",
-                                        entry, quarantine=True)
+            await self._handle(job, client, live, results)
+
+    async def _handle(self, job: ReceiveJob, client: HandshakeClient, live: dict[int, _Pending], results) -> None:
+        now = time.monotonic()
+        for result in results:
+            entry = live.get(result.room)
+            if entry is None:
+                continue
+            if not result.ok:
+                del live[result.room]
+                await self._give_up(job, entry.index, entry.item, f"room refused or lost: {result.error}", entry,
+                                    quarantine=entry.version > 0)
+                continue
+            view = result.view
+            entry.version = view.version
+            if view.state is RoomState.SUCCESS:
+                del live[result.room]
+                await self._publish(job, entry, view)
+            elif view.state.terminal:
+                del live[result.room]
+                await self._give_up(job, entry.index, entry.item,
+                                    f"room {view.state.value}: {view.reason or 'no reason given'}", entry,
+                                    quarantine=not view.writer_settled)
+            elif now >= entry.deadline:
+                del live[result.room]
+                try:
+                    await client.cancel([result.room], "receiver timed out")
+                except HandshakeError:
+                    pass
+                await self._give_up(job, entry.index, entry.item, "timed out waiting for the encode worker", entry,
+                                    quarantine=True)
 
     async def _publish(self, job: ReceiveJob, entry: _Pending, view) -> None:
         commit = Commit(generation=view.commit.generation, rows=view.commit.rows, width=view.commit.width,

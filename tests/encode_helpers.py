@@ -58,6 +58,8 @@ class Receiver:
         return view.state, None, view
 
     def close(self):
+        for transport in self.transports.values():
+            transport.unregister(self.pool.region)
         self.pool.region.close()
 
 
