@@ -94,10 +94,7 @@ def _receiver_main(conn, pool_bytes: int) -> None:
                         del versions[view.room]
                         ok = False
                         if view.state is RoomState.SUCCESS:
-                            commit = Commit(generation=view.commit.generation, rows=view.commit.rows,
-                                            width=view.commit.width, dtype=view.commit.dtype,
-                                            checksum=view.commit.checksum)
-                            accept_commit(pool, leases[view.room], layout, commit)
+                            accept_commit(pool, leases[view.room], layout, Commit.of(view.commit))
                             ok = True
                         pool.release(leases[view.room])
                         outcomes[view.room] = (ok, time.monotonic(), view.transport)

@@ -79,6 +79,11 @@ class Commit(BaseModel):
     def layout(self) -> EmbeddingLayout:
         return EmbeddingLayout(self.rows, self.width, self.dtype)
 
+    @classmethod
+    def of(cls, message) -> Commit:
+        """The commit inside a larger message (such as a room's commit body)."""
+        return cls(**{name: getattr(message, name) for name in cls.model_fields})
+
 
 def make_commit(rows: torch.Tensor, generation: int, with_checksum: bool = True) -> Commit:
     layout = EmbeddingLayout.of(rows)

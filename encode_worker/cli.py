@@ -18,6 +18,7 @@ from handshake.server import load_token
 FLAGS = [
     # (flag, type, default, help)
     ("--model", str, None, "checkpoint directory (full VLM or vision-only)"),
+    ("--served-model", str, None, "model name intake requests may carry (default: the checkpoint folder name)"),
     ("--dtype", str, "bfloat16", "tower dtype: bfloat16, float16, float32"),
     ("--device", str, "cpu", "torch device for the tower, e.g. cuda:0"),
     ("--host", str, "127.0.0.1", "address peers use to reach this worker (rooms, Mooncake)"),
@@ -67,7 +68,7 @@ def config_from_args(args):
         with open(args.intake_token_file) as f:
             intake_token = f.read().strip()
     return WorkerConfig(
-        model=args.model, dtype=args.dtype, device=args.device, host=args.host, bind=args.bind,
+        model=args.model, served_model=args.served_model, dtype=args.dtype, device=args.device, host=args.host, bind=args.bind,
         bootstrap_port=args.bootstrap_port, intake_port=args.intake_port,
         transports=tuple(t for t in args.transports.split(",") if t), mooncake_hca=args.mooncake_hca,
         mooncake_force_tcp=bool(args.mooncake_force_tcp), batch_patches=args.batch_patches,

@@ -30,6 +30,7 @@ class ShmPixels(BaseModel):
 class IntakeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
+    model: str | None = Field(default=None, max_length=256)  # refused unless it names this worker's model
     modality: Literal["IMAGE"] = "IMAGE"
     content_hash: json_int(ge=0, lt=1 << 128) | None = None
     encode_handshake: EncodeHandshake
@@ -43,7 +44,8 @@ class IntakeRefused(ValueError):
     """The message is refused; the reason goes back to the dispatcher."""
 
 
-def parse_request(frames: list[bytes], max_payload_bytes: int, token: str | None) -> tuple[IntakeRequest, bytes | None]:
+def parse_request(frames: list[bytes], max_payload_bytes: int, token: str | None,
+                  model: str | None = None) -> tuple[IntakeRequest, bytes | None]:
     """Validate one request's frames (identity already removed)."""
     if not 1 <= len(frames) <= 2:
         raise IntakeRefused(f"expected [metadata, payload] frames, got {len(frames)}")
@@ -55,6 +57,8 @@ def parse_request(frames: list[bytes], max_payload_bytes: int, token: str | None
         raise IntakeRefused(f"bad metadata: {exc.errors(include_url=False)[:3]}") from None
     if token is not None and not hmac.compare_digest((request.token or "").encode(), token.encode()):
         raise IntakeRefused("missing or wrong intake token")
+    if request.model is not None and request.model != model:
+        raise IntakeRefused(f"unknown model {request.model!r}: this worker serves {model!r}")
     payload = frames[1] if len(frames) == 2 else None
     if request.source == "shm":
         if request.shm is None or payload is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -47,6 +48,7 @@ LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
 @dataclass
 class WorkerConfig:
     model: str
+    served_model: str | None = None  # the name dispatchers use; default: the checkpoint folder's name
     dtype: str = "float32"
     device: str = "cpu"
     host: str = "127.0.0.1"  # the address peers use for this worker (rooms, Mooncake)
@@ -97,6 +99,7 @@ class EncodeWorker:
         self.config = config
         self.tower = tower or VisionTower.load(config.model, config.dtype, config.device)
         self.preprocess_id = f"{zlib.crc32(json.dumps(self.tower.processor.to_dict(), sort_keys=True, default=str).encode()):08x}"
+        self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
         self.cache = EmbeddingCache(config.cache_bytes)
         self.queue = BatchQueue(config.queue_items, config.batch_patches, config.batch_items)
         self.transports = transports if transports is not None else _build_transports(config)
@@ -227,7 +230,8 @@ class EncodeWorker:
 
     def _accept(self, frames: list[bytes]) -> dict:
         try:
-            request, payload = parse_request(frames, self.config.max_payload_bytes, self.config.intake_token)
+            request, payload = parse_request(frames, self.config.max_payload_bytes, self.config.intake_token,
+                                             self.served_model)
         except IntakeRefused as exc:
             self.metrics.requests.labels("IMAGE", "refused").inc()
             return {"ok": False, "room": None, "reason": str(exc)}

@@ -256,8 +256,7 @@ class PrefillReceiver:
                                     quarantine=True)
 
     async def _publish(self, job: ReceiveJob, entry: _Pending, view) -> None:
-        commit = Commit(generation=view.commit.generation, rows=view.commit.rows, width=view.commit.width,
-                        dtype=view.commit.dtype, checksum=view.commit.checksum)
+        commit = Commit.of(view.commit)
         try:
             rows = accept_commit(self.pool, entry.lease, entry.layout, commit, self.config.verify_checksum)
         except ContractError as exc:

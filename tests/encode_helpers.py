@@ -32,29 +32,33 @@ class Receiver:
             transport.register(self.pool.region)
         self.reserved = {}
 
+    def _register(self, registration: Registration):
+        return self.table.register(registration)
+
+    def _watch(self, room: int, version: int):
+        (view,) = self.table.watch_sync({room: version}, 1.0)
+        return view
+
     def reserve(self, room: int, rows: int, width: int, dtype: torch.dtype):
         layout = EmbeddingLayout(rows, width, dtype_to_wire(dtype))
         lease = self.pool.lease(layout.nbytes)
         offers = [t.offer(self.pool, lease) for t in self.transports.values()]
-        view = self.table.register(Registration(room=room, generation=lease.generation, rows=rows, width=width,
-                                                dtype=layout.dtype, offers=offers))
         self.reserved[room] = (lease, layout)
-        return view
+        return self._register(Registration(room=room, generation=lease.generation, rows=rows, width=width,
+                                           dtype=layout.dtype, offers=offers))
 
     def wait(self, room: int, timeout: float = 30.0):
         """(state, rows or None, view) once the room is terminal."""
         end = time.monotonic() + timeout
         version = 0
         while time.monotonic() < end:
-            (view,) = self.table.watch_sync({room: version}, 1.0)
+            view = self._watch(room, version)
             version = view.version
             if view.state.terminal:
                 break
         lease, layout = self.reserved[room]
         if view.state is RoomState.SUCCESS:
-            commit = Commit(generation=view.commit.generation, rows=view.commit.rows, width=view.commit.width,
-                            dtype=view.commit.dtype, checksum=view.commit.checksum)
-            return view.state, accept_commit(self.pool, lease, layout, commit).clone(), view
+            return view.state, accept_commit(self.pool, lease, layout, Commit.of(view.commit)).clone(), view
         return view.state, None, view
 
     def close(self):
@@ -70,27 +74,10 @@ class RestReceiver(Receiver):
         super().__init__(None, transports, pool_bytes)
         self.client = client
 
-    def reserve(self, room: int, rows: int, width: int, dtype: torch.dtype):
-        layout = EmbeddingLayout(rows, width, dtype_to_wire(dtype))
-        lease = self.pool.lease(layout.nbytes)
-        offers = [t.offer(self.pool, lease) for t in self.transports.values()]
-        (result,) = self.client.register([Registration(room=room, generation=lease.generation, rows=rows,
-                                                       width=width, dtype=layout.dtype, offers=offers)])
-        self.reserved[room] = (lease, layout)
+    def _register(self, registration: Registration):
+        (result,) = self.client.register([registration])
         return result.view
 
-    def wait(self, room: int, timeout: float = 30.0):
-        end = time.monotonic() + timeout
-        version = 0
-        while time.monotonic() < end:
-            (result,) = self.client.watch({room: version}, 1.0)
-            view = result.view
-            version = view.version
-            if view.state.terminal:
-                break
-        lease, layout = self.reserved[room]
-        if view.state is RoomState.SUCCESS:
-            commit = Commit(generation=view.commit.generation, rows=view.commit.rows, width=view.commit.width,
-                            dtype=view.commit.dtype, checksum=view.commit.checksum)
-            return view.state, accept_commit(self.pool, lease, layout, commit).clone(), view
-        return view.state, None, view
+    def _watch(self, room: int, version: int):
+        (result,) = self.client.watch({room: version}, 1.0)
+        return result.view

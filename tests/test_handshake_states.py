@@ -4,7 +4,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
 
-from handshake.models import FailBody, RoomState
+from handshake.models import RoomState
 from handshake.rooms import RoomError, RoomLimits, RoomTable
 from tests.handshake_helpers import begin, commit, registration
 
@@ -113,22 +113,23 @@ TestRoomMachine = RoomMachine.TestCase
 TestRoomMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 
-def test_a_commit_after_cancel_during_write_settles_as_cancelled():
+def _cancelled_while_writing():
     table = RoomTable()
     (room,) = table.mint(1, 10)
     table.register(registration(room))
     table.begin_write(begin(room))
     table.cancel(room, "user went away")
+    return table, room
+
+
+def test_a_commit_after_cancel_during_write_settles_as_cancelled():
+    table, room = _cancelled_while_writing()
     view = table.commit(commit(room))
     assert view.state is RoomState.CANCELLED and view.writer_settled and view.commit is not None
 
 
 def test_fail_after_cancel_keeps_both_reasons():
-    table = RoomTable()
-    (room,) = table.mint(1, 10)
-    table.register(registration(room))
-    table.begin_write(begin(room))
-    table.cancel(room, "user went away")
-    view = table.fail(FailBody(room=room, reason="peer reset").room, "peer reset", settled=False)
+    table, room = _cancelled_while_writing()
+    view = table.fail(room, "peer reset", settled=False)
     assert view.state is RoomState.CANCELLED and "user went away" in view.reason and "peer reset" in view.reason
     assert not view.writer_settled
