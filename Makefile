@@ -39,6 +39,7 @@ bench: setup
 	$(VENV)/bin/epd-bench transfer
 	$(VENV)/bin/epd-bench handshake
 	$(VENV)/bin/epd-bench encode
+	$(VENV)/bin/epd-bench receive
 
 clean:
 	rm -rf $(VENV) build *.egg-info
