@@ -122,14 +122,11 @@ class ShmSegment:
         self.owner = False
 
     def close(self) -> None:
-        """Drop this process's mapping; the memory goes once no tensor views it any more."""
+        """Drop this process's reference to the mapping. It is unmapped once no tensor views it:
+        torch views keep the mmap object alive, but ``mmap.close()`` would unmap under them
+        (measured: it succeeds while a ``torch.frombuffer`` view exists), so it is never called."""
         self.tensor = torch.empty(0, dtype=torch.uint8)
-        mapping, self._mmap = self._mmap, None
-        if mapping is not None:
-            try:
-                mapping.close()
-            except BufferError:
-                pass  # a view still exports it; the mapping closes when that view is freed
+        self._mmap = None
 
 
 @dataclass

@@ -107,9 +107,11 @@ class ReceiveJob:
         return {o.index: o.reason for o in self.outcomes if o.state == "FAILED"}
 
     def cancel(self, reason: str = "request cancelled by the engine") -> None:
-        """Cancel the job's rooms so encode workers stop; items not yet received fail."""
-        self._cancelled.set()
-        self._cancel_reason = reason
+        """Cancel the job's rooms now, so encode workers stop; items not yet received fail.
+        A room being written stays WRITING until its writer's outcome (then CANCELLED)."""
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            asyncio.run_coroutine_threadsafe(self._receiver._cancel(self, reason), self._receiver._loop)
 
 
 class ReceiverMetrics:
@@ -206,7 +208,6 @@ class PrefillReceiver:
                                               dtype=entry.layout.dtype, offers=offers,
                                               deadline_s=self.config.item_timeout_s))
         live = {entry.handshake.bootstrap_room: entry for entry in entries}
-        cancel_sent = False
         first = True
         while live:
             try:
@@ -214,9 +215,6 @@ class PrefillReceiver:
                     results = await client.register(registrations, wait_s=self.config.poll_s)
                     first = False
                 else:
-                    if job._cancelled.is_set() and not cancel_sent:
-                        cancel_sent = True
-                        await client.cancel(list(live), getattr(job, "_cancel_reason", "cancelled"))
                     results = await client.watch({room: e.version for room, e in live.items()}, self.config.poll_s)
             except HandshakeError as exc:
                 for entry in list(live.values()):
@@ -224,6 +222,20 @@ class PrefillReceiver:
                                         entry, quarantine=entry.version > 0)
                 return
             await self._handle(job, client, live, results)
+
+    async def _cancel(self, job: ReceiveJob, reason: str) -> None:
+        by_endpoint: dict[tuple[str, int], list[int]] = {}
+        for item, outcome in zip(job.inputs.mm_items, job.outcomes):
+            if outcome.state == "PENDING" and item.encode_handshake is not None:
+                handshake = EncodeHandshake(**item.encode_handshake)
+                by_endpoint.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
+                    handshake.bootstrap_room)
+        for (host, port), rooms in by_endpoint.items():
+            client = self._client(EncodeHandshake(bootstrap_room=0, bootstrap_host=host, bootstrap_port=port))
+            try:
+                await client.cancel(rooms, reason)
+            except HandshakeError as exc:
+                log.warning("cancel of %d rooms at %s:%d failed: %s", len(rooms), host, port, exc)
 
     async def _handle(self, job: ReceiveJob, client: HandshakeClient, live: dict[int, _Pending], results) -> None:
         now = time.monotonic()

@@ -150,3 +150,23 @@ def test_unreachable_endpoint_fails_within_a_second(tower):
         assert time.monotonic() - started < 1.5 and "unreachable" in job.reasons[0]
     finally:
         receiver.close()
+
+
+def test_cancel_during_a_write_waits_for_the_writer_then_frees_the_slot(stack, tower):
+    worker, receiver, intake, loopback = stack
+    image = png(64, 64, 7)
+    inputs, rooms = make_request(worker, tower, [image])
+    loopback.inject(LoopbackFault("delay", 0.6))  # the write is in flight for 0.6 s
+    job = receiver.start("req", inputs)
+    send(intake, worker, rooms[0], image, "cw")
+    end = time.monotonic() + 10
+    while worker.table.view(rooms[0]).state.value != "WRITING" and time.monotonic() < end:
+        time.sleep(0.01)
+    job.cancel("user went away")
+    time.sleep(0.2)
+    view = worker.table.view(rooms[0])
+    assert view.state.value == "WRITING" and view.cancel_requested  # the cancel waits for the writer
+    assert job.wait(10) is JobState.FAILED and "CANCELLED" in job.reasons[0]
+    view = worker.table.view(rooms[0])
+    assert view.state.value == "CANCELLED" and view.writer_settled
+    assert receiver.pool.stats()["leased_slots"] == 0 and receiver.pool.stats()["quarantined_slots"] == 0
