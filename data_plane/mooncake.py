@@ -136,6 +136,8 @@ class MooncakeTransport(Transport):
             raise MooncakeUnavailable(f"TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE) returned {rc}")
         self.session = f"{config.hostname}:{self.engine.get_rpc_port()}"
         self._regions: list[MemoryRegion] = []
+        self._reached: set[str] = set()  # sessions a probe has answered
+        self._probing: dict[str, threading.Thread] = {}  # at most one hung first contact per peer
         self._lock = threading.Lock()
 
     @classmethod
@@ -176,8 +178,35 @@ class MooncakeTransport(Transport):
         self._check_process()
         return self.engine.send_probe(session) == 0
 
+    def _first_contact(self, session: str, timeout_s: float) -> None:
+        """Probe a peer before the first write to it. Mooncake's first contact with a stalled (not
+        dead) peer blocks inside the engine with no timeout, so the probe runs on a thread of its
+        own and the write is refused if it has not answered in time."""
+        if session in self._reached:
+            return
+        with self._lock:
+            thread = self._probing.get(session)
+            if thread is None:
+                if len(self._probing) >= 64:
+                    raise TransferRefused("too many peers not answering a first contact")
+                result: dict = {}
+                thread = threading.Thread(target=lambda: result.setdefault("ok", self.alive(session)),
+                                          name=f"mooncake-probe-{session}", daemon=True)
+                thread.result = result
+                self._probing[session] = thread
+                thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise TransferRefused(f"Mooncake peer {session} did not answer a first contact in {timeout_s:.1f} s")
+        with self._lock:
+            self._probing.pop(session, None)
+        if not thread.result.get("ok"):
+            raise TransferRefused(f"Mooncake peer {session} is not reachable")
+        self._reached.add(session)
+
     def _submit(self, src: torch.Tensor, offer: MooncakeOffer, deadline: float) -> Transfer:
         self._check_process()
+        self._first_contact(offer.session, max(0.1, min(2.0, deadline - time.monotonic())))
         address, nbytes = src.data_ptr(), src.numel()
         # TCP accepts unregistered sources but RDMA needs an lkey (P7): enforce it everywhere.
         if not any(region.contains(address, nbytes) for region in self._regions):

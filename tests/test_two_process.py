@@ -96,6 +96,36 @@ def test_mooncake_liveness_probe_and_source_registration(peer, sender):
     assert peer.recv() == ("accepted", True)
 
 
+def test_first_contact_with_a_stalled_peer_is_refused_not_hung(sender):
+    import os
+    import signal
+
+    from data_plane.transport import TransferRefused
+
+    transports, region = sender
+    process, conn = start_peer(PeerConfig(transports=("mooncake",), pool_bytes=8 << 20, slot_bytes=1 << 20))
+    try:
+        conn.send(("reserve", 1, WIDTH, "bfloat16"))
+        _, generation, offers = conn.recv()
+        offer = MooncakeOffer.model_validate(offers["mooncake"])
+        os.kill(process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            with pytest.raises(TransferRefused, match="did not answer"):
+                transports["mooncake"].submit(region.tensor[: WIDTH * 2], offer, time.monotonic() + 1.0)
+            assert time.monotonic() - started < 2.0
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        payload = pattern(1, WIDTH, "bfloat16", 71)  # once it answers, writes go through
+        region.tensor[: WIDTH * 2].copy_(payload.view(-1).view(torch.uint8))
+        assert transports["mooncake"].submit(region.tensor[: WIDTH * 2], offer,
+                                             time.monotonic() + 10).wait() is TransferState.DONE
+        conn.send(("commit", make_commit(payload, generation).model_dump(), 71))
+        assert conn.recv() == ("accepted", True)
+    finally:
+        stop_peer(process, conn)
+
+
 def test_paused_mooncake_receiver_late_write_never_reaches_the_next_tenant(sender):
     """Notes P4 for real: the receiving process is SIGSTOPped during a write, the write misses
     its deadline (unsettled), the process resumes and the bytes land late. The receiver refuses
@@ -113,8 +143,7 @@ def test_paused_mooncake_receiver_late_write_never_reaches_the_next_tenant(sende
         first = MooncakeOffer.model_validate(offers["mooncake"])
         src = region.tensor[: stale.numel() * 2]
         src.copy_(stale.view(-1).view(torch.uint8))
-        # connect first: a first write to a peer that is already stopped blocks in Mooncake's
-        # handshake inside transfer_submit_write, with no timeout (docs/architecture.md, known gaps)
+        # connect first, so the stall hits a write in flight (a stalled first contact is refused)
         assert transports["mooncake"].submit(src[:4096], first, time.monotonic() + 10).wait() is TransferState.DONE
         os.kill(process.pid, signal.SIGSTOP)
         try:
