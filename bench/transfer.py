@@ -67,7 +67,7 @@ class _Bench:
 
     def run(self, path: str, payload: torch.Tensor, seed: int | None) -> tuple[float, bool | None]:
         """One round of ``path``; returns (seconds, byte_exact or None when not checked)."""
-        from data_plane.commit import accept_commit, EmbeddingLayout, make_commit
+        from data_plane.commit import EmbeddingLayout, accept_commit, make_commit
         from data_plane.offers import MooncakeOffer, ShmOffer
 
         nbytes = payload.numel() * 2

@@ -21,7 +21,6 @@ from data_plane.offers import MAX_ROWS, MAX_WIDTH
 from data_plane.pool import Lease, SlotPool
 
 
-
 class ContractError(ValueError):
     """Rows, width, dtype, generation or checksum disagree with the reservation."""
 

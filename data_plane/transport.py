@@ -17,6 +17,7 @@ import torch
 from data_plane.offers import Offer
 from data_plane.pool import Lease, MemoryRegion, SlotPool
 
+
 class TransferRefused(ValueError):
     """The write was refused before any byte moved (too large, unreachable, bad source)."""
 

@@ -53,6 +53,7 @@ class Outcome:
     reason: str | None
     nbytes: int
     seconds: float
+    timings: dict[str, float]  # queue_s (intake to staged), transfer_s (the write itself)
 
 
 class Sender:
@@ -163,11 +164,11 @@ class Sender:
             state, reason = "FAILED", f"{reason} (and the room could not be told: {exc})"
         if release:
             self._release(item.lease)
-        return Outcome(item.room, state, None, reason, item.layout.nbytes, 0.0)
+        return Outcome(item.room, state, None, reason, item.layout.nbytes, 0.0, item.timings)
 
     def _finish(self, item: StagedItem, state: str, transport: str | None, reason: str | None) -> Outcome:
         self._release(item.lease)
-        return Outcome(item.room, state, transport, reason, item.layout.nbytes, 0.0)
+        return Outcome(item.room, state, transport, reason, item.layout.nbytes, 0.0, item.timings)
 
     def _release(self, lease: Lease) -> None:
         self.ring.release(lease)

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -35,7 +35,7 @@ from encode_worker.tower import VisionTower
 from handshake.access import LocalRooms, RemoteRooms
 from handshake.app import create_app
 from handshake.client import SyncHandshakeClient
-from handshake.rooms import RoomError, RoomTable
+from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from multimodal.hashing import hash_feature
 from multimodal.rows import RowContractError, split_rows
@@ -72,7 +72,6 @@ class WorkerConfig:
     handshake_token: str | None = None
     intake_token: str | None = None
     probe_interval_s: float = 10.0
-    extra: dict = field(default_factory=dict)
 
 
 class WorkerMetrics:
@@ -82,6 +81,8 @@ class WorkerMetrics:
         self.batch_items = Histogram("epd_encoder_batch_items", "Items per tower batch",
                                      buckets=(1, 2, 4, 8, 16, 32), registry=registry)
         self.encode_seconds = Histogram("epd_encoder_encode_seconds", "Tower time per batch", registry=registry)
+        self.queue_seconds = Histogram("epd_encoder_queue_seconds", "Intake to staged in the send ring, per item",
+                                       registry=registry)
         self.transfer_seconds = Histogram("epd_encoder_transfer_seconds", "Write time per item", ["transport"],
                                           registry=registry)
         self.bytes = Counter("epd_encoder_bytes", "Bytes delivered", ["transport"], registry=registry)
@@ -210,6 +211,8 @@ class EncodeWorker:
 
     def _on_outcome(self, outcome: Outcome) -> None:
         self.metrics.requests.labels("IMAGE", outcome.state.lower()).inc()
+        if "queue_s" in outcome.timings:
+            self.metrics.queue_seconds.observe(outcome.timings["queue_s"])
         if outcome.state == "SUCCESS" and outcome.transport:
             self.metrics.bytes.labels(outcome.transport).inc(outcome.nbytes)
             self.metrics.transfer_seconds.labels(outcome.transport).observe(outcome.seconds)

@@ -10,8 +10,8 @@ import torch
 from data_plane.commit import ContractError, EmbeddingLayout, accept_commit, make_commit
 from data_plane.loopback import LoopbackFault, LoopbackTransport
 from data_plane.mooncake import MooncakeConfig, MooncakeUnavailable, _load_engine_class
-from data_plane.pool import MemoryRegion, NoCapacity, SlotPool
 from data_plane.offers import MooncakeOffer
+from data_plane.pool import MemoryRegion, NoCapacity, SlotPool
 from data_plane.transport import TransferRefused, TransferState
 
 

@@ -7,8 +7,8 @@ import torch
 
 from bench.peer import PeerConfig, pattern, start_peer, stop_peer
 from data_plane.commit import make_commit
-from data_plane.pool import MemoryRegion
 from data_plane.offers import MooncakeOffer, ShmOffer
+from data_plane.pool import MemoryRegion
 from data_plane.transport import TransferState
 
 WIDTH = 2048
