@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from bench.transfer import _Bench
+from bench.transfer import TransferBench
 
 # One Qwen2.5-VL-7B image at 1344x1344: 2304 rows x 3584 wide, bf16 (16.5 MB).
 DEMO_ITEMS = [("1344px image, Qwen2.5-VL-7B width", 2304, 3584), ("448px image, Qwen2.5-VL-7B width", 256, 3584)]
@@ -30,7 +30,7 @@ def main() -> int:
     before = set(glob.glob("/dev/shm/epd-*"))
     largest = max(rows * width * 2 for _, rows, width in DEMO_ITEMS)
     print("Starting a receiver process (the prefill side's registered receive pool)...")
-    bench = _Bench(largest)
+    bench = TransferBench(largest)
     ok = True
     try:
         print(f"\n{'item':36s} {'rows x width':>13s} {'MB':>6s}  {'path':18s} {'ms':>7s} {'GB/s':>6s}  byte-exact")

@@ -39,7 +39,7 @@ def shape_for(size: int) -> tuple[int, int]:
     return size // (2 * width), width
 
 
-class _Bench:
+class TransferBench:
     def __init__(self, max_size: int):
         from bench.peer import build_transports
         from data_plane.loopback import LoopbackTransport
@@ -117,7 +117,7 @@ class _Bench:
 
 
 def run(sizes: list[int], paths=PATHS, rounds: int | None = None, progress=print) -> dict:
-    bench = _Bench(max(sizes))
+    bench = TransferBench(max(sizes))
     results = []
     try:
         for size in sizes:

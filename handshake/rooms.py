@@ -292,10 +292,7 @@ class RoomTable:
             if room is not None:
                 self._expire_if_due(room, now)
         ttl_edge = now - self.limits.tombstone_ttl_s
-        while self._tombstones:
-            room_id, ended = next(iter(self._tombstones.items()))
-            if ended > ttl_edge:
-                break
+        while self._tombstones and next(iter(self._tombstones.values())) <= ttl_edge:
             self._drop_oldest_tombstone()
 
     def _drop_oldest_tombstone(self) -> None:

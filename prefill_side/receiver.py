@@ -103,6 +103,11 @@ class ReceiveJob:
         return self.poll()
 
     @property
+    def future(self) -> Future:
+        """Completes when the job ends (``asyncio.wrap_future`` it to await from a loop)."""
+        return self._future
+
+    @property
     def reasons(self) -> dict[int, str]:
         return {o.index: o.reason for o in self.outcomes if o.state == "FAILED"}
 
@@ -301,7 +306,7 @@ class PrefillReceiver:
         if self.config.fallback == "local_tower" and self.local_tower is not None and item.feature is not None \
                 and not job._cancelled.is_set():
             try:
-                rows = await asyncio.get_running_loop().run_in_executor(None, self._encode_locally, item)
+                rows = await asyncio.get_running_loop().run_in_executor(None, self.encode_locally, item)
                 self._set_encoded(item, rows)
                 outcome.state, outcome.transport, outcome.fallback = "DONE", "local_tower", True
                 outcome.reason = f"fallback after: {reason}"
@@ -313,7 +318,8 @@ class PrefillReceiver:
         outcome.state, outcome.reason = "FAILED", reason
         self.metrics.items.labels("none", "failed").inc()
 
-    def _encode_locally(self, item: MultimodalDataItem) -> torch.Tensor:
+    def encode_locally(self, item: MultimodalDataItem) -> torch.Tensor:
+        """Rows for an item from the local tower and the pixels (or image bytes) it kept."""
         from encode_worker.inputs import image_from_bytes, image_from_pixels
 
         feature = item.feature

@@ -80,15 +80,15 @@ def create_app(receiver: PrefillReceiver, local_tower=None) -> FastAPI:
                                             if entry.encode_handshake else None))
         job = receiver.start(body.request_id, MultimodalInputs(items))
         try:
-            await asyncio.wait_for(asyncio.wrap_future(job._future), body.timeout_s)
+            await asyncio.wait_for(asyncio.wrap_future(job.future), body.timeout_s)
         except asyncio.TimeoutError:
             job.cancel("prefill request timed out")
-            await asyncio.wrap_future(job._future)
+            await asyncio.wrap_future(job.future)
         reports = []
         for item, outcome in zip(items, job.outcomes):
             verified = None
             if body.verify and local_tower is not None and item.encoded is not None and item.feature is not None:
-                expected = await asyncio.get_running_loop().run_in_executor(None, receiver._encode_locally, item)
+                expected = await asyncio.get_running_loop().run_in_executor(None, receiver.encode_locally, item)
                 verified = bool(torch.equal(_wire_rows(item), expected))
             encoded = item.encoded
             reports.append(ItemReport(index=outcome.index, state=outcome.state,
