@@ -1,4 +1,5 @@
-"""Embedding cache: content hash + model + preprocessing config -> wire rows, LRU bounded in bytes.
+"""Embedding cache: content hash + model + preprocessing config -> wire rows (and their
+``image_grid_thw``), LRU bounded in bytes.
 
 A hit skips the tower and still ships; the cached rows include Qwen3-VL's DeepStack levels,
 since they travel in the same wire rows.
@@ -14,6 +15,18 @@ import torch
 
 
 @dataclass(frozen=True)
+class Encoded:
+    """One item's wire rows and the ``image_grid_thw`` they came from."""
+
+    rows: torch.Tensor
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+
+@dataclass(frozen=True)
 class CacheKey:
     content_hash: int
     model_id: str
@@ -23,7 +36,7 @@ class CacheKey:
 class EmbeddingCache:
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
-        self._entries: collections.OrderedDict[CacheKey, torch.Tensor] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[CacheKey, Encoded] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.evictions = 0
@@ -32,28 +45,28 @@ class EmbeddingCache:
     def size_bytes(self) -> int:
         return self._bytes
 
-    def get(self, key: CacheKey) -> torch.Tensor | None:
+    def get(self, key: CacheKey) -> Encoded | None:
         with self._lock:
-            rows = self._entries.get(key)
-            if rows is None:
+            entry = self._entries.get(key)
+            if entry is None:
                 self.misses += 1
                 return None
             self._entries.move_to_end(key)
             self.hits += 1
-            return rows
+            return entry
 
-    def put(self, key: CacheKey, rows: torch.Tensor) -> None:
-        nbytes = rows.numel() * rows.element_size()
-        if nbytes > self.capacity_bytes:
+    def put(self, key: CacheKey, encoded: Encoded) -> None:
+        if encoded.nbytes > self.capacity_bytes:
             return
-        rows = rows.detach().clone()  # own the bytes: the batch output they came from is reused
+        # own the bytes: the batch output they came from is reused
+        entry = Encoded(encoded.rows.detach().clone(), encoded.grid_thw)
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= old.numel() * old.element_size()
-            while self._entries and self._bytes + nbytes > self.capacity_bytes:
+                self._bytes -= old.nbytes
+            while self._entries and self._bytes + entry.nbytes > self.capacity_bytes:
                 _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.numel() * evicted.element_size()
+                self._bytes -= evicted.nbytes
                 self.evictions += 1
-            self._entries[key] = rows
-            self._bytes += nbytes
+            self._entries[key] = entry
+            self._bytes += entry.nbytes

@@ -39,6 +39,7 @@ class StagedItem:
     layout: EmbeddingLayout
     checksum: int | None
     timings: dict[str, float]
+    grid_thw: tuple[int, int, int] | None = None
 
     @property
     def room(self) -> int:
@@ -131,7 +132,7 @@ class Sender:
                               release=False)
         view = rooms.commit(CommitBody(room=item.room, generation=registration.generation, transport=transport.name,
                                        rows=item.layout.rows, width=item.layout.width, dtype=item.layout.dtype,
-                                       checksum=item.checksum,
+                                       checksum=item.checksum, grid_thw=item.grid_thw,
                                        shm_segment=getattr(offer, "segment", None)))
         return self._finish(item, view.state.value, transport.name, view.reason)
 

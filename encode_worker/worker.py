@@ -26,7 +26,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from data_plane.commit import EmbeddingLayout, checksum
 from data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmTensorHandle
-from encode_worker.cache import CacheKey, EmbeddingCache
+from encode_worker.cache import CacheKey, EmbeddingCache, Encoded
 from encode_worker.inputs import BadItem, image_from_bytes, image_from_pixels, image_from_shm
 from encode_worker.intake import IntakeRefused, parse_request
 from encode_worker.scheduler import BatchQueue, EncodeJob
@@ -315,8 +315,8 @@ class EncodeWorker:
     def _stage_loop(self) -> None:
         while not self._stopping.is_set():
             ready = self._get(self._encoded)
-            for job, rows in ready or ():
-                self._stage_and_send(job, rows)
+            for job, encoded in ready or ():
+                self._stage_and_send(job, encoded)
 
     def _put(self, stage_queue: queue.Queue, item) -> bool:
         while not self._stopping.is_set():
@@ -340,8 +340,8 @@ class EncodeWorker:
     def encode_batch(self, batch: list[EncodeJob]) -> None:
         """All three stages in the caller's thread (tests, tools)."""
         misses, ready = self.prepare(batch)
-        for job, rows in ready + self.encode(misses):
-            self._stage_and_send(job, rows)
+        for job, encoded in ready + self.encode(misses):
+            self._stage_and_send(job, encoded)
 
     def prepare(self, batch: list[EncodeJob]):
         """Decode and preprocess; cache hits skip the tower. -> (misses, ready)."""
@@ -359,14 +359,15 @@ class EncodeWorker:
                 self._fail_room(job.handshake, str(exc), job.modality)
         return misses, ready
 
-    def encode(self, misses) -> list[tuple[EncodeJob, torch.Tensor]]:
+    def encode(self, misses) -> list[tuple[EncodeJob, Encoded]]:
         """Run the tower once over all misses; cache and return each item's rows."""
         ready = []
         if misses:
-            for (job, key, _), rows in zip(misses, self._encode_misses(misses)):
+            for (job, key, inputs), rows in zip(misses, self._encode_misses(misses)):
                 if rows is not None:
-                    self.cache.put(key, rows)
-                    ready.append((job, rows))
+                    encoded = Encoded(rows, tuple(inputs["image_grid_thw"][0].tolist()))
+                    self.cache.put(key, encoded)
+                    ready.append((job, encoded))
         return ready
 
     def _encode_misses(self, misses) -> list[torch.Tensor | None]:
@@ -394,7 +395,8 @@ class EncodeWorker:
             return image_from_pixels(job.payload)
         return image_from_shm(job.payload)
 
-    def _stage_and_send(self, job: EncodeJob, rows: torch.Tensor) -> None:
+    def _stage_and_send(self, job: EncodeJob, encoded: Encoded) -> None:
+        rows = encoded.rows
         layout = EmbeddingLayout.of(rows)
         deadline = time.monotonic() + self.config.receiver_wait_s
         while True:
@@ -413,7 +415,8 @@ class EncodeWorker:
                     self.sender.slot_freed.wait(0.05)
         digest = checksum(self.ring.view(lease)) if self.config.checksum else None
         timings = {"queue_s": time.monotonic() - job.received_at}
-        self.sender.submit(StagedItem(job.request_id, job.handshake, lease, layout, digest, timings))
+        self.sender.submit(StagedItem(job.request_id, job.handshake, lease, layout, digest, timings,
+                                      encoded.grid_thw))
 
     def _housekeeping_loop(self) -> None:
         while not self._stopping.wait(0.5):

@@ -85,6 +85,9 @@ class CommitBody(_Body):
     width: json_int(gt=0, le=MAX_WIDTH)
     dtype: str = Field(pattern=DTYPE_PATTERN)
     checksum: json_int(ge=0, lt=1 << 64) | None = None
+    # the (t, h, w) patch grid the rows came from, so the receiver can check it placed as many
+    # placeholders as the encoder's image processor produced rows
+    grid_thw: tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None = None
     shm_segment: str | None = Field(default=None, pattern=r"^epd-[A-Za-z0-9_-]{1,100}$")
 
 

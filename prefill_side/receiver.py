@@ -279,9 +279,18 @@ class PrefillReceiver:
         except ContractError as exc:
             await self._give_up(job, entry.index, entry.item, f"commit rejected: {exc}", entry, quarantine=True)
             return
+        grid = view.commit.grid_thw
+        known = entry.item.model_specific_data.get("image_grid_thw")
+        if grid is not None and known is not None and [int(v) for v in torch.as_tensor(known).reshape(-1)] != list(grid):
+            await self._give_up(job, entry.index, entry.item, f"encoder's image_grid_thw {list(grid)} differs from "
+                                f"the request's {torch.as_tensor(known).reshape(-1).tolist()}", entry,
+                                quarantine=False)
+            return
         encoded = rows.clone()
         self.pool.release(entry.lease)
         self._set_encoded(entry.item, encoded)
+        if grid is not None and known is None:
+            entry.item.model_specific_data["image_grid_thw"] = torch.tensor([list(grid)])
         outcome = job.outcomes[entry.index]
         outcome.state, outcome.transport = "DONE", view.transport
         outcome.seconds = time.monotonic() - job.started

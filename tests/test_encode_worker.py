@@ -120,6 +120,7 @@ def test_intake_to_delivery_with_cache_hit(qwen25):
             assert state is RoomState.SUCCESS, view.reason
             got.append(data)
         assert worker.cache.hits == 1 and worker.cache.misses == 1
+        assert view.commit.grid_thw == tuple(inputs["image_grid_thw"][0].tolist())  # a hit carries it too
         assert torch.equal(got[0], got[1])  # a hit ships the same bytes as the miss
     finally:
         intake.close()

@@ -84,6 +84,8 @@ def test_multi_item_request_is_byte_exact_in_either_order(stack, tower, receiver
     assert job.wait(20) is JobState.DONE, job.reasons
     for item, image in zip(inputs.mm_items, images):
         assert torch.equal(item.encoded, expected_rows(tower, image))
+        grid = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")["image_grid_thw"]
+        assert torch.equal(item.image_grid_thw, grid)  # the commit carries the encoder's patch grid
     assert [o.state for o in job.outcomes] == ["DONE"] * 3 + ["SKIPPED"] * 2
     assert all(o.transport == "loopback" for o in job.outcomes[:3])
     assert torch.equal(already.encoded, torch.ones(4, 2)) and skipped_text.encoded is None
@@ -170,3 +172,14 @@ def test_cancel_during_a_write_waits_for_the_writer_then_frees_the_slot(stack, t
     view = worker.table.view(rooms[0])
     assert view.state.value == "CANCELLED" and view.writer_settled
     assert receiver.pool.stats()["leased_slots"] == 0 and receiver.pool.stats()["quarantined_slots"] == 0
+
+
+def test_a_patch_grid_that_disagrees_with_the_request_fails_the_item(stack, tower):
+    worker, receiver, intake, _ = stack
+    image = png(64, 64, 8)
+    inputs, rooms = make_request(worker, tower, [image])
+    inputs.mm_items[0].model_specific_data["image_grid_thw"] = torch.tensor([[1, 2, 8]])  # same rows (4), other grid
+    job = receiver.start("grid", inputs)
+    send(intake, worker, rooms[0], image, "grid")
+    assert job.wait(10) is JobState.FAILED and "image_grid_thw" in job.reasons[0]
+    assert inputs.mm_items[0].encoded is None and receiver.pool.stats()["leased_slots"] == 0
