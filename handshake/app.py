@@ -148,8 +148,7 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
     with ``ready`` and adds its own metrics to ``/metrics`` through ``registry``."""
     table = table or RoomTable()
     metrics = HandshakeMetrics(table, registry)
-    previous = table._on_transition
-    table._on_transition = lambda old, new: (previous(old, new), metrics.transition(old, new))
+    table.on_transition(metrics.transition)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

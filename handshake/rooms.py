@@ -91,8 +91,7 @@ class _Waiter:
 
 
 class RoomTable:
-    def __init__(self, limits: RoomLimits = RoomLimits(), clock: Callable[[], float] = time.monotonic,
-                 on_transition: Callable[[RoomState | None, RoomState], None] | None = None):
+    def __init__(self, limits: RoomLimits = RoomLimits(), clock: Callable[[], float] = time.monotonic):
         self.limits = limits
         self._clock = clock
         self._lock = threading.Lock()
@@ -100,8 +99,16 @@ class RoomTable:
         self._tombstones: collections.OrderedDict[int, float] = collections.OrderedDict()  # id -> ended at
         self._counts = collections.Counter()
         self._due: list[tuple[float, int]] = []  # (deadline, room id) heap; stale entries skipped
-        self._on_transition = on_transition or (lambda old, new: None)
+        self._listeners: list[Callable[[RoomState | None, RoomState], None]] = []
         self.waiters = 0
+
+    def on_transition(self, listener: Callable[[RoomState | None, RoomState], None]) -> None:
+        """Call ``listener(old, new)`` on every state change (under the table's lock: keep it cheap)."""
+        self._listeners.append(listener)
+
+    def _notify(self, old: RoomState | None, new: RoomState) -> None:
+        for listener in self._listeners:
+            listener(old, new)
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -133,7 +140,7 @@ class RoomTable:
                     self._rooms[room_id] = _Room(room_id, deadline)
                     heapq.heappush(self._due, (deadline, room_id))
                     self._counts[RoomState.PENDING] += 1
-                    self._on_transition(None, RoomState.PENDING)
+                    self._notify(None, RoomState.PENDING)
                     minted.append(room_id)
             return minted
 
@@ -329,7 +336,7 @@ class RoomTable:
             self._tombstones[room.room_id] = self._clock()
             while len(self._tombstones) > self.limits.max_tombstones:
                 self._drop_oldest_tombstone()
-        self._on_transition(old, new)
+        self._notify(old, new)
         self._touch(room)
 
     def _touch(self, room: _Room) -> None:
