@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from handshake.models import RoomState
+
 DEFAULT_CACHE = os.path.expanduser("~/.cache/epd-encode-worker")
 
 
@@ -49,60 +51,27 @@ def bench_tower(depth: int, hidden: int, width: int) -> str:
 
 
 def _receiver_main(conn, pool_bytes: int) -> None:
-    """The prefill stand-in: registers every room of a round at once, then accepts each commit."""
-    from data_plane.commit import Commit, EmbeddingLayout, accept_commit
-    from data_plane.mooncake import MooncakeTransport
-    from data_plane.pool import MemoryRegion, SlotPool
-    from data_plane.shm_transport import ShmTransport
-    from handshake.client import SyncHandshakeClient
-    from handshake.models import Registration, RoomState
+    """The prefill side: the project's receiver library, one job per round for all its items."""
+    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from prefill_side import PrefillReceiver, ReceiverConfig
 
-    pool = SlotPool(MemoryRegion.shared(pool_bytes), 1 << 20, quarantine_s=30)
-    transports = {"shm": ShmTransport(), "mooncake": MooncakeTransport.for_process()}
-    for transport in transports.values():
-        transport.register(pool.region)
+    receiver = None
     conn.send("ready")
-    client = None
     try:
-        while True:
-            message = conn.recv()
-            if message is None:
-                return
-            url, rooms, rows, width, dtype, offer_kinds = message
-            if client is not None:
-                client.close()
-            client = SyncHandshakeClient(url, timeout_s=30)
-            layout = EmbeddingLayout(rows, width, dtype)
-            leases = {}
-            registrations = []
-            for room in rooms:
-                lease = pool.lease(layout.nbytes)
-                leases[room] = lease
-                offers = [transports[kind].offer(pool, lease) for kind in offer_kinds]
-                registrations.append(Registration(room=room, generation=lease.generation, rows=rows, width=width,
-                                                  dtype=dtype, offers=offers))
-            for start in range(0, len(registrations), 64):
-                client.register(registrations[start:start + 64])
-            conn.send("registered")
-            versions = {room: 0 for room in rooms}
-            outcomes = {}
-            while versions:
-                for result in client.watch(dict(list(versions.items())[:256]), 5.0):
-                    view = result.view
-                    versions[view.room] = view.version
-                    if view.state.terminal:
-                        del versions[view.room]
-                        ok = False
-                        if view.state is RoomState.SUCCESS:
-                            accept_commit(pool, leases[view.room], layout, Commit.of(view.commit))
-                            ok = True
-                        pool.release(leases[view.room])
-                        outcomes[view.room] = (ok, time.monotonic(), view.transport)
-            conn.send(outcomes)
+        while (message := conn.recv()) is not None:
+            port, rooms, rows, width, dtype, transport = message
+            if receiver is None:
+                receiver = PrefillReceiver(ReceiverConfig(width=width, dtype=dtype, pool_bytes=pool_bytes,
+                                                          transports=(transport,), item_timeout_s=300))
+            items = [MultimodalDataItem(Modality.IMAGE, offsets=[[0, rows - 1]],
+                                        encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                                                          "bootstrap_port": port}) for room in rooms]
+            job = receiver.start("bench", MultimodalInputs(items))
+            job.wait(600)
+            conn.send((time.monotonic(), [o.state for o in job.outcomes]))
     finally:
-        if client is not None:
-            client.close()
-        pool.region.close()
+        if receiver is not None:
+            receiver.close()
 
 
 def _decode(image: bytes):
@@ -137,11 +106,12 @@ def _delivered(tower, images, batch_items: int, checksum: bool, transport: str, 
     worker = EncodeWorker(config, tower=tower).start()
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
     try:
-        url = f"http://127.0.0.1:{worker.bootstrap_port}"
         rooms = worker.table.mint(len(images), 300)
         rows = tower.rows_per_item(tower.processor(images=[_decode(images[0])], return_tensors="pt")["image_grid_thw"])[0]
-        conn.send((url, rooms, rows, tower.info.wire_width, str(tower.dtype).removeprefix("torch."), [transport]))
-        assert conn.recv() == "registered"
+        conn.send((worker.bootstrap_port, rooms, rows, tower.info.wire_width, str(tower.dtype).removeprefix("torch."),
+                   transport))
+        while not all(worker.table.view(room).state is RoomState.REGISTERED for room in rooms):
+            time.sleep(0.01)  # every receiver is in place before the clock starts
         started = time.monotonic()
         for index, (room, image) in enumerate(zip(rooms, images)):
             body = {"request_id": f"b{index}", "source": "bytes", "content_hash": index + 1,
@@ -149,9 +119,8 @@ def _delivered(tower, images, batch_items: int, checksum: bool, transport: str, 
                                          "bootstrap_port": worker.bootstrap_port}}
             while not intake.send(body, image)["ok"]:
                 time.sleep(0.005)
-        outcomes = conn.recv()
-        finished = max(t for _, t, _ in outcomes.values())
-        delivered = sum(ok for ok, _, _ in outcomes.values())
+        finished, states = conn.recv()  # CLOCK_MONOTONIC: comparable across processes on one host
+        delivered = states.count("DONE")
         return delivered / (finished - started), len(images) - delivered
     finally:
         intake.close()

@@ -38,29 +38,12 @@ def pattern(rows: int, width: int, dtype: str, seed: int):
     return torch.randn(rows, width, generator=generator).to(dtype_from_wire(dtype))
 
 
-def build_transports(names, config=None):
-    from data_plane.loopback import LoopbackTransport
-    from data_plane.mooncake import MooncakeConfig, MooncakeTransport
-    from data_plane.shm_transport import ShmTransport
-
-    made = {}
-    for name in names:
-        if name == "mooncake":
-            made[name] = MooncakeTransport.for_process(config or MooncakeConfig())
-        elif name == "shm":
-            made[name] = ShmTransport()
-        elif name == "loopback":
-            made[name] = LoopbackTransport()
-        else:
-            raise ValueError(f"unknown transport {name!r}")
-    return made
-
-
 def _serve(conn, config: PeerConfig) -> None:
     import torch
 
     from data_plane.commit import Commit, EmbeddingLayout, accept_commit
     from data_plane.pool import MemoryRegion, SlotPool
+    from data_plane.transport import build_transports
 
     region = MemoryRegion.shared(config.pool_bytes)
     pool = SlotPool(region, config.slot_bytes, config.quarantine_s)

@@ -41,9 +41,9 @@ def shape_for(size: int) -> tuple[int, int]:
 
 class TransferBench:
     def __init__(self, max_size: int):
-        from bench.peer import build_transports
         from data_plane.loopback import LoopbackTransport
         from data_plane.pool import MemoryRegion, SlotPool
+        from data_plane.transport import build_transports
 
         pool_bytes = max_size + (1 << 20)
         self.process, self.peer = start_peer(PeerConfig(("shm", "mooncake"), pool_bytes=pool_bytes))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import logging
 import time
 
 import torch
@@ -111,3 +112,30 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Release what the transport holds (engines, mappings)."""
+
+
+def build_transports(names, mooncake_config=None, mooncake_optional: bool = False) -> dict[str, Transport]:
+    """This process's transports by name (``shm``, ``mooncake``, ``loopback``). With
+    ``mooncake_optional``, a missing Mooncake leaves the others in service (logged) instead of
+    failing, unless it was the only one asked for."""
+    from data_plane.loopback import LoopbackTransport
+    from data_plane.mooncake import MooncakeConfig, MooncakeTransport, MooncakeUnavailable
+    from data_plane.shm_transport import ShmTransport
+
+    made: dict[str, Transport] = {}
+    for name in names:
+        if name == "shm":
+            made[name] = ShmTransport()
+        elif name == "mooncake":
+            try:
+                made[name] = MooncakeTransport.for_process(mooncake_config or MooncakeConfig())
+            except MooncakeUnavailable as exc:
+                if not mooncake_optional or len(names) == 1:
+                    raise
+                logging.getLogger(__name__).warning("Mooncake unavailable, using %s only: %s",
+                                                    ",".join(n for n in names if n != "mooncake"), exc)
+        elif name == "loopback":
+            made[name] = LoopbackTransport()
+        else:
+            raise ValueError(f"unknown transport {name!r}")
+    return made

@@ -24,8 +24,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from data_plane.commit import EmbeddingLayout, checksum
+from data_plane.mooncake import MooncakeConfig
 from data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmTensorHandle
+from data_plane.transport import build_transports
 from encode_worker.cache import CacheKey, EmbeddingCache, Encoded
 from encode_worker.inputs import BadItem, image_from_bytes, image_from_pixels, image_from_shm
 from encode_worker.intake import IntakeRefused, parse_request
@@ -103,7 +105,10 @@ class EncodeWorker:
         self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
         self.cache = EmbeddingCache(config.cache_bytes)
         self.queue = BatchQueue(config.queue_items, config.batch_patches, config.batch_items)
-        self.transports = transports if transports is not None else _build_transports(config)
+        self.transports = transports if transports is not None else build_transports(
+            config.transports, MooncakeConfig(hostname=config.host, device_names=config.mooncake_hca,
+                                              force_tcp=config.mooncake_force_tcp,
+                                              transfer_timeout_s=max(5, int(config.write_timeout_s))))
         self.ring = SlotPool(MemoryRegion.anonymous(config.ring_bytes), config.ring_slot_bytes,
                              quarantine_s=config.write_timeout_s * 2)
         for transport in self.transports.values():
@@ -424,23 +429,3 @@ class EncodeWorker:
             idle = not self._busy and not len(self.queue) and self._prepared.empty()
             if idle and time.monotonic() - self._last_ok > self.config.probe_interval_s:
                 self._probe()
-
-
-def _build_transports(config: WorkerConfig) -> dict:
-    from data_plane.loopback import LoopbackTransport
-    from data_plane.mooncake import MooncakeConfig, MooncakeTransport
-    from data_plane.shm_transport import ShmTransport
-
-    made = {}
-    for name in config.transports:
-        if name == "shm":
-            made[name] = ShmTransport()
-        elif name == "mooncake":
-            made[name] = MooncakeTransport.for_process(MooncakeConfig(
-                hostname=config.host, device_names=config.mooncake_hca, force_tcp=config.mooncake_force_tcp,
-                transfer_timeout_s=max(5, int(config.write_timeout_s))))
-        elif name == "loopback":
-            made[name] = LoopbackTransport()
-        else:
-            raise ValueError(f"unknown transport {name!r}")
-    return made

@@ -142,6 +142,11 @@ def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
         return RoomResult(room=room, ok=False, error=str(exc), status=exc.status)
 
 
+def _watch_results(versions: dict[int, int], views: list) -> list[RoomResult]:
+    return [RoomResult(room=room, ok=False, error=str(v), status=v.status) if isinstance(v, RoomError)
+            else RoomResult(room=room, ok=True, view=v) for room, v in zip(versions, views)]
+
+
 def create_app(table: RoomTable | None = None, token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                ready: Callable[[], bool] = lambda: True, registry: CollectorRegistry | None = None) -> FastAPI:
     """The handshake app over ``table``. An embedding process (the encode worker) gates ``/readyz``
@@ -186,9 +191,7 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
         if body.wait_s > 0:
             versions = {r.room: r.view.version for r in results if r.ok and not r.view.state.terminal}
             if len(versions) == len(results):
-                views = await table.watch(versions, body.wait_s)
-                results = [RoomResult(room=room, ok=False, error=str(v), status=v.status) if isinstance(v, RoomError)
-                           else RoomResult(room=room, ok=True, view=v) for room, v in zip(versions, views)]
+                results = _watch_results(versions, await table.watch(versions, body.wait_s))
         return _json(BatchResponse(results=results))
 
     @app.post("/v1/rooms/begin-write", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
@@ -217,10 +220,7 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
     async def watch(body: WatchRequest):
         """Long-poll: answers once any room is past its ``after_version`` or after ``wait_s``."""
         versions = {item.room: item.after_version for item in body.rooms}
-        views = await table.watch(versions, body.wait_s)
-        return _json(BatchResponse(results=[
-            RoomResult(room=room, ok=False, error=str(v), status=v.status) if isinstance(v, RoomError)
-            else RoomResult(room=room, ok=True, view=v) for room, v in zip(versions, views)]))
+        return _json(BatchResponse(results=_watch_results(versions, await table.watch(versions, body.wait_s))))
 
     @app.get("/v1/rooms/{room:int}", response_model=RoomView,
              responses={**AUTH_ERRORS, 404: {"description": "Unknown room"}})

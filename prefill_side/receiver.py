@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit
 from data_plane.pool import Lease, MemoryRegion, NoCapacity, SlotPool, TooLarge
+from data_plane.transport import build_transports
 from handshake.client import HandshakeClient, HandshakeError
 from handshake.models import Registration, RoomState
 from multimodal.items import MultimodalDataItem, MultimodalInputs
@@ -139,7 +140,8 @@ class PrefillReceiver:
         self.config = config
         self.pool = SlotPool(MemoryRegion.shared(config.pool_bytes), config.slot_bytes, config.quarantine_s)
         try:
-            self.transports = transports if transports is not None else _build_transports(config.transports)
+            self.transports = (transports if transports is not None
+                               else build_transports(config.transports, mooncake_optional=True))
             for transport in self.transports.values():
                 transport.register(self.pool.region)
         except BaseException:
@@ -336,27 +338,3 @@ class PrefillReceiver:
         inputs = self.local_tower.processor(images=[image], return_tensors="pt")
         (rows,) = self.local_tower.encode_items(inputs["pixel_values"], inputs["image_grid_thw"])
         return rows.to(self.local_tower.dtype).clone()
-
-
-def _build_transports(names: tuple[str, ...]) -> dict:
-    from data_plane.loopback import LoopbackTransport
-    from data_plane.mooncake import MooncakeTransport, MooncakeUnavailable
-    from data_plane.shm_transport import ShmTransport
-
-    made = {}
-    for name in names:
-        if name == "shm":
-            made[name] = ShmTransport()
-        elif name == "mooncake":
-            try:
-                made[name] = MooncakeTransport.for_process()
-            except MooncakeUnavailable as exc:
-                if len(names) == 1:
-                    raise
-                log.warning("Mooncake unavailable, receiving over %s only: %s",
-                            ",".join(n for n in names if n != "mooncake"), exc)
-        elif name == "loopback":
-            made[name] = LoopbackTransport()
-        else:
-            raise ValueError(f"unknown transport {name!r}")
-    return made

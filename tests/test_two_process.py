@@ -30,7 +30,7 @@ def peer():
 
 @pytest.fixture(scope="module")
 def sender():
-    from bench.peer import build_transports
+    from data_plane.transport import build_transports
 
     transports = build_transports(("shm", "mooncake"))
     region = MemoryRegion.anonymous(160 << 20)
