@@ -92,9 +92,9 @@ class WorkerMetrics:
             lambda: len(worker.queue))
         Gauge("epd_encoder_ring_occupancy", "Leased fraction of the send ring", registry=registry).set_function(
             lambda: worker.ring.stats()["leased_slots"] / worker.ring.slot_count)
-        for name, attr in (("hits", "hits"), ("misses", "misses"), ("evictions", "evictions")):
+        for name in ("hits", "misses", "evictions"):
             Gauge(f"epd_encoder_cache_{name}", f"Embedding cache {name}", registry=registry).set_function(
-                lambda attr=attr: getattr(worker.cache, attr))
+                lambda name=name: getattr(worker.cache, name))
 
 
 class EncodeWorker:
@@ -201,7 +201,7 @@ class EncodeWorker:
         remote = self._remote.get(key)
         if remote is None:
             if len(self._remote) >= 256:
-                _, oldest = self._remote.popitem()
+                oldest = self._remote.pop(next(iter(self._remote)))  # the first endpoint added
                 oldest.client.close()
             url = f"http://{handshake.bootstrap_host}:{handshake.bootstrap_port}"
             remote = self._remote[key] = RemoteRooms(SyncHandshakeClient(url, token=self.config.handshake_token))

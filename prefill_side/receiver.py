@@ -224,9 +224,11 @@ class PrefillReceiver:
                 else:
                     results = await client.watch({room: e.version for room, e in live.items()}, self.config.poll_s)
             except HandshakeError as exc:
+                # a register that timed out may still have reached the room, so a writer may come:
+                # hold the slot whatever round this was
                 for entry in list(live.values()):
                     await self._give_up(job, entry.index, entry.item, f"encode worker endpoint unreachable: {exc}",
-                                        entry, quarantine=entry.version > 0)
+                                        entry, quarantine=True)
                 return
             await self._handle(job, client, live, results)
 

@@ -150,6 +150,7 @@ def test_unreachable_endpoint_fails_within_a_second(tower):
         job = receiver.start("dead", MultimodalInputs([item]))
         assert job.wait(5) is JobState.FAILED
         assert time.monotonic() - started < 1.5 and "unreachable" in job.reasons[0]
+        assert receiver.pool.stats()["quarantined_slots"] > 0  # the register may have landed: slot held
     finally:
         receiver.close()
 
