@@ -9,6 +9,13 @@ Wire layout: one ``[rows, width]`` tensor per item. For Qwen3-VL the DeepStack l
 the same rows, concatenated on the hidden dimension (as vLLM does):
 ``[rows, out_width * (1 + levels)]``; ``split_deepstack`` cuts it back into ``encoded`` and
 ``encoded_deepstack``.
+
+Batching changes no bit: on CPUs where oneMKL's small-M GEMM kernels round differently from its
+large-M ones (seen on an AVX-512/AMX Xeon: an image's rows in a mixed batch differed from the
+same image alone by ~1e-7), the sums would depend on the batch. Importing this module therefore
+defaults ``MKL_CBWR`` to ``AUTO,STRICT`` (oneMKL's strict reproducibility mode, read at its first
+call): GEMM results no longer depend on M or the thread count, for ~0-8 % of GEMM speed here.
+Set ``MKL_CBWR`` yourself to choose otherwise. GPU kernels are not covered: see docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ import json
 import os
 from dataclasses import dataclass
 
-import torch
-from transformers import AutoImageProcessor
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # before torch runs its first GEMM (see above)
+
+import torch  # noqa: E402
+from transformers import AutoImageProcessor  # noqa: E402
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
