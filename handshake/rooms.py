@@ -97,24 +97,21 @@ class RoomTable:
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
         self._tombstones: collections.OrderedDict[int, float] = collections.OrderedDict()  # id -> ended at
-        self._counts = collections.Counter()
+        self._counts = collections.Counter()  # rooms now in each state
+        self._entered = collections.Counter()  # transitions into each state, ever (a metric)
         self._due: list[tuple[float, int]] = []  # (deadline, room id) heap; stale entries skipped
-        self._listeners: list[Callable[[RoomState | None, RoomState], None]] = []
         self.waiters = 0
-
-    def on_transition(self, listener: Callable[[RoomState | None, RoomState], None]) -> None:
-        """Call ``listener(old, new)`` on every state change (under the table's lock: keep it cheap)."""
-        self._listeners.append(listener)
-
-    def _notify(self, old: RoomState | None, new: RoomState) -> None:
-        for listener in self._listeners:
-            listener(old, new)
 
     # ---- queries ---------------------------------------------------------------------------
 
     def counts(self) -> dict[RoomState, int]:
         with self._lock:
             return {state: self._counts[state] for state in RoomState}
+
+    def entered(self) -> dict[RoomState, int]:
+        """How many times a room entered each state (minting enters PENDING)."""
+        with self._lock:
+            return {state: self._entered[state] for state in RoomState}
 
     @property
     def live_rooms(self) -> int:
@@ -140,7 +137,7 @@ class RoomTable:
                     self._rooms[room_id] = _Room(room_id, deadline)
                     heapq.heappush(self._due, (deadline, room_id))
                     self._counts[RoomState.PENDING] += 1
-                    self._notify(None, RoomState.PENDING)
+                    self._entered[RoomState.PENDING] += 1
                     minted.append(room_id)
             return minted
 
@@ -332,11 +329,11 @@ class RoomTable:
         room.state = new
         self._counts[old] -= 1
         self._counts[new] += 1
+        self._entered[new] += 1
         if new.terminal:
             self._tombstones[room.room_id] = self._clock()
             while len(self._tombstones) > self.limits.max_tombstones:
                 self._drop_oldest_tombstone()
-        self._notify(old, new)
         self._touch(room)
 
     def _touch(self, room: _Room) -> None:

@@ -29,12 +29,17 @@ def load_token(token_file: str | None) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+# No access log, no Server/Date headers, no X-Forwarded-* rewriting: per-request work we do not use.
+UVICORN_OPTIONS = dict(log_level="warning", access_log=False, server_header=False, date_header=False,
+                       proxy_headers=False)
+
+
 class ThreadedServer:
     """A real uvicorn server on its own thread (the encode worker's bootstrap port, tests)."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=2)
+        config = uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2,
+                                **UVICORN_OPTIONS)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="handshake-server", daemon=True)
 
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     limits = RoomLimits(args.max_live_rooms, args.max_tombstones, args.tombstone_ttl_s)
     app = create_app(RoomTable(limits), token=load_token(args.token_file), max_body_bytes=args.max_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=5, **UVICORN_OPTIONS)
     return 0
 
 

@@ -206,6 +206,9 @@ def _post(url, data: bytes):
     ("/v1/rooms", b'{"count": 1, "bogus": 1}', 422),
     ("/v1/rooms/cancel", b'{"rooms": [0]}', 422),
     ("/v1/rooms/cancel", b'{"rooms": [9223372036854775808]}', 422),
+    ("/v1/rooms/cancel", b'{"rooms": [9223372036854775808.0]}', 422),  # as a float it rounds onto the bound
+    ("/v1/rooms/cancel", b'{"rooms": [1.5]}', 422),
+    ("/v1/rooms/watch", b'{"rooms": [{"room": 1}], "wait_s": "1"}', 422),
     ("/v1/rooms/commit", b'{"commits": [{"room": 1, "generation": 1, "transport": "loopback", "rows": 1, '
                          b'"width": 1, "dtype": "float64"}]}', 422),
     ("/v1/rooms/register", b'{"receivers": [{"room": 1, "generation": 1, "rows": 1, "width": 1, '
