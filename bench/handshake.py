@@ -2,7 +2,7 @@
 
 The server (`python -m handshake.server`) runs in its own process on loopback; the client here
 runs N concurrent loops of: mint -> register receiver -> commit -> receiver observes the commit
-(long-poll read). Then the same with 8-room batches (one call per step for 8 rooms).
+(``/v1/rooms/watch`` long-poll, the route the prefill receiver uses). Then the same with 8-room batches (one call per step for 8 rooms).
 """
 
 from __future__ import annotations
@@ -68,11 +68,7 @@ async def _lifecycle(client: HandshakeClient, batch: int) -> None:
     registered = await client.register([_registration(r) for r in rooms])
     versions = {r.room: r.view.version for r in registered}
     await client.commit([_commit(r) for r in rooms])
-    if batch == 1:
-        view = await client.get(rooms[0], after_version=versions[rooms[0]], wait_s=5)
-        observed = [view.state]
-    else:
-        observed = [r.view.state for r in await client.watch(versions, wait_s=5)]
+    observed = [r.view.state for r in await client.watch(versions, wait_s=5)]  # the receiver's long-poll
     if any(state is not RoomState.SUCCESS for state in observed):
         raise RuntimeError(f"lifecycle ended in {observed}")
 
