@@ -5,9 +5,12 @@ One ``PrefillReceiver`` per engine process owns the registered receive pool and 
 receiver's own event-loop thread, so the engine's loop never blocks on HTTP. Per endpoint, one
 register call and one long-poll watch per round cover all of a request's items.
 
-``encoded`` is a copy of the slot's rows: the slot is released as soon as the rows are verified
-and copied, so receive-pool occupancy is bounded by items in flight, and ``encoded`` is plain
-memory owned by the item (freed with it). Items without an ``encode_handshake``, and items whose
+By default ``encoded`` is a copy of the slot's rows: the slot is released as soon as the rows are
+verified and copied, so receive-pool occupancy is bounded by items in flight, and ``encoded`` is
+plain memory owned by the item (freed with it). With ``ReceiverConfig(zero_copy=True)``
+``encoded`` is a view of the slot itself (no copy, no page faults of fresh memory): the slot stays
+leased until the engine calls ``job.release()`` (after it moved the rows to the device or finished
+the prefill), which also clears ``encoded``; until then the pool counts it as leased. Items without an ``encode_handshake``, and items whose
 ``encoded`` is already set (chunked prefill), are left alone.
 """
 
@@ -56,6 +59,7 @@ class ReceiverConfig:
     fallback: str = "fail"  # or "local_tower": encode the kept pixels with a local VisionTower
     handshake_token: str | None = None
     verify_checksum: bool = True
+    zero_copy: bool = False  # encoded = a view of the slot, held until job.release()
 
 
 @dataclass
@@ -87,6 +91,9 @@ class ReceiveJob:
         self._receiver = receiver
         self._future: Future | None = None
         self._cancelled = threading.Event()
+        self._held: list[tuple[MultimodalDataItem, Lease]] = []  # zero-copy slots behind published views
+        self._held_lock = threading.Lock()
+        self._released = False
         self.started = time.monotonic()
 
     def poll(self) -> JobState:
@@ -111,6 +118,15 @@ class ReceiveJob:
     @property
     def reasons(self) -> dict[int, str]:
         return {o.index: o.reason for o in self.outcomes if o.state == "FAILED"}
+
+    def release(self) -> None:
+        """Zero-copy mode: the engine is done with the items' ``encoded`` views; free their slots
+        (and clear ``encoded``, so nothing reads a slot its next tenant writes). Idempotent."""
+        with self._held_lock:
+            held, self._held, self._released = self._held, [], True
+        for item, lease in held:
+            item.encoded = item.encoded_deepstack = None
+            self._receiver.pool.release(lease)
 
     def cancel(self, reason: str = "request cancelled by the engine") -> None:
         """Cancel the job's rooms now, so encode workers stop; items not yet received fail.
@@ -290,9 +306,17 @@ class PrefillReceiver:
                                 f"the request's {torch.as_tensor(known).reshape(-1).tolist()}", entry,
                                 quarantine=False)
             return
-        encoded = rows.clone()
-        self.pool.release(entry.lease)
-        self._set_encoded(entry.item, encoded)
+        if self.config.zero_copy:
+            with job._held_lock:
+                if job._released:  # the engine already let go of this job: nobody will read the view
+                    self.pool.release(entry.lease)
+                    return
+                job._held.append((entry.item, entry.lease))
+            self._set_encoded(entry.item, rows)
+        else:
+            encoded = rows.clone()
+            self.pool.release(entry.lease)
+            self._set_encoded(entry.item, encoded)
         if grid is not None and known is None:
             entry.item.model_specific_data["image_grid_thw"] = torch.tensor([list(grid)])
         outcome = job.outcomes[entry.index]

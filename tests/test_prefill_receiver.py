@@ -92,6 +92,33 @@ def test_multi_item_request_is_byte_exact_in_either_order(stack, tower, receiver
     assert receiver.pool.stats()["leased_slots"] == 0  # encoded is a copy: slots are free again
 
 
+def test_zero_copy_encoded_is_the_slot_until_release(stack, tower):
+    worker, _, intake, loopback = stack
+    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=4 << 20,
+                                              slot_bytes=1 << 16, item_timeout_s=10, zero_copy=True),
+                               transports={"loopback": loopback})
+    try:
+        images = [png(64, 64, 5), png(128, 96, 6)]
+        inputs, rooms = make_request(worker, tower, images)
+        job = receiver.start("zc", inputs)
+        for index, (room, image) in enumerate(zip(rooms, images)):
+            send(intake, worker, room, image, f"zc{index}")
+        assert job.wait(20) is JobState.DONE, job.reasons
+        pool_start = receiver.pool.region.tensor.data_ptr()
+        pool_end = pool_start + receiver.pool.region.tensor.numel()
+        for item, image in zip(inputs.mm_items, images):
+            assert torch.equal(item.encoded, expected_rows(tower, image))
+            assert pool_start <= item.encoded.data_ptr() < pool_end  # a view of the slot, not a copy
+        leased = receiver.pool.stats()["leased_slots"]
+        assert leased > 0  # held for the engine
+        job.release()
+        job.release()  # idempotent
+        assert receiver.pool.stats()["leased_slots"] == 0
+        assert all(item.encoded is None for item in inputs.mm_items)
+    finally:
+        receiver.close()
+
+
 def test_poll_never_blocks_and_cancel_fails_fast(stack, tower):
     worker, receiver, intake, _ = stack
     images = [png(64, 64, 4)]
