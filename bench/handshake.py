@@ -20,7 +20,7 @@ from data_plane.offers import LoopbackOffer
 from handshake.client import HandshakeClient
 from handshake.models import CommitBody, Registration, RoomState
 
-CONCURRENCY = (1, 4, 16, 32, 64)
+CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _loop_factory():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import inspect
 import json
@@ -189,15 +190,15 @@ def _json(model) -> Response:
 
 
 def _answer(results: list[RoomResult]) -> Response:
-    return _json(BatchResponse(results=results))
+    return _json(BatchResponse.model_construct(results=results))
 
 
 def _ok(room: int, view: RoomView) -> RoomResult:
-    return RoomResult(room=room, ok=True, view=view)
+    return RoomResult.model_construct(room=room, ok=True, view=view, error=None, status=200)
 
 
 def _refused(room: int, error: RoomError) -> RoomResult:
-    return RoomResult(room=room, ok=False, error=str(error), status=error.status)
+    return RoomResult.model_construct(room=room, ok=False, view=None, error=str(error), status=error.status)
 
 
 def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
@@ -226,6 +227,10 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
                 await asyncio.sleep(SWEEP_INTERVAL_S)
 
         task = asyncio.create_task(sweeper())
+        # What is alive once serving starts (modules, the app, an embedding process's tower) lives
+        # as long as the process: out of every full collection, whose pause grows with it.
+        gc.collect()
+        gc.freeze()
         yield
         task.cancel()
 

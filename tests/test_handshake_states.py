@@ -133,3 +133,19 @@ def test_fail_after_cancel_keeps_both_reasons():
     view = table.fail(room, "peer reset", settled=False)
     assert view.state is RoomState.CANCELLED and "user went away" in view.reason and "peer reset" in view.reason
     assert not view.writer_settled
+
+
+def test_tombstones_answer_like_the_room_and_are_not_tracked_by_the_gc():
+    import gc
+
+    table = RoomTable()
+    (room,) = table.mint(1, 60)
+    table.register(registration(room))
+    table.begin_write(begin(room))
+    live_view = table.commit(commit(room))
+    assert live_view.state is RoomState.SUCCESS
+    tombstone_view = table.view(room)
+    assert tombstone_view == live_view.model_copy(update={"expires_in_s": tombstone_view.expires_in_s})
+    assert table.commit(commit(room)).state is RoomState.SUCCESS  # an idempotent retry against the tombstone
+    gc.collect()
+    assert not any(gc.is_tracked(record) for record in table._tombstones.values())
