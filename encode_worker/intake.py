@@ -4,12 +4,15 @@ Request frames (after the ROUTER identity): ``[metadata JSON, payload]``; the pa
 the encoded image file (``source="bytes"``), raw ``uint8 [H, W, 3]`` pixels
 (``source="pixels"``, with ``shape``), or absent (``source="shm"``, with the handle in
 ``shm``). Nothing from the network is unpickled. Reply: one JSON frame
-``{"ok", "room", "reason"}``.
+``{"ok", "room", "reason"}``; ``room`` is set whenever the metadata named one, so a client with
+several messages in flight (``AsyncIntakeClient``) matches each reply to its item.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -41,7 +44,11 @@ class IntakeRequest(BaseModel):
 
 
 class IntakeRefused(ValueError):
-    """The message is refused; the reason goes back to the dispatcher."""
+    """The message is refused; the reason goes back to the dispatcher (with the room, once known)."""
+
+    def __init__(self, reason: str, room: int | None = None):
+        super().__init__(reason)
+        self.room = room
 
 
 def parse_request(frames: list[bytes], max_payload_bytes: int, token: str | None,
@@ -55,24 +62,25 @@ def parse_request(frames: list[bytes], max_payload_bytes: int, token: str | None
         request = IntakeRequest.model_validate_json(frames[0])
     except ValidationError as exc:
         raise IntakeRefused(f"bad metadata: {exc.errors(include_url=False)[:3]}") from None
+    room = request.encode_handshake.bootstrap_room
     if token is not None and not hmac.compare_digest((request.token or "").encode(), token.encode()):
-        raise IntakeRefused("missing or wrong intake token")
+        raise IntakeRefused("missing or wrong intake token", room)
     if request.model is not None and request.model != model:
-        raise IntakeRefused(f"unknown model {request.model!r}: this worker serves {model!r}")
+        raise IntakeRefused(f"unknown model {request.model!r}: this worker serves {model!r}", room)
     payload = frames[1] if len(frames) == 2 else None
     if request.source == "shm":
         if request.shm is None or payload is not None:
-            raise IntakeRefused("source 'shm' needs the 'shm' handle and no payload frame")
+            raise IntakeRefused("source 'shm' needs the 'shm' handle and no payload frame", room)
     else:
         if payload is None or not payload:
-            raise IntakeRefused(f"source {request.source!r} needs a payload frame")
+            raise IntakeRefused(f"source {request.source!r} needs a payload frame", room)
         if len(payload) > max_payload_bytes:
-            raise IntakeRefused(f"payload of {len(payload)} bytes exceeds {max_payload_bytes}")
+            raise IntakeRefused(f"payload of {len(payload)} bytes exceeds {max_payload_bytes}", room)
         if request.source == "pixels":
             if request.shape is None or request.shape[2] != 3:
-                raise IntakeRefused("source 'pixels' needs shape [H, W, 3]")
+                raise IntakeRefused("source 'pixels' needs shape [H, W, 3]", room)
             if request.shape[0] * request.shape[1] * 3 != len(payload):
-                raise IntakeRefused(f"payload of {len(payload)} bytes does not match shape {request.shape}")
+                raise IntakeRefused(f"payload of {len(payload)} bytes does not match shape {request.shape}", room)
     return request, payload
 
 
@@ -97,12 +105,67 @@ class IntakeClient:
 
     def send_raw(self, frames: list[bytes]) -> dict:
         """Send frames as they are (tests use it for malformed messages); wait for the reply."""
-        import json
-
         self._socket.send_multipart(frames)
         if not self._socket.poll(self.timeout_ms):
             raise TimeoutError(f"no answer from encode worker intake {self.endpoint}")
         return json.loads(self._socket.recv())
 
     def close(self) -> None:
+        self._socket.close(0)
+
+
+class AsyncIntakeClient:
+    """The dispatcher's asyncio side of intake: one DEALER socket, many messages in flight, each
+    reply matched to its message by room (a dispatcher never has two messages for one room in
+    flight). A reply that names no room (the worker could not parse the metadata) fails every
+    message in flight with its reason."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, max_in_flight: int = 1024):
+        import zmq
+        import zmq.asyncio
+
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.max_in_flight = max_in_flight
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def send(self, request: IntakeRequest, payload: bytes | None = None) -> dict:
+        """Send one item; its reply ``{"ok", "room", "reason"}``. Raises ``TimeoutError`` when the
+        worker does not answer in time, ``IntakeRefused`` when too many messages are in flight."""
+        room = request.encode_handshake.bootstrap_room
+        if room in self._waiting:
+            raise IntakeRefused(f"room {room} already has a message in flight", room)
+        if len(self._waiting) >= self.max_in_flight:
+            raise IntakeRefused(f"{self.max_in_flight} messages in flight to {self.endpoint}", room)
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.ensure_future(self._read_replies())
+        future = self._waiting[room] = asyncio.get_running_loop().create_future()
+        frames = [request.model_dump_json(exclude_none=True).encode()]
+        if payload is not None:
+            frames.append(payload)
+        try:
+            await self._socket.send_multipart(frames, copy=False)
+            return await asyncio.wait_for(future, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer from encode worker intake {self.endpoint} "
+                               f"within {self.timeout_s} s") from None
+        finally:
+            self._waiting.pop(room, None)
+
+    async def _read_replies(self) -> None:
+        while self._waiting:
+            reply = json.loads(await self._socket.recv())
+            room = reply.get("room")
+            waiting = [self._waiting.get(room)] if room is not None else list(self._waiting.values())
+            for future in waiting:
+                if future is not None and not future.done():
+                    future.set_result(reply)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
         self._socket.close(0)

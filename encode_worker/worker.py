@@ -21,7 +21,6 @@ import torch
 import zmq
 from PIL import Image
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from data_plane.commit import EmbeddingLayout, checksum
 from data_plane.mooncake import MooncakeConfig
@@ -40,7 +39,7 @@ from handshake.client import SyncHandshakeClient
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from multimodal.hashing import hash_feature
-from multimodal.rows import RowContractError, split_rows
+from multimodal.rows import RowContractError, image_grid, split_rows
 from multimodal.wire import EncodeHandshake
 
 log = logging.getLogger(__name__)
@@ -83,7 +82,7 @@ class WorkerMetrics:
         self.batch_items = Histogram("epd_encoder_batch_items", "Items per tower batch",
                                      buckets=(1, 2, 4, 8, 16, 32), registry=registry)
         self.encode_seconds = Histogram("epd_encoder_encode_seconds", "Tower time per batch", registry=registry)
-        self.queue_seconds = Histogram("epd_encoder_queue_seconds", "Intake to staged in the send ring, per item",
+        self.queue_seconds = Histogram("epd_encoder_queue_seconds", "Intake to the tower starting the item's batch",
                                        registry=registry)
         self.transfer_seconds = Histogram("epd_encoder_transfer_seconds", "Write time per item", ["transport"],
                                           registry=registry)
@@ -242,7 +241,7 @@ class EncodeWorker:
                                              self.served_model)
         except IntakeRefused as exc:
             self.metrics.requests.labels("IMAGE", "refused").inc()
-            return {"ok": False, "room": None, "reason": str(exc)}
+            return {"ok": False, "room": exc.room, "reason": str(exc)}
         room = request.encode_handshake.bootstrap_room
         try:
             job = self._job(request, payload)
@@ -278,15 +277,11 @@ class EncodeWorker:
                          source_payload, self._patches(height, width), request.modality)
 
     def _patches(self, height: int, width: int) -> int:
-        processor = self.tower.processor
-        factor = processor.patch_size * processor.merge_size
-        size = processor.size
         try:
-            h, w = smart_resize(height, width, factor=factor, min_pixels=size["shortest_edge"],
-                                max_pixels=size["longest_edge"])
+            t, h, w = image_grid(self.tower.processor, height, width)
         except ValueError as exc:
             raise BadItem(f"image of {width}x{height} cannot be resized for the tower: {exc}") from None
-        return (h // processor.patch_size) * (w // processor.patch_size)
+        return t * h * w
 
     # ---- encode ----------------------------------------------------------------------------
 
@@ -357,6 +352,7 @@ class EncodeWorker:
                 key = CacheKey(job.content_hash, self.tower.model_id, self.preprocess_id)
                 cached = self.cache.get(key)
                 if cached is not None:
+                    job.timings.update(queue_s=time.monotonic() - job.received_at, cache_hit=True)
                     ready.append((job, cached))
                 else:
                     misses.append((job, key, self.tower.processor(images=[image], return_tensors="pt")))
@@ -381,7 +377,10 @@ class EncodeWorker:
         started = time.monotonic()
         try:
             rows = split_rows(self.tower.encode(pixel_values, grid_thw), self.tower.rows_per_item(grid_thw))
-            self.metrics.encode_seconds.observe(time.monotonic() - started)
+            seconds = time.monotonic() - started
+            for job, _, _ in misses:
+                job.timings.update(queue_s=started - job.received_at, encode_s=seconds)
+            self.metrics.encode_seconds.observe(seconds)
             self.metrics.batch_items.observe(len(misses))
             self._last_ok = time.monotonic()
             return rows
@@ -419,8 +418,7 @@ class EncodeWorker:
                 with self.sender.slot_freed:
                     self.sender.slot_freed.wait(0.05)
         digest = checksum(self.ring.view(lease)) if self.config.checksum else None
-        timings = {"queue_s": time.monotonic() - job.received_at}
-        self.sender.submit(StagedItem(job.request_id, job.handshake, lease, layout, digest, timings,
+        self.sender.submit(StagedItem(job.request_id, job.handshake, lease, layout, digest, dict(job.timings),
                                       encoded.grid_thw))
 
     def _housekeeping_loop(self) -> None:

@@ -2,6 +2,8 @@
 
 A vision tower returns one packed ``[sum_rows, width]`` tensor for a batch; ``split_rows`` cuts it
 per item and refuses any mismatch instead of silently shifting rows between items.
+``image_grid`` gives an image's patch grid from its size and the checkpoint's image processor,
+so a dispatcher (placeholders) and an encode worker (batching) agree with the tower on rows.
 """
 
 from __future__ import annotations
@@ -50,3 +52,22 @@ def split_rows(packed: torch.Tensor, rows_per_item: Sequence[int]) -> list[torch
             f"packed output has {packed.shape[0]} rows but the items expect {sum(counts)} ({counts})"
         )
     return list(torch.split(packed, counts, dim=0))
+
+
+def image_grid(processor, height: int, width: int) -> tuple[int, int, int]:
+    """The ``(t, h, w)`` patch grid a Qwen-VL image processor makes of a ``height x width`` image
+    (its ``image_grid_thw``), from the size alone; rows = ``t * h * w // merge_size**2``.
+    Raises ``ValueError`` for an image the processor cannot resize (too small, extreme aspect)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    patch = processor.patch_size
+    resized_h, resized_w = smart_resize(height, width, factor=patch * processor.merge_size,
+                                        min_pixels=processor.size["shortest_edge"],
+                                        max_pixels=processor.size["longest_edge"])
+    return 1, resized_h // patch, resized_w // patch
+
+
+def image_rows(processor, height: int, width: int) -> int:
+    """Rows the tower produces for a ``height x width`` image (see ``image_grid``)."""
+    t, h, w = image_grid(processor, height, width)
+    return t * h * w // processor.merge_size ** 2
