@@ -25,6 +25,7 @@ class EncodeJob:
     patches: int  # estimated at intake from the image size, for batching
     modality: str = "IMAGE"
     received_at: float = field(default_factory=time.monotonic)
+    timings: dict[str, float | bool] = field(default_factory=dict)  # by the stages: EncodeTimings' fields
 
     @property
     def room(self) -> int:

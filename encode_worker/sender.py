@@ -23,7 +23,7 @@ from data_plane.commit import EmbeddingLayout
 from data_plane.pool import Lease, SlotPool
 from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
 from handshake.client import HandshakeError
-from handshake.models import BeginWrite, CommitBody, RoomState, RoomView
+from handshake.models import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
 from handshake.rooms import RoomError
 from multimodal.wire import EncodeHandshake
 
@@ -38,7 +38,7 @@ class StagedItem:
     lease: Lease  # in the send ring
     layout: EmbeddingLayout
     checksum: int | None
-    timings: dict[str, float]
+    timings: dict[str, float | bool]
     grid_thw: tuple[int, int, int] | None = None
 
     @property
@@ -54,7 +54,7 @@ class Outcome:
     reason: str | None
     nbytes: int
     seconds: float
-    timings: dict[str, float]  # queue_s (intake to staged), transfer_s (the write itself)
+    timings: dict[str, float | bool]  # EncodeTimings' fields: queue_s, encode_s, wait_s, transfer_s, cache_hit
 
 
 class Sender:
@@ -95,7 +95,9 @@ class Sender:
 
     def _deliver(self, item: StagedItem) -> Outcome:
         rooms = self.rooms_for(item.handshake)
+        waiting = time.monotonic()
         view = self._wait_for_receiver(rooms, item)
+        item.timings["wait_s"] = time.monotonic() - waiting
         if view.state is RoomState.PENDING and self._closing.is_set():
             return self._fail(item, "encode worker shutting down", settled=True)
         if view.state is not RoomState.REGISTERED:
@@ -133,7 +135,8 @@ class Sender:
         view = rooms.commit(CommitBody(room=item.room, generation=registration.generation, transport=transport.name,
                                        rows=item.layout.rows, width=item.layout.width, dtype=item.layout.dtype,
                                        checksum=item.checksum, grid_thw=item.grid_thw,
-                                       shm_segment=getattr(offer, "segment", None)))
+                                       shm_segment=getattr(offer, "segment", None),
+                                       timings=EncodeTimings(**item.timings)))
         return self._finish(item, view.state.value, transport.name, view.reason)
 
     def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView:

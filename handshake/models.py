@@ -77,6 +77,16 @@ class BeginWriteRequest(_Body):
     writes: list[BeginWrite] = Field(min_length=1, max_length=MAX_BATCH)
 
 
+class EncodeTimings(_Body):
+    """Where an item's time went on the encode worker (seconds); informational, for latency splits."""
+
+    queue_s: json_float(ge=0, le=86400) = 0.0  # intake -> the tower started its batch (or a cache hit)
+    encode_s: json_float(ge=0, le=86400) = 0.0  # the tower's time for the item's batch; 0 on a cache hit
+    wait_s: json_float(ge=0, le=86400) = 0.0  # rows staged -> the item's receiver registered
+    transfer_s: json_float(ge=0, le=86400) = 0.0  # the write itself
+    cache_hit: JsonBool = False
+
+
 class CommitBody(_Body):
     room: RoomId
     generation: json_int(ge=0, lt=1 << 63)
@@ -89,6 +99,7 @@ class CommitBody(_Body):
     # placeholders as the encoder's image processor produced rows
     grid_thw: tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None = None
     shm_segment: str | None = Field(default=None, pattern=r"^epd-[A-Za-z0-9_-]{1,100}$")
+    timings: EncodeTimings | None = None
 
 
 class CommitRequest(_Body):

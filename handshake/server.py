@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -32,6 +33,15 @@ def load_token(token_file: str | None) -> str | None:
 # No access log, no Server/Date headers, no X-Forwarded-* rewriting: per-request work we do not use.
 UVICORN_OPTIONS = dict(log_level="warning", access_log=False, server_header=False, date_header=False,
                        proxy_headers=False)
+
+
+def serve(app, host: str, port: int, graceful_s: float = 5.0) -> None:
+    """uvicorn in this (main) thread until SIGTERM / SIGINT, then a graceful shutdown and a normal
+    return, so the caller's clean-up runs and the process exits 0 (uvicorn re-raises the signal
+    after its shutdown; the handlers installed here absorb it)."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=graceful_s, **UVICORN_OPTIONS)
 
 
 class ThreadedServer:
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     limits = RoomLimits(args.max_live_rooms, args.max_tombstones, args.tombstone_ttl_s)
     app = create_app(RoomTable(limits), token=load_token(args.token_file), max_body_bytes=args.max_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=5, **UVICORN_OPTIONS)
+    serve(app, args.host, args.port)
     return 0
 
 

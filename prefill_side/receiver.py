@@ -31,7 +31,7 @@ from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_com
 from data_plane.pool import Lease, MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.transport import build_transports
 from handshake.client import HandshakeClient, HandshakeError
-from handshake.models import Registration, RoomState
+from handshake.models import EncodeTimings, Registration, RoomState
 from multimodal.items import MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError, item_rows
 from multimodal.wire import EncodeHandshake
@@ -68,8 +68,9 @@ class ItemOutcome:
     state: str = "PENDING"  # PENDING, DONE, FAILED, SKIPPED
     transport: str | None = None
     reason: str | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # job start -> published (or failed)
     fallback: bool = False
+    encoder: EncodeTimings | None = None  # where the time went on the encode worker, from its commit
 
 
 @dataclass
@@ -202,6 +203,8 @@ class PrefillReceiver:
 
     async def _run(self, job: ReceiveJob) -> None:
         pending: list[_Pending] = []
+        refused: list[tuple[int, MultimodalDataItem, str]] = []
+        unreserved: dict[tuple[str, int], list[int]] = {}  # rooms to cancel, so their workers stop waiting
         for index, item in enumerate(job.inputs.mm_items):
             if item.encode_handshake is None or item.encoded is not None:
                 job.outcomes[index].state = "SKIPPED"
@@ -209,11 +212,19 @@ class PrefillReceiver:
             try:
                 pending.append(self._reserve(index, item))
             except (ValueError, RowContractError, NoCapacity, TooLarge) as exc:
-                await self._give_up(job, index, item, f"cannot reserve: {exc}", None, quarantine=False)
+                refused.append((index, item, f"cannot reserve: {exc}"))
+                handshake = _handshake_or_none(item)
+                if handshake is not None:
+                    unreserved.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
+                        handshake.bootstrap_room)
         by_endpoint: dict[tuple[str, int], list[_Pending]] = {}
         for entry in pending:
             by_endpoint.setdefault((entry.handshake.bootstrap_host, entry.handshake.bootstrap_port), []).append(entry)
-        await asyncio.gather(*(self._serve_endpoint(job, entries) for entries in by_endpoint.values()))
+        await asyncio.gather(*(self._cancel_rooms(endpoint, rooms, "the receiver could not reserve memory")
+                               for endpoint, rooms in unreserved.items()),
+                             *(self._give_up(job, index, item, reason, None, quarantine=False)
+                               for index, item, reason in refused),
+                             *(self._serve_endpoint(job, entries) for entries in by_endpoint.values()))
 
     def _reserve(self, index: int, item: MultimodalDataItem) -> _Pending:
         handshake = EncodeHandshake(**item.encode_handshake)
@@ -255,12 +266,15 @@ class PrefillReceiver:
                 handshake = EncodeHandshake(**item.encode_handshake)
                 by_endpoint.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
                     handshake.bootstrap_room)
-        for (host, port), rooms in by_endpoint.items():
-            client = self._client(EncodeHandshake(bootstrap_room=0, bootstrap_host=host, bootstrap_port=port))
-            try:
-                await client.cancel(rooms, reason)
-            except HandshakeError as exc:
-                log.warning("cancel of %d rooms at %s:%d failed: %s", len(rooms), host, port, exc)
+        await asyncio.gather(*(self._cancel_rooms(endpoint, rooms, reason) for endpoint, rooms in by_endpoint.items()))
+
+    async def _cancel_rooms(self, endpoint: tuple[str, int], rooms: list[int], reason: str) -> None:
+        host, port = endpoint
+        client = self._client(EncodeHandshake(bootstrap_room=0, bootstrap_host=host, bootstrap_port=port))
+        try:
+            await client.cancel(rooms, reason)
+        except HandshakeError as exc:
+            log.warning("cancel of %d rooms at %s:%d failed: %s", len(rooms), host, port, exc)
 
     async def _handle(self, job: ReceiveJob, client: HandshakeClient, live: dict[int, _Pending], results) -> None:
         now = time.monotonic()
@@ -312,21 +326,22 @@ class PrefillReceiver:
                     self.pool.release(entry.lease)
                     return
                 job._held.append((entry.item, entry.lease))
-            self._set_encoded(entry.item, rows)
+            self.set_encoded(entry.item, rows)
         else:
             encoded = rows.clone()
             self.pool.release(entry.lease)
-            self._set_encoded(entry.item, encoded)
+            self.set_encoded(entry.item, encoded)
         if grid is not None and known is None:
             entry.item.model_specific_data["image_grid_thw"] = torch.tensor([list(grid)])
         outcome = job.outcomes[entry.index]
-        outcome.state, outcome.transport = "DONE", view.transport
+        outcome.state, outcome.transport, outcome.encoder = "DONE", view.transport, view.commit.timings
         outcome.seconds = time.monotonic() - job.started
         self.metrics.items.labels(view.transport or "unknown", "done").inc()
         self.metrics.bytes.labels(view.transport or "unknown").inc(entry.layout.nbytes)
         self.metrics.latency.observe(outcome.seconds)
 
-    def _set_encoded(self, item: MultimodalDataItem, rows: torch.Tensor) -> None:
+    def set_encoded(self, item: MultimodalDataItem, rows: torch.Tensor) -> None:
+        """``item.encoded`` (and ``encoded_deepstack``) from wire rows."""
         if self.config.deepstack_width:
             item.encoded = rows[:, : rows.shape[1] - self.config.deepstack_width]
             item.encoded_deepstack = rows[:, rows.shape[1] - self.config.deepstack_width :]
@@ -344,7 +359,7 @@ class PrefillReceiver:
                 and not job._cancelled.is_set():
             try:
                 rows = await asyncio.get_running_loop().run_in_executor(None, self.encode_locally, item)
-                self._set_encoded(item, rows)
+                self.set_encoded(item, rows)
                 outcome.state, outcome.transport, outcome.fallback = "DONE", "local_tower", True
                 outcome.reason = f"fallback after: {reason}"
                 self.metrics.fallbacks.inc()
@@ -364,3 +379,10 @@ class PrefillReceiver:
         inputs = self.local_tower.processor(images=[image], return_tensors="pt")
         (rows,) = self.local_tower.encode_items(inputs["pixel_values"], inputs["image_grid_thw"])
         return rows.to(self.local_tower.dtype).clone()
+
+
+def _handshake_or_none(item: MultimodalDataItem) -> EncodeHandshake | None:
+    try:
+        return EncodeHandshake(**item.encode_handshake)
+    except (TypeError, ValueError):
+        return None

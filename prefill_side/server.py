@@ -2,8 +2,10 @@
 
 ``POST /v1/prefill`` takes a request's items (placeholder offsets + ``encode_handshake``, and
 optionally the image bytes for fallback or verification), receives every item's rows, and
-reports per item: rows x width, transport, latency, outcome, and whether the rows equal a local
-tower's (``verify``, needs ``--model``). It is what the demo, the integration tests and the
+reports per item: rows x width, transport, latency (with the encode worker's own split from its
+commit), outcome, and whether the rows equal a local tower's (``verify``, needs ``--model``).
+An item with image bytes and no ``encode_handshake`` is encoded here by the local tower, as a
+colocated engine would (transport ``local``). It is what the demo, the integration tests and the
 Kubernetes example run, and it shows engine developers the few calls an engine makes:
 ``receiver.start(request_id, mm_inputs)``, then ``job.poll()`` from the engine loop.
 """
@@ -15,15 +17,16 @@ import asyncio
 import base64
 import os
 import sys
+import time
 
 import torch
-import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from data_plane.json_fields import json_float, json_int
+from handshake.models import EncodeTimings
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from multimodal.wire import EncodeHandshake
 from prefill_side.receiver import PrefillReceiver, ReceiverConfig
@@ -36,6 +39,8 @@ class PrefillItem(BaseModel):
     offsets: list[tuple[json_int(ge=0), json_int(ge=0)]] = Field(min_length=1, max_length=64)
     encode_handshake: EncodeHandshake | None = None
     image_b64: str | None = Field(default=None, max_length=MAX_IMAGE_B64)
+    # the patch grid the request expects; a commit with another one fails the item
+    grid_thw: tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None = None
 
 
 class PrefillRequest(BaseModel):
@@ -56,6 +61,7 @@ class ItemReport(BaseModel):
     reason: str | None
     fallback: bool
     verified: bool | None
+    encoder: EncodeTimings | None = None  # the encode worker's split of its part (from the commit)
 
 
 class PrefillResponse(BaseModel):
@@ -73,9 +79,14 @@ def create_app(receiver: PrefillReceiver, local_tower=None) -> FastAPI:
         """Receive every item's rows; report per item."""
         items = []
         for entry in body.items:
-            feature = base64.b64decode(entry.image_b64) if entry.image_b64 else None
+            try:
+                feature = base64.b64decode(entry.image_b64, validate=True) if entry.image_b64 else None
+            except ValueError:
+                return JSONResponse({"detail": "image_b64 is not base64"}, status_code=422)
             items.append(MultimodalDataItem(Modality.IMAGE, offsets=[list(span) for span in entry.offsets],
                                             feature=feature,
+                                            model_specific_data={"image_grid_thw": torch.tensor([list(entry.grid_thw)])}
+                                            if entry.grid_thw else {},
                                             encode_handshake=entry.encode_handshake.model_dump()
                                             if entry.encode_handshake else None))
         job = receiver.start(body.request_id, MultimodalInputs(items))
@@ -84,10 +95,13 @@ def create_app(receiver: PrefillReceiver, local_tower=None) -> FastAPI:
         except asyncio.TimeoutError:
             job.cancel("prefill request timed out")
             await asyncio.wrap_future(job.future)
+        if local_tower is not None:
+            await _encode_colocated(receiver, job)
         reports = []
         for item, outcome in zip(items, job.outcomes):
             verified = None
-            if body.verify and local_tower is not None and item.encoded is not None and item.feature is not None:
+            if (body.verify and local_tower is not None and item.encoded is not None and item.feature is not None
+                    and outcome.transport != "local"):
                 expected = await asyncio.get_running_loop().run_in_executor(None, receiver.encode_locally, item)
                 verified = bool(torch.equal(_wire_rows(item), expected))
             encoded = item.encoded
@@ -95,7 +109,7 @@ def create_app(receiver: PrefillReceiver, local_tower=None) -> FastAPI:
                                       rows=encoded.shape[0] if encoded is not None else None,
                                       width=_wire_rows(item).shape[1] if encoded is not None else None,
                                       transport=outcome.transport, seconds=outcome.seconds, reason=outcome.reason,
-                                      fallback=outcome.fallback, verified=verified))
+                                      fallback=outcome.fallback, verified=verified, encoder=outcome.encoder))
         return Response(PrefillResponse(request_id=body.request_id, state=job.poll().value,
                                         items=reports).model_dump_json(), media_type="application/json")
 
@@ -108,6 +122,21 @@ def create_app(receiver: PrefillReceiver, local_tower=None) -> FastAPI:
         return Response(generate_latest(receiver.registry), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+async def _encode_colocated(receiver: PrefillReceiver, job) -> None:
+    """Items that came with image bytes and no room: this process's own tower encodes them."""
+    loop = asyncio.get_running_loop()
+    for item, outcome in zip(job.inputs.mm_items, job.outcomes):
+        if outcome.state == "SKIPPED" and item.encoded is None and isinstance(item.feature, bytes):
+            try:
+                rows = await loop.run_in_executor(None, receiver.encode_locally, item)
+            except Exception as exc:  # a bad image fails its item only
+                outcome.state, outcome.reason = "FAILED", f"local tower failed: {exc}"
+                continue
+            receiver.set_encoded(item, rows)
+            outcome.state, outcome.transport = "DONE", "local"
+            outcome.seconds = time.monotonic() - job.started
 
 
 def _wire_rows(item: MultimodalDataItem) -> torch.Tensor:
@@ -132,13 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--item-timeout-s", type=float, default=float(env("EPD_ITEM_TIMEOUT_S", "60")))
     parser.add_argument("--fallback", choices=("fail", "local_tower"), default=env("EPD_FALLBACK", "fail"))
     parser.add_argument("--token-file", default=env("EPD_HANDSHAKE_TOKEN_FILE"))
+    parser.add_argument("--mooncake-host", default=env("EPD_MOONCAKE_HOST", "127.0.0.1"),
+                        help="address encode workers use to reach this process's Mooncake engine (the pod IP)")
+    parser.add_argument("--mooncake-hca", default=env("EPD_MOONCAKE_HCA", ""),
+                        help="comma-separated RDMA HCA names for Mooncake ('' = all found)")
+    parser.add_argument("--mooncake-force-tcp", type=int, default=int(env("EPD_MOONCAKE_FORCE_TCP", "0")),
+                        help="1 = Mooncake over TCP even where RDMA exists")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
-    from handshake.server import load_token
+    from data_plane.mooncake import MooncakeConfig
+    from data_plane.transport import build_transports
+    from handshake.server import load_token, serve
 
     tower = None
     width, deepstack = args.width, args.deepstack_width
@@ -154,9 +191,13 @@ def main(argv: list[str] | None = None) -> int:
                             slot_bytes=args.slot_bytes, transports=tuple(t for t in args.transports.split(",") if t),
                             item_timeout_s=args.item_timeout_s, fallback=args.fallback,
                             handshake_token=load_token(args.token_file))
-    receiver = PrefillReceiver(config, local_tower=tower)
+    # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback default.
+    mooncake = MooncakeConfig(hostname=args.mooncake_host, device_names=args.mooncake_hca,
+                              force_tcp=bool(args.mooncake_force_tcp))
+    receiver = PrefillReceiver(config, build_transports(config.transports, mooncake, mooncake_optional=True),
+                               local_tower=tower)
     try:
-        uvicorn.run(create_app(receiver, tower), host=args.host, port=args.port, log_level="warning")
+        serve(create_app(receiver, tower), args.host, args.port)
     finally:
         receiver.close()
     return 0
