@@ -1,0 +1,8 @@
+"""The gateway's part of EPD: split a request into items, route each to an encode worker by
+content hash, mint its room, send its pixels, and hand back the prefill request's items."""
+
+from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError
+from dispatcher.ring import HashRing
+from dispatcher.workers import WorkerAddress, WorkerSet
+
+__all__ = ["DispatchError", "DispatchedItem", "Dispatcher", "HashRing", "WorkerAddress", "WorkerSet"]

@@ -1,0 +1,212 @@
+"""Dispatching one request's images: hash, size, route, mint rooms, send, and hand back items.
+
+Per request: every image's content hash (xxh3-128 of its bytes, as the encode worker would
+compute it) and rows (from its size and the checkpoint's image processor config, read from the
+file header without decoding); one room per item, minted in one call per endpoint; each item's
+bytes to its worker's intake, all in flight at once. An item whose worker refuses it, times out
+or cannot be reached has its room cancelled at once and is placed on the next worker in the
+ring; when no worker takes it, its cancelled room is what the prefill side gets, so it fails
+fast (or falls back) with the reason instead of waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+import yarl
+from PIL import Image
+
+from dispatcher.workers import WorkerAddress, WorkerSet
+from encode_worker.intake import AsyncIntakeClient, IntakeRefused, IntakeRequest
+from handshake.client import HandshakeClient, HandshakeError
+from multimodal.hashing import hash_feature
+from multimodal.items import Modality, MultimodalDataItem
+from multimodal.rows import image_grid
+from multimodal.wire import EncodeHandshake
+
+log = logging.getLogger(__name__)
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
+MAX_IMAGES = 64
+MAX_IMAGE_BYTES = 64 << 20
+
+
+class DispatchError(ValueError):
+    """The request cannot be dispatched at all (bad input); nothing was minted or sent."""
+
+
+@dataclass
+class DispatchedItem:
+    index: int
+    image: bytes
+    content_hash: int
+    width: int  # pixels
+    height: int
+    grid_thw: tuple[int, int, int]
+    rows: int
+    encode_handshake: EncodeHandshake | None = None  # the room the prefill side registers in
+    worker: str | None = None  # the encode worker that accepted the item
+    error: str | None = None  # why no worker took it (its room, if any, is cancelled)
+    attempts: list[str] = field(default_factory=list)  # workers tried, in order
+    dispatch_s: float = 0.0  # from the start of dispatch to the worker's acknowledgement
+
+    def to_mm_item(self, start: int) -> MultimodalDataItem:
+        """The item as a prefill engine holds it: placeholders at ``[start, start + rows)``,
+        the content hash, the expected patch grid, and the room."""
+        return MultimodalDataItem(
+            Modality.IMAGE, hash=self.content_hash, offsets=[[start, start + self.rows - 1]],
+            model_specific_data={"image_grid_thw": torch.tensor([list(self.grid_thw)])},
+            encode_handshake=self.encode_handshake.model_dump() if self.encode_handshake else None)
+
+
+class Dispatcher:
+    def __init__(self, workers: WorkerSet, processor, rooms_url: str | None = None, served_model: str | None = None,
+                 handshake_token: str | None = None, intake_token: str | None = None, room_ttl_s: float = 120.0,
+                 intake_timeout_s: float = 5.0, max_attempts: int = 3):
+        self.workers = workers
+        self.processor = processor
+        self.rooms_url = rooms_url  # a standalone room authority; None: rooms at each item's worker
+        self.served_model = served_model
+        self.handshake_token = handshake_token
+        self.intake_token = intake_token
+        self.room_ttl_s = room_ttl_s
+        self.intake_timeout_s = intake_timeout_s
+        self.max_attempts = max_attempts
+        self._rooms: dict[str, HandshakeClient] = {}
+        self._intakes: dict[str, AsyncIntakeClient] = {}
+
+    async def close(self) -> None:
+        for client in self._rooms.values():
+            await client.close()
+        for intake in self._intakes.values():
+            intake.close()
+        self._rooms.clear()
+        self._intakes.clear()
+
+    # ---- the request -----------------------------------------------------------------------
+
+    def describe(self, images: list[bytes]) -> list[DispatchedItem]:
+        """Hash and size every image (no decode); raises ``DispatchError`` for a bad one."""
+        if not 1 <= len(images) <= MAX_IMAGES:
+            raise DispatchError(f"a request carries 1..{MAX_IMAGES} images, got {len(images)}")
+        items = []
+        for index, image in enumerate(images):
+            if not image or len(image) > MAX_IMAGE_BYTES:
+                raise DispatchError(f"image {index}: {len(image)} bytes (1..{MAX_IMAGE_BYTES} accepted)")
+            try:
+                with Image.open(io.BytesIO(image)) as probe:
+                    width, height = probe.size
+                grid = image_grid(self.processor, height, width)
+            except Exception as exc:  # PIL raises many types for bad data
+                raise DispatchError(f"image {index}: {type(exc).__name__}: {exc}") from None
+            rows = grid[0] * grid[1] * grid[2] // self.processor.merge_size ** 2
+            items.append(DispatchedItem(index, image, hash_feature(image), width, height, grid, rows))
+        return items
+
+    async def dispatch(self, request_id: str, images: list[bytes]) -> list[DispatchedItem]:
+        """Place every image on an encode worker; each item comes back with its room (or with
+        ``error`` and, where one was minted, a cancelled room)."""
+        if not REQUEST_ID.match(request_id):
+            raise DispatchError(f"request id {request_id!r}: 1..100 of [A-Za-z0-9._:-]")
+        items = self.describe(images)
+        started = time.monotonic()
+        unplaced = items
+        for _ in range(self.max_attempts):
+            routes = self._route(unplaced)
+            if not routes:
+                break
+            await asyncio.gather(*(self._place(request_id, address, batch, started)
+                                   for address, batch in routes.items()))
+            unplaced = [item for item in items if item.worker is None]
+            if not unplaced:
+                break
+        for item in items:
+            if item.worker is None and item.error is None:
+                item.error = "no healthy encode worker" + (f" (tried {', '.join(item.attempts)})"
+                                                          if item.attempts else "")
+        return items
+
+    def _route(self, items: list[DispatchedItem]) -> dict[WorkerAddress, list[DispatchedItem]]:
+        """The next untried healthy worker for each item, grouped by worker."""
+        routes: dict[WorkerAddress, list[DispatchedItem]] = {}
+        for item in items:
+            address = next((a for a in self.workers.candidates(item.content_hash) if a.name not in item.attempts),
+                           None)
+            if address is not None:
+                item.attempts.append(address.name)
+                routes.setdefault(address, []).append(item)
+        return routes
+
+    async def _place(self, request_id: str, address: WorkerAddress, items: list[DispatchedItem],
+                     started: float) -> None:
+        rooms_client, endpoint = self._room_endpoint(address)
+        try:
+            rooms = await rooms_client.mint(len(items), self.room_ttl_s)
+        except HandshakeError as exc:
+            reason = f"cannot mint rooms at {endpoint[0]}:{endpoint[1]}: {exc}"
+            if self.rooms_url is None:
+                self.workers.mark_down(address, reason)
+            for item in items:
+                item.error = reason
+            return
+        for item, room in zip(items, rooms):
+            item.encode_handshake = EncodeHandshake(bootstrap_room=room, bootstrap_host=endpoint[0],
+                                                    bootstrap_port=endpoint[1])
+        replies = await asyncio.gather(*(self._send(request_id, address, item) for item in items))
+        refused = []
+        for item, reason in zip(items, replies):
+            if reason is None:
+                item.worker, item.error = address.name, None
+                item.dispatch_s = time.monotonic() - started
+            else:
+                item.error = f"{address.name}: {reason}"
+                refused.append(item.encode_handshake.bootstrap_room)
+        if refused:
+            try:
+                await rooms_client.cancel(refused, "encode dispatch failed")
+            except HandshakeError as exc:
+                log.warning("could not cancel %d rooms at %s: %s", len(refused), endpoint, exc)
+
+    async def _send(self, request_id: str, address: WorkerAddress, item: DispatchedItem) -> str | None:
+        """None when the worker accepted the item, else why not. A worker that does not answer
+        leaves the ring; a full queue is retried until the intake timeout."""
+        request = IntakeRequest(request_id=f"{request_id}.{item.index}", model=self.served_model,
+                                content_hash=item.content_hash, encode_handshake=item.encode_handshake,
+                                source="bytes", token=self.intake_token)
+        intake = self._intake(address)
+        deadline = time.monotonic() + self.intake_timeout_s
+        while True:
+            try:
+                reply = await intake.send(request, item.image)
+            except TimeoutError as exc:
+                self.workers.mark_down(address, str(exc))
+                return str(exc)
+            except IntakeRefused as exc:
+                return str(exc)
+            if reply.get("ok"):
+                return None
+            retry_after = reply.get("retry_after_s")
+            if retry_after is None or time.monotonic() + retry_after > deadline:
+                return f"refused: {reply.get('reason')}"
+            await asyncio.sleep(retry_after)
+
+    # ---- connections -----------------------------------------------------------------------
+
+    def _room_endpoint(self, address: WorkerAddress) -> tuple[HandshakeClient, tuple[str, int]]:
+        url = self.rooms_url or address.url
+        client = self._rooms.get(url)
+        if client is None:
+            client = self._rooms[url] = HandshakeClient(url, self.handshake_token, timeout_s=2.0, retries=1)
+        parsed = yarl.URL(url)
+        return client, (parsed.host, parsed.port)
+
+    def _intake(self, address: WorkerAddress) -> AsyncIntakeClient:
+        intake = self._intakes.get(address.name)
+        if intake is None:
+            intake = self._intakes[address.name] = AsyncIntakeClient(address.intake_endpoint, self.intake_timeout_s)
+        return intake
