@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import torch
+from transformers.utils import logging as hf_logging
 from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -23,6 +24,7 @@ from transformers import (
 )
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+hf_logging.disable_progress_bar()  # no "Writing model shards" bars in test and demo output
 
 
 def vision_config(family: str, out_width: int = 96, depth: int = 2, width: int = 64) -> dict:
