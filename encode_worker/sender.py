@@ -1,15 +1,22 @@
 """The send path: one item's staged rows -> the receiver registered in its room.
 
-Per item, on a pool of sender threads: wait (bounded, long-poll, no spinning) for the room's
-receiver; pick the transport from what both sides offer (SHM on the same node, else Mooncake;
-loopback in tests); check rows x width x dtype and capacity before any byte moves; begin the
-write; write; commit with the slot generation and a checksum. Any failure fails only this room,
-with a reason the receiver can read. The send-ring slot is released once the transport has
-settled (a write that may still read it keeps it leased).
+Per item: wait (bounded, long-poll, no spinning) for the room's receiver; pick the transport
+from what both sides offer (SHM on the same node, else Mooncake; loopback in tests); check rows x
+width x dtype and capacity before any byte moves; begin the write; write; commit with the slot
+generation and a checksum. Any failure fails only this room, with a reason the receiver can read.
+The send-ring slot is released once the transport has settled (a write that may still read it
+keeps it leased).
+
+Waiting for a receiver holds no thread: every waiting item is a coroutine on one event-loop
+thread, so items whose receivers come late never hold up items whose receivers are there (with a
+thread per waiting item, eight slow receivers stalled every delivery behind them). Only the
+write and the room calls around it run on the pool of sender threads.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -68,36 +75,54 @@ class Sender:
         self.write_timeout_s = write_timeout_s
         self.on_outcome = on_outcome
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sender")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sender-rooms", daemon=True)
+        self._loop_thread.start()
+        self._items: set[concurrent.futures.Future] = set()  # one per item until its outcome
         self._unsettled: list[tuple[Transfer, Lease]] = []
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self.slot_freed = threading.Condition()
 
     def submit(self, item: StagedItem) -> None:
-        self._pool.submit(self._deliver_safely, item)
+        future = asyncio.run_coroutine_threadsafe(self._deliver_safely(item), self._loop)
+        with self._lock:
+            self._items.add(future)
+        future.add_done_callback(self._forget)
+
+    def _forget(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._items.discard(future)
 
     def close(self, wait: bool = True) -> None:
         """Stop: items still waiting for a receiver fail at once; writes in flight finish."""
         self._closing.set()
+        if wait:
+            with self._lock:
+                items = list(self._items)
+            concurrent.futures.wait(items)
         self._pool.shutdown(wait=wait)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(5)
 
     # ---- one item --------------------------------------------------------------------------
 
-    def _deliver_safely(self, item: StagedItem) -> None:
+    async def _deliver_safely(self, item: StagedItem) -> None:
         started = time.monotonic()
+        loop = asyncio.get_running_loop()
         try:
-            outcome = self._deliver(item)
+            rooms = self.rooms_for(item.handshake)
+            view = await self._wait_for_receiver(rooms, item)
+            outcome = await loop.run_in_executor(self._pool, self._deliver, item, rooms, view)
         except Exception as exc:  # never lose an item silently: fail its room
             log.exception("delivery of room %d crashed", item.room)
-            outcome = self._fail(item, f"encode worker error: {type(exc).__name__}: {exc}", settled=True)
+            reason = f"encode worker error: {type(exc).__name__}: {exc}"
+            outcome = await loop.run_in_executor(self._pool, lambda: self._fail(item, reason, settled=True))
         outcome.seconds = time.monotonic() - started
         self.on_outcome(outcome)
 
-    def _deliver(self, item: StagedItem) -> Outcome:
-        rooms = self.rooms_for(item.handshake)
-        waiting = time.monotonic()
-        view = self._wait_for_receiver(rooms, item)
-        item.timings["wait_s"] = time.monotonic() - waiting
+    def _deliver(self, item: StagedItem, rooms, view: RoomView) -> Outcome:
+        """On a sender thread, once the wait for the receiver is over."""
         if view.state is RoomState.PENDING and self._closing.is_set():
             return self._fail(item, "encode worker shutting down", settled=True)
         if view.state is not RoomState.REGISTERED:
@@ -139,12 +164,14 @@ class Sender:
                                        timings=EncodeTimings(**item.timings)))
         return self._finish(item, view.state.value, transport.name, view.reason)
 
-    def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView:
-        deadline = time.monotonic() + self.receiver_wait_s
+    async def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView:
+        waiting = time.monotonic()
+        deadline = waiting + self.receiver_wait_s
         version = 0
         while True:
-            view = rooms.wait(item.room, version, max(0.0, min(0.5, deadline - time.monotonic())))
+            view = await rooms.wait_async(item.room, version, max(0.0, min(0.5, deadline - time.monotonic())))
             if view.state is not RoomState.PENDING or time.monotonic() >= deadline or self._closing.is_set():
+                item.timings["wait_s"] = time.monotonic() - waiting
                 return view
             version = view.version
 

@@ -1,7 +1,11 @@
 """How either side reaches a room: in-process (the encode worker's own table, no HTTP to itself)
-or over REST (any other endpoint). Both raise ``RoomError`` subclasses or ``HandshakeError``."""
+or over REST (any other endpoint). Both raise ``RoomError`` subclasses or ``HandshakeError``.
+Waiting for a room to change (``wait_async``) runs on the caller's event loop and holds no thread;
+the other calls are quick and blocking."""
 
 from __future__ import annotations
+
+import asyncio
 
 from handshake.client import SyncHandshakeClient
 from handshake.models import BeginWrite, CommitBody, FailBody, RoomView
@@ -12,8 +16,8 @@ class LocalRooms:
     def __init__(self, table: RoomTable):
         self.table = table
 
-    def wait(self, room: int, after_version: int, wait_s: float) -> RoomView:
-        (view,) = self.table.watch_sync({room: after_version}, wait_s)
+    async def wait_async(self, room: int, after_version: int, wait_s: float) -> RoomView:
+        (view,) = await self.table.watch({room: after_version}, wait_s)
         if isinstance(view, RoomError):
             raise view
         return view
@@ -40,8 +44,8 @@ class RemoteRooms:
             raise error(result.error)
         return result.view
 
-    def wait(self, room: int, after_version: int, wait_s: float) -> RoomView:
-        return self._one(self.client.watch({room: after_version}, wait_s))
+    async def wait_async(self, room: int, after_version: int, wait_s: float) -> RoomView:
+        return self._one(await asyncio.wrap_future(self.client.submit("watch", {room: after_version}, wait_s)))
 
     def begin_write(self, write: BeginWrite) -> RoomView:
         return self._one(self.client.begin_write([write]))

@@ -8,6 +8,7 @@ timeouts and 503s.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 from collections.abc import Iterable
@@ -173,6 +174,11 @@ class SyncHandshakeClient:
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def submit(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
+        """Start a client call on the client's thread without waiting (``asyncio.wrap_future`` it
+        to await the answer from another event loop)."""
+        return asyncio.run_coroutine_threadsafe(getattr(self.client, name)(*args, **kwargs), self._loop)
 
     def __getattr__(self, name):
         method = getattr(self.client, name)

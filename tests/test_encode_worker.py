@@ -270,3 +270,28 @@ def test_raw_pixels_and_shm_handles_encode_like_the_png(qwen25, no_new_segments)
         intake.close()
         worker.stop()
         receiver.close()
+
+
+def test_items_waiting_for_their_receivers_do_not_hold_up_an_item_whose_receiver_is_there(qwen25):
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower, send_workers=2, receiver_wait_s=20)
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    try:
+        late = worker.table.mint(6, 60)  # three times as many as there are sender threads
+        for index, room in enumerate(late):
+            assert intake.send(request(worker, room, f"late{index}"), png(64, 64, 40 + index))["ok"]
+        (room,) = worker.table.mint(1, 60)
+        image = png(64, 64, 50)
+        processed = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
+        rows = tower.encode_items(processed["pixel_values"], processed["image_grid_thw"])[0]
+        receiver.reserve(room, rows.shape[0], rows.shape[1], rows.dtype)
+        started = time.monotonic()
+        assert intake.send(request(worker, room, "ready"), image)["ok"]
+        state, got, view = receiver.wait(room, timeout=10)
+        assert state is RoomState.SUCCESS, view.reason
+        assert torch.equal(got, rows) and time.monotonic() - started < 5  # not after the late ones' 20 s
+        assert all(worker.table.view(r).state is RoomState.PENDING for r in late)  # still waiting, as they may
+    finally:
+        intake.close()
+        worker.stop()
+        receiver.close()
