@@ -182,13 +182,17 @@ class PrefillReceiver:
             for client in self._clients.values():
                 await client.close()
 
-        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        for transport in self.transports.values():
-            transport.unregister(self.pool.region)
-            transport.close()
-        self.pool.region.close()
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        finally:  # whatever the clients did, the pool is unregistered and its segment unlinked
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            try:
+                for transport in self.transports.values():
+                    transport.unregister(self.pool.region)
+                    transport.close()
+            finally:
+                self.pool.region.close()
 
     # ---- the job, on the receiver's loop ----------------------------------------------------
 
