@@ -1,0 +1,193 @@
+"""The dispatcher in-process: the hash ring, worker health, and whole requests through a real
+encode worker into a real receiver over the loopback transport (real HTTP rooms, real ZMQ)."""
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.images import synthetic_image
+from data_plane.loopback import LoopbackTransport
+from dispatcher import Dispatcher, DispatchError, HashRing, WorkerAddress, WorkerSet
+from encode_worker.inputs import image_from_bytes
+from encode_worker.small_checkpoints import build_full
+from encode_worker.tower import VisionTower
+from encode_worker.worker import EncodeWorker, WorkerConfig
+from handshake.app import create_app
+from handshake.models import RoomState
+from handshake.server import ThreadedServer
+from multimodal.items import MultimodalInputs
+from prefill_side import JobState, PrefillReceiver, ReceiverConfig
+
+# ---- the ring ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(members=st.sets(st.text("abcdef0123456789:.", min_size=1, max_size=12), min_size=2, max_size=8),
+       keys=st.lists(st.integers(0, (1 << 128) - 1), min_size=1, max_size=40))
+def test_removing_a_member_moves_only_its_own_keys(members, keys):
+    ring = HashRing(members, replicas=16)
+    before = {key: ring.owner(key) for key in keys}
+    gone = sorted(members)[0]
+    ring.remove(gone)
+    for key, owner in before.items():
+        assert ring.owner(key) == owner if owner != gone else ring.owner(key) != gone
+    ring.add(gone)
+    assert {key: ring.owner(key) for key in keys} == before  # and it comes back to the same arcs
+
+
+def test_walk_gives_every_member_once_owner_first():
+    ring = HashRing(["a:1", "b:1", "c:1"])
+    for key in (0, 1 << 63, (1 << 128) - 1):
+        order = list(ring.walk(key))
+        assert sorted(order) == ["a:1", "b:1", "c:1"] and order[0] == ring.owner(key)
+    assert list(HashRing().walk(5)) == [] and HashRing().owner(5) is None
+
+
+def test_worker_addresses_parse_or_refuse():
+    assert WorkerAddress.parse("10.0.0.5") == WorkerAddress("10.0.0.5", 8998, 8999)
+    assert WorkerAddress.parse("w-1:9000:9001").intake_endpoint == "tcp://w-1:9001"
+    for bad in ("", ":8998", "h:x", "h:1:2:3", "h:70000"):
+        with pytest.raises(ValueError):
+            WorkerAddress.parse(bad)
+
+
+# ---- health ------------------------------------------------------------------------------------
+
+
+def test_a_worker_leaves_the_ring_when_not_ready_and_rejoins_when_ready():
+    ready = {"now": True}
+    server = ThreadedServer(create_app(ready=lambda: ready["now"])).start()
+    address = WorkerAddress("127.0.0.1", server.port, 1)
+    dead = WorkerAddress("127.0.0.1", 1, 1)  # nothing listens on port 1
+    workers = WorkerSet([address, dead], check_timeout_s=0.5)
+
+    async def rounds():
+        states = []
+        for value in (True, False, True):
+            ready["now"] = value
+            await workers.refresh()
+            states.append((sorted(workers.ring.members), workers.status()[dead.name]))
+        await workers.close()
+        return states
+
+    try:
+        states = asyncio.run(rounds())
+    finally:
+        server.stop()
+    assert states[0][0] == [address.name] and "unreachable" in states[0][1]
+    assert states[1][0] == []
+    assert states[2][0] == [address.name]
+
+
+def test_dns_discovery_resolves_a_name_to_workers():
+    server = ThreadedServer(create_app()).start()
+    port = server.port
+    workers = WorkerSet(dns_name="localhost", bootstrap_port=port, intake_port=1)
+
+    async def once():
+        await workers.refresh()
+        await workers.close()
+
+    try:
+        asyncio.run(once())
+    finally:
+        server.stop()
+    assert f"127.0.0.1:{port}" in workers.ring.members
+
+
+# ---- whole requests over loopback --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tower(tmp_path_factory):
+    return VisionTower.load(build_full("qwen2_5_vl", str(tmp_path_factory.mktemp("q25"))))
+
+
+@pytest.fixture
+def stack(tower):
+    loopback = LoopbackTransport()
+    config = WorkerConfig(model=tower.model_id, transports=("loopback",), bootstrap_port=0, intake_port=0,
+                          bind="127.0.0.1", ring_bytes=8 << 20, ring_slot_bytes=1 << 16, receiver_wait_s=10)
+    worker = EncodeWorker(config, tower=tower, transports={"loopback": loopback}).start()
+    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=8 << 20,
+                                              slot_bytes=1 << 16, item_timeout_s=10),
+                               transports={"loopback": loopback})
+    yield worker, receiver
+    receiver.close()
+    worker.stop()
+
+
+def _dispatch(worker, tower, images, **options):
+    async def run():
+        workers = WorkerSet([WorkerAddress("127.0.0.1", worker.bootstrap_port, worker.intake_port)])
+        await workers.refresh()
+        dispatcher = Dispatcher(workers, tower.processor, **options)
+        try:
+            return await dispatcher.dispatch("req-1", images)
+        finally:
+            await dispatcher.close()
+            await workers.close()
+
+    return asyncio.run(run())
+
+
+def _receive(receiver, items):
+    inputs = MultimodalInputs([item.to_mm_item(start) for item, start in zip(items, range(0, 10 ** 6, 10 ** 4))])
+    job = receiver.start("req-1", inputs)
+    return job, job.wait(20), inputs
+
+
+def test_a_request_arrives_byte_exact_with_rows_from_the_image_header(stack, tower):
+    worker, receiver = stack
+    images = [synthetic_image(448, 448, 1), synthetic_image(640, 480, 2, "JPEG"), synthetic_image(200, 340, 3)]
+    items = _dispatch(worker, tower, images)
+    assert all(item.error is None and item.worker for item in items)
+    job, state, inputs = _receive(receiver, items)
+    assert state is JobState.DONE, job.reasons
+    for image, item in zip(images, inputs.mm_items):
+        processed = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
+        expected = tower.encode_items(processed["pixel_values"], processed["image_grid_thw"])[0]
+        assert torch.equal(item.encoded, expected)  # rows, placement and bytes all agree
+        assert item.image_grid_thw.tolist() == processed["image_grid_thw"].tolist()
+
+
+def test_a_refused_item_gets_a_cancelled_room_so_the_prefill_side_fails_fast(stack, tower):
+    worker, receiver = stack
+    items = _dispatch(worker, tower, [synthetic_image(224, 224, 4)], served_model="another-model")
+    (item,) = items
+    assert item.worker is None and "unknown model" in item.error
+    assert worker.table.view(item.encode_handshake.bootstrap_room).state is RoomState.CANCELLED
+    job, state, _ = _receive(receiver, items)
+    assert state is JobState.FAILED and "CANCELLED" in job.reasons[0]
+    assert job.outcomes[0].seconds < 2
+
+
+def test_no_healthy_worker_leaves_items_without_a_room(tower):
+    async def run():
+        workers = WorkerSet([WorkerAddress("127.0.0.1", 1, 1)], check_timeout_s=0.5)
+        await workers.refresh()
+        dispatcher = Dispatcher(workers, tower.processor)
+        try:
+            return await dispatcher.dispatch("req-2", [synthetic_image(224, 224, 5)])
+        finally:
+            await dispatcher.close()
+            await workers.close()
+
+    (item,) = asyncio.run(run())
+    assert item.encode_handshake is None and item.error == "no healthy encode worker"
+
+
+@pytest.mark.parametrize("images, message", [
+    ([], "1..64 images"),
+    ([b"not an image"], "image 0: UnidentifiedImageError"),
+    ([synthetic_image(1, 400, 6)], "image 0: ValueError"),  # too thin for the processor
+])
+def test_bad_requests_are_refused_before_anything_is_minted(tower, images, message):
+    workers = WorkerSet([WorkerAddress("127.0.0.1", 1, 1)])
+    with pytest.raises(DispatchError, match=message):
+        asyncio.run(Dispatcher(workers, tower.processor).dispatch("req-3", images))
+    with pytest.raises(DispatchError, match="request id"):
+        asyncio.run(Dispatcher(workers, tower.processor).dispatch("bad id!", [synthetic_image(64, 64, 7)]))
