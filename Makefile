@@ -36,10 +36,12 @@ test: setup
 	$(VPY) -m pytest -q
 
 bench: setup
-	$(VENV)/bin/epd-bench transfer
-	$(VENV)/bin/epd-bench handshake
-	$(VENV)/bin/epd-bench encode
-	$(VENV)/bin/epd-bench receive
+	@mkdir -p bench-results
+	$(VENV)/bin/epd-bench transfer --json bench-results/transfer.json
+	$(VENV)/bin/epd-bench handshake --json bench-results/handshake.json
+	$(VENV)/bin/epd-bench encode --json bench-results/encode.json
+	$(VENV)/bin/epd-bench receive --json bench-results/receive.json
+	$(VENV)/bin/epd-bench e2e --json bench-results/e2e.json --plot bench-results/e2e.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -30,6 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     receive = sub.add_parser("receive", help="receive-path overhead per item beyond the raw transfer")
     receive.add_argument("--jobs", type=int, default=60)
     receive.add_argument("--json", default=None)
+    e2e = sub.add_parser("e2e", help="multi-image requests through real processes: EPD vs colocated")
+    e2e.add_argument("--images-per-request", default="1,8", help="comma-separated, one configuration each")
+    e2e.add_argument("--size", type=int, default=448, help="square image side in pixels")
+    e2e.add_argument("--concurrency", type=int, default=4, help="concurrent clients (closed loop)")
+    e2e.add_argument("--seconds", type=float, default=10.0, help="duration of each configuration")
+    e2e.add_argument("--transport", choices=("shm", "mooncake"), default="shm")
+    e2e.add_argument("--cache", action="store_true", help="embedding cache on, images repeat")
+    e2e.add_argument("--model", default=None, help="checkpoint (default: the demo's small tower)")
+    e2e.add_argument("--dtype", default="float32")
+    e2e.add_argument("--json", default=None)
+    e2e.add_argument("--plot", default="e2e.png", help="PNG plot path ('' for none)")
     return parser
 
 
@@ -49,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import encode
 
         return encode.main(args)
+    if args.command == "e2e":
+        from bench import e2e
+
+        return e2e.main(args)
     if args.command == "handshake":
         from bench import handshake
 

@@ -376,13 +376,21 @@ class PrefillReceiver:
 
     def encode_locally(self, item: MultimodalDataItem) -> torch.Tensor:
         """Rows for an item from the local tower and the pixels (or image bytes) it kept."""
+        (rows,) = self.encode_locally_batch([item])
+        return rows
+
+    def encode_locally_batch(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        """Rows for several items in one tower call (a colocated engine's path)."""
         from encode_worker.inputs import image_from_bytes, image_from_pixels
 
-        feature = item.feature
-        image = image_from_bytes(feature) if isinstance(feature, (bytes, bytearray)) else image_from_pixels(feature)
-        inputs = self.local_tower.processor(images=[image], return_tensors="pt")
-        (rows,) = self.local_tower.encode_items(inputs["pixel_values"], inputs["image_grid_thw"])
-        return rows.to(self.local_tower.dtype).clone()
+        processed = []
+        for item in items:
+            feature = item.feature
+            image = image_from_bytes(feature) if isinstance(feature, (bytes, bytearray)) else image_from_pixels(feature)
+            processed.append(self.local_tower.processor(images=[image], return_tensors="pt"))
+        rows = self.local_tower.encode_items(torch.cat([p["pixel_values"] for p in processed]),
+                                             torch.cat([p["image_grid_thw"] for p in processed]))
+        return [r.to(self.local_tower.dtype).clone() for r in rows]
 
 
 def _handshake_or_none(item: MultimodalDataItem) -> EncodeHandshake | None:

@@ -125,18 +125,32 @@ def create_app(receiver: PrefillReceiver, local_tower=None) -> FastAPI:
 
 
 async def _encode_colocated(receiver: PrefillReceiver, job) -> None:
-    """Items that came with image bytes and no room: this process's own tower encodes them."""
+    """Items that came with image bytes and no room: this process's own tower encodes them, in
+    one batch (item by item if the batch fails, so a bad image fails only itself)."""
+    local = [(item, outcome) for item, outcome in zip(job.inputs.mm_items, job.outcomes)
+             if outcome.state == "SKIPPED" and item.encoded is None and isinstance(item.feature, bytes)]
+    if not local:
+        return
     loop = asyncio.get_running_loop()
-    for item, outcome in zip(job.inputs.mm_items, job.outcomes):
-        if outcome.state == "SKIPPED" and item.encoded is None and isinstance(item.feature, bytes):
-            try:
-                rows = await loop.run_in_executor(None, receiver.encode_locally, item)
-            except Exception as exc:  # a bad image fails its item only
-                outcome.state, outcome.reason = "FAILED", f"local tower failed: {exc}"
-                continue
-            receiver.set_encoded(item, rows)
-            outcome.state, outcome.transport = "DONE", "local"
-            outcome.seconds = time.monotonic() - job.started
+    items = [item for item, _ in local]
+    try:
+        rows = await loop.run_in_executor(None, receiver.encode_locally_batch, items)
+    except Exception:  # a bad image: encode item by item, so it fails alone
+        rows = [await _encode_one(loop, receiver, item) for item in items]
+    for (item, outcome), item_rows in zip(local, rows):
+        if isinstance(item_rows, Exception):
+            outcome.state, outcome.reason = "FAILED", f"local tower failed: {item_rows}"
+            continue
+        receiver.set_encoded(item, item_rows)
+        outcome.state, outcome.transport = "DONE", "local"
+        outcome.seconds = time.monotonic() - job.started
+
+
+async def _encode_one(loop, receiver: PrefillReceiver, item) -> torch.Tensor | Exception:
+    try:
+        return await loop.run_in_executor(None, receiver.encode_locally, item)
+    except Exception as exc:
+        return exc
 
 
 def _wire_rows(item: MultimodalDataItem) -> torch.Tensor:
