@@ -3,13 +3,17 @@ prefill processes (`epd-prefill`), and the dispatcher here, over Mooncake TCP an
 
 import asyncio
 import glob
+import json
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 
 import aiohttp
 import pytest
 
-from bench.cluster import LocalCluster
+from bench.cluster import ROOT, LocalCluster
 from bench.images import synthetic_image
 from dispatcher import Dispatcher, WorkerSet
 from dispatcher.cli import prefill_body
@@ -158,3 +162,24 @@ def test_a_request_larger_than_the_receive_pool_is_refused_and_frees_its_rooms(c
     _, after = asyncio.run(_request(running, [roles["a"]], roles["shm"], [synthetic_image(448, 448, 70)], "after"))
     assert after["state"] == "DONE"  # nothing stuck
     assert _metric(roles["shm"], "epd_prefill_pool_leased_slots") == 0
+
+
+def test_epd_dispatch_sends_files_and_reports_what_the_prefill_process_received(cluster, tmp_path):
+    running, roles = cluster
+    paths = []
+    for index, (width, height) in enumerate([(448, 448), (300, 200)]):
+        path = tmp_path / f"image{index}.png"
+        path.write_bytes(synthetic_image(width, height, 80 + index))
+        paths.append(str(path))
+    worker = roles["a"].worker
+    result = subprocess.run(
+        [sys.executable, "-m", "dispatcher.cli", "--model", running.model_dir, "--request-id", "cli-1",
+         "--workers", f"{worker.host}:{worker.bootstrap_port}:{worker.intake_port}",
+         "--prefill", roles["mooncake"].url, "--verify", "1", *paths],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr
+    output = json.loads(result.stdout)
+    assert [item["worker"] for item in output["items"]] == [worker.name] * 2
+    assert output["prefill"]["state"] == "DONE"
+    assert [row["verified"] for row in output["prefill"]["items"]] == [True, True]
+    assert [row["rows"] for row in output["prefill"]["items"]] == [item["rows"] for item in output["items"]]
