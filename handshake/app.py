@@ -34,7 +34,6 @@ from handshake.models import (
     MintResponse,
     RegisterRequest,
     RoomResult,
-    RoomState,
     RoomView,
     WatchRequest,
 )

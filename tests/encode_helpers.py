@@ -1,6 +1,7 @@
 """Test-side stand-ins for the peers of an encode worker: a receiver that reserves slots and
-checks commits (until the prefill library exists) and images to send."""
+checks commits, images to send, and an in-process worker + receiver stack over loopback."""
 
+import contextlib
 import io
 import time
 
@@ -81,3 +82,27 @@ class RestReceiver(Receiver):
     def _watch(self, room: int, version: int):
         (result,) = self.client.watch({room: version}, 1.0)
         return result.view
+
+
+@contextlib.contextmanager
+def loopback_stack(tower, local_tower=None, worker=None, receiver=None):
+    """A real encode worker and a real ``PrefillReceiver`` in this process, joined by one loopback
+    transport (rooms over the worker's real HTTP server, items over its real ZMQ intake).
+    ``worker`` / ``receiver``: overrides of their configs."""
+    from data_plane.loopback import LoopbackTransport
+    from encode_worker.worker import EncodeWorker, WorkerConfig
+    from prefill_side import PrefillReceiver, ReceiverConfig
+
+    loopback = LoopbackTransport()
+    worker_config = WorkerConfig(**{**dict(model=tower.model_id, transports=("loopback",), bootstrap_port=0,
+                                           intake_port=0, bind="127.0.0.1", ring_bytes=8 << 20,
+                                           ring_slot_bytes=1 << 16, receiver_wait_s=10), **(worker or {})})
+    encode_worker = EncodeWorker(worker_config, tower=tower, transports={"loopback": loopback}).start()
+    receiver_config = ReceiverConfig(**{**dict(width=tower.info.wire_width, dtype="float32", pool_bytes=8 << 20,
+                                               slot_bytes=1 << 16, item_timeout_s=10), **(receiver or {})})
+    prefill = PrefillReceiver(receiver_config, transports={"loopback": loopback}, local_tower=local_tower)
+    try:
+        yield encode_worker, prefill, loopback
+    finally:
+        prefill.close()
+        encode_worker.stop()

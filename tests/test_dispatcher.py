@@ -9,17 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.images import synthetic_image
-from data_plane.loopback import LoopbackTransport
 from dispatcher import Dispatcher, DispatchError, HashRing, WorkerAddress, WorkerSet
 from encode_worker.inputs import image_from_bytes
 from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
-from encode_worker.worker import EncodeWorker, WorkerConfig
 from handshake.app import create_app
 from handshake.models import RoomState
 from handshake.server import ThreadedServer
 from multimodal.items import MultimodalInputs
-from prefill_side import JobState, PrefillReceiver, ReceiverConfig
+from prefill_side import JobState
+from tests.encode_helpers import loopback_stack
 
 # ---- the ring ----------------------------------------------------------------------------------
 
@@ -108,16 +107,8 @@ def tower(tmp_path_factory):
 
 @pytest.fixture
 def stack(tower):
-    loopback = LoopbackTransport()
-    config = WorkerConfig(model=tower.model_id, transports=("loopback",), bootstrap_port=0, intake_port=0,
-                          bind="127.0.0.1", ring_bytes=8 << 20, ring_slot_bytes=1 << 16, receiver_wait_s=10)
-    worker = EncodeWorker(config, tower=tower, transports={"loopback": loopback}).start()
-    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=8 << 20,
-                                              slot_bytes=1 << 16, item_timeout_s=10),
-                               transports={"loopback": loopback})
-    yield worker, receiver
-    receiver.close()
-    worker.stop()
+    with loopback_stack(tower) as (worker, receiver, _):
+        yield worker, receiver
 
 
 def _dispatch(worker, tower, images, **options):

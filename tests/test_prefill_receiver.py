@@ -5,15 +5,14 @@ import time
 import pytest
 import torch
 
-from data_plane.loopback import LoopbackFault, LoopbackTransport
+from data_plane.loopback import LoopbackFault
 from encode_worker.inputs import image_from_bytes
 from encode_worker.intake import IntakeClient
 from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
-from encode_worker.worker import EncodeWorker, WorkerConfig
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from prefill_side import JobState, PrefillReceiver, ReceiverConfig
-from tests.encode_helpers import png
+from tests.encode_helpers import loopback_stack, png
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +22,11 @@ def tower(tmp_path_factory):
 
 @pytest.fixture
 def stack(tower):
-    loopback = LoopbackTransport()
-    config = WorkerConfig(model=tower.model_id, transports=("loopback",), bootstrap_port=0, intake_port=0,
-                          bind="127.0.0.1", ring_bytes=8 << 20, ring_slot_bytes=1 << 16, cache_bytes=0,
-                          receiver_wait_s=10, write_timeout_s=2)
-    worker = EncodeWorker(config, tower=tower, transports={"loopback": loopback}).start()
-    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=8 << 20,
-                                              slot_bytes=1 << 16, quarantine_s=1.0, item_timeout_s=10,
-                                              fallback="local_tower"),
-                               transports={"loopback": loopback}, local_tower=tower)
-    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
-    yield worker, receiver, intake, loopback
-    intake.close()
-    receiver.close()
-    worker.stop()
+    with loopback_stack(tower, local_tower=tower, worker=dict(cache_bytes=0, write_timeout_s=2),
+                        receiver=dict(quarantine_s=1.0, fallback="local_tower")) as (worker, receiver, loopback):
+        intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+        yield worker, receiver, intake, loopback
+        intake.close()
 
 
 def expected_rows(tower, image):
