@@ -22,7 +22,7 @@ import torch
 import yarl
 from PIL import Image
 
-from dispatcher.workers import WorkerAddress, WorkerSet
+from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
 from encode_worker.intake import AsyncIntakeClient, IntakeRefused, IntakeRequest
 from handshake.client import HandshakeClient, HandshakeError
 from multimodal.hashing import hash_feature
@@ -201,6 +201,8 @@ class Dispatcher:
         url = self.rooms_url or address.url
         client = self._rooms.get(url)
         if client is None:
+            if len(self._rooms) >= MAX_WORKERS:  # workers come and go (DNS): drop the oldest client
+                asyncio.ensure_future(self._rooms.pop(next(iter(self._rooms))).close())
             client = self._rooms[url] = HandshakeClient(url, self.handshake_token, timeout_s=2.0, retries=1)
         parsed = yarl.URL(url)
         return client, (parsed.host, parsed.port)
@@ -208,5 +210,8 @@ class Dispatcher:
     def _intake(self, address: WorkerAddress) -> AsyncIntakeClient:
         intake = self._intakes.get(address.name)
         if intake is None:
+            if len(self._intakes) >= MAX_WORKERS:  # workers come and go (DNS): drop the gone ones
+                for name in set(self._intakes) - set(self.workers.status()):
+                    self._intakes.pop(name).close()
             intake = self._intakes[address.name] = AsyncIntakeClient(address.intake_endpoint, self.intake_timeout_s)
         return intake
