@@ -26,6 +26,7 @@ FLAGS = [
     ("--bootstrap-port", int, 8998, "workers' bootstrap (rooms) port, with --dns"),
     ("--intake-port", int, 8999, "workers' intake port, with --dns"),
     ("--rooms-url", str, "", "standalone handshake endpoint for all rooms (default: each item's worker)"),
+    ("--near", str, "", "host of the prefill engine: its encode workers go first (same-node SHM)"),
     ("--prefill", str, "", "reference prefill URL to post the request to (epd-prefill)"),
     ("--verify", int, 0, "1 = ask the prefill process to check every item against its own tower"),
     ("--request-id", str, "req-1", "request id"),
@@ -86,7 +87,7 @@ async def run(args) -> int:
             images.append(f.read())
     try:
         await workers.refresh()
-        items = await dispatcher.dispatch(args.request_id, images)
+        items = await dispatcher.dispatch(args.request_id, images, near=args.near or None)
         dispatched = [{"image": path, "rows": item.rows, "grid_thw": item.grid_thw, "worker": item.worker,
                        "content_hash": f"{item.content_hash:032x}", "error": item.error,
                        "encode_handshake": item.encode_handshake.model_dump() if item.encode_handshake else None}

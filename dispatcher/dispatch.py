@@ -108,16 +108,17 @@ class Dispatcher:
             items.append(DispatchedItem(index, image, hash_feature(image), width, height, grid, rows))
         return items
 
-    async def dispatch(self, request_id: str, images: list[bytes]) -> list[DispatchedItem]:
+    async def dispatch(self, request_id: str, images: list[bytes], near: str | None = None) -> list[DispatchedItem]:
         """Place every image on an encode worker; each item comes back with its room (or with
-        ``error`` and, where one was minted, a cancelled room)."""
+        ``error`` and, where one was minted, a cancelled room). ``near``: the prefill engine's
+        host, whose encode workers are preferred (they can write over SHM)."""
         if not REQUEST_ID.match(request_id):
             raise DispatchError(f"request id {request_id!r}: 1..100 of [A-Za-z0-9._:-]")
         items = self.describe(images)
         started = time.monotonic()
         unplaced = items
         for _ in range(self.max_attempts):
-            routes = self._route(unplaced)
+            routes = self._route(unplaced, near)
             if not routes:
                 break
             await asyncio.gather(*(self._place(request_id, address, batch, started)
@@ -131,12 +132,12 @@ class Dispatcher:
                                                           if item.attempts else "")
         return items
 
-    def _route(self, items: list[DispatchedItem]) -> dict[WorkerAddress, list[DispatchedItem]]:
+    def _route(self, items: list[DispatchedItem], near: str | None) -> dict[WorkerAddress, list[DispatchedItem]]:
         """The next untried healthy worker for each item, grouped by worker."""
         routes: dict[WorkerAddress, list[DispatchedItem]] = {}
         for item in items:
-            address = next((a for a in self.workers.candidates(item.content_hash) if a.name not in item.attempts),
-                           None)
+            address = next((a for a in self.workers.candidates(item.content_hash, near)
+                            if a.name not in item.attempts), None)
             if address is not None:
                 item.attempts.append(address.name)
                 routes.setdefault(address, []).append(item)

@@ -93,9 +93,14 @@ class WorkerSet:
         """Each known worker: "healthy" or why it is out of the ring."""
         return {name: "healthy" if h.healthy else h.reason for name, h in self._workers.items()}
 
-    def candidates(self, content_hash: int) -> list[WorkerAddress]:
-        """Healthy workers for an item, its ring owner first."""
-        return [self._workers[name].address for name in self.ring.walk(content_hash)]
+    def candidates(self, content_hash: int, near: str | None = None) -> list[WorkerAddress]:
+        """Healthy workers for an item in ring order from its hash. With ``near`` (the host of the
+        request's prefill engine), that host's workers come first: same-node SHM beats cache
+        affinity, and the hash still spreads items over the workers there."""
+        ordered = [self._workers[name].address for name in self.ring.walk(content_hash)]
+        if near is None:
+            return ordered
+        return [a for a in ordered if a.host == near] + [a for a in ordered if a.host != near]
 
     def mark_down(self, address: WorkerAddress, reason: str) -> None:
         """A dispatch to this worker failed: out of the ring until its checks pass again."""

@@ -182,3 +182,23 @@ def test_bad_requests_are_refused_before_anything_is_minted(tower, images, messa
         asyncio.run(Dispatcher(workers, tower.processor).dispatch("req-3", images))
     with pytest.raises(DispatchError, match="request id"):
         asyncio.run(Dispatcher(workers, tower.processor).dispatch("bad id!", [synthetic_image(64, 64, 7)]))
+
+
+def test_workers_near_the_prefill_engine_come_first_and_the_rest_stay_as_fallback():
+    servers = [ThreadedServer(create_app()).start() for _ in range(3)]
+    hosts = ["localhost", "127.0.0.1", "127.0.0.1"]  # two "hosts": the same machine by two names
+    workers = WorkerSet([WorkerAddress(host, server.port, 1) for host, server in zip(hosts, servers)])
+
+    async def check():
+        await workers.refresh()
+        await workers.close()
+
+    try:
+        asyncio.run(check())
+    finally:
+        for server in servers:
+            server.stop()
+    for key in (1, 1 << 40, 1 << 100):
+        near = workers.candidates(key, near="127.0.0.1")
+        assert [a.host for a in near] == ["127.0.0.1", "127.0.0.1", "localhost"]
+        assert [a for a in workers.candidates(key) if a.host == "127.0.0.1"] == near[:2]  # ring order kept
