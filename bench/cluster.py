@@ -62,35 +62,39 @@ class LocalCluster:
 
     # ---- roles -----------------------------------------------------------------------------
 
-    def start_handshake(self, name: str = "handshake") -> Role:
+    # ``env`` adds environment variables to a role's process; ``prefix`` runs it under another
+    # command (the fault tests start one in a private mount namespace with ``unshare``).
+
+    def start_handshake(self, name: str = "handshake", extra: tuple[str, ...] = (), **launch) -> Role:
         port = free_port()
-        return self._start(name, ["handshake.server", "--host", HOST, "--port", str(port)], f"http://{HOST}:{port}",
-                           ready_path="/healthz")
+        return self._start(name, ["handshake.server", "--host", HOST, "--port", str(port), *extra],
+                           f"http://{HOST}:{port}", ready_path="/healthz", **launch)
 
     def start_encode_worker(self, name: str = "encode-worker", transports: str = "shm,mooncake",
-                            cache_bytes: int = 1 << 30, extra: tuple[str, ...] = ()) -> Role:
+                            cache_bytes: int = 1 << 30, extra: tuple[str, ...] = (), **launch) -> Role:
         bootstrap, intake = free_port(), free_port()
         role = self._start(name, ["encode_worker.cli", "--model", self.model_dir, "--dtype", self.dtype,
                                   "--host", HOST, "--bind", HOST, "--bootstrap-port", str(bootstrap),
                                   "--intake-port", str(intake), "--transports", transports,
                                   "--cache-bytes", str(cache_bytes), "--ring-bytes", str(256 << 20), *extra],
-                           f"http://{HOST}:{bootstrap}", ready_path="/readyz")
+                           f"http://{HOST}:{bootstrap}", ready_path="/readyz", **launch)
         role.worker = WorkerAddress(HOST, bootstrap, intake)
         return role
 
     def start_prefill(self, name: str = "prefill", transports: str = "shm,mooncake", pool_bytes: int = 512 << 20,
-                      extra: tuple[str, ...] = ()) -> Role:
+                      extra: tuple[str, ...] = (), **launch) -> Role:
         port = free_port()
         return self._start(name, ["prefill_side.server", "--host", HOST, "--port", str(port), "--model",
                                   self.model_dir, "--dtype", self.dtype, "--transports", transports,
                                   "--pool-bytes", str(pool_bytes), *extra], f"http://{HOST}:{port}",
-                           ready_path="/healthz")
+                           ready_path="/healthz", **launch)
 
-    def _start(self, name: str, module_args: list[str], url: str, ready_path: str) -> Role:
-        env = dict(os.environ, PYTHONPATH=ROOT, OMP_WAIT_POLICY="PASSIVE", MC_LOG_LEVEL="ERROR")
+    def _start(self, name: str, module_args: list[str], url: str, ready_path: str, env: dict | None = None,
+               prefix: tuple[str, ...] = ()) -> Role:
+        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_WAIT_POLICY": "PASSIVE", "MC_LOG_LEVEL": "ERROR", **(env or {})}
         log_path = os.path.join(self.log_dir, f"{name}.log")
         with open(log_path, "ab") as log:
-            process = subprocess.Popen([sys.executable, "-m", *module_args], env=env, stdout=log,
+            process = subprocess.Popen([*prefix, sys.executable, "-m", *module_args], env=env, stdout=log,
                                        stderr=subprocess.STDOUT, cwd=ROOT)
         role = Role(name, process, url, ready_path, log_path)
         self.roles.append(role)

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from data_plane.commit import checksum
 from data_plane.json_fields import json_float, json_int
 from handshake.models import EncodeTimings
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
@@ -62,6 +63,7 @@ class ItemReport(BaseModel):
     fallback: bool
     verified: bool | None
     encoder: EncodeTimings | None = None  # the encode worker's split of its part (from the commit)
+    checksum: int | None = None  # xxh3-64 of the published wire rows, for checks against a reference
 
 
 class PrefillResponse(BaseModel):
@@ -105,11 +107,13 @@ def create_app(receiver: PrefillReceiver, local_tower=None) -> FastAPI:
                 expected = await asyncio.get_running_loop().run_in_executor(None, receiver.encode_locally, item)
                 verified = bool(torch.equal(_wire_rows(item), expected))
             encoded = item.encoded
+            wire = _wire_rows(item) if encoded is not None else None
             reports.append(ItemReport(index=outcome.index, state=outcome.state,
                                       rows=encoded.shape[0] if encoded is not None else None,
-                                      width=_wire_rows(item).shape[1] if encoded is not None else None,
+                                      width=wire.shape[1] if wire is not None else None,
                                       transport=outcome.transport, seconds=outcome.seconds, reason=outcome.reason,
-                                      fallback=outcome.fallback, verified=verified, encoder=outcome.encoder))
+                                      fallback=outcome.fallback, verified=verified, encoder=outcome.encoder,
+                                      checksum=checksum(wire) if wire is not None else None))
         return Response(PrefillResponse(request_id=body.request_id, state=job.poll().value,
                                         items=reports).model_dump_json(), media_type="application/json")
 
@@ -173,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pool-bytes", type=int, default=int(env("EPD_POOL_BYTES", str(1 << 30))))
     parser.add_argument("--slot-bytes", type=int, default=int(env("EPD_SLOT_BYTES", str(1 << 20))))
     parser.add_argument("--item-timeout-s", type=float, default=float(env("EPD_ITEM_TIMEOUT_S", "60")))
+    parser.add_argument("--quarantine-s", type=float, default=float(env("EPD_QUARANTINE_S", "40")),
+                        help="hold a failed slot this long (above the encode workers' Mooncake transfer timeout)")
     parser.add_argument("--fallback", choices=("fail", "local_tower"), default=env("EPD_FALLBACK", "fail"))
     parser.add_argument("--token-file", default=env("EPD_HANDSHAKE_TOKEN_FILE"))
     parser.add_argument("--mooncake-host", default=env("EPD_MOONCAKE_HOST", "127.0.0.1"),
@@ -203,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("epd-prefill: give --width (or --model to read it from the checkpoint)")
     config = ReceiverConfig(width=width, dtype=args.dtype, deepstack_width=deepstack, pool_bytes=args.pool_bytes,
                             slot_bytes=args.slot_bytes, transports=tuple(t for t in args.transports.split(",") if t),
-                            item_timeout_s=args.item_timeout_s, fallback=args.fallback,
+                            item_timeout_s=args.item_timeout_s, quarantine_s=args.quarantine_s, fallback=args.fallback,
                             handshake_token=load_token(args.token_file))
     # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback default.
     mooncake = MooncakeConfig(hostname=args.mooncake_host, device_names=args.mooncake_hca,
