@@ -123,6 +123,7 @@ class FaultLab:
         self.cluster = LocalCluster(config.model, config.dtype, config.log_dir)
         self.roles: dict[str, Role] = {}
         self.restarts: dict[str, int] = {}
+        self.pids: set[int] = set()  # every process the lab started, dead or alive
         self._references: dict[int, int] = {}
         self.tower = None
         self.processor = None
@@ -154,8 +155,23 @@ class FaultLab:
                        "--item-timeout-s", str(c.item_timeout_s)))
         else:
             raise ValueError(name)
-        self.roles[name] = role
+        self.roles[name] = self.track(role)
         return role
+
+    def track(self, role: Role) -> Role:
+        self.pids.add(role.process.pid)
+        return role
+
+    def orphan_segments(self) -> set[str]:
+        """/dev/shm segments created by a process of the lab that is no longer alive (segment names
+        carry their creator's pid: ``epd-<kind>-<pid>-<random>``)."""
+        live = {role.process.pid for role in self.cluster.roles if role.alive()}
+        orphans = set()
+        for path in shm_segments():
+            parts = os.path.basename(path).split("-")
+            if len(parts) >= 4 and parts[2].isdigit() and int(parts[2]) in self.pids - live:
+                orphans.add(path)
+        return orphans
 
     def start(self) -> FaultLab:
         from transformers import AutoImageProcessor
@@ -741,9 +757,6 @@ MALFORMED_FRAMES = [
         "bootstrap_room": 7, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1}}).encode(), b"not an image"],
     [json.dumps({"request_id": "a", "source": "pixels", "shape": [4, 4, 3], "encode_handshake": {
         "bootstrap_room": 8, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1}}).encode(), b"\x00" * 47],
-    [json.dumps({"request_id": "a", "source": "shm", "content_hash": 1, "shm": {
-        "shm_name": "epd-does-not-exist", "shape": [4, 4, 3], "dtype": "uint8"}, "encode_handshake": {
-        "bootstrap_room": 9, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1}}).encode()],
     [json.dumps({"request_id": "a", "source": "shm", "shm": {"shm_name": "../../etc/passwd", "shape": [1, 1, 3],
                  "dtype": "uint8"}, "encode_handshake": {"bootstrap_room": 10, "bootstrap_host": "h",
                                                          "bootstrap_port": 1}}).encode()],
@@ -798,12 +811,29 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
                     # the client was still sending; anything else must get an answer
                     status = 413 if len(body) > (1 << 20) else 599
                 statuses.append(status)
+                if not 400 <= status < 500:
+                    outcome.notes.setdefault("bad_statuses", []).append((url + path, body[:40], status))
                 outcome.affected.append({"state": f"HTTP {status}", "reason": path,
                                          "ttf_s": time.monotonic() - started})
+    # a well-formed SHM handle naming no segment: accepted, then its room fails with the reason
+    (bad_shm,) = lab.describe(small_images(rng, 1))
+    await conn.mint([bad_shm], a.url)
+    from encode_worker.intake import IntakeRequest
+
+    request = IntakeRequest(request_id="bad-shm", content_hash=1, encode_handshake=bad_shm.encode_handshake,
+                            source="shm", shm={"shm_name": "epd-does-not-exist", "shape": [4, 4, 3], "dtype": "uint8"})
+    started = time.monotonic()
+    reply = await conn.intake(a).send(request)
+    views = await conn.wait_rooms(a.url, [bad_shm.encode_handshake.bootstrap_room],
+                                  lambda vs: bool(vs) and next(iter(vs.values())).state.terminal, timeout_s=10)
+    view = next(iter(views.values()))
+    outcome.affected.append({"state": "ACCEPTED" if view.state.value == "SUCCESS" else "REFUSED",
+                             "reason": view.reason, "ttf_s": time.monotonic() - started})
+    outcome.notes["bad_shm_handle"] = {"intake_ok": reply["ok"], "room": view.state.value, "reason": view.reason}
     outcome.notes["intake_replies"] = len(replies)
     outcome.notes["http_statuses"] = sorted(set(statuses))
     outcome.expected = (len(replies) == len(MALFORMED_FRAMES) and not any(r["ok"] for r in replies)
-                        and all(400 <= s < 500 for s in statuses))
+                        and all(400 <= s < 500 for s in statuses) and view.state.value == "FAILED")
     for entry in outcome.affected:
         entry["state"] = "FAILED" if entry["state"] != "ACCEPTED" else "DONE"
     outcome.notes["serves_after"] = await serves(lab, conn, rng)
@@ -840,8 +870,8 @@ def start_with_small_dev_shm(lab: FaultLab, name: str, transports: str, shm_byte
         raise RuntimeError("unshare(1) is not installed")
     prefix = ("unshare", "-m", "--propagation", "private", "sh", "-c",
               f'mount -t tmpfs -o size={shm_bytes} tmpfs /dev/shm && exec "$@"', "sh")
-    return lab.cluster.start_prefill(name, transports=transports, pool_bytes=32 << 20,
-                                     extra=("--slot-bytes", str(lab.config.slot_bytes)), prefix=prefix)
+    return lab.track(lab.cluster.start_prefill(name, transports=transports, pool_bytes=32 << 20,
+                                               extra=("--slot-bytes", str(lab.config.slot_bytes)), prefix=prefix))
 
 
 @contextlib.contextmanager
@@ -932,11 +962,12 @@ async def mooncake_unavailable(lab: FaultLab, conn: Conn, rng: random.Random) ->
     outcome = FaultOutcome("mooncake_unavailable")
     started = time.monotonic()
     with mooncake_ports_taken() as env:
-        worker = lab.cluster.start_encode_worker("worker-nomc", transports="shm,mooncake",
-                                                 extra=("--ring-bytes", str(32 << 20)), env=env)
-        prefill = lab.cluster.start_prefill("prefill-nomc", transports="shm,mooncake", pool_bytes=32 << 20,
-                                            extra=("--slot-bytes", str(lab.config.slot_bytes)), env=env)
-        only = lab.cluster.start_prefill("prefill-nomc-only", transports="mooncake", pool_bytes=32 << 20, env=env)
+        worker = lab.track(lab.cluster.start_encode_worker("worker-nomc", transports="shm,mooncake",
+                                                           extra=("--ring-bytes", str(32 << 20)), env=env))
+        prefill = lab.track(lab.cluster.start_prefill("prefill-nomc", transports="shm,mooncake", pool_bytes=32 << 20,
+                                                      extra=("--slot-bytes", str(lab.config.slot_bytes)), env=env))
+        only = lab.track(lab.cluster.start_prefill("prefill-nomc-only", transports="mooncake", pool_bytes=32 << 20,
+                                                   env=env))
         code = await _wait_exit(lab, only)
         log = _log(only)
         outcome.notes["mooncake_only_exit_code"] = code
