@@ -513,6 +513,8 @@ async def prefill_killed_after_registering(lab: FaultLab, conn: Conn, rng: rando
     (Mooncake), then is SIGKILLed before the workers write. Each worker must end those rooms and free
     its send-ring slots within its write deadline, and keep serving."""
     outcome = FaultOutcome("prefill_killed_after_registering")
+    # both workers have written into pv before (the Mooncake peer is known, not a first contact)
+    outcome.notes["served_before"] = [await serves(lab, conn, rng, "a", "pv"), await serves(lab, conn, rng, "v", "pv")]
     request_id = _request_id("pkill", rng)
     on_a, on_v = lab.describe(small_images(rng, 2)), lab.describe(small_images(rng, 2))
     items = on_a + on_v

@@ -7,13 +7,14 @@ offered when both processes see the same ``/dev/shm`` (``namespace_id``).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 
 import torch
 
 from data_plane.offers import ShmOffer
 from data_plane.pool import Lease, MemoryRegion, SlotPool
-from data_plane.shm import ShmError, ShmSegment, namespace_id
+from data_plane.shm import SHM_DIR, ShmError, ShmSegment, namespace_id
 from data_plane.transport import CompletedTransfer, Transfer, TransferRefused, Transport
 
 
@@ -21,7 +22,7 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, max_attached: int = 64):
-        self._attached: collections.OrderedDict[str, ShmSegment] = collections.OrderedDict()
+        self._attached: collections.OrderedDict[str, tuple[ShmSegment, int | None]] = collections.OrderedDict()
         self._max_attached = max_attached
         self._lock = threading.Lock()
 
@@ -39,19 +40,32 @@ class ShmTransport(Transport):
         return offer.namespace == namespace_id()
 
     def _segment(self, name: str) -> ShmSegment:
+        """The receiver's segment, mapped once. A mapping whose name is gone (the receiver closed
+        its pool or died, and its segment was unlinked) is dropped and the write refused: writing
+        into it would reach no one and keep the dead pool's memory alive."""
         with self._lock:
-            segment = self._attached.get(name)
-            if segment is not None:
-                self._attached.move_to_end(name)
-                return segment
+            entry = self._attached.get(name)
+            if entry is not None:
+                segment, inode = entry
+                if _inode(name) == inode:
+                    self._attached.move_to_end(name)
+                    return segment
+                del self._attached[name]
+                segment.close()
+                raise TransferRefused(f"the receiver's segment {name} is gone "
+                                      "(its pool was closed or its process ended)")
         try:
             segment = ShmSegment.attach(name)
         except (ShmError, ValueError) as exc:
             raise TransferRefused(f"cannot map the receiver's segment: {exc}") from exc
+        inode = _inode(name)
+        if inode is None:  # unlinked while we mapped it
+            segment.close()
+            raise TransferRefused(f"the receiver's segment {name} is gone (its process ended)")
         with self._lock:
-            self._attached[name] = segment
+            self._attached[name] = (segment, inode)
             while len(self._attached) > self._max_attached:
-                self._attached.popitem(last=False)[1].close()
+                self._attached.popitem(last=False)[1][0].close()
         return segment
 
     def _submit(self, src: torch.Tensor, offer: ShmOffer, deadline: float) -> Transfer:
@@ -64,6 +78,13 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            for segment in self._attached.values():
+            for segment, _ in self._attached.values():
                 segment.close()
             self._attached.clear()
+
+
+def _inode(name: str) -> int | None:
+    try:
+        return os.stat(os.path.join(SHM_DIR, name)).st_ino
+    except OSError:
+        return None
