@@ -103,7 +103,11 @@ class _MooncakeTransfer(Transfer):
                 self._finish(TransferState.DONE)  # also settles a transfer we had given up on
             elif status < 0:
                 self._batch_id = None
-                if not self._retried and self.state is TransferState.PENDING and now < self.deadline:
+                if self.state is TransferState.PENDING and self._transport.refuses(self._args[0]):
+                    # no process listens there any more: nothing can land, and the engine has no
+                    # connection left to read our source for (a retry would wait out its connect)
+                    self._finish(TransferState.FAILED, "mooncake peer is gone (it refuses connections)")
+                elif not self._retried and self.state is TransferState.PENDING and now < self.deadline:
                     # a rejected request tears down a TCP lane; one retry rides over it (P6)
                     self._retried = True
                     self._batch_id = self._start()
@@ -178,17 +182,15 @@ class MooncakeTransport(Transport):
         self._check_process()
         return self.engine.send_probe(session) == 0
 
-    def _first_contact(self, session: str, timeout_s: float) -> None:
-        """Probe a peer before the first write to it. Mooncake's first contact with a stalled (not
-        dead) peer blocks inside the engine with no timeout, so the probe runs on a thread of its
-        own and the write is refused if it has not answered in time."""
-        if session in self._reached:
-            return
+    def _probe(self, session: str, timeout_s: float) -> bool | None:
+        """``send_probe`` on a thread of its own (against a stalled peer it blocks, with no timeout,
+        until the peer resumes): True if the peer answered, False if it refused, None if no answer
+        came within ``timeout_s``. At most one probe per peer, 64 peers, hangs at a time."""
         with self._lock:
             thread = self._probing.get(session)
             if thread is None:
                 if len(self._probing) >= 64:
-                    raise TransferRefused("too many peers not answering a first contact")
+                    return None
                 result: dict = {}
                 thread = threading.Thread(target=lambda: result.setdefault("ok", self.alive(session)),
                                           name=f"mooncake-probe-{session}", daemon=True)
@@ -197,10 +199,30 @@ class MooncakeTransport(Transport):
                 thread.start()
         thread.join(timeout_s)
         if thread.is_alive():
-            raise TransferRefused(f"Mooncake peer {session} did not answer a first contact in {timeout_s:.1f} s")
+            return None
         with self._lock:
-            self._probing.pop(session, None)
-        if not thread.result.get("ok"):
+            if self._probing.get(session) is thread:
+                del self._probing[session]
+        return thread.result.get("ok")
+
+    def refuses(self, session: str) -> bool:
+        """True when nothing listens at the peer's address any more (it died or closed its engine):
+        a probe answered "refused" at once. Such a peer gets a fresh first contact if it returns."""
+        if self._probe(session, 0.2) is False:
+            self._reached.discard(session)
+            return True
+        return False
+
+    def _first_contact(self, session: str, timeout_s: float) -> None:
+        """Probe a peer before the first write to it. Mooncake's first contact with a stalled (not
+        dead) peer blocks inside the engine with no timeout, so the probe runs on a thread of its
+        own and the write is refused if it has not answered in time."""
+        if session in self._reached:
+            return
+        answer = self._probe(session, timeout_s)
+        if answer is None:
+            raise TransferRefused(f"Mooncake peer {session} did not answer a first contact in {timeout_s:.1f} s")
+        if not answer:
             raise TransferRefused(f"Mooncake peer {session} is not reachable")
         self._reached.add(session)
 
