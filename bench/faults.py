@@ -644,49 +644,80 @@ async def cancel_during_write(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     return outcome
 
 
-async def duplicate_room(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
-    """Three duplicates: the same room sent twice to a worker's intake (with other pixels the
-    second time), the same room in two items of one request, and the same room registered by two
-    requests. Each duplicate is refused; the original item arrives bit-exact."""
-    outcome = FaultOutcome("duplicate_room")
+async def duplicate_room_at_intake(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
+    """The same room sent twice to worker ``a``'s intake, the second time with another image of
+    the same size (a buggy or hostile dispatcher): the second message is refused while the first
+    is in flight, and the receiver gets the first image's rows, bit-exact."""
+    outcome = FaultOutcome("duplicate_room_at_intake")
     request_id = _request_id("dup", rng)
     a, prefill = lab.roles["a"], lab.roles["prefill"]
-    # (1) intake: the second message for a room in flight is refused, and the first one's bytes arrive
-    originals = lab.describe(small_images(rng, 1))
-    impostor = lab.describe(small_images(rng, 1))[0]
-    originals[0].index = 0
-    await conn.mint(originals, a.url)
-    impostor.encode_handshake = originals[0].encode_handshake
-    first = await conn.send(a, originals[0], request_id)
+    side = rng.choice((224, 336, 448))
+    original, impostor = lab.describe([synthetic_image(side, side, rng.randrange(1 << 30)) for _ in range(2)])
+    original.index = 0
+    await conn.mint([original], a.url)
+    impostor.encode_handshake = original.encode_handshake
+    first = await conn.send(a, original, request_id)
+    started = time.monotonic()
     second = await conn.send(a, impostor, request_id + "-again")
-    outcome.notes["intake_first"], outcome.notes["intake_second"] = first, second
-    posted = await conn.post(prefill, request_id, originals)
-    conn.tally(outcome, posted, originals, {})
-    intake_refused = not second["ok"]
-    # (2) one request naming one room twice: the second item is refused, the first arrives
-    twins = lab.describe(small_images(rng, 1)) * 1
-    twins = [twins[0], lab.describe([twins[0].image])[0]]
-    for index, item in enumerate(twins):
-        item.index = index
-    await conn.mint(twins[:1], a.url)
-    twins[1].encode_handshake = twins[0].encode_handshake
-    posted_twins = conn.post(prefill, request_id + "-twins", twins)
-    await conn.send(a, twins[0], request_id + "-twins")
-    result = await posted_twins
-    conn.tally(outcome, result, twins, {1: result.sent}, expect_reason="duplicate")
-    # (3) two requests registering the same room: the later one is refused at once
+    outcome.affected.append({"state": "FAILED" if not second["ok"] else "DONE", "reason": second["reason"],
+                             "ttf_s": time.monotonic() - started})
+    outcome.notes["intake"] = [first, second]
+    posted = await conn.post(prefill, request_id, [original])
+    conn.tally(outcome, posted, [original], {})
+    outcome.expected = first["ok"] and not second["ok"] and outcome.delivered == 1
+    return outcome
+
+
+async def duplicate_room_in_one_request(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
+    """One request names one room for two items: the second item is refused at once (no slot is
+    reserved for it), the first arrives bit-exact, and no slot is left leased."""
+    outcome = FaultOutcome("duplicate_room_in_one_request")
+    request_id = _request_id("twins", rng)
+    a, prefill = lab.roles["a"], lab.roles["prefill"]
+    (first,) = lab.describe(small_images(rng, 1))
+    (second,) = lab.describe([first.image])
+    first.index, second.index = 0, 1
+    await conn.mint([first], a.url)
+    second.encode_handshake = first.encode_handshake
+    posted = conn.post(prefill, request_id, [first, second])
+    await conn.send(a, first, request_id)
+    result = await posted
+    conn.tally(outcome, result, [first, second], {1: result.sent}, expect_reason="duplicate")
+    outcome.expected = outcome.expected and result.row(0)["state"] == "DONE"
+    return outcome
+
+
+async def duplicate_room_two_receivers(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
+    """Two requests (in two prefill processes) register the same room: the later registration is
+    refused at once and its slot released; the first receiver gets the item bit-exact."""
+    outcome = FaultOutcome("duplicate_room_two_receivers")
+    request_id = _request_id("shared", rng)
+    a = lab.roles["a"]
     shared = lab.describe(small_images(rng, 1))
     shared[0].index = 0
     await conn.mint(shared, a.url)
-    first_post = conn.post(prefill, request_id + "-r1", shared)
+    first_post = conn.post(lab.roles["prefill"], request_id + "-r1", shared)
     await _registered(conn, a.url, [shared[0].encode_handshake.bootstrap_room])
-    second_result = await conn.post(lab.roles["pv"], request_id + "-r2", shared)
+    second = await conn.post(lab.roles["pv"], request_id + "-r2", shared)
     await conn.send(a, shared[0], request_id + "-r1")
-    first_result = await first_post
-    conn.tally(outcome, first_result, shared, {})
-    conn.tally(outcome, second_result, shared, {0: second_result.sent}, expect_reason="different receiver")
-    outcome.notes["intake_refused"] = intake_refused
-    outcome.expected = outcome.expected and intake_refused
+    first = await first_post
+    conn.tally(outcome, first, shared, {})
+    conn.tally(outcome, second, shared, {0: second.sent}, expect_reason="different receiver")
+    outcome.expected = outcome.expected and first.row(0)["state"] == "DONE"
+    return outcome
+
+
+async def duplicate_room(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
+    """The three duplicate-room faults in a row, as one soak event."""
+    outcome = FaultOutcome("duplicate_room")
+    for part in (duplicate_room_at_intake, duplicate_room_in_one_request, duplicate_room_two_receivers):
+        result = await part(lab, conn, rng)
+        outcome.affected += result.affected
+        outcome.delivered += result.delivered
+        outcome.corrupted += result.corrupted
+        outcome.collateral += result.collateral
+        outcome.expected = outcome.expected and result.expected
+        outcome.notes[part.__name__] = result.notes
     return outcome
 
 

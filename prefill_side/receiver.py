@@ -209,10 +209,19 @@ class PrefillReceiver:
         pending: list[_Pending] = []
         refused: list[tuple[int, MultimodalDataItem, str]] = []
         unreserved: dict[tuple[str, int], list[int]] = {}  # rooms to cancel, so their workers stop waiting
+        rooms: set[tuple[str, int, int]] = set()
         for index, item in enumerate(job.inputs.mm_items):
             if item.encode_handshake is None or item.encoded is not None:
                 job.outcomes[index].state = "SKIPPED"
                 continue
+            handshake = _handshake_or_none(item)
+            if handshake is not None:
+                room = (handshake.bootstrap_host, handshake.bootstrap_port, handshake.bootstrap_room)
+                if room in rooms:  # the room is the earlier item's: refuse this one, leave the room alone
+                    refused.append((index, item, f"duplicate room {handshake.bootstrap_room}: an earlier item "
+                                                 "of this request names it"))
+                    continue
+                rooms.add(room)
             try:
                 pending.append(self._reserve(index, item))
             except (ValueError, RowContractError, NoCapacity, TooLarge) as exc:

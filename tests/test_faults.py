@@ -240,3 +240,25 @@ def test_quarantined_slots_come_back_when_their_quarantine_ends(lab):
     while lab.pool_stats()["quarantined"] and time.monotonic() < end:
         time.sleep(0.2)
     assert lab.pool_stats() == {"leased": 0, "quarantined": 0}
+
+
+def test_duplicate_room_in_one_request(lab):
+    """Two items of one request name one room: the second fails at once with the reason, the
+    first arrives bit-exact, and no slot stays leased (the duplicate once overwrote the first
+    item's entry: its slot stayed leased for good and its outcome PENDING)."""
+    outcome = run(lab, faults.duplicate_room_in_one_request, seed=7)
+    assert outcome.expected, outcome.as_dict()
+    assert_fast(outcome)
+    assert "duplicate" in outcome.affected[0]["reason"]
+    assert_siblings_exact(outcome, 1)
+    assert_no_leaks(lab)
+
+
+def test_duplicate_room_registered_by_two_receivers(lab):
+    """Two prefill processes register the same room: the later one is refused at once, the first
+    gets the item bit-exact; neither leaks a slot."""
+    outcome = run(lab, faults.duplicate_room_two_receivers, seed=8)
+    assert outcome.expected, outcome.as_dict()
+    assert_fast(outcome)
+    assert_siblings_exact(outcome, 1)
+    assert_no_leaks(lab) and assert_no_leaks(lab, "pv")
