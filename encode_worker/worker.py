@@ -120,6 +120,11 @@ class EncodeWorker:
         self.sender = Sender(self.ring, self.transports, self.rooms_for, config.receiver_wait_s,
                              config.write_timeout_s, config.send_workers, on_outcome=self._on_outcome)
         self._remote: dict[tuple[str, int], RemoteRooms] = {}
+        # rooms with an item accepted and not yet ended: a second message for one of them is
+        # refused (two writers for one slot would race; the later one could land after the
+        # receiver handed the slot to a new tenant). Bounded by the items in flight.
+        self._in_flight: set[int] = set()
+        self._in_flight_lock = threading.Lock()
         self._stopping = threading.Event()
         self._healthy = False
         self._last_ok = 0.0
@@ -207,13 +212,19 @@ class EncodeWorker:
         return remote
 
     def _fail_room(self, handshake: EncodeHandshake, reason: str, modality: str) -> None:
+        self._end_room(handshake.bootstrap_room)
         self.metrics.requests.labels(modality, "failed").inc()
         try:
             self.rooms_for(handshake).fail(handshake.bootstrap_room, reason, True)
         except Exception as exc:
             log.warning("could not fail room %d (%s): %s", handshake.bootstrap_room, reason, exc)
 
+    def _end_room(self, room: int) -> None:
+        with self._in_flight_lock:
+            self._in_flight.discard(room)
+
     def _on_outcome(self, outcome: Outcome) -> None:
+        self._end_room(outcome.room)
         self.metrics.requests.labels("IMAGE", outcome.state.lower()).inc()
         if "queue_s" in outcome.timings:
             self.metrics.queue_seconds.observe(outcome.timings["queue_s"])
@@ -243,12 +254,19 @@ class EncodeWorker:
             self.metrics.requests.labels("IMAGE", "refused").inc()
             return {"ok": False, "room": exc.room, "reason": str(exc)}
         room = request.encode_handshake.bootstrap_room
+        with self._in_flight_lock:
+            duplicate = room in self._in_flight
+            self._in_flight.add(room)
+        if duplicate:
+            self.metrics.requests.labels(request.modality, "refused").inc()
+            return {"ok": False, "room": room, "reason": f"room {room} already has an item in flight here"}
         try:
             job = self._job(request, payload)
         except BadItem as exc:
             self._fail_room(request.encode_handshake, str(exc), request.modality)
             return {"ok": False, "room": room, "reason": str(exc)}
         if not self.queue.put(job):
+            self._end_room(room)
             self.metrics.requests.labels(request.modality, "refused").inc()
             return {"ok": False, "room": room, "reason": "queue full", "retry_after_s": 0.1}
         self.metrics.requests.labels(request.modality, "accepted").inc()

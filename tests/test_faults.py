@@ -262,3 +262,17 @@ def test_duplicate_room_registered_by_two_receivers(lab):
     assert_fast(outcome)
     assert_siblings_exact(outcome, 1)
     assert_no_leaks(lab) and assert_no_leaks(lab, "pv")
+
+
+def test_duplicate_room_at_the_intake(lab):
+    """The same room sent twice to worker a's intake, the second time with another image of the
+    same size: the second message is refused while the first is in flight, and the receiver gets
+    the first image's rows bit-exact (two writers for one slot would race: the second could land
+    after the receiver released the slot to a new tenant)."""
+    for seed in (9, 10, 11):
+        outcome = run(lab, faults.duplicate_room_at_intake, seed=seed)
+        assert outcome.expected, outcome.as_dict()
+        assert "already has an item in flight" in outcome.affected[0]["reason"]
+        assert_siblings_exact(outcome, 1)
+    assert_no_leaks(lab)
+    assert still_serves(lab)
