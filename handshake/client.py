@@ -49,12 +49,18 @@ class HandshakeError(Exception):
 
 
 class HandshakeClient:
+    """``timeout_s`` bounds each call beyond its long-poll wait. With ``retry_timeouts=False`` a call
+    that timed out is not retried: an endpoint that does not answer in time is stalled, and each
+    retry would add another timeout before the caller learns it (connection errors and 503s are
+    still retried)."""
+
     def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 5.0, retries: int = 3,
-                 backoff_s: float = 0.05):
+                 backoff_s: float = 0.05, retry_timeouts: bool = True):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self.retry_timeouts = retry_timeouts
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._session: aiohttp.ClientSession | None = None
         # Parsed once: building a URL and a timeout per call cost ~30 us of a ~150 us request here.
@@ -99,7 +105,7 @@ class HandshakeClient:
                         raise HandshakeError(response.status, _detail(answer))
                     return answer
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                if last:
+                if last or (isinstance(exc, asyncio.TimeoutError) and not self.retry_timeouts):
                     raise HandshakeError(0, f"{type(exc).__name__}: {exc or 'no answer'}") from exc
                 await asyncio.sleep(self.backoff_s * 2 ** attempt)
         raise AssertionError("unreachable")

@@ -56,6 +56,9 @@ class ReceiverConfig:
     transports: tuple[str, ...] = ("shm", "mooncake")
     item_timeout_s: float = 60.0
     poll_s: float = 0.5  # long-poll slice: an unreachable endpoint is noticed within about this
+    # an endpoint that has not answered a call this long after its long-poll slice is stalled
+    # (a SIGSTOPped or hung worker): its items fail then, without a retry
+    endpoint_timeout_s: float = 1.0
     fallback: str = "fail"  # or "local_tower": encode the kept pixels with a local VisionTower
     handshake_token: str | None = None
     verify_checksum: bool = True
@@ -201,8 +204,9 @@ class PrefillReceiver:
         client = self._clients.get(key)
         if client is None:
             url = f"http://{handshake.bootstrap_host}:{handshake.bootstrap_port}"
-            client = self._clients[key] = HandshakeClient(url, self.config.handshake_token, timeout_s=2.0,
-                                                          retries=2, backoff_s=0.1)
+            client = self._clients[key] = HandshakeClient(url, self.config.handshake_token,
+                                                          timeout_s=self.config.endpoint_timeout_s, retries=2,
+                                                          backoff_s=0.1, retry_timeouts=False)
         return client
 
     async def _run(self, job: ReceiveJob) -> None:

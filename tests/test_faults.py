@@ -276,3 +276,19 @@ def test_duplicate_room_at_the_intake(lab):
         assert_siblings_exact(outcome, 1)
     assert_no_leaks(lab)
     assert still_serves(lab)
+
+
+def test_encode_worker_paused_past_its_write_deadline(lab):
+    """Worker v is SIGSTOPped while it writes (Mooncake), held past its write deadline, then
+    resumed, so its write lands late. The prefill process must notice the stalled endpoint and fail
+    those items within 2 s of the stop (their slots quarantined, not reused); the late bytes land in
+    the quarantined slots, and items received right after the resume are bit-exact."""
+    outcome = run(lab, faults.worker_paused_past_deadline, seed=12)
+    assert outcome.expected, outcome.as_dict()
+    assert "WRITING" in outcome.notes["states_at_stop"]
+    assert outcome.notes["stopped_s"] > lab.config.victim_write_timeout_s
+    assert_fast(outcome)
+    assert_siblings_exact(outcome, 2 + 4)  # the siblings, then four items into the same pool after the resume
+    assert outcome.notes["quarantined_at_resume"] > 0
+    assert outcome.notes["victim_serves_after_resume"]
+    assert_no_leaks(lab)
