@@ -20,7 +20,8 @@ import sys
 import time
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +34,7 @@ from multimodal.wire import EncodeHandshake
 from prefill_side.receiver import PrefillReceiver, ReceiverConfig
 
 MAX_IMAGE_B64 = 48 << 20
+MAX_BODY_BYTES = 256 << 20  # a request's whole body: items, and image bytes when they travel
 
 
 class PrefillItem(BaseModel):
@@ -72,9 +74,56 @@ class PrefillResponse(BaseModel):
     items: list[ItemReport]
 
 
-def create_app(receiver: PrefillReceiver, local_tower=None) -> FastAPI:
+class _BodyTooLarge(HTTPException):
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"body larger than {max_bytes} bytes")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets a 413, by its Content-Length or,
+    without one, as soon as that many bytes have arrived (nothing larger is ever held)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._too_large(send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _BodyTooLarge(self.max_bytes)
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await self._too_large(send)
+
+    async def _too_large(self, send) -> None:
+        await JSONResponse({"detail": f"body larger than {self.max_bytes} bytes"}, status_code=413)(
+            {"type": "http"}, None, send)
+
+
+def create_app(receiver: PrefillReceiver, local_tower=None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="EPD reference prefill", version="1",
                   telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request, exc: RequestValidationError):
+        # FastAPI's own answer echoes each bad input, and an out-of-range number (1e400 parses as
+        # inf) cannot be written back as JSON: that was a 500, and the connection closed
+        errors = [{key: error[key] for key in ("type", "loc", "msg") if key in error} for error in exc.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
 
     @app.post("/v1/prefill", response_model=PrefillResponse, responses={400: {"description": "Malformed JSON"}})
     async def prefill(body: PrefillRequest):
@@ -180,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quarantine-s", type=float, default=float(env("EPD_QUARANTINE_S", "40")),
                         help="hold a failed slot this long (above the encode workers' Mooncake transfer timeout)")
     parser.add_argument("--fallback", choices=("fail", "local_tower"), default=env("EPD_FALLBACK", "fail"))
+    parser.add_argument("--max-body-bytes", type=int, default=int(env("EPD_MAX_BODY_BYTES", str(MAX_BODY_BYTES))),
+                        help="largest accepted request body")
     parser.add_argument("--token-file", default=env("EPD_HANDSHAKE_TOKEN_FILE"))
     parser.add_argument("--mooncake-host", default=env("EPD_MOONCAKE_HOST", "127.0.0.1"),
                         help="address encode workers use to reach this process's Mooncake engine (the pod IP)")
@@ -217,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     receiver = PrefillReceiver(config, build_transports(config.transports, mooncake, mooncake_optional=True),
                                local_tower=tower)
     try:
-        serve(create_app(receiver, tower), args.host, args.port)
+        serve(create_app(receiver, tower, args.max_body_bytes), args.host, args.port)
     finally:
         receiver.close()
     return 0

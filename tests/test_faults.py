@@ -292,3 +292,20 @@ def test_encode_worker_paused_past_its_write_deadline(lab):
     assert outcome.notes["quarantined_at_resume"] > 0
     assert outcome.notes["victim_serves_after_resume"]
     assert_no_leaks(lab)
+
+
+def test_malformed_frames_and_bodies_are_refused_and_every_listener_keeps_serving(lab):
+    """Malformed ZMQ frames (empty, not JSON, not UTF-8, three frames, 100k-deep nesting, NaN,
+    oversized metadata, a payload that is no image, pixels of the wrong size, a path-traversal SHM
+    name) to worker a's intake, and malformed REST bodies to worker a's rooms, the standalone
+    handshake and epd-prefill: each gets a refusal with a reason or a 4xx, never a 5xx; an SHM
+    handle naming no segment is accepted and its room fails with the reason; everything serves on."""
+    outcome = run(lab, faults.malformed_input, seed=13)
+    assert outcome.expected, {key: value for key, value in outcome.notes.items()}
+    assert outcome.notes["intake_replies"] == len(faults.MALFORMED_FRAMES)
+    assert all(400 <= status < 500 for status in outcome.notes["http_statuses"]), outcome.notes
+    assert outcome.notes["bad_shm_handle"]["room"] == "FAILED"
+    assert "cannot open SHM segment" in outcome.notes["bad_shm_handle"]["reason"]
+    assert all(entry["ttf_s"] is not None and entry["ttf_s"] < FAST_S for entry in outcome.affected)
+    assert outcome.notes["serves_after"]
+    assert_no_leaks(lab)
