@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import logging
 import threading
 import time
@@ -28,7 +29,9 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit
+from data_plane.mooncake import MooncakeUnavailable
 from data_plane.pool import Lease, MemoryRegion, NoCapacity, SlotPool, TooLarge
+from data_plane.shm import ShmError
 from data_plane.transport import build_transports
 from handshake.client import HandshakeClient, HandshakeError
 from handshake.models import EncodeTimings, Registration, RoomState
@@ -158,10 +161,15 @@ class PrefillReceiver:
     def __init__(self, config: ReceiverConfig, transports: dict | None = None, local_tower=None,
                  registry: CollectorRegistry | None = None):
         self.config = config
-        self.pool = SlotPool(MemoryRegion.shared(config.pool_bytes), config.slot_bytes, config.quarantine_s)
+        self.pool = SlotPool(_receive_region(config, transports), config.slot_bytes, config.quarantine_s)
         try:
             self.transports = (transports if transports is not None
                                else build_transports(config.transports, mooncake_optional=True))
+            if self.pool.region.shm is None:  # /dev/shm had no room: nothing to offer same-node writers
+                self.transports = {name: t for name, t in self.transports.items() if name != "shm"}
+                if not self.transports:
+                    raise MooncakeUnavailable("no transport left: /dev/shm has no room for the pool and "
+                                              "Mooncake is not available")
             for transport in self.transports.values():
                 transport.register(self.pool.region)
         except BaseException:
@@ -404,6 +412,21 @@ class PrefillReceiver:
         rows = self.local_tower.encode_items(torch.cat([p["pixel_values"] for p in processed]),
                                              torch.cat([p["image_grid_thw"] for p in processed]))
         return [r.to(self.local_tower.dtype).clone() for r in rows]
+
+
+def _receive_region(config: ReceiverConfig, transports: dict | None) -> MemoryRegion:
+    """The receive pool's memory: a /dev/shm segment, so same-node writers can map it. When /dev/shm
+    has no room for it (ENOSPC) and Mooncake is offered too, process memory instead: Mooncake only,
+    said in a warning. With SHM alone, the ENOSPC stands."""
+    try:
+        return MemoryRegion.shared(config.pool_bytes)
+    except ShmError as exc:
+        names = set(transports) if transports is not None else set(config.transports)
+        if exc.errno != errno.ENOSPC or not names - {"shm"}:
+            raise
+        log.warning("no room in /dev/shm for the %d-byte receive pool (%s): using process memory, "
+                    "Mooncake only (no SHM)", config.pool_bytes, exc.strerror)
+        return MemoryRegion.anonymous(config.pool_bytes)
 
 
 def _handshake_or_none(item: MultimodalDataItem) -> EncodeHandshake | None:

@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
-    from data_plane.mooncake import MooncakeConfig
+    from data_plane.mooncake import MooncakeConfig, MooncakeUnavailable
+    from data_plane.shm import ShmError
     from data_plane.transport import build_transports
     from handshake.server import load_token, serve
 
@@ -265,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback default.
     mooncake = MooncakeConfig(hostname=args.mooncake_host, device_names=args.mooncake_hca,
                               force_tcp=bool(args.mooncake_force_tcp))
-    receiver = PrefillReceiver(config, build_transports(config.transports, mooncake, mooncake_optional=True),
-                               local_tower=tower)
+    try:
+        receiver = PrefillReceiver(config, build_transports(config.transports, mooncake, mooncake_optional=True),
+                                   local_tower=tower)
+    except (MooncakeUnavailable, ShmError) as exc:  # no usable transport or pool: say why, in one line
+        print(f"epd-prefill: cannot start: {exc}", file=sys.stderr)
+        return 1
     try:
         serve(create_app(receiver, tower, args.max_body_bytes), args.host, args.port)
     finally:

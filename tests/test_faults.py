@@ -309,3 +309,19 @@ def test_malformed_frames_and_bodies_are_refused_and_every_listener_keeps_servin
     assert all(entry["ttf_s"] is not None and entry["ttf_s"] < FAST_S for entry in outcome.affected)
     assert outcome.notes["serves_after"]
     assert_no_leaks(lab)
+
+
+@pytest.mark.skipif(not faults.can_mount_tmpfs(), reason="needs unshare(1) and CAP_SYS_ADMIN to mount a small tmpfs")
+def test_dev_shm_full_at_start_up(lab):
+    """epd-prefill in a private mount namespace whose /dev/shm (an 8 MiB tmpfs) cannot hold its
+    32 MiB pool: creating the pool gets a real ENOSPC. Offered SHM and Mooncake, the process comes up
+    on a Mooncake-only pool, says why, and receives bit-exact over Mooncake; offered SHM alone, it
+    exits at once with a one-line error naming ENOSPC. The host's /dev/shm is untouched."""
+    outcome = run(lab, faults.dev_shm_full, seed=14)
+    assert outcome.expected, outcome.notes
+    assert outcome.notes["shm_only_exit_code"] not in (None, 0)
+    assert "No space left on device" in outcome.notes["shm_only_last_line"]
+    assert outcome.notes["fallback_serves_over_mooncake"]
+    assert outcome.affected[0]["ttf_s"] < 60  # the process start itself (imports, tower) on this machine
+    assert_no_leaks(lab)
+
