@@ -137,7 +137,10 @@ class MooncakeTransport(Transport):
             self.engine = engine_class()
             rc = self.engine.initialize(config.hostname, "P2PHANDSHAKE", "tcp", config.device_names)
         if rc != 0:
-            raise MooncakeUnavailable(f"TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE) returned {rc}")
+            raise MooncakeUnavailable(f"Mooncake TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE) "
+                                      f"returned {rc} (is a port free in its range, MC_MIN_RPC_PORT.."
+                                      f"MC_MAX_RPC_PORT or 15000-17000, and is {config.hostname} an address of "
+                                      "this host?)")
         self.session = f"{config.hostname}:{self.engine.get_rpc_port()}"
         self._regions: list[MemoryRegion] = []
         self._reached: set[str] = set()  # sessions a probe has answered

@@ -83,9 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(build_parser().parse_args(argv))
+    from data_plane.mooncake import MooncakeUnavailable
     from encode_worker.worker import EncodeWorker
 
-    worker = EncodeWorker(config).start()
+    try:
+        worker = EncodeWorker(config).start()
+    except MooncakeUnavailable as exc:  # the only transport asked for cannot start: say why, in one line
+        logging.error("cannot start: %s", exc)
+        return 1
     logging.info("encode worker ready: rooms on %s:%d, intake on %d, transports %s", config.host,
                  worker.bootstrap_port, worker.intake_port, ",".join(worker.transports))
     stop = threading.Event()

@@ -104,10 +104,12 @@ class EncodeWorker:
         self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
         self.cache = EmbeddingCache(config.cache_bytes)
         self.queue = BatchQueue(config.queue_items, config.batch_patches, config.batch_items)
+        # Mooncake that cannot start leaves SHM in service (logged); alone, it is an error
         self.transports = transports if transports is not None else build_transports(
             config.transports, MooncakeConfig(hostname=config.host, device_names=config.mooncake_hca,
                                               force_tcp=config.mooncake_force_tcp,
-                                              transfer_timeout_s=max(5, int(config.write_timeout_s))))
+                                              transfer_timeout_s=max(5, int(config.write_timeout_s))),
+            mooncake_optional=True)
         self.ring = SlotPool(MemoryRegion.anonymous(config.ring_bytes), config.ring_slot_bytes,
                              quarantine_s=config.write_timeout_s * 2)
         for transport in self.transports.values():

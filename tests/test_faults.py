@@ -325,3 +325,15 @@ def test_dev_shm_full_at_start_up(lab):
     assert outcome.affected[0]["ttf_s"] < 60  # the process start itself (imports, tower) on this machine
     assert_no_leaks(lab)
 
+
+def test_mooncake_unavailable_at_start_up(lab):
+    """An encode worker and a prefill process start while Mooncake cannot initialize (its whole port
+    range is taken: TransferEngine.initialize returns -1): both come up SHM-only, say so, and
+    serve bit-exact over SHM; a prefill process offered Mooncake alone exits with a clear error."""
+    outcome = run(lab, faults.mooncake_unavailable, seed=15)
+    assert outcome.expected, outcome.notes
+    assert outcome.notes["serves_over_shm"]
+    assert outcome.notes["worker_says"] and outcome.notes["prefill_says"]
+    assert outcome.notes["mooncake_only_exit_code"] not in (None, 0)
+    assert outcome.notes["exit_codes"] == [0, 0]
+    assert_no_leaks(lab)
