@@ -234,14 +234,6 @@ def test_width_or_dtype_mismatch_between_the_sides(lab, width_delta, dtype):
     assert still_serves(lab)
 
 
-def test_quarantined_slots_come_back_when_their_quarantine_ends(lab):
-    """Held slots come back once their quarantine ends: nothing stays quarantined for good."""
-    end = time.monotonic() + lab.config.quarantine_s + 5
-    while lab.pool_stats()["quarantined"] and time.monotonic() < end:
-        time.sleep(0.2)
-    assert lab.pool_stats() == {"leased": 0, "quarantined": 0}
-
-
 def test_duplicate_room_in_one_request(lab):
     """Two items of one request name one room: the second fails at once with the reason, the
     first arrives bit-exact, and no slot stays leased (the duplicate once overwrote the first
@@ -337,3 +329,12 @@ def test_mooncake_unavailable_at_start_up(lab):
     assert outcome.notes["mooncake_only_exit_code"] not in (None, 0)
     assert outcome.notes["exit_codes"] == [0, 0]
     assert_no_leaks(lab)
+
+
+def test_quarantined_slots_come_back_when_their_quarantine_ends(lab):
+    """Last: every slot the faults above held in quarantine comes back once its quarantine ends;
+    nothing stays leased or quarantined for good."""
+    end = time.monotonic() + lab.config.quarantine_s + 5
+    while lab.pool_stats()["quarantined"] and time.monotonic() < end:
+        time.sleep(0.2)
+    assert lab.pool_stats() == {"leased": 0, "quarantined": 0}
