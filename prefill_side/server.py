@@ -27,7 +27,7 @@ from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from data_plane.commit import checksum
-from data_plane.json_fields import json_float, json_int
+from data_plane.json_fields import JsonBool, json_float, json_int
 from handshake.models import EncodeTimings
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from multimodal.wire import EncodeHandshake
@@ -50,7 +50,7 @@ class PrefillRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str = Field(min_length=1, max_length=128)
     items: list[PrefillItem] = Field(min_length=1, max_length=64)
-    verify: bool = False
+    verify: JsonBool = False
     timeout_s: json_float(gt=0, le=600) = 60.0
 
 
@@ -129,11 +129,12 @@ def create_app(receiver: PrefillReceiver, local_tower=None, max_body_bytes: int 
     async def prefill(body: PrefillRequest):
         """Receive every item's rows; report per item."""
         items = []
-        for entry in body.items:
+        for index, entry in enumerate(body.items):
             try:
                 feature = base64.b64decode(entry.image_b64, validate=True) if entry.image_b64 else None
-            except ValueError:
-                return JSONResponse({"detail": "image_b64 is not base64"}, status_code=422)
+            except ValueError:  # answered in the shape of the 422 the schema declares
+                return JSONResponse({"detail": [{"type": "value_error", "loc": ["body", "items", index, "image_b64"],
+                                                 "msg": "image_b64 is not base64"}]}, status_code=422)
             items.append(MultimodalDataItem(Modality.IMAGE, offsets=[list(span) for span in entry.offsets],
                                             feature=feature,
                                             model_specific_data={"image_grid_thw": torch.tensor([list(entry.grid_thw)])}

@@ -1,0 +1,374 @@
+"""Property-based fuzzing (hypothesis) of every parser that reads bytes from another process:
+ZMQ intake frames, the handshake bodies, epd-prefill's request (as bytes and through its ASGI app,
+plus schemathesis on its OpenAPI), SHM names and handles, and commit acceptance. Each parser must
+either accept the input, with every bound the model states holding, or refuse it with its own
+error type: never another exception, never a 5xx. Example counts are fixed here (``settings``) and
+quoted in docs/reliability.md; ``pytest tests/test_fuzz_wire.py --hypothesis-show-statistics``
+prints them.
+"""
+
+import concurrent.futures
+import json
+import time
+
+import pytest
+import schemathesis
+import torch
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit, checksum
+from data_plane.offers import MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, ShmOffer
+from data_plane.pool import MemoryRegion, SlotPool
+from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle, validate_name
+from encode_worker.intake import MAX_METADATA_BYTES, IntakeRefused, IntakeRequest, parse_request
+from handshake import models
+from prefill_side.receiver import ItemOutcome, JobState
+from prefill_side.server import PrefillRequest, create_app
+
+FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=1000)
+SLOW = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=200)
+
+# JSON values with the numbers that break naive parsers: huge, negative, fractional, near 2**63/2**64
+numbers = st.one_of(st.integers(min_value=-(1 << 70), max_value=1 << 70),
+                    st.sampled_from([0, 1, -1, MAX_ROOM_ID, MAX_ROOM_ID + 1, (1 << 64) - 1, 1 << 64, 2.0, 2.5, 1e308]),
+                    st.floats(allow_nan=False, allow_infinity=False))
+json_values = st.recursive(st.none() | st.booleans() | numbers | st.text(max_size=20),
+                           lambda children: st.lists(children, max_size=4)
+                           | st.dictionaries(st.text(max_size=10), children, max_size=4), max_leaves=12)
+handshakes = st.fixed_dictionaries({"bootstrap_room": numbers, "bootstrap_host": st.sampled_from(
+    ["127.0.0.1", "h", "", "a/b", "x" * 300]), "bootstrap_port": numbers})
+
+
+def _intake_dicts():
+    """Intake metadata: mostly near-valid (right keys, values fuzzed), sometimes anything."""
+    near = st.fixed_dictionaries(
+        {"request_id": st.text(max_size=140), "source": st.sampled_from(["bytes", "pixels", "shm", "other"]),
+         "encode_handshake": handshakes},
+        optional={"shape": st.lists(numbers, max_size=4), "content_hash": numbers, "model": st.text(max_size=10),
+                  "token": st.text(max_size=10), "modality": st.sampled_from(["IMAGE", "AUDIO"]),
+                  "shm": st.fixed_dictionaries({"shm_name": st.text(max_size=30), "shape": st.lists(numbers, max_size=4),
+                                                "dtype": st.sampled_from(["uint8", "float32"])}),
+                  "extra": json_values})
+    return st.one_of(near, st.dictionaries(st.text(max_size=10), json_values, max_size=6))
+
+
+# ---- ZMQ intake frames -------------------------------------------------------------------------
+
+
+def _check_intake(frames, max_payload, token):
+    try:
+        request, payload = parse_request(frames, max_payload, token, "m")
+    except IntakeRefused as exc:
+        assert str(exc)
+        return False
+    assert isinstance(request, IntakeRequest) and 1 <= len(frames) <= 2
+    assert len(frames[0]) <= MAX_METADATA_BYTES
+    assert 0 <= request.encode_handshake.bootstrap_room <= MAX_ROOM_ID
+    assert token is None or request.token == token
+    if request.source == "shm":
+        assert payload is None and validate_name(request.shm.shm_name)
+    else:
+        assert payload and len(payload) <= max_payload
+        if request.source == "pixels":
+            height, width, channels = request.shape
+            assert channels == 3 and height * width * 3 == len(payload)
+    return True
+
+
+@FAST
+@given(st.lists(st.binary(max_size=200), max_size=4), st.sampled_from([None, "secret"]))
+def test_intake_frames_of_random_bytes(frames, token):
+    _check_intake(frames, 1 << 16, token)
+
+
+@FAST
+@given(_intake_dicts(), st.one_of(st.none(), st.binary(max_size=64)), st.sampled_from([None, "secret"]),
+       st.integers(min_value=0, max_value=64))
+def test_intake_metadata_json(metadata, payload, token, max_payload):
+    frames = [json.dumps(metadata).encode()] + ([payload] if payload is not None else [])
+    _check_intake(frames, max_payload, token)
+
+
+@FAST
+@given(st.integers(min_value=0, max_value=400), st.integers(min_value=1, max_value=8))
+def test_intake_truncated_and_oversized(cut, extra):
+    """Any prefix of a valid message's metadata is refused; a payload one byte over the limit is."""
+    valid = {"request_id": "r", "source": "pixels", "shape": [2, 2, 3],
+             "encode_handshake": {"bootstrap_room": 5, "bootstrap_host": "h", "bootstrap_port": 9}}
+    metadata = json.dumps(valid).encode()
+    if cut < len(metadata):
+        with pytest.raises(IntakeRefused):
+            parse_request([metadata[:cut], b"\x00" * 12], 64, None, "m")
+    assert _check_intake([metadata, b"\x00" * 12], 12, None)
+    with pytest.raises(IntakeRefused):
+        parse_request([json.dumps({**valid, "source": "bytes"}).encode(), b"\x00" * (12 + extra)], 12, None, "m")
+    with pytest.raises(IntakeRefused):
+        parse_request([b" " * (MAX_METADATA_BYTES + extra)], 12, None, "m")
+
+
+# ---- handshake bodies --------------------------------------------------------------------------
+
+BODIES = [models.MintRequest, models.RegisterRequest, models.BeginWriteRequest, models.CommitRequest,
+          models.FailRequest, models.CancelRequest, models.WatchRequest]
+_room = st.one_of(numbers, st.integers(min_value=1, max_value=MAX_ROOM_ID))
+_offer = st.one_of(json_values, st.fixed_dictionaries({
+    "kind": st.sampled_from(["shm", "mooncake", "loopback", "rdma"]), "namespace": st.text(max_size=5),
+    "segment": st.text(max_size=20), "offset": numbers, "capacity": numbers, "session": st.text(max_size=20),
+    "address": numbers, "region": numbers}))
+_registration = st.fixed_dictionaries({"room": _room, "generation": numbers, "rows": numbers, "width": numbers,
+                                       "dtype": st.sampled_from(["float32", "bfloat16", "complex64", ""]),
+                                       "offers": st.lists(_offer, max_size=4)}, optional={"deadline_s": numbers})
+_commit = st.fixed_dictionaries({"room": _room, "generation": numbers, "transport": st.sampled_from(
+    ["shm", "mooncake", "tcp"]), "rows": numbers, "width": numbers, "dtype": st.sampled_from(["float32", "int8"])},
+    optional={"checksum": numbers, "grid_thw": st.lists(numbers, max_size=4), "shm_segment": st.text(max_size=20),
+              "timings": st.dictionaries(st.sampled_from(["queue_s", "encode_s", "cache_hit", "x"]), numbers)})
+_bodies = st.one_of(
+    st.fixed_dictionaries({"count": numbers, "ttl_s": numbers}),
+    st.fixed_dictionaries({"receivers": st.lists(_registration, max_size=3)}, optional={"wait_s": numbers}),
+    st.fixed_dictionaries({"writes": st.lists(st.fixed_dictionaries({"room": _room, "generation": numbers,
+                                                                     "transport": st.text(max_size=9)}), max_size=3)}),
+    st.fixed_dictionaries({"commits": st.lists(_commit, max_size=3)}),
+    st.fixed_dictionaries({"failures": st.lists(st.fixed_dictionaries({"room": _room, "reason": st.text(max_size=600),
+                                                                       "settled": json_values}), max_size=3)}),
+    st.fixed_dictionaries({"rooms": st.lists(st.one_of(_room, st.fixed_dictionaries(
+        {"room": _room, "after_version": numbers})), max_size=3)}, optional={"reason": st.text(max_size=9),
+                                                                               "wait_s": numbers}),
+    json_values)
+
+
+def _within_bounds(body) -> None:
+    """Every accepted body respects the bounds the wire promises."""
+    for value in body.model_dump().values():
+        for entry in value if isinstance(value, list) else []:
+            if isinstance(entry, dict):
+                if "room" in entry:
+                    assert 1 <= entry["room"] <= MAX_ROOM_ID
+                if "rows" in entry:
+                    assert 0 < entry["rows"] <= MAX_ROWS and 0 < entry["width"] <= MAX_WIDTH
+                if "generation" in entry:
+                    assert 0 <= entry["generation"] < 1 << 63
+            elif isinstance(entry, int):
+                assert 1 <= entry <= MAX_ROOM_ID
+
+
+@FAST
+@given(_bodies, st.sampled_from(BODIES))
+def test_handshake_bodies(body, model):
+    raw = json.dumps(body).encode()
+    try:
+        parsed = model.model_validate_json(raw)
+    except ValidationError:
+        return
+    _within_bounds(parsed)
+    assert model.model_validate_json(parsed.model_dump_json()) == parsed  # what we send, we accept
+
+
+@FAST
+@given(st.binary(max_size=300), st.sampled_from(BODIES))
+def test_handshake_bodies_of_random_bytes(raw, model):
+    try:
+        model.model_validate_json(raw)
+    except ValidationError:
+        pass
+
+
+@SLOW
+@given(st.integers(min_value=0, max_value=10_000), st.sampled_from(["/v1/rooms/register", "/v1/rooms/commit"]))
+def test_truncated_handshake_bodies_get_4xx(cut, path):
+    """Any prefix of a valid body through the real app (front door, body routes): a 4xx, never a 5xx."""
+    body = {"/v1/rooms/register": {"receivers": [{"room": 3, "generation": 1, "rows": 2, "width": 4, "dtype": "float32",
+                                                  "offers": [{"kind": "loopback", "region": 1, "offset": 0,
+                                                              "capacity": 32}]}]},
+            "/v1/rooms/commit": {"commits": [{"room": 3, "generation": 1, "transport": "shm", "rows": 2, "width": 4,
+                                              "dtype": "float32"}]}}[path]
+    raw = json.dumps(body).encode()
+    response = _handshake_client().post(path, content=raw[: cut % (len(raw) + 1)],
+                                        headers={"content-type": "application/json"})
+    assert response.status_code < 500
+
+
+_HANDSHAKE_CLIENT = None
+
+
+def _handshake_client():
+    global _HANDSHAKE_CLIENT
+    if _HANDSHAKE_CLIENT is None:
+        from handshake.app import create_app as handshake_app
+
+        _HANDSHAKE_CLIENT = TestClient(handshake_app(), raise_server_exceptions=False)
+    return _HANDSHAKE_CLIENT
+
+
+# ---- epd-prefill's request ---------------------------------------------------------------------
+
+
+class _StubJob:
+    """Every item fails at once: the fuzzing is about the request, not the receive path."""
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+        self.outcomes = [ItemOutcome(i, state="FAILED", reason="stub") for i in range(len(inputs.mm_items))]
+        self.future = concurrent.futures.Future()
+        self.future.set_result(None)
+        self.started = time.monotonic()
+
+    def poll(self):
+        return JobState.FAILED
+
+    def cancel(self, reason=""):
+        pass
+
+
+class _StubReceiver:
+    registry = CollectorRegistry()
+
+    def start(self, request_id, inputs):
+        return _StubJob(inputs)
+
+
+PREFILL_APP = create_app(_StubReceiver(), max_body_bytes=1 << 16)
+_prefill_items = st.lists(st.one_of(json_values, st.fixed_dictionaries(
+    {"offsets": st.lists(st.lists(numbers, max_size=3), max_size=3)},
+    optional={"encode_handshake": st.one_of(st.none(), handshakes), "image_b64": st.text(max_size=12),
+              "grid_thw": st.lists(numbers, max_size=4)})), max_size=3)
+_prefill_bodies = st.one_of(st.fixed_dictionaries({"request_id": st.text(max_size=140), "items": _prefill_items},
+                                                  optional={"verify": json_values, "timeout_s": numbers}), json_values)
+
+
+@FAST
+@given(_prefill_bodies)
+def test_prefill_request_model(body):
+    try:
+        parsed = PrefillRequest.model_validate_json(json.dumps(body))
+    except ValidationError:
+        return
+    assert 1 <= len(parsed.items) <= 64 and 0 < parsed.timeout_s <= 600
+    for item in parsed.items:
+        assert all(start >= 0 and end >= 0 for start, end in item.offsets)
+
+
+@SLOW
+@given(st.one_of(_prefill_bodies.map(lambda body: json.dumps(body).encode()), st.binary(max_size=200)))
+def test_prefill_app_never_answers_5xx(raw):
+    with TestClient(PREFILL_APP, raise_server_exceptions=False) as client:
+        response = client.post("/v1/prefill", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code < 500, response.text
+
+
+def test_prefill_app_out_of_range_numbers_and_oversized_bodies():
+    """The two cases the fuzzing above found: 1e400 (inf after parsing) got a 500; bodies had no bound."""
+    with TestClient(PREFILL_APP, raise_server_exceptions=False) as client:
+        assert client.post("/v1/prefill", content=b'{"request_id": 1e400}',
+                           headers={"content-type": "application/json"}).status_code == 422
+        assert client.post("/v1/prefill", content=b" " * ((1 << 16) + 1),
+                           headers={"content-type": "application/json"}).status_code == 413
+
+
+prefill_schema = schemathesis.openapi.from_asgi("/openapi.json", PREFILL_APP)
+
+
+@prefill_schema.parametrize()
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+def test_prefill_api_has_no_5xx(case):
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+    case.call_and_validate(excluded_checks=[positive_data_acceptance])
+
+
+# ---- SHM names and handles ---------------------------------------------------------------------
+
+
+@FAST
+@given(st.one_of(st.text(max_size=120), st.from_regex(r"epd-[A-Za-z0-9_-]{1,100}", fullmatch=True),
+                 st.sampled_from(["epd-../x", "epd-a/b", "epd-\x00", "../../etc/passwd", "epd-" + "a" * 101,
+                                  "epd-ok\n", "/dev/shm/epd-x", "epd-"])))
+def test_shm_names(name):
+    """validate_name, the wire pattern of offers and commits, and attach agree; an accepted name is
+    one path component of ours that cannot leave /dev/shm."""
+    try:
+        validate_name(name)
+        valid = True
+    except ValueError:
+        valid = False
+    try:
+        ShmOffer(kind="shm", namespace="n", segment=name, offset=0, capacity=1)
+        wire_valid = True
+    except ValidationError:
+        wire_valid = False
+    assert valid == wire_valid
+    if valid:
+        assert name.startswith("epd-") and "/" not in name and ".." not in name and "\x00" not in name
+        assert len(name) <= 104
+    try:
+        ShmSegment.attach(name)
+        raise AssertionError(f"attached {name!r}")
+    except ValueError:
+        assert not valid
+    except ShmError:
+        assert valid  # a valid name of no segment: ENOENT, opened with O_NOFOLLOW inside /dev/shm
+
+
+@FAST
+@given(st.dictionaries(st.sampled_from(["shm_name", "shape", "dtype", "x"]),
+                       st.one_of(json_values, st.lists(numbers, max_size=3),
+                                 st.sampled_from(["epd-h-1", "uint8", "float32", "complex64"])), max_size=4))
+def test_shm_handles_from_the_wire(data):
+    try:
+        handle = ShmTensorHandle.from_wire(data)
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return
+    validate_name(handle.shm_name)
+    assert all(dim >= 0 for dim in handle.shape)
+
+
+# ---- commit acceptance -------------------------------------------------------------------------
+
+_POOL = SlotPool(MemoryRegion.anonymous(1 << 16), 1 << 10, quarantine_s=60)
+_commits = st.fixed_dictionaries({"generation": numbers, "rows": numbers, "width": numbers,
+                                  "dtype": st.sampled_from(["float32", "bfloat16", "uint8", "int64", "x"])},
+                                 optional={"checksum": numbers})
+
+
+@FAST
+@given(_commits, st.integers(min_value=1, max_value=8), st.integers(min_value=1, max_value=16),
+       st.booleans(), st.booleans())
+def test_commit_acceptance(fields, rows, width, release_first, flip):
+    """A commit is accepted only for the live lease's generation, the reserved layout and (when sent)
+    the slot's checksum; the view it returns is exactly the reservation. Anything else is a
+    ContractError (or, for malformed fields, a ValidationError), never another exception."""
+    layout = EmbeddingLayout(rows, width, "float32")
+    lease = _POOL.lease(layout.nbytes)
+    try:
+        view = _POOL.view(lease)
+        view.copy_(torch.randint(0, 255, (view.numel(),), dtype=torch.uint8))
+        rows_tensor = view.view(torch.float32).view(rows, width)
+        good = {"generation": lease.generation, "rows": rows, "width": width, "dtype": "float32",
+                "checksum": checksum(rows_tensor)}
+        for candidate in (fields, {**good, **{k: v for k, v in fields.items() if k == "checksum"}}, good):
+            try:
+                commit = Commit.model_validate_json(json.dumps(candidate))
+            except ValidationError:
+                continue
+            live = _POOL.is_current(lease)
+            if flip:
+                view[0] ^= 1  # a byte that differs from what the sender checksummed
+            try:
+                accepted = accept_commit(_POOL, lease, layout, commit)
+            except ContractError:
+                accepted = None
+            finally:
+                if flip:
+                    view[0] ^= 1
+            matches = (live and commit.generation == lease.generation and commit.layout == layout
+                       and (commit.checksum is None or (commit.checksum == good["checksum"] and not flip)))
+            assert (accepted is not None) == matches, (candidate, flip)
+            if accepted is not None:
+                assert accepted.shape == (rows, width) and accepted.data_ptr() == view.data_ptr()
+            if release_first:
+                _POOL.release(lease)  # a released lease accepts nothing any more
+    finally:
+        _POOL.release(lease)
