@@ -72,6 +72,9 @@ class PrefillResponse(BaseModel):
     request_id: str
     state: str
     items: list[ItemReport]
+    # when the job started, on this host's monotonic clock (CLOCK_MONOTONIC, shared by the processes
+    # of one host): an item settled at started_monotonic + seconds
+    started_monotonic: float | None = None
 
 
 class _BodyTooLarge(HTTPException):
@@ -164,8 +167,9 @@ def create_app(receiver: PrefillReceiver, local_tower=None, max_body_bytes: int 
                                       transport=outcome.transport, seconds=outcome.seconds, reason=outcome.reason,
                                       fallback=outcome.fallback, verified=verified, encoder=outcome.encoder,
                                       checksum=checksum(wire) if wire is not None else None))
-        return Response(PrefillResponse(request_id=body.request_id, state=job.poll().value,
-                                        items=reports).model_dump_json(), media_type="application/json")
+        return Response(PrefillResponse(request_id=body.request_id, state=job.poll().value, items=reports,
+                                        started_monotonic=job.started).model_dump_json(),
+                        media_type="application/json")
 
     @app.get("/healthz")
     async def healthz():
