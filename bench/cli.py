@@ -41,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--dtype", default="float32")
     e2e.add_argument("--json", default=None)
     e2e.add_argument("--plot", default="e2e.png", help="PNG plot path ('' for none)")
+    soak = sub.add_parser("soak", help="real processes under random faults: corruption, leaks, time to failure")
+    soak.add_argument("--items", type=int, default=1000, help="items to send, normal and faulted")
+    soak.add_argument("--fault-rate", type=float, default=0.05, help="fault events per item")
+    soak.add_argument("--concurrency", type=int, default=3, help="clients sending normal traffic")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--kinds", default=None, help="comma-separated fault scenarios (default: all)")
+    soak.add_argument("--model", default=None, help="checkpoint (default: a small Qwen2.5-VL tower, 2048-wide rows)")
+    soak.add_argument("--json", default=None)
     return parser
 
 
@@ -64,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import e2e
 
         return e2e.main(args)
+    if args.command == "soak":
+        from bench import soak
+
+        return soak.main(args)
     if args.command == "handshake":
         from bench import handshake
 

@@ -102,9 +102,9 @@ class Posted:
         return self.report["items"][index]
 
     def failed_at(self, index: int) -> float:
-        """When the prefill process settled item ``index``, on this host's monotonic clock (the
-        job starts a few ms after ``sent``, so this is early by at most the request's latency)."""
-        return self.sent + self.row(index)["seconds"]
+        """When the prefill process settled item ``index``, on this host's monotonic clock (which
+        the prefill process shares: it reports its job's start on it)."""
+        return (self.report.get("started_monotonic") or self.sent) + self.row(index)["seconds"]
 
 
 def shm_segments() -> set[str]:
@@ -803,6 +803,38 @@ async def rows_mismatch(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultO
     return outcome
 
 
+async def layout_mismatch(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
+    """A receiver whose width or dtype differs from worker ``a``'s tower (the receiver library in
+    this process, as an engine embeds it, over SHM): the worker refuses to write and the item fails
+    fast with both layouts in the reason; the receiver's slot is released."""
+    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from prefill_side import PrefillReceiver, ReceiverConfig
+
+    width, dtype = rng.choice([(WIDTH - 8, "float32"), (WIDTH, "bfloat16"), (WIDTH * 2, "float32")])
+    outcome = FaultOutcome("layout_mismatch", notes={"receiver": [width, dtype]})
+    receiver = PrefillReceiver(ReceiverConfig(width=width, dtype=dtype, pool_bytes=16 << 20, slot_bytes=1 << 18,
+                                              transports=("shm",), item_timeout_s=10))
+    try:
+        (item,) = lab.describe(small_images(rng, 1))
+        await conn.mint([item], lab.roles["a"].url)
+        mm = MultimodalDataItem(Modality.IMAGE, offsets=[[0, item.rows - 1]],
+                                encode_handshake=item.encode_handshake.model_dump())
+        job = receiver.start(_request_id("layout", rng), MultimodalInputs([mm]))
+        await conn.send(lab.roles["a"], item, "layout")
+        await asyncio.wrap_future(job.future)
+        failed_at = job.started + job.outcomes[0].seconds
+        # the mismatch is observable once the encoder has the rows: when the worker's room failed
+        reason = job.reasons.get(0)
+        outcome.affected.append({"state": job.outcomes[0].state, "reason": reason,
+                                 "ttf_s": max(0.0, failed_at - job.started) if reason else None})
+        outcome.notes["pool"] = receiver.pool.stats()
+        outcome.expected = (reason is not None and "contract mismatch" in reason
+                            and receiver.pool.stats()["leased_slots"] == 0)
+    finally:
+        receiver.close()
+    return outcome
+
+
 MALFORMED_FRAMES = [
     [b""],
     [b"not json"],
@@ -1055,6 +1087,7 @@ SCENARIOS = {
     "duplicate_room": duplicate_room,
     "item_too_large": item_too_large,
     "rows_mismatch": rows_mismatch,
+    "layout_mismatch": layout_mismatch,
     "malformed_input": malformed_input,
     "dev_shm_full": dev_shm_full,
     "mooncake_unavailable": mooncake_unavailable,
