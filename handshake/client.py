@@ -37,6 +37,9 @@ from handshake.models import (
 )
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+# Idle pooled connections are dropped after this; the server keeps them longer (handshake.server),
+# so the client always lets go first and never sends on a connection the server is closing.
+KEEPALIVE_S = 30.0
 ROUTES = ("/v1/rooms", "/v1/rooms/register", "/v1/rooms/begin-write", "/v1/rooms/commit", "/v1/rooms/fail",
           "/v1/rooms/cancel", "/v1/rooms/watch", "/healthz")
 
@@ -76,7 +79,7 @@ class HandshakeClient:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                headers=self._headers, connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=30),
+                headers=self._headers, connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=KEEPALIVE_S),
                 cookie_jar=aiohttp.DummyCookieJar())
         return self._session
 

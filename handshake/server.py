@@ -31,8 +31,11 @@ def load_token(token_file: str | None) -> str | None:
 
 
 # No access log, no Server/Date headers, no X-Forwarded-* rewriting: per-request work we do not use.
+# Idle keep-alive connections stay open 65 s, longer than our clients keep them (30 s): with
+# uvicorn's default 5 s, a client reusing a connection just as the server closed it got "Server
+# disconnected", and a mint (never retried) failed.
 UVICORN_OPTIONS = dict(log_level="warning", access_log=False, server_header=False, date_header=False,
-                       proxy_headers=False)
+                       proxy_headers=False, timeout_keep_alive=65)
 
 
 def serve(app, host: str, port: int, graceful_s: float = 5.0) -> None:

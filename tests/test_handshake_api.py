@@ -263,3 +263,24 @@ def test_concurrent_lifecycles_all_succeed(served):
     for thread in threads:
         thread.join(60)
     assert not errors
+
+
+def test_idle_connections_outlive_the_clients_keep_alive():
+    """The server keeps an idle keep-alive connection longer than HandshakeClient pools it. With
+    uvicorn's default (5 s) the server closed idle connections while clients still reused them: a
+    request sent just then failed with "Server disconnected", and a mint (never retried) made a
+    dispatcher take a healthy worker out of its ring (found by the soak)."""
+    from handshake.client import KEEPALIVE_S
+    from handshake.server import UVICORN_OPTIONS
+
+    assert UVICORN_OPTIONS["timeout_keep_alive"] > KEEPALIVE_S
+    server = ThreadedServer(create_app()).start()
+    client = SyncHandshakeClient(server.url, retries=0)
+    try:
+        client.mint(1)
+        time.sleep(5.5)  # past uvicorn's default keep-alive
+        assert len(server.server.server_state.connections) == 1  # still open: the pooled one is reused
+        assert client.mint(1)
+    finally:
+        client.close()
+        server.stop()
