@@ -193,6 +193,7 @@ class Soak:
         config = LabConfig(model=self.model, steady_mooncake_worker=True,
                            log_dir=tempfile.mkdtemp(prefix="epd-soak-logs-"))
         lab = FaultLab(config)
+        print(f"process logs in {config.log_dir}", flush=True)
         started = time.monotonic()
         lab.start()
         start_s = time.monotonic() - started
@@ -225,7 +226,9 @@ class Soak:
                 "vmrss_growth_pct": 100.0 * (end["VmRSS"] - warm["VmRSS"]) / warm["VmRSS"],
                 "rss_anon_kb_after_warmup": warm["RssAnon"], "rss_anon_kb_end": end["RssAnon"],
                 "rss_anon_growth_pct": 100.0 * (end["RssAnon"] - warm["RssAnon"]) / warm["RssAnon"],
-                "vmrss_kb_max": max(s[1]["VmRSS"] for s in samples), "samples": len(samples)}
+                "vmrss_kb_max": max(s[1]["VmRSS"] for s in samples), "samples": len(samples),
+                "trace": [(round(t - first_t), s["VmRSS"], s["RssAnon"], s["RssShmem"])
+                          for t, s in samples[:: max(1, len(samples) // 40)]]}
         return growth
 
     def _summary(self, lab, start_s, leaks, rings, orphans_live, orphans_after_stop, rss, codes) -> dict:
