@@ -54,6 +54,7 @@ class ShmTransport(Transport):
                 segment.close()
                 raise TransferRefused(f"the receiver's segment {name} is gone "
                                       "(its pool was closed or its process ended)")
+        self._drop_gone()
         try:
             segment = ShmSegment.attach(name)
         except (ShmError, ValueError) as exc:
@@ -67,6 +68,14 @@ class ShmTransport(Transport):
             while len(self._attached) > self._max_attached:
                 self._attached.popitem(last=False)[1][0].close()
         return segment
+
+    def _drop_gone(self) -> None:
+        """Before mapping a new segment (a new receiver): unmap those whose name is gone. A dead
+        receiver's pool pages stay allocated while anyone maps them, so without this a writer
+        that outlived its receivers kept up to 64 dead pools alive."""
+        with self._lock:
+            for name in [name for name, (_, inode) in self._attached.items() if _inode(name) != inode]:
+                self._attached.pop(name)[0].close()
 
     def _submit(self, src: torch.Tensor, offer: ShmOffer, deadline: float) -> Transfer:
         segment = self._segment(offer.segment)

@@ -146,3 +146,30 @@ def test_full_dev_shm_is_a_clean_error(no_new_segments):
     with pytest.raises(ShmError) as info:
         MemoryRegion.shared(too_big)
     assert info.value.errno is not None
+
+
+def test_a_writer_lets_go_of_the_pools_of_receivers_that_are_gone(no_new_segments):
+    """A writer keeps each receiver's pool mapped. Once a pool's name is gone (its receiver closed
+    it or died), the writer unmaps it when it next maps a pool, and refuses to write into it: a
+    dead receiver's pages stay allocated while anyone maps them (found by the soak: the SHM writer's
+    shared memory grew with every prefill process it outlived)."""
+    import time
+
+    from data_plane.pool import SlotPool
+    from data_plane.shm_transport import ShmTransport
+    from data_plane.transport import TransferRefused, TransferState
+
+    transport = ShmTransport()
+    pools = [SlotPool(MemoryRegion.shared(1 << 20), 1 << 16, 1.0) for _ in range(2)]
+    try:
+        offers = [transport.offer(pool, pool.lease(4096)) for pool in pools]
+        source = torch.ones(4096, dtype=torch.uint8)
+        assert transport.submit(source, offers[0], time.monotonic() + 5).wait() is TransferState.DONE
+        pools[0].region.close()  # the first receiver goes
+        assert transport.submit(source, offers[1], time.monotonic() + 5).wait() is TransferState.DONE
+        assert list(transport._attached) == [offers[1].segment]
+        with pytest.raises(TransferRefused, match="cannot map"):
+            transport.submit(source, offers[0], time.monotonic() + 5)
+    finally:
+        pools[1].region.close()
+        transport.close()
