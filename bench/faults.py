@@ -124,6 +124,7 @@ class FaultLab:
         self.roles: dict[str, Role] = {}
         self.restarts: dict[str, int] = {}
         self.pids: set[int] = set()  # every process the lab started, dead or alive
+        self.serve_failures: list[dict] = []  # what a failed `serves` check received, for the report
         self._references: dict[int, int] = {}
         self.tower = None
         self.processor = None
@@ -946,9 +947,12 @@ async def serves(lab: FaultLab, conn: Conn, rng: random.Random, worker: str | Ro
     for item in items:
         await conn.send(role, item, request_id)
     result = await posted
-    return all(row["state"] == "DONE" and row["checksum"] == lab.reference(item.image)
-               and (transport is None or row["transport"] == transport)
-               for row, item in zip(result.report["items"], items))
+    ok = all(row["state"] == "DONE" and row["checksum"] == lab.reference(item.image)
+             and (transport is None or row["transport"] == transport)
+             for row, item in zip(result.report["items"], items))
+    if not ok:
+        lab.serve_failures.append({"worker": role.name, "prefill": prefill.name, "items": result.report["items"]})
+    return ok
 
 
 # ---- start-up faults: processes of their own --------------------------------------------------

@@ -268,6 +268,7 @@ class Soak:
                              "total": sum(v["leased"] + v["quarantined"] for v in leaks.values()) + sum(rings.values())},
             "leaked_shm_segments": {"while_running": orphans_live, "after_stop": orphans_after_stop,
                                     "total": len(set(orphans_live) | set(orphans_after_stop))},
+            "serve_check_failures": lab.serve_failures[:10],
             "rss": rss, "restarts": lab.restarts, "exit_codes": codes, "by_kind": by_kind,
             "normal": self.normal, "start_s": start_s, "wall_s": self.wall_s,
             "items_per_s": self.counted / self.wall_s if self.wall_s else None,
