@@ -139,15 +139,18 @@ class FaultLab:
         elif name == "a":
             role = self.cluster.start_encode_worker(
                 "worker-a", transports="shm,mooncake",
-                extra=(*worker_common, "--ring-bytes", str(64 << 20), "--write-timeout-s", str(c.steady_write_timeout_s)))
+                extra=(*worker_common, "--ring-bytes", str(64 << 20),
+                       "--write-timeout-s", str(c.steady_write_timeout_s)))
         elif name == "b":
             role = self.cluster.start_encode_worker(
                 "worker-b", transports="mooncake",
-                extra=(*worker_common, "--ring-bytes", str(64 << 20), "--write-timeout-s", str(c.steady_write_timeout_s)))
+                extra=(*worker_common, "--ring-bytes", str(64 << 20),
+                       "--write-timeout-s", str(c.steady_write_timeout_s)))
         elif name == "v":
             role = self.cluster.start_encode_worker(
                 "worker-v", transports="mooncake",
-                extra=(*worker_common, "--ring-bytes", str(64 << 20), "--write-timeout-s", str(c.victim_write_timeout_s)))
+                extra=(*worker_common, "--ring-bytes", str(64 << 20),
+                       "--write-timeout-s", str(c.victim_write_timeout_s)))
         elif name in ("prefill", "pv"):
             role = self.cluster.start_prefill(
                 "prefill" if name == "prefill" else "prefill-v", transports="shm,mooncake",
@@ -561,8 +564,6 @@ async def prefill_killed_after_registering(lab: FaultLab, conn: Conn, rng: rando
         await conn.send(a, item, request_id)
     for item in on_v:
         await conn.send(v, item, request_id)
-    from handshake.models import RoomState
-
     ends = {}
     for worker, group in (("a", on_a), ("v", on_v)):
         rooms = [i.encode_handshake.bootstrap_room for i in group]

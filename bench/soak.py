@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import tempfile
 import time
 
