@@ -18,6 +18,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -74,6 +77,8 @@ class Sender:
         self.receiver_wait_s = receiver_wait_s
         self.write_timeout_s = write_timeout_s
         self.on_outcome = on_outcome
+        # names this worker in begin_write, so a room sent to two workers is written by one only
+        self.writer_id = f"{socket.gethostname()[:64]}-{os.getpid()}-{secrets.token_hex(4)}"
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sender")
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sender-rooms", daemon=True)
@@ -125,6 +130,8 @@ class Sender:
         """On a sender thread, once the wait for the receiver is over."""
         if view.state is RoomState.PENDING and self._closing.is_set():
             return self._fail(item, "encode worker shutting down", settled=True)
+        if view.state is RoomState.WRITING:  # a room sent to two workers: the other one has it
+            return self._finish(item, "FAILED", None, "not written: another writer is writing this room")
         if view.state is not RoomState.REGISTERED:
             return self._finish(item, view.state.value, None, view.reason or "room ended before a receiver came")
         registration = view.registration
@@ -142,8 +149,12 @@ class Sender:
         if offer.capacity < item.layout.nbytes:
             return self._fail(item, f"receiver slot holds {offer.capacity} bytes, item needs "
                                     f"{item.layout.nbytes}", settled=True)
-        view = rooms.begin_write(BeginWrite(room=item.room, generation=registration.generation,
-                                            transport=transport.name, write_timeout_s=self.write_timeout_s))
+        try:
+            view = rooms.begin_write(BeginWrite(room=item.room, generation=registration.generation,
+                                                transport=transport.name, write_timeout_s=self.write_timeout_s,
+                                                writer=self.writer_id))
+        except RoomError as exc:  # the room is another writer's (or gone): leave it as it is
+            return self._finish(item, "FAILED", None, f"not written: {exc}")
         if view.state is not RoomState.WRITING or view.cancel_requested:
             return self._finish(item, view.state.value, None, view.reason or "cancelled before the write")
         started = time.monotonic()

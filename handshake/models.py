@@ -71,6 +71,9 @@ class BeginWrite(_Body):
     generation: json_int(ge=0, lt=1 << 63)
     transport: Literal["mooncake", "shm", "loopback"]
     write_timeout_s: json_float(gt=0, le=600) = 30.0
+    # who writes (an encode worker's id): the first writer owns the room's one write; another
+    # writer's begin_write is refused, so two workers never write one slot
+    writer: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
 
 
 class BeginWriteRequest(_Body):

@@ -65,6 +65,7 @@ class _Room:
     reason: str | None = None
     cancel_requested: bool = False
     writer_settled: bool = False
+    writer: str | None = None
     waiters: list = field(default_factory=list)
 
     def tombstone(self, ended_at: float) -> tuple:
@@ -181,12 +182,15 @@ class RoomTable:
             if room.registration is not None and room.registration.generation != write.generation:
                 raise RoomConflict(f"stale generation {write.generation}; the slot holds {room.registration.generation}")
             if room.state is RoomState.REGISTERED:
-                room.transport = write.transport
+                room.transport, room.writer = write.transport, write.writer
                 room.write_deadline = min(room.deadline, self._clock() + write.write_timeout_s)
                 heapq.heappush(self._due, (room.write_deadline, room.room_id))
                 self._move(room, RoomState.WRITING)
-            elif room.state is RoomState.WRITING and room.transport != write.transport:
-                raise RoomConflict(f"write already started over {room.transport}")
+            elif room.state is RoomState.WRITING:
+                if room.writer != write.writer:
+                    raise RoomConflict(f"another writer ({room.writer or 'unnamed'}) is writing this room")
+                if room.transport != write.transport:
+                    raise RoomConflict(f"write already started over {room.transport}")
             return self._view(room)
 
     def commit(self, commit: CommitBody) -> RoomView:

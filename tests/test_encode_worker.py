@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from data_plane.loopback import LoopbackTransport
+from data_plane.loopback import LoopbackFault, LoopbackTransport
 from data_plane.shm import ShmTensorHandle
 from encode_worker.inputs import image_from_bytes
 from encode_worker.intake import IntakeClient, IntakeRequest
@@ -294,4 +294,44 @@ def test_items_waiting_for_their_receivers_do_not_hold_up_an_item_whose_receiver
     finally:
         intake.close()
         worker.stop()
+        receiver.close()
+
+
+def test_a_room_sent_to_two_workers_is_written_by_one_and_the_other_leaves_it_alone(qwen25):
+    """A gateway bug sends one room to two workers: the first to begin the write owns the room,
+    the other's begin_write is refused and it drops its item without failing the room."""
+    directory, tower = qwen25
+    loopback = LoopbackTransport()
+    settings = dict(transports=("loopback",), bootstrap_port=0, intake_port=0, bind="127.0.0.1",
+                    ring_bytes=8 << 20, ring_slot_bytes=1 << 16, cache_bytes=0, receiver_wait_s=10)
+    outcomes = []
+    workers = [EncodeWorker(WorkerConfig(model=directory, **settings), tower=tower,
+                            transports={"loopback": loopback}).start() for _ in range(2)]
+    for worker in workers:
+        worker.sender.on_outcome = outcomes.append
+    receiver = Receiver(workers[0].table, {"loopback": loopback})
+    try:
+        image = png(96, 128, 60)
+        processed = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
+        rows = tower.encode_items(processed["pixel_values"], processed["image_grid_thw"])[0]
+        (room,) = workers[0].table.mint(1, 60)  # the room lives at worker 0; worker 1 reaches it over REST
+        receiver.reserve(room, rows.shape[0], rows.shape[1], rows.dtype)
+        loopback.inject(LoopbackFault("delay", 1.5))  # the first write is still in flight when the second comes
+        body = request(workers[0], room)
+        for worker in workers:
+            intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+            assert intake.send(body, image)["ok"]
+            intake.close()
+        state, got, view = receiver.wait(room)
+        assert state is RoomState.SUCCESS and torch.equal(got, rows), view.reason
+        deadline = time.monotonic() + 10
+        while len(outcomes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(o.state for o in outcomes) == ["FAILED", "SUCCESS"], outcomes
+        (loser,) = [o for o in outcomes if o.state == "FAILED"]
+        assert "another writer" in loser.reason
+        assert workers[0].table.view(room).state is RoomState.SUCCESS  # the loser did not fail it
+    finally:
+        for worker in workers:
+            worker.stop()
         receiver.close()

@@ -149,3 +149,19 @@ def test_tombstones_answer_like_the_room_and_are_not_tracked_by_the_gc():
     assert table.commit(commit(room)).state is RoomState.SUCCESS  # an idempotent retry against the tombstone
     gc.collect()
     assert not any(gc.is_tracked(record) for record in table._tombstones.values())
+
+
+def test_a_second_writer_is_refused_and_the_first_may_retry():
+    from handshake.rooms import RoomConflict
+
+    table = RoomTable()
+    (room,) = table.mint(1, 60)
+    table.register(registration(room))
+    assert table.begin_write(begin(room, writer="worker-a")).state is RoomState.WRITING
+    assert table.begin_write(begin(room, writer="worker-a")).state is RoomState.WRITING  # idempotent retry
+    try:
+        table.begin_write(begin(room, writer="worker-b"))
+        raise AssertionError("a second writer was let in")
+    except RoomConflict as exc:
+        assert "another writer (worker-a)" in str(exc)
+    assert table.commit(commit(room)).state is RoomState.SUCCESS
