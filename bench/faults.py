@@ -444,12 +444,10 @@ async def worker_paused_past_deadline(lab: FaultLab, conn: Conn, rng: random.Ran
     return await _until_caught(_worker_paused_once, lab, conn, rng)
 
 
-async def _worker_killed_once(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
-    """Encode worker ``v`` is SIGKILLed as soon as one of its rooms shows WRITING; the request's
-    other items come from worker ``a``. Its rooms die with it: the prefill process sees the endpoint
-    refuse connections and fails them, quarantining their slots (bytes may have landed)."""
-    outcome = FaultOutcome("worker_killed_mid_transfer")
-    request_id = _request_id("kill", rng)
+async def _victim_writing(lab: FaultLab, conn: Conn, rng: random.Random, request_id: str):
+    """One request: two small items on worker ``a`` (the siblings) and three big ones on the victim
+    worker ``v``, posted to the steady prefill process; returns once ``v`` is writing them:
+    (siblings, items, the prefill request in flight, the victim rooms' views)."""
     siblings, victims = lab.describe(small_images(rng, 2)), lab.describe(big_images(rng, 3))
     items = siblings + victims
     for index, item in enumerate(items):
@@ -464,7 +462,16 @@ async def _worker_killed_once(lab: FaultLab, conn: Conn, rng: random.Random) -> 
         await conn.send(a, item, request_id)
     for item in victims:
         await conn.send(v, item, request_id)
-    views = await _writing(conn, v.url, rooms)
+    return siblings, items, posted, await _writing(conn, v.url, rooms)
+
+
+async def _worker_killed_once(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
+    """Encode worker ``v`` is SIGKILLed as soon as one of its rooms shows WRITING; the request's
+    other items come from worker ``a``. Its rooms die with it: the prefill process sees the endpoint
+    refuse connections and fails them, quarantining their slots (bytes may have landed)."""
+    outcome = FaultOutcome("worker_killed_mid_transfer")
+    siblings, items, posted, views = await _victim_writing(lab, conn, rng, _request_id("kill", rng))
+    v = lab.roles["v"]
     killed = time.monotonic()
     lab.cluster.kill(v, signal.SIGKILL)
     outcome.notes["states_at_kill"] = sorted(view.state.value for view in views.values())
@@ -487,21 +494,8 @@ async def _worker_paused_once(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     after the resume, new items flow into the same pool and must arrive bit-exact."""
     outcome = FaultOutcome("worker_paused_past_deadline")
     request_id = _request_id("stop", rng)
-    siblings, victims = lab.describe(small_images(rng, 2)), lab.describe(big_images(rng, 3))
-    items = siblings + victims
-    for index, item in enumerate(items):
-        item.index = index
+    siblings, items, posted, views = await _victim_writing(lab, conn, rng, request_id)
     a, v, prefill = lab.roles["a"], lab.roles["v"], lab.roles["prefill"]
-    await conn.mint(siblings, a.url)
-    await conn.mint(victims, v.url)
-    posted = conn.post(prefill, request_id, items)
-    rooms = [item.encode_handshake.bootstrap_room for item in victims]
-    await _registered(conn, v.url, rooms)
-    for item in siblings:
-        await conn.send(a, item, request_id)
-    for item in victims:
-        await conn.send(v, item, request_id)
-    views = await _writing(conn, v.url, rooms)
     stopped = time.monotonic()
     os.kill(v.process.pid, signal.SIGSTOP)
     outcome.notes["states_at_stop"] = sorted(view.state.value for view in views.values())
