@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import threading
 from collections.abc import Iterable
 
 import aiohttp
 import yarl
 from pydantic import BaseModel
 
+from handshake.loops import LoopThread
 from handshake.models import (
     BatchResponse,
     BeginWrite,
@@ -176,25 +176,18 @@ class SyncHandshakeClient:
     """Blocking wrapper: the async client runs on its own event-loop thread."""
 
     def __init__(self, *args, **kwargs):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="handshake-client", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread("handshake-client")
         self.client = HandshakeClient(*args, **kwargs)
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def submit(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
         """Start a client call on the client's thread without waiting (``asyncio.wrap_future`` it
         to await the answer from another event loop)."""
-        return asyncio.run_coroutine_threadsafe(getattr(self.client, name)(*args, **kwargs), self._loop)
+        return self._loop.submit(getattr(self.client, name)(*args, **kwargs))
 
     def __getattr__(self, name):
         method = getattr(self.client, name)
-        return lambda *args, **kwargs: self._run(method(*args, **kwargs))
+        return lambda *args, **kwargs: self._loop.run(method(*args, **kwargs))
 
     def close(self) -> None:
-        self._run(self.client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.close()
+        self._loop.run(self.client.close())
+        self._loop.stop()

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import signal
 import sys
-import threading
 import time
 
 import uvicorn
 
 from handshake.app import MAX_BODY_BYTES, create_app
+from handshake.loops import LoopThread
 from handshake.rooms import RoomLimits, RoomTable
 
 TOKEN_ENV = "EPD_HANDSHAKE_TOKEN"
@@ -48,19 +49,24 @@ def serve(app, host: str, port: int, graceful_s: float = 5.0) -> None:
 
 
 class ThreadedServer:
-    """A real uvicorn server on its own thread (the encode worker's bootstrap port, tests)."""
+    """A real uvicorn server on an event-loop thread (the encode worker's bootstrap port, tests).
+    An embedding process may pass its own ``LoopThread``, to run its room work on the server's
+    loop (the encode worker's sender does): then ``stop`` leaves that loop running."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, loop: LoopThread | None = None):
         config = uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2,
                                 **UVICORN_OPTIONS)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="handshake-server", daemon=True)
+        self.loop = loop or LoopThread("handshake-server")
+        self._owns_loop = loop is None
+        self._serving = None
 
     def start(self, timeout_s: float = 10.0) -> ThreadedServer:
-        self.thread.start()
+        self._serving = self.loop.submit(self.server.serve())
         end = time.monotonic() + timeout_s
         while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > end:
+            if self._serving.done() or time.monotonic() > end:
+                self.stop()
                 raise RuntimeError("handshake server did not start")
             time.sleep(0.01)
         return self
@@ -75,7 +81,10 @@ class ThreadedServer:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(10)
+        if self._serving is not None:
+            concurrent.futures.wait([self._serving], 10)
+        if self._owns_loop:
+            self.loop.stop(10)
 
 
 def build_parser() -> argparse.ArgumentParser:
