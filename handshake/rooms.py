@@ -97,10 +97,13 @@ class _Waiter:
         self.loop = loop
         self.future = loop.create_future() if loop else None
         self.event = None if loop else threading.Event()
+        self.thread = threading.get_ident()  # the loop's thread: a waiter is armed on its loop
 
     def wake(self) -> None:
         if self.loop is None:
             self.event.set()
+        elif threading.get_ident() == self.thread:  # a change made on the waiter's own loop
+            self._resolve()
         else:
             self.loop.call_soon_threadsafe(self._resolve)
 
@@ -249,11 +252,11 @@ class RoomTable:
         """Views of the rooms, returned as soon as any is past its version (or after ``wait_s``)."""
         waiter = self._arm(versions, asyncio.get_running_loop()) if wait_s > 0 else None
         if waiter is not None:
+            timer = waiter.loop.call_later(wait_s, waiter._resolve)  # one future, no wait_for/shield tasks
             try:
-                await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
-            except asyncio.TimeoutError:
-                pass
+                await waiter.future
             finally:
+                timer.cancel()
                 self._disarm(waiter, versions)
         return self._views(versions)
 

@@ -165,3 +165,36 @@ def test_a_second_writer_is_refused_and_the_first_may_retry():
     except RoomConflict as exc:
         assert "another writer (worker-a)" in str(exc)
     assert table.commit(commit(room)).state is RoomState.SUCCESS
+
+
+def test_a_long_poll_answers_on_a_change_made_on_its_own_loop_and_after_its_wait_otherwise():
+    """A change made on the waiter's own loop's thread (the encode worker's sender shares the
+    server's loop) wakes it; an unchanged room answers after ``wait_s``; a waiter that is cancelled
+    (its client went away) or answered leaves nothing armed."""
+    import asyncio
+    import time
+
+    table = RoomTable()
+
+    async def scenario():
+        (changed, quiet, dropped) = table.mint(3, 60)
+        version = table.view(changed).version
+        watcher = asyncio.ensure_future(table.watch({changed: version}, 5.0))
+        await asyncio.sleep(0)
+        assert table.waiters == 1
+        table.register(registration(changed))  # on this loop's thread
+        (view,) = await asyncio.wait_for(watcher, 1.0)
+        assert view.state is RoomState.REGISTERED
+
+        started = time.monotonic()
+        (view,) = await table.watch({quiet: version}, 0.2)
+        assert view.state is RoomState.PENDING and 0.15 <= time.monotonic() - started < 2
+
+        abandoned = asyncio.ensure_future(table.watch({dropped: version}, 5.0))
+        await asyncio.sleep(0)
+        abandoned.cancel()
+        await asyncio.gather(abandoned, return_exceptions=True)
+        table.register(registration(dropped))  # waking a cancelled waiter is harmless
+        assert table.waiters == 0
+
+    asyncio.run(scenario())
