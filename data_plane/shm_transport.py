@@ -20,6 +20,7 @@ from data_plane.transport import CompletedTransfer, Transfer, TransferRefused, T
 
 class ShmTransport(Transport):
     name = "shm"
+    copies_in_submit = True
 
     def __init__(self, max_attached: int = 64):
         self._attached: collections.OrderedDict[str, tuple[ShmSegment, int | None]] = collections.OrderedDict()

@@ -77,6 +77,9 @@ class CompletedTransfer(Transfer):
 
 class Transport(abc.ABC):
     name: str
+    # True when ``submit`` finishes the write itself, as one memcpy that cannot wait on a peer
+    # (SHM): a small one may then run on an event loop
+    copies_in_submit: bool = False
 
     @abc.abstractmethod
     def register(self, region: MemoryRegion) -> None:

@@ -2,7 +2,8 @@
 
 Threads: the ZMQ intake loop, one encode loop (the tower), a pool of sender threads, and a
 housekeeping loop (reap settled transfers, idle health probe). The handshake app is served on the
-bootstrap port by uvicorn in the same process; this worker reaches its own rooms in-process.
+bootstrap port by uvicorn in the same process, on the event loop where the sender's items wait
+for their receivers; this worker reaches its own rooms in-process.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from encode_worker.tower import VisionTower
 from handshake.access import LocalRooms, RemoteRooms
 from handshake.app import create_app
 from handshake.client import SyncHandshakeClient
+from handshake.loops import LoopThread
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from multimodal.hashing import hash_feature
@@ -141,7 +143,8 @@ class EncodeWorker:
         registry = CollectorRegistry()
         self.metrics = WorkerMetrics(registry, self)
         self.app = create_app(self.table, token=config.handshake_token, ready=self.ready, registry=registry)
-        self.sender = Sender(self.ring, self.transports, self.rooms_for, config.receiver_wait_s,
+        self.loop = LoopThread("handshake")  # the handshake server's and the sender's: room work without hand-offs
+        self.sender = Sender(self.ring, self.transports, self.rooms_for, self.loop, config.receiver_wait_s,
                              config.write_timeout_s, config.send_workers, on_outcome=self._on_outcome)
         self._remote: dict[tuple[str, int], RemoteRooms] = {}
         # rooms with an item accepted and not yet ended: a second message for one of them is
@@ -163,7 +166,7 @@ class EncodeWorker:
 
     def start(self) -> EncodeWorker:
         self._probe()
-        self.server = ThreadedServer(self.app, self.config.bind, self.config.bootstrap_port).start()
+        self.server = ThreadedServer(self.app, self.config.bind, self.config.bootstrap_port, self.loop).start()
         context = zmq.Context.instance()
         self._socket = context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -198,6 +201,7 @@ class EncodeWorker:
         self.sender.reap()
         if self.server is not None:
             self.server.stop()
+        self.loop.stop()
         for remote in self._remote.values():
             remote.client.close()
         for transport in self.transports.values():

@@ -13,6 +13,8 @@ from handshake.rooms import RoomError, RoomNotFound, RoomTable
 
 
 class LocalRooms:
+    in_process = True  # calls never leave this process (they cannot block on a peer)
+
     def __init__(self, table: RoomTable):
         self.table = table
 
@@ -33,6 +35,8 @@ class LocalRooms:
 
 
 class RemoteRooms:
+    in_process = False
+
     def __init__(self, client: SyncHandshakeClient):
         self.client = client
 

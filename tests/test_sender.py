@@ -1,0 +1,93 @@
+"""Where the encode worker's writes run: a small SHM write on the handshake loop, so a receiver's
+register-and-wait is answered with the commit in one round trip; a large one on a sender thread,
+so the loop keeps serving."""
+
+import threading
+
+import pytest
+import torch
+
+from data_plane.commit import EmbeddingLayout, checksum
+from data_plane.pool import MemoryRegion, SlotPool
+from data_plane.shm_transport import ShmTransport
+from encode_worker.sender import Sender, StagedItem, stage
+from handshake.access import LocalRooms
+from handshake.app import create_app
+from handshake.client import SyncHandshakeClient
+from handshake.loops import LoopThread
+from handshake.models import Registration, RoomState
+from handshake.rooms import RoomTable
+from handshake.server import ThreadedServer
+from multimodal.wire import EncodeHandshake
+
+
+class RecordingShm(ShmTransport):
+    """The real SHM transport, noting which thread ran each write."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads = []
+
+    def _submit(self, src, offer, deadline):
+        self.threads.append(threading.current_thread().name)
+        return super()._submit(src, offer, deadline)
+
+
+@pytest.fixture
+def encode_side(no_new_segments):
+    table = RoomTable()
+    loop = LoopThread("handshake")
+    server = ThreadedServer(create_app(table), loop=loop).start()
+    shm = RecordingShm()
+    ring = SlotPool(MemoryRegion.anonymous(16 << 20), 1 << 16, quarantine_s=5)
+    sender = Sender(ring, {"shm": shm}, lambda handshake: LocalRooms(table), loop, inline_write_bytes=1 << 20)
+    client = SyncHandshakeClient(server.url)
+    receive_pool = SlotPool(MemoryRegion.shared(16 << 20), 1 << 16, quarantine_s=5)
+    yield table, server, shm, ring, sender, client, receive_pool
+    client.close()
+    sender.close()
+    server.stop()
+    loop.stop()
+    shm.close()
+    ring.region.close()
+    receive_pool.region.close()
+
+
+@pytest.mark.parametrize("rows, runs_on", [(64, "handshake"), (1024, "sender")])  # 256 KiB / 4 MiB of float32
+def test_small_shm_writes_run_on_the_handshake_loop_and_large_ones_on_a_sender_thread(encode_side, rows, runs_on):
+    table, server, shm, ring, sender, client, receive_pool = encode_side
+    embedding = torch.randn(rows, 1024)
+    layout = EmbeddingLayout.of(embedding)
+    (room,) = table.mint(1, 60)
+    lease = stage(ring, embedding)
+    handshake = EncodeHandshake(bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port)
+    sender.submit(StagedItem("r", handshake, lease, layout, checksum(embedding), {}))  # staged before the receiver
+    slot = receive_pool.lease(layout.nbytes)
+    (answer,) = client.register([Registration(room=room, generation=slot.generation, rows=rows, width=1024,
+                                              dtype="float32", offers=[shm.offer(receive_pool, slot)])], wait_s=5)
+    view = answer.view
+    while not view.state.terminal:
+        (answer,) = client.watch({room: view.version}, 5)
+        view = answer.view
+    assert view.state is RoomState.SUCCESS
+    received = receive_pool.view(slot).view(torch.float32).view(rows, 1024)
+    assert torch.equal(received, embedding) and checksum(received) == view.commit.checksum
+    assert [name.split("_")[0] for name in shm.threads] == [runs_on]
+
+
+def test_a_small_write_is_committed_within_the_receivers_register_round_trip(encode_side):
+    """The receiver comes last: its one register-and-wait call already answers SUCCESS (no
+    WRITING answer and second long-poll in between)."""
+    table, server, shm, ring, sender, client, receive_pool = encode_side
+    embedding = torch.randn(16, 256)
+    layout = EmbeddingLayout.of(embedding)
+    for _ in range(5):
+        (room,) = table.mint(1, 60)
+        handshake = EncodeHandshake(bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port)
+        sender.submit(StagedItem("r", handshake, stage(ring, embedding), layout, checksum(embedding), {}))
+        slot = receive_pool.lease(layout.nbytes)
+        (answer,) = client.register([Registration(room=room, generation=slot.generation, rows=16, width=256,
+                                                  dtype="float32", offers=[shm.offer(receive_pool, slot)])], wait_s=5)
+        assert answer.view.state is RoomState.SUCCESS, answer.view
+        assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
+        receive_pool.release(slot)
