@@ -92,7 +92,8 @@ def make_commit(rows: torch.Tensor, generation: int, with_checksum: bool = True)
 
 def accept_commit(pool: SlotPool, lease: Lease, reserved: EmbeddingLayout, commit: Commit,
                   verify_checksum: bool = True) -> torch.Tensor:
-    """Check a commit against the live lease and return the slot as a ``[rows, width]`` view."""
+    """Check a commit against the live lease and return the slot as a ``[rows, width]`` view
+    (with ``verify_checksum=False`` the caller checks the bytes it publishes: ``verify_rows``)."""
     if commit.generation != lease.generation or not pool.is_current(lease):
         raise ContractError(f"commit for generation {commit.generation} but the slot holds {lease.generation}"
                             + ("" if pool.is_current(lease) else " (lease no longer live)"))
@@ -102,6 +103,12 @@ def accept_commit(pool: SlotPool, lease: Lease, reserved: EmbeddingLayout, commi
     if reserved.nbytes != lease.nbytes:
         raise ContractError(f"reserved layout needs {reserved.nbytes} bytes but the lease holds {lease.nbytes}")
     rows = pool.view(lease).view(reserved.torch_dtype).view(reserved.rows, reserved.width)
-    if verify_checksum and commit.checksum is not None and checksum(rows) != commit.checksum:
-        raise ContractError("checksum mismatch: the slot's bytes are not what the sender committed")
+    if verify_checksum:
+        verify_rows(rows, commit)
     return rows
+
+
+def verify_rows(rows: torch.Tensor, commit: Commit) -> None:
+    """Raise unless ``rows`` hash to the commit's checksum (when it sent one)."""
+    if commit.checksum is not None and checksum(rows) != commit.checksum:
+        raise ContractError("checksum mismatch: the slot's bytes are not what the sender committed")
