@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Callable
 
-from fastapi import FastAPI, Path, Query, Request
+from fastapi import FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
@@ -82,8 +82,53 @@ class _RoomCollector:
         yield transitions
 
 
-class _BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(HTTPException):
+    """A request body passed its size limit. Raised from a limited ``receive``; inside a FastAPI
+    app, FastAPI answers it (413) like any HTTPException."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"body larger than {max_bytes} bytes")
+
+
+def declared_too_large(headers: dict[bytes, bytes], max_bytes: int) -> bool:
+    """A Content-Length over the limit (or not a number): refuse before reading a byte."""
+    length = headers.get(b"content-length")
+    return length is not None and (not length.isdigit() or int(length) > max_bytes)
+
+
+def limit_body(receive, max_bytes: int):
+    """``receive`` that raises ``BodyTooLarge`` as soon as more than ``max_bytes`` have arrived
+    (a body without a Content-Length, or a lying one): nothing larger is ever held."""
+    received = 0
+
+    async def limited_receive():
+        nonlocal received
+        message = await receive()
+        received += len(message.get("body", b""))
+        if received > max_bytes:
+            raise BodyTooLarge(max_bytes)
+        return message
+
+    return limited_receive
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets a 413 (for apps without the
+    handshake's front door, such as the reference prefill server)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if declared_too_large(dict(scope["headers"]), self.max_bytes):
+            return await _reply(send, 413, f"body larger than {self.max_bytes} bytes")
+        try:
+            await self.app(scope, limit_body(receive, self.max_bytes), send)
+        except BodyTooLarge as exc:
+            await _reply(send, 413, exc.detail)
 
 
 class _ClientGone(Exception):
@@ -145,19 +190,9 @@ class HandshakeAPI(FastAPI):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, b"Bearer " + self.token):
                 return await _reply(send, 401, "missing or wrong bearer token", {"www-authenticate": "Bearer"})
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+        if declared_too_large(headers, self.max_body_bytes):
             return await _reply(send, 413, f"body larger than {self.max_body_bytes} bytes")
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_body_bytes:
-                raise _BodyTooLarge()
-            return message
-
+        limited_receive = limit_body(receive, self.max_body_bytes)
         route = self.body_routes.get(scope["path"]) if scope["method"] == "POST" else None
         try:
             if route is not None:
@@ -165,8 +200,8 @@ class HandshakeAPI(FastAPI):
             else:
                 await super().__call__(scope, limited_receive, send)
                 route = scope.get("route")
-        except _BodyTooLarge:
-            await _reply(send, 413, f"body larger than {self.max_body_bytes} bytes")
+        except BodyTooLarge as exc:
+            await _reply(send, 413, exc.detail)
         except _ClientGone:
             return
         self.metrics.observe(route.path if route else "unmatched", scope["method"], time.perf_counter() - started)

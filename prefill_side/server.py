@@ -20,7 +20,7 @@ import sys
 import time
 
 import torch
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from data_plane.commit import checksum
 from data_plane.json_fields import JsonBool, json_float, json_int
+from handshake.app import BodyLimit
 from handshake.models import EncodeTimings
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from multimodal.wire import EncodeHandshake
@@ -75,45 +76,6 @@ class PrefillResponse(BaseModel):
     # when the job started, on this host's monotonic clock (CLOCK_MONOTONIC, shared by the processes
     # of one host): an item settled at started_monotonic + seconds
     started_monotonic: float | None = None
-
-
-class _BodyTooLarge(HTTPException):
-    def __init__(self, max_bytes: int):
-        super().__init__(413, f"body larger than {max_bytes} bytes")
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` gets a 413, by its Content-Length or,
-    without one, as soon as that many bytes have arrived (nothing larger is ever held)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._too_large(send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise _BodyTooLarge(self.max_bytes)
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await self._too_large(send)
-
-    async def _too_large(self, send) -> None:
-        await JSONResponse({"detail": f"body larger than {self.max_bytes} bytes"}, status_code=413)(
-            {"type": "http"}, None, send)
 
 
 def create_app(receiver: PrefillReceiver, local_tower=None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
