@@ -18,18 +18,10 @@ import time
 
 from data_plane.offers import LoopbackOffer
 from handshake.client import HandshakeClient
+from handshake.loops import new_event_loop
 from handshake.models import CommitBody, Registration, RoomState
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
-
-
-def _loop_factory():
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop
-    except ImportError:
-        return None
 
 
 def _free_port() -> int:
@@ -105,7 +97,7 @@ def run(seconds: float = 3.0, concurrency=CONCURRENCY, progress=print) -> dict:
     try:
         for batch in (1, 8):
             for level in concurrency:
-                with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                with asyncio.Runner(loop_factory=new_event_loop) as runner:
                     row = runner.run(_load(url, level, batch, seconds))
                 rows.append(row)
                 progress(f"  batch {batch}  concurrency {level:3d}  {row['lifecycles_per_s']:7.0f} lifecycles/s  "
