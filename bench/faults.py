@@ -444,14 +444,20 @@ async def worker_paused_past_deadline(lab: FaultLab, conn: Conn, rng: random.Ran
     return await _until_caught(_worker_paused_once, lab, conn, rng)
 
 
+def _one_request(*groups) -> list:
+    """The items of several ``describe`` calls (each numbered from 0) as one request, numbered in order."""
+    items = [item for group in groups for item in group]
+    for index, item in enumerate(items):
+        item.index = index
+    return items
+
+
 async def _victim_writing(lab: FaultLab, conn: Conn, rng: random.Random, request_id: str):
     """One request: two small items on worker ``a`` (the siblings) and three big ones on the victim
     worker ``v``, posted to the steady prefill process; returns once ``v`` is writing them:
     (siblings, items, the prefill request in flight, the victim rooms' views)."""
     siblings, victims = lab.describe(small_images(rng, 2)), lab.describe(big_images(rng, 3))
-    items = siblings + victims
-    for index, item in enumerate(items):
-        item.index = index
+    items = _one_request(siblings, victims)
     a, v, prefill = lab.roles["a"], lab.roles["v"], lab.roles["prefill"]
     await conn.mint(siblings, a.url)
     await conn.mint(victims, v.url)
@@ -519,8 +525,6 @@ async def _worker_paused_once(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     outcome.expected = bool(failed) and all("unreachable" in (a["reason"] or "") for a in failed)
     # the late writes land now; new tenants of the pool must not see them
     after = lab.describe(small_images(rng, 4))
-    for index, item in enumerate(after):
-        item.index = index
     await conn.mint(after, a.url)
     posted_after = conn.post(prefill, request_id + "-after", after)
     for item in after:
@@ -541,9 +545,7 @@ async def prefill_killed_after_registering(lab: FaultLab, conn: Conn, rng: rando
     outcome.notes["served_before"] = [await serves(lab, conn, rng, "a", "pv"), await serves(lab, conn, rng, "v", "pv")]
     request_id = _request_id("pkill", rng)
     on_a, on_v = lab.describe(small_images(rng, 2)), lab.describe(small_images(rng, 2))
-    items = on_a + on_v
-    for index, item in enumerate(items):
-        item.index = index
+    items = _one_request(on_a, on_v)
     a, v, pv = lab.roles["a"], lab.roles["v"], lab.roles["pv"]
     await conn.mint(on_a, a.url)
     await conn.mint(on_v, v.url)
@@ -594,9 +596,7 @@ async def handshake_unreachable(lab: FaultLab, conn: Conn, rng: random.Random) -
     request_id = _request_id("hs", rng)
     siblings, at_handshake, nowhere = (lab.describe(small_images(rng, 2)), lab.describe(small_images(rng, 2)),
                                        lab.describe(small_images(rng, 1)))
-    items = siblings + at_handshake + nowhere
-    for index, item in enumerate(items):
-        item.index = index
+    items = _one_request(siblings, at_handshake, nowhere)
     a, prefill, hs = lab.roles["a"], lab.roles["prefill"], lab.roles["handshake"]
     await conn.mint(siblings, a.url)
     await conn.mint(at_handshake, hs.url)
@@ -634,8 +634,6 @@ async def cancel_during_write(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     outcome = FaultOutcome("cancel_during_write")
     request_id = _request_id("cancel", rng)
     items = lab.describe(small_images(rng, 2))
-    for index, item in enumerate(items):
-        item.index = index
     v, pv = lab.roles["v"], lab.roles["pv"]
     await conn.mint(items, v.url)
     posted = conn.post(pv, request_id, items)
@@ -749,8 +747,6 @@ async def item_too_large(lab: FaultLab, conn: Conn, rng: random.Random) -> Fault
     outcome = FaultOutcome("item_too_large")
     request_id = _request_id("big", rng)
     items = lab.describe(small_images(rng, 2))
-    for index, item in enumerate(items):
-        item.index = index
     a, prefill = lab.roles["a"], lab.roles["prefill"]
     await conn.mint(items, a.url)
     huge_rows = lab.config.pool_bytes // (WIDTH * 4) + 1
@@ -781,8 +777,6 @@ async def rows_mismatch(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultO
     outcome = FaultOutcome("rows_mismatch")
     request_id = _request_id("rows", rng)
     items = lab.describe(small_images(rng, 2))
-    for index, item in enumerate(items):
-        item.index = index
     a, prefill = lab.roles["a"], lab.roles["prefill"]
     await conn.mint(items, a.url)
 
@@ -932,8 +926,6 @@ async def serves(lab: FaultLab, conn: Conn, rng: random.Random, worker: str | Ro
     """A normal two-item request through ``worker`` into ``prefill`` arrives bit-exact (over
     ``transport``, if given)."""
     items = lab.describe(small_images(rng, 2))
-    for index, item in enumerate(items):
-        item.index = index
     role = lab.roles[worker] if isinstance(worker, str) else worker
     prefill = lab.roles[prefill] if isinstance(prefill, str) else prefill
     await conn.mint(items, role.url)
