@@ -122,10 +122,11 @@ class Sender:
         try:
             rooms = self.rooms_for(item.handshake)
             view = await self._wait_for_receiver(rooms, item)
-            if self._writes_inline(rooms, item, view):
-                outcome = self._deliver(item, rooms, view)
+            chosen = self._choose(view.registration.offers) if view.state is RoomState.REGISTERED else None
+            if self._writes_inline(rooms, item, chosen):
+                outcome = self._deliver(item, rooms, view, chosen)
             else:
-                outcome = await loop.run_in_executor(self._pool, self._deliver, item, rooms, view)
+                outcome = await loop.run_in_executor(self._pool, self._deliver, item, rooms, view, chosen)
         except Exception as exc:  # never lose an item silently: fail its room
             log.exception("delivery of room %d crashed", item.room)
             reason = f"encode worker error: {type(exc).__name__}: {exc}"
@@ -133,8 +134,9 @@ class Sender:
         outcome.seconds = time.monotonic() - started
         self.on_outcome(outcome)
 
-    def _deliver(self, item: StagedItem, rooms, view: RoomView) -> Outcome:
-        """On a sender thread, once the wait for the receiver is over."""
+    def _deliver(self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None) -> Outcome:
+        """On a sender thread (or, see ``_writes_inline``, the loop), once the wait for the receiver
+        is over; ``chosen``: the transport and offer picked from the registration."""
         if view.state is RoomState.PENDING and self._closing.is_set():
             return self._fail(item, "encode worker shutting down", settled=True)
         if view.state is RoomState.WRITING:  # a room sent to two workers: the other one has it
@@ -147,7 +149,6 @@ class Sender:
             return self._fail(item, f"contract mismatch: encoder has [{item.layout.rows}, {item.layout.width}] "
                                     f"{item.layout.dtype}, receiver reserved [{reserved.rows}, {reserved.width}] "
                                     f"{reserved.dtype}", settled=True)
-        chosen = self._choose(registration.offers)
         if chosen is None:
             kinds = [offer.kind for offer in registration.offers]
             return self._fail(item, f"no common transport: receiver offers {kinds}, "
@@ -193,13 +194,11 @@ class Sender:
                 return view
             version = view.version
 
-    def _writes_inline(self, rooms, item: StagedItem, view: RoomView) -> bool:
-        """Whether the delivery cannot block the loop: room calls on this process's table and a
-        small write that is a memcpy inside ``submit`` (SHM)."""
-        if not rooms.in_process or item.layout.nbytes > self.inline_write_bytes:
-            return False
-        chosen = self._choose(view.registration.offers) if view.state is RoomState.REGISTERED else None
-        return chosen is None or chosen[0].copies_in_submit
+    def _writes_inline(self, rooms, item: StagedItem, chosen: tuple[Transport, object] | None) -> bool:
+        """Whether the delivery cannot block the loop: room calls on this process's table and no
+        write, or a small one that is a memcpy inside ``submit`` (SHM)."""
+        return (rooms.in_process and item.layout.nbytes <= self.inline_write_bytes
+                and (chosen is None or chosen[0].copies_in_submit))
 
     def _choose(self, offers) -> tuple[Transport, object] | None:
         for name in TRANSPORT_PREFERENCE:
