@@ -124,7 +124,7 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if declared_too_large(dict(scope["headers"]), self.max_bytes):
-            return await _reply(send, 413, f"body larger than {self.max_bytes} bytes")
+            return await _reply(send, 413, BodyTooLarge(self.max_bytes).detail)
         try:
             await self.app(scope, limit_body(receive, self.max_bytes), send)
         except BodyTooLarge as exc:
@@ -191,7 +191,7 @@ class HandshakeAPI(FastAPI):
             if not hmac.compare_digest(given, b"Bearer " + self.token):
                 return await _reply(send, 401, "missing or wrong bearer token", {"www-authenticate": "Bearer"})
         if declared_too_large(headers, self.max_body_bytes):
-            return await _reply(send, 413, f"body larger than {self.max_body_bytes} bytes")
+            return await _reply(send, 413, BodyTooLarge(self.max_body_bytes).detail)
         limited_receive = limit_body(receive, self.max_body_bytes)
         route = self.body_routes.get(scope["path"]) if scope["method"] == "POST" else None
         try:
