@@ -4,7 +4,8 @@ The receiver reserves an ``EmbeddingLayout`` (rows x width x dtype). The sender 
 against that layout before writing (a one-sided write cannot be truncated safely) and then
 commits: the slot generation it wrote, the layout it wrote, and a checksum. The receiver publishes
 the slot's bytes only if the generation is the lease's current one, the layout matches and the
-checksum (when sent) matches.
+checksum matches; a commit without a checksum is refused unless the receiver opted out of
+requiring one (``require_checksum=False``).
 """
 
 from __future__ import annotations
@@ -50,12 +51,6 @@ class EmbeddingLayout:
             raise ContractError(f"embeddings must be 2-D [rows, width], got shape {tuple(tensor.shape)}")
         return cls(int(tensor.shape[0]), int(tensor.shape[1]), dtype_to_wire(tensor.dtype))
 
-    def check(self, tensor: torch.Tensor) -> None:
-        """Raise unless ``tensor`` has exactly this layout."""
-        if EmbeddingLayout.of(tensor) != self:
-            raise ContractError(f"rows {tuple(tensor.shape)} {tensor.dtype} do not match the reserved "
-                                f"[{self.rows}, {self.width}] {self.dtype}")
-
 
 def checksum(tensor: torch.Tensor) -> int:
     """xxh3-64 of a tensor's bytes (about 9 GB/s here: as much as a copy, so it is optional)."""
@@ -91,7 +86,7 @@ def make_commit(rows: torch.Tensor, generation: int, with_checksum: bool = True)
 
 
 def accept_commit(pool: SlotPool, lease: Lease, reserved: EmbeddingLayout, commit: Commit,
-                  verify_checksum: bool = True) -> torch.Tensor:
+                  verify_checksum: bool = True, require_checksum: bool = True) -> torch.Tensor:
     """Check a commit against the live lease and return the slot as a ``[rows, width]`` view
     (with ``verify_checksum=False`` the caller checks the bytes it publishes: ``verify_rows``)."""
     if commit.generation != lease.generation or not pool.is_current(lease):
@@ -104,11 +99,17 @@ def accept_commit(pool: SlotPool, lease: Lease, reserved: EmbeddingLayout, commi
         raise ContractError(f"reserved layout needs {reserved.nbytes} bytes but the lease holds {lease.nbytes}")
     rows = pool.view(lease).view(reserved.torch_dtype).view(reserved.rows, reserved.width)
     if verify_checksum:
-        verify_rows(rows, commit)
+        verify_rows(rows, commit, require_checksum)
     return rows
 
 
-def verify_rows(rows: torch.Tensor, commit: Commit) -> None:
-    """Raise unless ``rows`` hash to the commit's checksum (when it sent one)."""
-    if commit.checksum is not None and checksum(rows) != commit.checksum:
+def verify_rows(rows: torch.Tensor, commit: Commit, required: bool = True) -> None:
+    """Raise unless ``rows`` hash to the commit's checksum. A commit without a checksum passes only
+    when ``required`` is False (then nothing but its generation and layout vouch for the bytes)."""
+    if commit.checksum is None:
+        if required:
+            raise ContractError("the commit carries no checksum and this receiver requires one "
+                                "(the sender runs without checksums; see require_checksum)")
+        return
+    if checksum(rows) != commit.checksum:
         raise ContractError("checksum mismatch: the slot's bytes are not what the sender committed")

@@ -37,7 +37,7 @@ FLAGS = [
     ("--cache-bytes", int, 1 << 30, "embedding cache size (0 = off)"),
     ("--receiver-wait-s", float, 30.0, "how long an encoded item waits for its receiver"),
     ("--write-timeout-s", float, 30.0, "deadline of one write"),
-    ("--checksum", int, 1, "1 = commit with an xxh3-64 checksum of the rows"),
+    ("--checksum", int, 1, "1 = commit with an xxh3-64 checksum of the rows (0: receivers must run with require_checksum off)"),
     ("--send-workers", int, 8, "sender threads"),
     ("--token-file", str, None, "handshake bearer token file (or $EPD_HANDSHAKE_TOKEN[_FILE])"),
     ("--intake-token-file", str, None, "intake token file (or $EPD_INTAKE_TOKEN)"),

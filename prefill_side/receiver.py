@@ -66,7 +66,10 @@ class ReceiverConfig:
     endpoint_timeout_s: float = 1.0
     fallback: str = "fail"  # or "local_tower": encode the kept pixels with a local VisionTower
     handshake_token: str | None = None
-    verify_checksum: bool = True
+    # Publish only rows whose xxh3-64 matches the sender's commit; a commit without a checksum is
+    # refused. False accepts such commits on generation and layout alone (a sent checksum is still
+    # verified).
+    require_checksum: bool = True
     zero_copy: bool = False  # encoded = a view of the slot, held until job.release()
 
 
@@ -353,8 +356,7 @@ class PrefillReceiver:
             rows = accept_commit(self.pool, entry.lease, entry.layout, commit, verify_checksum=False)
             if not self.config.zero_copy:
                 rows = rows.clone()  # verified below: the bytes checked are the bytes published
-            if self.config.verify_checksum:
-                verify_rows(rows, commit)
+            verify_rows(rows, commit, self.config.require_checksum)
         except ContractError as exc:
             await self._give_up(job, entry.index, entry.item, f"commit rejected: {exc}", entry, quarantine=True)
             return

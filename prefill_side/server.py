@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fallback", choices=("fail", "local_tower"), default=env("EPD_FALLBACK", "fail"))
     parser.add_argument("--max-body-bytes", type=int, default=int(env("EPD_MAX_BODY_BYTES", str(MAX_BODY_BYTES))),
                         help="largest accepted request body")
+    parser.add_argument("--require-checksum", action=argparse.BooleanOptionalAction,
+                        default=env("EPD_REQUIRE_CHECKSUM", "true").lower() in ("1", "true", "yes"),
+                        help="refuse commits without the rows' checksum (workers run with --checksum 0)")
     parser.add_argument("--token-file", default=env("EPD_HANDSHAKE_TOKEN_FILE"))
     parser.add_argument("--mooncake-host", default=env("EPD_MOONCAKE_HOST", "127.0.0.1"),
                         help="address encode workers use to reach this process's Mooncake engine (the pod IP)")
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ReceiverConfig(width=width, dtype=args.dtype, deepstack_width=deepstack, pool_bytes=args.pool_bytes,
                             slot_bytes=args.slot_bytes, transports=tuple(t for t in args.transports.split(",") if t),
                             item_timeout_s=args.item_timeout_s, quarantine_s=args.quarantine_s, fallback=args.fallback,
-                            handshake_token=load_token(args.token_file))
+                            handshake_token=load_token(args.token_file), require_checksum=args.require_checksum)
     # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback default.
     mooncake = MooncakeConfig(hostname=args.mooncake_host, device_names=args.mooncake_hca,
                               force_tcp=bool(args.mooncake_force_tcp))

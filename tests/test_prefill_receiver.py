@@ -201,3 +201,41 @@ def test_a_patch_grid_that_disagrees_with_the_request_fails_the_item(stack, towe
     send(intake, worker, rooms[0], image, "grid")
     assert job.wait(10) is JobState.FAILED and "image_grid_thw" in job.reasons[0]
     assert inputs.mm_items[0].encoded is None and receiver.pool.stats()["leased_slots"] == 0
+
+
+@pytest.mark.parametrize("require_checksum", [True, False])
+def test_a_commit_without_a_checksum_is_published_only_when_the_receiver_allows_it(tower, require_checksum):
+    with loopback_stack(tower, worker=dict(cache_bytes=0, checksum=False),
+                        receiver=dict(require_checksum=require_checksum)) as (worker, receiver, _):
+        intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+        try:
+            image = png(64, 64, 41)
+            inputs, (room,) = make_request(worker, tower, [image])
+            job = receiver.start("no-checksum", inputs)
+            send(intake, worker, room, image, "no-checksum")
+            if require_checksum:
+                assert job.wait(20) is JobState.FAILED
+                assert "carries no checksum" in job.reasons[0] and inputs.mm_items[0].encoded is None
+            else:
+                assert job.wait(20) is JobState.DONE, job.reasons
+                assert torch.equal(inputs.mm_items[0].encoded, expected_rows(tower, image))
+            assert receiver.pool.stats()["leased_slots"] == 0
+        finally:
+            intake.close()
+
+
+def test_the_worker_reports_the_wait_for_the_receiver_apart_from_the_write(stack, tower):
+    """``epd_encoder_transfer_seconds`` is the write alone; the wait for a late receiver has its
+    own family. Both observe exactly the split the commit carries to the receiver."""
+    worker, receiver, intake, _ = stack
+    image = png(64, 64, 42)
+    inputs, (room,) = make_request(worker, tower, [image])
+    send(intake, worker, room, image, "late-receiver")
+    time.sleep(0.3)  # the receiver comes late: the item waits in the send ring
+    job = receiver.start("late-receiver", inputs)
+    assert job.wait(20) is JobState.DONE, job.reasons
+    timings = job.outcomes[0].encoder
+    registry = worker.metrics.registry
+    assert registry.get_sample_value("epd_encoder_receiver_wait_seconds_count") == 1
+    assert registry.get_sample_value("epd_encoder_receiver_wait_seconds_sum") == timings.wait_s
+    assert registry.get_sample_value("epd_encoder_transfer_seconds_sum", {"transport": "loopback"}) == timings.transfer_s
