@@ -49,10 +49,10 @@ def image_from_pixels(pixels: torch.Tensor) -> Image.Image:
     return Image.fromarray(pixels.contiguous().numpy(), mode="RGB")
 
 
-def image_from_shm(handle: ShmTensorHandle) -> Image.Image:
+def pixels_from_shm(handle: ShmTensorHandle) -> torch.Tensor:
+    """Attach to and consume a same-node handle: ``uint8 [H, W, 3]`` pixels, the segment unlinked."""
     try:
         handle.attach()
-        pixels = handle.consume()
+        return handle.consume()
     except (ShmError, ValueError, RuntimeError) as exc:
         raise BadItem(f"cannot read pixels from SHM handle {handle.shm_name}: {exc}") from None
-    return image_from_pixels(pixels)

@@ -35,6 +35,8 @@ class IntakeRequest(BaseModel):
     request_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
     model: str | None = Field(default=None, max_length=256)  # refused unless it names this worker's model
     modality: Literal["IMAGE"] = "IMAGE"
+    # xxh3-128 of the payload's bytes (the image file, or the raw uint8 pixels); the worker computes
+    # it itself and refuses an item whose claimed hash differs. Required for SHM-backed pixels.
     content_hash: json_int(ge=0, lt=1 << 128) | None = None
     encode_handshake: EncodeHandshake
     source: Literal["bytes", "pixels", "shm"]

@@ -69,7 +69,6 @@ class Outcome:
     transport: str | None
     reason: str | None
     nbytes: int
-    seconds: float
     timings: dict[str, float | bool]  # EncodeTimings' fields: queue_s, encode_s, wait_s, transfer_s, cache_hit
 
 
@@ -117,7 +116,6 @@ class Sender:
     # ---- one item --------------------------------------------------------------------------
 
     async def _deliver_safely(self, item: StagedItem) -> None:
-        started = time.monotonic()
         loop = asyncio.get_running_loop()
         try:
             rooms = self.rooms_for(item.handshake)
@@ -131,7 +129,6 @@ class Sender:
             log.exception("delivery of room %d crashed", item.room)
             reason = f"encode worker error: {type(exc).__name__}: {exc}"
             outcome = await loop.run_in_executor(self._pool, lambda: self._fail(item, reason, settled=True))
-        outcome.seconds = time.monotonic() - started
         self.on_outcome(outcome)
 
     def _deliver(self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None) -> Outcome:
@@ -220,11 +217,11 @@ class Sender:
             state, reason = "FAILED", f"{reason} (and the room could not be told: {exc})"
         if release:
             self._release(item.lease)
-        return Outcome(item.room, state, None, reason, item.layout.nbytes, 0.0, item.timings)
+        return Outcome(item.room, state, None, reason, item.layout.nbytes, item.timings)
 
     def _finish(self, item: StagedItem, state: str, transport: str | None, reason: str | None) -> Outcome:
         self._release(item.lease)
-        return Outcome(item.room, state, transport, reason, item.layout.nbytes, 0.0, item.timings)
+        return Outcome(item.room, state, transport, reason, item.layout.nbytes, item.timings)
 
     def _release(self, lease: Lease) -> None:
         self.ring.release(lease)

@@ -31,7 +31,7 @@ from data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmTensorHandle
 from data_plane.transport import build_transports
 from encode_worker.cache import CacheKey, EmbeddingCache, Encoded
-from encode_worker.inputs import BadItem, image_from_bytes, image_from_pixels, image_from_shm
+from encode_worker.inputs import BadItem, image_from_bytes, image_from_pixels, pixels_from_shm
 from encode_worker.intake import IntakeRefused, parse_request
 from encode_worker.scheduler import BatchQueue, EncodeJob
 from encode_worker.sender import Outcome, Sender, StagedItem, stage
@@ -101,6 +101,7 @@ class WorkerConfig:
 
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, worker: EncodeWorker):
+        self.registry = registry
         self.requests = Counter("epd_encoder_requests", "Items by modality and outcome", ["modality", "status"],
                                 registry=registry)
         self.batch_items = Histogram("epd_encoder_batch_items", "Items per tower batch",
@@ -108,8 +109,12 @@ class WorkerMetrics:
         self.encode_seconds = Histogram("epd_encoder_encode_seconds", "Tower time per batch", registry=registry)
         self.queue_seconds = Histogram("epd_encoder_queue_seconds", "Intake to the tower starting the item's batch",
                                        registry=registry)
-        self.transfer_seconds = Histogram("epd_encoder_transfer_seconds", "Write time per item", ["transport"],
-                                          registry=registry)
+        self.receiver_wait_seconds = Histogram("epd_encoder_receiver_wait_seconds",
+                                               "Rows staged to the receiver registered (or the wait ended)",
+                                               registry=registry)
+        self.transfer_seconds = Histogram("epd_encoder_transfer_seconds",
+                                          "The write alone per delivered item: submit to the transport settled",
+                                          ["transport"], registry=registry)
         self.bytes = Counter("epd_encoder_bytes", "Bytes delivered", ["transport"], registry=registry)
         Gauge("epd_encoder_queue_depth", "Items waiting for the tower", registry=registry).set_function(
             lambda: len(worker.queue))
@@ -256,9 +261,11 @@ class EncodeWorker:
         self.metrics.requests.labels("IMAGE", outcome.state.lower()).inc()
         if "queue_s" in outcome.timings:
             self.metrics.queue_seconds.observe(outcome.timings["queue_s"])
+        if "wait_s" in outcome.timings:
+            self.metrics.receiver_wait_seconds.observe(outcome.timings["wait_s"])
         if outcome.state == "SUCCESS" and outcome.transport:
             self.metrics.bytes.labels(outcome.transport).inc(outcome.nbytes)
-            self.metrics.transfer_seconds.labels(outcome.transport).observe(outcome.seconds)
+            self.metrics.transfer_seconds.labels(outcome.transport).observe(outcome.timings["transfer_s"])
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -314,11 +321,15 @@ class EncodeWorker:
         else:
             height, width = request.shm.shape[0], request.shm.shape[1]
             source_payload = ShmTensorHandle(request.shm.shm_name, tuple(request.shm.shape), torch.uint8)
-        content_hash = request.content_hash
-        if content_hash is None:
-            if request.source == "shm":
+        # The cache key is the hash of the bytes this worker encodes, never the client's word for
+        # it: a wrong claimed hash would poison the cache entry of the image it names.
+        if request.source == "shm":
+            if request.content_hash is None:
                 raise BadItem("SHM-backed items must carry a content hash")
+            content_hash = request.content_hash  # checked against the pixels once read (_image)
+        else:
             content_hash = hash_feature(payload)
+            _check_claimed_hash(request.content_hash, content_hash)
         return EncodeJob(request.request_id, request.encode_handshake, content_hash, request.source,
                          source_payload, self._patches(height, width), request.modality)
 
@@ -383,12 +394,6 @@ class EncodeWorker:
         for job in jobs:
             self._fail_room(job.handshake, reason, job.modality)
 
-    def encode_batch(self, batch: list[EncodeJob]) -> None:
-        """All three stages in the caller's thread (tests, tools)."""
-        misses, ready = self.prepare(batch)
-        for job, encoded in ready + self.encode(misses):
-            self._stage_and_send(job, encoded)
-
     def prepare(self, batch: list[EncodeJob]):
         """Decode and preprocess; cache hits skip the tower. -> (misses, ready)."""
         misses, ready = [], []
@@ -443,7 +448,9 @@ class EncodeWorker:
             return image_from_bytes(job.payload)
         if job.source == "pixels":
             return image_from_pixels(job.payload)
-        return image_from_shm(job.payload)
+        pixels = pixels_from_shm(job.payload)
+        _check_claimed_hash(job.content_hash, hash_feature(memoryview(pixels.numpy()).cast("B")))
+        return image_from_pixels(pixels)
 
     def _stage_and_send(self, job: EncodeJob, encoded: Encoded) -> None:
         rows = encoded.rows
@@ -477,3 +484,9 @@ class EncodeWorker:
             idle = not self._busy and not len(self.queue) and self._prepared.empty()
             if idle and time.monotonic() - self._last_ok > self.config.probe_interval_s:
                 self._probe()
+
+
+def _check_claimed_hash(claimed: int | None, computed: int) -> None:
+    """A client's content hash must be the xxh3-128 of the payload's bytes (file or raw pixels)."""
+    if claimed is not None and claimed != computed:
+        raise BadItem(f"claimed content hash {claimed:032x} is not the hash of the item's bytes ({computed:032x})")

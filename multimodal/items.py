@@ -25,7 +25,9 @@ from multimodal.hashing import hash_feature
 MM_PAD_BASE = 1_000_000
 MM_PAD_HASH_MASK = (1 << 30) - 1
 
-# Set to 1 to give every item a random hash (deduplication and caching off).
+# The seed's switch, read by ``ensure_hash`` only: set to 1, an engine gives every item it hashes
+# a random id (no pad-id sharing). It does not reach the dispatcher or the encode workers, whose
+# keys are the bytes' hash (turn the worker's cache off with ``--cache-bytes 0``).
 SKIP_COMPUTE_HASH_ENV = "EPD_MM_SKIP_COMPUTE_HASH"
 
 

@@ -18,6 +18,7 @@ from encode_worker.small_checkpoints import build_full, build_vision_only
 from encode_worker.tower import TowerLoadError, VisionTower
 from encode_worker.worker import EncodeWorker, WorkerConfig
 from handshake.models import RoomState
+from multimodal.hashing import hash_feature
 from multimodal.wire import EncodeHandshake
 from tests.encode_helpers import Receiver, png
 
@@ -78,18 +79,25 @@ def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family)
         for room, rows in zip(rooms, expected):
             receiver.reserve(room, rows.shape[0], rows.shape[1], rows.dtype)
         jobs = [worker._job(_parse(request(worker, room)), image) for room, image in zip(rooms, images)]
-        worker.encode_batch(jobs)  # one mixed batch of three sizes
+        encode_in_this_thread(worker, jobs)  # one mixed batch of three sizes
         for room, rows in zip(rooms, expected):
             state, got, view = receiver.wait(room)
             assert state is RoomState.SUCCESS, view.reason
             assert torch.equal(got, rows)
             if family == "qwen3_vl":
-                main, deepstack = worker.tower.split_deepstack(got)
-                assert main.shape[1] == worker.tower.info.out_width and deepstack.shape[1] == 2 * main.shape[1]
+                info = worker.tower.info
+                assert info.deepstack_levels == 2 and got.shape[1] == info.out_width * 3 == info.wire_width
         assert worker.metrics.batch_items._sum.get() >= 3
     finally:
         worker.stop()
         receiver.close()
+
+
+def encode_in_this_thread(worker, jobs) -> None:
+    """The worker's three stages over one known batch, in the test's thread."""
+    misses, ready = worker.prepare(jobs)
+    for job, encoded in ready + worker.encode(misses):
+        worker._stage_and_send(job, encoded)
 
 
 def _parse(body):
@@ -144,7 +152,7 @@ def test_one_corrupt_image_fails_only_its_room(qwen25):
             receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
         jobs = [worker._job(_parse(request(worker, room)), image)
                 for room, image in zip(rooms, [good[0], corrupt, good[1]])]
-        worker.encode_batch(jobs)
+        encode_in_this_thread(worker, jobs)
         assert receiver.wait(rooms[0])[0] is RoomState.SUCCESS
         assert receiver.wait(rooms[2])[0] is RoomState.SUCCESS
         view = worker.table.view(rooms[1])
@@ -161,9 +169,9 @@ def test_full_send_ring_stops_intake_instead_of_growing(qwen25):
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
     rooms = iter(worker.table.mint(40, 60))
 
-    def send():
+    def send():  # a different image each time: every item is a cache miss
         room = next(rooms)
-        return room, intake.send(request(worker, room, f"r{room}", content_hash=room), image)
+        return room, intake.send(request(worker, room, f"r{room}"), png(448, 448, room % (1 << 31)))
 
     def eventually(condition, seconds=20):
         end = time.monotonic() + seconds
@@ -253,7 +261,8 @@ def test_raw_pixels_and_shm_handles_encode_like_the_png(qwen25, no_new_segments)
         sends = [
             (request(worker, 0, "png"), image),
             ({**request(worker, 0, "raw"), "source": "pixels", "shape": list(pixels.shape)}, pixels.numpy().tobytes()),
-            ({**request(worker, 0, "shm", content_hash=5), "source": "shm", "shm": handle.to_wire()}, None),
+            ({**request(worker, 0, "shm", content_hash=hash_feature(pixels.numpy().tobytes())), "source": "shm",
+              "shm": handle.to_wire()}, None),
         ]
         results = []
         for body, payload in sends:
@@ -266,6 +275,44 @@ def test_raw_pixels_and_shm_handles_encode_like_the_png(qwen25, no_new_segments)
             results.append(rows)
         assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
         assert not os.path.exists(f"/dev/shm/{handle.shm_name}")  # the worker consumed the handle
+    finally:
+        intake.close()
+        worker.stop()
+        receiver.close()
+
+
+def test_a_lying_content_hash_is_refused_and_cannot_poison_the_cache(qwen25, no_new_segments):
+    """The cache key is the hash of the bytes the worker encodes: a client that claims another
+    image's hash gets its item refused, and the honest image's cached rows stay its own."""
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower)
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    honest, liar = png(120, 90, 31), png(120, 90, 32)
+    pixels = torch.from_numpy(np.array(image_from_bytes(liar)))
+    handle = ShmTensorHandle.publish(pixels)
+    try:
+        room, lie_room, shm_room, again = worker.table.mint(4, 60)
+        assert intake.send(request(worker, room, "honest"), honest)["ok"]
+        receiver.reserve(room, rows_for(tower, honest), tower.info.wire_width, tower.dtype)
+        state, expected, _ = receiver.wait(room)
+        assert state is RoomState.SUCCESS
+        claimed = hash_feature(honest)
+        reply = intake.send(request(worker, lie_room, "liar", content_hash=claimed), liar)
+        assert reply["ok"] is False and "is not the hash of the item's bytes" in reply["reason"]
+        assert worker.table.view(lie_room).state is RoomState.FAILED
+        # SHM pixels are hashed once read: the lie fails the room with the same reason
+        body = {**request(worker, shm_room, "shm-liar", content_hash=claimed), "source": "shm",
+                "shm": handle.to_wire()}
+        assert intake.send(body, None)["ok"]
+        receiver.reserve(shm_room, rows_for(tower, liar), tower.info.wire_width, tower.dtype)
+        state, _, view = receiver.wait(shm_room)
+        assert state is RoomState.FAILED and "is not the hash of the item's bytes" in view.reason
+        # the honest image still meets its own rows in the cache
+        hits = worker.cache.hits
+        assert intake.send(request(worker, again, "honest-again", content_hash=claimed), honest)["ok"]
+        receiver.reserve(again, rows_for(tower, honest), tower.info.wire_width, tower.dtype)
+        state, rows, _ = receiver.wait(again)
+        assert state is RoomState.SUCCESS and torch.equal(rows, expected) and worker.cache.hits == hits + 1
     finally:
         intake.close()
         worker.stop()
