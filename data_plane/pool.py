@@ -123,12 +123,6 @@ class SlotPool:
                     return lease
         raise NoCapacity(f"no free run of {need} slots ({nbytes} bytes) in the pool right now")
 
-    def can_lease(self, nbytes: int) -> bool:
-        need = self.slots_for(nbytes)
-        with self._lock:
-            self._reclaim_locked()
-            return any(length >= need for _, length in self._free)
-
     def is_current(self, lease: Lease) -> bool:
         """True while ``lease`` is the live tenant of its slots (its generation is current)."""
         with self._lock:
@@ -148,19 +142,6 @@ class SlotPool:
             if self._leased.get(lease.first_slot) == lease:
                 del self._leased[lease.first_slot]
                 self._quarantined[lease.first_slot] = (lease, self._clock() + hold)
-
-    def end_quarantine(self, lease: Lease) -> None:
-        """The writer confirmed it stopped: free a quarantined lease now. Idempotent."""
-        with self._lock:
-            held = self._quarantined.get(lease.first_slot)
-            if held is not None and held[0] == lease:
-                del self._quarantined[lease.first_slot]
-                self._free_locked(lease.first_slot, lease.slot_count)
-
-    def reclaim(self) -> int:
-        """Free the quarantined leases whose deadline passed; returns how many."""
-        with self._lock:
-            return self._reclaim_locked()
 
     def view(self, lease: Lease) -> torch.Tensor:
         """The lease's bytes as a uint8 tensor view of the region."""

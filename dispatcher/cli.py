@@ -90,6 +90,7 @@ async def run(args) -> int:
         items = await dispatcher.dispatch(args.request_id, images, near=args.near or None)
         dispatched = [{"image": path, "rows": item.rows, "grid_thw": item.grid_thw, "worker": item.worker,
                        "content_hash": f"{item.content_hash:032x}", "error": item.error,
+                       "dispatch_ms": round(item.dispatch_s * 1e3, 3),
                        "encode_handshake": item.encode_handshake.model_dump() if item.encode_handshake else None}
                       for path, item in zip(args.images, items)]
         output = {"workers": workers.status(), "items": dispatched}

@@ -41,10 +41,6 @@ class EmbeddingCache:
         self._lock = threading.Lock()
         self.hits = self.misses = self.evictions = 0
 
-    @property
-    def size_bytes(self) -> int:
-        return self._bytes
-
     def get(self, key: CacheKey) -> Encoded | None:
         with self._lock:
             entry = self._entries.get(key)

@@ -7,8 +7,8 @@ directory, so the encode worker and the prefill side agree on rows per image.
 
 Wire layout: one ``[rows, width]`` tensor per item. For Qwen3-VL the DeepStack levels travel in
 the same rows, concatenated on the hidden dimension (as vLLM does):
-``[rows, out_width * (1 + levels)]``; ``split_deepstack`` cuts it back into ``encoded`` and
-``encoded_deepstack``.
+``[rows, out_width * (1 + levels)]``; the receiver cuts it back into ``encoded`` and
+``encoded_deepstack`` (``ReceiverConfig.deepstack_width``).
 
 Batching changes no bit: on CPUs where oneMKL's small-M GEMM kernels round differently from its
 large-M ones (seen on an AVX-512/AMX Xeon: an image's rows in a mixed batch differed from the
@@ -141,8 +141,3 @@ class VisionTower:
         """One ``[rows_i, wire_width]`` tensor per item (views of one packed output)."""
         return split_rows(self.encode(pixel_values, grid_thw), self.rows_per_item(grid_thw))
 
-    def split_deepstack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Wire rows -> (``encoded``, ``encoded_deepstack`` or None)."""
-        if not self.info.deepstack_levels:
-            return rows, None
-        return rows[:, : self.info.out_width], rows[:, self.info.out_width :]

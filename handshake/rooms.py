@@ -91,18 +91,15 @@ class RoomLimits:
 
 
 class _Waiter:
-    """Woken when any room it watches changes; works for threads and for event loops."""
+    """Woken when any room it watches changes, from any thread; armed on its event loop's thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None):
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.future = loop.create_future() if loop else None
-        self.event = None if loop else threading.Event()
-        self.thread = threading.get_ident()  # the loop's thread: a waiter is armed on its loop
+        self.future = loop.create_future()
+        self.thread = threading.get_ident()
 
     def wake(self) -> None:
-        if self.loop is None:
-            self.event.set()
-        elif threading.get_ident() == self.thread:  # a change made on the waiter's own loop
+        if threading.get_ident() == self.thread:  # a change made on the waiter's own loop
             self._resolve()
         else:
             self.loop.call_soon_threadsafe(self._resolve)
@@ -257,16 +254,6 @@ class RoomTable:
                 await waiter.future
             finally:
                 timer.cancel()
-                self._disarm(waiter, versions)
-        return self._views(versions)
-
-    def watch_sync(self, versions: dict[int, int], wait_s: float) -> list[RoomView | RoomError]:
-        """``watch`` for threads (the encode worker's in-process path)."""
-        waiter = self._arm(versions, None) if wait_s > 0 else None
-        if waiter is not None:
-            try:
-                waiter.event.wait(wait_s)
-            finally:
                 self._disarm(waiter, versions)
         return self._views(versions)
 

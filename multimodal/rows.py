@@ -66,8 +66,3 @@ def image_grid(processor, height: int, width: int) -> tuple[int, int, int]:
                                         max_pixels=processor.size["longest_edge"])
     return 1, resized_h // patch, resized_w // patch
 
-
-def image_rows(processor, height: int, width: int) -> int:
-    """Rows the tower produces for a ``height x width`` image (see ``image_grid``)."""
-    t, h, w = image_grid(processor, height, width)
-    return t * h * w // processor.merge_size ** 2

@@ -1,6 +1,7 @@
 """Test-side stand-ins for the peers of an encode worker: a receiver that reserves slots and
 checks commits, images to send, and an in-process worker + receiver stack over loopback."""
 
+import asyncio
 import contextlib
 import io
 import time
@@ -37,7 +38,7 @@ class Receiver:
         return self.table.register(registration)
 
     def _watch(self, room: int, version: int):
-        (view,) = self.table.watch_sync({room: version}, 1.0)
+        (view,) = asyncio.run(self.table.watch({room: version}, 1.0))
         return view
 
     def reserve(self, room: int, rows: int, width: int, dtype: torch.dtype):

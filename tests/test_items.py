@@ -20,7 +20,7 @@ from multimodal import (
     maybe_substitute_mm_pad,
     split_rows,
 )
-from multimodal.wire import ItemMetadata
+from multimodal.wire import EncodeHandshake
 
 
 def test_pad_value_derives_from_hash_and_is_recognised():
@@ -98,35 +98,15 @@ def test_split_rows_refuses_mismatch():
         split_rows(torch.zeros(10), [10])
 
 
-def test_wire_form_carries_metadata_never_tensors():
-    item = MultimodalDataItem(
-        Modality.IMAGE,
-        hash=(1 << 100) + 3,
-        offsets=[[2, 65]],
-        feature=torch.ones(4),
-        model_specific_data={"image_grid_thw": torch.tensor([[1, 16, 16]])},
-        encoded=torch.ones(64, 8),
-        encode_handshake={"bootstrap_room": 7, "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998},
-    )
-    wire = ItemMetadata.from_item(item)
-    text = wire.model_dump_json()
-    assert "encoded\"" not in text and "feature" not in text
-    back = ItemMetadata.model_validate_json(text).to_item()
-    assert back.encoded is None and back.feature is None
-    assert back.hash == item.hash and back.offsets == [[2, 65]] and wire.rows == 64
-    assert back.encode_handshake == item.encode_handshake
-    assert back.image_grid_thw == [[1, 16, 16]]
-
-
 @pytest.mark.parametrize("handshake", [
     {"bootstrap_room": -1, "bootstrap_host": "h", "bootstrap_port": 1},
     {"bootstrap_room": 1 << 63, "bootstrap_host": "h", "bootstrap_port": 1},
     {"bootstrap_room": 1, "bootstrap_host": "h/../x", "bootstrap_port": 1},
     {"bootstrap_room": 1, "bootstrap_host": "h", "bootstrap_port": 70000},
 ])
-def test_wire_form_refuses_bad_handshakes(handshake):
+def test_encode_handshake_refuses_bad_addresses(handshake):
     with pytest.raises(ValueError):
-        ItemMetadata(modality="IMAGE", encode_handshake=handshake)
+        EncodeHandshake(**handshake)
 
 
 def test_inputs_publish_and_release_shm_features(no_new_segments):
