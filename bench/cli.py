@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     handshake = sub.add_parser("handshake", help="room lifecycles per second through the client, single and batch-8")
     handshake.add_argument("--seconds", type=float, default=3.0, help="duration of each concurrency level")
     handshake.add_argument("--json", default=None, help="write the results to this file")
-    encode = sub.add_parser("encode", help="encode worker items/s: batching, and delivery vs tower only")
+    encode = sub.add_parser("encode", help="encode worker items/s: delivery vs a null sink, batched vs single")
     encode.add_argument("--items", type=int, default=48)
     encode.add_argument("--size", type=int, default=448, help="square image side in pixels")
     encode.add_argument("--depth", type=int, default=2, help="tower layers")

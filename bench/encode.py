@@ -1,16 +1,24 @@
-"""`epd-bench encode`: items/s of the encode worker, side by side in one run.
+"""`epd-bench encode`: what delivery costs the encode worker, and what batching buys, side by side.
 
 A small Qwen2.5-VL-architecture tower whose output width is a real one (3584, as Qwen2.5-VL-7B),
 so the bytes moved per item are real (448x448 -> 256 rows x 3584: 3.7 MB in float32, the default
-here because this CPU runs small bf16 towers ~5x slower than fp32; 1.8 MB in bf16). Configurations:
+here because this CPU runs small bf16 towers ~5x slower than fp32; 1.8 MB in bf16).
 
-* ``tower_only_batched`` / ``tower_only_single``: preprocess + tower + row split, no delivery;
-* ``delivered_batched`` / ``delivered_single``: the whole worker (ZMQ intake, batching, send
-  ring, checksum, commit) delivering every item into a receiver in another process;
-* ``delivered_batched_no_checksum``: the same without the checksum, to show its cost.
+Every configuration runs the same real ``EncodeWorker`` (ZMQ intake, prepare / tower / stage
+threads, the scheduler's batching, send ring, checksum, the sender on the handshake loop, begin
+write and commit in the worker's own room table); only the sink differs:
 
-Ratios: delivered / tower-only (how much of the transfer hides behind compute) and batched /
-single (cross-request batching).
+* ``delivered``: a ``PrefillReceiver`` in another process registers every room over HTTP,
+  long-polls, and verifies and copies out each item written over ``--transport``;
+* ``null``: the bench registers every room in the worker's table in-process, offering a sink
+  that completes each write without moving a byte (on the same thread as the measured transport:
+  on the handshake loop for SHM, on a sender thread for Mooncake).
+
+The clock runs from minting the rooms (registration included) until the last item is published
+by the receiver (``delivered``) or committed (``null``). Each configuration, at batches of up to 8
+and of 1, has its own worker, started and warmed up once; rounds are interleaved (the order
+reversed every other round) and the median is reported, with the batch sizes the scheduler really
+formed (the worker's ``epd_encoder_batch_items`` histogram over the timed rounds).
 """
 
 from __future__ import annotations
@@ -21,12 +29,19 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
-from handshake.models import RoomState
+from data_plane.offers import LoopbackOffer
+from data_plane.transport import CompletedTransfer, Transfer, Transport
+from handshake.models import Registration, RoomState
 
 DEFAULT_CACHE = os.path.expanduser("~/.cache/epd-encode-worker")
+BATCH_ITEMS = (8, 1)
+SINKS = ("delivered", "null")
 
 
 def _images(count: int, size: int) -> list[bytes]:
@@ -50,81 +65,154 @@ def bench_tower(depth: int, hidden: int, width: int) -> str:
     return directory
 
 
-def _receiver_main(conn, pool_bytes: int) -> None:
+class NullSink(Transport):
+    """A transport whose writes complete inside ``submit`` without touching a byte. ``inline``:
+    whether the sender may run it on its loop, as it runs the transport it stands in for."""
+
+    name = "loopback"  # the sender picks transports by offer kind; the bench offers LoopbackOffers
+
+    def __init__(self, inline: bool):
+        self.copies_in_submit = inline
+
+    def register(self, region) -> None:
+        pass
+
+    def offer(self, pool, lease) -> LoopbackOffer:
+        return LoopbackOffer(kind="loopback", region=0, offset=lease.offset, capacity=lease.nbytes)
+
+    def reachable(self, offer) -> bool:
+        return True
+
+    def _submit(self, src: torch.Tensor, offer, deadline: float) -> Transfer:
+        return CompletedTransfer(src.numel(), deadline)
+
+
+def _receiver_main(conn, pool_bytes: int, width: int, dtype: str, transport: str) -> None:
     """The prefill side: the project's receiver library, one job per round for all its items."""
     from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
     from prefill_side import PrefillReceiver, ReceiverConfig
 
-    receiver = None
+    receiver = PrefillReceiver(ReceiverConfig(width=width, dtype=dtype, pool_bytes=pool_bytes,
+                                              transports=(transport,), item_timeout_s=300))
     conn.send("ready")
     try:
         while (message := conn.recv()) is not None:
-            port, rooms, rows, width, dtype, transport = message
-            if receiver is None:
-                receiver = PrefillReceiver(ReceiverConfig(width=width, dtype=dtype, pool_bytes=pool_bytes,
-                                                          transports=(transport,), item_timeout_s=300))
+            port, rooms, rows = message
             items = [MultimodalDataItem(Modality.IMAGE, offsets=[[0, rows - 1]],
                                         encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
                                                           "bootstrap_port": port}) for room in rooms]
             job = receiver.start("bench", MultimodalInputs(items))
             job.wait(600)
-            conn.send((time.monotonic(), [o.state for o in job.outcomes]))
+            conn.send((time.monotonic(), [o.state == "DONE" for o in job.outcomes]))
     finally:
-        if receiver is not None:
-            receiver.close()
+        receiver.close()
 
 
-def _decode(image: bytes):
-    from encode_worker.inputs import image_from_bytes
+@dataclass
+class Config:
+    sink: str  # "delivered" | "null"
+    batch_items: int
+    items_per_s: list[float] = field(default_factory=list)  # one per timed round
+    batches: Counter = field(default_factory=Counter)  # histogram bucket -> batches, timed rounds only
 
-    return image_from_bytes(image)
-
-
-def _tower_only(tower, images, batch_items: int) -> float:
-    import torch
-
-    from encode_worker.inputs import image_from_bytes
-    from multimodal.rows import split_rows
-
-    started = time.monotonic()
-    for start in range(0, len(images), batch_items):
-        inputs = [tower.processor(images=[image_from_bytes(b)], return_tensors="pt")
-                  for b in images[start:start + batch_items]]
-        pixel_values = torch.cat([i["pixel_values"] for i in inputs])
-        grid = torch.cat([i["image_grid_thw"] for i in inputs])
-        split_rows(tower.encode(pixel_values, grid), tower.rows_per_item(grid))
-    return len(images) / (time.monotonic() - started)
+    @property
+    def name(self) -> str:
+        return f"{self.sink}_{'batched' if self.batch_items > 1 else 'single'}"
 
 
-def _delivered(tower, images, batch_items: int, checksum: bool, transport: str, conn) -> tuple[float, int]:
-    from encode_worker.intake import IntakeClient
-    from encode_worker.worker import EncodeWorker, WorkerConfig
+def _batch_buckets(worker) -> Counter:
+    """The worker's own ``epd_encoder_batch_items`` histogram, per bucket ("1", "2", "3-4", ...):
+    how many tower batches of that many items it ran, ever."""
+    (metric,) = worker.metrics.batch_items.collect()
+    buckets, below, previous = Counter(), 0, 0.0
+    for sample in metric.samples:
+        if sample.name.endswith("_bucket"):
+            upper = float(sample.labels["le"])
+            low = int(previous) + 1
+            if upper == float("inf"):
+                label = f">{int(previous)}"
+            else:
+                label = str(low) if low == int(upper) else f"{low}-{int(upper)}"
+            buckets[label] = int(sample.value) - below
+            below, previous = int(sample.value), upper
+    return buckets
 
-    config = WorkerConfig(model=tower.model_id, dtype=str(tower.dtype).removeprefix("torch."), transports=("shm", "mooncake"), bind="127.0.0.1",
-                          bootstrap_port=0, intake_port=0, batch_items=batch_items, queue_items=len(images),
-                          cache_bytes=0, checksum=checksum, ring_bytes=256 << 20)
-    worker = EncodeWorker(config, tower=tower).start()
-    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
-    try:
-        rooms = worker.table.mint(len(images), 300)
-        rows = tower.rows_per_item(tower.processor(images=[_decode(images[0])], return_tensors="pt")["image_grid_thw"])[0]
-        conn.send((worker.bootstrap_port, rooms, rows, tower.info.wire_width, str(tower.dtype).removeprefix("torch."),
-                   transport))
-        while not all(worker.table.view(room).state is RoomState.REGISTERED for room in rooms):
-            time.sleep(0.01)  # every receiver is in place before the clock starts
-        started = time.monotonic()
-        for index, (room, image) in enumerate(zip(rooms, images)):
-            body = {"request_id": f"b{index}", "source": "bytes", "content_hash": index + 1,
-                    "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                         "bootstrap_port": worker.bootstrap_port}}
-            while not intake.send(body, image)["ok"]:
-                time.sleep(0.005)
-        finished, states = conn.recv()  # CLOCK_MONOTONIC: comparable across processes on one host
-        delivered = states.count("DONE")
-        return delivered / (finished - started), len(images) - delivered
-    finally:
-        intake.close()
-        worker.stop()
+
+class EncodeBench:
+    """One worker per configuration, started once, and the receiver process, for every round."""
+
+    def __init__(self, tower, images: list[bytes], transport: str, receiver_conn):
+        from encode_worker.inputs import image_from_bytes
+        from encode_worker.worker import EncodeWorker, WorkerConfig
+
+        self.tower = tower
+        self.receiver = receiver_conn
+        self.dtype = str(tower.dtype).removeprefix("torch.")
+        grid = tower.processor(images=[image_from_bytes(images[0])], return_tensors="pt")["image_grid_thw"]
+        self.rows = tower.rows_per_item(grid)[0]
+        self.nbytes = self.rows * tower.info.wire_width * tower.dtype.itemsize
+        self.workers = {}
+        for sink in SINKS:  # "delivered" first: the null sinks run where its transport runs
+            for batch in BATCH_ITEMS:
+                config = WorkerConfig(model=tower.model_id, dtype=self.dtype, bind="127.0.0.1", bootstrap_port=0,
+                                      intake_port=0, batch_items=batch, queue_items=len(images), cache_bytes=0,
+                                      ring_bytes=256 << 20)
+                transports = None  # the worker builds the real ones
+                if sink == "null":
+                    measured = self.workers[("delivered", batch)].transports[transport]
+                    transports = {"loopback": NullSink(inline=measured.copies_in_submit)}
+                self.workers[(sink, batch)] = EncodeWorker(config, tower=tower, transports=transports).start()
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.stop()
+
+    def round(self, sink: str, batch: int, images: list[bytes]) -> tuple[float, int, Counter]:
+        """One timed round: (items/s, items not delivered, batches the scheduler formed)."""
+        from encode_worker.intake import IntakeClient
+
+        worker = self.workers[(sink, batch)]
+        intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+        before = _batch_buckets(worker)
+        try:
+            started = time.monotonic()
+            rooms = worker.table.mint(len(images), 300)
+            if sink == "delivered":
+                self.receiver.send((worker.bootstrap_port, rooms, self.rows))
+            else:
+                for room in rooms:
+                    worker.table.register(Registration(
+                        room=room, generation=1, rows=self.rows, width=self.tower.info.wire_width, dtype=self.dtype,
+                        offers=[LoopbackOffer(kind="loopback", region=0, offset=0, capacity=self.nbytes)]))
+            for index, (room, image) in enumerate(zip(rooms, images)):
+                body = {"request_id": f"b{index}", "source": "bytes",
+                        "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
+                                             "bootstrap_port": worker.bootstrap_port}}
+                while not intake.send(body, image)["ok"]:
+                    time.sleep(0.005)
+            if sink == "delivered":
+                finished, done = self.receiver.recv()  # CLOCK_MONOTONIC: one clock for the processes of a host
+                delivered = sum(done)
+            else:
+                finished, delivered = worker.loop.run(_committed(worker.table, rooms))
+        finally:
+            intake.close()
+        return len(images) / (finished - started), len(images) - delivered, _batch_buckets(worker) - before
+
+
+async def _committed(table, rooms: list[int]) -> tuple[float, int]:
+    """On the worker's loop, until every room has ended: (when the last one did, how many ended in
+    SUCCESS)."""
+    versions = {room: 0 for room in rooms}
+    success = 0
+    while versions:
+        for room, view in zip(list(versions), await table.watch(versions, 1.0)):
+            if view.state.terminal:
+                success += view.state is RoomState.SUCCESS
+                del versions[room]
+            else:
+                versions[room] = view.version
+    return time.monotonic(), success
 
 
 def run(items: int = 48, size: int = 448, depth: int = 2, hidden: int = 64, width: int = 3584,
@@ -134,52 +222,68 @@ def run(items: int = 48, size: int = 448, depth: int = 2, hidden: int = 64, widt
 
     tower = VisionTower.load(bench_tower(depth, hidden, width), dtype=dtype)
     images = _images(items, size)
-    _tower_only(tower, images[:8], 8)  # warm-up
     context = mp.get_context("spawn")
     conn, child = context.Pipe()
-    receiver = context.Process(target=_receiver_main, args=(child, 512 << 20), daemon=True)
+    receiver = context.Process(target=_receiver_main, daemon=True,
+                               args=(child, 512 << 20, tower.info.wire_width, dtype, transport))
     receiver.start()
     child.close()
     assert conn.recv() == "ready"
-    results: dict[str, list[float]] = {}
+    configs = [Config(sink, batch) for batch in BATCH_ITEMS for sink in SINKS]
     failures = 0
+    bench = None
     try:
-        for round_index in range(rounds):  # interleaved rounds; median per configuration
-            for name, batch in (("tower_only_batched", 8), ("tower_only_single", 1)):
-                results.setdefault(name, []).append(_tower_only(tower, images, batch))
-            for name, batch, checksum in (("delivered_batched", 8, True), ("delivered_single", 1, True),
-                                          ("delivered_batched_no_checksum", 8, False)):
-                rate, failed = _delivered(tower, images, batch, checksum, transport, conn)
+        bench = EncodeBench(tower, images, transport, conn)
+        for config in configs:  # warm-up: first connections and mappings, the tower's first calls
+            bench.round(config.sink, config.batch_items, images[:8])
+        for round_index in range(rounds):
+            for config in configs if round_index % 2 == 0 else configs[::-1]:
+                rate, failed, batches = bench.round(config.sink, config.batch_items, images)
+                config.items_per_s.append(rate)
+                config.batches += batches
                 failures += failed
-                results.setdefault(name, []).append(rate)
             progress(f"  round {round_index + 1}/{rounds}: "
-                     + ", ".join(f"{k} {v[-1]:.1f}/s" for k, v in results.items()))
+                     + ", ".join(f"{c.name} {c.items_per_s[-1]:.1f}/s" for c in configs))
     finally:
+        if bench is not None:
+            bench.close()
         conn.send(None)
         receiver.join(30)
-    medians = {name: statistics.median(values) for name, values in results.items()}
+    median = {c.name: statistics.median(c.items_per_s) for c in configs}
     ratios = {
-        "delivered/tower_only (batched)": medians["delivered_batched"] / medians["tower_only_batched"],
-        "batched/single (delivered)": medians["delivered_batched"] / medians["delivered_single"],
-        "batched/single (tower only)": medians["tower_only_batched"] / medians["tower_only_single"],
-        "checksum on/off (delivered, batched)": medians["delivered_batched"] / medians["delivered_batched_no_checksum"],
+        "delivered/null (batched)": median["delivered_batched"] / median["null_batched"],
+        "delivered/null (single)": median["delivered_single"] / median["null_single"],
+        "batched/single (delivered)": median["delivered_batched"] / median["delivered_single"],
+        "batched/single (null sink)": median["null_batched"] / median["null_single"],
     }
-    return {"items": items, "size": size, "dtype": dtype,
+    return {"items": items, "size": size, "dtype": dtype, "rounds": rounds, "transport": transport,
             "tower": {"depth": depth, "hidden": hidden, "out_width": width},
-            "transport": transport,
-            "items_per_s": medians, "ratios": ratios, "failed_items": failures, "rounds": rounds}
+            "configs": {c.name: {"sink": c.sink, "batch_items_max": c.batch_items,
+                                 "items_per_s": median[c.name], "items_per_s_rounds": c.items_per_s,
+                                 "batches": {label: n for label, n in c.batches.items() if n},
+                                 "items_per_batch_mean": _mean_batch(c.batches, items * rounds)}
+                        for c in configs},
+            "ratios": ratios, "failed_items": failures}
+
+
+def _mean_batch(batches: Counter, items: int) -> float | None:
+    count = sum(batches.values())
+    return items / count if count else None
 
 
 def main(args) -> int:
     print(f"epd-bench encode: {args.items} images of {args.size}x{args.size}, tower depth {args.depth} hidden "
           f"{args.hidden} out width {args.width} ({args.dtype}), transport {args.transport}, {args.rounds} rounds")
     report = run(args.items, args.size, args.depth, args.hidden, args.width, args.transport, args.rounds, args.dtype)
-    print("\nitems/s (median):")
-    for name, value in report["items_per_s"].items():
-        print(f"  {name:32s} {value:7.1f}")
-    print("ratios:")
+    print(f"\n{'configuration':18s} {'items/s':>8s}  {'per round':24s} batches formed (items: count), mean")
+    for name, row in report["configs"].items():
+        rounds = " ".join(f"{v:.1f}" for v in row["items_per_s_rounds"])
+        batches = " ".join(f"{label}:{n}" for label, n in row["batches"].items())
+        mean = row["items_per_batch_mean"]
+        print(f"  {name:16s} {row['items_per_s']:8.1f}  {rounds:24s} {batches}, {mean or 0:.2f}")
+    print("ratios (medians, same run):")
     for name, value in report["ratios"].items():
-        print(f"  {name:40s} {value:5.2f}")
+        print(f"  {name:28s} {value:5.2f}")
     if report["failed_items"]:
         print(f"FAILED items: {report['failed_items']}")
     if args.json:
