@@ -339,7 +339,8 @@ class Conn:
         return asyncio.ensure_future(run())
 
     async def wait_rooms(self, url: str, rooms: list[int], until, timeout_s: float = 30.0) -> dict[int, object]:
-        """Long-poll ``rooms`` at ``url`` until ``until(views)`` holds (views by room); the views."""
+        """Long-poll ``rooms`` at ``url`` until ``until(views)`` holds, or every room is terminal
+        (views by room); the views. ``TimeoutError`` if neither happens within ``timeout_s``."""
         from handshake.models import RoomState
 
         client = self.rooms(url)
@@ -352,11 +353,14 @@ class Conn:
                 if result.ok:
                     views[result.room] = result.view
                     versions[result.room] = result.view.version
-            if until(views) or time.monotonic() >= end:
+            if until(views):
                 return views
             if all(v.state is not RoomState.PENDING and v.state.terminal for v in views.values()) \
                     and len(views) == len(rooms):
                 return views
+            if time.monotonic() >= end:
+                raise TimeoutError(f"rooms at {url} not as awaited within {timeout_s} s: "
+                                   f"{ {room: view.state.value for room, view in views.items()} }")
 
     def tally(self, outcome: FaultOutcome, posted: Posted, items, affected: dict[int, float],
               expect_reason: str | None = None) -> FaultOutcome:
@@ -554,8 +558,10 @@ async def prefill_killed_after_registering(lab: FaultLab, conn: Conn, rng: rando
     await _registered(conn, v.url, [i.encode_handshake.bootstrap_room for i in on_v])
     killed = time.monotonic()
     lab.cluster.kill(pv, signal.SIGKILL)
-    with contextlib.suppress(Exception):
-        await posted  # the connection dies with the process
+    import aiohttp
+
+    with contextlib.suppress(aiohttp.ClientError):
+        await posted  # the connection dies with the process (anything else is raised)
     for item in on_a:
         await conn.send(a, item, request_id)
     for item in on_v:
@@ -882,18 +888,22 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
         for path in paths:
             for body in MALFORMED_BODIES:
                 started = time.monotonic()
+                # a body over a server's limit is refused from its Content-Length and the connection
+                # closed: with Expect: 100-continue the client reads that answer before sending the
+                # body (without it, the refusal can be lost to the connection closing mid-send)
                 try:
-                    async with conn._session.post(url + path, data=body,
+                    async with conn._session.post(url + path, data=body, expect100=len(body) > (1 << 20),
                                                   headers={"content-type": "application/json"}) as response:
                         await response.read()
                         status = response.status
-                except aiohttp.ClientError:
-                    # a body over the limit: answered 413 at once and the connection closed while
-                    # the client was still sending; anything else must get an answer
-                    status = 413 if len(body) > (1 << 20) else 599
+                except aiohttp.ClientError as exc:
+                    status, error = None, f"{type(exc).__name__}: {exc}"  # no answer at all: a finding
                 statuses.append(status)
-                if not 400 <= status < 500:
-                    outcome.notes.setdefault("bad_statuses", []).append((url + path, body[:40], status))
+                if len(body) > (1 << 20):
+                    outcome.notes.setdefault("oversized_statuses", {})[url + path] = status
+                if status is None or not 400 <= status < 500:
+                    outcome.notes.setdefault("bad_statuses", []).append(
+                        (url + path, body[:40], status if status is not None else error))
                 outcome.affected.append({"state": f"HTTP {status}", "reason": path,
                                          "ttf_s": time.monotonic() - started})
     # a well-formed SHM handle naming no segment: accepted, then its room fails with the reason
@@ -912,9 +922,9 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
                              "reason": view.reason, "ttf_s": time.monotonic() - started})
     outcome.notes["bad_shm_handle"] = {"intake_ok": reply["ok"], "room": view.state.value, "reason": view.reason}
     outcome.notes["intake_replies"] = len(replies)
-    outcome.notes["http_statuses"] = sorted(set(statuses))
+    outcome.notes["http_statuses"] = sorted(set(statuses), key=str)
     outcome.expected = (len(replies) == len(MALFORMED_FRAMES) and not any(r["ok"] for r in replies)
-                        and all(400 <= s < 500 for s in statuses) and view.state.value == "FAILED")
+                        and all(s is not None and 400 <= s < 500 for s in statuses) and view.state.value == "FAILED")
     for entry in outcome.affected:
         entry["state"] = "FAILED" if entry["state"] != "ACCEPTED" else "DONE"
     outcome.notes["serves_after"] = await serves(lab, conn, rng)
@@ -968,6 +978,9 @@ def mooncake_ports_taken():
             break
         except OSError:
             continue
+    else:
+        holder.close()
+        raise RuntimeError("no free port in 15000..17000 to hold")
     holder.listen()
     try:
         yield {"MC_MIN_RPC_PORT": str(port), "MC_MAX_RPC_PORT": str(port)}
