@@ -262,6 +262,7 @@ def test_concurrent_lifecycles_all_succeed(served):
         thread.start()
     for thread in threads:
         thread.join(60)
+        assert not thread.is_alive(), "a client thread did not finish within 60 s"
     assert not errors
 
 
