@@ -1,8 +1,21 @@
 """`epd-bench handshake`: full room lifecycles through the project's client against a real server.
 
-The server (`python -m handshake.server`) runs in its own process on loopback; the client here
-runs N concurrent loops of: mint -> register receiver -> commit -> receiver observes the commit
-(``/v1/rooms/watch`` long-poll, the route the prefill receiver uses). Then the same with 8-room batches (one call per step for 8 rooms).
+The server (`python -m handshake.server`, its default limits) runs in its own process on
+loopback; the client here runs N concurrent lifecycles, each the production sequence with the
+production calls:
+
+1. the dispatcher mints the room;
+2. at once, concurrently: the receiver registers and long-polls in the same call (as
+   ``PrefillReceiver`` does), then long-polls ``/v1/rooms/watch`` until SUCCESS; the sender (an
+   encode worker reaching a standalone handshake over REST, as ``Sender`` with ``RemoteRooms``
+   does) long-polls from version 0 until the receiver is there,
+3. then calls ``begin_write`` and ``commit``; the receiver's long-poll returns SUCCESS.
+
+The sender writes only once it has seen the registration, so the receiver is always waiting in
+its long-poll when the write begins. The batch form does each call for 8 rooms at once. Every
+(batch, concurrency) level runs once per round, rounds interleaved (the order reversed every
+other round); per level: the median throughput over the rounds and the latency percentiles of
+all its lifecycles.
 """
 
 from __future__ import annotations
@@ -15,13 +28,19 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 from data_plane.offers import LoopbackOffer
 from handshake.client import HandshakeClient
 from handshake.loops import new_event_loop
-from handshake.models import CommitBody, Registration, RoomState
+from handshake.models import BeginWrite, CommitBody, Registration, RoomState
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+BATCHES = (1, 8)
+POLL_S = 0.5  # the long-poll slice of both sides (ReceiverConfig.poll_s, Sender's wait)
+WRITER = "epd-bench-sender"
+# goals (docs/performance.md): lifecycles/s at p99 <= 20 ms one room at a time; rooms/s in 8-room batches
+GOAL_LIFECYCLES_PER_S, GOAL_P99_MS, GOAL_ROOMS_PER_S = 1000, 20.0, 5000
 
 
 def _free_port() -> int:
@@ -32,8 +51,8 @@ def _free_port() -> int:
 
 def start_server(port: int) -> subprocess.Popen:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    process = subprocess.Popen([sys.executable, "-m", "handshake.server", "--host", "127.0.0.1", "--port", str(port),
-                                "--max-live-rooms", "200000"], env=env)
+    process = subprocess.Popen([sys.executable, "-m", "handshake.server", "--host", "127.0.0.1", "--port", str(port)],
+                               env=env)
     end = time.monotonic() + 30
     while time.monotonic() < end:
         try:
@@ -55,71 +74,139 @@ def _commit(room: int) -> CommitBody:
                       checksum=12345)
 
 
-async def _lifecycle(client: HandshakeClient, batch: int) -> None:
+def _views(results) -> dict:
+    if not all(result.ok for result in results):
+        raise RuntimeError(f"room calls refused: {[result.error for result in results if not result.ok]}")
+    return {result.room: result.view for result in results}
+
+
+async def _receiver(client: HandshakeClient, rooms: list[int]) -> int:
+    """Register and long-poll until every room is SUCCESS; returns the calls it made."""
+    views = _views(await client.register([_registration(room) for room in rooms], wait_s=POLL_S))
+    calls = 1
+    while True:
+        if any(view.state.terminal and view.state is not RoomState.SUCCESS for view in views.values()):
+            raise RuntimeError(f"lifecycle ended in {[view.state.value for view in views.values()]}")
+        live = {room: view.version for room, view in views.items() if view.state is not RoomState.SUCCESS}
+        if not live:
+            return calls
+        views.update(_views(await client.watch(live, wait_s=POLL_S)))
+        calls += 1
+
+
+async def _sender(client: HandshakeClient, rooms: list[int]) -> int:
+    """Long-poll until every room has its receiver, then begin the write and commit; returns the
+    calls it made."""
+    waiting = {room: 0 for room in rooms}  # Sender._wait_for_receiver starts from version 0
+    calls = 0
+    while waiting:
+        views = _views(await client.watch(waiting, wait_s=POLL_S))
+        calls += 1
+        for room, view in views.items():
+            if view.state is RoomState.PENDING:
+                waiting[room] = view.version
+            elif view.state is RoomState.REGISTERED:
+                del waiting[room]
+            else:
+                raise RuntimeError(f"room {room} is {view.state.value} before the write")
+    _views(await client.begin_write([BeginWrite(room=room, generation=1, transport="loopback", writer=WRITER)
+                                     for room in rooms]))
+    _views(await client.commit([_commit(room) for room in rooms]))
+    return calls + 2
+
+
+@dataclass
+class Level:
+    batch: int
+    concurrency: int
+    lifecycles_per_s: list[float] = field(default_factory=list)  # one per round
+    latencies_s: list[float] = field(default_factory=list)  # every lifecycle of every round
+    receiver_calls: int = 0
+    sender_calls: int = 0
+
+    def summary(self) -> dict:
+        latencies = sorted(self.latencies_s)
+        count = len(latencies)
+        lifecycles_per_s = statistics.median(self.lifecycles_per_s)
+        row = {"batch": self.batch, "concurrency": self.concurrency, "lifecycles": count,
+               "lifecycles_per_s": lifecycles_per_s, "rooms_per_s": lifecycles_per_s * self.batch,
+               "lifecycles_per_s_rounds": self.lifecycles_per_s,
+               "p50_ms": statistics.median(latencies) * 1e3,
+               "p99_ms": latencies[min(count - 1, int(count * 0.99))] * 1e3,
+               "receiver_calls_per_lifecycle": self.receiver_calls / count,
+               "sender_calls_per_lifecycle": self.sender_calls / count}
+        if self.batch == 1:
+            row["meets_goal"] = row["lifecycles_per_s"] >= GOAL_LIFECYCLES_PER_S and row["p99_ms"] <= GOAL_P99_MS
+        else:
+            row["meets_goal"] = row["rooms_per_s"] >= GOAL_ROOMS_PER_S
+        return row
+
+
+async def _lifecycle(client: HandshakeClient, batch: int) -> tuple[int, int]:
     rooms = await client.mint(batch, ttl_s=60)
-    registered = await client.register([_registration(r) for r in rooms])
-    versions = {r.room: r.view.version for r in registered}
-    await client.commit([_commit(r) for r in rooms])
-    observed = [r.view.state for r in await client.watch(versions, wait_s=5)]  # the receiver's long-poll
-    if any(state is not RoomState.SUCCESS for state in observed):
-        raise RuntimeError(f"lifecycle ended in {observed}")
+    return tuple(await asyncio.gather(_receiver(client, rooms), _sender(client, rooms)))
 
 
-async def _load(url: str, concurrency: int, batch: int, seconds: float) -> dict:
+async def _load(url: str, level: Level, seconds: float) -> None:
     client = HandshakeClient(url, timeout_s=10)
-    latencies: list[float] = []
     end = time.monotonic() + seconds
+    count = 0
 
     async def loop():
+        nonlocal count
         while time.monotonic() < end:
             started = time.perf_counter()
-            await _lifecycle(client, batch)
-            latencies.append(time.perf_counter() - started)
+            receiver_calls, sender_calls = await _lifecycle(client, level.batch)
+            level.latencies_s.append(time.perf_counter() - started)
+            level.receiver_calls += receiver_calls
+            level.sender_calls += sender_calls
+            count += 1
 
-    for _ in range(5):  # warm the connection pool
-        await _lifecycle(client, batch)
-    started = time.monotonic()
-    await asyncio.gather(*(loop() for _ in range(concurrency)))
-    elapsed = time.monotonic() - started
-    await client.close()
-    latencies.sort()
-    return {"concurrency": concurrency, "batch": batch, "lifecycles": len(latencies),
-            "lifecycles_per_s": len(latencies) / elapsed, "rooms_per_s": len(latencies) * batch / elapsed,
-            "p50_ms": statistics.median(latencies) * 1e3,
-            "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3}
+    try:
+        for _ in range(5):  # warm the connection pool
+            await _lifecycle(client, level.batch)
+        started = time.monotonic()
+        await asyncio.gather(*(loop() for _ in range(level.concurrency)))
+        level.lifecycles_per_s.append(count / (time.monotonic() - started))
+    finally:
+        await client.close()
 
 
-def run(seconds: float = 3.0, concurrency=CONCURRENCY, progress=print) -> dict:
+def run(seconds: float = 1.0, rounds: int = 3, concurrency=CONCURRENCY, progress=print) -> dict:
     port = _free_port()
     server = start_server(port)
     url = f"http://127.0.0.1:{port}"
-    rows = []
+    levels = [Level(batch, level) for batch in BATCHES for level in concurrency]
     try:
-        for batch in (1, 8):
-            for level in concurrency:
+        for round_index in range(rounds):
+            for level in levels if round_index % 2 == 0 else levels[::-1]:
                 with asyncio.Runner(loop_factory=new_event_loop) as runner:
-                    row = runner.run(_load(url, level, batch, seconds))
-                rows.append(row)
-                progress(f"  batch {batch}  concurrency {level:3d}  {row['lifecycles_per_s']:7.0f} lifecycles/s  "
-                         f"{row['rooms_per_s']:7.0f} rooms/s  p50 {row['p50_ms']:5.1f} ms  p99 {row['p99_ms']:5.1f} ms")
+                    runner.run(_load(url, level, seconds))
+            progress(f"  round {round_index + 1}/{rounds} done")
     finally:
         server.terminate()
         server.wait(10)
-    singles = [r for r in rows if r["batch"] == 1]
-    within = [r for r in singles if r["p99_ms"] <= 20] or singles
-    best = max(within, key=lambda r: r["lifecycles_per_s"])
-    best8 = max((r for r in rows if r["batch"] == 8), key=lambda r: r["rooms_per_s"])
-    return {"lifecycles_per_s": best["lifecycles_per_s"], "p50_ms": best["p50_ms"], "p99_ms": best["p99_ms"],
-            "best_concurrency": best["concurrency"], "rooms_per_s_batch8": best8["rooms_per_s"],
-            "best_concurrency_batch8": best8["concurrency"], "runs": rows}
+    rows = [level.summary() for level in levels]
+    return {"seconds_per_level_per_round": seconds, "rounds": rounds, "levels": rows,
+            "goals": {f"batch 1: >= {GOAL_LIFECYCLES_PER_S} lifecycles/s at p99 <= {GOAL_P99_MS:.0f} ms":
+                      [r["concurrency"] for r in rows if r["batch"] == 1 and r["meets_goal"]],
+                      f"batch 8: >= {GOAL_ROOMS_PER_S} rooms/s":
+                      [r["concurrency"] for r in rows if r["batch"] == 8 and r["meets_goal"]]}}
 
 
 def main(args) -> int:
-    print(f"epd-bench handshake: {args.seconds:.0f} s per level; server in its own process on loopback")
-    report = run(args.seconds)
-    print(f"\nbest with p99 <= 20 ms: {report['lifecycles_per_s']:.0f} lifecycles/s at concurrency "
-          f"{report['best_concurrency']} (p50 {report['p50_ms']:.1f} ms, p99 {report['p99_ms']:.1f} ms); "
-          f"8-room batches: {report['rooms_per_s_batch8']:.0f} rooms/s")
+    print(f"epd-bench handshake: {args.seconds:g} s per level and round, {args.rounds} rounds; server in its own "
+          "process on loopback, default limits")
+    report = run(args.seconds, args.rounds)
+    print(f"\n{'batch':>5s} {'conc':>5s} {'lifecycles/s':>13s} {'rooms/s':>8s} {'p50 ms':>7s} {'p99 ms':>7s} "
+          f"{'calls recv/send':>16s}  goal  per round")
+    for row in report["levels"]:
+        rounds = " ".join(f"{v:.0f}" for v in row["lifecycles_per_s_rounds"])
+        print(f"{row['batch']:5d} {row['concurrency']:5d} {row['lifecycles_per_s']:13.0f} {row['rooms_per_s']:8.0f} "
+              f"{row['p50_ms']:7.1f} {row['p99_ms']:7.1f} {row['receiver_calls_per_lifecycle']:8.2f}/"
+              f"{row['sender_calls_per_lifecycle']:<7.2f}  {'met ' if row['meets_goal'] else '-   '}  {rounds}")
+    for goal, levels in report["goals"].items():
+        print(f"{goal}: {'met at concurrency ' + ', '.join(map(str, levels)) if levels else 'not met at any level'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
