@@ -50,14 +50,17 @@ class Receiver:
                                            dtype=layout.dtype, offers=offers))
 
     def wait(self, room: int, timeout: float = 30.0):
-        """(state, rows or None, view) once the room is terminal."""
+        """(state, rows or None, view) once the room is terminal; ``TimeoutError`` if it is not
+        within ``timeout`` seconds."""
         end = time.monotonic() + timeout
         version = 0
-        while time.monotonic() < end:
+        while True:
             view = self._watch(room, version)
             version = view.version
             if view.state.terminal:
                 break
+            if time.monotonic() >= end:
+                raise TimeoutError(f"room {room} still {view.state.value} after {timeout} s")
         lease, layout = self.reserved[room]
         if view.state is RoomState.SUCCESS:
             return view.state, accept_commit(self.pool, lease, layout, Commit.of(view.commit)).clone(), view

@@ -32,16 +32,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, seconds: float = 60) -> None:
+def wait_ready(url: str, seconds: float = 60, path: str = "/readyz") -> None:
+    """Until ``url + path`` answers 200; ``TimeoutError`` if it does not within ``seconds``."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         try:
-            with urllib.request.urlopen(url + "/readyz", timeout=1) as response:
+            with urllib.request.urlopen(url + path, timeout=1) as response:
                 if response.status == 200:
                     return
         except OSError:
             time.sleep(0.1)
-    raise TimeoutError("encode worker never became ready")
+    raise TimeoutError(f"{url}{path} did not answer 200 within {seconds} s")
+
+
+def wait_room(client, room: int, state: RoomState, seconds: float = 30):
+    """Long-poll ``room`` until it is in ``state``; fail if it ends in another, or is not there
+    within ``seconds``."""
+    end = time.monotonic() + seconds
+    version = 0
+    while time.monotonic() < end:
+        (result,) = client.watch({room: version}, 1.0)
+        assert result.ok, result.error
+        if result.view.state is state:
+            return result.view
+        assert not result.view.state.terminal, result.view
+        version = result.view.version
+    raise TimeoutError(f"room {room} not {state.value} within {seconds} s")
+
+
+def ring_occupancy(url: str) -> float:
+    """The worker's ``epd_encoder_ring_occupancy`` gauge, from its /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("epd_encoder_ring_occupancy "):
+                return float(line.split()[1])
+    raise AssertionError("no epd_encoder_ring_occupancy in /metrics")
+
+
+def wait_until(condition, what: str, seconds: float = 30) -> None:
+    end = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() >= end:
+            raise TimeoutError(f"{what}: not within {seconds} s")
+        time.sleep(0.05)
 
 
 def spawn_worker(directory):
@@ -89,12 +122,14 @@ def test_delivery_across_processes(worker_process, transport):
             expected = tower.encode_items(**_inputs(tower, image))[0]
             if index == 0:  # receiver first
                 receiver.reserve(room, expected.shape[0], expected.shape[1], expected.dtype)
+            else:  # the ring is empty again (the first item's slot freed): a staged item shows in it
+                wait_until(lambda: ring_occupancy(url) == 0, "the send ring empty after the first item")
             reply = intake.send({"request_id": f"{transport}{index}", "source": "bytes",
                                  "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
                                                       "bootstrap_port": int(url.rsplit(":", 1)[1])}}, image)
             assert reply["ok"], reply
             if index == 1:  # encoder first: the rows wait in the ring for the receiver
-                time.sleep(0.3)
+                wait_until(lambda: ring_occupancy(url) > 0, "the rows staged in the send ring")
                 receiver.reserve(room, expected.shape[0], expected.shape[1], expected.dtype)
             state, got, view = receiver.wait(room)
             assert state is RoomState.SUCCESS, view.reason
@@ -187,7 +222,7 @@ def test_encode_worker_killed_fails_the_job_fast_and_falls_back(checkpoint):
                                   encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
                                                     "bootstrap_port": port})
         job = receiver.start("req", MultimodalInputs([item]))
-        time.sleep(0.5)  # registered; the pixels never arrive, and then the worker dies
+        wait_room(client, room, RoomState.REGISTERED)  # the pixels never arrive, and then the worker dies
         process.kill()
         killed = time.monotonic()
         assert job.wait(10) is JobState.DONE
@@ -217,13 +252,7 @@ def test_reference_prefill_process_receives_and_verifies(worker_process, checkpo
     client = SyncHandshakeClient(url)
     intake = IntakeClient(f"tcp://127.0.0.1:{intake_port}")
     try:
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{prefill_port}/healthz", timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_ready(f"http://127.0.0.1:{prefill_port}", path="/healthz")
         images = [png(64, 64, 51), png(200, 300, 52)]
         rooms = client.mint(len(images))
         items = []
