@@ -17,6 +17,7 @@ import asyncio
 import base64
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -179,6 +180,23 @@ def _wire_rows(item: MultimodalDataItem) -> torch.Tensor:
     return item.encoded
 
 
+class TowerCalls:
+    """A ``VisionTower`` that runs at most ``calls`` forward passes at once (colocated items,
+    fallback, verification); decoding and preprocessing stay concurrent. With 1, as an engine's
+    model runner runs its encoder, and as an encode worker runs its tower (one encode thread)."""
+
+    def __init__(self, tower, calls: int):
+        self.tower = tower
+        self._calls = threading.BoundedSemaphore(calls)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tower, name)
+
+    def encode_items(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        with self._calls:
+            return self.tower.encode_items(pixel_values, grid_thw)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd-prefill", description=__doc__.split("\n\n")[0])
     env = os.environ.get
@@ -196,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quarantine-s", type=float, default=float(env("EPD_QUARANTINE_S", "40")),
                         help="hold a failed slot this long (above the encode workers' Mooncake transfer timeout)")
     parser.add_argument("--fallback", choices=("fail", "local_tower"), default=env("EPD_FALLBACK", "fail"))
+    parser.add_argument("--tower-calls", type=int, default=int(env("EPD_TOWER_CALLS", "1")),
+                        help="local tower forward passes at once (colocated items, fallback, verification)")
     parser.add_argument("--max-body-bytes", type=int, default=int(env("EPD_MAX_BODY_BYTES", str(MAX_BODY_BYTES))),
                         help="largest accepted request body")
     parser.add_argument("--require-checksum", action=argparse.BooleanOptionalAction,
@@ -224,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         from encode_worker.tower import VisionTower
 
-        tower = VisionTower.load(args.model, dtype=args.dtype)
+        tower = TowerCalls(VisionTower.load(args.model, dtype=args.dtype), args.tower_calls)
         width = width or tower.info.wire_width
         deepstack = deepstack or tower.info.out_width * tower.info.deepstack_levels
     if width <= 0:
