@@ -2,28 +2,37 @@
 
 Processes: one encode worker and one reference prefill process (`epd-prefill`, with the tower
 loaded too); the dispatcher and the load generator run here. Configurations, each for
-``seconds`` at a fixed number of concurrent clients (closed loop):
+``seconds`` per round at a fixed number of concurrent clients (closed loop):
 
 * ``epd``: the dispatcher places every image on the encode worker, which batches across
   requests and writes the rows into the prefill process (SHM or Mooncake TCP);
-* ``colocated``: the prefill process gets the image bytes and runs its own tower on each request's
-  images (one batch per request), as an engine without EPD does.
+* ``colocated``: the prefill process runs its own tower on each request's images (one batch per
+  request), as an engine without EPD does.
+
+Equal inputs and tower concurrency on both sides: every request reaches the prefill process the
+same way, its images in the body (as a gateway forwards them to the engine in both deployments;
+only EPD's items carry a room), and the prefill process runs one tower call at a time
+(``--tower-calls 1``), as the encode worker does (one encode thread). Rounds are interleaved (the
+order reversed every other round) and each figure is the median over the rounds.
 
 A request's latency runs from its start until every item's rows are published in the prefill
 process (the point prefill could start). Per item, EPD's time splits into queue, encode, transfer
-and the rest (dispatch, rooms, commit checks). Writes JSON and a PNG plot.
+and the rest (dispatch, rooms, commit checks). Writes JSON (every round) and a PNG plot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
 
 from bench.images import synthetic_image
 
 SIDES = ("queue", "encode", "transfer", "handshake")
+MODES = ("epd", "colocated")
+WORKER_TOWER_CALLS = 1  # an encode worker runs its tower on one encode thread
 
 
 async def _client(mode: str, dispatcher, session, prefill_url: str, images_per_request: int, pool: list[bytes],
@@ -35,15 +44,10 @@ async def _client(mode: str, dispatcher, session, prefill_url: str, images_per_r
         images = [pool[(index * images_per_request + i) % len(pool)] for i in range(images_per_request)]
         request_id = f"{mode}-{images_per_request}-{index}"
         started = time.monotonic()
-        if mode == "epd":
-            items = await dispatcher.dispatch(request_id, images)
-            body = prefill_body(request_id, items, verify=False)
-        else:
-            items = dispatcher.describe(images)  # rows from the header, as the gateway would
-            body = prefill_body(request_id, items, verify=True)  # image bytes travel; no rooms
-            for entry in body["items"]:
-                entry["encode_handshake"] = None
-            body["verify"] = False
+        # the same body either way: the images travel with the request; EPD's items also carry rooms
+        items = await dispatcher.dispatch(request_id, images) if mode == "epd" else dispatcher.describe(images)
+        body = prefill_body(request_id, items, verify=True)
+        body["verify"] = False
         posted = time.monotonic()
         async with session.post(prefill_url + "/v1/prefill", json=body) as response:
             report = await response.json()
@@ -87,7 +91,7 @@ async def _run_config(mode: str, images_per_request: int, concurrency: int, seco
     }
 
 
-def run(images_per_request=(1, 8), size: int = 448, concurrency: int = 4, seconds: float = 10.0,
+def run(images_per_request=(1, 8), size: int = 448, concurrency: int = 4, seconds: float = 5.0, rounds: int = 3,
         transport: str = "shm", cache: bool = False, model: str | None = None, dtype: str = "float32") -> dict:
     from tqdm import tqdm
     from transformers import AutoImageProcessor
@@ -101,11 +105,12 @@ def run(images_per_request=(1, 8), size: int = 448, concurrency: int = 4, second
     pool = [synthetic_image(size, size, seed) for seed in range(min(distinct, 512))]
     if not cache:
         pool += [synthetic_image(size, size, seed) for seed in range(512, 640)]  # unique within a run
-    configs = [(mode, n) for n in images_per_request for mode in ("epd", "colocated")]
-    rows = []
+    configs = [(mode, n) for n in images_per_request for mode in MODES]
+    raw = []  # every configuration of every round
     with LocalCluster(model, dtype) as cluster:
         roles = {"worker": cluster.start_encode_worker(transports=transport, cache_bytes=(1 << 30) if cache else 0),
-                 "prefill": cluster.start_prefill(transports=transport)}
+                 "prefill": cluster.start_prefill(transports=transport,
+                                                  extra=("--tower-calls", str(WORKER_TOWER_CALLS)))}
         cluster.wait_ready()
 
         async def all_configs():
@@ -113,32 +118,58 @@ def run(images_per_request=(1, 8), size: int = 448, concurrency: int = 4, second
             await workers.refresh()
             dispatcher = Dispatcher(workers, AutoImageProcessor.from_pretrained(model))
             try:
-                await _run_config("epd", 1, 1, 2.0, roles, dispatcher, pool, lambda n: None)  # warm-up
-                await _run_config("colocated", 1, 1, 2.0, roles, dispatcher, pool, lambda n: None)
-                with tqdm(total=len(configs) * seconds, unit="s", desc="epd-bench e2e",
+                for mode in MODES:  # warm-up
+                    await _run_config(mode, 1, 1, 2.0, roles, dispatcher, pool, lambda n: None)
+                with tqdm(total=rounds * len(configs) * seconds, unit="s", desc="epd-bench e2e",
                           bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}]") as bar:
-                    for mode, n in configs:
-                        bar.set_postfix_str(f"{mode}, {n} image{'s' if n > 1 else ''}/request")
-                        started = time.monotonic()
-                        rows.append(await _run_config(mode, n, concurrency, seconds, roles, dispatcher, pool,
-                                                      lambda _: None))
-                        bar.update(min(seconds, time.monotonic() - started))
+                    for round_index in range(rounds):
+                        for mode, n in configs if round_index % 2 == 0 else configs[::-1]:
+                            bar.set_postfix_str(f"round {round_index + 1}, {mode}, {n} image{'s' if n > 1 else ''}"
+                                                "/request")
+                            started = time.monotonic()
+                            row = await _run_config(mode, n, concurrency, seconds, roles, dispatcher, pool,
+                                                    lambda _: None)
+                            raw.append({"round": round_index, **row})
+                            bar.update(min(seconds, time.monotonic() - started))
             finally:
                 await dispatcher.close()
                 await workers.close()
 
         asyncio.run(all_configs())
-    return {"size": size, "concurrency": concurrency, "seconds": seconds, "transport": transport, "cache": cache,
-            "model": model, "dtype": dtype, "runs": rows, "ratios": _ratios(rows)}
+    summary = [_median(mode, n, [r for r in raw if r["mode"] == mode and r["images_per_request"] == n])
+               for mode, n in configs]
+    return {"size": size, "concurrency": concurrency, "seconds_per_round": seconds, "rounds": rounds,
+            "transport": transport, "cache": cache, "model": model, "dtype": dtype,
+            "tower_calls": {"encode_worker": WORKER_TOWER_CALLS, "colocated": WORKER_TOWER_CALLS},
+            "configs": summary, "ratios": _ratios(raw, summary), "raw_rounds": raw}
 
 
-def _ratios(rows: list[dict]) -> dict:
+def _median(mode: str, n: int, rows: list[dict]) -> dict:
+    """One configuration over its rounds: the median of each figure, failures summed."""
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    return {"mode": mode, "images_per_request": n, "rounds": len(rows),
+            "requests": sum(r["requests"] for r in rows), "failed": sum(r["failed"] for r in rows),
+            "requests_per_s": med("requests_per_s"), "images_per_s": med("images_per_s"),
+            "images_per_s_rounds": [r["images_per_s"] for r in rows],
+            "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"),
+            "split_ms": {side: statistics.median(r["split_ms"][side] for r in rows) for side in SIDES}}
+
+
+def _ratios(raw: list[dict], summary: list[dict]) -> dict:
+    """EPD over colocated per images-per-request: of the medians, and round by round."""
     ratios = {}
-    for n in sorted({r["images_per_request"] for r in rows}):
-        epd = next(r for r in rows if r["mode"] == "epd" and r["images_per_request"] == n)
-        colocated = next(r for r in rows if r["mode"] == "colocated" and r["images_per_request"] == n)
-        ratios[f"{n}_image"] = {"throughput_epd_over_colocated": epd["images_per_s"] / colocated["images_per_s"],
-                                "p50_latency_epd_over_colocated": epd["p50_ms"] / colocated["p50_ms"]}
+    for n in sorted({r["images_per_request"] for r in summary}):
+        epd, colocated = (next(r for r in summary if r["mode"] == mode and r["images_per_request"] == n)
+                          for mode in MODES)
+        rounds = sorted({r["round"] for r in raw})
+        by_round = {(r["round"], r["mode"]): r for r in raw if r["images_per_request"] == n}
+        ratios[f"{n}_image"] = {
+            "throughput_epd_over_colocated": epd["images_per_s"] / colocated["images_per_s"],
+            "p50_latency_epd_over_colocated": epd["p50_ms"] / colocated["p50_ms"],
+            "throughput_epd_over_colocated_rounds": [by_round[(i, "epd")]["images_per_s"]
+                                                     / by_round[(i, "colocated")]["images_per_s"] for i in rounds]}
     return ratios
 
 
@@ -148,13 +179,16 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = report["runs"]
+    runs = report["configs"]
     labels = [f"{r['mode']}\n{r['images_per_request']} img/req" for r in runs]
     colors = ["#2b6cb0" if r["mode"] == "epd" else "#999999" for r in runs]
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     left.bar(labels, [r["images_per_s"] for r in runs], color=colors)
+    for label, r in zip(labels, runs):
+        left.scatter([label] * len(r["images_per_s_rounds"]), r["images_per_s_rounds"], color="black", s=12,
+                     zorder=3)
     left.set_ylabel("images / s (higher is better)")
-    left.set_title("Throughput")
+    left.set_title(f"Throughput: median of {report['rounds']} rounds (dots: each round)")
     bottom = [0.0] * len(runs)
     palette = {"queue": "#f6ad55", "encode": "#2b6cb0", "transfer": "#38a169", "handshake": "#a0aec0"}
     for side in SIDES:
@@ -172,26 +206,36 @@ def plot(report: dict, path: str) -> None:
     plt.close(figure)
 
 
+def _write_json(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")
+
+
 def main(args) -> int:
     counts = tuple(int(n) for n in args.images_per_request.split(","))
     print(f"epd-bench e2e: {counts} images per request, {args.size}x{args.size}, {args.concurrency} clients, "
-          f"{args.seconds:.0f} s per configuration, transport {args.transport}, cache {'on' if args.cache else 'off'}")
-    report = run(counts, args.size, args.concurrency, args.seconds, args.transport, args.cache, args.model,
-                 args.dtype)
+          f"{args.rounds} rounds of {args.seconds:g} s per configuration, transport {args.transport}, "
+          f"cache {'on' if args.cache else 'off'}")
+    report = run(counts, args.size, args.concurrency, args.seconds, args.rounds, args.transport, args.cache,
+                 args.model, args.dtype)
     print(f"\n{'mode':10s} {'img/req':>7s} {'req/s':>7s} {'img/s':>7s} {'p50 ms':>8s} {'p99 ms':>8s}   "
-          + " ".join(f"{side:>9s}" for side in SIDES) + "  (ms per item)")
-    for r in report["runs"]:
+          + " ".join(f"{side:>9s}" for side in SIDES) + "  (ms per item; medians of the rounds)  img/s per round")
+    for r in report["configs"]:
         print(f"{r['mode']:10s} {r['images_per_request']:7d} {r['requests_per_s']:7.1f} {r['images_per_s']:7.1f} "
               f"{r['p50_ms']:8.1f} {r['p99_ms']:8.1f}   " + " ".join(f"{r['split_ms'][s]:9.1f}" for s in SIDES)
+              + "  " + " ".join(f"{v:.1f}" for v in r["images_per_s_rounds"])
               + (f"  FAILED {r['failed']}" if r["failed"] else ""))
     for name, ratio in report["ratios"].items():
-        print(f"{name}: EPD / colocated throughput {ratio['throughput_epd_over_colocated']:.2f}, "
+        rounds = " ".join(f"{v:.2f}" for v in ratio["throughput_epd_over_colocated_rounds"])
+        print(f"{name}: EPD / colocated throughput {ratio['throughput_epd_over_colocated']:.2f} (per round: {rounds}), "
               f"p50 latency {ratio['p50_latency_epd_over_colocated']:.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        _write_json(report, args.json)
     if args.plot:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
-    return 0 if not any(r["failed"] for r in report["runs"]) else 1
+        beside = os.path.splitext(args.plot)[0] + ".json"
+        if beside != args.json:
+            _write_json(report, beside)
+    return 0 if not any(r["failed"] for r in report["configs"]) else 1
