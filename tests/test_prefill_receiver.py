@@ -46,6 +46,15 @@ def make_request(worker, tower, images, keep_pixels=False):
     return MultimodalInputs(items), rooms
 
 
+def eventually(condition, what: str, seconds: float = 10) -> None:
+    """Until ``condition()`` holds; ``TimeoutError`` naming ``what`` if it does not in ``seconds``."""
+    end = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() >= end:
+            raise TimeoutError(f"{what}: not within {seconds} s")
+        time.sleep(0.01)
+
+
 def send(intake, worker, room, image, tag):
     reply = intake.send({"request_id": tag, "source": "bytes",
                          "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
@@ -65,11 +74,11 @@ def test_multi_item_request_is_byte_exact_in_either_order(stack, tower, receiver
     inputs.mm_items += [skipped_text, already]
     if receiver_first:
         job = receiver.start("req", inputs)
-        time.sleep(0.2)
+        eventually(lambda: all(worker.table.view(r).state.value == "REGISTERED" for r in rooms), "rooms registered")
     for index, (room, image) in enumerate(zip(rooms, images)):
         send(intake, worker, room, image, f"r{index}")
-    if not receiver_first:
-        time.sleep(0.3)
+    if not receiver_first:  # the rows of all three wait in the send ring
+        eventually(lambda: worker.ring.stats()["leases"] == len(images), "rows staged in the send ring")
         job = receiver.start("req", inputs)
     assert job.wait(20) is JobState.DONE, job.reasons
     for item, image in zip(inputs.mm_items, images):
@@ -179,9 +188,7 @@ def test_cancel_during_a_write_waits_for_the_writer_then_frees_the_slot(stack, t
     loopback.inject(LoopbackFault("delay", 0.6))  # the write is in flight for 0.6 s
     job = receiver.start("req", inputs)
     send(intake, worker, rooms[0], image, "cw")
-    end = time.monotonic() + 10
-    while worker.table.view(rooms[0]).state.value != "WRITING" and time.monotonic() < end:
-        time.sleep(0.01)
+    eventually(lambda: worker.table.view(rooms[0]).state.value == "WRITING", "the write began")
     job.cancel("user went away")
     time.sleep(0.2)
     view = worker.table.view(rooms[0])
