@@ -108,11 +108,12 @@ def create_app(receiver: PrefillReceiver, local_tower=None, max_body_bytes: int 
                                             encode_handshake=entry.encode_handshake.model_dump()
                                             if entry.encode_handshake else None))
         job = receiver.start(body.request_id, MultimodalInputs(items))
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(job.future), body.timeout_s)
-        except asyncio.TimeoutError:
+        ended = asyncio.wrap_future(job.future)
+        # asyncio.wait, not wait_for: a timed-out wait_for cancels the wrapper, and with it the
+        # job's own future (the request then got a 500 instead of its report)
+        if not (await asyncio.wait({ended}, timeout=body.timeout_s))[0]:
             job.cancel("prefill request timed out")
-            await asyncio.wrap_future(job.future)
+            await ended
         if local_tower is not None:
             await _encode_colocated(receiver, job)
         reports = []

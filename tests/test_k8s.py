@@ -7,7 +7,7 @@ manifest cannot name a flag or an env value the program does not take; ports, pr
 NetworkPolicies, Secrets and memory sizes are checked against what the parsed programs do.
 """
 
-import contextlib
+import concurrent.futures
 import importlib
 import json
 import os
@@ -15,7 +15,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 import tomllib
 import urllib.request
@@ -542,28 +541,35 @@ def test_prefill_offers_mooncake_at_its_mooncake_host(tmp_path):
         (room,) = table.mint(1, 30)
         body = json.dumps({"request_id": "r", "timeout_s": 3, "items": [{"offsets": [[0, 3]], "encode_handshake": {
             "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": rooms.port}}]}).encode()
-        sent = threading.Thread(target=_post_when_up, args=(f"http://127.0.0.1:{port}", body), daemon=True)
-        sent.start()
+        sender = concurrent.futures.ThreadPoolExecutor(1)
+        sent = sender.submit(_post_when_up, f"http://127.0.0.1:{port}", body)
+        sender.shutdown(wait=False)
         end = time.monotonic() + 60
         while table.view(room).registration is None:
             assert time.monotonic() < end and process.poll() is None, "epd-prefill never registered the room"
             time.sleep(0.05)
         (offer,) = table.view(room).registration.offers
         assert offer.kind == "mooncake" and offer.session.startswith("127.0.0.2:")
-        sent.join(30)
+        status, report = sent.result(timeout=30)  # nothing writes the room: the request times out
+        assert status == 200 and report["state"] == "FAILED", (status, report)
     finally:
         process.terminate()
         process.wait(30)
         rooms.stop()
 
 
-def _post_when_up(url: str, body: bytes) -> None:
+def _post_when_up(url: str, body: bytes) -> tuple[int, dict]:
+    """POST ``body`` to /v1/prefill once the server answers /healthz (within 60 s, else the
+    connection error); its status and report."""
     end = time.monotonic() + 60
-    while time.monotonic() < end:
-        with contextlib.suppress(OSError):
+    while True:
+        try:
             urllib.request.urlopen(f"{url}/healthz", timeout=1).close()
             break
-        time.sleep(0.1)
+        except OSError:
+            if time.monotonic() >= end:
+                raise
+            time.sleep(0.1)
     request = urllib.request.Request(f"{url}/v1/prefill", data=body, headers={"content-type": "application/json"})
-    with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=30) as response:
-        response.read()
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.status, json.loads(response.read())
