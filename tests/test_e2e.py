@@ -180,6 +180,7 @@ def test_epd_dispatch_sends_files_and_reports_what_the_prefill_process_received(
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)
     assert [item["worker"] for item in output["items"]] == [worker.name] * 2
+    assert all(item["dispatch_ms"] > 0 for item in output["items"])
     assert output["prefill"]["state"] == "DONE"
     assert [row["verified"] for row in output["prefill"]["items"]] == [True, True]
     assert [row["rows"] for row in output["prefill"]["items"]] == [item["rows"] for item in output["items"]]

@@ -303,8 +303,8 @@ def test_a_lying_content_hash_is_refused_and_cannot_poison_the_cache(qwen25, no_
         # SHM pixels are hashed once read: the lie fails the room with the same reason
         body = {**request(worker, shm_room, "shm-liar", content_hash=claimed), "source": "shm",
                 "shm": handle.to_wire()}
-        assert intake.send(body, None)["ok"]
         receiver.reserve(shm_room, rows_for(tower, liar), tower.info.wire_width, tower.dtype)
+        assert intake.send(body, None)["ok"]
         state, _, view = receiver.wait(shm_room)
         assert state is RoomState.FAILED and "is not the hash of the item's bytes" in view.reason
         # the honest image still meets its own rows in the cache
