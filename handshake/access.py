@@ -30,8 +30,8 @@ class LocalRooms:
     def commit(self, commit: CommitBody) -> RoomView:
         return self.table.commit(commit)
 
-    def fail(self, room: int, reason: str, settled: bool) -> RoomView:
-        return self.table.fail(room, reason, settled)
+    def fail(self, room: int, reason: str, settled: bool, writer: str | None = None) -> RoomView:
+        return self.table.fail(room, reason, settled, writer)
 
 
 class RemoteRooms:
@@ -57,5 +57,5 @@ class RemoteRooms:
     def commit(self, commit: CommitBody) -> RoomView:
         return self._one(self.client.commit([commit]))
 
-    def fail(self, room: int, reason: str, settled: bool) -> RoomView:
-        return self._one(self.client.fail([FailBody(room=room, reason=reason[:500], settled=settled)]))
+    def fail(self, room: int, reason: str, settled: bool, writer: str | None = None) -> RoomView:
+        return self._one(self.client.fail([FailBody(room=room, reason=reason[:500], settled=settled, writer=writer)]))

@@ -282,13 +282,16 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
         return add
 
     @body_route("/v1/rooms", response_model=MintResponse, responses={**BODY_ERRORS, **AUTH_ERRORS,
+              400: {"description": "ttl_s over this table's room lifetime (RoomLimits.max_ttl_s)"},
               503: {"description": "Too many live rooms; retry after Retry-After seconds"}})
     async def mint(body: MintRequest):
-        """Mint ``count`` rooms with unique 63-bit ids, alive for ``ttl_s``."""
+        """Mint ``count`` rooms with unique 63-bit ids, alive for ``ttl_s`` (at most the table's maximum)."""
         try:
             rooms = table.mint(body.count, body.ttl_s)
         except RoomsFull as exc:
             return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+        except RoomError as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=exc.status)
         return _json(MintResponse(rooms=rooms, ttl_s=body.ttl_s))
 
     @body_route("/v1/rooms/register", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
@@ -315,7 +318,8 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
     @body_route("/v1/rooms/fail", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
     async def fail(body: FailRequest):
         """Fail rooms with a reason the other side can read; ``settled`` if no byte can still land."""
-        return _answer([_result(f.room, lambda f=f: table.fail(f.room, f.reason, f.settled)) for f in body.failures])
+        return _answer([_result(f.room, lambda f=f: table.fail(f.room, f.reason, f.settled, f.writer))
+                        for f in body.failures])
 
     @body_route("/v1/rooms/cancel", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
     async def cancel(body: CancelRequest):
@@ -344,11 +348,15 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
         """Liveness: the process answers."""
         return {"ok": True}
 
-    @app.get("/readyz", responses={503: {"description": "Not ready"}})
+    @app.get("/readyz", responses={503: {"description": "Not ready, with the reason"}})
     async def readyz():
-        """Readiness, as the embedding process defines it."""
+        """Readiness: the embedding process's own check, and a room table with room for one more."""
         if not ready():
-            return JSONResponse({"ready": False}, status_code=503)
+            return JSONResponse({"ready": False, "reason": "the process's own readiness check fails"},
+                                status_code=503)
+        if table.full():
+            return JSONResponse({"ready": False, "reason": f"room table full: {table.limits.max_live_rooms} "
+                                 "live rooms, no room can be minted"}, status_code=503)
         return {"ready": True, "live_rooms": table.live_rooms}
 
     @app.get("/metrics", response_class=PlainTextResponse)

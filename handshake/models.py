@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from data_plane.json_fields import JsonBool, json_float, json_int
-from data_plane.offers import DTYPE_NAMES, MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, Offer
+from data_plane.offers import DTYPE_NAMES, MAX_BYTES, MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, Offer
 
 MAX_BATCH = 256
 DTYPE_PATTERN = "^(" + "|".join(DTYPE_NAMES) + ")$"
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1, "int32": 4, "int64": 8}
+assert tuple(DTYPE_BYTES) == DTYPE_NAMES
 
 RoomId = json_int(ge=1, le=MAX_ROOM_ID)
+WriterId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
 
 
 class RoomState(str, enum.Enum):
@@ -39,6 +42,7 @@ class _Body(BaseModel):
 
 class MintRequest(_Body):
     count: json_int(ge=1, le=MAX_BATCH) = 1
+    # the wire's bound; a table refuses a TTL over its own maximum (RoomLimits.max_ttl_s)
     ttl_s: json_float(gt=0, le=3600) = 120.0
 
 
@@ -58,6 +62,26 @@ class Registration(_Body):
     offers: list[Offer] = Field(min_length=1, max_length=3)
     deadline_s: json_float(gt=0, le=3600) | None = None
 
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width * DTYPE_BYTES[self.dtype]
+
+    @model_validator(mode="after")
+    def _fits_its_offers(self) -> Registration:
+        """What one registration can be checked against itself: the rows fit every offer, one
+        offer per transport, and no offer runs past the end of its address space."""
+        kinds = [offer.kind for offer in self.offers]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"one offer per transport, got {kinds}")
+        for offer in self.offers:
+            if offer.capacity < self.nbytes:
+                raise ValueError(f"[{self.rows}, {self.width}] {self.dtype} is {self.nbytes} bytes, more than "
+                                 f"the {offer.kind} offer's capacity of {offer.capacity}")
+            start, end = (offer.address, 1 << 64) if offer.kind == "mooncake" else (offer.offset, MAX_BYTES)
+            if start + offer.capacity > end:
+                raise ValueError(f"the {offer.kind} offer [{start}, +{offer.capacity}) runs past {end}")
+        return self
+
 
 class RegisterRequest(_Body):
     receivers: list[Registration] = Field(min_length=1, max_length=MAX_BATCH)
@@ -73,7 +97,7 @@ class BeginWrite(_Body):
     write_timeout_s: json_float(gt=0, le=600) = 30.0
     # who writes (an encode worker's id): the first writer owns the room's one write; another
     # writer's begin_write is refused, so two workers never write one slot
-    writer: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
+    writer: WriterId | None = None
 
 
 class BeginWriteRequest(_Body):
@@ -103,6 +127,8 @@ class CommitBody(_Body):
     grid_thw: tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None = None
     shm_segment: str | None = Field(default=None, pattern=r"^epd-[A-Za-z0-9_-]{1,100}$")
     timings: EncodeTimings | None = None
+    # the writer that began the write; a commit naming another writer is refused
+    writer: WriterId | None = None
 
 
 class CommitRequest(_Body):
@@ -114,6 +140,8 @@ class FailBody(_Body):
     reason: str = Field(min_length=1, max_length=500)
     # True: the writer knows no byte of it can still land (nothing was sent, or the write ended).
     settled: JsonBool = False
+    # who fails it; during a write, a failure naming another writer than the room's is refused
+    writer: WriterId | None = None
 
 
 class FailRequest(_Body):

@@ -1,10 +1,12 @@
 """The room table: one state machine per item, bounded, thread-safe, with long-poll waiters.
 
 States move forward only: PENDING -> REGISTERED -> WRITING -> SUCCESS, and any live state ->
-FAILED / CANCELLED / EXPIRED. Terminal states are sticky; every call is idempotent (a retry gets
-the same answer, a conflicting retry gets ``RoomConflict`` and changes nothing). A cancel that
-arrives during a write is recorded and applied when the writer reports its outcome (or its write
-deadline passes). Terminal rooms stay as tombstones for ``tombstone_ttl_s`` and at most
+FAILED / CANCELLED / EXPIRED. No step is skipped: a commit needs a begun write (the one writer
+that began it, when either names itself), a registration a room that has not ended. Terminal states
+are sticky; every call is idempotent (a retry gets the same answer, a conflicting call gets
+``RoomConflict`` and changes nothing). A cancel that arrives during a write is recorded and applied
+when the writer reports its outcome (or its write deadline passes). Rooms live at most
+``max_ttl_s``; terminal rooms stay as tombstones for ``tombstone_ttl_s`` and at most
 ``max_tombstones``; live rooms are capped at ``max_live_rooms``.
 
 A tombstone is a flat tuple of numbers, strings and JSON bytes, which the garbage collector does
@@ -88,6 +90,8 @@ class RoomLimits:
     max_live_rooms: int = 65536
     max_tombstones: int = 131072
     tombstone_ttl_s: float = 120.0
+    # the longest a minted room lives: a flood of rooms nobody uses holds the table at most this long
+    max_ttl_s: float = 300.0
 
 
 class _Waiter:
@@ -137,6 +141,12 @@ class RoomTable:
         with self._lock:
             return len(self._rooms)
 
+    def full(self) -> bool:
+        """True while no room can be minted (rooms past their deadline are expired first)."""
+        with self._lock:
+            self._sweep_locked()
+            return len(self._rooms) >= self.limits.max_live_rooms
+
     def view(self, room_id: int) -> RoomView:
         with self._lock:
             return self._view(self._get(room_id))
@@ -144,6 +154,8 @@ class RoomTable:
     # ---- transitions -----------------------------------------------------------------------
 
     def mint(self, count: int, ttl_s: float) -> list[int]:
+        if not 0 < ttl_s <= self.limits.max_ttl_s:
+            raise RoomError(f"ttl_s {ttl_s} is outside (0, {self.limits.max_ttl_s}], this table's room lifetime")
         with self._lock:
             self._sweep_locked()
             if len(self._rooms) + count > self.limits.max_live_rooms:
@@ -172,7 +184,10 @@ class RoomTable:
                     room.deadline = self._clock() + registration.deadline_s
                     heapq.heappush(self._due, (room.deadline, room.room_id))
                 self._move(room, RoomState.REGISTERED)
-            return self._view(room)  # terminal before any receiver came: the receiver learns why
+            else:  # ended before any receiver came: refused, with why
+                raise RoomConflict(f"room {room.room_id} ended {room.state.value} before this receiver "
+                                   f"registered: {room.reason or 'no reason given'}")
+            return self._view(room)  # this registration, or a retry of it
 
     def begin_write(self, write: BeginWrite) -> RoomView:
         with self._lock:
@@ -209,7 +224,11 @@ class RoomTable:
                 raise RoomConflict(
                     f"commit [{commit.rows}, {commit.width}] {commit.dtype} does not match the reservation "
                     f"[{registration.rows}, {registration.width}] {registration.dtype}")
-            if room.transport is not None and commit.transport != room.transport:
+            if room.state is not RoomState.WRITING:
+                raise RoomConflict("no write has begun in this room (begin_write first)")
+            if commit.writer is not None and room.writer is not None and commit.writer != room.writer:
+                raise RoomConflict(f"commit by {commit.writer}, but {room.writer} began this room's write")
+            if commit.transport != room.transport:
                 raise RoomConflict(f"commit over {commit.transport} but the write began over {room.transport}")
             room.commit = commit
             room.transport = commit.transport
@@ -220,9 +239,12 @@ class RoomTable:
                 self._move(room, RoomState.SUCCESS)
             return self._view(room)
 
-    def fail(self, room_id: int, reason: str, settled: bool) -> RoomView:
+    def fail(self, room_id: int, reason: str, settled: bool, writer: str | None = None) -> RoomView:
         with self._lock:
             room = self._get(room_id)
+            if (room.state is RoomState.WRITING and writer is not None and room.writer is not None
+                    and writer != room.writer):
+                raise RoomConflict(f"{writer} cannot fail a room {room.writer} is writing")
             if not room.state.terminal:
                 room.reason = reason if not room.cancel_requested else f"{room.reason}; writer: {reason}"
                 room.writer_settled = settled or room.state is not RoomState.WRITING

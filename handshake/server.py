@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import ipaddress
+import logging
 import os
 import signal
 import sys
@@ -11,12 +13,14 @@ import time
 
 import uvicorn
 
-from handshake.app import MAX_BODY_BYTES, create_app
+from handshake.app import MAX_BODY_BYTES, HandshakeAPI, create_app
 from handshake.loops import LoopThread
 from handshake.rooms import RoomLimits, RoomTable
 
 TOKEN_ENV = "EPD_HANDSHAKE_TOKEN"
 TOKEN_FILE_ENV = "EPD_HANDSHAKE_TOKEN_FILE"
+
+log = logging.getLogger(__name__)
 
 
 def load_token(token_file: str | None) -> str | None:
@@ -39,10 +43,40 @@ UVICORN_OPTIONS = dict(log_level="warning", access_log=False, server_header=Fals
                        proxy_headers=False, timeout_keep_alive=65)
 
 
+def open_listener_warning(app, host: str) -> str | None:
+    """The warning a listener deserves when anyone who reaches it may use it: bound beyond loopback
+    and without a token (the handshake app without a bearer token; any other app, such as
+    epd-prefill's, has none). None when it is bound to loopback or needs a token."""
+    if host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
+        return None
+    if isinstance(app, HandshakeAPI) and app.token is not None:
+        return None
+    what = "rooms (/v1/rooms...)" if isinstance(app, HandshakeAPI) else "API"
+    return (f"INSECURE: {app.title} listens on {host} and its {what} take requests from anyone who reaches "
+            f"the port, with no token. Set a token ({TOKEN_FILE_ENV} / {TOKEN_ENV}) or keep the port private "
+            "(a NetworkPolicy, or bind 127.0.0.1).")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _warn_if_open(app, host: str) -> None:
+    warning = open_listener_warning(app, host)
+    if warning is not None:
+        log.warning(warning)
+
+
 def serve(app, host: str, port: int, graceful_s: float = 5.0) -> None:
     """uvicorn in this (main) thread until SIGTERM / SIGINT, then a graceful shutdown and a normal
     return, so the caller's clean-up runs and the process exits 0 (uvicorn re-raises the signal
-    after its shutdown; the handlers installed here absorb it)."""
+    after its shutdown; the handlers installed here absorb it). Warns first if the listener is open
+    to anyone (``open_listener_warning``)."""
+    _warn_if_open(app, host)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: None)
     uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=graceful_s, **UVICORN_OPTIONS)
@@ -54,6 +88,7 @@ class ThreadedServer:
     loop (the encode worker's sender does): then ``stop`` leaves that loop running."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, loop: LoopThread | None = None):
+        _warn_if_open(app, host)
         config = uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2,
                                 **UVICORN_OPTIONS)
         self.server = uvicorn.Server(config)
@@ -95,13 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-live-rooms", type=int, default=RoomLimits.max_live_rooms)
     parser.add_argument("--max-tombstones", type=int, default=RoomLimits.max_tombstones)
     parser.add_argument("--tombstone-ttl-s", type=float, default=RoomLimits.tombstone_ttl_s)
+    parser.add_argument("--max-room-ttl-s", type=float, default=RoomLimits.max_ttl_s,
+                        help="longest lifetime a mint may ask for (a longer ttl_s is refused)")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    limits = RoomLimits(args.max_live_rooms, args.max_tombstones, args.tombstone_ttl_s)
+    limits = RoomLimits(args.max_live_rooms, args.max_tombstones, args.tombstone_ttl_s, args.max_room_ttl_s)
     app = create_app(RoomTable(limits), token=load_token(args.token_file), max_body_bytes=args.max_body_bytes)
     serve(app, args.host, args.port)
     return 0

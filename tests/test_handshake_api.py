@@ -72,8 +72,11 @@ def test_conflicting_calls_are_refused_and_change_nothing(served):
     wrong_shape = _one(client.commit([commit(room, generation=5, rows=65)]))
     assert wrong_shape.status == 409 and "does not match" in wrong_shape.error
     assert _one(client.begin_write([begin(room, generation=4)])).status == 409
+    skipped = _one(client.commit([commit(room, generation=5)]))  # no begin_write: WRITING skipped
+    assert skipped.status == 409 and "no write has begun" in skipped.error
     view = client.get(room)
     assert view.state is RoomState.REGISTERED and view.version == version
+    client.begin_write([begin(room, generation=5)])
     assert _one(client.commit([commit(room, generation=5)])).view.state is RoomState.SUCCESS
     assert _one(client.commit([commit(room, generation=5, checksum=8)])).status == 409
 
@@ -94,7 +97,20 @@ def test_encoder_fails_before_receiver_registers(served):
     (room,) = client.mint()
     client.fail([FailBody(room=room, reason="corrupt image: cannot decode PNG", settled=True)])
     late = _one(client.register([registration(room)]))
-    assert late.view.state is RoomState.FAILED and "cannot decode" in late.view.reason
+    assert not late.ok and late.status == 409 and "ended FAILED" in late.error and "cannot decode" in late.error
+
+
+def test_registering_after_a_cancel_is_refused_and_changes_nothing(served):
+    """It answered ``ok: true`` (with the CANCELLED view) although no registration was taken."""
+    _, client, _ = served
+    (room,) = client.mint()
+    client.cancel([room], "request aborted")
+    before = client.get(room)
+    late = _one(client.register([registration(room)]))
+    assert not late.ok and late.status == 409 and late.view is None
+    assert "ended CANCELLED before this receiver registered: request aborted" in late.error
+    after = client.get(room)
+    assert (after.state, after.version, after.registration) == (before.state, before.version, None)
 
 
 def test_cancel_during_write_waits_for_the_writer(served):
@@ -214,6 +230,11 @@ def _post(url, data: bytes):
     ("/v1/rooms/register", b'{"receivers": [{"room": 1, "generation": 1, "rows": 1, "width": 1, '
                            b'"dtype": "bfloat16", "offers": [{"kind": "shm", "namespace": "n", '
                            b'"segment": "../etc", "offset": 0, "capacity": 2}]}]}', 422),
+    # 64 TiB of rows against a 1 MiB offer
+    ("/v1/rooms/register", b'{"receivers": [{"room": 1, "generation": 1, "rows": 16777216, "width": 1048576, '
+                           b'"dtype": "float32", "offers": [{"kind": "loopback", "region": 1, "offset": 0, '
+                           b'"capacity": 1048576}]}]}', 422),
+    ("/v1/rooms", b'{"count": 256, "ttl_s": 3600}', 400),  # over the table's room lifetime
     ("/v1/rooms/cancel", b'{"rooms": [1]}' + b" " * (70 << 10), 413),
 ])
 def test_bad_input_gets_4xx_with_a_reason(served, path, body, status):
@@ -222,6 +243,51 @@ def test_bad_input_gets_4xx_with_a_reason(served, path, body, status):
     code, answer = _post(server.url + path, body)
     assert code == status and answer.get("detail")
     assert table.counts() == before
+
+
+def test_a_full_room_table_is_not_ready_and_says_why():
+    """A mint flood (256 rooms a call, no token) filled the table and locked dispatch out while
+    /readyz answered 200: now /readyz is 503 with the reason until rooms expire or end."""
+    server, table = _serve(max_live_rooms=4, max_ttl_s=1)
+    client = SyncHandshakeClient(server.url)
+    try:
+        assert _get(server.url + "/readyz") == (200, {"ready": True, "live_rooms": 0})
+        rooms = client.mint(4, ttl_s=1)
+        status, body = _get(server.url + "/readyz")
+        assert status == 503 and body == {"ready": False,
+                                          "reason": "room table full: 4 live rooms, no room can be minted"}
+        client.cancel(rooms[:1])
+        assert _get(server.url + "/readyz")[0] == 200
+    finally:
+        client.close()
+        server.stop()
+
+
+def _get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_listener_open_to_anyone_is_warned_about(caplog):
+    """A room API bound beyond loopback without a token (the default of epd-handshake and of an
+    encode worker's bootstrap port) was silent about it."""
+    from handshake.server import open_listener_warning
+
+    open_app, locked_app = create_app(), create_app(token="s3cret")
+    assert "INSECURE: EPD handshake listens on 0.0.0.0" in open_listener_warning(open_app, "0.0.0.0")
+    assert "INSECURE" in open_listener_warning(open_app, "10.0.0.5")
+    assert "INSECURE" in open_listener_warning(open_app, "epd-encode-0.epd")
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert open_listener_warning(open_app, host) is None
+    assert open_listener_warning(locked_app, "0.0.0.0") is None
+    with caplog.at_level("WARNING", logger="handshake.server"):
+        ThreadedServer(open_app, host="0.0.0.0").stop()  # never started: nothing bound
+        ThreadedServer(locked_app, host="0.0.0.0").stop()
+        ThreadedServer(create_app(), host="127.0.0.1").stop()
+    assert [record.getMessage()[:40] for record in caplog.records] == ["INSECURE: EPD handshake listens on 0.0.0"]
 
 
 def test_metrics_and_probes(served):

@@ -1,10 +1,11 @@
 """Random operation sequences against the room table never break its invariants."""
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
 
-from handshake.models import RoomState
+from handshake.models import Registration, RoomState
 from handshake.rooms import RoomError, RoomLimits, RoomTable
 from tests.handshake_helpers import begin, commit, registration
 
@@ -198,3 +199,93 @@ def test_a_long_poll_answers_on_a_change_made_on_its_own_loop_and_after_its_wait
         assert table.waiters == 0
 
     asyncio.run(scenario())
+
+
+def test_a_commit_needs_a_begun_write_and_its_writer():
+    """A commit on a REGISTERED room skipped WRITING, and with it the one-writer rule: refused,
+    and the room is unchanged. A commit or a failure naming another writer than the one that
+    began the write is refused too."""
+    from handshake.rooms import RoomConflict
+
+    table = RoomTable(clock=Clock())
+    (room,) = table.mint(1, 60)
+    table.register(registration(room))
+    before = table.view(room)
+    with pytest.raises(RoomConflict, match="no write has begun"):
+        table.commit(commit(room))
+    assert table.view(room) == before
+    table.begin_write(begin(room, writer="worker-a"))
+    with pytest.raises(RoomConflict, match="worker-a began"):
+        table.commit(commit(room).model_copy(update={"writer": "worker-b"}))
+    with pytest.raises(RoomConflict, match="worker-a is writing"):
+        table.fail(room, "not mine", settled=True, writer="worker-b")
+    view = table.view(room)
+    assert view.state is RoomState.WRITING and not view.writer_settled
+    assert table.commit(commit(room).model_copy(update={"writer": "worker-a"})).state is RoomState.SUCCESS
+
+
+@pytest.mark.parametrize("end", ["cancel", "fail", "expire"])
+def test_registering_in_a_room_that_ended_is_refused_with_why(end):
+    """A registration in a room that ended before any receiver came answered ok with the terminal
+    view; now it is refused with the state and the reason, and the room is unchanged. A retry of
+    the registration a room took still answers its view."""
+    from handshake.rooms import RoomConflict
+
+    clock = Clock()
+    table = RoomTable(clock=clock)
+    (room, taken) = table.mint(2, 10)
+    if end == "cancel":
+        table.cancel(room, "request aborted")
+    elif end == "fail":
+        table.fail(room, "corrupt image", settled=True)
+    else:
+        clock.now += 11
+    before = table.view(room)
+    with pytest.raises(RoomConflict, match=f"ended {before.state.value} before this receiver registered") as info:
+        table.register(registration(room))
+    assert before.reason in str(info.value)
+    assert table.view(room) == before
+    if end != "expire":
+        table.register(registration(taken))
+        table.cancel(taken, "request aborted")
+        assert table.register(registration(taken)).state is RoomState.CANCELLED  # a retry of the one it took
+
+
+def test_a_registration_is_checked_against_its_own_offers():
+    """64 TiB of rows against a 1 MiB offer was accepted; so were two offers of one transport and
+    an offer running past the end of its address space."""
+    from pydantic import ValidationError
+
+    from data_plane.offers import LoopbackOffer, MooncakeOffer
+
+    def offer(capacity, offset=0):
+        return LoopbackOffer(kind="loopback", region=1, offset=offset, capacity=capacity)
+
+    huge = dict(room=1, generation=1, rows=1 << 24, width=1 << 20, dtype="float32")
+    with pytest.raises(ValidationError, match="70368744177664 bytes, more than the loopback offer's capacity"):
+        Registration(**huge, offers=[offer(1 << 20)])
+    small = dict(room=1, generation=1, rows=4, width=8, dtype="bfloat16")  # 64 bytes
+    with pytest.raises(ValidationError, match="more than the loopback offer's capacity of 63"):
+        Registration(**small, offers=[offer(63)])
+    with pytest.raises(ValidationError, match="one offer per transport"):
+        Registration(**small, offers=[offer(64), offer(64, offset=64)])
+    with pytest.raises(ValidationError, match="runs past"):
+        Registration(**small, offers=[MooncakeOffer(kind="mooncake", session="h:1", address=(1 << 64) - 32,
+                                                    capacity=64)])
+    with pytest.raises(ValidationError, match="runs past"):
+        Registration(**small, offers=[offer(64, offset=1 << 40)])
+    assert Registration(**small, offers=[offer(64)]).nbytes == 64
+
+
+def test_room_lifetimes_are_bounded_and_a_full_table_says_so():
+    """Mints asked for up to an hour per room: a flood held the table that long. A TTL over the
+    table's maximum is refused; ``full`` tells readiness when no room can be minted."""
+    clock = Clock()
+    table = RoomTable(RoomLimits(max_live_rooms=4, max_ttl_s=30), clock=clock)
+    with pytest.raises(RoomError, match="outside"):
+        table.mint(1, 3600)
+    assert table.live_rooms == 0 and not table.full()
+    table.mint(4, 30)
+    assert table.full()
+    clock.now += 30
+    assert not table.full() and table.live_rooms == 0  # past their deadline: expired, room again
