@@ -69,6 +69,9 @@ class LabConfig:
 class FaultOutcome:
     kind: str
     affected: list[dict] = field(default_factory=list)  # per affected item: state, reason, ttf_s
+    # items the fault was aimed at that arrived all the same (it came after their commit): DONE
+    # entries kept out of ``affected`` by scenarios whose affected items must all fail
+    delivered_anyway: list[dict] = field(default_factory=list)
     delivered: int = 0  # items (affected or not) that arrived bit-exact
     corrupted: int = 0  # items that arrived with bytes other than the reference's
     collateral: int = 0  # unaffected items that failed
@@ -86,7 +89,8 @@ class FaultOutcome:
                    for a in self.affected)
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "affected": self.affected, "delivered": self.delivered,
+        return {"kind": self.kind, "affected": self.affected, "delivered_anyway": self.delivered_anyway,
+                "delivered": self.delivered,
                 "corrupted": self.corrupted, "collateral": self.collateral, "expected": self.expected,
                 "ttf_s": self.ttf_s, "failed_fast": self.failed_fast, "notes": self.notes}
 
@@ -425,15 +429,17 @@ def _request_id(kind: str, rng: random.Random) -> str:
 async def _until_caught(attempt, lab: FaultLab, conn: Conn, rng: random.Random, tries: int = 3) -> FaultOutcome:
     """Run ``attempt`` until its fault landed while a write was in flight (a write of ~10 MB takes
     tens of ms here, so a signal sent on seeing WRITING can come after the commit): every
-    attempt's delivered and corrupted items count."""
+    attempt's delivered, delivered-anyway and corrupted items count."""
     total = FaultOutcome("")
     for number in range(1, tries + 1):
         outcome = await attempt(lab, conn, rng)
         total.delivered += outcome.delivered
         total.corrupted += outcome.corrupted
         total.collateral += outcome.collateral
+        total.delivered_anyway += outcome.delivered_anyway
         if outcome.notes.get("mid_transfer") or number == tries:
             outcome.delivered, outcome.corrupted, outcome.collateral = total.delivered, total.corrupted, total.collateral
+            outcome.delivered_anyway = total.delivered_anyway
             outcome.notes["attempts"] = number
             return outcome
 
@@ -493,6 +499,7 @@ async def _worker_killed_once(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     failed = [a for a in outcome.affected if a["state"] != "DONE"]
     outcome.notes["mid_transfer"] = bool(failed)
     outcome.expected = bool(failed) and all("unreachable" in (a["reason"] or "") for a in failed)
+    outcome.delivered_anyway = [a for a in outcome.affected if a["state"] == "DONE"]
     outcome.affected = failed
     await asyncio.to_thread(lab.restart, "v")
     return outcome
@@ -524,6 +531,7 @@ async def _worker_paused_once(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     affected = {index: stopped for index in range(len(siblings), len(items))}
     conn.tally(outcome, result, items, affected)
     failed = [a for a in outcome.affected if a["state"] != "DONE"]
+    outcome.delivered_anyway = [a for a in outcome.affected if a["state"] == "DONE"]
     outcome.affected = failed
     outcome.notes["mid_transfer"] = bool(failed)
     outcome.expected = bool(failed) and all("unreachable" in (a["reason"] or "") for a in failed)

@@ -16,7 +16,8 @@ Checked: every delivered item's rows against this process's own tower (xxh3 of t
 faulted room's outcome and time from the fault to its failure; normal items that failed
 ("collateral", must be 0); at the end, after the quarantine has run out, leased and quarantined
 slots in every pool and send ring, /dev/shm segments of processes that are gone, and the resident
-memory growth of each steady process from the end of the warm-up to the end.
+memory growth of each steady process from the end of the warm-up to the end. The exit status is 1
+unless every goal in the report's ``goals`` is met.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import random
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 
 from bench import faults
 from bench.faults import FAST_S, FaultLab, LabConfig, lab_model
@@ -49,6 +51,15 @@ WEIGHTS = {
 STARTUP = {"dev_shm_full", "mooncake_unavailable"}  # no room to fail: a process that starts (or exits) right
 REFUSALS = {"malformed_input"}  # refusals of bad frames and bodies, not rooms
 DISTINCT_IMAGES = 256
+RSS_GROWTH_PCT = 5.0  # the goal: no steady process's VmRSS grows more than this after the warm-up
+
+
+@dataclass
+class Goal:
+    name: str
+    value: object
+    target: str
+    met: bool
 
 
 def _p(values: list[float], q: float) -> float | None:
@@ -121,8 +132,9 @@ class Soak:
                 outcome = await faults.SCENARIOS[kind](lab, conn, self.rng)
                 record = outcome.as_dict()
             except Exception as exc:  # a scenario that broke is a finding, never a silent skip
-                record = {"kind": kind, "error": f"{type(exc).__name__}: {exc}", "affected": [], "delivered": 0,
-                          "corrupted": 0, "collateral": 0, "expected": False, "notes": {}}
+                record = {"kind": kind, "error": f"{type(exc).__name__}: {exc}", "affected": [],
+                          "delivered_anyway": [], "delivered": 0, "corrupted": 0, "collateral": 0,
+                          "expected": False, "notes": {}}
                 await asyncio.to_thread(self._heal, lab)
             record["seconds"] = time.monotonic() - started
             self.counted += len(record["affected"]) if kind not in REFUSALS | STARTUP else 0
@@ -231,19 +243,22 @@ class Soak:
         return growth
 
     def _summary(self, lab, start_s, leaks, rings, orphans_live, orphans_after_stop, rss, codes) -> dict:
-        rooms_ttf = [a["ttf_s"] for e in self.events if e["kind"] not in STARTUP | REFUSALS
-                     for a in e["affected"] if a.get("ttf_s") is not None and a["state"] != "DONE"]
-        affected = [a for e in self.events if e["kind"] not in STARTUP | REFUSALS for a in e["affected"]]
-        failed_fast = sum(1 for a in affected if a["state"] != "DONE" and a.get("ttf_s") is not None
-                          and a["ttf_s"] <= FAST_S)
+        # every room a fault was aimed at: those that failed, and those delivered all the same
+        affected = [a for e in self.events if e["kind"] not in STARTUP | REFUSALS
+                    for a in e["affected"] + e["delivered_anyway"]]
+        failed = [a for a in affected if a["state"] != "DONE"]
+        rooms_ttf = [a["ttf_s"] for a in failed if a.get("ttf_s") is not None]
+        failed_fast = sum(1 for a in failed if a.get("ttf_s") is not None and a["ttf_s"] <= FAST_S)
         by_kind = {}
         for event in self.events:
             entry = by_kind.setdefault(event["kind"], {"events": 0, "expected": 0, "errors": 0, "affected": 0,
-                                                       "ttf_s": []})
+                                                       "delivered_anyway": 0, "ttf_s": []})
             entry["events"] += 1
             entry["expected"] += bool(event.get("expected"))
             entry["errors"] += "error" in event
-            entry["affected"] += len(event["affected"])
+            aimed = event["affected"] + event["delivered_anyway"]
+            entry["affected"] += len(aimed)
+            entry["delivered_anyway"] += sum(a["state"] == "DONE" for a in aimed)
             entry["ttf_s"] += [a["ttf_s"] for a in event["affected"] if a.get("ttf_s") is not None
                                and a["state"] != "DONE"]
         for entry in by_kind.values():
@@ -253,25 +268,56 @@ class Soak:
         delivered = self.normal["delivered"] + sum(e["delivered"] for e in self.events)
         corrupted = self.normal["corrupted"] + sum(e["corrupted"] for e in self.events)
         collateral = self.normal["failed"] + sum(e["collateral"] for e in self.events)
-        return {
+        crashed = [e for e in self.events if "error" in e]
+        unexpected = [e for e in self.events if not e.get("expected") and "error" not in e]
+        report = {
             "items": self.counted, "items_goal": self.items, "fault_rate": self.fault_rate, "seed": self.seed,
             "fault_events": len(self.events), "concurrency": self.concurrency,
             "delivered": delivered, "corrupted": corrupted,
-            "faulted_rooms": len(affected), "failed_fast": failed_fast,
-            "failed_slow": sum(1 for a in affected if a["state"] != "DONE") - failed_fast,
-            "faulted_rooms_delivered_anyway": sum(1 for a in affected if a["state"] == "DONE"),
+            "faulted_rooms": len(affected), "faulted_rooms_failed": len(failed), "failed_fast": failed_fast,
+            "failed_slow": len(failed) - failed_fast, "faulted_rooms_delivered_anyway": len(affected) - len(failed),
             "collateral_failures": collateral, "collateral_reasons": self.failures[:20],
             "ttf_p50_s": _p(rooms_ttf, 0.5), "ttf_p99_s": _p(rooms_ttf, 0.99), "ttf_max_s": max(rooms_ttf, default=None),
-            "unexpected_outcomes": [e for e in self.events if not e.get("expected")][:10],
+            "unexpected_outcome_count": len(unexpected), "unexpected_outcomes": unexpected[:10],
+            "crashed_scenario_count": len(crashed), "crashed_scenarios": crashed[:10],
             "leaked_slots": {"pools": leaks, "send_rings": rings,
                              "total": sum(v["leased"] + v["quarantined"] for v in leaks.values()) + sum(rings.values())},
             "leaked_shm_segments": {"while_running": orphans_live, "after_stop": orphans_after_stop,
                                     "total": len(set(orphans_live) | set(orphans_after_stop))},
-            "serve_check_failures": lab.serve_failures[:10],
+            "serve_check_failure_count": len(lab.serve_failures), "serve_check_failures": lab.serve_failures[:10],
             "rss": rss, "restarts": lab.restarts, "exit_codes": codes, "by_kind": by_kind,
             "normal": self.normal, "start_s": start_s, "wall_s": self.wall_s,
             "items_per_s": self.counted / self.wall_s if self.wall_s else None,
         }
+        report["goals"] = [asdict(goal) for goal in _goals(report)]
+        return report
+
+
+def _goals(report: dict) -> list[Goal]:
+    """Every goal the soak reports; the exit status fails unless all are met."""
+    goals = [
+        Goal("corrupted items", report["corrupted"], "0", report["corrupted"] == 0),
+        Goal(f"faulted rooms that failed slower than {FAST_S:g} s", report["failed_slow"], "0",
+             report["failed_slow"] == 0),
+        Goal("normal items that failed (collateral)", report["collateral_failures"], "0",
+             report["collateral_failures"] == 0),
+        Goal("fault events with an unexpected outcome", report["unexpected_outcome_count"], "0",
+             report["unexpected_outcome_count"] == 0),
+        Goal("fault scenarios that crashed", report["crashed_scenario_count"], "0",
+             report["crashed_scenario_count"] == 0),
+        Goal("failed serves-afterwards checks", report["serve_check_failure_count"], "0",
+             report["serve_check_failure_count"] == 0),
+        Goal("leaked slots", report["leaked_slots"]["total"], "0", report["leaked_slots"]["total"] == 0),
+        Goal("leaked SHM segments", report["leaked_shm_segments"]["total"], "0",
+             report["leaked_shm_segments"]["total"] == 0),
+        Goal("non-zero exit codes at the end", {k: v for k, v in report["exit_codes"].items() if v != 0}, "none",
+             all(code == 0 for code in report["exit_codes"].values())),
+    ]
+    for key, row in report["rss"].items():
+        growth = row["vmrss_growth_pct"]
+        goals.append(Goal(f"RSS growth after warm-up, {key} (%)", round(growth, 1), f"< {RSS_GROWTH_PCT:g}",
+                          growth < RSS_GROWTH_PCT))
+    return goals
 
 
 def main(args) -> int:
@@ -282,9 +328,10 @@ def main(args) -> int:
     report = soak.run()
     print(f"\nitems {report['items']} (faults: {report['fault_events']} events, {report['faulted_rooms']} rooms) "
           f"in {report['wall_s']:.0f} s")
-    print(f"delivered {report['delivered']}  corrupted {report['corrupted']}  "
-          f"failed fast {report['failed_fast']}/{report['faulted_rooms']} (slow {report['failed_slow']}, "
-          f"delivered anyway {report['faulted_rooms_delivered_anyway']})  collateral {report['collateral_failures']}")
+    print(f"delivered {report['delivered']}  corrupted {report['corrupted']}  failed fast "
+          f"{report['failed_fast']}/{report['faulted_rooms_failed']} faulted rooms that failed "
+          f"(slow {report['failed_slow']}); delivered anyway {report['faulted_rooms_delivered_anyway']}/"
+          f"{report['faulted_rooms']} (their fault came after their commit)  collateral {report['collateral_failures']}")
     ttf = report["ttf_p99_s"]
     print(f"time to failure p50 {report['ttf_p50_s'] or 0:.3f} s, p99 {ttf or 0:.3f} s, max {report['ttf_max_s'] or 0:.3f} s")
     print(f"leaked slots {report['leaked_slots']['total']}, leaked SHM segments {report['leaked_shm_segments']['total']}")
@@ -297,13 +344,15 @@ def main(args) -> int:
         elif kind in REFUSALS:
             what = f"refusals {row['affected']:4d}, slowest {row['ttf_max_s']:.3f} s"
         else:
-            what = f"rooms {row['affected']:4d}  ttf p99 {row['ttf_p99_s'] if row['ttf_p99_s'] is not None else 0:.3f} s"
-        print(f"  {kind:34s} events {row['events']:4d}  as expected {row['expected']:4d}  {what}")
+            what = (f"rooms {row['affected']:4d} (delivered anyway {row['delivered_anyway']})  ttf p99 "
+                    f"{row['ttf_p99_s'] if row['ttf_p99_s'] is not None else 0:.3f} s")
+        print(f"  {kind:34s} events {row['events']:4d}  as expected {row['expected']:4d}  crashed {row['errors']:3d}  "
+              f"{what}")
+    print("goals:")
+    for goal in report["goals"]:
+        print(f"  {'met   ' if goal['met'] else 'MISSED'} {goal['name']}: {goal['value']} (goal {goal['target']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
         print(f"wrote {args.json}")
-    ok = (report["corrupted"] == 0 and report["leaked_slots"]["total"] == 0
-          and report["leaked_shm_segments"]["total"] == 0 and report["collateral_failures"] == 0
-          and report["failed_slow"] == 0)
-    return 0 if ok else 1
+    return 0 if all(goal["met"] for goal in report["goals"]) else 1
