@@ -149,7 +149,6 @@ async def _lifecycle(client: HandshakeClient, batch: int) -> tuple[int, int]:
 
 async def _load(url: str, level: Level, seconds: float) -> None:
     client = HandshakeClient(url, timeout_s=10)
-    end = time.monotonic() + seconds
     count = 0
 
     async def loop():
@@ -166,6 +165,7 @@ async def _load(url: str, level: Level, seconds: float) -> None:
         for _ in range(5):  # warm the connection pool
             await _lifecycle(client, level.batch)
         started = time.monotonic()
+        end = started + seconds
         await asyncio.gather(*(loop() for _ in range(level.concurrency)))
         level.lifecycles_per_s.append(count / (time.monotonic() - started))
     finally:
