@@ -6,6 +6,10 @@
   else's segment (the Python 3.11 pitfall of ``SharedMemory(name=...)``).
 * ``namespace_id()``: equal in two processes exactly when they see the same ``/dev/shm``.
 * ``ShmTensorHandle``: the seed's one-tensor handoff, publish -> attach -> consume | release.
+  ``publish(tensor, purpose="intake")`` makes the only kind of segment an encode worker's intake
+  will read (and unlink): its name starts with ``epd-in-``, and no other creator may use that
+  prefix, so a client naming anything else (a prefill's receive pool, a handoff) is refused
+  before ``/dev/shm`` is touched (``ShmTensorHandle.for_intake``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from data_plane.dtypes import dtype_from_wire, dtype_to_wire
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "epd-"
 _NAME_RE = re.compile(r"^epd-[A-Za-z0-9_-]{1,100}$")
+# what each purpose's segments are named; the intake kind is reserved to publish(purpose="intake")
+PURPOSE_KINDS = {"handoff": "h", "intake": "in"}
+INTAKE_PREFIX = f"{NAME_PREFIX}{PURPOSE_KINDS['intake']}-"
 
 
 class ShmError(OSError):
@@ -41,6 +48,12 @@ def validate_name(name: str) -> str:
 
 def new_name(kind: str) -> str:
     return validate_name(f"{NAME_PREFIX}{kind}-{os.getpid()}-{secrets.token_hex(8)}")
+
+
+def is_intake_name(name: str) -> bool:
+    """Whether ``name`` is an intake handle's: ``epd-in-`` plus the producer's pid and a random
+    part (``publish(..., purpose="intake")`` is the only creator of such names)."""
+    return isinstance(name, str) and name.startswith(INTAKE_PREFIX) and bool(_NAME_RE.fullmatch(name))
 
 
 @cache
@@ -67,10 +80,17 @@ class ShmSegment:
 
     @classmethod
     def create(cls, size: int, kind: str = "seg", name: str | None = None) -> ShmSegment:
-        """Create, reserve (ENOSPC now, not SIGBUS later) and map a new segment we own."""
+        """Create, reserve (ENOSPC now, not SIGBUS later) and map a new segment we own. Intake
+        names are refused here: only ``ShmTensorHandle.publish(..., purpose="intake")`` makes them."""
+        name = validate_name(name) if name is not None else new_name(kind)
+        if name.startswith(INTAKE_PREFIX):
+            raise ValueError(f"{name}: {INTAKE_PREFIX}* names are reserved for intake handles")
+        return cls._create(size, name)
+
+    @classmethod
+    def _create(cls, size: int, name: str) -> ShmSegment:
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
-        name = validate_name(name) if name is not None else new_name(kind)
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -89,8 +109,9 @@ class ShmSegment:
         return cls(name, size, mapping, owner=True)
 
     @classmethod
-    def attach(cls, name: str, min_size: int = 0) -> ShmSegment:
-        """Map an existing segment by name; refuses links, non-files, other users' and short ones."""
+    def attach(cls, name: str, min_size: int = 0, exact: bool = False) -> ShmSegment:
+        """Map an existing segment by name; refuses links, non-files, other users' and short ones
+        (with ``exact``, any other size than ``min_size``)."""
         validate_name(name)
         path = os.path.join(SHM_DIR, name)
         try:
@@ -103,8 +124,9 @@ class ShmSegment:
                 raise ShmError(f"SHM segment {name} is not a regular file")
             if info.st_uid != os.geteuid():
                 raise ShmError(f"SHM segment {name} belongs to uid {info.st_uid}, not to us")
-            if info.st_size < max(min_size, 1):
-                raise ShmError(f"SHM segment {name} has {info.st_size} bytes, need {max(min_size, 1)}")
+            if info.st_size < max(min_size, 1) or (exact and info.st_size != max(min_size, 1)):
+                raise ShmError(f"SHM segment {name} has {info.st_size} bytes, "
+                               f"need {'exactly ' if exact else ''}{max(min_size, 1)}")
             mapping = mmap.mmap(fd, info.st_size)
         finally:
             os.close(fd)
@@ -137,12 +159,18 @@ class ShmTensorHandle:
     (every consumer rank, before any barrier); ``consume`` copies it out and unlinks;
     ``release`` unlinks without reading. An attached consumer that dies before consuming leaves
     no segment: attaching registers the name with the consumer's resource tracker.
+
+    Purposes: ``"handoff"`` (the seed's, between an engine's ranks) and ``"intake"`` (pixels for
+    an encode worker on this node). A handle that arrives at intake is built by ``for_intake``,
+    which refuses every name but an intake handle's, and attaches only to a segment of exactly
+    the handle's size (what ``publish`` made), ours, and a regular file.
     """
 
     shm_name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     _segment: ShmSegment | None = field(default=None, init=False, repr=False, compare=False)
+    _exact: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_name(self.shm_name)
@@ -158,9 +186,11 @@ class ShmTensorHandle:
         return count * torch.empty(0, dtype=self.dtype).element_size()
 
     @classmethod
-    def publish(cls, tensor: torch.Tensor) -> ShmTensorHandle:
+    def publish(cls, tensor: torch.Tensor, purpose: str = "handoff") -> ShmTensorHandle:
+        if purpose not in PURPOSE_KINDS:
+            raise ValueError(f"unknown SHM handle purpose {purpose!r}; expected one of {sorted(PURPOSE_KINDS)}")
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        segment = ShmSegment.create(max(flat.numel(), 1), kind="h")
+        segment = ShmSegment._create(max(flat.numel(), 1), new_name(PURPOSE_KINDS[purpose]))
         try:
             segment.tensor[: flat.numel()].copy_(flat)
         except BaseException:
@@ -173,6 +203,17 @@ class ShmTensorHandle:
         segment.close()
         return cls(shm_name=segment.name, shape=tuple(tensor.shape), dtype=tensor.dtype)
 
+    @classmethod
+    def for_intake(cls, shm_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensorHandle:
+        """A handle named by an intake message; ``ValueError`` unless the name is an intake
+        handle's (checked on the name alone: nothing in ``/dev/shm`` is touched)."""
+        if not is_intake_name(shm_name):
+            raise ValueError(f"SHM segment {shm_name!r} is not an intake handle (intake reads only "
+                             f"{INTAKE_PREFIX}* segments, made by ShmTensorHandle.publish(..., purpose='intake'))")
+        handle = cls(shm_name=shm_name, shape=shape, dtype=dtype)
+        handle._exact = True
+        return handle
+
     def to_wire(self) -> dict:
         return {"shm_name": self.shm_name, "shape": list(self.shape), "dtype": dtype_to_wire(self.dtype)}
 
@@ -183,7 +224,7 @@ class ShmTensorHandle:
 
     def attach(self) -> None:
         if self._segment is None:
-            segment = ShmSegment.attach(self.shm_name, min_size=self.nbytes)
+            segment = ShmSegment.attach(self.shm_name, min_size=self.nbytes, exact=self._exact)
             resource_tracker.register(_tracker_name(self.shm_name), "shared_memory")
             segment.owner = True
             self._segment = segment

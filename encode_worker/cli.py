@@ -1,7 +1,8 @@
 """`epd-encode-worker`: run an encode worker until SIGTERM / SIGINT, then shut down cleanly.
 
 Every flag has an environment variable (``EPD_`` + the flag in upper snake case, e.g.
-``--bootstrap-port`` <- ``EPD_BOOTSTRAP_PORT``); flags win over the environment.
+``--bootstrap-port`` <- ``EPD_BOOTSTRAP_PORT``); flags win over the environment. Every setting
+is checked before anything starts: a mistake is one line on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -13,32 +14,54 @@ import signal
 import sys
 import threading
 
-from handshake.server import load_token
+from handshake.settings import (
+    Parser,
+    SettingError,
+    byte_size,
+    check_checkpoint,
+    check_device,
+    check_listen,
+    check_memory,
+    dtype,
+    handshake_token,
+    non_negative,
+    port,
+    positive,
+    read_secret,
+    refuse,
+    switch,
+    transports,
+)
 
+PROG = "epd-encode-worker"
 FLAGS = [
     # (flag, type, default, help)
     ("--model", str, None, "checkpoint directory (full VLM or vision-only)"),
     ("--served-model", str, None, "model name intake requests may carry (default: the checkpoint folder name)"),
-    ("--dtype", str, "bfloat16", "tower dtype: bfloat16, float16, float32"),
+    ("--dtype", dtype, "bfloat16", "tower dtype: bfloat16, float16, float32"),
     ("--device", str, "cpu", "torch device for the tower, e.g. cuda:0"),
     ("--host", str, "127.0.0.1", "address peers use to reach this worker (rooms, Mooncake)"),
     ("--bind", str, "0.0.0.0", "address the bootstrap and intake ports listen on"),
-    ("--bootstrap-port", int, 8998, "handshake (room) REST port; also /healthz /readyz /metrics"),
-    ("--intake-port", int, 8999, "ZMQ ROUTER port for items"),
-    ("--transports", str, "shm,mooncake", "comma-separated: shm, mooncake, loopback"),
+    ("--bootstrap-port", port, 8998, "handshake (room) REST port; also /healthz /readyz /metrics"),
+    ("--intake-port", port, 8999, "ZMQ ROUTER port for items"),
+    ("--transports", transports, "shm,mooncake", "comma-separated: shm, mooncake, loopback"),
     ("--mooncake-hca", str, "", "comma-separated RDMA HCA names for Mooncake ('' = all found)"),
-    ("--mooncake-force-tcp", int, 0, "1 = Mooncake over TCP even where RDMA exists"),
-    ("--batch-patches", int, 16384, "tower input patches per batch"),
-    ("--batch-items", int, 8, "items per batch"),
-    ("--queue-items", int, 64, "items waiting for the tower before intake refuses"),
-    ("--max-payload-bytes", int, 64 << 20, "largest accepted item payload"),
-    ("--ring-bytes", int, 512 << 20, "send ring size (registered once)"),
-    ("--ring-slot-bytes", int, 1 << 20, "send ring slot size"),
-    ("--cache-bytes", int, 1 << 30, "embedding cache size (0 = off)"),
-    ("--receiver-wait-s", float, 30.0, "how long an encoded item waits for its receiver"),
-    ("--write-timeout-s", float, 30.0, "deadline of one write"),
-    ("--checksum", int, 1, "1 = commit with an xxh3-64 checksum of the rows (0: receivers must run with require_checksum off)"),
-    ("--send-workers", int, 8, "sender threads"),
+    ("--mooncake-force-tcp", switch, "0", "1 = Mooncake over TCP even where RDMA exists"),
+    ("--batch-patches", positive(int), 16384, "tower input patches per batch"),
+    ("--batch-items", positive(int), 8, "items per batch"),
+    ("--queue-items", positive(int), 64, "items waiting for the tower before intake refuses"),
+    ("--max-payload-bytes", byte_size, 64 << 20, "largest accepted item payload (bytes; K, M, G suffixes)"),
+    ("--max-image-pixels", positive(int), None, "largest image decoded, in pixels, refused at intake "
+                                                "from its header (default 16777216 = 4096 x 4096)"),
+    ("--batch-pixels", positive(int), None, "decoded pixels per batch (default: twice --max-image-pixels)"),
+    ("--ring-bytes", byte_size, 512 << 20, "send ring size (registered once)"),
+    ("--ring-slot-bytes", byte_size, 1 << 20, "send ring slot size"),
+    ("--cache-bytes", byte_size, 1 << 30, "embedding cache size (0 = off)"),
+    ("--receiver-wait-s", positive(float), 30.0, "how long an encoded item waits for its receiver; then its room fails"),
+    ("--write-timeout-s", positive(float), 30.0, "deadline of one write"),
+    ("--room-timeout-s", positive(float), 5.0, "deadline of one call to another endpoint's room API"),
+    ("--checksum", switch, "1", "1 = commit with an xxh3-64 checksum of the rows (0: receivers must run with require_checksum off)"),
+    ("--send-workers", positive(int), 8, "sender threads"),
     ("--token-file", str, None, "handshake bearer token file (or $EPD_HANDSHAKE_TOKEN[_FILE])"),
     ("--intake-token-file", str, None, "intake token file (or $EPD_INTAKE_TOKEN)"),
 ]
@@ -49,50 +72,79 @@ def env_name(flag: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epd-encode-worker", description="EPD encode worker.",
-                                     epilog="Each flag also reads EPD_<FLAG> from the environment.")
+    parser = Parser(prog=PROG, description="EPD encode worker.",
+                    epilog="Each flag also reads EPD_<FLAG> from the environment.")
     for flag, kind, default, text in FLAGS:
-        value = os.environ.get(env_name(flag))
-        parser.add_argument(flag, type=kind, default=kind(value) if value is not None else default,
+        # a value from the environment is a string default: argparse checks it with the flag's type
+        parser.add_argument(flag, type=kind, default=os.environ.get(env_name(flag), default),
                             help=f"{text} [{env_name(flag)}]")
     return parser
 
 
 def config_from_args(args):
-    from encode_worker.worker import WorkerConfig
-
+    """The worker's settings from parsed flags; ``SettingError`` for a missing model or an
+    unreadable token file."""
     if not args.model:
-        raise SystemExit("epd-encode-worker: --model (or EPD_MODEL) is required")
-    intake_token = None
-    if args.intake_token_file:
-        with open(args.intake_token_file) as f:
-            intake_token = f.read().strip()
+        raise SettingError("--model (or EPD_MODEL) is required")
+    check_checkpoint(args.model)
+    intake_token = (read_secret(args.intake_token_file, "--intake-token-file") if args.intake_token_file
+                    else os.environ.get("EPD_INTAKE_TOKEN") or None)
+    token = handshake_token(args.token_file)
+    from encode_worker.worker import WorkerConfig  # torch: after the quick checks
+
+    sizes = {}
+    if args.max_image_pixels is not None:
+        sizes.update(max_image_pixels=args.max_image_pixels, batch_pixels=2 * args.max_image_pixels)
+    if args.batch_pixels is not None:
+        sizes.update(batch_pixels=args.batch_pixels)
     return WorkerConfig(
         model=args.model, served_model=args.served_model, dtype=args.dtype, device=args.device, host=args.host, bind=args.bind,
         bootstrap_port=args.bootstrap_port, intake_port=args.intake_port,
-        transports=tuple(t for t in args.transports.split(",") if t), mooncake_hca=args.mooncake_hca,
-        mooncake_force_tcp=bool(args.mooncake_force_tcp), batch_patches=args.batch_patches,
+        transports=args.transports, mooncake_hca=args.mooncake_hca,
+        mooncake_force_tcp=args.mooncake_force_tcp, batch_patches=args.batch_patches,
         batch_items=args.batch_items, queue_items=args.queue_items, max_payload_bytes=args.max_payload_bytes,
         ring_bytes=args.ring_bytes, ring_slot_bytes=args.ring_slot_bytes, cache_bytes=args.cache_bytes,
-        receiver_wait_s=args.receiver_wait_s, write_timeout_s=args.write_timeout_s, checksum=bool(args.checksum),
-        send_workers=args.send_workers, handshake_token=load_token(args.token_file),
-        intake_token=intake_token or os.environ.get("EPD_INTAKE_TOKEN") or None)
+        receiver_wait_s=args.receiver_wait_s, write_timeout_s=args.write_timeout_s, room_timeout_s=args.room_timeout_s,
+        checksum=args.checksum, send_workers=args.send_workers, handshake_token=token,
+        intake_token=intake_token, **sizes)
+
+
+def start(args):
+    """Check every setting, load the tower, listen: the running worker, or ``SettingError``."""
+    check_listen(args.bind, args.bootstrap_port, "--bootstrap-port")
+    check_listen(args.bind, args.intake_port, "--intake-port")
+    if args.bootstrap_port == args.intake_port:
+        raise SettingError(f"--bootstrap-port and --intake-port are both {args.intake_port}")
+    config = config_from_args(args).validate()
+    check_device(config.device)
+    check_memory(config.ring_bytes, "--ring-bytes")
+    from data_plane.mooncake import MooncakeUnavailable
+    from encode_worker.tower import TowerLoadError, VisionTower
+    from encode_worker.worker import EncodeWorker
+
+    try:
+        tower = VisionTower.load(config.model, config.dtype, config.device)
+    except (TowerLoadError, OSError, ValueError) as exc:  # a checkpoint that is not a complete tower
+        raise SettingError(f"--model {config.model}: cannot load the vision tower: {exc}") from None
+    try:
+        return EncodeWorker(config, tower=tower).start()
+    except (MooncakeUnavailable, OSError, RuntimeError, MemoryError) as exc:  # transports, ring
+        raise SettingError(f"cannot start: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(build_parser().parse_args(argv))
-    from data_plane.mooncake import MooncakeUnavailable
-    from encode_worker.worker import EncodeWorker
-
+    args = build_parser().parse_args(argv)
     try:
-        worker = EncodeWorker(config).start()
-    except MooncakeUnavailable as exc:  # the only transport asked for cannot start: say why, in one line
-        logging.error("cannot start: %s", exc)
-        return 1
-    logging.info("encode worker ready: rooms on %s:%d, intake on %d, transports %s", config.host,
-                 worker.bootstrap_port, worker.intake_port, ",".join(worker.transports))
+        worker = start(args)
+    except SettingError as exc:
+        return refuse(PROG, exc)
+    config = worker.config
+    logging.info("encode worker ready: model %s (served as %r, %s on %s); rooms, /readyz and /metrics on "
+                 "http://%s:%d (bound to %s); intake on tcp://%s:%d; transports %s", config.model,
+                 worker.served_model, config.dtype, config.device, config.host, worker.bootstrap_port, config.bind,
+                 config.host, worker.intake_port, ",".join(worker.transports))
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -1,7 +1,8 @@
 """Turning what arrives at intake into pixels the tower's own image processor accepts.
 
-Three sources: encoded image bytes (PNG / JPEG / WebP, decoded with PIL, size-capped), raw
-``uint8 [H, W, 3]`` pixels, or a same-node ``ShmTensorHandle`` holding such pixels. Anything
+Three sources: encoded image bytes (PNG / JPEG / WebP / BMP, decoded with PIL, size-capped), raw
+``uint8 [H, W, 3]`` pixels, or a same-node intake ``ShmTensorHandle`` holding such pixels
+(``ShmTensorHandle.publish(pixels, purpose="intake")``; the worker consumes and unlinks it). Anything
 else, or anything malformed, raises ``BadItem`` with a reason that ends up in the item's room.
 """
 
@@ -15,7 +16,11 @@ from PIL import Image
 from data_plane.shm import ShmError, ShmTensorHandle
 
 MAX_SIDE = 16384
-MAX_PIXELS = 64 << 20
+# Decoded pixels of one image, checked from the header (or the shape) before decoding. A 190 KB
+# PNG may declare 16384 x 4096: decoding and preprocessing it took 1.1 GiB more resident memory
+# and ~4 s of CPU here (16 Mi pixels: ~290 MiB, ~1 s). 4096 x 4096 is above a 12 MP photo and
+# above what the Qwen2.5-VL and Qwen3-VL processors resize to (12.8 and 16.8 M pixels).
+MAX_PIXELS = 16 << 20
 ALLOWED_FORMATS = {"PNG", "JPEG", "WEBP", "BMP"}
 
 
@@ -23,14 +28,15 @@ class BadItem(ValueError):
     """This item cannot be encoded; only its room fails."""
 
 
-def image_from_bytes(data: bytes) -> Image.Image:
+def image_from_bytes(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
     try:
         with Image.open(io.BytesIO(data)) as probe:
             if probe.format not in ALLOWED_FORMATS:
                 raise BadItem(f"image format {probe.format!r} is not accepted ({sorted(ALLOWED_FORMATS)})")
             width, height = probe.size
-            if width > MAX_SIDE or height > MAX_SIDE or width * height > MAX_PIXELS:
-                raise BadItem(f"image of {width}x{height} pixels is larger than allowed")
+            if width > MAX_SIDE or height > MAX_SIDE or width * height > max_pixels:
+                raise BadItem(f"image of {width}x{height} pixels is larger than allowed "
+                              f"({max_pixels} pixels, {MAX_SIDE} a side)")
             image = probe.convert("RGB")
             image.load()
             return image
@@ -40,11 +46,11 @@ def image_from_bytes(data: bytes) -> Image.Image:
         raise BadItem(f"cannot decode image: {type(exc).__name__}: {exc}") from None
 
 
-def image_from_pixels(pixels: torch.Tensor) -> Image.Image:
+def image_from_pixels(pixels: torch.Tensor, max_pixels: int = MAX_PIXELS) -> Image.Image:
     if pixels.dtype != torch.uint8 or pixels.dim() != 3 or pixels.shape[2] != 3:
         raise BadItem(f"raw pixels must be uint8 [H, W, 3], got {pixels.dtype} {tuple(pixels.shape)}")
     height, width = int(pixels.shape[0]), int(pixels.shape[1])
-    if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE and height * width <= MAX_PIXELS):
+    if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE and height * width <= max_pixels):
         raise BadItem(f"raw pixels of {width}x{height} are out of range")
     return Image.fromarray(pixels.contiguous().numpy(), mode="RGB")
 

@@ -1,6 +1,7 @@
-"""Encode jobs and the bounded FIFO that batches them under a patch budget and an item cap.
+"""Encode jobs and the bounded FIFO that batches them under a patch budget, a decoded-pixel
+budget and an item cap.
 
-A job whose patches alone exceed the budget runs in a batch of its own. ``put`` never blocks: a
+A job whose patches (or pixels) alone exceed the budget runs in a batch of its own. ``put`` never blocks: a
 full queue is refused at once, so the dispatcher learns it (backpressure) instead of waiting.
 """
 
@@ -24,6 +25,7 @@ class EncodeJob:
     payload: Any  # bytes, uint8 [H, W, 3] tensor, or ShmTensorHandle
     patches: int  # estimated at intake from the image size, for batching
     modality: str = "IMAGE"
+    pixels: int = 0  # the source image's pixels, decoded by the prepare stage
     received_at: float = field(default_factory=time.monotonic)
     timings: dict[str, float | bool] = field(default_factory=dict)  # by the stages: EncodeTimings' fields
 
@@ -33,10 +35,11 @@ class EncodeJob:
 
 
 class BatchQueue:
-    def __init__(self, max_items: int, patch_budget: int, batch_items: int):
+    def __init__(self, max_items: int, patch_budget: int, batch_items: int, pixel_budget: int | None = None):
         self.max_items = max_items
         self.patch_budget = patch_budget
         self.batch_items = batch_items
+        self.pixel_budget = pixel_budget
         self._jobs: collections.deque[EncodeJob] = collections.deque()
         self._ready = threading.Condition()
         self.closed = False
@@ -53,18 +56,20 @@ class BatchQueue:
             return True
 
     def take_batch(self, timeout: float) -> list[EncodeJob]:
-        """The next FIFO batch: at least one job, then more while within budget and cap."""
+        """The next FIFO batch: at least one job, then more while within the budgets and cap."""
         with self._ready:
             if not self._jobs and not self._ready.wait_for(lambda: self._jobs or self.closed, timeout):
                 return []
             batch: list[EncodeJob] = []
-            patches = 0
+            patches = pixels = 0
             while self._jobs and len(batch) < self.batch_items:
                 job = self._jobs[0]
-                if batch and patches + job.patches > self.patch_budget:
+                if batch and (patches + job.patches > self.patch_budget or
+                              (self.pixel_budget is not None and pixels + job.pixels > self.pixel_budget)):
                     break
                 batch.append(self._jobs.popleft())
                 patches += job.patches
+                pixels += job.pixels
             return batch
 
     def drain(self) -> list[EncodeJob]:

@@ -1,6 +1,7 @@
 """The send path: one item's staged rows -> the receiver registered in its room.
 
-Per item: wait (bounded, long-poll, no spinning) for the room's receiver; pick the transport
+Per item: wait (bounded, long-poll, no spinning) for the room's receiver, and fail the room
+when none came in time (its receiver, arriving later, learns it at once); pick the transport
 from what both sides offer (SHM on the same node, else Mooncake; loopback in tests); check rows x
 width x dtype and capacity before any byte moves; begin the write; write; commit with the slot
 generation and a checksum. Any failure fails only this room, with a reason the receiver can read.
@@ -39,7 +40,7 @@ from data_plane.transport import Transfer, TransferRefused, TransferState, Trans
 from handshake.client import HandshakeError
 from handshake.loops import LoopThread
 from handshake.models import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
-from handshake.rooms import RoomError
+from handshake.rooms import RoomError, RoomNotFound
 from multimodal.wire import EncodeHandshake
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,11 @@ class Sender:
                 outcome = self._deliver(item, rooms, view, chosen)
             else:
                 outcome = await loop.run_in_executor(self._pool, self._deliver, item, rooms, view, chosen)
+        except RoomNotFound as exc:  # nothing to tell: the room is unknown at its endpoint, or gone
+            outcome = self._finish(item, "FAILED", None, f"not delivered: {exc}")
+        except (RoomError, HandshakeError) as exc:  # expected (an endpoint down): a reason, no traceback
+            reason = f"room unusable: {exc}"
+            outcome = await loop.run_in_executor(self._pool, lambda: self._fail(item, reason, settled=True))
         except Exception as exc:  # never lose an item silently: fail its room
             log.exception("delivery of room %d crashed", item.room)
             reason = f"encode worker error: {type(exc).__name__}: {exc}"
@@ -134,8 +140,9 @@ class Sender:
     def _deliver(self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None) -> Outcome:
         """On a sender thread (or, see ``_writes_inline``, the loop), once the wait for the receiver
         is over; ``chosen``: the transport and offer picked from the registration."""
-        if view.state is RoomState.PENDING and self._closing.is_set():
-            return self._fail(item, "encode worker shutting down", settled=True)
+        if view.state is RoomState.PENDING:  # no receiver came: the room fails now, not at its TTL
+            return self._fail(item, "encode worker shutting down" if self._closing.is_set() else
+                              f"no receiver registered within {self.receiver_wait_s:g} s", settled=True)
         if view.state is RoomState.WRITING:  # a room sent to two workers: the other one has it
             return self._finish(item, "FAILED", None, "not written: another writer is writing this room")
         if view.state is not RoomState.REGISTERED:

@@ -3,11 +3,18 @@
 Threads: the ZMQ intake loop, one encode loop (the tower), a pool of sender threads, and a
 housekeeping loop (reap settled transfers, idle health probe). The handshake app is served on the
 bootstrap port by uvicorn in the same process, on the event loop where the sender's items wait
-for their receivers; this worker reaches its own rooms in-process.
+for their receivers; this worker reaches its own rooms in-process, and every other endpoint's
+over one pooled aiohttp client per endpoint on that same loop (no thread per endpoint).
+
+Intake never waits on the network: an item refused there whose room lives at another endpoint
+has that room failed by a call on the loop (bounded in number and by ``room_timeout_s``), so a
+silent endpoint holds up nothing but its own rooms.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import ctypes
 import functools
 import io
@@ -31,17 +38,27 @@ from data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmTensorHandle
 from data_plane.transport import build_transports
 from encode_worker.cache import CacheKey, EmbeddingCache, Encoded
-from encode_worker.inputs import BadItem, image_from_bytes, image_from_pixels, pixels_from_shm
+from encode_worker.inputs import (
+    ALLOWED_FORMATS,
+    MAX_PIXELS,
+    MAX_SIDE,
+    BadItem,
+    image_from_bytes,
+    image_from_pixels,
+    pixels_from_shm,
+)
 from encode_worker.intake import IntakeRefused, parse_request
 from encode_worker.scheduler import BatchQueue, EncodeJob
 from encode_worker.sender import Outcome, Sender, StagedItem, stage
 from encode_worker.tower import VisionTower
 from handshake.access import LocalRooms, RemoteRooms
 from handshake.app import create_app
-from handshake.client import SyncHandshakeClient
+from handshake.client import HandshakeClient
 from handshake.loops import LoopThread
-from handshake.rooms import RoomTable
+from handshake.models import FailBody
+from handshake.rooms import RoomError, RoomTable
 from handshake.server import ThreadedServer
+from handshake.settings import DTYPES, TRANSPORTS, SettingError, check_listen
 from multimodal.hashing import hash_feature
 from multimodal.rows import RowContractError, image_grid, split_rows
 from multimodal.wire import EncodeHandshake
@@ -49,6 +66,8 @@ from multimodal.wire import EncodeHandshake
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
 TRIM_INTERVAL_S = 10.0
+MAX_ENDPOINTS = 256  # room endpoints with a pooled client; the oldest is closed beyond
+MAX_PENDING_FAILS = 1024  # room-fail calls to other endpoints in flight; beyond, the room is left to expire
 
 
 def _trim_heap() -> None:
@@ -87,16 +106,49 @@ class WorkerConfig:
     batch_items: int = 8
     queue_items: int = 64
     max_payload_bytes: int = 64 << 20
+    # decoded pixels: one image (checked from its header or shape at intake, before decoding),
+    # and one batch (the prepare stage decodes a batch's images one after another)
+    max_image_pixels: int = MAX_PIXELS
+    batch_pixels: int = 2 * MAX_PIXELS
     ring_bytes: int = 512 << 20
     ring_slot_bytes: int = 1 << 20
     cache_bytes: int = 1 << 30
-    receiver_wait_s: float = 30.0
+    receiver_wait_s: float = 30.0  # then the room fails ("no receiver registered within ...")
     write_timeout_s: float = 30.0
+    room_timeout_s: float = 5.0  # one call to another endpoint's room API
     checksum: bool = True
     send_workers: int = 8
     handshake_token: str | None = None
     intake_token: str | None = None
     probe_interval_s: float = 10.0
+
+    def validate(self) -> WorkerConfig:
+        """Refuse (``SettingError``, one line) any setting that cannot work, before anything starts."""
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise SettingError(message)
+
+        need(self.dtype in DTYPES, f"dtype {self.dtype!r}: a tower runs in {', '.join(DTYPES)}")
+        need(bool(self.transports), "transports: give at least one of " + ", ".join(TRANSPORTS))
+        unknown = [t for t in self.transports if t not in TRANSPORTS]
+        need(not unknown, f"transports: unknown {unknown}; use {', '.join(TRANSPORTS)}")
+        need(bool(self.host) and bool(self.bind), "host and bind must be addresses")
+        for name in ("bootstrap_port", "intake_port"):
+            need(0 <= getattr(self, name) <= 65535, f"{name} {getattr(self, name)} is not in 0..65535 (0: any)")
+        need(not self.bootstrap_port or self.bootstrap_port != self.intake_port,
+             f"bootstrap and intake ports are both {self.intake_port}")
+        for name in ("batch_patches", "batch_items", "queue_items", "max_payload_bytes", "max_image_pixels",
+                     "batch_pixels", "ring_bytes", "ring_slot_bytes", "send_workers"):
+            need(getattr(self, name) > 0, f"{name} must be above 0, got {getattr(self, name)}")
+        need(self.cache_bytes >= 0, f"cache_bytes must be 0 (off) or above, got {self.cache_bytes}")
+        need(self.ring_slot_bytes <= self.ring_bytes,
+             f"ring_slot_bytes {self.ring_slot_bytes} is larger than the ring ({self.ring_bytes})")
+        need(self.batch_pixels >= self.max_image_pixels,
+             f"batch_pixels {self.batch_pixels} is below max_image_pixels {self.max_image_pixels}")
+        for name in ("receiver_wait_s", "write_timeout_s", "room_timeout_s", "probe_interval_s"):
+            value = getattr(self, name)
+            need(0 < value < float("inf"), f"{name} must be a positive number of seconds, got {value}")
+        return self
 
 
 class WorkerMetrics:
@@ -125,25 +177,81 @@ class WorkerMetrics:
                 lambda name=name: getattr(worker.cache, name))
 
 
+class RateLimitedLog:
+    """Per-item lines (refusals, failed rooms): each item is logged once, and at most
+    ``per_interval`` lines per ``interval_s``; the next line says how many were left out."""
+
+    def __init__(self, logger: logging.Logger, per_interval: int = 20, interval_s: float = 1.0):
+        self.logger = logger
+        self.per_interval = per_interval
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._window = -interval_s
+        self._count = 0
+        self._dropped = 0
+
+    def warning(self, message: str, *args) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._window >= self.interval_s:
+                self._window, self._count = now, 0
+            if self._count >= self.per_interval:
+                self._dropped += 1
+                return
+            self._count += 1
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            message, args = message + " (%d more such lines left out before this one)", (*args, dropped)
+        self.logger.warning(message, *args)
+
+
+class LoopClient:
+    """A ``HandshakeClient`` on a loop every endpoint's client shares (the worker's handshake
+    loop), with ``SyncHandshakeClient``'s interface for ``RemoteRooms``."""
+
+    def __init__(self, loop: LoopThread, client: HandshakeClient):
+        self._loop = loop
+        self.client = client
+
+    def submit(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
+        return self._loop.submit(getattr(self.client, name)(*args, **kwargs))
+
+    def __getattr__(self, name):
+        method = getattr(self.client, name)
+
+        def call(*args, **kwargs):
+            if threading.current_thread() is self._loop.thread:  # it would wait for itself forever
+                raise RuntimeError(f"blocking room call {name} on the loop that serves it")
+            return self._loop.run(method(*args, **kwargs))
+        return call
+
+    def close(self) -> concurrent.futures.Future:
+        return self._loop.submit(self.client.close())
+
+
 class EncodeWorker:
     def __init__(self, config: WorkerConfig, tower: VisionTower | None = None, transports: dict | None = None):
-        self.config = config
+        self.config = config.validate()
         self.tower = tower or VisionTower.load(config.model, config.dtype, config.device)
         self.preprocess_id = f"{zlib.crc32(json.dumps(self.tower.processor.to_dict(), sort_keys=True, default=str).encode()):08x}"
         self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
         self.cache = EmbeddingCache(config.cache_bytes)
-        self.queue = BatchQueue(config.queue_items, config.batch_patches, config.batch_items)
+        self.queue = BatchQueue(config.queue_items, config.batch_patches, config.batch_items, config.batch_pixels)
+        self.ring = SlotPool(MemoryRegion.anonymous(config.ring_bytes), config.ring_slot_bytes,
+                             quarantine_s=config.write_timeout_s * 2)
         # Mooncake that cannot start leaves SHM in service (logged); alone, it is an error
         self.transports = transports if transports is not None else build_transports(
             config.transports, MooncakeConfig(hostname=config.host, device_names=config.mooncake_hca,
                                               force_tcp=config.mooncake_force_tcp,
                                               transfer_timeout_s=max(5, int(config.write_timeout_s))),
             mooncake_optional=True)
-        self.ring = SlotPool(MemoryRegion.anonymous(config.ring_bytes), config.ring_slot_bytes,
-                             quarantine_s=config.write_timeout_s * 2)
-        for transport in self.transports.values():
-            if transport.name == "mooncake":
-                transport.register(self.ring.region)
+        try:
+            for transport in self.transports.values():
+                if transport.name == "mooncake":
+                    transport.register(self.ring.region)
+        except BaseException:
+            self._close_transports()
+            raise
         self.table = RoomTable()
         registry = CollectorRegistry()
         self.metrics = WorkerMetrics(registry, self)
@@ -152,6 +260,9 @@ class EncodeWorker:
         self.sender = Sender(self.ring, self.transports, self.rooms_for, self.loop, config.receiver_wait_s,
                              config.write_timeout_s, config.send_workers, on_outcome=self._on_outcome)
         self._remote: dict[tuple[str, int], RemoteRooms] = {}
+        self._remote_lock = threading.Lock()
+        self._failing: set[concurrent.futures.Future] = set()  # room-fail calls to other endpoints
+        self._item_log = RateLimitedLog(log)
         # rooms with an item accepted and not yet ended: a second message for one of them is
         # refused (two writers for one slot would race; the later one could land after the
         # receiver handed the slot to a new tenant). Bounded by the items in flight.
@@ -165,22 +276,19 @@ class EncodeWorker:
         self._encoded: queue.Queue = queue.Queue(maxsize=1)  # batches encoded, waiting for the ring
         self._threads: list[threading.Thread] = []
         self.server: ThreadedServer | None = None
+        self._socket: zmq.Socket | None = None
         self.intake_port: int | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> EncodeWorker:
-        self._probe()
-        self.server = ThreadedServer(self.app, self.config.bind, self.config.bootstrap_port, self.loop).start()
-        context = zmq.Context.instance()
-        self._socket = context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, self.config.max_payload_bytes + (1 << 20))
-        if self.config.intake_port:
-            self._socket.bind(f"tcp://{self.config.bind}:{self.config.intake_port}")
-            self.intake_port = self.config.intake_port
-        else:
-            self.intake_port = self._socket.bind_to_random_port(f"tcp://{self.config.bind}")
+        """Serve; a port that cannot be listened on is a ``SettingError`` (one line), and
+        whatever had started is stopped again."""
+        try:
+            self._listen()
+        except BaseException:
+            self.stop()
+            raise
         for target, name in ((self._intake_loop, "intake"), (self._prepare_loop, "prepare"),
                              (self._encode_loop, "encode"), (self._stage_loop, "stage"),
                              (self._housekeeping_loop, "housekeeping")):
@@ -188,6 +296,27 @@ class EncodeWorker:
             thread.start()
             self._threads.append(thread)
         return self
+
+    def _listen(self) -> None:
+        config = self.config
+        self._probe()
+        if config.bootstrap_port:
+            check_listen(config.bind, config.bootstrap_port, "bootstrap port")
+        try:
+            self.server = ThreadedServer(self.app, config.bind, config.bootstrap_port, self.loop).start()
+        except RuntimeError as exc:
+            raise SettingError(f"bootstrap port: cannot serve on {config.bind}:{config.bootstrap_port}: {exc}") from None
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_payload_bytes + (1 << 20))
+        try:
+            if config.intake_port:
+                self._socket.bind(f"tcp://{config.bind}:{config.intake_port}")
+                self.intake_port = config.intake_port
+            else:
+                self.intake_port = self._socket.bind_to_random_port(f"tcp://{config.bind}")
+        except zmq.ZMQError as exc:
+            raise SettingError(f"intake port: cannot listen on {config.bind}:{config.intake_port}: {exc.strerror}") from None
 
     @property
     def bootstrap_port(self) -> int:
@@ -202,17 +331,27 @@ class EncodeWorker:
         for stage_queue, pick in ((self._prepared, lambda item: item[0]), (self._encoded, lambda item: [j for j, _ in item])):
             while not stage_queue.empty():
                 self._fail_all(pick(stage_queue.get_nowait()), "encode worker shutting down")
+        if not self._threads and self._socket is not None:  # the intake loop closes it otherwise
+            self._socket.close(0)
         self.sender.close(wait=True)
         self.sender.reap()
+        with self._remote_lock:
+            failing = list(self._failing)
+        concurrent.futures.wait(failing, self.config.room_timeout_s + 1)  # rooms failed at shutdown, told
         if self.server is not None:
             self.server.stop()
+        with self._remote_lock:
+            remotes, self._remote = list(self._remote.values()), {}
+        concurrent.futures.wait([remote.client.close() for remote in remotes], 5)
         self.loop.stop()
-        for remote in self._remote.values():
-            remote.client.close()
         for transport in self.transports.values():
             transport.unregister(self.ring.region)
-            transport.close()
+        self._close_transports()
         self.ring.region.close()
+
+    def _close_transports(self) -> None:
+        for transport in self.transports.values():
+            transport.close()
 
     # ---- health ----------------------------------------------------------------------------
 
@@ -232,25 +371,67 @@ class EncodeWorker:
     # ---- rooms -----------------------------------------------------------------------------
 
     def rooms_for(self, handshake: EncodeHandshake):
+        """This worker's own table, or a pooled client of the room's endpoint (any thread)."""
         if handshake.bootstrap_port == self.bootstrap_port and handshake.bootstrap_host in LOCAL_HOSTS | {self.config.host}:
             return LocalRooms(self.table)
         key = (handshake.bootstrap_host, handshake.bootstrap_port)
-        remote = self._remote.get(key)
-        if remote is None:
-            if len(self._remote) >= 256:
-                oldest = self._remote.pop(next(iter(self._remote)))  # the first endpoint added
-                oldest.client.close()
-            url = f"http://{handshake.bootstrap_host}:{handshake.bootstrap_port}"
-            remote = self._remote[key] = RemoteRooms(SyncHandshakeClient(url, token=self.config.handshake_token))
-        return remote
+        with self._remote_lock:
+            remote = self._remote.get(key)
+            if remote is None:
+                if len(self._remote) >= MAX_ENDPOINTS:
+                    self._remote.pop(next(iter(self._remote))).client.close()  # the first endpoint added
+                host = f"[{key[0]}]" if ":" in key[0] else key[0]
+                client = HandshakeClient(f"http://{host}:{key[1]}", token=self.config.handshake_token,
+                                         timeout_s=self.config.room_timeout_s)
+                remote = self._remote[key] = RemoteRooms(LoopClient(self.loop, client))
+            return remote
+
+    @property
+    def pending_room_fails(self) -> int:
+        """Calls failing rooms at other endpoints, still in flight."""
+        with self._remote_lock:
+            return len(self._failing)
 
     def _fail_room(self, handshake: EncodeHandshake, reason: str, modality: str) -> None:
-        self._end_room(handshake.bootstrap_room)
+        """Fail an item's room with ``reason`` without waiting on the network: this worker's own
+        rooms at once, another endpoint's by a call on the loop (``_tell_failed``)."""
+        room = handshake.bootstrap_room
+        self._end_room(room)
         self.metrics.requests.labels(modality, "failed").inc()
+        self._item_log.warning("room %d failed: %s", room, reason)
+        rooms = self.rooms_for(handshake)
+        if rooms.in_process:
+            try:
+                rooms.fail(room, reason, True)
+            except RoomError as exc:  # unknown here, or already ended
+                log.info("room %d not failed: %s", room, exc)
+            return
+        with self._remote_lock:
+            if len(self._failing) >= MAX_PENDING_FAILS:
+                self._item_log.warning("room %d at %s:%d not told it failed (%d such calls in flight); "
+                                       "it ends when its TTL does", room, handshake.bootstrap_host,
+                                       handshake.bootstrap_port, len(self._failing))
+                return
+            future = self.loop.submit(self._tell_failed(rooms.client.client, room, reason))
+            self._failing.add(future)
+        future.add_done_callback(self._told)
+
+    async def _tell_failed(self, client: HandshakeClient, room: int, reason: str) -> None:
         try:
-            self.rooms_for(handshake).fail(handshake.bootstrap_room, reason, True)
-        except Exception as exc:
-            log.warning("could not fail room %d (%s): %s", handshake.bootstrap_room, reason, exc)
+            (result,) = await asyncio.wait_for(
+                client.fail([FailBody(room=room, reason=reason[:500], settled=True)]), self.config.room_timeout_s)
+            if not result.ok:
+                log.info("room %d not failed at %s: %s", room, client.base_url, result.error)
+        except asyncio.TimeoutError:
+            self._item_log.warning("could not tell %s that room %d failed: no answer within %g s",
+                                   client.base_url, room, self.config.room_timeout_s)
+        except Exception as exc:  # unreachable, or an answer that is not the room API's: one line, no traceback
+            self._item_log.warning("could not tell %s that room %d failed: %s: %s", client.base_url, room,
+                                   type(exc).__name__, exc)
+
+    def _told(self, future: concurrent.futures.Future) -> None:
+        with self._remote_lock:
+            self._failing.discard(future)
 
     def _end_room(self, room: int) -> None:
         with self._in_flight_lock:
@@ -259,6 +440,8 @@ class EncodeWorker:
     def _on_outcome(self, outcome: Outcome) -> None:
         self._end_room(outcome.room)
         self.metrics.requests.labels("IMAGE", outcome.state.lower()).inc()
+        if outcome.state != "SUCCESS":
+            self._item_log.warning("room %d %s: %s", outcome.room, outcome.state, outcome.reason)
         if "queue_s" in outcome.timings:
             self.metrics.queue_seconds.observe(outcome.timings["queue_s"])
         if "wait_s" in outcome.timings:
@@ -287,6 +470,7 @@ class EncodeWorker:
                                              self.served_model)
         except IntakeRefused as exc:
             self.metrics.requests.labels("IMAGE", "refused").inc()
+            self._item_log.warning("intake refused an item (room %s): %s", exc.room, exc)
             return {"ok": False, "room": exc.room, "reason": str(exc)}
         room = request.encode_handshake.bootstrap_room
         with self._in_flight_lock:
@@ -294,6 +478,7 @@ class EncodeWorker:
             self._in_flight.add(room)
         if duplicate:
             self.metrics.requests.labels(request.modality, "refused").inc()
+            self._item_log.warning("intake refused room %d: an item for it is already in flight here", room)
             return {"ok": False, "room": room, "reason": f"room {room} already has an item in flight here"}
         try:
             job = self._job(request, payload)
@@ -308,19 +493,32 @@ class EncodeWorker:
         return {"ok": True, "room": room, "reason": None}
 
     def _job(self, request, payload: bytes | None) -> EncodeJob:
+        """The item as a job, from what intake can see without decoding (the header, the shape,
+        the SHM name); ``BadItem`` for an item that must not go further."""
         if request.source == "bytes":
             try:
                 with Image.open(io.BytesIO(payload)) as probe:
                     width, height = probe.size
+                    image_format = probe.format
             except Exception as exc:
                 raise BadItem(f"cannot read image header: {type(exc).__name__}") from None
+            if image_format not in ALLOWED_FORMATS:
+                raise BadItem(f"image format {image_format!r} is not accepted ({sorted(ALLOWED_FORMATS)})")
+        else:
+            height, width = (request.shape if request.source == "pixels" else request.shm.shape)[:2]
+        if width > MAX_SIDE or height > MAX_SIDE or width * height > self.config.max_image_pixels:
+            raise BadItem(f"image of {width}x{height} pixels is larger than this worker decodes "
+                          f"({self.config.max_image_pixels} pixels, {MAX_SIDE} a side)")
+        if request.source == "bytes":
             source_payload = payload
         elif request.source == "pixels":
-            height, width = request.shape[0], request.shape[1]
             source_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(height, width, 3)
         else:
-            height, width = request.shm.shape[0], request.shm.shape[1]
-            source_payload = ShmTensorHandle(request.shm.shm_name, tuple(request.shm.shape), torch.uint8)
+            try:  # the name alone decides: a segment that is not an intake handle is never opened
+                source_payload = ShmTensorHandle.for_intake(request.shm.shm_name, tuple(request.shm.shape),
+                                                            torch.uint8)
+            except ValueError as exc:
+                raise BadItem(str(exc)) from None
         # The cache key is the hash of the bytes this worker encodes, never the client's word for
         # it: a wrong claimed hash would poison the cache entry of the image it names.
         if request.source == "shm":
@@ -331,7 +529,7 @@ class EncodeWorker:
             content_hash = hash_feature(payload)
             _check_claimed_hash(request.content_hash, content_hash)
         return EncodeJob(request.request_id, request.encode_handshake, content_hash, request.source,
-                         source_payload, self._patches(height, width), request.modality)
+                         source_payload, self._patches(height, width), request.modality, pixels=width * height)
 
     def _patches(self, height: int, width: int) -> int:
         try:
@@ -444,13 +642,14 @@ class EncodeWorker:
             return [self._encode_misses([miss])[0] for miss in misses]
 
     def _image(self, job: EncodeJob) -> Image.Image:
+        limit = self.config.max_image_pixels
         if job.source == "bytes":
-            return image_from_bytes(job.payload)
+            return image_from_bytes(job.payload, limit)
         if job.source == "pixels":
-            return image_from_pixels(job.payload)
+            return image_from_pixels(job.payload, limit)
         pixels = pixels_from_shm(job.payload)
         _check_claimed_hash(job.content_hash, hash_feature(memoryview(pixels.numpy()).cast("B")))
-        return image_from_pixels(pixels)
+        return image_from_pixels(pixels, limit)
 
     def _stage_and_send(self, job: EncodeJob, encoded: Encoded) -> None:
         rows = encoded.rows

@@ -257,7 +257,7 @@ def test_raw_pixels_and_shm_handles_encode_like_the_png(qwen25, no_new_segments)
     try:
         image = png(120, 90, 21)
         pixels = torch.from_numpy(np.array(image_from_bytes(image)))
-        handle = ShmTensorHandle.publish(pixels)
+        handle = ShmTensorHandle.publish(pixels, purpose="intake")
         sends = [
             (request(worker, 0, "png"), image),
             ({**request(worker, 0, "raw"), "source": "pixels", "shape": list(pixels.shape)}, pixels.numpy().tobytes()),
@@ -289,7 +289,7 @@ def test_a_lying_content_hash_is_refused_and_cannot_poison_the_cache(qwen25, no_
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
     honest, liar = png(120, 90, 31), png(120, 90, 32)
     pixels = torch.from_numpy(np.array(image_from_bytes(liar)))
-    handle = ShmTensorHandle.publish(pixels)
+    handle = ShmTensorHandle.publish(pixels, purpose="intake")
     try:
         room, lie_room, shm_room, again = worker.table.mint(4, 60)
         assert intake.send(request(worker, room, "honest"), honest)["ok"]
