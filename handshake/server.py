@@ -123,23 +123,41 @@ class ThreadedServer:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epd-handshake", description="Standalone bootstrap-room handshake service.")
-    parser.add_argument("--host", default=os.environ.get("EPD_HANDSHAKE_HOST", "0.0.0.0"))
-    parser.add_argument("--port", type=int, default=int(os.environ.get("EPD_HANDSHAKE_PORT", "8998")))
+    from handshake.settings import Parser, byte_size, port, positive
+
+    env = os.environ.get
+    parser = Parser(prog="epd-handshake", description="Standalone bootstrap-room handshake service.")
+    # a value from the environment is a string default: argparse checks it with the flag's type
+    parser.add_argument("--host", default=env("EPD_HANDSHAKE_HOST", "0.0.0.0"),
+                        help="address to listen on [EPD_HANDSHAKE_HOST]")
+    parser.add_argument("--port", type=port, default=env("EPD_HANDSHAKE_PORT", "8998"),
+                        help="port of the room API, /healthz, /readyz, /metrics [EPD_HANDSHAKE_PORT]")
     parser.add_argument("--token-file", default=None, help=f"bearer token file (or ${TOKEN_FILE_ENV}, ${TOKEN_ENV})")
-    parser.add_argument("--max-live-rooms", type=int, default=RoomLimits.max_live_rooms)
-    parser.add_argument("--max-tombstones", type=int, default=RoomLimits.max_tombstones)
-    parser.add_argument("--tombstone-ttl-s", type=float, default=RoomLimits.tombstone_ttl_s)
-    parser.add_argument("--max-room-ttl-s", type=float, default=RoomLimits.max_ttl_s,
+    parser.add_argument("--max-live-rooms", type=positive(int), default=RoomLimits.max_live_rooms)
+    parser.add_argument("--max-tombstones", type=positive(int), default=RoomLimits.max_tombstones)
+    parser.add_argument("--tombstone-ttl-s", type=positive(float), default=RoomLimits.tombstone_ttl_s)
+    parser.add_argument("--max-room-ttl-s", type=positive(float), default=RoomLimits.max_ttl_s,
                         help="longest lifetime a mint may ask for (a longer ttl_s is refused)")
-    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    parser.add_argument("--max-body-bytes", type=positive(byte_size), default=MAX_BODY_BYTES,
+                        help="largest accepted request body (bytes; K, M, G suffixes)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every setting is checked first: a mistake is one line on stderr and exit status 1."""
+    from handshake.settings import SettingError, check_listen, handshake_token, refuse
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    try:
+        token = handshake_token(args.token_file)
+        check_listen(args.host, args.port, "--port")
+    except SettingError as exc:
+        return refuse("epd-handshake", exc)
     limits = RoomLimits(args.max_live_rooms, args.max_tombstones, args.tombstone_ttl_s, args.max_room_ttl_s)
-    app = create_app(RoomTable(limits), token=load_token(args.token_file), max_body_bytes=args.max_body_bytes)
+    app = create_app(RoomTable(limits), token=token, max_body_bytes=args.max_body_bytes)
+    log.info("epd-handshake serving rooms on http://%s:%d (room API /v1/rooms, /healthz, /readyz, /metrics; "
+             "bearer token %s)", args.host, args.port, "required" if token else "off")
     serve(app, args.host, args.port)
     return 0
 
