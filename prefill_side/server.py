@@ -199,70 +199,126 @@ class TowerCalls:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epd-prefill", description=__doc__.split("\n\n")[0])
+    from handshake.settings import Parser, byte_size, dtype, non_negative, port, positive, switch, transports
+
+    parser = Parser(prog="epd-prefill", description=__doc__.split("\n\n")[0],
+                    epilog="Rows arrive in the encode workers' dtype: --dtype must be theirs, and --width their "
+                           "tower's row width (--model gives it). A mismatch fails every item.")
     env = os.environ.get
-    parser.add_argument("--host", default=env("EPD_PREFILL_HOST", "0.0.0.0"))
-    parser.add_argument("--port", type=int, default=int(env("EPD_PREFILL_PORT", "9100")))
+    # a value from the environment is a string default: argparse checks it with the flag's type
+    parser.add_argument("--host", default=env("EPD_PREFILL_HOST", "0.0.0.0"), help="address to listen on")
+    parser.add_argument("--port", type=port, default=env("EPD_PREFILL_PORT", "9100"),
+                        help="port of /v1/prefill, /healthz, /readyz, /metrics")
     parser.add_argument("--model", default=env("EPD_MODEL"), help="checkpoint for verification / fallback; "
                         "also gives --width and --deepstack-width")
-    parser.add_argument("--width", type=int, default=int(env("EPD_WIDTH", "0")), help="wire width of one row")
-    parser.add_argument("--deepstack-width", type=int, default=int(env("EPD_DEEPSTACK_WIDTH", "0")))
-    parser.add_argument("--dtype", default=env("EPD_DTYPE", "bfloat16"))
-    parser.add_argument("--transports", default=env("EPD_TRANSPORTS", "shm,mooncake"))
-    parser.add_argument("--pool-bytes", type=int, default=int(env("EPD_POOL_BYTES", str(1 << 30))))
-    parser.add_argument("--slot-bytes", type=int, default=int(env("EPD_SLOT_BYTES", str(1 << 20))))
-    parser.add_argument("--item-timeout-s", type=float, default=float(env("EPD_ITEM_TIMEOUT_S", "60")))
-    parser.add_argument("--quarantine-s", type=float, default=float(env("EPD_QUARANTINE_S", "40")),
+    parser.add_argument("--width", type=non_negative(int), default=env("EPD_WIDTH", "0"),
+                        help="wire width of one row (the encode workers' tower's; default: from --model)")
+    parser.add_argument("--deepstack-width", type=non_negative(int), default=env("EPD_DEEPSTACK_WIDTH", "0"))
+    parser.add_argument("--dtype", type=dtype, default=env("EPD_DTYPE", "bfloat16"),
+                        help="dtype of the rows: the encode workers' --dtype (bfloat16, float16, float32)")
+    parser.add_argument("--transports", type=transports, default=env("EPD_TRANSPORTS", "shm,mooncake"),
+                        help="comma-separated: shm, mooncake")
+    parser.add_argument("--pool-bytes", type=positive(byte_size), default=env("EPD_POOL_BYTES", str(1 << 30)),
+                        help="receive pool (bytes; K, M, G suffixes)")
+    parser.add_argument("--slot-bytes", type=positive(byte_size), default=env("EPD_SLOT_BYTES", str(1 << 20)),
+                        help="receive pool slot size")
+    parser.add_argument("--item-timeout-s", type=positive(float), default=env("EPD_ITEM_TIMEOUT_S", "60"))
+    parser.add_argument("--quarantine-s", type=positive(float), default=env("EPD_QUARANTINE_S", "40"),
                         help="hold a failed slot this long (above the encode workers' Mooncake transfer timeout)")
     parser.add_argument("--fallback", choices=("fail", "local_tower"), default=env("EPD_FALLBACK", "fail"))
-    parser.add_argument("--tower-calls", type=int, default=int(env("EPD_TOWER_CALLS", "1")),
+    parser.add_argument("--tower-calls", type=positive(int), default=env("EPD_TOWER_CALLS", "1"),
                         help="local tower forward passes at once (colocated items, fallback, verification)")
-    parser.add_argument("--max-body-bytes", type=int, default=int(env("EPD_MAX_BODY_BYTES", str(MAX_BODY_BYTES))),
-                        help="largest accepted request body")
+    parser.add_argument("--max-body-bytes", type=positive(byte_size),
+                        default=env("EPD_MAX_BODY_BYTES", str(MAX_BODY_BYTES)), help="largest accepted request body")
     parser.add_argument("--require-checksum", action=argparse.BooleanOptionalAction,
-                        default=env("EPD_REQUIRE_CHECKSUM", "true").lower() in ("1", "true", "yes"),
+                        default=switch(env("EPD_REQUIRE_CHECKSUM", "true")),
                         help="refuse commits without the rows' checksum (workers run with --checksum 0)")
-    parser.add_argument("--token-file", default=env("EPD_HANDSHAKE_TOKEN_FILE"))
+    parser.add_argument("--token-file", default=env("EPD_HANDSHAKE_TOKEN_FILE"),
+                        help="handshake bearer token file (or $EPD_HANDSHAKE_TOKEN)")
     parser.add_argument("--mooncake-host", default=env("EPD_MOONCAKE_HOST", "127.0.0.1"),
                         help="address encode workers use to reach this process's Mooncake engine (the pod IP)")
     parser.add_argument("--mooncake-hca", default=env("EPD_MOONCAKE_HCA", ""),
                         help="comma-separated RDMA HCA names for Mooncake ('' = all found)")
-    parser.add_argument("--mooncake-force-tcp", type=int, default=int(env("EPD_MOONCAKE_FORCE_TCP", "0")),
+    parser.add_argument("--mooncake-force-tcp", type=switch, default=env("EPD_MOONCAKE_FORCE_TCP", "0"),
                         help="1 = Mooncake over TCP even where RDMA exists")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    args = build_parser().parse_args(argv)
+def _start(args):
+    """Check every setting, load the tower, reserve the pool: ``(receiver, tower)``, or
+    ``SettingError`` with the one line to print."""
     from data_plane.mooncake import MooncakeConfig, MooncakeUnavailable
     from data_plane.shm import ShmError
     from data_plane.transport import build_transports
-    from handshake.server import load_token, serve
+    from handshake.settings import (
+        SettingError,
+        check_checkpoint,
+        check_listen,
+        check_memory,
+        check_shm_space,
+        handshake_token,
+    )
 
+    token = handshake_token(args.token_file)
+    check_listen(args.host, args.port, "--port")
+    if args.slot_bytes > args.pool_bytes:
+        raise SettingError(f"--slot-bytes {args.slot_bytes} is larger than --pool-bytes {args.pool_bytes}")
+    check_memory(args.pool_bytes, "--pool-bytes")
+    if args.transports == ("shm",):  # with Mooncake too, a full /dev/shm falls back to process memory
+        check_shm_space(args.pool_bytes, "--pool-bytes")
     tower = None
     width, deepstack = args.width, args.deepstack_width
     if args.model:
-        from encode_worker.tower import VisionTower
+        from encode_worker.tower import TowerLoadError, VisionTower
 
-        tower = TowerCalls(VisionTower.load(args.model, dtype=args.dtype), args.tower_calls)
-        width = width or tower.info.wire_width
-        deepstack = deepstack or tower.info.out_width * tower.info.deepstack_levels
+        check_checkpoint(args.model)
+        try:
+            tower = TowerCalls(VisionTower.load(args.model, dtype=args.dtype), args.tower_calls)
+        except (TowerLoadError, OSError, ValueError) as exc:
+            raise SettingError(f"--model {args.model}: cannot load the vision tower: {exc}") from None
+        for flag, given, own in (("--width", width, tower.info.wire_width),
+                                 ("--deepstack-width", deepstack, tower.info.out_width * tower.info.deepstack_levels)):
+            if given and given != own:
+                raise SettingError(f"{flag} {given} differs from the checkpoint's ({own}); leave it out")
+        width, deepstack = tower.info.wire_width, tower.info.out_width * tower.info.deepstack_levels
     if width <= 0:
-        raise SystemExit("epd-prefill: give --width (or --model to read it from the checkpoint)")
+        raise SettingError("give --width (or --model to read it from the checkpoint)")
+    if deepstack >= width:
+        raise SettingError(f"--deepstack-width {deepstack} leaves no main embedding in rows of {width}")
     config = ReceiverConfig(width=width, dtype=args.dtype, deepstack_width=deepstack, pool_bytes=args.pool_bytes,
-                            slot_bytes=args.slot_bytes, transports=tuple(t for t in args.transports.split(",") if t),
+                            slot_bytes=args.slot_bytes, transports=args.transports,
                             item_timeout_s=args.item_timeout_s, quarantine_s=args.quarantine_s, fallback=args.fallback,
-                            handshake_token=load_token(args.token_file), require_checksum=args.require_checksum)
+                            handshake_token=token, require_checksum=args.require_checksum)
     # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback default.
     mooncake = MooncakeConfig(hostname=args.mooncake_host, device_names=args.mooncake_hca,
-                              force_tcp=bool(args.mooncake_force_tcp))
+                              force_tcp=args.mooncake_force_tcp)
     try:
         receiver = PrefillReceiver(config, build_transports(config.transports, mooncake, mooncake_optional=True),
                                    local_tower=tower)
-    except (MooncakeUnavailable, ShmError) as exc:  # no usable transport or pool: say why, in one line
-        print(f"epd-prefill: cannot start: {exc}", file=sys.stderr)
-        return 1
+    except (MooncakeUnavailable, ShmError, ValueError) as exc:  # no usable transport or pool
+        raise SettingError(f"cannot start: {exc}") from None
+    return receiver, tower
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Every setting is checked first: a mistake is one line on stderr and exit status 1."""
+    import logging
+
+    from handshake.server import serve
+    from handshake.settings import SettingError, refuse
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        receiver, tower = _start(args)
+    except SettingError as exc:
+        return refuse("epd-prefill", exc)
+    config = receiver.config
+    logging.getLogger("epd-prefill").info(
+        "epd-prefill ready: http://%s:%d (/v1/prefill, /healthz, /readyz, /metrics); rows of %d x %s; "
+        "transports %s (Mooncake host %s); local tower %s", args.host, args.port, config.width, config.dtype,
+        ",".join(receiver.transports), args.mooncake_host, args.model or "none")
     try:
         serve(create_app(receiver, tower, args.max_body_bytes), args.host, args.port)
     finally:
