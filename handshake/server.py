@@ -51,10 +51,12 @@ def open_listener_warning(app, host: str) -> str | None:
         return None
     if isinstance(app, HandshakeAPI) and app.token is not None:
         return None
-    what = "rooms (/v1/rooms...)" if isinstance(app, HandshakeAPI) else "API"
-    return (f"INSECURE: {app.title} listens on {host} and its {what} take requests from anyone who reaches "
-            f"the port, with no token. Set a token ({TOKEN_FILE_ENV} / {TOKEN_ENV}) or keep the port private "
-            "(a NetworkPolicy, or bind 127.0.0.1).")
+    if isinstance(app, HandshakeAPI):
+        remedy = f"set a bearer token (--token-file, ${TOKEN_FILE_ENV} or ${TOKEN_ENV}) or keep the port private"
+    else:
+        remedy = "it has no authentication of its own: keep the port private"
+    return (f"INSECURE: {app.title} listens on {host} and takes requests from anyone who reaches the port, "
+            f"with no token; {remedy} (a NetworkPolicy, or bind 127.0.0.1)")
 
 
 def _is_ip(host: str) -> bool:
