@@ -9,6 +9,7 @@ flight (a Mooncake write that returned an error can still land: notes P4).
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane.shm import ShmSegment
+from data_plane.shm import SHM_DIR, ShmSegment
 
 
 class NoCapacity(Exception):
@@ -45,6 +46,7 @@ class MemoryRegion:
         self.shm = shm
         self.address = tensor.data_ptr()
         self.nbytes = tensor.numel()
+        self._shm_file = _file_id(shm.name) if shm is not None else None  # (device, inode) of our segment
 
     @classmethod
     def anonymous(cls, nbytes: int) -> MemoryRegion:
@@ -57,6 +59,12 @@ class MemoryRegion:
         segment = ShmSegment.create(nbytes, kind="pool")
         segment.tensor.zero_()
         return cls(segment.tensor, segment)
+
+    def shm_linked(self) -> bool:
+        """Whether ``/dev/shm`` still names this region's segment. Someone may unlink it (or put
+        another file in its place): the memory stays valid here, but a same-node writer can no
+        longer map it."""
+        return self.shm is not None and self._shm_file is not None and _file_id(self.shm.name) == self._shm_file
 
     def contains(self, address: int, nbytes: int) -> bool:
         return self.address <= address and address + nbytes <= self.address + self.nbytes
@@ -178,3 +186,11 @@ class SlotPool:
             self._free[index - 1] = (prev_start, prev_length + length)
         else:
             self._free.insert(index, (start, length))
+
+
+def _file_id(name: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino

@@ -12,7 +12,14 @@ With ``ReceiverConfig(zero_copy=True)`` ``encoded`` is a view of the slot itself
 faults of fresh memory): the slot stays leased until the engine calls ``job.release()`` (after it
 moved the rows to the device or finished the prefill), which also clears ``encoded``; until then
 the pool counts it as leased. Items without an ``encode_handshake``, and items whose ``encoded``
-is already set (chunked prefill), are left alone. A job ends with its last item's outcome.
+is already set (chunked prefill), are left alone. A job ends with its last item's outcome, and an
+item's outcome, once settled, never changes; every slot a job reserved is released, or quarantined
+while a writer may still land bytes in it, whatever path the item took.
+
+If someone unlinks the receive pool's ``/dev/shm`` segment, same-node writers can no longer map it:
+the receiver notices at the next job (or health check), stops offering SHM, says so once in the log
+and in ``health()``, and goes on over its other transports; with none left, ``health()`` says the
+process cannot receive (restart it: a new process makes a new pool).
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 import torch
+import yarl
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit, verify_rows
+from data_plane.dtypes import dtype_to_wire
 from data_plane.mooncake import MooncakeUnavailable
 from data_plane.pool import Lease, MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmError
@@ -164,6 +173,13 @@ class ReceiveJob:
             self._cancelled.set()
             self._receiver._loop.submit(self._receiver._cancel(self, reason))
 
+    def abort(self, reason: str) -> None:
+        """``cancel``, and fail every item not yet settled now with ``reason`` (for a caller that
+        stops waiting: a request's timeout). The job ends at once; the slots of those items are
+        still released, or quarantined, when their rooms end."""
+        self.cancel(reason)
+        self._receiver._loop.submit(self._receiver._abort(self, reason))
+
 
 class ReceiverMetrics:
     def __init__(self, registry: CollectorRegistry, receiver: PrefillReceiver):
@@ -177,6 +193,8 @@ class ReceiverMetrics:
             lambda: receiver.pool.stats()["leased_slots"])
         Gauge("epd_prefill_pool_quarantined_slots", "Receive pool slots in quarantine",
               registry=registry).set_function(lambda: receiver.pool.stats()["quarantined_slots"])
+        self.transports = Gauge("epd_prefill_transport_offered", "1 while the transport is offered to writers, "
+                                "0 once lost (the SHM pool segment unlinked)", ["transport"], registry=registry)
 
 
 class PrefillReceiver:
@@ -200,6 +218,10 @@ class PrefillReceiver:
         self.local_tower = local_tower
         self.registry = registry or CollectorRegistry()
         self.metrics = ReceiverMetrics(self.registry, self)
+        self.lost: dict[str, str] = {}  # transports no longer offered, with why
+        for name in self.transports:
+            self.metrics.transports.labels(name).set(1)
+        self._lost_lock = threading.Lock()
         self._clients: dict[tuple[str, int], HandshakeClient] = {}
         self._loop = LoopThread("prefill-receiver")
 
@@ -208,8 +230,47 @@ class PrefillReceiver:
         self._loop.submit(self._run(job)).add_done_callback(job._end)
         return job
 
+    def offered(self) -> list[str]:
+        """The transports this receiver offers writers now (SHM leaves once its segment is gone)."""
+        self._check_shm()
+        return [name for name in self.transports if name not in self.lost]
+
+    def health(self) -> dict:
+        """What a health endpoint reports: the transports offered and lost, the pool's slots, and
+        ``cannot_receive`` / ``not_ready``: why the process cannot receive at all (no transport
+        left: only a restart helps), or cannot take an item now (no free slot), else None."""
+        offered = self.offered()
+        stats = self.pool.stats()
+        cannot_receive = None if offered else f"no transport left to offer: {'; '.join(self.lost.values())}"
+        not_ready = cannot_receive or (
+            f"receive pool exhausted: 0 of {stats['slots']} slots free ({stats['leased_slots']} leased, "
+            f"{stats['quarantined_slots']} quarantined)" if stats["free_slots"] == 0 else None)
+        return {"transports": offered, "lost": dict(self.lost), "pool": stats, "cannot_receive": cannot_receive,
+                "not_ready": not_ready}
+
+    def _check_shm(self) -> None:
+        """Stop offering SHM once ``/dev/shm`` no longer names the pool's segment (said once)."""
+        if "shm" not in self.transports or "shm" in self.lost or self.pool.region.shm_linked():
+            return
+        with self._lost_lock:
+            if "shm" in self.lost:
+                return
+            reason = (f"the receive pool's SHM segment {self.pool.region.shm.name} is gone from /dev/shm "
+                      "(unlinked by someone else): same-node writers cannot map it")
+            self.lost = {**self.lost, "shm": reason}
+        self.metrics.transports.labels("shm").set(0)
+        others = [name for name in self.transports if name not in self.lost]
+        log.warning("%s; SHM is no longer offered, %s", reason,
+                    f"receiving over {', '.join(others)}" if others else "and no transport is left: restart "
+                    "this process")
+
     def close(self) -> None:
         async def shutdown():
+            # jobs still running (a cancel still retrying an endpoint) end here, not with the loop
+            running = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
             for client in self._clients.values():
                 await client.close()
 
@@ -230,7 +291,7 @@ class PrefillReceiver:
         key = (handshake.bootstrap_host, handshake.bootstrap_port)
         client = self._clients.get(key)
         if client is None:
-            url = f"http://{handshake.bootstrap_host}:{handshake.bootstrap_port}"
+            url = _endpoint_url(handshake)
             client = self._clients[key] = HandshakeClient(url, self.config.handshake_token,
                                                           timeout_s=self.config.endpoint_timeout_s, retries=2,
                                                           backoff_s=0.1, retry_timeouts=False)
@@ -241,26 +302,28 @@ class PrefillReceiver:
         refused: list[tuple[int, MultimodalDataItem, str]] = []
         unreserved: dict[tuple[str, int], list[int]] = {}  # rooms to cancel, so their workers stop waiting
         rooms: set[tuple[str, int, int]] = set()
+        self._check_shm()
         for index, item in enumerate(job.inputs.mm_items):
             if item.encode_handshake is None or item.encoded is not None:
                 job.outcomes[index].state = "SKIPPED"
                 continue
-            handshake = _handshake_or_none(item)
-            if handshake is not None:
-                room = (handshake.bootstrap_host, handshake.bootstrap_port, handshake.bootstrap_room)
-                if room in rooms:  # the room is the earlier item's: refuse this one, leave the room alone
-                    refused.append((index, item, f"duplicate room {handshake.bootstrap_room}: an earlier item "
-                                                 "of this request names it"))
-                    continue
-                rooms.add(room)
             try:
-                pending.append(self._reserve(index, item))
+                handshake = _room_address(item)
+            except (TypeError, ValueError) as exc:  # no room to cancel: the address names none
+                refused.append((index, item, f"invalid encode_handshake: {exc}"))
+                continue
+            room = (handshake.bootstrap_host, handshake.bootstrap_port, handshake.bootstrap_room)
+            if room in rooms:  # the room is the earlier item's: refuse this one, leave the room alone
+                refused.append((index, item, f"duplicate room {handshake.bootstrap_room}: an earlier item "
+                                             "of this request names it"))
+                continue
+            rooms.add(room)
+            try:
+                pending.append(self._reserve(index, item, handshake))
             except (ValueError, RowContractError, NoCapacity, TooLarge) as exc:
                 refused.append((index, item, f"cannot reserve: {exc}"))
-                handshake = _handshake_or_none(item)
-                if handshake is not None:
-                    unreserved.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
-                        handshake.bootstrap_room)
+                unreserved.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
+                    handshake.bootstrap_room)
         by_endpoint: dict[tuple[str, int], list[_Pending]] = {}
         for entry in pending:
             by_endpoint.setdefault((entry.handshake.bootstrap_host, entry.handshake.bootstrap_port), []).append(entry)
@@ -270,22 +333,37 @@ class PrefillReceiver:
                                for index, item, reason in refused),
                              *(self._serve_endpoint(job, entries) for entries in by_endpoint.values()))
 
-    def _reserve(self, index: int, item: MultimodalDataItem) -> _Pending:
-        handshake = EncodeHandshake(**item.encode_handshake)
+    def _reserve(self, index: int, item: MultimodalDataItem, handshake: EncodeHandshake) -> _Pending:
+        if not any(name not in self.lost for name in self.transports):
+            raise ValueError(f"no transport left to offer ({'; '.join(self.lost.values())})")
         layout = EmbeddingLayout(item_rows(item.offsets), self.config.width, self.config.dtype)
         lease = self.pool.lease(layout.nbytes)  # NoCapacity: refuse now, never wait
         return _Pending(index, item, handshake, layout, lease, time.monotonic() + self.config.item_timeout_s)
 
     async def _serve_endpoint(self, job: ReceiveJob, entries: list[_Pending]) -> None:
+        """One endpoint's items, to their end. Whatever goes wrong here, no item is left pending
+        and no slot leased: an unforeseen error fails the items still pending and quarantines
+        their slots (a registration may have gone out)."""
+        live = {entry.handshake.bootstrap_room: entry for entry in entries}
+        try:
+            await self._exchange(job, entries, live)
+        except Exception as exc:
+            log.exception("receive job %s: endpoint %s:%d failed", job.request_id,
+                          entries[0].handshake.bootstrap_host, entries[0].handshake.bootstrap_port)
+            for entry in entries:
+                if job.outcomes[entry.index].state == "PENDING":
+                    await self._give_up(job, entry.index, entry.item, f"receiver error: {type(exc).__name__}: {exc}",
+                                        entry, quarantine=True)
+
+    async def _exchange(self, job: ReceiveJob, entries: list[_Pending], live: dict[int, _Pending]) -> None:
         client = self._client(entries[0].handshake)
         registrations = []
         for entry in entries:
-            offers = [t.offer(self.pool, entry.lease) for t in self.transports.values()]
+            offers = [t.offer(self.pool, entry.lease) for name, t in self.transports.items() if name not in self.lost]
             registrations.append(Registration(room=entry.handshake.bootstrap_room, generation=entry.lease.generation,
                                               rows=entry.layout.rows, width=entry.layout.width,
                                               dtype=entry.layout.dtype, offers=offers,
                                               deadline_s=self.config.item_timeout_s))
-        live = {entry.handshake.bootstrap_room: entry for entry in entries}
         first = True
         while live:
             try:
@@ -307,14 +385,25 @@ class PrefillReceiver:
         by_endpoint: dict[tuple[str, int], list[int]] = {}
         for item, outcome in zip(job.inputs.mm_items, job.outcomes):
             if outcome.state == "PENDING" and item.encode_handshake is not None:
-                handshake = EncodeHandshake(**item.encode_handshake)
+                try:
+                    handshake = _room_address(item)
+                except (TypeError, ValueError):  # refused at the start: it names no room
+                    continue
                 by_endpoint.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
                     handshake.bootstrap_room)
         await asyncio.gather(*(self._cancel_rooms(endpoint, rooms, reason) for endpoint, rooms in by_endpoint.items()))
 
+    async def _abort(self, job: ReceiveJob, reason: str) -> None:
+        for outcome in job.outcomes:
+            if outcome.state == "PENDING":
+                outcome.state, outcome.reason = "FAILED", reason
+                outcome.seconds = time.monotonic() - job.started
+                self.metrics.items.labels("none", "failed").inc()
+        job._settle_if_done()
+
     async def _cancel_rooms(self, endpoint: tuple[str, int], rooms: list[int], reason: str) -> None:
         host, port = endpoint
-        client = self._client(EncodeHandshake(bootstrap_room=0, bootstrap_host=host, bootstrap_port=port))
+        client = self._client(EncodeHandshake(bootstrap_room=1, bootstrap_host=host, bootstrap_port=port))
         try:
             await client.cancel(rooms, reason)
         except HandshakeError as exc:
@@ -343,14 +432,15 @@ class PrefillReceiver:
                                     quarantine=not view.writer_settled)
             elif now >= entry.deadline:
                 del live[result.room]
-                try:
-                    await client.cancel([result.room], "receiver timed out")
-                except HandshakeError:
-                    pass
+                await self._cancel_rooms((entry.handshake.bootstrap_host, entry.handshake.bootstrap_port),
+                                         [result.room], "receiver timed out")
                 await self._give_up(job, entry.index, entry.item, "timed out waiting for the encode worker", entry,
                                     quarantine=True)
 
     async def _publish(self, job: ReceiveJob, entry: _Pending, view) -> None:
+        if job.outcomes[entry.index].state != "PENDING":  # aborted: the writer is done, nobody reads the rows
+            self.pool.release(entry.lease)
+            return
         commit = Commit.of(view.commit)
         try:
             rows = accept_commit(self.pool, entry.lease, entry.layout, commit, verify_checksum=False)
@@ -401,11 +491,15 @@ class PrefillReceiver:
         if entry is not None:
             (self.pool.quarantine if quarantine else self.pool.release)(entry.lease)
         outcome = job.outcomes[index]
+        if outcome.state != "PENDING":  # aborted already: its outcome stands
+            return
         outcome.seconds = time.monotonic() - job.started
         if self.config.fallback == "local_tower" and self.local_tower is not None and item.feature is not None \
                 and not job._cancelled.is_set():
             try:
                 rows = await asyncio.get_running_loop().run_in_executor(None, self.encode_locally, item)
+                if outcome.state != "PENDING":  # aborted while the tower ran
+                    return
                 self.set_encoded(item, rows)
                 outcome.state, outcome.transport, outcome.fallback = "DONE", "local_tower", True
                 outcome.reason = f"fallback after: {reason}"
@@ -425,17 +519,35 @@ class PrefillReceiver:
         return rows
 
     def encode_locally_batch(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
-        """Rows for several items in one tower call (a colocated engine's path)."""
+        """Rows for several items in one tower call (a colocated engine's path). The row contract
+        holds here as on the wire: ``RowContractError``, before the tower runs, for an item whose
+        image makes other rows than its placeholders hold, or another patch grid than the one it
+        carries, or for a tower whose rows are not this receiver's width and dtype."""
         from encode_worker.inputs import image_from_bytes, image_from_pixels
 
+        tower = self.local_tower
+        if (tower.info.wire_width, dtype_to_wire(tower.dtype)) != (self.config.width, self.config.dtype):
+            raise RowContractError(f"the local tower makes [*, {tower.info.wire_width}] {dtype_to_wire(tower.dtype)} "
+                                   f"rows, this receiver takes [*, {self.config.width}] {self.config.dtype}")
         processed = []
         for item in items:
             feature = item.feature
             image = image_from_bytes(feature) if isinstance(feature, (bytes, bytearray)) else image_from_pixels(feature)
-            processed.append(self.local_tower.processor(images=[image], return_tensors="pt"))
-        rows = self.local_tower.encode_items(torch.cat([p["pixel_values"] for p in processed]),
-                                             torch.cat([p["image_grid_thw"] for p in processed]))
-        return [r.to(self.local_tower.dtype).clone() for r in rows]
+            inputs = tower.processor(images=[image], return_tensors="pt")
+            grid = inputs["image_grid_thw"]
+            (rows,) = tower.rows_per_item(grid)
+            placeholders = item_rows(item.offsets)
+            if rows != placeholders:
+                raise RowContractError(f"the image makes {rows} rows (grid {grid.reshape(-1).tolist()}) but the "
+                                       f"item's placeholders hold {placeholders}")
+            known = item.model_specific_data.get("image_grid_thw")
+            if known is not None and torch.as_tensor(known).reshape(-1).tolist() != grid.reshape(-1).tolist():
+                raise RowContractError(f"the image's grid {grid.reshape(-1).tolist()} differs from the item's "
+                                       f"image_grid_thw {torch.as_tensor(known).reshape(-1).tolist()}")
+            processed.append(inputs)
+        rows = tower.encode_items(torch.cat([p["pixel_values"] for p in processed]),
+                                  torch.cat([p["image_grid_thw"] for p in processed]))
+        return [r.to(tower.dtype).clone() for r in rows]
 
 
 def _receive_region(config: ReceiverConfig, transports: dict | None) -> MemoryRegion:
@@ -453,8 +565,20 @@ def _receive_region(config: ReceiverConfig, transports: dict | None) -> MemoryRe
         return MemoryRegion.anonymous(config.pool_bytes)
 
 
-def _handshake_or_none(item: MultimodalDataItem) -> EncodeHandshake | None:
-    try:
-        return EncodeHandshake(**item.encode_handshake)
-    except (TypeError, ValueError):
-        return None
+def _room_address(item: MultimodalDataItem) -> EncodeHandshake:
+    """The item's room address, checked as far as this side can: an ``EncodeHandshake``, a room id a
+    room table mints (1..MAX_ROOM_ID: room 0 never is) and a host that makes a URL. ``ValueError``
+    (or ``TypeError``) says what is wrong."""
+    handshake = EncodeHandshake(**item.encode_handshake)
+    if handshake.bootstrap_room < 1:
+        raise ValueError(f"room {handshake.bootstrap_room} is never minted (room ids start at 1)")
+    _endpoint_url(handshake)
+    return handshake
+
+
+def _endpoint_url(handshake: EncodeHandshake) -> str:
+    """``http://host:port`` (an IPv6 host in brackets, given with or without them)."""
+    host = handshake.bootstrap_host
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return str(yarl.URL.build(scheme="http", host=host, port=handshake.bootstrap_port))

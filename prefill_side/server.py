@@ -5,9 +5,14 @@ optionally the image bytes for fallback or verification), receives every item's 
 reports per item: rows x width, transport, latency (with the encode worker's own split from its
 commit), outcome, and whether the rows equal a local tower's (``verify``, needs ``--model``).
 An item with image bytes and no ``encode_handshake`` is encoded here by the local tower, as a
-colocated engine would (transport ``local``). It is what the demo, the integration tests and the
-Kubernetes example run, and it shows engine developers the few calls an engine makes:
-``receiver.start(request_id, mm_inputs)``, then ``job.poll()`` from the engine loop.
+colocated engine would (transport ``local``); its rows must match its placeholders, as on the wire.
+A request that reaches its ``timeout_s`` is answered 200 with its report: the items not yet settled
+are FAILED ("timed out ..."), their rooms cancelled, their slots freed or quarantined as their rooms
+end. ``/healthz`` is 503 once the process cannot receive at all (no transport left: restart it),
+``/readyz`` also while no receive slot is free; both report the transports offered and lost.
+It is what the demo, the integration tests and the Kubernetes example run, and it shows engine
+developers the few calls an engine makes: ``receiver.start(request_id, mm_inputs)``, then
+``job.poll()`` from the engine loop.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_plane.commit import checksum
 from data_plane.json_fields import JsonBool, json_float, json_int
 from handshake.app import BodyLimit
 from handshake.models import EncodeTimings
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from multimodal.rows import RowContractError
 from multimodal.wire import EncodeHandshake
 from prefill_side.receiver import PrefillReceiver, ReceiverConfig
 
@@ -47,12 +53,20 @@ class PrefillItem(BaseModel):
     # the patch grid the request expects; a commit with another one fails the item
     grid_thw: tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None = None
 
+    @field_validator("encode_handshake")
+    @classmethod
+    def _a_room_that_can_exist(cls, handshake: EncodeHandshake | None) -> EncodeHandshake | None:
+        if handshake is not None and handshake.bootstrap_room < 1:
+            raise ValueError("bootstrap_room 0 is never minted (room ids start at 1)")
+        return handshake
+
 
 class PrefillRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str = Field(min_length=1, max_length=128)
     items: list[PrefillItem] = Field(min_length=1, max_length=64)
     verify: JsonBool = False
+    # how long to wait for the encode workers; past it, the items not yet settled are FAILED
     timeout_s: json_float(gt=0, le=600) = 60.0
 
 
@@ -112,8 +126,8 @@ def create_app(receiver: PrefillReceiver, local_tower=None, max_body_bytes: int 
         # asyncio.wait, not wait_for: a timed-out wait_for cancels the wrapper, and with it the
         # job's own future (the request then got a 500 instead of its report)
         if not (await asyncio.wait({ended}, timeout=body.timeout_s))[0]:
-            job.cancel("prefill request timed out")
-            await ended
+            job.abort(f"timed out: not received within the request's timeout_s ({body.timeout_s:g} s)")
+            await ended  # at once: abort settles every item
         if local_tower is not None:
             await _encode_colocated(receiver, job)
         reports = []
@@ -121,8 +135,11 @@ def create_app(receiver: PrefillReceiver, local_tower=None, max_body_bytes: int 
             verified = None
             if (body.verify and local_tower is not None and item.encoded is not None and item.feature is not None
                     and outcome.transport != "local"):
-                expected = await asyncio.get_running_loop().run_in_executor(None, receiver.encode_locally, item)
-                verified = bool(torch.equal(_wire_rows(item), expected))
+                try:
+                    expected = await asyncio.get_running_loop().run_in_executor(None, receiver.encode_locally, item)
+                    verified = bool(torch.equal(_wire_rows(item), expected))
+                except RowContractError:  # the local tower's processor disagrees on the rows or the grid
+                    verified = False
             encoded = item.encoded
             wire = _wire_rows(item) if encoded is not None else None
             reports.append(ItemReport(index=outcome.index, state=outcome.state,
@@ -135,15 +152,31 @@ def create_app(receiver: PrefillReceiver, local_tower=None, max_body_bytes: int 
                                         started_monotonic=job.started).model_dump_json(),
                         media_type="application/json")
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: {"description": "No transport left: this process cannot receive"}})
     async def healthz():
-        return {"ok": True}
+        """Liveness: 503 once the process can never receive again (restart it)."""
+        health = receiver.health()
+        return JSONResponse({"ok": health["cannot_receive"] is None, **_summary(health)},
+                            status_code=503 if health["cannot_receive"] else 200)
+
+    @app.get("/readyz", responses={503: {"description": "Cannot take an item now, with the reason"}})
+    async def readyz():
+        """Readiness: 503 while no receive slot is free (or no transport is left), with the reason."""
+        health = receiver.health()
+        return JSONResponse({"ready": health["not_ready"] is None, "reason": health["not_ready"], **_summary(health)},
+                            status_code=503 if health["not_ready"] else 200)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(generate_latest(receiver.registry), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _summary(health: dict) -> dict:
+    stats = health["pool"]
+    return {"transports": health["transports"], "lost": health["lost"],
+            "pool": {key: stats[key] for key in ("slots", "free_slots", "leased_slots", "quarantined_slots")}}
 
 
 async def _encode_colocated(receiver: PrefillReceiver, job) -> None:
@@ -264,7 +297,7 @@ def _start(args):
     if args.slot_bytes > args.pool_bytes:
         raise SettingError(f"--slot-bytes {args.slot_bytes} is larger than --pool-bytes {args.pool_bytes}")
     check_memory(args.pool_bytes, "--pool-bytes")
-    if args.transports == ("shm",):  # with Mooncake too, a full /dev/shm falls back to process memory
+    if args.transports == "shm":  # with Mooncake too, a full /dev/shm falls back to process memory
         check_shm_space(args.pool_bytes, "--pool-bytes")
     tower = None
     width, deepstack = args.width, args.deepstack_width
@@ -286,7 +319,7 @@ def _start(args):
     if deepstack >= width:
         raise SettingError(f"--deepstack-width {deepstack} leaves no main embedding in rows of {width}")
     config = ReceiverConfig(width=width, dtype=args.dtype, deepstack_width=deepstack, pool_bytes=args.pool_bytes,
-                            slot_bytes=args.slot_bytes, transports=args.transports,
+                            slot_bytes=args.slot_bytes, transports=tuple(args.transports.split(",")),
                             item_timeout_s=args.item_timeout_s, quarantine_s=args.quarantine_s, fallback=args.fallback,
                             handshake_token=token, require_checksum=args.require_checksum)
     # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback default.

@@ -29,6 +29,18 @@ def stack(tower):
         intake.close()
 
 
+@pytest.fixture
+def no_segments_of_ours():
+    """No /dev/shm segment this process created is left (other processes on the machine may
+    create and remove theirs meanwhile: only names with this process's pid count)."""
+    import glob
+    import os
+
+    yield
+    left = glob.glob(f"/dev/shm/epd-*-{os.getpid()}-*")
+    assert not left, f"leaked SHM segments: {left}"
+
+
 def expected_rows(tower, image):
     inputs = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
     return tower.encode_items(inputs["pixel_values"], inputs["image_grid_thw"])[0]
@@ -246,3 +258,147 @@ def test_the_worker_reports_the_wait_for_the_receiver_apart_from_the_write(stack
     assert registry.get_sample_value("epd_encoder_receiver_wait_seconds_count") == 1
     assert registry.get_sample_value("epd_encoder_receiver_wait_seconds_sum") == timings.wait_s
     assert registry.get_sample_value("epd_encoder_transfer_seconds_sum", {"transport": "loopback"}) == timings.transfer_s
+
+
+@pytest.mark.parametrize("address, why", [
+    ({"bootstrap_room": 0}, "room 0 is never minted"),
+    ({"bootstrap_host": "["}, "Host '[' cannot contain '['"),
+    ({"bootstrap_host": "a]b"}, "cannot contain ']'"),
+    ({"bootstrap_port": 0}, "bootstrap_port"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_an_item_whose_room_address_cannot_exist_fails_alone_and_reserves_nothing(stack, tower, address, why):
+    """Room 0 passed the wire schema and failed the registration's, and a host that makes no URL
+    failed the client: either crashed the job (a 500 in epd-prefill) with its slots leased for
+    good, so a dozen such requests exhausted the pool. Now the item fails at once with why, nothing
+    is reserved, and its siblings arrive."""
+    worker, receiver, intake, _ = stack
+    image = png(64, 64, 50)
+    for attempt in range(12):
+        inputs, (room,) = make_request(worker, tower, [image])
+        bad = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 3]], encode_handshake={
+            **inputs.mm_items[0].encode_handshake, "bootstrap_room": room + 1, **address})
+        inputs.mm_items.insert(0, bad)
+        job = receiver.start(f"bad-{attempt}", inputs)
+        send(intake, worker, room, image, f"bad-{attempt}")
+        assert job.wait(20) is JobState.FAILED, job.outcomes
+        assert list(job.reasons) == [0] and "invalid encode_handshake" in job.reasons[0] and why in job.reasons[0]
+        assert job.outcomes[1].state == "DONE" and torch.equal(inputs.mm_items[1].encoded, expected_rows(tower, image))
+        assert receiver.pool.stats()["leased_slots"] == 0 and receiver.pool.stats()["quarantined_slots"] == 0
+
+
+def test_a_fallback_whose_rows_do_not_match_the_placeholders_is_refused(stack, tower):
+    """The local tower's rows were published whatever the placeholders said (256 rows for a
+    4-row span): the fallback keeps the row contract, and the grid the item carries."""
+    worker, receiver, _, _ = stack
+    image = png(448, 448, 51)
+    assert expected_rows(tower, image).shape[0] == 256
+    rooms = worker.table.mint(3, 60)
+    for room in rooms:
+        worker.table.cancel(room, "dropped by the gateway")  # every item falls back
+    handshake = {"bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port}
+    short = MultimodalDataItem(Modality.IMAGE, offsets=[[10, 13]], feature=image,
+                               encode_handshake={**handshake, "bootstrap_room": rooms[0]})
+    other_grid = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 255]], feature=image,
+                                    model_specific_data={"image_grid_thw": torch.tensor([[1, 16, 64]])},
+                                    encode_handshake={**handshake, "bootstrap_room": rooms[1]})
+    right = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 99], [200, 355]], feature=image,
+                               encode_handshake={**handshake, "bootstrap_room": rooms[2]})
+    job = receiver.start("fallback-rows", MultimodalInputs([short, other_grid, right]))
+    assert job.wait(20) is JobState.FAILED
+    assert "the image makes 256 rows (grid [1, 32, 32]) but the item's placeholders hold 4" in job.reasons[0]
+    assert "local tower also failed" in job.reasons[0] and "CANCELLED" in job.reasons[0]
+    assert "differs from the item's image_grid_thw [1, 16, 64]" in job.reasons[1]
+    assert short.encoded is None and other_grid.encoded is None
+    assert job.outcomes[2].state == "DONE" and job.outcomes[2].fallback
+    assert torch.equal(right.encoded, expected_rows(tower, image))
+
+
+def test_abort_settles_every_item_now_and_the_slots_still_come_back(stack, tower):
+    """A caller that stops waiting (epd-prefill's timeout) gets every unsettled item FAILED at
+    once, even while its write is in flight; the slot is released when the writer settles, and
+    the late commit publishes nothing."""
+    worker, receiver, intake, loopback = stack
+    image = png(64, 64, 52)
+    inputs, (room,) = make_request(worker, tower, [image])
+    loopback.inject(LoopbackFault("delay", 1.0))
+    job = receiver.start("abort", inputs)
+    send(intake, worker, room, image, "abort")
+    eventually(lambda: worker.table.view(room).state.value == "WRITING", "the write began")
+    job.abort("timed out: caller gave up")
+    assert job.wait(2) is JobState.FAILED and job.reasons == {0: "timed out: caller gave up"}
+    assert worker.table.view(room).state.value == "WRITING"  # the answer did not wait for the writer
+    eventually(lambda: worker.table.view(room).state.value == "CANCELLED", "the writer reported")
+    eventually(lambda: receiver.pool.stats()["leased_slots"] == 0, "slot released")
+    assert receiver.pool.stats()["quarantined_slots"] == 0  # the writer settled: freed, not held
+    assert inputs.mm_items[0].encoded is None and job.outcomes[0].state == "FAILED"
+
+
+def test_a_receive_pool_whose_segment_is_unlinked_stops_offering_shm_and_says_so(tower, caplog, no_segments_of_ours):
+    """Someone unlinked /dev/shm/epd-pool-...: SHM delivery to this receiver then failed for good
+    ("segment ... is gone"), with no fallback and a healthy look. Now the receiver notices, logs it
+    once, reports it in health(), and receives over its other transport."""
+    import os
+
+    from data_plane.loopback import LoopbackTransport
+    from data_plane.shm_transport import ShmTransport
+    from encode_worker.worker import EncodeWorker, WorkerConfig
+
+    loopback = LoopbackTransport()
+    worker = EncodeWorker(WorkerConfig(model=tower.model_id, transports=("shm", "loopback"), bootstrap_port=0,
+                                       intake_port=0, bind="127.0.0.1", ring_bytes=8 << 20, ring_slot_bytes=1 << 16,
+                                       receiver_wait_s=10, cache_bytes=0),
+                          tower=tower, transports={"shm": ShmTransport(), "loopback": loopback}).start()
+    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=4 << 20,
+                                              slot_bytes=1 << 16, item_timeout_s=10, transports=("shm", "loopback")),
+                               transports={"shm": ShmTransport(), "loopback": loopback})
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    try:
+        def receive(tag, seed):
+            image = png(64, 64, seed)
+            inputs, (room,) = make_request(worker, tower, [image])
+            job = receiver.start(tag, inputs)
+            send(intake, worker, room, image, tag)
+            assert job.wait(20) is JobState.DONE, job.reasons
+            assert torch.equal(inputs.mm_items[0].encoded, expected_rows(tower, image))
+            return job.outcomes[0].transport
+
+        assert receive("before", 53) == "shm"
+        assert receiver.health()["transports"] == ["shm", "loopback"] and receiver.health()["lost"] == {}
+        os.unlink(f"/dev/shm/{receiver.pool.region.shm.name}")
+        with caplog.at_level("WARNING", logger="prefill_side.receiver"):
+            assert receive("after", 54) == "loopback"
+            assert receive("again", 55) == "loopback"
+            health = receiver.health()
+        assert health["transports"] == ["loopback"] and health["cannot_receive"] is None
+        assert "is gone from /dev/shm" in health["lost"]["shm"]
+        warnings = [r.getMessage() for r in caplog.records if "is gone from /dev/shm" in r.getMessage()]
+        assert len(warnings) == 1 and "receiving over loopback" in warnings[0]
+        assert receiver.registry.get_sample_value("epd_prefill_transport_offered", {"transport": "shm"}) == 0
+    finally:
+        intake.close()
+        receiver.close()
+        worker.stop()
+
+
+def test_an_shm_only_receiver_whose_segment_is_unlinked_says_it_cannot_receive(tower, no_segments_of_ours):
+    import os
+
+    from data_plane.shm_transport import ShmTransport
+
+    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=1 << 20,
+                                              slot_bytes=1 << 16, transports=("shm",)),
+                               transports={"shm": ShmTransport()})
+    try:
+        assert receiver.health()["cannot_receive"] is None
+        os.unlink(f"/dev/shm/{receiver.pool.region.shm.name}")
+        health = receiver.health()
+        assert health["transports"] == [] and "no transport left to offer" in health["cannot_receive"]
+        assert health["not_ready"] == health["cannot_receive"]
+        item = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 3]], encode_handshake={
+            "bootstrap_room": 7, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1})
+        job = receiver.start("shm-gone", MultimodalInputs([item]))
+        assert job.wait(5) is JobState.FAILED and "cannot reserve: no transport left" in job.reasons[0]
+        assert receiver.pool.stats()["leased_slots"] == 0
+    finally:
+        receiver.close()
