@@ -100,7 +100,7 @@ def config_from_args(args):
     return WorkerConfig(
         model=args.model, served_model=args.served_model, dtype=args.dtype, device=args.device, host=args.host, bind=args.bind,
         bootstrap_port=args.bootstrap_port, intake_port=args.intake_port,
-        transports=args.transports, mooncake_hca=args.mooncake_hca,
+        transports=tuple(args.transports.split(",")), mooncake_hca=args.mooncake_hca,
         mooncake_force_tcp=args.mooncake_force_tcp, batch_patches=args.batch_patches,
         batch_items=args.batch_items, queue_items=args.queue_items, max_payload_bytes=args.max_payload_bytes,
         ring_bytes=args.ring_bytes, ring_slot_bytes=args.ring_slot_bytes, cache_bytes=args.cache_bytes,

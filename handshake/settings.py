@@ -103,14 +103,15 @@ def dtype(text: str) -> str:
     return text
 
 
-def transports(text: str) -> tuple[str, ...]:
-    """A non-empty comma-separated list of known transports, in order, without repeats."""
+def transports(text: str) -> str:
+    """A non-empty comma-separated list of known transports: the same list, in order, without
+    blanks or repeats (``.split(",")`` it)."""
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     unknown = [name for name in names if name not in TRANSPORTS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(TRANSPORTS)} "
                                          f"(comma-separated){'; unknown: ' + ', '.join(unknown) if unknown else ''}")
-    return names
+    return ",".join(names)
 
 
 # ---- checks that need the machine --------------------------------------------------------------
