@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from handshake.models import (
     MAX_ROOM_ID,
+    MAX_WAIT_S,
     BatchResponse,
     BeginWriteRequest,
     CancelRequest,
@@ -336,7 +337,7 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
              responses={**AUTH_ERRORS, 404: {"description": "Unknown room"}})
     async def get_room(room: int = Path(ge=1, le=MAX_ROOM_ID),
                        after_version: int = Query(0, ge=0, lt=1 << 63),
-                       wait_s: float = Query(0.0, ge=0, le=30)):
+                       wait_s: float = Query(0.0, ge=0, le=MAX_WAIT_S)):
         """One room; with ``wait_s`` it long-polls until its version passes ``after_version``."""
         (view,) = await table.watch({room: after_version}, wait_s)
         if isinstance(view, RoomError):

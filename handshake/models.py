@@ -11,6 +11,8 @@ from data_plane.json_fields import JsonBool, json_float, json_int
 from data_plane.offers import DTYPE_NAMES, MAX_BYTES, MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, Offer
 
 MAX_BATCH = 256
+MAX_DEADLINE_S = 3600.0  # a registration's deadline
+MAX_WAIT_S = 30.0  # a long-poll
 DTYPE_PATTERN = "^(" + "|".join(DTYPE_NAMES) + ")$"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1, "int32": 4, "int64": 8}
 assert tuple(DTYPE_BYTES) == DTYPE_NAMES
@@ -60,7 +62,7 @@ class Registration(_Body):
     width: json_int(gt=0, le=MAX_WIDTH)
     dtype: str = Field(pattern=DTYPE_PATTERN)
     offers: list[Offer] = Field(min_length=1, max_length=3)
-    deadline_s: json_float(gt=0, le=3600) | None = None
+    deadline_s: json_float(gt=0, le=MAX_DEADLINE_S) | None = None
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +89,7 @@ class RegisterRequest(_Body):
     receivers: list[Registration] = Field(min_length=1, max_length=MAX_BATCH)
     # > 0: after registering, long-poll (as /watch) until one of these rooms changes again, so
     # a receiver whose rows are already staged learns of the commit in the same round trip.
-    wait_s: json_float(ge=0, le=30) = 0.0
+    wait_s: json_float(ge=0, le=MAX_WAIT_S) = 0.0
 
 
 class BeginWrite(_Body):
@@ -160,7 +162,7 @@ class WatchItem(_Body):
 
 class WatchRequest(_Body):
     rooms: list[WatchItem] = Field(min_length=1, max_length=MAX_BATCH)
-    wait_s: json_float(ge=0, le=30) = 0.0
+    wait_s: json_float(ge=0, le=MAX_WAIT_S) = 0.0
 
 
 class RoomView(BaseModel):

@@ -45,7 +45,8 @@ from data_plane.shm import ShmError
 from data_plane.transport import build_transports
 from handshake.client import HandshakeClient, HandshakeError
 from handshake.loops import LoopThread
-from handshake.models import EncodeTimings, Registration, RoomState
+from data_plane.offers import DTYPE_NAMES, MAX_WIDTH
+from handshake.models import MAX_BATCH, MAX_DEADLINE_S, MAX_WAIT_S, EncodeTimings, Registration, RoomState
 from multimodal.items import MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError, item_rows
 from multimodal.wire import EncodeHandshake
@@ -80,6 +81,23 @@ class ReceiverConfig:
     # verified).
     require_checksum: bool = True
     zero_copy: bool = False  # encoded = a view of the slot, held until job.release()
+
+    def __post_init__(self) -> None:
+        """Refuse now what would fail every item later, at its registration or its long-poll."""
+        problems = [problem for bad, problem in (
+            (not 0 < self.width <= MAX_WIDTH, f"width {self.width} is not in 1..{MAX_WIDTH}"),
+            (self.dtype not in DTYPE_NAMES, f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_NAMES)}"),
+            (not 0 <= self.deepstack_width < self.width, f"deepstack_width {self.deepstack_width} is not in "
+                                                         f"0..width-1"),
+            (not 0 < self.item_timeout_s <= MAX_DEADLINE_S, f"item_timeout_s {self.item_timeout_s} is not in "
+                                                             f"(0, {MAX_DEADLINE_S}] (a room's deadline)"),
+            (not 0 < self.poll_s <= MAX_WAIT_S, f"poll_s {self.poll_s} is not in (0, {MAX_WAIT_S}] (a long-poll)"),
+            (not self.endpoint_timeout_s > 0, f"endpoint_timeout_s {self.endpoint_timeout_s} is not above 0"),
+            (self.fallback not in ("fail", "local_tower"), f"fallback {self.fallback!r} is not fail or local_tower"),
+            (not self.transports, "no transport given"),
+        ) if bad]
+        if problems:
+            raise ValueError("ReceiverConfig: " + "; ".join(problems))
 
 
 @dataclass
@@ -320,7 +338,7 @@ class PrefillReceiver:
             rooms.add(room)
             try:
                 pending.append(self._reserve(index, item, handshake))
-            except (ValueError, RowContractError, NoCapacity, TooLarge) as exc:
+            except (TypeError, ValueError, RowContractError, NoCapacity, TooLarge) as exc:
                 refused.append((index, item, f"cannot reserve: {exc}"))
                 unreserved.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
                     handshake.bootstrap_room)
@@ -331,7 +349,8 @@ class PrefillReceiver:
                                for endpoint, rooms in unreserved.items()),
                              *(self._give_up(job, index, item, reason, None, quarantine=False)
                                for index, item, reason in refused),
-                             *(self._serve_endpoint(job, entries) for entries in by_endpoint.values()))
+                             *(self._serve_endpoint(job, entries[start : start + MAX_BATCH])  # a call's bound
+                               for entries in by_endpoint.values() for start in range(0, len(entries), MAX_BATCH)))
 
     def _reserve(self, index: int, item: MultimodalDataItem, handshake: EncodeHandshake) -> _Pending:
         if not any(name not in self.lost for name in self.transports):
@@ -404,10 +423,12 @@ class PrefillReceiver:
     async def _cancel_rooms(self, endpoint: tuple[str, int], rooms: list[int], reason: str) -> None:
         host, port = endpoint
         client = self._client(EncodeHandshake(bootstrap_room=1, bootstrap_host=host, bootstrap_port=port))
-        try:
-            await client.cancel(rooms, reason)
-        except HandshakeError as exc:
-            log.warning("cancel of %d rooms at %s:%d failed: %s", len(rooms), host, port, exc)
+        for start in range(0, len(rooms), MAX_BATCH):  # a call's bound
+            try:
+                await client.cancel(rooms[start : start + MAX_BATCH], reason)
+            except HandshakeError as exc:
+                log.warning("cancel of %d rooms at %s:%d failed: %s", len(rooms[start : start + MAX_BATCH]), host,
+                            port, exc)
 
     async def _handle(self, job: ReceiveJob, client: HandshakeClient, live: dict[int, _Pending], results) -> None:
         now = time.monotonic()

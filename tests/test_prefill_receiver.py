@@ -402,3 +402,59 @@ def test_an_shm_only_receiver_whose_segment_is_unlinked_says_it_cannot_receive(t
         assert receiver.pool.stats()["leased_slots"] == 0
     finally:
         receiver.close()
+
+
+def test_offsets_that_are_not_numbers_fail_their_item_and_reserve_nothing(stack, tower):
+    """``[[0, None]]`` raised a TypeError while the job reserved its items: the job crashed with
+    the earlier items' slots leased for good."""
+    worker, receiver, intake, _ = stack
+    image = png(64, 64, 56)
+    inputs, (room,) = make_request(worker, tower, [image])
+    inputs.mm_items.append(MultimodalDataItem(Modality.IMAGE, offsets=[[0, None]], encode_handshake={
+        **inputs.mm_items[0].encode_handshake, "bootstrap_room": room + 1}))
+    job = receiver.start("none-offsets", inputs)
+    send(intake, worker, room, image, "none-offsets")
+    assert job.wait(20) is JobState.FAILED
+    assert list(job.reasons) == [1] and "cannot reserve" in job.reasons[1]
+    assert torch.equal(inputs.mm_items[0].encoded, expected_rows(tower, image))
+    assert receiver.pool.stats()["leased_slots"] == 0
+
+
+@pytest.mark.parametrize("reservable", [True, False])
+def test_a_request_of_more_rooms_than_one_call_holds_is_split_not_crashed(tower, reservable):
+    """300 items at one endpoint made one register (or cancel) call of 300, over the API's 256 per
+    call: the call's own validation crashed the job, leaving every slot leased (or, for items it
+    could not reserve, their rooms never cancelled, so their workers waited for nobody)."""
+    with loopback_stack(tower, receiver=dict(pool_bytes=2 << 20, slot_bytes=4096)) as (worker, receiver, _):
+        rooms = worker.table.mint(300, 60)
+        if reservable:
+            for room in rooms:
+                worker.table.cancel(room, "dropped by the gateway")
+        rows = 4 if reservable else 10_000  # 10,000 rows are more than the whole pool
+        items = [MultimodalDataItem(Modality.IMAGE, offsets=[[0, rows - 1]], encode_handshake={
+            "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port})
+            for room in rooms]
+        job = receiver.start("many", MultimodalInputs(items))
+        assert job.wait(20) is JobState.FAILED
+        expected = "ended CANCELLED before this receiver registered" if reservable else "cannot reserve"
+        assert len(job.reasons) == 300 and all(expected in reason for reason in job.reasons.values())
+        assert receiver.pool.stats()["leased_slots"] == 0 and receiver.pool.stats()["quarantined_slots"] == 0
+        eventually(lambda: all(worker.table.view(room).state.value == "CANCELLED" for room in rooms),
+                   "every room cancelled")
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("item_timeout_s", 7200, "item_timeout_s 7200 is not in (0, 3600.0]"),
+    ("poll_s", 60, "poll_s 60 is not in (0, 30.0]"),
+    ("width", 0, "width 0 is not in"),
+    ("dtype", "float64", "dtype 'float64' is not one of"),
+    ("deepstack_width", 96, "deepstack_width 96 is not in"),
+    ("fallback", "local", "fallback 'local' is not"),
+    ("transports", (), "no transport given"),
+])
+def test_a_receiver_config_that_would_fail_every_item_is_refused_at_once(field, value, why):
+    """An item_timeout_s over a registration's deadline bound (3600 s) or a poll_s over a long-poll's
+    (30 s) was accepted, and every item then failed at its first registration or watch."""
+    with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        ReceiverConfig(**{"width": 96, field: value})
+    ReceiverConfig(width=96)
