@@ -1,8 +1,9 @@
 """Client of the handshake API for both sides: async (aiohttp) first, with a thin sync wrapper.
 
 One session per client (connections are reused), a timeout on every call, and retries with
-exponential backoff only for idempotent calls (everything but ``mint``) on connection errors,
-timeouts and 503s.
+exponential backoff only for idempotent calls (everything but ``mint``) on connection errors
+(a peer that dies mid-answer included), timeouts and 503s. Whatever the peer does, a call raises
+``HandshakeError`` or returns a parsed answer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterable
 
 import aiohttp
 import yarl
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from handshake.loops import LoopThread
 from handshake.models import (
@@ -107,7 +108,7 @@ class HandshakeClient:
                     if response.status >= 400:
                         raise HandshakeError(response.status, _detail(answer))
                     return answer
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
                 if last or (isinstance(exc, asyncio.TimeoutError) and not self.retry_timeouts):
                     raise HandshakeError(0, f"{type(exc).__name__}: {exc or 'no answer'}") from exc
                 await asyncio.sleep(self.backoff_s * 2 ** attempt)
@@ -124,11 +125,11 @@ class HandshakeClient:
     async def _batch(self, path: str, request: BaseModel, wait_s: float = 0.0) -> list[RoomResult]:
         """POST one batch body (serialized once by pydantic) and parse the per-room results."""
         body = request.model_dump_json().encode()
-        return BatchResponse.model_validate_json(await self._call("POST", path, body=body, extra_timeout=wait_s)).results
+        return _parse(BatchResponse, await self._call("POST", path, body=body, extra_timeout=wait_s)).results
 
     async def mint(self, count: int = 1, ttl_s: float = 120.0) -> list[int]:
         body = MintRequest(count=count, ttl_s=ttl_s).model_dump_json().encode()
-        return MintResponse.model_validate_json(await self._call("POST", "/v1/rooms", body=body, idempotent=False)).rooms
+        return _parse(MintResponse, await self._call("POST", "/v1/rooms", body=body, idempotent=False)).rooms
 
     async def register(self, registrations: Iterable[Registration], wait_s: float = 0.0) -> list[RoomResult]:
         """Register receivers; with ``wait_s``, also wait for the next change of any of the rooms."""
@@ -154,7 +155,7 @@ class HandshakeClient:
     async def get(self, room: int, after_version: int = 0, wait_s: float = 0.0) -> RoomView:
         params = {"after_version": after_version, "wait_s": wait_s}
         body = await self._call("GET", f"/v1/rooms/{room}", params=params, extra_timeout=wait_s)
-        return RoomView.model_validate_json(body)
+        return _parse(RoomView, body)
 
     async def healthy(self) -> bool:
         try:
@@ -162,6 +163,15 @@ class HandshakeClient:
             return True
         except HandshakeError:
             return False
+
+
+def _parse(model: type[BaseModel], body: bytes):
+    """An answer in the shape the API declares; anything else (a proxy's page, a truncated or
+    foreign body) is a ``HandshakeError``, like a peer that does not answer."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise HandshakeError(0, f"malformed answer ({exc.error_count()} errors for {model.__name__})") from exc
 
 
 def _detail(body: bytes) -> str:

@@ -351,3 +351,60 @@ def test_idle_connections_outlive_the_clients_keep_alive():
     finally:
         client.close()
         server.stop()
+
+
+class _CannedPeer:
+    """A TCP peer on loopback that answers every request with ``answer`` and closes the
+    connection (an endpoint dying mid-answer, or something that is not a room API)."""
+
+    def __init__(self, answer: bytes):
+        import socket
+
+        self.answer = answer
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        import socket
+
+        while not self.stopping.is_set():
+            try:
+                connection, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            with connection:
+                connection.settimeout(5)
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += connection.recv(65536)
+                connection.sendall(self.answer)
+
+    def stop(self):
+        self.stopping.set()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+        self.listener.close()
+
+
+@pytest.mark.parametrize("answer, why", [
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1923\r\n\r\n{\"res", "ClientPayloadError"),
+    (b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 13\r\n\r\n<html></html>", "malformed answer"),
+])
+def test_a_peer_that_dies_mid_answer_or_answers_nonsense_is_a_handshake_error(answer, why):
+    """A worker killed while it sent an answer raised aiohttp's ClientPayloadError, and a 200 that
+    is no room API answer pydantic's ValidationError: neither is what callers handle, so the
+    receiver's job crashed (epd-prefill answered 500; the fault lab's kill scenario caught it)."""
+    peer = _CannedPeer(answer)
+    client = SyncHandshakeClient(peer.url, retries=1, backoff_s=0.01)
+    try:
+        for call in (lambda: client.watch({1: 0}), lambda: client.get(1), lambda: client.mint(1)):
+            with pytest.raises(HandshakeError, match=why) as info:
+                call()
+            assert info.value.status == 0
+    finally:
+        client.close()
+        peer.stop()
