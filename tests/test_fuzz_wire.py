@@ -9,13 +9,15 @@ prints them.
 
 import concurrent.futures
 import json
+import re
+import threading
 import time
 
 import pytest
 import schemathesis
 import torch
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
@@ -281,6 +283,10 @@ class _StubReceiver:
     def start(self, request_id, inputs):
         return _StubJob(inputs)
 
+    def health(self):
+        return {"transports": ["loopback"], "lost": {}, "cannot_receive": None, "not_ready": None,
+                "pool": {"slots": 1, "free_slots": 1, "leased_slots": 0, "quarantined_slots": 0}}
+
 
 PREFILL_APP = create_app(_StubReceiver(), max_body_bytes=1 << 16)
 _prefill_items = st.lists(st.one_of(json_values, st.fixed_dictionaries(
@@ -329,6 +335,190 @@ def test_prefill_api_has_no_5xx(case):
     from schemathesis.specs.openapi.checks import positive_data_acceptance
 
     case.call_and_validate(excluded_checks=[positive_data_acceptance])
+
+
+# ---- epd-prefill with the real receiver ------------------------------------------------------
+# The same app around a real PrefillReceiver (loopback transport, a small pool) whose items have
+# their rooms at a real handshake server in this process. Rooms are minted per example and are
+# written by a test-side encoder ("written"), written with a wrong checksum ("corrupt"), left
+# unwritten ("fresh"), cancelled before the request ("cancelled"), named twice ("dup"), or are
+# fuzzed numbers; the endpoint is the server or a port where nothing listens. No 5xx; a report has
+# one settled entry per item; a DONE item carries exactly the rows written for its room; no slot
+# stays leased once a request's rooms end, and every quarantined slot comes back (module teardown).
+
+def _mostly(valid, junk, one_in: int = 8):
+    """``valid``, but one draw in ``one_in`` from ``junk`` (one junk field refuses the whole body)."""
+    return st.integers(0, one_in - 1).flatmap(lambda n: junk if n == 1 else valid)  # 0 and the top: drawn often
+
+
+_ROOM_KINDS = ("written", "written", "corrupt", "corrupt", "fresh", "cancelled", "dup")
+_real_handshakes = st.fixed_dictionaries({
+    "bootstrap_room": _mostly(st.sampled_from(_ROOM_KINDS), numbers),
+    "bootstrap_host": st.just("127.0.0.1"),
+    "bootstrap_port": _mostly(st.just("server"), st.just("closed"), 6)})
+_real_offsets = st.lists(st.integers(0, 60), min_size=2, max_size=6, unique=True).map(
+    lambda ends: [list(span) for span in zip(sorted(ends)[::2], sorted(ends)[1::2])])  # increasing, disjoint
+_real_items = st.lists(_mostly(st.fixed_dictionaries(
+    {"offsets": _mostly(_real_offsets, st.lists(st.lists(numbers, max_size=3), max_size=3)),
+     "encode_handshake": _mostly(_real_handshakes, st.none(), 5)},
+    optional={"image_b64": _mostly(st.sampled_from(["", "aGVsbG8="]), st.text(max_size=12)),
+              "grid_thw": _mostly(st.sampled_from([[1, 2, 2], [1, 4, 4]]), st.lists(numbers, max_size=4))}),
+    json_values, 12), min_size=1, max_size=4)
+_real_bodies = _mostly(st.fixed_dictionaries(
+    {"request_id": st.text(min_size=1, max_size=20), "items": _real_items},
+    optional={"verify": _mostly(st.booleans(), json_values),
+              "timeout_s": _mostly(st.sampled_from([0.05, 0.3, 2.0, 60]), numbers)}), json_values, 12)
+REAL_WIDTH = 8
+
+
+@pytest.fixture(scope="module")
+def real_prefill():
+    """(app, receiver, table, handshake server, loopback transport, a port where nothing listens)."""
+    import socket
+
+    from data_plane.loopback import LoopbackTransport
+    from handshake.app import create_app as handshake_app
+    from handshake.rooms import RoomTable
+    from handshake.server import ThreadedServer
+    from prefill_side.receiver import PrefillReceiver, ReceiverConfig
+
+    table = RoomTable()
+    server = ThreadedServer(handshake_app(table)).start()
+    loopback = LoopbackTransport()
+    receiver = PrefillReceiver(ReceiverConfig(width=REAL_WIDTH, dtype="float32", pool_bytes=16 << 10, slot_bytes=1 << 10,
+                                              transports=("loopback",), item_timeout_s=0.5, poll_s=0.2,
+                                              quarantine_s=0.5), transports={"loopback": loopback})
+    closed = socket.socket()  # bound, never listening: a connection to it is refused
+    closed.bind(("127.0.0.1", 0))
+    try:
+        yield create_app(receiver, max_body_bytes=1 << 16), receiver, table, server, loopback, closed.getsockname()[1]
+        end = time.monotonic() + 10  # every quarantine (0.5 s) ends, and then every slot is free
+        while receiver.pool.stats()["free_slots"] != receiver.pool.slot_count:
+            assert time.monotonic() < end, f"slots never came back: {receiver.pool.stats()}"
+            time.sleep(0.05)
+    finally:
+        closed.close()
+        receiver.close()
+        server.stop()
+
+
+def _place_rooms(body, table, port: int, closed_port: int) -> list[tuple[int, int, str]]:
+    """Replace the room kinds and endpoint names in ``body`` by real rooms and ports (in place);
+    (item index, room, kind) for the rooms minted here."""
+    placed, last = [], None
+    for index, item in enumerate(body.get("items", []) if isinstance(body, dict) else []):
+        handshake = item.get("encode_handshake") if isinstance(item, dict) else None
+        if not isinstance(handshake, dict):
+            continue
+        handshake["bootstrap_port"] = port if handshake["bootstrap_port"] == "server" else closed_port
+        kind = handshake["bootstrap_room"]
+        if not isinstance(kind, str):
+            continue
+        if kind == "dup" and last is not None:
+            room, kind = last
+        else:
+            (room,) = table.mint(1, 60)
+            if kind == "cancelled":
+                table.cancel(room, "cancelled before the request")
+            last = (room, kind)
+        handshake["bootstrap_room"] = room
+        placed.append((index, room, kind))
+    return placed
+
+
+def _encode_side(table, transport, plan: dict[int, str], over: threading.Event, seconds: float = 20) -> dict[int, int]:
+    """A test-side encoder for the rooms in ``plan`` (room -> "written" or "corrupt"): once a
+    receiver registered, begin the write, copy random rows into its slot through ``transport`` and
+    commit them (with a checksum one off for "corrupt"); rooms that end first are left alone, and
+    so are rooms still unregistered once the request is ``over`` (after one last look). The
+    checksum of the rows committed, by room (SUCCESS only)."""
+    from data_plane.dtypes import dtype_from_wire
+    from data_plane.transport import TransferState
+    from handshake.models import BeginWrite, CommitBody, RoomState
+
+    committed, todo = {}, dict(plan)
+    end = time.monotonic() + seconds
+    while todo:
+        last_look = over.is_set()
+        for room, kind in list(todo.items()):
+            view = table.view(room)
+            if view.state is RoomState.PENDING:
+                continue
+            del todo[room]
+            registration = view.registration
+            if view.state.terminal or registration is None:
+                continue
+            began = table.begin_write(BeginWrite(room=room, generation=registration.generation, transport="loopback"))
+            if began.state is not RoomState.WRITING:
+                continue
+            rows = torch.randn(registration.rows, registration.width).to(dtype_from_wire(registration.dtype))
+            (offer,) = [offer for offer in registration.offers if offer.kind == "loopback"]
+            assert transport.submit(rows, offer, time.monotonic() + 5).wait() is TransferState.DONE
+            sent = (checksum(rows) + (kind == "corrupt")) % (1 << 64)
+            done = table.commit(CommitBody(room=room, generation=registration.generation, transport="loopback",
+                                           rows=registration.rows, width=registration.width,
+                                           dtype=registration.dtype, checksum=sent))
+            if done.state is RoomState.SUCCESS:
+                committed[room] = sent
+        if last_look:
+            break
+        if time.monotonic() >= end:
+            raise TimeoutError(f"rooms still waiting for a receiver after {seconds} s: {todo}")
+        time.sleep(0.002)
+    return committed
+
+
+_PREFILL_DECLARED: set[str] = set()
+
+
+def _prefill_declared(app) -> set[str]:
+    """The statuses epd-prefill's OpenAPI declares for POST /v1/prefill."""
+    if not _PREFILL_DECLARED:
+        spec = TestClient(app).get("/openapi.json").json()
+        _PREFILL_DECLARED.update(spec["paths"]["/v1/prefill"]["post"]["responses"])
+    return _PREFILL_DECLARED
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_mostly(_real_bodies.map(lambda body: ("json", body)), st.binary(max_size=120).map(lambda raw: ("raw", raw))))
+def test_prefill_app_with_the_real_receiver(real_prefill, case):
+    app, receiver, table, server, loopback, closed_port = real_prefill
+    kind, body = case
+    placed = _place_rooms(body, table, server.port, closed_port) if kind == "json" else []
+    raw = json.dumps(body).encode() if kind == "json" else body
+    plan = {room: room_kind for _, room, room_kind in placed if room_kind in ("written", "corrupt")}
+    over = threading.Event()
+    encoder = concurrent.futures.ThreadPoolExecutor(1)
+    committed = encoder.submit(_encode_side, table, loopback, plan, over)
+    encoder.shutdown(wait=False)
+    response = TestClient(app, raise_server_exceptions=False).post(
+        "/v1/prefill", content=raw, headers={"content-type": "application/json"})
+    over.set()  # no receiver registers a room of this request any more
+    assert response.status_code < 500, response.text
+    committed = committed.result(timeout=20)
+    # every slot of the request is freed or quarantined once its room ends (a timed-out request's
+    # report comes first: its rooms are cancelled and end after)
+    end = time.monotonic() + 10
+    while receiver.pool.stats()["leased_slots"]:
+        assert time.monotonic() < end, f"a slot stays leased: {receiver.pool.stats()}"
+        time.sleep(0.01)
+    event(f"HTTP {response.status_code}")
+    if response.status_code != 200:  # refused with a status its OpenAPI declares (400, 422)
+        assert str(response.status_code) in _prefill_declared(app), response.text
+        return
+    report = response.json()
+    assert len(report["items"]) == len(body["items"])
+    assert all(item["state"] in ("DONE", "FAILED", "SKIPPED") for item in report["items"]), report
+    assert report["state"] == ("FAILED" if any(i["state"] == "FAILED" for i in report["items"]) else "DONE")
+    kinds = {index: (room, room_kind) for index, room, room_kind in placed}
+    for index, item in enumerate(report["items"]):
+        event(f"item {item['state']}: {re.sub(r'[0-9]+', 'N', (item['reason'] or '').split(':')[0])[:40]}")
+        if item["state"] == "DONE":  # only from a room the encoder side committed, with exactly its rows
+            room, room_kind = kinds[index]
+            assert room_kind != "corrupt" and item["checksum"] == committed[room], (item, room_kind)
+            assert item["width"] == REAL_WIDTH and item["transport"] == "loopback"
+        elif item["state"] == "FAILED":
+            assert item["reason"], item
 
 
 # ---- SHM names and handles ---------------------------------------------------------------------
