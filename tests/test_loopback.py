@@ -11,7 +11,7 @@ from data_plane.commit import ContractError, EmbeddingLayout, accept_commit, mak
 from data_plane.loopback import LoopbackFault, LoopbackTransport
 from data_plane.mooncake import MooncakeConfig, MooncakeUnavailable, _load_engine_class
 from data_plane.offers import MooncakeOffer
-from data_plane.pool import MemoryRegion, NoCapacity, SlotPool
+from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.transport import TransferRefused, TransferState
 
 
@@ -80,31 +80,6 @@ def test_drop_fault_fails_at_the_deadline(setup):
     transfer = transport.submit(torch.ones(4, 64, dtype=torch.bfloat16), offer, time.monotonic() + 0.05)
     assert transfer.poll() is TransferState.PENDING
     assert transfer.wait() is TransferState.FAILED and transfer.error == "deadline exceeded"
-
-
-def test_failed_write_that_lands_late_never_reaches_the_next_tenant(setup):
-    """The P4 case: the write 'fails', the slot is quarantined, the bytes land later. The next
-    tenant only gets the slot after the quarantine, so the late bytes never overwrite it."""
-    transport, pool = setup
-    pool_one_run = SlotPool(MemoryRegion.anonymous(4096), 4096, quarantine_s=0.3)
-    transport.register(pool_one_run.region)
-    layout, lease, offer = _reserve(transport, pool_one_run, 8)
-    transport.inject(LoopbackFault("late", 0.15))
-    stale = torch.full((8, 64), 9.0, dtype=torch.bfloat16)
-    failed = transport.submit(stale, offer, time.monotonic() + 1)
-    assert failed.poll() is TransferState.FAILED and not failed.settled
-    pool_one_run.quarantine(lease)
-    with pytest.raises(NoCapacity):
-        pool_one_run.lease(layout.nbytes)  # held while the late write may land
-    with pytest.raises(ContractError):
-        accept_commit(pool_one_run, lease, layout, make_commit(stale, lease.generation))
-    time.sleep(0.35)
-    layout2, lease2, offer2 = _reserve(transport, pool_one_run, 8)
-    assert lease2.generation > lease.generation
-    fresh = torch.full((8, 64), 1.0, dtype=torch.bfloat16)
-    assert transport.submit(fresh, offer2, time.monotonic() + 1).wait() is TransferState.DONE
-    time.sleep(0.05)
-    assert torch.equal(accept_commit(pool_one_run, lease2, layout2, make_commit(fresh, lease2.generation)), fresh)
 
 
 def test_commit_contract_is_checked(setup):
