@@ -35,7 +35,7 @@ from encode_worker.small_checkpoints import image_processor, vision_config
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 DEFAULT_CACHE = os.path.expanduser("~/.cache/epd-encode-worker")
 # Bump when what build_vlm writes changes, so cached directories of an older layout are not reused.
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 TEXT_INIT_STD = 0.3
 # Qwen2-VL's special tokens, in its order; they take ids 0.. here (the config names them below).
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -49,11 +49,19 @@ _CORPUS = ["Describe this image in one sentence.", "What is shown in the picture
            "There are two people walking along the beach at sunset.", "Count the objects on the table.",
            "user", "assistant", "system", "You are a helpful assistant.", "image", "video", "number 0123456789"]
 IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in a prompt (vLLM expands the pad)
+# Qwen2-VL's chat layout, for OpenAI chat requests: text parts as they are, each image part
+# (image_url, or image_embeds: an EPD request's grid alone) as IMAGE_PROMPT.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ['image', 'image_url', 'image_embeds'] %}" + IMAGE_PROMPT +
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def build_tokenizer(directory: str) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer of ``VOCAB_SIZE`` ids with Qwen2-VL's special tokens at
-    ``TOKEN_IDS``, saved to ``directory`` (``tokenizer.json`` + config)."""
+    ``TOKEN_IDS`` and ``CHAT_TEMPLATE``, saved to ``directory`` (``tokenizer.json`` + config)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -65,6 +73,7 @@ def build_tokenizer(directory: str) -> PreTrainedTokenizerFast:
             raise RuntimeError(f"tokenizer training put {token} at {tokenizer.token_to_id(token)}, not {index}")
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    model_max_length=32768)
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
     return fast
 
