@@ -23,6 +23,7 @@ import yarl
 from PIL import Image
 
 from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
+from encode_worker.inputs import ALLOWED_FORMATS
 from encode_worker.intake import AsyncIntakeClient, IntakeRefused, IntakeRequest
 from handshake.client import HandshakeClient, HandshakeError
 from multimodal.hashing import hash_feature
@@ -90,31 +91,44 @@ class Dispatcher:
 
     # ---- the request -----------------------------------------------------------------------
 
-    def describe(self, images: list[bytes]) -> list[DispatchedItem]:
-        """Hash and size every image (no decode); raises ``DispatchError`` for a bad one."""
+    def describe(self, images: list[bytes], names: list[str] | None = None) -> list[DispatchedItem]:
+        """Hash and size every image (no decode); raises ``DispatchError`` for a bad one, naming it
+        by ``names`` (its file, say) or else by its index. A format encode workers refuse (GIF,
+        ...) is refused here, before anything is minted."""
         if not 1 <= len(images) <= MAX_IMAGES:
             raise DispatchError(f"a request carries 1..{MAX_IMAGES} images, got {len(images)}")
         items = []
         for index, image in enumerate(images):
+            label = names[index] if names else f"image {index}"
             if not image or len(image) > MAX_IMAGE_BYTES:
-                raise DispatchError(f"image {index}: {len(image)} bytes (1..{MAX_IMAGE_BYTES} accepted)")
+                raise DispatchError(f"{label}: {len(image)} bytes (1..{MAX_IMAGE_BYTES} accepted)")
             try:
                 with Image.open(io.BytesIO(image)) as probe:
                     width, height = probe.size
+                    image_format = probe.format
+            except Exception as exc:  # PIL raises many types for bad data; its text names a BytesIO
+                raise DispatchError(f"{label}: not an image encode workers read ({', '.join(sorted(ALLOWED_FORMATS))}): "
+                                    f"{type(exc).__name__}") from None
+            if image_format not in ALLOWED_FORMATS:
+                raise DispatchError(f"{label}: {image_format} is not accepted by encode workers "
+                                    f"({', '.join(sorted(ALLOWED_FORMATS))})")
+            try:
                 grid = image_grid(self.processor, height, width)
-            except Exception as exc:  # PIL raises many types for bad data
-                raise DispatchError(f"image {index}: {type(exc).__name__}: {exc}") from None
+            except ValueError as exc:
+                raise DispatchError(f"{label}: {width}x{height} cannot be resized for the tower: {exc}") from None
             rows = grid[0] * grid[1] * grid[2] // self.processor.merge_size ** 2
             items.append(DispatchedItem(index, image, hash_feature(image), width, height, grid, rows))
         return items
 
-    async def dispatch(self, request_id: str, images: list[bytes], near: str | None = None) -> list[DispatchedItem]:
+    async def dispatch(self, request_id: str, images: list[bytes], near: str | None = None,
+                       names: list[str] | None = None) -> list[DispatchedItem]:
         """Place every image on an encode worker; each item comes back with its room (or with
         ``error`` and, where one was minted, a cancelled room). ``near``: the prefill engine's
-        host, whose encode workers are preferred (they can write over SHM)."""
+        host, whose encode workers are preferred (they can write over SHM). ``names``: what
+        errors call the images (their files)."""
         if not REQUEST_ID.match(request_id):
             raise DispatchError(f"request id {request_id!r}: 1..100 of [A-Za-z0-9._:-]")
-        items = self.describe(images)
+        items = self.describe(images, names)
         started = time.monotonic()
         unplaced = items
         for _ in range(self.max_attempts):

@@ -70,7 +70,7 @@ def positive(kind):
     def parse(text: str):
         value = kind(text)
         if not 0 < value < math.inf:
-            raise argparse.ArgumentTypeError(f"{text} must be above 0")
+            raise argparse.ArgumentTypeError(f"{text} must be above 0" if value <= 0 else f"{text} is not finite")
         return value
     parse.__name__ = f"positive {kind.__name__}"
     return parse
@@ -81,7 +81,7 @@ def non_negative(kind):
     def parse(text: str):
         value = kind(text)
         if not 0 <= value < math.inf:
-            raise argparse.ArgumentTypeError(f"{text} must be 0 or above")
+            raise argparse.ArgumentTypeError(f"{text} must be 0 or above" if value < 0 else f"{text} is not finite")
         return value
     parse.__name__ = f"non-negative {kind.__name__}"
     return parse

@@ -2,11 +2,13 @@
 encode worker into a real receiver over the loopback transport (real HTTP rooms, real ZMQ)."""
 
 import asyncio
+import io
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from bench.images import synthetic_image
 from dispatcher import Dispatcher, DispatchError, HashRing, WorkerAddress, WorkerSet
@@ -171,10 +173,17 @@ def test_no_healthy_worker_leaves_items_without_a_room(tower):
     assert item.encode_handshake is None and item.error == "no healthy encode worker"
 
 
+def _gif() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(buffer, format="GIF")
+    return buffer.getvalue()
+
+
 @pytest.mark.parametrize("images, message", [
     ([], "1..64 images"),
-    ([b"not an image"], "image 0: UnidentifiedImageError"),
-    ([synthetic_image(1, 400, 6)], "image 0: ValueError"),  # too thin for the processor
+    ([b"not an image"], "image 0: not an image encode workers read .*: UnidentifiedImageError$"),
+    ([synthetic_image(1, 400, 6)], "image 0: 1x400 cannot be resized for the tower"),  # too thin for the processor
+    ([synthetic_image(64, 64, 7), _gif()], "image 1: GIF is not accepted by encode workers"),
 ])
 def test_bad_requests_are_refused_before_anything_is_minted(tower, images, message):
     workers = WorkerSet([WorkerAddress("127.0.0.1", 1, 1)])
@@ -182,6 +191,10 @@ def test_bad_requests_are_refused_before_anything_is_minted(tower, images, messa
         asyncio.run(Dispatcher(workers, tower.processor).dispatch("req-3", images))
     with pytest.raises(DispatchError, match="request id"):
         asyncio.run(Dispatcher(workers, tower.processor).dispatch("bad id!", [synthetic_image(64, 64, 7)]))
+    with pytest.raises(DispatchError, match="^photos/b.bin: not an image") as refused:  # named as the caller names it
+        asyncio.run(Dispatcher(workers, tower.processor).dispatch("req-4", [synthetic_image(64, 64, 7), b"x"],
+                                                                  names=["photos/a.png", "photos/b.bin"]))
+    assert "BytesIO" not in str(refused.value)
 
 
 def test_workers_near_the_prefill_engine_come_first_and_the_rest_stay_as_fallback():
