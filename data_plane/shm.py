@@ -33,6 +33,7 @@ _NAME_RE = re.compile(r"^epd-[A-Za-z0-9_-]{1,100}$")
 # what each purpose's segments are named; the intake kind is reserved to publish(purpose="intake")
 PURPOSE_KINDS = {"handoff": "h", "intake": "in"}
 INTAKE_PREFIX = f"{NAME_PREFIX}{PURPOSE_KINDS['intake']}-"
+POOL_PREFIX = f"{NAME_PREFIX}pool-"  # receive pools (MemoryRegion.shared): the only segments a writer writes into
 
 
 class ShmError(OSError):
@@ -48,6 +49,11 @@ def validate_name(name: str) -> str:
 
 def new_name(kind: str) -> str:
     return validate_name(f"{NAME_PREFIX}{kind}-{os.getpid()}-{secrets.token_hex(8)}")
+
+
+def is_pool_name(name: str) -> bool:
+    """Whether ``name`` is a receive pool's (``MemoryRegion.shared`` makes them)."""
+    return isinstance(name, str) and name.startswith(POOL_PREFIX) and bool(_NAME_RE.fullmatch(name))
 
 
 def is_intake_name(name: str) -> bool:

@@ -14,7 +14,7 @@ import torch
 
 from data_plane.offers import ShmOffer
 from data_plane.pool import Lease, MemoryRegion, SlotPool
-from data_plane.shm import SHM_DIR, ShmError, ShmSegment, namespace_id
+from data_plane.shm import POOL_PREFIX, SHM_DIR, ShmError, ShmSegment, is_pool_name, namespace_id
 from data_plane.transport import CompletedTransfer, Transfer, TransferRefused, Transport
 
 
@@ -43,7 +43,12 @@ class ShmTransport(Transport):
     def _segment(self, name: str) -> ShmSegment:
         """The receiver's segment, mapped once. A mapping whose name is gone (the receiver closed
         its pool or died, and its segment was unlinked) is dropped and the write refused: writing
-        into it would reach no one and keep the dead pool's memory alive."""
+        into it would reach no one and keep the dead pool's memory alive. Only a receive pool is
+        ever mapped: an offer naming any other segment of ours (an intake or handoff handle) is
+        refused on the name alone."""
+        if not is_pool_name(name):
+            raise TransferRefused(f"the receiver's offer names SHM segment {name}, which is not a receive pool "
+                                  f"({POOL_PREFIX}*)")
         with self._lock:
             entry = self._attached.get(name)
             if entry is not None:

@@ -50,6 +50,7 @@ FLAGS = [
     ("--batch-patches", positive(int), 16384, "tower input patches per batch"),
     ("--batch-items", positive(int), 8, "items per batch"),
     ("--queue-items", positive(int), 64, "items waiting for the tower before intake refuses"),
+    ("--queue-bytes", positive(byte_size), 1 << 30, "payload bytes waiting for the tower before intake refuses"),
     ("--max-payload-bytes", byte_size, 64 << 20, "largest accepted item payload (bytes; K, M, G suffixes)"),
     ("--max-image-pixels", positive(int), None, "largest image decoded, in pixels, refused at intake "
                                                 "from its header (default 16777216 = 4096 x 4096)"),
@@ -102,7 +103,8 @@ def config_from_args(args):
         bootstrap_port=args.bootstrap_port, intake_port=args.intake_port,
         transports=tuple(args.transports.split(",")), mooncake_hca=args.mooncake_hca,
         mooncake_force_tcp=args.mooncake_force_tcp, batch_patches=args.batch_patches,
-        batch_items=args.batch_items, queue_items=args.queue_items, max_payload_bytes=args.max_payload_bytes,
+        batch_items=args.batch_items, queue_items=args.queue_items, queue_bytes=args.queue_bytes,
+        max_payload_bytes=args.max_payload_bytes,
         ring_bytes=args.ring_bytes, ring_slot_bytes=args.ring_slot_bytes, cache_bytes=args.cache_bytes,
         receiver_wait_s=args.receiver_wait_s, write_timeout_s=args.write_timeout_s, room_timeout_s=args.room_timeout_s,
         checksum=args.checksum, send_workers=args.send_workers, handshake_token=token,

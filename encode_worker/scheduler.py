@@ -1,7 +1,9 @@
 """Encode jobs and the bounded FIFO that batches them under a patch budget, a decoded-pixel
 budget and an item cap.
 
-A job whose patches (or pixels) alone exceed the budget runs in a batch of its own. ``put`` never blocks: a
+The queue holds at most ``max_items`` jobs and ``max_bytes`` of their payloads (what intake
+received: image files, raw pixels). A job whose patches (or pixels) alone exceed the budget runs
+in a batch of its own. ``put`` never blocks: a
 full queue is refused at once, so the dispatcher learns it (backpressure) instead of waiting.
 """
 
@@ -26,6 +28,7 @@ class EncodeJob:
     patches: int  # estimated at intake from the image size, for batching
     modality: str = "IMAGE"
     pixels: int = 0  # the source image's pixels, decoded by the prepare stage
+    nbytes: int = 0  # payload bytes this job holds in this process (an SHM handle's: none yet)
     received_at: float = field(default_factory=time.monotonic)
     timings: dict[str, float | bool] = field(default_factory=dict)  # by the stages: EncodeTimings' fields
 
@@ -35,11 +38,14 @@ class EncodeJob:
 
 
 class BatchQueue:
-    def __init__(self, max_items: int, patch_budget: int, batch_items: int, pixel_budget: int | None = None):
+    def __init__(self, max_items: int, patch_budget: int, batch_items: int, pixel_budget: int | None = None,
+                 max_bytes: int | None = None):
         self.max_items = max_items
         self.patch_budget = patch_budget
         self.batch_items = batch_items
         self.pixel_budget = pixel_budget
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._jobs: collections.deque[EncodeJob] = collections.deque()
         self._ready = threading.Condition()
         self.closed = False
@@ -51,7 +57,10 @@ class BatchQueue:
         with self._ready:
             if self.closed or len(self._jobs) >= self.max_items:
                 return False
+            if self.max_bytes is not None and self._jobs and self.nbytes + job.nbytes > self.max_bytes:
+                return False  # one job alone may hold more: it was already received
             self._jobs.append(job)
+            self.nbytes += job.nbytes
             self._ready.notify()
             return True
 
@@ -68,6 +77,7 @@ class BatchQueue:
                               (self.pixel_budget is not None and pixels + job.pixels > self.pixel_budget)):
                     break
                 batch.append(self._jobs.popleft())
+                self.nbytes -= job.nbytes
                 patches += job.patches
                 pixels += job.pixels
             return batch
@@ -77,5 +87,6 @@ class BatchQueue:
             self.closed = True
             jobs = list(self._jobs)
             self._jobs.clear()
+            self.nbytes = 0
             self._ready.notify_all()
             return jobs

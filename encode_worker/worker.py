@@ -105,6 +105,7 @@ class WorkerConfig:
     batch_patches: int = 16384  # tower input patches per batch
     batch_items: int = 8
     queue_items: int = 64
+    queue_bytes: int = 1 << 30  # payloads waiting for the tower (queue_items x max_payload_bytes is 4 GiB)
     max_payload_bytes: int = 64 << 20
     # decoded pixels: one image (checked from its header or shape at intake, before decoding),
     # and one batch (the prepare stage decodes a batch's images one after another)
@@ -137,7 +138,7 @@ class WorkerConfig:
             need(0 <= getattr(self, name) <= 65535, f"{name} {getattr(self, name)} is not in 0..65535 (0: any)")
         need(not self.bootstrap_port or self.bootstrap_port != self.intake_port,
              f"bootstrap and intake ports are both {self.intake_port}")
-        for name in ("batch_patches", "batch_items", "queue_items", "max_payload_bytes", "max_image_pixels",
+        for name in ("batch_patches", "batch_items", "queue_items", "queue_bytes", "max_payload_bytes", "max_image_pixels",
                      "batch_pixels", "ring_bytes", "ring_slot_bytes", "send_workers"):
             need(getattr(self, name) > 0, f"{name} must be above 0, got {getattr(self, name)}")
         need(self.cache_bytes >= 0, f"cache_bytes must be 0 (off) or above, got {self.cache_bytes}")
@@ -236,7 +237,8 @@ class EncodeWorker:
         self.preprocess_id = f"{zlib.crc32(json.dumps(self.tower.processor.to_dict(), sort_keys=True, default=str).encode()):08x}"
         self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
         self.cache = EmbeddingCache(config.cache_bytes)
-        self.queue = BatchQueue(config.queue_items, config.batch_patches, config.batch_items, config.batch_pixels)
+        self.queue = BatchQueue(config.queue_items, config.batch_patches, config.batch_items, config.batch_pixels,
+                                config.queue_bytes)
         self.ring = SlotPool(MemoryRegion.anonymous(config.ring_bytes), config.ring_slot_bytes,
                              quarantine_s=config.write_timeout_s * 2)
         # Mooncake that cannot start leaves SHM in service (logged); alone, it is an error
@@ -529,7 +531,8 @@ class EncodeWorker:
             content_hash = hash_feature(payload)
             _check_claimed_hash(request.content_hash, content_hash)
         return EncodeJob(request.request_id, request.encode_handshake, content_hash, request.source,
-                         source_payload, self._patches(height, width), request.modality, pixels=width * height)
+                         source_payload, self._patches(height, width), request.modality, pixels=width * height,
+                         nbytes=len(payload) if payload is not None else 0)
 
     def _patches(self, height: int, width: int) -> int:
         try:

@@ -264,3 +264,54 @@ def test_a_batch_decodes_at_most_its_pixel_budget():
         assert queue.put(EncodeJob(f"r{index}", handshake, index, "bytes", b"", patches=4, pixels=pixels))
     assert [[job.pixels for job in queue.take_batch(0)] for _ in range(3)] == [[60, 30], [20], [150]]
     assert [job.pixels for job in queue.take_batch(0)] == [10]  # one alone may exceed it: its own batch
+
+
+def test_the_queue_holds_at_most_its_payload_bytes():
+    """queue_items x max_payload_bytes was the only bound on payloads waiting for the tower (4 GiB
+    by default); the queue now refuses ("queue full") past max_bytes of them."""
+    queue = BatchQueue(max_items=8, patch_budget=10 ** 6, batch_items=1, max_bytes=100)
+
+    def job(index, nbytes):
+        handshake = EncodeHandshake(bootstrap_room=index, bootstrap_host="h", bootstrap_port=1)
+        return EncodeJob(f"r{index}", handshake, index, "bytes", b"", patches=4, nbytes=nbytes)
+
+    assert queue.put(job(1, 60)) and not queue.put(job(2, 50)) and queue.put(job(3, 40))
+    assert [j.nbytes for j in queue.take_batch(0)] == [60]
+    assert queue.put(job(4, 50)) and queue.nbytes == 90
+    queue.take_batch(0), queue.take_batch(0)
+    assert queue.nbytes == 0 and queue.put(job(5, 500))  # alone, a larger one (already received) is taken
+
+
+# ---- a receiver's offer naming a segment that is not a receive pool -----------------------------------
+
+
+def test_a_receiver_offer_naming_another_segment_is_not_written(no_new_segments, tower):
+    """A registration whose SHM offer names an intake handle (or any segment of ours that is not a
+    receive pool) used to have the rows written into it: the write is refused, the room fails
+    with the reason, and the segment's bytes stay as they were."""
+    from data_plane.offers import ShmOffer
+    from data_plane.shm import namespace_id
+    from data_plane.shm_transport import ShmTransport
+    from handshake.models import Registration
+
+    settings = dict(transports=("shm",), bootstrap_port=0, intake_port=0, bind="127.0.0.1", ring_bytes=8 << 20,
+                    ring_slot_bytes=1 << 16, cache_bytes=0, receiver_wait_s=10)
+    worker = EncodeWorker(WorkerConfig(model=tower.model_id, **settings), tower=tower,
+                          transports={"shm": ShmTransport()}).start()
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    victim = ShmTensorHandle.publish(torch.full((1 << 16,), 7, dtype=torch.uint8), purpose="intake")
+    try:
+        image = png(64, 64, 5)
+        rows = rows_for(tower, image)
+        (room,) = worker.table.mint(1, 60)
+        offer = ShmOffer(kind="shm", namespace=namespace_id(), segment=victim.shm_name, offset=0, capacity=1 << 16)
+        worker.table.register(Registration(room=room, generation=1, rows=rows, width=tower.info.wire_width,
+                                           dtype="float32", offers=[offer]))
+        assert intake.send(request(worker, room), image)["ok"]
+        view = wait_terminal(worker.table, room)
+        assert view.state is RoomState.FAILED and "which is not a receive pool" in view.reason
+        victim.attach()
+        assert torch.equal(victim.consume(), torch.full((1 << 16,), 7, dtype=torch.uint8))
+    finally:
+        intake.close()
+        worker.stop()
