@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from dispatcher.ring import HashRing
 
 log = logging.getLogger(__name__)
 MAX_WORKERS = 1024
+HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})")  # a DNS name or an IPv4 address
 DEFAULT_BOOTSTRAP_PORT = 8998
 DEFAULT_INTAKE_PORT = 8999
 
@@ -49,6 +51,8 @@ class WorkerAddress:
         parts = text.strip().split(":")
         if not parts[0] or len(parts) > 3:
             raise ValueError(f"worker {text!r}: expected host[:bootstrap_port[:intake_port]]")
+        if not HOST.fullmatch(parts[0]):
+            raise ValueError(f"worker {text!r}: {parts[0]!r} is not a host name or IPv4 address")
         try:
             ports = [int(p) for p in parts[1:]]
         except ValueError:

@@ -50,7 +50,7 @@ def test_walk_gives_every_member_once_owner_first():
 def test_worker_addresses_parse_or_refuse():
     assert WorkerAddress.parse("10.0.0.5") == WorkerAddress("10.0.0.5", 8998, 8999)
     assert WorkerAddress.parse("w-1:9000:9001").intake_endpoint == "tcp://w-1:9001"
-    for bad in ("", ":8998", "h:x", "h:1:2:3", "h:70000"):
+    for bad in ("", ":8998", "h:x", "h:1:2:3", "h:70000", "my host", "bad/host:1", "-h"):
         with pytest.raises(ValueError):
             WorkerAddress.parse(bad)
 
