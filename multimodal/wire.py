@@ -13,6 +13,6 @@ class EncodeHandshake(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bootstrap_room: json_int(ge=0, le=MAX_ROOM_ID)
+    bootstrap_room: json_int(ge=1, le=MAX_ROOM_ID)  # rooms are minted in [1, MAX_ROOM_ID]
     bootstrap_host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:\-\[\]_]+$")
     bootstrap_port: json_int(ge=1, le=65535)

@@ -587,12 +587,10 @@ def _receive_region(config: ReceiverConfig, transports: dict | None) -> MemoryRe
 
 
 def _room_address(item: MultimodalDataItem) -> EncodeHandshake:
-    """The item's room address, checked as far as this side can: an ``EncodeHandshake``, a room id a
-    room table mints (1..MAX_ROOM_ID: room 0 never is) and a host that makes a URL. ``ValueError``
-    (or ``TypeError``) says what is wrong."""
+    """The item's room address, checked as far as this side can: an ``EncodeHandshake`` (a room id
+    a room table mints) and a host that makes a URL. ``ValueError`` (or ``TypeError``) says what is
+    wrong."""
     handshake = EncodeHandshake(**item.encode_handshake)
-    if handshake.bootstrap_room < 1:
-        raise ValueError(f"room {handshake.bootstrap_room} is never minted (room ids start at 1)")
     _endpoint_url(handshake)
     return handshake
 

@@ -30,7 +30,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from data_plane.commit import checksum
 from data_plane.json_fields import JsonBool, json_float, json_int
@@ -52,13 +52,6 @@ class PrefillItem(BaseModel):
     image_b64: str | None = Field(default=None, max_length=MAX_IMAGE_B64)
     # the patch grid the request expects; a commit with another one fails the item
     grid_thw: tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None = None
-
-    @field_validator("encode_handshake")
-    @classmethod
-    def _a_room_that_can_exist(cls, handshake: EncodeHandshake | None) -> EncodeHandshake | None:
-        if handshake is not None and handshake.bootstrap_room < 1:
-            raise ValueError("bootstrap_room 0 is never minted (room ids start at 1)")
-        return handshake
 
 
 class PrefillRequest(BaseModel):

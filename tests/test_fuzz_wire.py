@@ -69,7 +69,7 @@ def _check_intake(frames, max_payload, token):
         return False
     assert isinstance(request, IntakeRequest) and 1 <= len(frames) <= 2
     assert len(frames[0]) <= MAX_METADATA_BYTES
-    assert 0 <= request.encode_handshake.bootstrap_room <= MAX_ROOM_ID
+    assert 1 <= request.encode_handshake.bootstrap_room <= MAX_ROOM_ID
     assert token is None or request.token == token
     if request.source == "shm":
         assert payload is None and validate_name(request.shm.shm_name)

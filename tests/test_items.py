@@ -99,6 +99,7 @@ def test_split_rows_refuses_mismatch():
 
 
 @pytest.mark.parametrize("handshake", [
+    {"bootstrap_room": 0, "bootstrap_host": "h", "bootstrap_port": 1},
     {"bootstrap_room": -1, "bootstrap_host": "h", "bootstrap_port": 1},
     {"bootstrap_room": 1 << 63, "bootstrap_host": "h", "bootstrap_port": 1},
     {"bootstrap_room": 1, "bootstrap_host": "h/../x", "bootstrap_port": 1},

@@ -261,7 +261,7 @@ def test_the_worker_reports_the_wait_for_the_receiver_apart_from_the_write(stack
 
 
 @pytest.mark.parametrize("address, why", [
-    ({"bootstrap_room": 0}, "room 0 is never minted"),
+    ({"bootstrap_room": 0}, "bootstrap_room"),
     ({"bootstrap_host": "["}, "Host '[' cannot contain '['"),
     ({"bootstrap_host": "a]b"}, "cannot contain ']'"),
     ({"bootstrap_port": 0}, "bootstrap_port"),
