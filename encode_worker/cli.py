@@ -24,7 +24,6 @@ from handshake.settings import (
     check_memory,
     dtype,
     handshake_token,
-    non_negative,
     port,
     positive,
     read_secret,

@@ -3,8 +3,8 @@ budget and an item cap.
 
 The queue holds at most ``max_items`` jobs and ``max_bytes`` of their payloads (what intake
 received: image files, raw pixels). A job whose patches (or pixels) alone exceed the budget runs
-in a batch of its own. ``put`` never blocks: a
-full queue is refused at once, so the dispatcher learns it (backpressure) instead of waiting.
+in a batch of its own. ``put`` never blocks: a full queue is refused at once, so the dispatcher
+learns it (backpressure) instead of waiting.
 """
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ def test_a_gif_is_refused_at_intake_not_after_queueing(tower, make):
 def test_a_batch_decodes_at_most_its_pixel_budget():
     queue = BatchQueue(max_items=8, patch_budget=10 ** 6, batch_items=8, pixel_budget=100)
     for index, pixels in enumerate((60, 30, 20, 150, 10)):
-        handshake = EncodeHandshake(bootstrap_room=index, bootstrap_host="h", bootstrap_port=1)
+        handshake = EncodeHandshake(bootstrap_room=index + 1, bootstrap_host="h", bootstrap_port=1)
         assert queue.put(EncodeJob(f"r{index}", handshake, index, "bytes", b"", patches=4, pixels=pixels))
     assert [[job.pixels for job in queue.take_batch(0)] for _ in range(3)] == [[60, 30], [20], [150]]
     assert [job.pixels for job in queue.take_batch(0)] == [10]  # one alone may exceed it: its own batch
@@ -272,7 +272,7 @@ def test_the_queue_holds_at_most_its_payload_bytes():
     queue = BatchQueue(max_items=8, patch_budget=10 ** 6, batch_items=1, max_bytes=100)
 
     def job(index, nbytes):
-        handshake = EncodeHandshake(bootstrap_room=index, bootstrap_host="h", bootstrap_port=1)
+        handshake = EncodeHandshake(bootstrap_room=index + 1, bootstrap_host="h", bootstrap_port=1)
         return EncodeJob(f"r{index}", handshake, index, "bytes", b"", patches=4, nbytes=nbytes)
 
     assert queue.put(job(1, 60)) and not queue.put(job(2, 50)) and queue.put(job(3, 40))
