@@ -426,3 +426,25 @@ def test_worker_side_checks_before_writing(no_new_segments):
     finally:
         segment.unlink()
         segment.close()
+
+
+def test_vllm_request_from_dispatched_items():
+    """The gateway's request: one identifier per placeholder (a repeat reuses it), grids alone or
+    the images, one room per distinct item; an unplaced item without its image is refused."""
+    from dispatcher.dispatch import DispatchedItem
+    from multimodal.wire import EncodeHandshake
+
+    room = EncodeHandshake(bootstrap_room=7, bootstrap_host="10.0.0.5", bootstrap_port=8998)
+    placed = DispatchedItem(index=0, image=b"a", content_hash=0xABC, width=84, height=56, grid_thw=(1, 4, 6), rows=6,
+                            encode_handshake=room)
+    unplaced = DispatchedItem(index=1, image=b"b", content_hash=0xDEF, width=56, height=56, grid_thw=(1, 4, 4),
+                              rows=4, error="no healthy encode worker")
+    request, params = vllm_request(prompt_for(2), [placed], order=[0, 0])
+    assert request["multi_modal_uuids"] == {"image": [identifier(0xABC)] * 2}
+    assert request["multi_modal_data"]["image"]["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 6]]
+    assert params == {"rooms": {identifier(0xABC): room.model_dump()}}
+    with pytest.raises(ValueError, match="no room"):
+        vllm_request(prompt_for(2), [placed, unplaced])
+    request, params = vllm_request(prompt_for(2), [placed, unplaced], images=["A", "B"])
+    assert request["multi_modal_data"]["image"] == ["A", "B"]
+    assert params == {"rooms": {identifier(0xABC): room.model_dump()}}
