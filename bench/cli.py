@@ -51,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--kinds", default=None, help="comma-separated fault scenarios (default: all)")
     soak.add_argument("--model", default=None, help="checkpoint (default: a small Qwen2.5-VL tower, 2048-wide rows)")
     soak.add_argument("--json", default=None)
+    vllm = sub.add_parser("vllm", help="vLLM's encoder cache fed by this connector (SHM, Mooncake) vs vLLM's own "
+                                       "EC connectors vs colocated: delivery time, TTFT, throughput, CPU per image")
+    vllm.add_argument("--paths", default="epd-shm,epd-mooncake,example,mooncake-ec,cpu-ec,colocated",
+                      help="comma-separated paths to run")
+    vllm.add_argument("--sizes", default="224,448,896", help="square image sides in pixels, one configuration each")
+    vllm.add_argument("--requests", type=int, default=4, help="requests per path, size and round")
+    vllm.add_argument("--concurrency", type=int, default=1, help="concurrent clients (closed loop)")
+    vllm.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median per path and size)")
+    vllm.add_argument("--hidden", type=int, default=2048, help="the model's width = the width of every embedding row")
+    vllm.add_argument("--layers", type=int, default=1, help="LLM layers of the benchmark model")
+    vllm.add_argument("--dtype", default="float32")
+    vllm.add_argument("--json", default=None)
+    vllm.add_argument("--plot", default="vllm.png", help="PNG plot path ('' for none)")
     return parser
 
 
@@ -78,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import soak
 
         return soak.main(args)
+    if args.command == "vllm":
+        from bench import vllm
+
+        return vllm.main(args)
     if args.command == "handshake":
         from bench import handshake
 
