@@ -49,6 +49,9 @@ import urllib.request
 TRACE_ENV = "EPD_BENCH_VLLM_TRACE"  # a server's connector appends its events here (JSON lines)
 PATHS = ("epd-shm", "epd-mooncake", "example", "mooncake-ec", "cpu-ec", "colocated")
 OURS = ("epd-shm", "epd-mooncake")
+SERVERS_OF = {"epd-shm": ["epd"], "epd-mooncake": ["epd"], "colocated": ["epd"],
+              "example": ["example-producer", "example-consumer"],
+              "mooncake-ec": ["mooncake-producer", "mooncake-consumer"], "cpu-ec": ["cpu-producer", "cpu-consumer"]}
 
 
 def _trace(event: str, identifier: str, **fields) -> None:
@@ -159,7 +162,7 @@ class Server:
 
     def log_tail(self, lines: int = 6) -> str:
         with open(self.log_path, errors="replace") as f:
-            kept = [line.strip() for line in f if "Error" in line or "error" in line or "raise" in line]
+            kept = [line.strip() for line in f if any(word in line for word in ("Error", "error", "raise", "fail"))]
         return " | ".join(kept[-lines:]) or "(no error in its log)"
 
     def cpu_seconds(self) -> dict[str, float]:
@@ -311,11 +314,7 @@ class Bench:
         self.cluster.wait_ready()
         failed = _wait_healthy(list(self.servers.values()), timeout_s=600)
         for path in paths:
-            names = {"epd-shm": ["epd"], "epd-mooncake": ["epd"], "colocated": ["epd"],
-                     "example": ["example-producer", "example-consumer"],
-                     "mooncake-ec": ["mooncake-producer", "mooncake-consumer"],
-                     "cpu-ec": ["cpu-producer", "cpu-consumer"]}[path]
-            why = [f"{name}: {failed[name]}" for name in names if name in failed]
+            why = [f"{name}: {failed[name]}" for name in SERVERS_OF[path] if name in failed]
             if why:
                 self.unavailable[path] = "; ".join(why)
 
@@ -444,7 +443,8 @@ def run(args) -> dict:
                         try:
                             await bench.request(path, session, dispatchers, min(args.sizes))
                         except Exception as exc:  # any failure: this path is out, with why
-                            bench.unavailable[path] = f"first request failed: {type(exc).__name__}: {exc}"
+                            logs = "; ".join(f"{name}: {bench.servers[name].log_tail(3)}" for name in SERVERS_OF[path])
+                            bench.unavailable[path] = f"first request failed: {type(exc).__name__}: {exc} ({logs})"
                     running = [p for p in paths if p not in bench.unavailable]
                     total = args.rounds * len(args.sizes) * len(running) * args.requests
                     with tqdm(total=total, unit="req", desc="epd-bench vllm", file=sys.stderr) as progress:
@@ -527,7 +527,7 @@ def plot(report: dict, path: str) -> None:
         ax.set_xticks(sizes)
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
-    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8)  # every path has a TTFT (colocated has no delivery)
     figure.suptitle(f"epd-bench vllm: width {report['config']['hidden']} {report['config']['dtype']}, "
                     f"median of {report['config']['rounds']} rounds", fontsize=10)
     figure.tight_layout()
