@@ -134,7 +134,7 @@ class Server:
     """One vLLM OpenAI server process (and its engine processes), logging to a file."""
 
     def __init__(self, name: str, model: str, log_dir: str, ec_config: dict | None, dtype: str,
-                 max_model_len: int):
+                 max_model_len: int, env: dict | None = None):
         from bench.cluster import free_port
 
         self.name, self.model, self.port = name, model, free_port()
@@ -146,7 +146,7 @@ class Server:
         if ec_config is not None:
             command += ["--ec-transfer-config", json.dumps(ec_config)]
         env = {**os.environ, TRACE_ENV: self.trace_path, "VLLM_CPU_KVCACHE_SPACE": "1",
-               "OMP_WAIT_POLICY": "PASSIVE", "MC_LOG_LEVEL": "ERROR"}
+               "OMP_WAIT_POLICY": "PASSIVE", "MC_LOG_LEVEL": "ERROR", **(env or {})}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -162,7 +162,8 @@ class Server:
 
     def log_tail(self, lines: int = 6) -> str:
         with open(self.log_path, errors="replace") as f:
-            kept = [line.strip() for line in f if any(word in line for word in ("Error", "error", "raise", "fail"))]
+            kept = [line.strip() for line in f if any(word in line for word in ("Error", "error", "raise", "fail"))
+                    and "ulimit" not in line]  # vLLM's start-up warning about the fd limit says "failed"
         return " | ".join(kept[-lines:]) or "(no error in its log)"
 
     def cpu_seconds(self) -> dict[str, float]:
@@ -310,7 +311,9 @@ class Bench:
             self.workers["epd-mooncake"] = self.cluster.start_encode_worker("worker-mooncake", transports="mooncake")
         max_len = max(1024, 2 * max(args.sizes) ** 2 // (28 * 28) + 256)
         for name, config in spawn.items():
-            self.servers[name] = Server(name, model, self.log_dir, config, args.dtype, max_len)
+            # ECCPUConnector refuses the V1 model runner, which vLLM's CPU build picks by default
+            env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if name.startswith("cpu-") else None
+            self.servers[name] = Server(name, model, self.log_dir, config, args.dtype, max_len, env)
         self.cluster.wait_ready()
         failed = _wait_healthy(list(self.servers.values()), timeout_s=600)
         for path in paths:
