@@ -56,3 +56,18 @@ if importlib.util.find_spec("torchvision") is not None:
     assert report["acted"] == report["plan"]
     for name in ("torchaudio", "torchcodec"):
         assert (name in report["absent"]) or name not in report["plan"]
+
+
+def test_torchvision_schemas_defined_elsewhere_are_kept():
+    """A process that defined torchvision's two schemas itself (another shim, a sitecustomize)
+    still imports torchvision: the schemas are defined only where missing."""
+    if "torchvision" not in torch_cpu_companions.plan():
+        pytest.skip("torchvision here is not a CUDA build beside CPU torch: nothing for the shim to define")
+    code = """
+import torch
+library = torch.library.Library("torchvision", "FRAGMENT")
+library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+import torchvision.transforms.v2  # noqa: F401
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

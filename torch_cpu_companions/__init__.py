@@ -71,10 +71,21 @@ class _TorchvisionSchemas:
             import torch
 
             library = torch.library.Library("torchvision", "FRAGMENT")
-            library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-            library.define("qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor")
+            for schema in ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+                           "qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor"):
+                if not _defined(torch, schema.split("(")[0]):  # another shim may have defined it
+                    library.define(schema)
             _libraries.append(library)
         return None
+
+
+def _defined(torch, name: str) -> bool:
+    """Whether the operator ``torchvision::name`` has a schema in this process."""
+    try:
+        getattr(torch.ops.torchvision, name)
+    except (AttributeError, RuntimeError):  # torch says "no such operator" with either
+        return False
+    return True
 
 
 def apply() -> list[str]:
