@@ -134,7 +134,7 @@ class Server:
     """One vLLM OpenAI server process (and its engine processes), logging to a file."""
 
     def __init__(self, name: str, model: str, log_dir: str, ec_config: dict | None, dtype: str,
-                 max_model_len: int, env: dict | None = None):
+                 max_model_len: int, env: dict | None = None, extra: tuple[str, ...] = ()):
         from bench.cluster import free_port
 
         self.name, self.model, self.port = name, model, free_port()
@@ -142,7 +142,7 @@ class Server:
         self.trace_path = os.path.join(log_dir, f"{name}.trace")
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host",
                    "127.0.0.1", "--port", str(self.port), "--dtype", dtype, "--enforce-eager", "--max-model-len",
-                   str(max_model_len), "--limit-mm-per-prompt", json.dumps({"image": 1})]
+                   str(max_model_len), "--limit-mm-per-prompt", json.dumps({"image": 1}), *extra]
         if ec_config is not None:
             command += ["--ec-transfer-config", json.dumps(ec_config)]
         env = {**os.environ, TRACE_ENV: self.trace_path, "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -170,7 +170,7 @@ class Server:
         """CPU time (user + system) so far of each process of the server, by process name (the
         API server's, vLLM's ``VLLM::EngineCore``, ...)."""
         by_name: dict[str, float] = {}
-        for pid in {self.process.pid, *_descendants(self.process.pid)}:
+        for pid in {self.process.pid, *descendants(self.process.pid)}:
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
@@ -196,7 +196,8 @@ class Server:
             return [json.loads(line) for line in f]
 
 
-def _descendants(root: int) -> set[int]:
+def descendants(root: int) -> set[int]:
+    """The processes under ``root``, now (from /proc)."""
     parents = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:

