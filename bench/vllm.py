@@ -262,12 +262,15 @@ class Bench:
     def __init__(self, args, log_dir: str):
         from transformers import AutoImageProcessor
 
+        from bench.cluster import LocalCluster
         from encode_worker.vlm_checkpoints import cached_vlm
         from prefill_side.vllm_connector import identifier
 
         self.args, self.log_dir, self.identifier = args, log_dir, identifier
         self.model = cached_vlm("qwen2_5_vl", hidden=args.hidden, layers=args.layers)
         self.processor = AutoImageProcessor.from_pretrained(self.model)
+        self.cluster = LocalCluster(self.model, dtype=args.dtype, log_dir=log_dir)  # the encode workers
+        self.workers = {}  # path -> its encode worker
         self.servers: dict[str, Server] = {}
         self.unavailable: dict[str, str] = {}
         self.seed = 1000
@@ -280,8 +283,6 @@ class Bench:
         return synthetic_image(size, size, seed=self.seed)
 
     def start(self, paths: list[str]) -> None:
-        from bench.cluster import LocalCluster
-
         args, model = self.args, self.model
         spawn = {}
         if set(paths) & {"epd-shm", "epd-mooncake", "colocated"}:
@@ -304,8 +305,6 @@ class Bench:
         if "cpu-ec" in paths:
             spawn["cpu-producer"] = _ec("ECCPUConnector", "ec_producer", module=None)
             spawn["cpu-consumer"] = _ec("ECCPUConnector", "ec_consumer", module=None)
-        self.cluster = LocalCluster(model, dtype=args.dtype, log_dir=self.log_dir)
-        self.workers = {}
         if "epd-shm" in paths:
             self.workers["epd-shm"] = self.cluster.start_encode_worker("worker-shm", transports="shm")
         if "epd-mooncake" in paths:
