@@ -254,14 +254,14 @@ def test_raw_pixels_and_shm_handles_encode_like_the_png(qwen25, no_new_segments)
     directory, tower = qwen25
     worker, receiver = make_worker(directory, tower=tower, cache_bytes=0)
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    image = png(120, 90, 21)
+    pixels = torch.from_numpy(np.array(image_from_bytes(image)))
+    handle = ShmTensorHandle.publish(pixels, purpose="intake")
     try:
-        image = png(120, 90, 21)
-        pixels = torch.from_numpy(np.array(image_from_bytes(image)))
-        handle = ShmTensorHandle.publish(pixels, purpose="intake")
-        sends = [
-            (request(worker, 0, "png"), image),
-            ({**request(worker, 0, "raw"), "source": "pixels", "shape": list(pixels.shape)}, pixels.numpy().tobytes()),
-            ({**request(worker, 0, "shm", content_hash=hash_feature(pixels.numpy().tobytes())), "source": "shm",
+        sends = [  # room 1 stands for each item's own room, minted below
+            (request(worker, 1, "png"), image),
+            ({**request(worker, 1, "raw"), "source": "pixels", "shape": list(pixels.shape)}, pixels.numpy().tobytes()),
+            ({**request(worker, 1, "shm", content_hash=hash_feature(pixels.numpy().tobytes())), "source": "shm",
               "shm": handle.to_wire()}, None),
         ]
         results = []
@@ -276,6 +276,7 @@ def test_raw_pixels_and_shm_handles_encode_like_the_png(qwen25, no_new_segments)
         assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
         assert not os.path.exists(f"/dev/shm/{handle.shm_name}")  # the worker consumed the handle
     finally:
+        handle.release()  # a test that failed before the worker read it leaves no segment (else a no-op)
         intake.close()
         worker.stop()
         receiver.close()
@@ -314,6 +315,7 @@ def test_a_lying_content_hash_is_refused_and_cannot_poison_the_cache(qwen25, no_
         state, rows, _ = receiver.wait(again)
         assert state is RoomState.SUCCESS and torch.equal(rows, expected) and worker.cache.hits == hits + 1
     finally:
+        handle.release()  # a test that failed before the worker read it leaves no segment (else a no-op)
         intake.close()
         worker.stop()
         receiver.close()
