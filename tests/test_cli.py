@@ -302,8 +302,10 @@ def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint
                      f"127.0.0.1:{worker.bootstrap_port}:{worker.intake_port}", "--prefill",
                      f"http://127.0.0.1:{port}", files["cat"])
     finally:
-        stop(prefill, tmp_path / "prefill.log")
+        prefill_log = stop(prefill, tmp_path / "prefill.log")
         worker.stop()
+    assert f"epd-prefill ready: http://127.0.0.1:{port}" in prefill_log, prefill_log
+    assert "rows of 8 x float32; transports shm" in prefill_log, prefill_log
     assert result.returncode == 1, (result.stdout[-2000:], result.stderr[-2000:])
     assert '"state": "FAILED"' in result.stdout
     assert f"{files['cat']}: prefill FAILED" in result.stderr and "contract mismatch" in result.stderr
