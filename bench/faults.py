@@ -914,13 +914,13 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
                         (url + path, body[:40], status if status is not None else error))
                 outcome.affected.append({"state": f"HTTP {status}", "reason": path,
                                          "ttf_s": time.monotonic() - started})
-    # a well-formed SHM handle naming no segment: accepted, then its room fails with the reason
+    # a well-formed intake SHM handle naming no segment: accepted, then its room fails with the reason
     (bad_shm,) = lab.describe(small_images(rng, 1))
     await conn.mint([bad_shm], a.url)
     from encode_worker.intake import IntakeRequest
 
     request = IntakeRequest(request_id="bad-shm", content_hash=1, encode_handshake=bad_shm.encode_handshake,
-                            source="shm", shm={"shm_name": "epd-does-not-exist", "shape": [4, 4, 3], "dtype": "uint8"})
+                            source="shm", shm={"shm_name": "epd-in-does-not-exist", "shape": [4, 4, 3], "dtype": "uint8"})
     started = time.monotonic()
     reply = await conn.intake(a).send(request)
     views = await conn.wait_rooms(a.url, [bad_shm.encode_handshake.bootstrap_room],

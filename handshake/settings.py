@@ -178,7 +178,8 @@ def check_shm_space(nbytes: int, what: str) -> None:
     info = os.statvfs("/dev/shm")
     free = info.f_bavail * info.f_frsize
     if nbytes > free:
-        raise SettingError(f"{what} of {nbytes} bytes does not fit /dev/shm ({free} bytes free)")
+        raise SettingError(f"{what} of {nbytes} bytes does not fit /dev/shm: No space left on device "
+                           f"({free} bytes free)")
 
 
 def handshake_token(token_file: str | None) -> str | None:

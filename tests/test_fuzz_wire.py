@@ -28,6 +28,7 @@ from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle, validate_name
 from encode_worker.intake import MAX_METADATA_BYTES, IntakeRefused, IntakeRequest, parse_request
 from handshake import models
+from handshake.rooms import RoomLimits
 from prefill_side.receiver import ItemOutcome, JobState
 from prefill_side.server import PrefillRequest, create_app
 
@@ -165,7 +166,8 @@ ROUTES = {models.MintRequest: "/v1/rooms", models.RegisterRequest: "/v1/rooms/re
 
 def _check_body(model, raw: bytes) -> bool:
     """Parse ``raw`` as ``model`` and post it to the model's route of the real app. A body that
-    parses keeps the wire's bounds, round-trips, and is answered 200 (a mint: or 503, rooms full);
+    parses keeps the wire's bounds, round-trips, and is answered 200 (a mint: or 503, rooms full, or
+    400 for a TTL over the table's lifetime);
     any other is answered 422 with FastAPI's declared shape, one ``{type, loc, msg}`` per error of
     the model, ``loc`` under ``body``. True if the body was valid."""
     response = _handshake_client().post(ROUTES[model], content=raw, headers={"content-type": "application/json"})
@@ -182,7 +184,10 @@ def _check_body(model, raw: bytes) -> bool:
         return False
     _within_bounds(parsed)
     assert model.model_validate_json(parsed.model_dump_json()) == parsed  # what we send, we accept
-    assert response.status_code in ((200, 503) if model is models.MintRequest else (200,)), response.text
+    if model is models.MintRequest and parsed.ttl_s > RoomLimits.max_ttl_s:  # over the table's own bound
+        assert response.status_code == 400 and "room lifetime" in response.text, response.text
+    else:
+        assert response.status_code in ((200, 503) if model is models.MintRequest else (200,)), response.text
     return True
 
 
