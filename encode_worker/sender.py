@@ -40,7 +40,7 @@ from data_plane.transport import Transfer, TransferRefused, TransferState, Trans
 from handshake.client import HandshakeError
 from handshake.loops import LoopThread
 from handshake.models import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
-from handshake.rooms import RoomError, RoomNotFound
+from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound
 from multimodal.wire import EncodeHandshake
 
 log = logging.getLogger(__name__)
@@ -184,13 +184,14 @@ class Sender:
                                        rows=item.layout.rows, width=item.layout.width, dtype=item.layout.dtype,
                                        checksum=item.checksum, grid_thw=item.grid_thw,
                                        shm_segment=getattr(offer, "segment", None),
+                                       writer=self.writer_id,
                                        timings=EncodeTimings(**item.timings)))
         return self._finish(item, view.state.value, transport.name, view.reason)
 
     async def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView:
         waiting = time.monotonic()
         deadline = waiting + self.receiver_wait_s
-        version = 0
+        version = MINTED_VERSION  # the first long-poll waits unless the room moved since it was minted
         while True:
             view = await rooms.wait_async(item.room, version, max(0.0, min(0.5, deadline - time.monotonic())))
             if view.state is not RoomState.PENDING or time.monotonic() >= deadline or self._closing.is_set():
@@ -218,7 +219,7 @@ class Sender:
 
     def _fail(self, item: StagedItem, reason: str, settled: bool, release: bool = True) -> Outcome:
         try:
-            view = self.rooms_for(item.handshake).fail(item.room, reason, settled)
+            view = self.rooms_for(item.handshake).fail(item.room, reason, settled, self.writer_id)
             state = view.state.value
         except (RoomError, HandshakeError) as exc:
             state, reason = "FAILED", f"{reason} (and the room could not be told: {exc})"

@@ -54,12 +54,15 @@ class RoomsFull(RoomError):
     status = 503
 
 
+MINTED_VERSION = 1  # a room's version when minted; every change adds one
+
+
 @dataclass(slots=True)
 class _Room:
     room_id: int
     deadline: float
     state: RoomState = RoomState.PENDING
-    version: int = 1
+    version: int = MINTED_VERSION
     registration: Registration | None = None
     transport: str | None = None
     write_deadline: float | None = None
