@@ -257,7 +257,7 @@ def test_ports_agree_between_args_container_ports_probes_and_annotations(rendere
                     http = container[probe]["httpGet"]
                     assert port_number(http["port"], container) in declared.values()
                     assert http["path"] in paths, f"{program} serves no {http['path']}"
-            if program == "epd-encode-worker":
+            if program in ("epd-encode-worker", "epd-prefill"):  # ready: a full table or pool says so
                 assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
                 assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert len(pod_ports) == len(set(pod_ports)), f"{name}: two containers listen on one port"
