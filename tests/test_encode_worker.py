@@ -21,6 +21,7 @@ from handshake.models import RoomState
 from multimodal.hashing import hash_feature
 from multimodal.wire import EncodeHandshake
 from tests.encode_helpers import Receiver, png
+from tests.waiting import eventually
 
 FULL_CLASSES = {
     "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
@@ -173,12 +174,6 @@ def test_full_send_ring_stops_intake_instead_of_growing(qwen25):
         room = next(rooms)
         return room, intake.send(request(worker, room, f"r{room}"), png(448, 448, room % (1 << 31)))
 
-    def eventually(condition, seconds=20):
-        end = time.monotonic() + seconds
-        while not condition() and time.monotonic() < end:
-            time.sleep(0.02)
-        return condition()
-
     try:
         # no receiver yet: items pile up in the ring, the stages and the bounded queue, then stop
         replies = []
@@ -197,7 +192,7 @@ def test_full_send_ring_stops_intake_instead_of_growing(qwen25):
             receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
         for room, _ in accepted:
             assert receiver.wait(room)[0] is RoomState.SUCCESS
-        assert eventually(lambda: worker.ring.stats()["leased_slots"] == 0)
+        eventually(lambda: worker.ring.stats()["leased_slots"] == 0, "the send ring drained", seconds=20)
     finally:
         intake.close()
         worker.stop()

@@ -28,6 +28,7 @@ from handshake.rooms import RoomConflict
 from multimodal.hashing import hash_feature
 from multimodal.wire import EncodeHandshake
 from tests.encode_helpers import Receiver, png
+from tests.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +78,6 @@ def wait_terminal(table, room, seconds=30):
             return view
         if time.monotonic() >= end:
             raise TimeoutError(f"room {room} still {view.state.value} after {seconds} s")
-        time.sleep(0.02)
-
-
-def wait_until(condition, what, seconds=30):
-    end = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() >= end:
-            raise TimeoutError(f"{what}: not within {seconds} s")
         time.sleep(0.02)
 
 
@@ -168,7 +161,7 @@ def test_a_receiver_that_never_comes_fails_the_room_when_the_worker_stops_waitin
     assert intake.send(request(worker, room), image)["ok"]
     view = wait_terminal(worker.table, room)
     assert view.state is RoomState.FAILED and "no receiver registered within 0.5 s" in view.reason
-    wait_until(lambda: worker.ring.stats()["leased_slots"] == 0, "the ring slot released")
+    eventually(lambda: worker.ring.stats()["leased_slots"] == 0, "the ring slot released", seconds=30)
     # the receiver that comes later is told at once, with the reason
     with pytest.raises(RoomConflict, match="no receiver registered within"):
         receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
@@ -208,7 +201,7 @@ def test_a_silent_room_endpoint_does_not_hold_up_intake(tower, make):
     finally:
         for endpoint in silent:
             endpoint.close()
-    wait_until(lambda: worker.pending_room_fails == 0, "the fail calls ended once the endpoints closed")
+    eventually(lambda: worker.pending_room_fails == 0, "the fail calls ended once the endpoints closed", seconds=30)
 
 
 # ---- 4. decompression bombs ----------------------------------------------------------------------

@@ -22,6 +22,7 @@ from encode_worker.tower import VisionTower
 from handshake.client import SyncHandshakeClient
 from handshake.models import RoomState
 from tests.encode_helpers import RestReceiver, png
+from tests.waiting import eventually
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,14 +68,6 @@ def ring_occupancy(url: str) -> float:
             if line.startswith("epd_encoder_ring_occupancy "):
                 return float(line.split()[1])
     raise AssertionError("no epd_encoder_ring_occupancy in /metrics")
-
-
-def wait_until(condition, what: str, seconds: float = 30) -> None:
-    end = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() >= end:
-            raise TimeoutError(f"{what}: not within {seconds} s")
-        time.sleep(0.05)
 
 
 def spawn_worker(directory):
@@ -123,13 +116,13 @@ def test_delivery_across_processes(worker_process, transport):
             if index == 0:  # receiver first
                 receiver.reserve(room, expected.shape[0], expected.shape[1], expected.dtype)
             else:  # the ring is empty again (the first item's slot freed): a staged item shows in it
-                wait_until(lambda: ring_occupancy(url) == 0, "the send ring empty after the first item")
+                eventually(lambda: ring_occupancy(url) == 0, "the send ring empty after the first item", seconds=30)
             reply = intake.send({"request_id": f"{transport}{index}", "source": "bytes",
                                  "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
                                                       "bootstrap_port": int(url.rsplit(":", 1)[1])}}, image)
             assert reply["ok"], reply
             if index == 1:  # encoder first: the rows wait in the ring for the receiver
-                wait_until(lambda: ring_occupancy(url) > 0, "the rows staged in the send ring")
+                eventually(lambda: ring_occupancy(url) > 0, "the rows staged in the send ring", seconds=30)
                 receiver.reserve(room, expected.shape[0], expected.shape[1], expected.dtype)
             state, got, view = receiver.wait(room)
             assert state is RoomState.SUCCESS, view.reason

@@ -13,6 +13,7 @@ from encode_worker.tower import VisionTower
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 from tests.encode_helpers import loopback_stack, png
+from tests.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +57,6 @@ def make_request(worker, tower, images, keep_pixels=False):
             encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
                               "bootstrap_port": worker.bootstrap_port}))
     return MultimodalInputs(items), rooms
-
-
-def eventually(condition, what: str, seconds: float = 10) -> None:
-    """Until ``condition()`` holds; ``TimeoutError`` naming ``what`` if it does not in ``seconds``."""
-    end = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() >= end:
-            raise TimeoutError(f"{what}: not within {seconds} s")
-        time.sleep(0.01)
 
 
 def send(intake, worker, room, image, tag):

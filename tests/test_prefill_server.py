@@ -6,7 +6,6 @@ import glob
 import json
 import os
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -20,6 +19,7 @@ from encode_worker.tower import VisionTower
 from handshake.server import ThreadedServer, open_listener_warning
 from prefill_side.server import create_app
 from tests.encode_helpers import loopback_stack, png
+from tests.waiting import eventually
 
 SLOT = 1 << 16
 
@@ -63,14 +63,6 @@ def get(url):
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
-
-
-def eventually(condition, what: str, seconds: float = 10) -> None:
-    end = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() >= end:
-            raise TimeoutError(f"{what}: not within {seconds} s")
-        time.sleep(0.01)
 
 
 def rows_of(tower, image):

@@ -30,6 +30,7 @@ from bench.images import synthetic_image  # noqa: E402
 from dispatcher import Dispatcher, WorkerSet  # noqa: E402
 from encode_worker.vlm_checkpoints import IMAGE_PROMPT, cached_vlm  # noqa: E402
 from prefill_side.vllm_connector import identifier, vllm_request  # noqa: E402
+from tests.waiting import eventually  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
 MAX_TOKENS = 8
@@ -42,14 +43,6 @@ def engine_args(model: str, settings: dict | None = None, **extra) -> dict:
               "ec_role": "ec_consumer", "ec_connector_extra_config": {**SETTINGS, **(settings or {})}}
     return dict(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
                 limit_mm_per_prompt={"image": 4}, ec_transfer_config=config, **extra)
-
-
-def wait_until(condition, what: str, seconds: float = 30) -> None:
-    end = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > end:
-            raise TimeoutError(f"not within {seconds} s: {what}")
-        time.sleep(0.05)
 
 
 def dispatch(model: str, worker, images: list[bytes], request_id: str) -> list:
@@ -231,7 +224,7 @@ def test_wrong_row_count_is_refused_before_vllm(stack):
             assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(1), [small])
         else:
             assert output.outputs[0].finish_reason == "error"
-    wait_until(stack.pool_idle, "the failed rooms' slots back in the pool")
+    eventually(stack.pool_idle, "the failed rooms' slots back in the pool", seconds=30)
 
 
 def test_worker_killed_mid_request(stack):
@@ -257,7 +250,7 @@ def test_worker_killed_mid_request(stack):
             assert output.outputs[0].finish_reason == "error"
     items = stack.dispatch([image], stack.workers["shm"])
     assert list(stack.run(*vllm_request(prompt_for(1), items)).outputs[0].token_ids) == colocated
-    wait_until(stack.pool_idle, "every slot back in the pool")
+    eventually(stack.pool_idle, "every slot back in the pool", seconds=30)
 
 def chat(server, content: list, ec_transfer_params: dict | None = None) -> dict:
     body = {"model": server.model, "messages": [{"role": "user", "content": content}], "temperature": 0,
@@ -285,7 +278,7 @@ def test_openai_server_with_multiprocess_engine(tmp_path):
                         extra=("--distributed-executor-backend", "mp"))
         try:
             cluster.wait_ready()
-            wait_until(server.healthy, "the vLLM server answering /health", seconds=240)
+            eventually(server.healthy, "the vLLM server answering /health", seconds=240)
             engine_processes = descendants(server.process.pid)
             assert len(engine_processes) >= 2, "expected an EngineCore and a worker process"
             for seed in (81, 82):
@@ -302,7 +295,7 @@ def test_openai_server_with_multiprocess_engine(tmp_path):
         finally:
             server.stop()
         pids = [server.process.pid, *engine_processes, worker.process.pid]
-    wait_until(lambda: segments_of(pids) == [], "every segment of the server, its engine and the worker unlinked")
+    eventually(lambda: segments_of(pids) == [], "every segment of the server, its engine and the worker unlinked", seconds=30)
 
 
 class _Feature:
