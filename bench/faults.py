@@ -492,6 +492,8 @@ async def _worker_killed_once(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     lab.cluster.kill(v, signal.SIGKILL)
     outcome.notes["states_at_kill"] = sorted(view.state.value for view in views.values())
     result = await posted
+    # read before the restart below: the quarantine may end while the victim starts again
+    outcome.notes["quarantined_after_failure"] = (await asyncio.to_thread(lab.pool_stats, "prefill"))["quarantined"]
     affected = {index: killed for index in range(len(siblings), len(items))}
     conn.tally(outcome, result, items, affected)
     # an item committed before the kill was delivered (the kill came too late for it); the
