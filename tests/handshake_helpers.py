@@ -1,5 +1,9 @@
 """Shared helpers for the handshake tests: a real server on loopback and ready-made bodies."""
 
+import json
+import urllib.error
+import urllib.request
+
 from data_plane.offers import LoopbackOffer
 from handshake.models import BeginWrite, CommitBody, Registration
 
@@ -16,3 +20,12 @@ def begin(room: int, generation: int = 1, **extra) -> BeginWrite:
 def commit(room: int, generation: int = 1, rows: int = 64, width: int = 128, checksum: int = 7) -> CommitBody:
     return CommitBody(room=room, generation=generation, transport="loopback", rows=rows, width=width,
                       dtype="bfloat16", checksum=checksum)
+
+
+def get_json(url: str, timeout: float = 10) -> tuple[int, object]:
+    """(status, JSON body) of a GET, error statuses included (probes answer 503 with a body)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())

@@ -13,7 +13,7 @@ from handshake.client import HandshakeError, SyncHandshakeClient
 from handshake.models import FailBody, RoomState
 from handshake.rooms import RoomLimits, RoomTable
 from handshake.server import ThreadedServer, load_token
-from tests.handshake_helpers import begin, commit, registration
+from tests.handshake_helpers import begin, commit, get_json, registration
 
 
 def _serve(**limits_and_token):
@@ -251,24 +251,16 @@ def test_a_full_room_table_is_not_ready_and_says_why():
     server, table = _serve(max_live_rooms=4, max_ttl_s=1)
     client = SyncHandshakeClient(server.url)
     try:
-        assert _get(server.url + "/readyz") == (200, {"ready": True, "live_rooms": 0})
+        assert get_json(server.url + "/readyz", timeout=5) == (200, {"ready": True, "live_rooms": 0})
         rooms = client.mint(4, ttl_s=1)
-        status, body = _get(server.url + "/readyz")
+        status, body = get_json(server.url + "/readyz", timeout=5)
         assert status == 503 and body == {"ready": False,
                                           "reason": "room table full: 4 live rooms, no room can be minted"}
         client.cancel(rooms[:1])
-        assert _get(server.url + "/readyz")[0] == 200
+        assert get_json(server.url + "/readyz", timeout=5)[0] == 200
     finally:
         client.close()
         server.stop()
-
-
-def _get(url):
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def test_a_listener_open_to_anyone_is_warned_about(caplog):

@@ -22,18 +22,10 @@ from data_plane.loopback import LoopbackFault, LoopbackTransport
 from data_plane.pool import MemoryRegion, NoCapacity, SlotPool
 from data_plane.shm_transport import ShmTransport
 from data_plane.transport import TransferState
-from tests.waiting import eventually
+from tests.waiting import FakeClock, eventually
 
 SLOT = 1 << 16
 QUARANTINE_S = 30.0
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 class Gate:

@@ -6,17 +6,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
+from tests.waiting import FakeClock
 
 SLOT = 64
 SLOTS = 16
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 class PoolMachine(RuleBasedStateMachine):

@@ -19,6 +19,7 @@ from encode_worker.tower import VisionTower
 from handshake.server import ThreadedServer, open_listener_warning
 from prefill_side.server import create_app
 from tests.encode_helpers import loopback_stack, png
+from tests.handshake_helpers import get_json
 from tests.waiting import eventually
 
 SLOT = 1 << 16
@@ -57,14 +58,6 @@ def post(url, body):
         return error.code, json.loads(error.read())
 
 
-def get(url):
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def rows_of(tower, image):
     (rows,) = tower.rows_per_item(tower.processor(images=[image_from_bytes(image)], return_tensors="pt")["image_grid_thw"])
     return rows
@@ -94,7 +87,7 @@ def test_room_zero_is_refused_by_the_schema(served, tower):
         status, body = post(url, {"request_id": f"zero-{attempt}", "items": [room_item(worker, 0, 4)]})
         assert status == 422 and "greater than or equal to 1" in body["detail"][0]["msg"]
         assert body["detail"][0]["loc"][:5] == ["body", "items", 0, "encode_handshake", "bootstrap_room"]
-    assert no_slot_held(receiver) and get(url + "/readyz")[0] == 200
+    assert no_slot_held(receiver) and get_json(url + "/readyz")[0] == 200
     image = png(64, 64, 60)
     (room,) = worker.table.mint(1, 60)
     send(intake, worker, room, image)
@@ -165,7 +158,7 @@ def test_readiness_follows_the_receive_pool(served, tower):
     """/readyz did not exist (and /healthz said 200 whatever the pool held): now it is 503 with the
     reason while no slot is free, and 200 again once slots come back."""
     worker, receiver, _, url, _ = served
-    status, body = get(url + "/readyz")
+    status, body = get_json(url + "/readyz")
     assert status == 200 and body["ready"] and body["pool"]["free_slots"] == 4 and body["transports"] == ["loopback"]
     rooms = worker.table.mint(4, 60)  # registered, never written: each holds its slot
     result = {}
@@ -173,14 +166,14 @@ def test_readiness_follows_the_receive_pool(served, tower):
         "request_id": "hold", "timeout_s": 60, "items": [room_item(worker, room, 4) for room in rooms]})))
     request.start()
     eventually(lambda: receiver.pool.stats()["free_slots"] == 0, "the pool full")
-    status, body = get(url + "/readyz")
+    status, body = get_json(url + "/readyz")
     assert status == 503 and body["reason"] == "receive pool exhausted: 0 of 4 slots free (4 leased, 0 quarantined)"
-    assert get(url + "/healthz")[0] == 200  # alive: slots come back
+    assert get_json(url + "/healthz")[0] == 200  # alive: slots come back
     for room in rooms:
         worker.table.cancel(room, "gateway gave up")
     request.join(30)
     assert not request.is_alive() and result["answer"][0] == 200
-    eventually(lambda: get(url + "/readyz")[0] == 200, "ready again")
+    eventually(lambda: get_json(url + "/readyz")[0] == 200, "ready again")
 
 
 def test_the_reference_prefill_warns_when_open_to_anyone(served):
