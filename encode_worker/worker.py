@@ -382,8 +382,7 @@ class EncodeWorker:
             if remote is None:
                 if len(self._remote) >= MAX_ENDPOINTS:
                     self._remote.pop(next(iter(self._remote))).client.close()  # the first endpoint added
-                host = f"[{key[0]}]" if ":" in key[0] else key[0]
-                client = HandshakeClient(f"http://{host}:{key[1]}", token=self.config.handshake_token,
+                client = HandshakeClient(handshake.url, token=self.config.handshake_token,
                                          timeout_s=self.config.room_timeout_s)
                 remote = self._remote[key] = RemoteRooms(LoopClient(self.loop, client))
             return remote

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import yarl
 from pydantic import BaseModel, ConfigDict, Field
 
 from data_plane.json_fields import json_int
@@ -16,3 +17,12 @@ class EncodeHandshake(BaseModel):
     bootstrap_room: json_int(ge=1, le=MAX_ROOM_ID)  # rooms are minted in [1, MAX_ROOM_ID]
     bootstrap_host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:\-\[\]_]+$")
     bootstrap_port: json_int(ge=1, le=65535)
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the room endpoint (an IPv6 host bracketed, given with or without
+        brackets); ``ValueError`` for a host that makes no URL."""
+        host = self.bootstrap_host
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        return str(yarl.URL.build(scheme="http", host=host, port=self.bootstrap_port))

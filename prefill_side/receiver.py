@@ -34,7 +34,6 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 import torch
-import yarl
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit, verify_rows
@@ -309,7 +308,7 @@ class PrefillReceiver:
         key = (handshake.bootstrap_host, handshake.bootstrap_port)
         client = self._clients.get(key)
         if client is None:
-            url = _endpoint_url(handshake)
+            url = handshake.url
             client = self._clients[key] = HandshakeClient(url, self.config.handshake_token,
                                                           timeout_s=self.config.endpoint_timeout_s, retries=2,
                                                           backoff_s=0.1, retry_timeouts=False)
@@ -591,13 +590,5 @@ def _room_address(item: MultimodalDataItem) -> EncodeHandshake:
     a room table mints) and a host that makes a URL. ``ValueError`` (or ``TypeError``) says what is
     wrong."""
     handshake = EncodeHandshake(**item.encode_handshake)
-    _endpoint_url(handshake)
+    handshake.url  # raises for a host that makes no URL
     return handshake
-
-
-def _endpoint_url(handshake: EncodeHandshake) -> str:
-    """``http://host:port`` (an IPv6 host in brackets, given with or without them)."""
-    host = handshake.bootstrap_host
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return str(yarl.URL.build(scheme="http", host=host, port=handshake.bootstrap_port))

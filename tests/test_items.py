@@ -118,3 +118,9 @@ def test_inputs_publish_and_release_shm_features(no_new_segments):
     assert torch.equal(inputs.mm_items[0].feature.consume(), torch.arange(6.0))
     inputs.release_shm_features()  # consumed already: release is a safe no-op
     assert not inputs.has_pending_shm_features()
+
+
+@pytest.mark.parametrize("host, url", [("10.0.0.5", "http://10.0.0.5:8998"), ("::1", "http://[::1]:8998"),
+                                       ("[::1]", "http://[::1]:8998"), ("worker-0.epd", "http://worker-0.epd:8998")])
+def test_encode_handshake_url_brackets_an_ipv6_host_once(host, url):
+    assert EncodeHandshake(bootstrap_room=1, bootstrap_host=host, bootstrap_port=8998).url == url
