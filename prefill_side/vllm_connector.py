@@ -56,7 +56,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from data_plane.dtypes import dtype_from_wire, dtype_to_wire
 from data_plane.shm import ShmSegment
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
-from multimodal.wire import EncodeHandshake
+from prefill_side.ec_params import DeliveryReport, Identifier, ItemDelivery, TransferParams, identifier
 from prefill_side.receiver import JobState
 
 if TYPE_CHECKING:
@@ -77,7 +77,6 @@ MODALITIES = {"image": Modality.IMAGE}  # what the encode workers encode
 # Keys of an item's processed data that only size its placeholders: an item with nothing else
 # carries no media, so vLLM's tower cannot encode it.
 PLACEHOLDER_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
-Identifier = str  # vLLM's multimodal identifier of an item (its multi_modal_uuids value)
 
 
 class ConnectorSettings(BaseModel):
@@ -96,15 +95,6 @@ class ConnectorSettings(BaseModel):
     mooncake_host: str = "127.0.0.1"  # the address encode workers reach this engine's Mooncake at
     mooncake_hca: str = ""  # comma-separated RDMA HCA names ("" = every one found)
     mooncake_force_tcp: bool = False
-
-
-class TransferParams(BaseModel):
-    """A request's ``ec_transfer_params``: the room of each item the encode workers deliver,
-    keyed by the item's identifier."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    rooms: dict[Identifier, EncodeHandshake] = Field(min_length=1, max_length=256)
 
 
 class ConnectorContractError(RuntimeError):
@@ -238,8 +228,9 @@ class EPDConnector(ECConnectorBase):
         return self._scheduler.take_unavailable()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.finished(request.request_id)
-        return False, None
+        """The request's ``DeliveryReport`` goes back in the response's ``ec_transfer_params``."""
+        report = self._scheduler.finished(request.request_id)
+        return False, report.model_dump(mode="json") if report is not None else None
 
     @property
     def receiver(self):
@@ -423,15 +414,21 @@ class _SchedulerSide:
         self.unavailable.clear()
         return failed
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str) -> DeliveryReport | None:
+        """Release what the request holds; how its items were delivered (None: it had no rooms)."""
         received = self.requests.get(request_id)
         self.unavailable.pop(request_id, None)
         if received is None:
-            return
+            return None
         received.finished = True
         if not received.settled:
             received.job.cancel("the request finished before its embeddings arrived")
+        report = DeliveryReport(items={
+            key: ItemDelivery(state=outcome.state, transport=outcome.transport, reason=outcome.reason,
+                              receive_s=outcome.seconds, encoder=outcome.encoder)
+            for key, outcome in ((key, received.job.outcomes[index]) for key, index in received.slots.items())})
         self._release_if_done(received)
+        return report
 
     def _release_if_done(self, received: _Received) -> None:
         if received.finished and received.pins == 0:
@@ -500,11 +497,6 @@ def _carries_media(feature) -> bool:
 
 
 # ---- the gateway's side ----------------------------------------------------------------------
-
-def identifier(content_hash: int) -> str:
-    """An item's vLLM identifier (``multi_modal_uuids``) from its content hash (xxh3-128)."""
-    return f"{content_hash:032x}"
-
 
 def vllm_request(prompt: str, items: list[DispatchedItem], order: list[int] | None = None,
                  images: list | None = None) -> tuple[dict, dict | None]:
