@@ -55,6 +55,7 @@ class DispatchedItem:
     error: str | None = None  # why no worker took it (its room, if any, is cancelled)
     attempts: list[str] = field(default_factory=list)  # workers tried, in order
     dispatch_s: float = 0.0  # from the start of dispatch to the worker's acknowledgement
+    image_format: str = ""  # PIL's name for it (PNG, JPEG, ...)
 
     def to_mm_item(self, start: int) -> MultimodalDataItem:
         """The item as a prefill engine holds it: placeholders at ``[start, start + rows)``,
@@ -117,7 +118,8 @@ class Dispatcher:
             except ValueError as exc:
                 raise DispatchError(f"{label}: {width}x{height} cannot be resized for the tower: {exc}") from None
             rows = grid[0] * grid[1] * grid[2] // self.processor.merge_size ** 2
-            items.append(DispatchedItem(index, image, hash_feature(image), width, height, grid, rows))
+            items.append(DispatchedItem(index, image, hash_feature(image), width, height, grid, rows,
+                                        image_format=image_format))
         return items
 
     async def dispatch(self, request_id: str, images: list[bytes], near: str | None = None,
@@ -126,9 +128,13 @@ class Dispatcher:
         ``error`` and, where one was minted, a cancelled room). ``near``: the prefill engine's
         host, whose encode workers are preferred (they can write over SHM). ``names``: what
         errors call the images (their files)."""
+        return await self.place(request_id, self.describe(images, names), near)
+
+    async def place(self, request_id: str, items: list[DispatchedItem], near: str | None = None
+                    ) -> list[DispatchedItem]:
+        """``dispatch`` for items ``describe`` made (and returns them)."""
         if not REQUEST_ID.match(request_id):
             raise DispatchError(f"request id {request_id!r}: 1..100 of [A-Za-z0-9._:-]")
-        items = self.describe(images, names)
         started = time.monotonic()
         unplaced = items
         for _ in range(self.max_attempts):
@@ -145,6 +151,20 @@ class Dispatcher:
                 item.error = "no healthy encode worker" + (f" (tried {', '.join(item.attempts)})"
                                                           if item.attempts else "")
         return items
+
+    async def cancel(self, items: list[DispatchedItem], reason: str) -> None:
+        """Cancel the rooms of placed items (the request ended before the prefill engine took
+        their rows: a client that left, an engine that refused): their workers drop them."""
+        by_endpoint: dict[str, list[int]] = {}
+        for item in items:
+            if item.worker is not None and item.encode_handshake is not None:
+                by_endpoint.setdefault(self.rooms_url or item.encode_handshake.url, []).append(
+                    item.encode_handshake.bootstrap_room)
+        for url, rooms in by_endpoint.items():
+            try:
+                await self._rooms_client(url).cancel(rooms, reason)
+            except HandshakeError as exc:
+                log.warning("could not cancel %d rooms at %s: %s", len(rooms), url, exc)
 
     def _route(self, items: list[DispatchedItem], near: str | None) -> dict[WorkerAddress, list[DispatchedItem]]:
         """The next untried healthy worker for each item, grouped by worker."""
@@ -214,13 +234,17 @@ class Dispatcher:
 
     def _room_endpoint(self, address: WorkerAddress) -> tuple[HandshakeClient, tuple[str, int]]:
         url = self.rooms_url or address.url
+        parsed = yarl.URL(url)
+        return self._rooms_client(url), (parsed.host, parsed.port)
+
+    def _rooms_client(self, url: str) -> HandshakeClient:
+        url = str(yarl.URL(url))  # one spelling per endpoint (EncodeHandshake.url and WorkerAddress.url)
         client = self._rooms.get(url)
         if client is None:
             if len(self._rooms) >= MAX_WORKERS:  # workers come and go (DNS): drop the oldest client
                 asyncio.ensure_future(self._rooms.pop(next(iter(self._rooms))).close())
             client = self._rooms[url] = HandshakeClient(url, self.handshake_token, timeout_s=2.0, retries=1)
-        parsed = yarl.URL(url)
-        return client, (parsed.host, parsed.port)
+        return client
 
     def _intake(self, address: WorkerAddress) -> AsyncIntakeClient:
         intake = self._intakes.get(address.name)
