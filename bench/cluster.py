@@ -1,6 +1,6 @@
 """Every EPD role as its own process on this machine: what `make demo`, `epd-bench e2e` and the
 integration tests run. Each process is the real command (`epd-handshake`, `epd-encode-worker`,
-`epd-prefill`) on 127.0.0.1 with free ports, its output in a log file. ``start_*`` spawn (they
+`epd-prefill`, `epd-gateway`) on 127.0.0.1 with free ports, its output in a log file. ``start_*`` spawn (they
 start in parallel); ``wait_ready()`` waits until each answers its readiness URL; ``stop()``
 sends SIGTERM (then SIGKILL after a grace period) and reports each exit code.
 """
@@ -88,6 +88,15 @@ class LocalCluster:
                                   self.model_dir, "--dtype", self.dtype, "--transports", transports,
                                   "--pool-bytes", str(pool_bytes), *extra], f"http://{HOST}:{port}",
                            ready_path="/healthz", **launch)
+
+    def start_gateway(self, vllm_url: str, workers: list[WorkerAddress], name: str = "gateway",
+                      extra: tuple[str, ...] = (), **launch) -> Role:
+        """``epd-gateway`` in front of ``vllm_url`` (ready once it serves: vLLM may still be starting)."""
+        port = free_port()
+        return self._start(name, ["gateway.cli", "--host", HOST, "--port", str(port), "--model", self.model_dir,
+                                  "--vllm-url", vllm_url, "--workers",
+                                  ",".join(f"{w.host}:{w.bootstrap_port}:{w.intake_port}" for w in workers),
+                                  *extra], f"http://{HOST}:{port}", ready_path="/health", **launch)
 
     def _start(self, name: str, module_args: list[str], url: str, ready_path: str, env: dict | None = None,
                prefix: tuple[str, ...] = ()) -> Role:

