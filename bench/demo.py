@@ -1,10 +1,12 @@
-"""`make demo`: the whole EPD path on this machine, every role its own process.
+"""`make demo`: a chat request with images, answered by vLLM whose image embeddings came from an
+encode worker, every role its own process on this machine.
 
-Starts a handshake endpoint, an encode worker and two reference prefill processes (one that
-receives over Mooncake TCP only, as if on another node; one that shares /dev/shm with the worker),
-sends a few multi-image requests through the dispatcher, and prints, per item: rows x width,
-the transport, where the time went, and whether the rows equal the prefill process's own tower
-run on the same image. Then stops every process and checks that no SHM segment is left.
+Starts two encode workers (one writes over same-node SHM, one over Mooncake TCP as if on another
+node), vLLM's OpenAI server on CPU with the EPD connector (a tiny Qwen2-VL-architecture
+checkpoint built on first run and cached), and one `epd-gateway` per worker; then sends chat
+requests with images through the official `openai` client and prints, per request, the text,
+the token ids, whether they equal vLLM's own colocated answer to the same images, and where the
+time went. Then stops every process and checks that no SHM segment is left.
 
     python -m bench.demo [--model DIR] [--dtype float32]
 """
@@ -12,143 +14,167 @@ run on the same image. Then stops every process and checks that no SHM segment i
 from __future__ import annotations
 
 import argparse
-import asyncio
+import base64
 import glob
 import os
 import sys
+import tempfile
 import time
-import urllib.request
 
 from bench.cluster import LocalCluster
 from bench.images import synthetic_image
 
-# (request id, prefill process, images as (width, height, seed, format)); seed 1 repeats: a cache hit
+MAX_TOKENS = 12
+# (request, gateway, images as (width, height, seed, format)); seed 1 twice in a request: one encode
 REQUESTS = [
-    ("req-1", "prefill-mooncake", [(448, 448, 1, "PNG"), (640, 480, 2, "JPEG"), (336, 336, 3, "PNG")]),
-    ("req-2", "prefill-shm", [(448, 448, 1, "PNG"), (512, 384, 4, "JPEG")]),
-    ("req-3", "prefill-shm", [(800, 600, 5, "JPEG"), (224, 224, 6, "PNG"), (1024, 768, 7, "JPEG"),
-                              (448, 448, 8, "PNG")]),
+    ("two images, one repeated", "shm", [(448, 448, 1, "PNG"), (640, 480, 2, "JPEG"), (448, 448, 1, "PNG")]),
+    ("one image", "shm", [(336, 336, 3, "PNG")]),
+    ("two images", "mooncake", [(800, 600, 4, "JPEG"), (224, 224, 5, "PNG")]),
 ]
 INTRO = """\
-EPD (encode / prefill / decode): the vision tower runs in an encode worker, not on the prefill
-engine. Per image, the dispatcher mints a room and sends the pixels to a worker chosen by the
-image's content hash; the prefill process reserves memory for the image's rows and registers it
-in the room; the worker runs the tower and writes the rows straight into that memory (Mooncake
-between nodes, shared memory on the same node), then commits; the prefill process checks the
-commit (generation, shape, checksum) and publishes the rows as item.encoded.
+EPD (encode / prefill / decode): the vision tower runs in an encode worker, not in vLLM. Per
+image, the gateway hashes the bytes, mints a room on the worker chosen by the hash and sends the
+image to it; vLLM gets the image's patch grid and room instead of its pixels. vLLM's scheduler
+(the EPD connector) reserves memory for the rows and registers it in the room; the worker runs
+the tower and writes the rows straight into that memory (SHM on one node, Mooncake between
+nodes); vLLM's model runner copies them into its encoder cache and prefills.
 """
 
 
 def default_model() -> str:
-    from bench.encode import bench_tower
+    from encode_worker.vlm_checkpoints import cached_vlm
 
-    return bench_tower(depth=2, hidden=64, width=3584)
-
-
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
-        total = 0.0
-        for line in response.read().decode().splitlines():
-            if line.startswith(name):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+    return cached_vlm("qwen2_vl")
 
 
-async def _requests(cluster: LocalCluster, roles: dict, processor) -> bool:
-    import aiohttp
+def _data_uri(image: bytes, fmt: str) -> str:
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(image).decode()
 
-    from dispatcher import Dispatcher, WorkerSet
-    from dispatcher.cli import prefill_body
 
-    workers = WorkerSet([roles["encode-worker"].worker])
-    await workers.refresh()
-    dispatcher = Dispatcher(workers, processor, rooms_url=roles["handshake"].url)
-    all_exact = True
+def _ask(client, model: str, urls: list[str], **extra):
+    content = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    content.append({"type": "text", "text": "What is in these pictures?"})
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                          temperature=0, max_tokens=MAX_TOKENS,
+                                          extra_body={"return_token_ids": True}, **extra)
+
+
+def _requests(model: str, gateways: dict, vllm_url: str) -> bool:
+    import openai
+
+    direct = openai.OpenAI(base_url=vllm_url + "/v1", api_key="-", max_retries=0, timeout=300)
+    clients = {name: openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=300)
+               for name, url in gateways.items()}
+    all_equal = True
     try:
-        async with aiohttp.ClientSession() as session:
-            for request_id, prefill, specs in REQUESTS:
-                images = [synthetic_image(w, h, seed, fmt) for w, h, seed, fmt in specs]
-                started = time.monotonic()
-                items = await dispatcher.dispatch(request_id, images)
-                posted = time.monotonic()
-                body = prefill_body(request_id, items, verify=True)
-                async with session.post(roles[prefill].url + "/v1/prefill", json=body) as response:
-                    report = await response.json()
-                elapsed = time.monotonic() - started
-                print(f"\n{request_id}: {len(images)} images -> {prefill} "
-                      f"({'Mooncake TCP' if 'mooncake' in prefill else 'same-node SHM'}): {report['state']} "
-                      f"in {elapsed * 1e3:.0f} ms")
-                print(f"  {'item':4s} {'image':>13s} {'hash':>8s} {'rows x width':>12s} {'transport':>9s} "
-                      f"{'queue':>6s} {'encode':>6s} {'xfer':>6s} {'hshake':>6s} {'total':>6s}  bit-exact")
-                for (w, h, _, fmt), item, row in zip(specs, items, report["items"]):
-                    all_exact &= row["verified"] is True
-                    print("  " + _row(item, row, f"{w}x{h} {'jpg' if fmt == 'JPEG' else 'png'}", posted - started))
+        for title, path, specs in REQUESTS:
+            urls = [_data_uri(synthetic_image(w, h, seed, fmt), fmt) for w, h, seed, fmt in specs]
+            started = time.monotonic()
+            answer = _ask(clients[path], model, urls)
+            elapsed = time.monotonic() - started
+            colocated = _ask(direct, model, urls)
+            tokens = answer.choices[0].model_extra.get("token_ids")
+            equal = tokens == colocated.choices[0].model_extra.get("token_ids") and tokens is not None
+            all_equal &= equal
+            report, metrics = answer.model_extra["epd"], answer.model_extra.get("metrics") or {}
+            print(f"\n{title} ({len(urls)} image parts) -> gateway-{path}: answered in {elapsed * 1e3:.0f} ms")
+            print(f"  text:   {answer.choices[0].message.content!r}")
+            print(f"  tokens: {tokens}")
+            print(f"  equal to vLLM's colocated run (its own tower on the same images): {'yes' if equal else 'NO'}")
+            print(f"  dispatch {report['dispatch_ms']:.1f} ms (load, hash, rooms, intake: every image placed); "
+                  f"vLLM: waited {metrics.get('queue_time_ms') or 0:.1f} ms for rows, "
+                  f"prefill to first token {metrics.get('time_to_first_token_ms') or 0:.1f} ms")
+            print(f"  {'image':>12s} {'rows':>5s} {'encoder':>13s} {'transport':>9s} {'queue':>6s} {'encode':>6s} "
+                  f"{'wait':>6s} {'xfer':>6s} {'received':>8s} (ms)")
+            distinct = list(dict.fromkeys(specs))  # the report has one entry per distinct image
+            for (w, h, _, fmt), image in zip(distinct, report["images"], strict=True):
+                print("  " + _row(f"{w}x{h} {fmt.lower()}", image))
+        started = time.monotonic()
+        first, parts = None, []
+        for chunk in _ask(clients["shm"], model, [_data_uri(synthetic_image(512, 384, 6, "JPEG"), "JPEG")],
+                          stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.monotonic() - started
+                parts.append(chunk.choices[0].delta.content)
+        print(f"\nstreamed (gateway-shm): first token after {first * 1e3:.0f} ms: {''.join(parts)!r}")
     finally:
-        await dispatcher.close()
-        await workers.close()
-    return all_exact
+        direct.close()
+        for client in clients.values():
+            client.close()
+    return all_equal
 
 
-def _row(item, row: dict, label: str, before_prefill_s: float) -> str:
-    if row["state"] != "DONE":
-        return f"{item.index:<4d} {label:>13s} FAILED: {row['reason']}"
-    timings = row["encoder"] or {}
-    total = (before_prefill_s + row["seconds"]) * 1e3
-    queue, encode, transfer = (timings.get(k, 0.0) * 1e3 for k in ("queue_s", "encode_s", "transfer_s"))
-    handshake = max(0.0, total - queue - encode - transfer)
+def _row(label: str, image: dict) -> str:
+    delivery = image.get("delivery") or {}
+    timings = delivery.get("encoder") or {}
+    queue, encode, wait, transfer = (timings.get(k, 0.0) * 1e3 for k in ("queue_s", "encode_s", "wait_s",
+                                                                         "transfer_s"))
     encode_text = "cache" if timings.get("cache_hit") else f"{encode:.1f}"
-    exact = {True: "yes", False: "NO", None: "-"}[row["verified"]]
-    return (f"{item.index:<4d} {label:>13s} {item.content_hash & 0xFFFFFFFF:08x} "
-            f"{row['rows']:>5d} x {row['width']:<4d} {row['transport']:>9s} {queue:6.1f} {encode_text:>6s} "
-            f"{transfer:6.1f} {handshake:6.1f} {total:6.1f}  {exact}")
+    return (f"{label:>12s} {image['rows']:>5d} {image['encoder']:>13s} "
+            f"{delivery.get('transport') or '-':>9s} {queue:6.1f} {encode_text:>6s} {wait:6.1f} {transfer:6.1f} "
+            f"{delivery.get('receive_s', 0.0) * 1e3:8.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.vllm import Server, _wait_healthy
+
     parser = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: a small Qwen2.5-VL-"
-                        "architecture tower with Qwen2.5-VL-7B's output width, built on first run and cached)")
-    parser.add_argument("--dtype", default="float32", help="tower dtype (float32: this CPU runs small bf16 "
-                        "towers ~5x slower)")
+    parser.add_argument("--model", default=None, help="checkpoint directory of a Qwen2-VL / Qwen2.5-VL model "
+                        "(default: a tiny Qwen2-VL-architecture model with a tokenizer, built on first run and cached)")
+    parser.add_argument("--dtype", default="float32", help="vLLM's and the encode workers' dtype")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from transformers import AutoImageProcessor
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     print(INTRO)
+    if args.model is None:
+        print("The default model is tiny, with random weights: its text is noise. What counts is that its tokens "
+              "equal\nvLLM's own colocated answer to the same images. --model DIR serves a real checkpoint.\n")
     model = args.model or default_model()
     before = set(glob.glob("/dev/shm/epd-*"))
-    cluster = LocalCluster(model, args.dtype)
-    exact = False
+    log_dir = tempfile.mkdtemp(prefix="epd-demo-")
+    cluster = LocalCluster(model, args.dtype, log_dir=log_dir)
+    connector = {"ec_connector": "EPDConnector", "ec_connector_module_path": "prefill_side.vllm_connector",
+                 "ec_role": "ec_consumer", "ec_connector_extra_config": {"pool_bytes": 256 << 20,
+                                                                         "transports": ["shm", "mooncake"]}}
+    vllm = None
+    equal = False
     try:
-        print(f"Starting the roles as separate processes on 127.0.0.1 (model {model}, {args.dtype}; "
-              f"logs in {cluster.log_dir}):")
-        roles = {"handshake": cluster.start_handshake(),
-                 "encode-worker": cluster.start_encode_worker(),
-                 "prefill-mooncake": cluster.start_prefill("prefill-mooncake", transports="mooncake"),
-                 "prefill-shm": cluster.start_prefill("prefill-shm", transports="shm")}
+        print(f"Starting every role as its own process on 127.0.0.1 (model {model}, {args.dtype}; logs in {log_dir}):")
+        workers = {"shm": cluster.start_encode_worker("worker-shm", transports="shm"),
+                   "mooncake": cluster.start_encode_worker("worker-mooncake", transports="mooncake")}
+        vllm = Server("vllm", model, log_dir, connector, args.dtype, 4096, images_per_prompt=4,
+                      extra=("--distributed-executor-backend", "mp", "--enable-per-request-metrics"))
+        gateways = {path: cluster.start_gateway(vllm.url, [worker.worker], name=f"gateway-{path}")
+                    for path, worker in workers.items()}
         cluster.wait_ready()
+        failed = _wait_healthy([vllm], timeout_s=600)
+        if failed:
+            raise RuntimeError(f"vLLM did not start: {failed['vllm']}")
         for name, role, what in (
-                ("handshake", roles["handshake"], "epd-handshake: the rooms (one per image)"),
-                ("encode-worker", roles["encode-worker"], "epd-encode-worker: intake, tower, send ring"),
-                ("prefill-mooncake", roles["prefill-mooncake"], "epd-prefill: receives over Mooncake TCP only"),
-                ("prefill-shm", roles["prefill-shm"], "epd-prefill: shares /dev/shm with the worker")):
-            print(f"  {name:17s} pid {role.process.pid:<7d} {role.url:24s} {what}")
-        exact = asyncio.run(_requests(cluster, roles, AutoImageProcessor.from_pretrained(model)))
-        worker_url = roles["encode-worker"].url
-        print("\nms: queue = intake until the tower took the item's batch; encode = the tower's time for that "
-              "batch\n(cache = a repeated image, served from the worker's embedding cache); xfer = the write "
-              "into the\nprefill process's memory; hshake = the rest: dispatch, rooms, commit checks; total = "
-              "dispatch start\nuntil the rows were published in the prefill process. bit-exact = the rows equal "
-              "the prefill\nprocess's own tower run on the same image bytes.")
-        print(f"\nencode worker metrics: {_metric(worker_url, 'epd_encoder_cache_hits'):.0f} cache hits, "
-              f"{_metric(worker_url, 'epd_encoder_bytes_total') / 1e6:.1f} MB delivered")
+                ("worker-shm", workers["shm"], "epd-encode-worker: writes into vLLM's pool over /dev/shm"),
+                ("worker-mooncake", workers["mooncake"], "epd-encode-worker: writes over Mooncake TCP"),
+                ("vllm", vllm, "vLLM's OpenAI server + EngineCore + model runner, EPD connector"),
+                ("gateway-shm", gateways["shm"], "epd-gateway -> worker-shm, vLLM"),
+                ("gateway-mooncake", gateways["mooncake"], "epd-gateway -> worker-mooncake, vLLM")):
+            print(f"  {name:16s} pid {role.process.pid:<7d} {role.url:24s} {what}")
+        equal = _requests(model, {path: role.url for path, role in gateways.items()}, vllm.url)
+        print("\nms: dispatch = the gateway's work before vLLM gets the request; queue = worker intake until the "
+              "tower took\nthe image's batch; encode = the tower's time for that batch (cache = served from the "
+              "worker's cache);\nwait = rows ready until vLLM's receiver registered; xfer = the write into vLLM's "
+              "memory; received =\nvLLM's scheduler first saw the request until the rows were in its pool.")
     finally:
         print("\nStopping every process (SIGTERM)...")
+        if vllm is not None:
+            vllm.stop()
         codes = cluster.stop()
-    time.sleep(0.2)
+        if vllm is not None:
+            codes["vllm"] = vllm.process.returncode
+    time.sleep(0.5)
     left = set(glob.glob("/dev/shm/epd-*")) - before
     print("  exit codes: " + ", ".join(f"{name} {code}" for name, code in codes.items()))
     print(f"  SHM segments left behind: {len(left)}")
-    ok = exact and not left and all(code == 0 for code in codes.values())
+    ok = equal and not left and all(code == 0 for code in codes.values())
     print("\nDEMO OK" if ok else "\nDEMO FAILED")
     return 0 if ok else 1
 
