@@ -47,6 +47,7 @@ bench: setup
 	$(VENV)/bin/epd-bench receive --json bench-results/receive.json
 	$(VENV)/bin/epd-bench e2e --json bench-results/e2e.json --plot bench-results/e2e.png
 	$(VENV)/bin/epd-bench vllm --json bench-results/vllm.json --plot bench-results/vllm.png
+	$(VENV)/bin/epd-bench gateway --json bench-results/gateway.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--dtype", default="float32")
     vllm.add_argument("--json", default=None)
     vllm.add_argument("--plot", default="vllm.png", help="PNG plot path ('' for none)")
+    gateway = sub.add_parser("gateway", help="epd-gateway's added TTFT and CPU per image vs calling vLLM directly")
+    gateway.add_argument("--sizes", default="224,448,896", help="square image sides in pixels")
+    gateway.add_argument("--requests", type=int, default=6, help="requests per path, size and round")
+    gateway.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median per path and size)")
+    gateway.add_argument("--max-tokens", type=int, default=4)
+    gateway.add_argument("--json", default=None)
     return parser
 
 
@@ -95,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import vllm
 
         return vllm.main(args)
+    if args.command == "gateway":
+        from bench import gateway
+
+        return gateway.main(args)
     if args.command == "handshake":
         from bench import handshake
 

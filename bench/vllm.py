@@ -169,16 +169,7 @@ class Server:
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system) so far of each process of the server, by process name (the
         API server's, vLLM's ``VLLM::EngineCore``, ...)."""
-        by_name: dict[str, float] = {}
-        for pid in {self.process.pid, *descendants(self.process.pid)}:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
-            except OSError:  # ended meanwhile
-                continue
-            fields = rest.split()
-            by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return by_name
+        return cpu_seconds({self.process.pid, *descendants(self.process.pid)})
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -194,6 +185,20 @@ class Server:
             return []
         with open(self.trace_path) as f:
             return [json.loads(line) for line in f]
+
+
+def cpu_seconds(pids) -> dict[str, float]:
+    """CPU time (user + system) so far of these processes, summed by process name (from /proc)."""
+    by_name: dict[str, float] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+        except OSError:  # ended meanwhile
+            continue
+        fields = rest.split()
+        by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return by_name
 
 
 def descendants(root: int) -> set[int]:
