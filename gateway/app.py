@@ -176,6 +176,10 @@ class Gateway:
         except OpenAIError as exc:
             self.metrics.count("refused")
             return exc.response()
+        except Exception as exc:  # a fault of ours or a dependency's: still OpenAI's shape, and logged
+            log.exception("chat request failed before vLLM was called")
+            self.metrics.count("internal_error")
+            return OpenAIError(500, f"internal error: {type(exc).__name__}", kind="internal_error").response()
         if prepared.stream:
             return await self._stream(request, body, prepared, started)
         return await self._complete(request, body, prepared, started)
@@ -297,9 +301,13 @@ class Gateway:
             prepared.placed = []
         if status != 200:
             return status, payload
-        answer = json.loads(payload)
-        delivery = answer.pop("ec_transfer_params", None)
-        answer["epd"] = prepared.report(DeliveryReport.model_validate(delivery) if delivery else None)
+        try:
+            answer = json.loads(payload)
+            delivery = answer.pop("ec_transfer_params", None)
+            answer["epd"] = prepared.report(DeliveryReport.model_validate(delivery) if delivery else None)
+        except (ValueError, AttributeError) as exc:  # not the answer we know: relay vLLM's as it is
+            log.warning("request %s: vLLM's answer carries no delivery report we read: %s", prepared.request_id, exc)
+            return status, payload
         return status, json.dumps(answer).encode()
 
     def _count_retry(self, prepared: _Prepared) -> None:

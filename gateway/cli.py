@@ -108,8 +108,9 @@ def settings_from(args):
                     else os.environ.get("EPD_INTAKE_TOKEN") or None)
     if args.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise SettingError(f"--log-level {args.log_level!r}: one of debug, info, warning, error")
+    served = args.served_model_name or os.path.basename(os.path.normpath(args.model))  # as the workers' default
     return GatewaySettings(
-        vllm_url=args.vllm_url.rstrip("/"), served_model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model)),
+        vllm_url=args.vllm_url.rstrip("/"), served_model_name=served,
         workers=static, dns=args.dns or None, bootstrap_port=args.bootstrap_port, intake_port=args.intake_port,
         rooms_url=args.rooms_url or None, near=args.near or None, handshake_token=handshake_token(args.token_file),
         intake_token=intake_token, max_image_bytes=args.max_image_bytes, fetch_timeout_s=args.fetch_timeout_s,

