@@ -73,6 +73,9 @@ class Stack:
         self.lonely = self.cluster.start_gateway(self.vllm.url, [nobody], name="gateway-without-workers")
         self.cluster.wait_ready()
         eventually(self.vllm.healthy, "the vLLM server answering /health", seconds=300)
+        from bench.vllm import descendants
+
+        assert len(descendants(self.vllm.process.pid)) >= 2, "expected an EngineCore and a worker process"
         self.client = openai.OpenAI(base_url=self.gateway.url + "/v1", api_key="-", max_retries=0, timeout=120)
         self.direct = openai.OpenAI(base_url=self.vllm.url + "/v1", api_key="-", max_retries=0, timeout=120)
 

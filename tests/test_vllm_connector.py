@@ -8,14 +8,11 @@ engine's colocated run of the same prompt and images (vLLM's own tower, its own 
 """
 
 import asyncio
-import base64
 import glob
 import io
-import json
 import os
 import signal
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -251,51 +248,6 @@ def test_worker_killed_mid_request(stack):
     items = stack.dispatch([image], stack.workers["shm"])
     assert list(stack.run(*vllm_request(prompt_for(1), items)).outputs[0].token_ids) == colocated
     eventually(stack.pool_idle, "every slot back in the pool", seconds=30)
-
-def chat(server, content: list, ec_transfer_params: dict | None = None) -> dict:
-    body = {"model": server.model, "messages": [{"role": "user", "content": content}], "temperature": 0,
-            "max_tokens": MAX_TOKENS}
-    if ec_transfer_params:
-        body["ec_transfer_params"] = ec_transfer_params
-    request = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
-
-
-def test_openai_server_with_multiprocess_engine(tmp_path):
-    """vLLM's OpenAI server with the connector (docs/vllm.md's command line, through
-    bench.vllm.Server), its scheduler (EngineCore process) and model runner (worker process)
-    apart: an EPD chat request (each image's grid and identifier alone, rooms in
-    ec_transfer_params) answers as the colocated one with the image; the worker side mapped the
-    pool by name; no process leaves a segment behind."""
-    from bench.vllm import Server, descendants
-
-    model = cached_vlm("qwen2_5_vl")
-    with LocalCluster(model, log_dir=str(tmp_path)) as cluster:
-        worker = cluster.start_encode_worker("worker-shm", transports="shm")
-        server = Server("vllm", model, str(tmp_path), engine_args(model)["ec_transfer_config"], "float32", 1024,
-                        extra=("--distributed-executor-backend", "mp"))
-        try:
-            cluster.wait_ready()
-            eventually(server.healthy, "the vLLM server answering /health", seconds=240)
-            engine_processes = descendants(server.process.pid)
-            assert len(engine_processes) >= 2, "expected an EngineCore and a worker process"
-            for seed in (81, 82):
-                image = synthetic_image(140, 84, seed=seed)
-                (item,) = dispatch(model, worker, [image], f"server-{seed}")
-                epd = chat(server, [{"type": "image_embeds", "image_embeds": {"image_grid_thw": list(item.grid_thw)},
-                                     "uuid": identifier(item.content_hash)}, {"type": "text", "text": "Describe."}],
-                           {"rooms": {identifier(item.content_hash): item.encode_handshake.model_dump()}})
-                url = "data:image/png;base64," + base64.b64encode(image).decode()
-                colocated = chat(server, [{"type": "image_url", "image_url": {"url": url}},
-                                          {"type": "text", "text": "Describe."}])
-                assert epd["usage"]["completion_tokens"] == MAX_TOKENS
-                assert epd["choices"][0]["message"]["content"] == colocated["choices"][0]["message"]["content"]
-        finally:
-            server.stop()
-        pids = [server.process.pid, *engine_processes, worker.process.pid]
-    eventually(lambda: segments_of(pids) == [], "every segment of the server, its engine and the worker unlinked", seconds=30)
 
 
 class _Feature:
