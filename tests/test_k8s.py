@@ -1,13 +1,17 @@
-"""The Kubernetes manifests (k8s/) and the image (Dockerfile), checked offline.
+"""The Kubernetes manifests (k8s/) and the images (Dockerfile, Dockerfile.vllm), checked offline.
 
 Every overlay, alone and with every optional component, is rendered with the venv's kubectl
 (kustomize) and validated against the Kubernetes schemas (strict). Each container's command and
-args go through the program's own parser, with the container's environment in place, so a
-manifest cannot name a flag or an env value the program does not take; ports, probes, Services,
-NetworkPolicies, Secrets and memory sizes are checked against what the parsed programs do.
+args go through the program's own parser, with the container's environment in place (and the
+kubelet's $(VAR) expansion done), so a manifest cannot name a flag or an env value the program
+does not take: the EPD programs' parsers, and for vLLM `vllm serve`'s own parser and checks, its
+`--ec-transfer-config` as vLLM's ECTransferConfig, and that config's ec_connector_extra_config as
+the EPD connector's ConnectorSettings. Ports, probes, Services, NetworkPolicies, Secrets and
+memory sizes are checked against what the parsed programs do.
 """
 
 import concurrent.futures
+import functools
 import importlib
 import json
 import os
@@ -31,8 +35,11 @@ KUBECTL = Path(sys.executable).parent / "kubectl"
 OVERLAYS = {"base": "base", "tcp": "overlays/tcp", "rdma": "overlays/rdma", "same-node": "overlays/same-node"}
 COMPONENTS = ["components/servicemonitor", "components/hpa", "components/handshake"]
 VARIANTS = [*OVERLAYS, *(f"{name}+components" for name in OVERLAYS if name != "base")]
-IMAGE = "ghcr.io/example-org/epd-encode-worker"
-RETAGGED = "registry.example.com/epd/epd-encode-worker:0.1.1"  # an operator's `images:` entry
+IMAGE = "ghcr.io/example-org/epd-encode-worker"  # ./Dockerfile: every EPD program
+VLLM_IMAGE = "ghcr.io/example-org/epd-vllm"  # ./Dockerfile.vllm: vLLM with the EPD connector
+RETAGGED = {IMAGE: "registry.example.com/epd/epd-encode-worker:0.1.1",  # an operator's `images:` entries
+            VLLM_IMAGE: "registry.example.com/epd/epd-vllm:0.1.1"}
+VLLM = "vllm"  # the vLLM image's command
 MIN_KUBERNETES = "1.30.0"  # the preStop `sleep` action (docs/deploy.md)
 POD_IP = "10.1.2.3"  # what the downward API's status.podIP stands for here
 NAMESPACE = {"kubernetes.io/metadata.name": "epd"}
@@ -57,7 +64,8 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
         (work / "kustomization.yaml").write_text(yaml.safe_dump({
             "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
             "resources": resources, "components": components,
-            "images": [{"name": IMAGE, "newName": RETAGGED.split(":")[0], "newTag": RETAGGED.split(":")[1]}]}))
+            "images": [{"name": name, "newName": new.split(":")[0], "newTag": new.split(":")[1]}
+                       for name, new in RETAGGED.items()]}))
         out[f"{name}+components"] = _render(work)
     return out
 
@@ -101,20 +109,73 @@ def container_env(container) -> dict[str, str]:
     return env
 
 
+def expanded(arg: str, env: dict[str, str]) -> str:
+    """``arg`` as the kubelet passes it: each $(VAR) replaced by the container's env VAR (an
+    undefined one would stay literal: refused here)."""
+    def value(match):
+        assert match.group(1) in env, f"$({match.group(1)}) in {arg!r} names no env of the container"
+        return env[match.group(1)]
+    return re.sub(r"\$\((\w+)\)", value, arg)
+
+
 def parsed(container):
     """The container's command + args through the program's own parser, under its env."""
     command = container["command"]
+    env = container_env(container)
+    args = [expanded(arg, env) for arg in container.get("args", [])]
+    if command == [VLLM]:
+        return VLLM, vllm_serve(tuple(args))
     assert len(command) == 1 and command[0] in SCRIPTS, f"{command} is not one of the console scripts {SCRIPTS}"
     module = importlib.import_module(SCRIPTS[command[0]].split(":")[0])
-    env = container_env(container)
-    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in container.get("args", [])]
     with mock.patch.dict(os.environ, env, clear=True):
         return command[0], module.build_parser().parse_args(args)
+
+
+@functools.cache
+def vllm_serve(args: tuple[str, ...]):
+    """``vllm <args>`` through the vLLM CLI's `serve` parser and its checks, as the image's `vllm`
+    runs them; ``.connector``: the ec_connector_extra_config as the EPD connector reads it."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from prefill_side.vllm_connector import ConnectorSettings
+
+    parser = FlexibleArgumentParser(prog=VLLM)
+    serve = ServeSubcommand()
+    serve.subparser_init(parser.add_subparsers(dest="subparser", required=True))
+    namespace = parser.parse_args(list(args))
+    assert namespace.subparser == serve.name, args
+    serve.validate(namespace)
+    namespace.connector = ConnectorSettings.model_validate(namespace.ec_transfer_config.ec_connector_extra_config)
+    return namespace
+
+
+def transports(program, args) -> list[str]:
+    if program == VLLM:
+        return args.connector.transports
+    return args.transports.split(",") if hasattr(args, "transports") else []
+
+
+def mooncake_choices(program, args) -> tuple[str, bool]:
+    """(HCA list, forced TCP) of a program that runs Mooncake."""
+    if program == VLLM:
+        return args.connector.mooncake_hca, args.connector.mooncake_force_tcp
+    return args.mooncake_hca, bool(args.mooncake_force_tcp)
+
+
+def token_files(program, args) -> list[str]:
+    if program == VLLM:
+        return [args.connector.handshake_token_file]
+    if program in ("epd-encode-worker", "epd-gateway"):
+        return [args.token_file, args.intake_token_file]
+    return [args.token_file]
 
 
 def listening_ports(program, args) -> dict[str, int]:
     if program == "epd-encode-worker":
         return {"bootstrap": args.bootstrap_port, "intake": args.intake_port}
+    if program == VLLM:
+        return {"vllm": args.port}
     return {"http": args.port}
 
 
@@ -124,13 +185,16 @@ def mooncake_range(container) -> tuple[int, int]:
 
 
 def runs_mooncake(container) -> bool:
-    return "mooncake" in getattr(parsed(container)[1], "transports", "").split(",")
+    return "mooncake" in transports(*parsed(container))
 
 
-def served_paths(program) -> set[str]:
-    if program == "epd-prefill":
-        from prefill_side.server import create_app
-        app = create_app(None)
+def served_paths(program, args) -> set[str]:
+    if program == VLLM:
+        from vllm.entrypoints.launchers.app import build_app
+        app = build_app(args, ("generate",))
+    elif program == "epd-gateway":
+        from gateway.app import build_app
+        app = build_app(None)  # the routes alone; the gateway object is used when serving
     else:  # the encode worker serves the handshake app on its bootstrap port
         from handshake.app import create_app
         app = create_app()
@@ -162,17 +226,20 @@ def test_strict_validation_refuses_a_misspelt_field(rendered):
         kubernetes_validate.validate(deployment, MIN_KUBERNETES, strict=True)
 
 
-def test_one_images_entry_retags_every_container(rendered):
+def test_one_images_entry_per_image_retags_every_container(rendered):
     for variant in VARIANTS:
-        images = {c["image"] for _, t in pod_specs(rendered[variant]) for c in containers(t)}
-        assert images == ({RETAGGED} if variant.endswith("+components") else {f"{IMAGE}:0.1.0"})
+        for _, template in pod_specs(rendered[variant]):
+            for container in containers(template):
+                image = VLLM_IMAGE if container["command"] == [VLLM] else IMAGE
+                expected = RETAGGED[image] if variant.endswith("+components") else f"{image}:0.1.0"
+                assert container["image"] == expected, container["name"]
 
 
 def test_components_add_what_they_promise(rendered):
     kinds = {o["kind"] for o in rendered["tcp+components"]} - {o["kind"] for o in rendered["tcp"]}
     assert kinds == {"ServiceMonitor", "HorizontalPodAutoscaler"}
     names = {o["metadata"]["name"] for o in of_kind(rendered["tcp+components"], "Deployment")}
-    assert names == {"epd-encode-worker", "epd-prefill", "epd-handshake"}
+    assert names == {"epd-encode-worker", "epd-prefill", "epd-gateway", "epd-handshake"}
 
 
 # ---- containers ----------------------------------------------------------------------------------
@@ -187,9 +254,82 @@ def test_every_command_parses_with_the_programs_own_parser(rendered, variant):
             if program == "epd-encode-worker":
                 assert args.host == POD_IP, "peers reach the worker at --host: it must be the pod IP"
                 assert args.device.startswith("cuda") and args.bind == "0.0.0.0"
-            if program == "epd-prefill" and "mooncake" in args.transports.split(","):
-                assert args.mooncake_host == POD_IP, "encode workers write to --mooncake-host: the pod IP"
-    assert {"epd-encode-worker", "epd-prefill"} <= programs
+            if program == VLLM and "mooncake" in args.connector.transports:
+                assert args.connector.mooncake_host == POD_IP, "encode workers write to mooncake_host: the pod IP"
+    assert {"epd-encode-worker", VLLM, "epd-gateway"} <= programs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_vllm_loads_the_epd_connector_as_a_consumer(rendered, variant):
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    from prefill_side.vllm_connector import EPDConnector
+
+    engines = [args for _, t in pod_specs(rendered[variant]) for program, args in map(parsed, containers(t))
+               if program == VLLM]
+    assert engines
+    for args in engines:
+        config = args.ec_transfer_config
+        assert config.is_ec_consumer and not config.is_ec_producer
+        assert config.ec_connector_module_path == EPDConnector.__module__
+        assert ECConnectorFactory.get_connector_class(config) is EPDConnector
+        assert args.connector.transports == (["shm"] if variant.startswith("same-node") else ["mooncake"])
+        assert args.tensor_parallel_size == 1 and args.pipeline_parallel_size == 1, "the connector refuses them"
+
+
+def _service_port(objects, url: str, template) -> int | None:
+    """The container port of ``template`` that ``url`` reaches: through a Service of that name
+    selecting the pod, or over loopback inside the pod."""
+    host, port = re.fullmatch(r"http://([\w.-]+):(\d+)", url).groups()
+    if host == "127.0.0.1":
+        return int(port)
+    for service in of_kind(objects, "Service"):
+        if service["metadata"]["name"] == host and selects({"matchLabels": service["spec"]["selector"]},
+                                                           template["metadata"]["labels"]):
+            (entry,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
+            (number,) = {port_number(entry["targetPort"], c) for c in containers(template)
+                         if any(p.get("name") == entry["targetPort"] for p in c["ports"])}
+            return number
+    return None
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gateway_reaches_vllm_and_the_encoders_and_all_three_serve_one_checkpoint(rendered, variant):
+    objects = rendered[variant]
+    colocated = variant.startswith("same-node")
+    gateways = []
+    for _, template in pod_specs(objects):
+        by_program = dict(map(parsed, containers(template)))
+        if "epd-gateway" in by_program:
+            gateways.append((template, by_program["epd-gateway"]))
+    assert gateways
+    workers = [args for _, t in pod_specs(objects) for program, args in map(parsed, containers(t))
+               if program == "epd-encode-worker"]
+    engines = [(t, args) for _, t in pod_specs(objects) for program, args in map(parsed, containers(t))
+               if program == VLLM]
+    (model,) = {w.model for w in workers}
+    (name,) = {w.served_model or os.path.basename(model) for w in workers}
+    (dtype,) = {w.dtype for w in workers}
+    for _, engine in engines:
+        assert engine.model_tag == model and engine.dtype == dtype, "the workers' rows are vLLM's rows"
+        assert engine.served_model_name == [name], "what clients send as `model`, the gateway's name too"
+    for template, gateway in gateways:
+        assert gateway.model == model
+        assert (gateway.served_model_name or os.path.basename(gateway.model)) == name, "intake refuses other names"
+        # vLLM: the same pod's (same-node, loopback) or the epd-prefill Service's
+        local = [(t, e) for t, e in engines if t is template]
+        reached = [e for t, e in (local if colocated else engines)
+                   if _service_port(objects, gateway.vllm_url, t) == e.port]
+        assert reached and len(reached) == len(local if colocated else engines), gateway.vllm_url
+        assert bool(local) == colocated and ("127.0.0.1" in gateway.vllm_url) == colocated
+        # the encode workers: its own pod's only (SHM reaches no other pod), else the headless Service
+        if colocated:
+            assert (gateway.workers, gateway.dns) == ("127.0.0.1", "")
+            (worker,) = [a for program, a in map(parsed, containers(template)) if program == "epd-encode-worker"]
+        else:
+            assert (gateway.workers, gateway.dns) == ("", "epd-encode-workers")
+            (worker,) = {(w.bootstrap_port, w.intake_port): w for w in workers}.values()
+        assert (gateway.bootstrap_port, gateway.intake_port) == (worker.bootstrap_port, worker.intake_port)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -225,17 +365,17 @@ def test_encode_workers_get_a_gpu_and_rdma_pods_get_the_hca(rendered, variant):
     for _, template in pod_specs(rendered[variant]):
         for container in containers(template):
             program, args = parsed(container)
-            if program == "epd-handshake":
-                continue
             limits, requests = container["resources"]["limits"], container["resources"]["requests"]
             extended = {k for k in limits if "/" in k}
             assert {k: requests.get(k) for k in extended} == {k: limits[k] for k in extended}
-            if program == "epd-encode-worker":
-                assert limits["nvidia.com/gpu"] == 1
+            assert limits.get("nvidia.com/gpu") == (1 if program in ("epd-encode-worker", VLLM) else None)
+            if program in ("epd-handshake", "epd-gateway"):
+                continue
             rdma = variant.startswith("rdma") and runs_mooncake(container)
             assert ("rdma/rdma_shared_device_a" in limits) == rdma
-            assert bool(args.mooncake_hca) == rdma
-            assert args.mooncake_force_tcp == (1 if variant.startswith("tcp") and runs_mooncake(container) else 0)
+            hca, force_tcp = mooncake_choices(program, args)
+            assert bool(hca) == rdma
+            assert force_tcp == (variant.startswith("tcp") and runs_mooncake(container))
 
 
 # ---- ports ---------------------------------------------------------------------------------------
@@ -250,16 +390,20 @@ def test_ports_agree_between_args_container_ports_probes_and_annotations(rendere
             declared = {p["name"]: p["containerPort"] for p in container["ports"]}
             assert declared == listening_ports(program, args), (name, container["name"])
             pod_ports += declared.values()
-            metrics_ports.add(declared["bootstrap" if program == "epd-encode-worker" else "http"])
-            paths = served_paths(program)
+            metrics_ports.add(declared[{"epd-encode-worker": "bootstrap", VLLM: "vllm"}.get(program, "http")])
+            paths = served_paths(program, args)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if probe in container:
                     http = container[probe]["httpGet"]
                     assert port_number(http["port"], container) in declared.values()
                     assert http["path"] in paths, f"{program} serves no {http['path']}"
-            if program in ("epd-encode-worker", "epd-prefill"):  # ready: a full table or pool says so
-                assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-                assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+            probed = {probe: container[probe]["httpGet"]["path"] for probe in ("readinessProbe", "livenessProbe")}
+            if program == "epd-encode-worker":  # ready: a full table says so
+                assert probed == {"readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+            if program == VLLM:  # 503 once the engine is dead
+                assert probed == {"readinessProbe": "/health", "livenessProbe": "/health"}
+            if program == "epd-gateway":  # ready: vLLM's /health is 200
+                assert probed == {"readinessProbe": "/readyz", "livenessProbe": "/health"}
         assert len(pod_ports) == len(set(pod_ports)), f"{name}: two containers listen on one port"
         annotations = template["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
@@ -342,11 +486,14 @@ def test_network_policies_open_each_port_to_its_peers_only(rendered, variant):
         for container in containers(template):
             program, args = parsed(container)
             if program == "epd-encode-worker":
-                expected = {"prefill", "dispatcher", "monitoring"} | ({"encode"} if colocated else set())
-                assert admitted(policies, template, args.bootstrap_port) == expected
+                assert admitted(policies, template, args.bootstrap_port) == {"prefill", "dispatcher", "monitoring"}
                 assert admitted(policies, template, args.intake_port) == {"dispatcher"}
-            elif program == "epd-prefill":
-                assert admitted(policies, template, args.port) == {"dispatcher", "monitoring"}
+            elif program == VLLM:  # same-node: the pod's own gateway calls it over loopback
+                expected = {"monitoring"} if colocated else {"dispatcher", "monitoring"}
+                assert admitted(policies, template, args.port) == expected
+            elif program == "epd-gateway":  # the front door: clients from anywhere
+                assert admitted(policies, template, args.port) == set(SOURCES)
+                assert admitted(policies, template, args.port + 1) == set()
             else:
                 assert admitted(policies, template, args.port) == {"dispatcher", "prefill", "encode", "monitoring"}
             peer = {"encode": {"prefill"}, "prefill": {"encode"}}.get(role, set())
@@ -384,8 +531,7 @@ def test_token_files_are_secret_keys_mounted_read_only(rendered, variant):
     for _, template in pod_specs(rendered[variant]):
         for container in containers(template):
             program, args = parsed(container)
-            files = [args.token_file] + ([args.intake_token_file] if program == "epd-encode-worker" else [])
-            for path in files:
+            for path in token_files(program, args):
                 assert path, f"{program} runs without a token"
                 (found,) = [(m, v) for m, v in mounts(template, container) if path.startswith(m["mountPath"] + "/")]
                 mount, volume = found
@@ -409,27 +555,30 @@ def test_shm_and_memory_limits_hold_the_pools(rendered, variant):
                 if mount["mountPath"] == "/dev/shm":
                     assert volume["emptyDir"]["medium"] == "Memory"
                     shm = memory_bytes(volume["emptyDir"]["sizeLimit"])
-            if program == "epd-prefill":  # the receive pool is a /dev/shm segment this container creates
-                assert args.pool_bytes <= shm - 256 * (1 << 20), name
-                assert limit >= args.pool_bytes + gib
+            if program == VLLM:  # the receive pool is a /dev/shm segment vLLM's EngineCore creates
+                assert args.connector.pool_bytes <= shm - 256 * (1 << 20), name
+                assert limit >= args.connector.pool_bytes + 16 * gib, "the pool besides vLLM's own memory"
             if program == "epd-encode-worker":
                 assert limit >= args.ring_bytes + args.cache_bytes + 8 * gib
+            if program in ("epd-encode-worker", VLLM, "epd-gateway"):  # the checkpoint, read-only
+                model = args.model_tag if program == VLLM else args.model
                 assert any(m["mountPath"] == "/models" and m["readOnly"] for m, _ in mounts(template, container))
-                assert any(args.model.startswith(m["mountPath"] + "/") for m, _ in mounts(template, container))
+                assert any(model.startswith(m["mountPath"] + "/") for m, _ in mounts(template, container))
 
 
 def test_same_node_containers_share_one_memory_backed_dev_shm_as_one_user(rendered):
     for variant in ("same-node", "same-node+components"):
         (template,) = [t for n, t in pod_specs(rendered[variant]) if n == "epd-encode-worker"]
         programs = {parsed(c)[0]: c for c in containers(template)}
-        assert set(programs) == {"epd-encode-worker", "epd-prefill"}
-        shm_volumes = {v["name"] for c in programs.values() for m, v in mounts(template, c)
-                       if m["mountPath"] == "/dev/shm"}
-        assert len(shm_volumes) == 1
-        assert all(parsed(c)[1].transports == "shm" for c in programs.values())
+        assert set(programs) == {"epd-encode-worker", VLLM, "epd-gateway"}
+        shm_users = [programs["epd-encode-worker"], programs[VLLM]]
+        shm_volumes = {v["name"] for c in shm_users for m, v in mounts(template, c) if m["mountPath"] == "/dev/shm"}
+        assert len(shm_volumes) == 1 and all(any(m["mountPath"] == "/dev/shm" for m, _ in mounts(template, c))
+                                             for c in shm_users)
+        assert all(transports(*parsed(c)) == ["shm"] for c in shm_users)
         assert all("runAsUser" not in c.get("securityContext", {}) for c in programs.values()), \
-            "SHM segments are 0600 and owner-checked: both containers run as the pod's user"
-        assert not [d for n, d in pod_specs(rendered[variant]) if n == "epd-prefill"]
+            "SHM segments are 0600 and owner-checked: the containers run as the pod's user"
+        assert not [d for n, d in pod_specs(rendered[variant]) if n in ("epd-prefill", "epd-gateway")]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -458,7 +607,7 @@ def test_graceful_termination_outlasts_in_flight_writes(rendered, variant):
 def test_service_monitors_scrape_real_ports(rendered, variant):
     objects = rendered[variant]
     monitors = of_kind(objects, "ServiceMonitor")
-    assert {m["apiVersion"] for m in monitors} == {"monitoring.coreos.com/v1"} and len(monitors) == 2
+    assert {m["apiVersion"] for m in monitors} == {"monitoring.coreos.com/v1"} and len(monitors) == 3
     services = of_kind(objects, "Service")
     for monitor in monitors:
         matched = [s for s in services if selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
@@ -500,6 +649,25 @@ def test_workload_selectors_match_their_own_pods(rendered, variant):
 
 # ---- the image ---------------------------------------------------------------------------------------------
 
+def _commands_by_image(rendered) -> dict[str, set[str]]:
+    """The commands the manifests run in each image (as the manifests name them)."""
+    commands = {IMAGE: set(), VLLM_IMAGE: set()}
+    for variant in OVERLAYS:
+        for _, template in pod_specs(rendered[variant]):
+            for container in containers(template):
+                commands[container["image"].rsplit(":", 1)[0]].add(container["command"][0])
+    return commands
+
+
+def _dockerfile_user(text: str, rendered) -> None:
+    """The image's USER is the uid every non-root pod runs as."""
+    (user,) = re.findall(r"^USER (\d+)", text, re.M)
+    for variant in VARIANTS:
+        for _, template in pod_specs(rendered[variant]):
+            if template["spec"]["securityContext"].get("runAsNonRoot"):
+                assert template["spec"]["securityContext"]["runAsUser"] == int(user)
+
+
 def test_dockerfile_builds_what_the_manifests_run(rendered):
     text = (ROOT / "Dockerfile").read_text()
     (base,) = re.findall(r"^FROM (\S+)", text, re.M)
@@ -508,16 +676,32 @@ def test_dockerfile_builds_what_the_manifests_run(rendered):
     assert "gpu" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for package in ("libibverbs1", "ibverbs-providers", "librdmacm1"):
         assert re.search(rf"\b{package}\b", text)
-    (user,) = re.findall(r"^USER (\d+)", text, re.M)
-    commands = set()
-    for variant in VARIANTS:
-        for _, template in pod_specs(rendered[variant]):
-            if template["spec"]["securityContext"].get("runAsNonRoot"):
-                assert template["spec"]["securityContext"]["runAsUser"] == int(user)
-            commands |= {c["command"][0] for c in containers(template)}
-    assert commands <= set(SCRIPTS)
+    _dockerfile_user(text, rendered)
+    assert _commands_by_image(rendered)[IMAGE] <= set(SCRIPTS)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def test_vllm_dockerfile_adds_the_project_to_vllms_own_image(rendered):
+    text = (ROOT / "Dockerfile.vllm").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (pin,) = extras["vllm"]
+    (base,) = re.findall(r"^FROM (\S+)", text, re.M)
+    assert pin == "vllm==0.32.0" and base == f"vllm/vllm-openai:v{pin.split('==')[1]}", \
+        "the image's vLLM is the one the connector is written (and tested) against"
+    # the project and Mooncake's GPU wheel, every package of vLLM's image held at its version
+    (install,) = re.findall(r"pip install [^\n]*", text)
+    assert '"/src[gpu]"' in install and "-c " in install
+    assert re.search(r"pip list --format=freeze > (\S+)", text).group(1) in install
+    assert "torch" not in install and "--upgrade" not in install and " -U " not in install
+    assert "import prefill_side.vllm_connector, mooncake.engine" in text
+    for package in ("libibverbs1", "ibverbs-providers", "librdmacm1"):
+        assert re.search(rf"\b{package}\b", text)
+    _dockerfile_user(text, rendered)
+    assert re.search(r'^ENTRYPOINT \["vllm"\]', text, re.M)
+    assert _commands_by_image(rendered)[VLLM_IMAGE] == {VLLM}
+    assert "docker build -f Dockerfile.vllm" in text and "docker build -f Dockerfile.vllm" in \
+        (ROOT / "docs" / "deploy.md").read_text()
 
 
 # ---- the flag the manifests needed -------------------------------------------------------------------------
