@@ -23,19 +23,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from dispatcher.dispatch import DispatchedItem, DispatchError, Dispatcher
 from dispatcher.workers import WorkerAddress, WorkerSet
 from gateway.chat import ChatRequest, ChatRequestError, EncodedImage, ImageRef, InlineImage, image_refs, rewrite
 from gateway.media import MediaError, MediaFetcher
-from prefill_side.ec_params import DeliveryReport, identifier
+from prefill_side.ec_params import DeliveryReport, ItemDelivery, identifier
 
 log = logging.getLogger(__name__)
 # Latency buckets (seconds) from 100 us: a dispatch on one node takes well under a millisecond.
@@ -116,18 +117,35 @@ class _Prepared:
                   for ref, i in zip(self.refs, self.of_ref)]
         return rewrite(original, self.refs, images, None)
 
-    def report(self, delivery: DeliveryReport | None) -> dict:
-        """What the response's ``epd`` field says about the images."""
-        out = []
+    def report(self, delivery: DeliveryReport | None) -> GatewayReport:
+        images = []
         for item in self.items:
             key = identifier(item.content_hash)
-            entry = {"identifier": key, "encoder": "encode_worker" if item.worker else "colocated",
-                     "worker": item.worker, "rows": item.rows, "error": item.error,
-                     "dispatch_ms": round(item.dispatch_s * 1e3, 3)}
-            if delivery is not None and key in delivery.items:
-                entry["delivery"] = delivery.items[key].model_dump(mode="json")
-            out.append(entry)
-        return {"request_id": self.request_id, "dispatch_ms": round(self.dispatch_s * 1e3, 3), "images": out}
+            images.append(ImageReport(
+                identifier=key, encoder="encode_worker" if item.worker else "colocated", worker=item.worker,
+                rows=item.rows, error=item.error, dispatch_ms=round(item.dispatch_s * 1e3, 3),
+                delivery=delivery.items.get(key) if delivery is not None else None))
+        return GatewayReport(request_id=self.request_id, dispatch_ms=round(self.dispatch_s * 1e3, 3), images=images)
+
+
+class ImageReport(BaseModel):
+    """One distinct image of a request: who encoded it, and how its rows reached vLLM."""
+
+    identifier: str  # its content hash, vLLM's identifier of the item
+    encoder: Literal["encode_worker", "colocated"]
+    worker: str | None  # the encode worker that took it
+    rows: int
+    error: str | None  # why it went to vLLM inline instead
+    dispatch_ms: float  # request start -> the worker's acknowledgement
+    delivery: ItemDelivery | None = None  # the EPD connector's report (non-streaming answers)
+
+
+class GatewayReport(BaseModel):
+    """The ``epd`` field the gateway adds to a non-streaming answer."""
+
+    request_id: str  # the gateway's id (the encode workers' logs name items by it)
+    dispatch_ms: float  # request start -> every image placed (or not)
+    images: list[ImageReport]
 
 
 class Gateway:
@@ -304,7 +322,8 @@ class Gateway:
         try:
             answer = json.loads(payload)
             delivery = answer.pop("ec_transfer_params", None)
-            answer["epd"] = prepared.report(DeliveryReport.model_validate(delivery) if delivery else None)
+            report = prepared.report(DeliveryReport.model_validate(delivery) if delivery else None)
+            answer["epd"] = report.model_dump(mode="json")
         except (ValueError, AttributeError) as exc:  # not the answer we know: relay vLLM's as it is
             log.warning("request %s: vLLM's answer carries no delivery report we read: %s", prepared.request_id, exc)
             return status, payload
