@@ -10,7 +10,7 @@ inline). Paths, each the same streaming chat request with one fresh image (no ca
   ``direct``'s;
 * ``gateway-epd``: through the gateway with the encode worker (dispatch, rows over SHM).
 
-TTFT: from the client's request to the first streamed token; medians over rounds of each batch's
+TTFT: from the client's request to the first streamed event (vLLM sends it with the first token); medians over rounds of each batch's
 median. Gateway CPU per image: the gateway process's CPU seconds (user + system, /proc) over every
 batch of a path and size, divided by their images. Rounds are interleaved (path order reversed
 every other round).
@@ -39,13 +39,11 @@ async def _first_token(session, url: str, model: str, image: bytes, max_tokens: 
     async with session.post(url + "/v1/chat/completions", json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{url} answered {response.status}: {(await response.text())[:300]}")
-        async for line in response.content:
-            if first is None and line.startswith(b"data: {") and b'"content":' in line:
-                data = json.loads(line[6:])
-                if any((choice.get("delta") or {}).get("content") for choice in data.get("choices") or ()):
-                    first = time.monotonic() - started
+        async for line in response.content:  # vLLM's first event comes with the first token
+            if first is None and line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                first = time.monotonic() - started
     if first is None:
-        raise RuntimeError(f"{url}: the stream carried no token")
+        raise RuntimeError(f"{url}: the stream carried no choice")
     return first
 
 
