@@ -86,6 +86,14 @@ class GatewayMetrics:
         self.requests.labels(self.model_name, outcome).inc()
 
 
+class UpstreamRefusal(Exception):
+    """vLLM answered another status than 200: relayed to the client as vLLM sent it."""
+
+    def __init__(self, status: int, payload: bytes):
+        super().__init__(f"vLLM answered {status}")
+        self.status, self.payload = status, payload
+
+
 class OpenAIError(Exception):
     """A refusal in OpenAI's error shape."""
 
@@ -277,37 +285,50 @@ class Gateway:
 
     # ---- non-streaming ------------------------------------------------------------------------
 
-    async def _complete(self, request: Request, original: dict, prepared: _Prepared, started: float) -> Response:
-        call = asyncio.ensure_future(self._call(original, prepared))
+    async def _until_client_leaves(self, request: Request, coroutine, prepared: _Prepared) -> asyncio.Task | None:
+        """The finished task of ``coroutine``, or None when the client left first: then the
+        coroutine is cancelled (dropping the vLLM call makes vLLM abort the request) and so are
+        the request's rooms."""
+        work = asyncio.ensure_future(coroutine)
         left = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({call, left}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             left.cancel()
-        if not call.done():  # the client left: drop the vLLM call (vLLM aborts the request)
-            call.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await call
-            self._cancel(prepared, "the client disconnected")
-            self.metrics.count("client_disconnected")
+        if work.done():
+            return work
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        self._cancel(prepared, "the client disconnected")
+        self.metrics.count("client_disconnected")
+        return None
+
+    def _upstream_failed(self, prepared: _Prepared, exc: OpenAIError | UpstreamRefusal) -> Response:
+        self._cancel(prepared, str(exc))
+        self.metrics.count("upstream_error")
+        if isinstance(exc, UpstreamRefusal):
+            return Response(exc.payload, status_code=exc.status, media_type="application/json")
+        return exc.response()
+
+    # ---- non-streaming ------------------------------------------------------------------------
+
+    async def _complete(self, request: Request, original: dict, prepared: _Prepared, started: float) -> Response:
+        call = await self._until_client_leaves(request, self._call(original, prepared), prepared)
+        if call is None:
             return Response(status_code=499)
         try:
-            status, payload = call.result()
-        except OpenAIError as exc:
-            self._cancel(prepared, str(exc))
-            self.metrics.count("upstream_error")
-            return exc.response()
+            payload = call.result()
+        except (OpenAIError, UpstreamRefusal) as exc:
+            return self._upstream_failed(prepared, exc)
         self.metrics.first_token.labels(self.metrics.model_name).observe(time.monotonic() - started)
-        if status != 200:
-            self._cancel(prepared, f"vLLM answered {status}")
-            self.metrics.count("upstream_error")
-            return Response(payload, status_code=status, media_type="application/json")
         self.metrics.count("ok")
         return Response(payload, media_type="application/json")
 
-    async def _call(self, original: dict, prepared: _Prepared) -> tuple[int, bytes]:
-        """vLLM's status and body; on a failed EPD delivery, once more with the images inline. A
-        200 body gets the ``epd`` report (where each image was encoded, and how it arrived)."""
+    async def _call(self, original: dict, prepared: _Prepared) -> bytes:
+        """vLLM's answer (``UpstreamRefusal`` for another status than 200); on a failed EPD
+        delivery, once more with the images inline. The answer gets the ``epd`` report (where each
+        image was encoded, and how it arrived)."""
         async with await self._post(prepared.body) as response:
             status, payload = response.status, await response.read()
         if status == 500 and prepared.placed and self.settings.retry_colocated:
@@ -318,7 +339,7 @@ class Gateway:
                 status, payload = response.status, await response.read()
             prepared.placed = []
         if status != 200:
-            return status, payload
+            raise UpstreamRefusal(status, payload)
         try:
             answer = json.loads(payload)
             delivery = answer.pop("ec_transfer_params", None)
@@ -326,8 +347,8 @@ class Gateway:
             answer["epd"] = report.model_dump(mode="json")
         except (ValueError, AttributeError) as exc:  # not the answer we know: relay vLLM's as it is
             log.warning("request %s: vLLM's answer carries no delivery report we read: %s", prepared.request_id, exc)
-            return status, payload
-        return status, json.dumps(answer).encode()
+            return payload
+        return json.dumps(answer).encode()
 
     def _count_retry(self, prepared: _Prepared) -> None:
         for item in prepared.placed:
@@ -337,59 +358,68 @@ class Gateway:
     # ---- streaming ----------------------------------------------------------------------------
 
     async def _stream(self, request: Request, original: dict, prepared: _Prepared, started: float) -> Response:
+        opened = await self._until_client_leaves(request, self._open(original, prepared), prepared)
+        if opened is None:
+            return Response(status_code=499)
         try:
-            response = await self._post(prepared.body)
-        except OpenAIError as exc:
-            self._cancel(prepared, str(exc))
-            self.metrics.count("upstream_error")
-            return exc.response()
-        if response.status != 200:
-            payload = await response.read()
-            response.release()
-            self._cancel(prepared, f"vLLM answered {response.status}")
-            self.metrics.count("upstream_error")
-            return Response(payload, status_code=response.status, media_type="application/json")
-        events = _events(response)
-        held = []  # events before the first token: a failed delivery shows up there
-        if prepared.placed and self.settings.retry_colocated:
-            async for event in events:
-                held.append(event)
-                decided = _first_token_or_error(event)
-                if decided is not None:
-                    break
-            if held and _first_token_or_error(held[-1]) == "error":
-                response.close()
-                log.warning("request %s failed in vLLM with encode-worker images; retrying with them inline",
-                            prepared.request_id)
-                self._count_retry(prepared)
-                prepared.placed = []
-                try:
-                    response = await self._post(prepared.inline_body(original))
-                except OpenAIError as exc:
-                    self.metrics.count("upstream_error")
-                    return exc.response()
-                events, held = _events(response), []
+            response, held, events = opened.result()
+        except (OpenAIError, UpstreamRefusal) as exc:
+            return self._upstream_failed(prepared, exc)
         return StreamingResponse(self._relay(response, held, events, prepared, started),
                                  media_type="text/event-stream")
 
+    async def _open(self, original: dict, prepared: _Prepared
+                    ) -> tuple[aiohttp.ClientResponse, list[bytes], AsyncIterator[bytes]]:
+        """vLLM's stream, its events up to the first token held back when a failed delivery must
+        be retried inline (it shows up there as an error event); ``UpstreamRefusal`` for another
+        status than 200. The stream is closed if this is cancelled (the client left)."""
+        response = await self._post(prepared.body)
+        try:
+            if response.status != 200:
+                raise UpstreamRefusal(response.status, await response.read())
+            events, held = _events(response), []
+            if not (prepared.placed and self.settings.retry_colocated):
+                return response, held, events
+            async for event in events:
+                held.append(event)
+                if _first_token_or_error(event) is not None:
+                    break
+            if not held or _first_token_or_error(held[-1]) != "error":
+                return response, held, events
+            response.close()
+            log.warning("request %s failed in vLLM with encode-worker images; retrying with them inline",
+                        prepared.request_id)
+            self._count_retry(prepared)
+            prepared.placed = []
+            response = await self._post(prepared.inline_body(original))
+            if response.status != 200:
+                raise UpstreamRefusal(response.status, await response.read())
+            return response, [], _events(response)
+        except BaseException:
+            response.close()
+            raise
+
     async def _relay(self, response: aiohttp.ClientResponse, held: list[bytes], events: AsyncIterator[bytes],
                      prepared: _Prepared, started: float) -> AsyncIterator[bytes]:
-        completed, first = False, True
+        outcome, waiting_first = "client_disconnected", True
         try:
-            for event in held:
-                yield event
-            async for event in events:
-                if first and _first_token_or_error(event) == "token":
-                    first = False
+            async for event in _chain(held, events):
+                if waiting_first and _first_token_or_error(event) == "token":
+                    waiting_first = False
                     self.metrics.first_token.labels(self.metrics.model_name).observe(time.monotonic() - started)
                 yield event
-            completed = True
-            self.metrics.count("ok")
+            outcome = "ok"
+        except aiohttp.ClientError as exc:  # vLLM's side of the stream broke: the client's ends here too
+            log.warning("request %s: vLLM's stream broke: %s", prepared.request_id, exc)
+            outcome = "upstream_error"
+            error = {"message": f"vLLM's stream broke: {type(exc).__name__}", "type": "upstream_error",
+                     "param": None, "code": 502}
+            yield f"data: {json.dumps({'error': error})}\n\n".encode()
         finally:
             response.close()  # before the end: vLLM sees the connection drop and aborts the request
-            if not completed:
-                self._cancel(prepared, "the client disconnected")
-                self.metrics.count("client_disconnected")
+            if outcome != "ok":
+                self._cancel(prepared, outcome.replace("_", " "))
+            self.metrics.count(outcome)
 
     # ---- the rest of the API ------------------------------------------------------------------
 
@@ -414,6 +444,13 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (the body was read already: the next message is the end)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _chain(held: list[bytes], events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for event in held:
+        yield event
+    async for event in events:
+        yield event
 
 
 async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -91,11 +91,11 @@ class Stack:
         assert codes == {name: 0 for name in codes}, codes
         return pids
 
-    def ask(self, client: openai.OpenAI, urls: list[str], **extra):
+    def ask(self, client: openai.OpenAI, urls: list[str], max_tokens_override: int | None = None, **extra):
         content = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
         content.append({"type": "text", "text": "Describe the pictures."})
         return client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": content}],
-                                              temperature=0, max_tokens=MAX_TOKENS, **extra)
+                                              temperature=0, max_tokens=max_tokens_override or MAX_TOKENS, **extra)
 
     def colocated(self, urls: list[str]) -> str:
         """vLLM's own answer (its tower on the images), without the gateway."""
@@ -165,25 +165,46 @@ def test_bad_images_are_refused_with_a_clear_error(stack, image_server, url, mes
     assert metric(stack.gateway.url, "epd_gateway_dispatch_seconds_count") == before  # nothing was dispatched
 
 
-def test_client_disconnect_cancels_the_rooms(stack):
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_before_the_answer_cancels_the_rooms(stack, stream):
     """vLLM's API server is stopped (SIGSTOP), so the request waits; the client gives up; the
     gateway cancels the image's room at the worker at once. Once vLLM runs again, nothing is
     held: the next request is served and equals colocated."""
-    image = data_uri(synthetic_image(98, 98, seed=66))
+    image = data_uri(synthetic_image(98, 98 + stream, seed=66))
     cancelled = metric(stack.worker.url, "epd_handshake_transitions_total", to="CANCELLED")
+    left = metric(stack.gateway.url, "epd_gateway_requests_total", outcome="client_disconnected")
     leaving = openai.OpenAI(base_url=stack.gateway.url + "/v1", api_key="-", max_retries=0, timeout=3)
     os.kill(stack.vllm.process.pid, signal.SIGSTOP)
     try:
         with pytest.raises(openai.APITimeoutError):
-            stack.ask(leaving, [image])
+            list(stack.ask(leaving, [image], stream=stream)) if stream else stack.ask(leaving, [image])
         eventually(lambda: metric(stack.worker.url, "epd_handshake_transitions_total", to="CANCELLED") == cancelled + 1,
                    "the room cancelled at the worker", seconds=10)
-        eventually(lambda: metric(stack.gateway.url, "epd_gateway_requests_total", outcome="client_disconnected") >= 1,
-                   "the gateway counting the disconnect", seconds=10)
+        eventually(lambda: metric(stack.gateway.url, "epd_gateway_requests_total",
+                                  outcome="client_disconnected") == left + 1, "the gateway counting it", seconds=10)
     finally:
         os.kill(stack.vllm.process.pid, signal.SIGCONT)
         leaving.close()
-    fresh = data_uri(synthetic_image(98, 70, seed=67))
+    fresh = data_uri(synthetic_image(98, 70 + stream, seed=67))
+    assert stack.ask(stack.client, [fresh]).choices[0].message.content == stack.colocated([fresh])
+
+
+def test_client_leaving_mid_stream_aborts_the_request_in_vllm(stack):
+    """The client closes a long stream after its first events: the gateway drops its vLLM call and
+    vLLM aborts the request (it generates far fewer than the 800 tokens it was asked for, which
+    it would run to the end otherwise); the next request is served."""
+    generated = metric(stack.vllm.url, "vllm:generation_tokens_total")
+    left = metric(stack.gateway.url, "epd_gateway_requests_total", outcome="client_disconnected")
+    stream = stack.ask(stack.client, [data_uri(synthetic_image(56, 56, seed=70))], stream=True,
+                       max_tokens_override=800, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(3), stream):
+        pass
+    stream.close()
+    eventually(lambda: metric(stack.gateway.url, "epd_gateway_requests_total",
+                              outcome="client_disconnected") == left + 1, "the gateway counting it", seconds=10)
+    eventually(lambda: metric(stack.vllm.url, "vllm:num_requests_running") == 0, "vLLM done with it", seconds=60)
+    assert metric(stack.vllm.url, "vllm:generation_tokens_total") - generated < 800
+    fresh = data_uri(synthetic_image(70, 70, seed=72))
     assert stack.ask(stack.client, [fresh]).choices[0].message.content == stack.colocated([fresh])
 
 
