@@ -29,7 +29,7 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from dispatcher.dispatch import DispatchedItem, DispatchError, Dispatcher
@@ -60,6 +60,7 @@ class GatewaySettings:
     max_redirects: int = 3
     allow_private_urls: bool = False
     max_body_bytes: int = 100 << 20
+    max_in_flight: int = 256  # chat requests at once (each holds its body: bounds the gateway's memory)
     request_timeout_s: float = 600.0  # the whole vLLM call
     retry_colocated: bool = True
 
@@ -80,6 +81,8 @@ class GatewayMetrics:
         self.first_token = Histogram("epd_gateway_time_to_first_token_seconds",
                                      "Request start -> first token relayed (streaming) or the answer",
                                      labels, buckets=BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("epd_gateway_requests_in_flight", "Chat requests being served now", labels,
+                               registry=self.registry)
         self.model_name = model_name
 
     def count(self, outcome: str) -> None:
@@ -485,6 +488,35 @@ def _media_type(item: DispatchedItem) -> str:
     return Image.MIME.get(item.image_format, "application/octet-stream")
 
 
+class InFlightLimit:
+    """ASGI middleware: at most ``max_in_flight`` chat requests at once, counted from the first
+    byte of the request to the last byte of the answer (a stream included); one more is refused at
+    once with 503 and ``Retry-After``."""
+
+    def __init__(self, app, gateway: Gateway):
+        self.app, self.gateway = app, gateway
+        self.count = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await self.app(scope, receive, send)
+        limit = self.gateway.settings.max_in_flight
+        if self.count >= limit:
+            self.gateway.metrics.count("overloaded")
+            refusal = OpenAIError(503, f"the gateway serves {limit} requests at once (--max-in-flight); retry shortly",
+                                  kind="overloaded").response()
+            refusal.headers["Retry-After"] = "1"
+            return await refusal(scope, receive, send)
+        gauge = self.gateway.metrics.in_flight.labels(self.gateway.metrics.model_name)
+        self.count += 1
+        gauge.inc()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count -= 1
+            gauge.dec()
+
+
 def build_app(gateway: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -495,6 +527,7 @@ def build_app(gateway: Gateway) -> FastAPI:
             await gateway.close()
 
     app = FastAPI(title="EPD gateway", version="1", lifespan=lifespan)
+    app.add_middleware(InFlightLimit, gateway=gateway)
     app.state.gateway = gateway
 
     @app.post("/v1/chat/completions")

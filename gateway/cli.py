@@ -51,6 +51,7 @@ FLAGS = [
     ("--fetch-timeout-s", positive(float), 10.0, "time to fetch one http(s) image, redirects included"),
     ("--max-redirects", non_negative(int), 3, "redirects followed when fetching an image"),
     ("--max-body-bytes", byte_size, "100M", "largest request body taken"),
+    ("--max-in-flight", positive(int), 256, "chat requests served at once; one more gets 503 and Retry-After"),
     ("--request-timeout-s", positive(float), 600.0, "time for vLLM's whole answer"),
     ("--log-level", str, "info", "debug, info, warning, error"),
 ]
@@ -115,7 +116,7 @@ def settings_from(args):
         rooms_url=args.rooms_url or None, near=args.near or None, handshake_token=handshake_token(args.token_file),
         intake_token=intake_token, max_image_bytes=args.max_image_bytes, fetch_timeout_s=args.fetch_timeout_s,
         max_redirects=args.max_redirects, allow_private_urls=args.allow_private_urls,
-        max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
+        max_body_bytes=args.max_body_bytes, max_in_flight=args.max_in_flight, request_timeout_s=args.request_timeout_s,
         retry_colocated=args.retry_colocated)
 
 

@@ -156,3 +156,44 @@ def test_bodies_that_are_not_json_or_too_large(app_without_vllm):
         "request body must be a JSON object")
     too_large = app_without_vllm.post("/v1/chat/completions", content=b" " * ((1 << 20) + 1))
     assert too_large.status_code == 413 and "larger than 1048576 bytes" in too_large.json()["error"]["message"]
+
+
+def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path):
+    """With vLLM not answering (a socket that accepts and never replies), the one request the
+    gateway may hold waits; the next gets 503 with Retry-After at once; the held one ends with
+    502 when its time is up."""
+    import socket
+    import threading
+
+    from fastapi.testclient import TestClient
+    from transformers import AutoImageProcessor
+
+    from encode_worker.small_checkpoints import build_full
+    from gateway.app import Gateway, GatewaySettings, build_app
+    from tests.waiting import eventually
+
+    build_full("qwen2_vl", str(tmp_path))
+    silent = socket.socket()
+    silent.bind((HOST, 0))
+    silent.listen(8)
+    settings = GatewaySettings(vllm_url=f"http://{HOST}:{silent.getsockname()[1]}", served_model_name="m",
+                               workers=(WorkerAddress(HOST, free_port(), free_port()),), max_in_flight=1,
+                               request_timeout_s=3)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
+    try:
+        with TestClient(build_app(Gateway(settings, AutoImageProcessor.from_pretrained(str(tmp_path))))) as client:
+            held = {}
+            waiting = threading.Thread(target=lambda: held.setdefault(
+                "response", client.post("/v1/chat/completions", content=body)))
+            waiting.start()
+            eventually(lambda: 'epd_gateway_requests_in_flight{model_name="m"} 1.0' in client.get("/metrics").text,
+                       "the first request held", seconds=10)
+            refused = client.post("/v1/chat/completions", content=body)
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            assert "--max-in-flight" in refused.json()["error"]["message"]
+            waiting.join(30)
+            assert not waiting.is_alive(), "the held request did not end"
+            assert held["response"].status_code == 502
+            assert client.post("/v1/chat/completions", content=body).status_code == 502  # room again
+    finally:
+        silent.close()
