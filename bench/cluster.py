@@ -18,14 +18,15 @@ import urllib.request
 from dataclasses import dataclass
 
 from dispatcher.workers import WorkerAddress
+from multimodal.wire import endpoint_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
+def free_port(host: str = HOST) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -71,14 +72,16 @@ class LocalCluster:
                            f"http://{HOST}:{port}", ready_path="/healthz", **launch)
 
     def start_encode_worker(self, name: str = "encode-worker", transports: str = "shm,mooncake",
-                            cache_bytes: int = 1 << 30, extra: tuple[str, ...] = (), **launch) -> Role:
-        bootstrap, intake = free_port(), free_port()
+                            cache_bytes: int = 1 << 30, extra: tuple[str, ...] = (), host: str = HOST,
+                            **launch) -> Role:
+        """``host``: the loopback address it listens on and names itself by (``::1`` for IPv6)."""
+        bootstrap, intake = free_port(host), free_port(host)
         role = self._start(name, ["encode_worker.cli", "--model", self.model_dir, "--dtype", self.dtype,
-                                  "--host", HOST, "--bind", HOST, "--bootstrap-port", str(bootstrap),
+                                  "--host", host, "--bind", host, "--bootstrap-port", str(bootstrap),
                                   "--intake-port", str(intake), "--transports", transports,
                                   "--cache-bytes", str(cache_bytes), "--ring-bytes", str(256 << 20), *extra],
-                           f"http://{HOST}:{bootstrap}", ready_path="/readyz", **launch)
-        role.worker = WorkerAddress(HOST, bootstrap, intake)
+                           endpoint_url("http", host, bootstrap), ready_path="/readyz", **launch)
+        role.worker = WorkerAddress(host, bootstrap, intake)
         return role
 
     def start_prefill(self, name: str = "prefill", transports: str = "shm,mooncake", pool_bytes: int = 512 << 20,

@@ -9,6 +9,7 @@ join and leave without a restart.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import re
 import socket
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from dispatcher.ring import HashRing
+from multimodal.wire import endpoint_url
 
 log = logging.getLogger(__name__)
 MAX_WORKERS = 1024
@@ -37,22 +39,33 @@ class WorkerAddress:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.bootstrap_port}"
+        return endpoint_url("http", self.host, self.bootstrap_port)
 
     @property
     def intake_endpoint(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.intake_port}"
+        return endpoint_url("tcp", self.host, self.intake_port)
 
     @classmethod
     def parse(cls, text: str) -> WorkerAddress:
-        """``host``, ``host:bootstrap_port`` or ``host:bootstrap_port:intake_port``."""
-        parts = text.strip().split(":")
+        """``host``, ``host:bootstrap_port`` or ``host:bootstrap_port:intake_port``; an IPv6 host
+        in brackets (``[fd00::5]:8998:8999``)."""
+        text = text.strip()
+        if text.startswith("["):
+            v6, bracket, rest = text[1:].partition("]")
+            try:
+                ipaddress.IPv6Address(v6)
+            except ValueError:
+                raise ValueError(f"worker {text!r}: {v6!r} is not an IPv6 address") from None
+            if not bracket or (rest and not rest.startswith(":")):
+                raise ValueError(f"worker {text!r}: expected [ipv6][:bootstrap_port[:intake_port]]")
+            parts = [v6, *rest[1:].split(":")] if rest else [v6]
+        else:
+            parts = text.split(":")
+            if parts[0] and not HOST.fullmatch(parts[0]):
+                raise ValueError(f"worker {text!r}: {parts[0]!r} is not a host name or IPv4 address "
+                                 "(an IPv6 address goes in brackets)")
         if not parts[0] or len(parts) > 3:
             raise ValueError(f"worker {text!r}: expected host[:bootstrap_port[:intake_port]]")
-        if not HOST.fullmatch(parts[0]):
-            raise ValueError(f"worker {text!r}: {parts[0]!r} is not a host name or IPv4 address")
         try:
             ports = [int(p) for p in parts[1:]]
         except ValueError:

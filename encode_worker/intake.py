@@ -97,6 +97,7 @@ class IntakeClient:
         self.timeout_ms = int(timeout_s * 1000)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.IPV6, 1)  # an IPv6 worker's endpoint as well as an IPv4 one
         self._socket.connect(endpoint)
 
     def send(self, request: dict, payload: bytes | None = None) -> dict:
@@ -131,6 +132,7 @@ class AsyncIntakeClient:
         self.max_in_flight = max_in_flight
         self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.IPV6, 1)  # an IPv6 worker's endpoint as well as an IPv4 one
         self._socket.connect(endpoint)
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None

@@ -36,6 +36,7 @@ from data_plane.commit import EmbeddingLayout, checksum
 from data_plane.mooncake import MooncakeConfig
 from data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmTensorHandle
+from data_plane.offers import TRANSPORT_NAMES, transport_spec
 from data_plane.transport import build_transports
 from encode_worker.cache import CacheKey, EmbeddingCache, Encoded
 from encode_worker.inputs import (
@@ -58,10 +59,10 @@ from handshake.loops import LoopThread
 from handshake.models import FailBody
 from handshake.rooms import RoomError, RoomTable
 from handshake.server import ThreadedServer
-from handshake.settings import DTYPES, TRANSPORTS, SettingError, check_listen
+from handshake.settings import DTYPES, SettingError, check_listen
 from multimodal.hashing import hash_feature
 from multimodal.rows import RowContractError, image_grid, split_rows
-from multimodal.wire import EncodeHandshake
+from multimodal.wire import EncodeHandshake, endpoint_url
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
@@ -130,9 +131,9 @@ class WorkerConfig:
                 raise SettingError(message)
 
         need(self.dtype in DTYPES, f"dtype {self.dtype!r}: a tower runs in {', '.join(DTYPES)}")
-        need(bool(self.transports), "transports: give at least one of " + ", ".join(TRANSPORTS))
-        unknown = [t for t in self.transports if t not in TRANSPORTS]
-        need(not unknown, f"transports: unknown {unknown}; use {', '.join(TRANSPORTS)}")
+        need(bool(self.transports), "transports: give at least one of " + ", ".join(TRANSPORT_NAMES))
+        unknown = [t for t in self.transports if t not in TRANSPORT_NAMES]
+        need(not unknown, f"transports: unknown {unknown}; use {', '.join(TRANSPORT_NAMES)}")
         need(bool(self.host) and bool(self.bind), "host and bind must be addresses")
         for name in ("bootstrap_port", "intake_port"):
             need(0 <= getattr(self, name) <= 65535, f"{name} {getattr(self, name)} is not in 0..65535 (0: any)")
@@ -241,15 +242,16 @@ class EncodeWorker:
                                 config.queue_bytes)
         self.ring = SlotPool(MemoryRegion.anonymous(config.ring_bytes), config.ring_slot_bytes,
                              quarantine_s=config.write_timeout_s * 2)
-        # Mooncake that cannot start leaves SHM in service (logged); alone, it is an error
+        # a transport that cannot start (Mooncake) leaves the others in service (logged); alone, it
+        # is an error
         self.transports = transports if transports is not None else build_transports(
-            config.transports, MooncakeConfig(hostname=config.host, device_names=config.mooncake_hca,
-                                              force_tcp=config.mooncake_force_tcp,
-                                              transfer_timeout_s=max(5, int(config.write_timeout_s))),
-            mooncake_optional=True)
+            config.transports, {"mooncake": MooncakeConfig(hostname=config.host, device_names=config.mooncake_hca,
+                                                           force_tcp=config.mooncake_force_tcp,
+                                                           transfer_timeout_s=max(5, int(config.write_timeout_s)))},
+            optional=True)
         try:
             for transport in self.transports.values():
-                if transport.name == "mooncake":
+                if transport_spec(transport.name).registers_send_memory:
                     transport.register(self.ring.region)
         except BaseException:
             self._close_transports()
@@ -311,12 +313,13 @@ class EncodeWorker:
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_payload_bytes + (1 << 20))
+        self._socket.setsockopt(zmq.IPV6, 1)  # --bind may be an IPv6 address
         try:
             if config.intake_port:
-                self._socket.bind(f"tcp://{config.bind}:{config.intake_port}")
+                self._socket.bind(endpoint_url("tcp", config.bind, config.intake_port))
                 self.intake_port = config.intake_port
             else:
-                self.intake_port = self._socket.bind_to_random_port(f"tcp://{config.bind}")
+                self.intake_port = self._socket.bind_to_random_port(endpoint_url("tcp", config.bind))
         except zmq.ZMQError as exc:
             raise SettingError(f"intake port: cannot listen on {config.bind}:{config.intake_port}: {exc.strerror}") from None
 

@@ -9,6 +9,14 @@ from data_plane.json_fields import json_int
 from data_plane.offers import MAX_ROOM_ID
 
 
+def endpoint_url(scheme: str, host: str, port: int | None = None) -> str:
+    """``scheme://host[:port]``, the one place an endpoint's URL is spelled: an IPv6 host is
+    bracketed (given with or without brackets); ``ValueError`` for a host that makes no URL."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return str(yarl.URL.build(scheme=scheme, host=host, port=port))
+
+
 class EncodeHandshake(BaseModel):
     """Where an item's room lives: the encode worker's (or a standalone) handshake endpoint."""
 
@@ -22,7 +30,4 @@ class EncodeHandshake(BaseModel):
     def url(self) -> str:
         """``http://host:port`` of the room endpoint (an IPv6 host bracketed, given with or without
         brackets); ``ValueError`` for a host that makes no URL."""
-        host = self.bootstrap_host
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-        return str(yarl.URL.build(scheme="http", host=host, port=self.bootstrap_port))
+        return endpoint_url("http", self.bootstrap_host, self.bootstrap_port)

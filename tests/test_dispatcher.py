@@ -50,7 +50,11 @@ def test_walk_gives_every_member_once_owner_first():
 def test_worker_addresses_parse_or_refuse():
     assert WorkerAddress.parse("10.0.0.5") == WorkerAddress("10.0.0.5", 8998, 8999)
     assert WorkerAddress.parse("w-1:9000:9001").intake_endpoint == "tcp://w-1:9001"
-    for bad in ("", ":8998", "h:x", "h:1:2:3", "h:70000", "my host", "bad/host:1", "-h"):
+    v6 = WorkerAddress.parse("[fd00::5]:9000:9001")
+    assert v6 == WorkerAddress("fd00::5", 9000, 9001) and WorkerAddress.parse("[::1]") == WorkerAddress("::1")
+    assert (v6.url, v6.intake_endpoint) == ("http://[fd00::5]:9000", "tcp://[fd00::5]:9001")
+    for bad in ("", ":8998", "h:x", "h:1:2:3", "h:70000", "my host", "bad/host:1", "-h", "fd00::5", "[fd00::5",
+                "[not-v6]:1", "[::1]x", "[::1]:1:2:3"):
         with pytest.raises(ValueError):
             WorkerAddress.parse(bad)
 
