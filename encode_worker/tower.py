@@ -29,22 +29,12 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # before torch runs its first 
 
 import torch  # noqa: E402
 from transformers import AutoImageProcessor  # noqa: E402
-from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.utils import logging as hf_logging
 
 from data_plane.dtypes import dtype_from_wire
+from encode_worker.families import FAMILIES
 from multimodal.rows import split_rows
 
-TOWER_CLASSES = {
-    "qwen2_vl": (Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel),
-    "qwen2_5_vl": (Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel),
-    "qwen3_vl": (Qwen3VLVisionConfig, Qwen3VLVisionModel),
-}
 # Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).
 KEY_MAPPING = {r"^model\.visual\.": "", r"^visual\.": ""}
 
@@ -73,8 +63,8 @@ def detect_family(directory: str) -> str:
     except (OSError, ValueError) as exc:
         raise TowerLoadError(f"cannot read {path}: {exc}") from exc
     family = model_type.removesuffix("_vision")
-    if family not in TOWER_CLASSES:
-        raise TowerLoadError(f"model_type {model_type!r} is not a supported tower ({sorted(TOWER_CLASSES)})")
+    if family not in FAMILIES:
+        raise TowerLoadError(f"model_type {model_type!r} is not a supported tower ({sorted(FAMILIES)})")
     return family
 
 
@@ -104,7 +94,7 @@ class VisionTower:
     @classmethod
     def load(cls, directory: str, dtype: str = "float32", device: str = "cpu") -> VisionTower:
         family = detect_family(directory)
-        config_class, tower_class = TOWER_CLASSES[family]
+        config_class, tower_class = FAMILIES[family].vision_config, FAMILIES[family].tower
         torch_dtype = dtype_from_wire(dtype)
         config = config_class.from_pretrained(directory)
         with _quiet_transformers():  # the LLM's weights are "unexpected" here, by design

@@ -21,18 +21,12 @@ import tempfile
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    GenerationConfig,
-    PreTrainedTokenizerFast,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2VLConfig,
-    Qwen2VLForConditionalGeneration,
-)
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
+from encode_worker.families import FAMILIES
 from encode_worker.small_checkpoints import image_processor, vision_config
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+VLLM_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.vllm_connector)
 DEFAULT_CACHE = os.path.expanduser("~/.cache/epd-encode-worker")
 # Bump when what build_vlm writes changes, so cached directories of an older layout are not reused.
 BUILD_VERSION = 3
@@ -83,8 +77,8 @@ def build_vlm(family: str, directory: str, hidden: int = 128, layers: int = 2, t
     """A full ``...ForConditionalGeneration`` checkpoint (float32) with tokenizer and image
     processor in ``directory``. ``hidden``: the LLM's width = the tower's output width = the width
     of every embedding row; heads of 32 (vLLM's CPU attention takes that head size)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family not in VLLM_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {VLLM_FAMILIES}")
     if hidden % 64:
         raise ValueError(f"hidden {hidden} must be a multiple of 64 (heads of 32, two KV heads)")
     torch.manual_seed(seed)
@@ -95,10 +89,7 @@ def build_vlm(family: str, directory: str, hidden: int = 128, layers: int = 2, t
                 eos_token_id=TOKEN_IDS["<|im_end|>"], pad_token_id=TOKEN_IDS["<|endoftext|>"],
                 # mrope sections (temporal, height, width) sum to half the head size (32)
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]})
-    config_class, model_class = {
-        "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
-        "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
-    }[family]
+    config_class, model_class = FAMILIES[family].vlm_config, FAMILIES[family].vlm
     config = config_class(vision_config=vision_config(family, out_width=hidden, width=tower_width), text_config=text,
                           image_token_id=TOKEN_IDS["<|image_pad|>"], video_token_id=TOKEN_IDS["<|video_pad|>"],
                           vision_start_token_id=TOKEN_IDS["<|vision_start|>"],

@@ -55,6 +55,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from data_plane.dtypes import dtype_from_wire, dtype_to_wire
 from data_plane.shm import ShmSegment
+from encode_worker.families import FAMILIES
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from prefill_side.ec_params import DeliveryReport, Identifier, ItemDelivery, TransferParams, identifier
 from prefill_side.receiver import JobState
@@ -71,8 +72,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Architectures whose encoder rows are one [rows, text hidden size] tensor per item, as the encode
-# worker writes them, and that the tests run end to end (Qwen3-VL's DeepStack rows: not yet).
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# worker writes them, and that the tests run end to end.
+SUPPORTED_MODEL_TYPES = tuple(name for name, family in FAMILIES.items() if family.vllm_connector)
 MODALITIES = {"image": Modality.IMAGE}  # what the encode workers encode
 # Keys of an item's processed data that only size its placeholders: an item with nothing else
 # carries no media, so vLLM's tower cannot encode it.
