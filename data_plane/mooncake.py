@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane.offers import MooncakeOffer
+from data_plane.offers import MooncakeOffer, TransportUnavailable
 from data_plane.pool import Lease, MemoryRegion, SlotPool
 from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
 
@@ -32,7 +32,7 @@ INSTALL_HINT = (
 MIN_ENGINE_TIMEOUT_S = 5
 
 
-class MooncakeUnavailable(RuntimeError):
+class MooncakeUnavailable(TransportUnavailable):
     """The Mooncake package, a library it links, or its engine could not be loaded."""
 
 
@@ -156,6 +156,10 @@ class MooncakeTransport(Transport):
             elif cls._instance.config != config:
                 raise ValueError("the process's Mooncake engine was already created with another config")
             return cls._instance
+
+    @classmethod
+    def from_config(cls, config: MooncakeConfig | None = None) -> MooncakeTransport:
+        return cls.for_process(config or MooncakeConfig())
 
     def _check_process(self) -> None:
         if os.getpid() != self.pid:

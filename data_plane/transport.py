@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import abc
 import enum
+import importlib
 import logging
 import time
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from data_plane.offers import Offer
+from data_plane.offers import Offer, TransportUnavailable, transport_spec
 from data_plane.pool import Lease, MemoryRegion, SlotPool
 
 
@@ -81,6 +83,12 @@ class Transport(abc.ABC):
     # (SHM): a small one may then run on an event loop
     copies_in_submit: bool = False
 
+    @classmethod
+    def from_config(cls, config: object | None = None) -> Transport:
+        """This process's instance, from the transport's own settings object (None: its defaults);
+        ``build_transports`` calls it."""
+        return cls()
+
     @abc.abstractmethod
     def register(self, region: MemoryRegion) -> None:
         """Make a region a valid source or destination (once per region, never per tensor)."""
@@ -117,28 +125,21 @@ class Transport(abc.ABC):
         """Release what the transport holds (engines, mappings)."""
 
 
-def build_transports(names, mooncake_config=None, mooncake_optional: bool = False) -> dict[str, Transport]:
-    """This process's transports by name (``shm``, ``mooncake``, ``loopback``). With
-    ``mooncake_optional``, a missing Mooncake leaves the others in service (logged) instead of
+def build_transports(names: Sequence[str], configs: Mapping[str, object] | None = None,
+                     optional: bool = False) -> dict[str, Transport]:
+    """This process's transports by name (``data_plane.offers.TRANSPORTS``), each built by its
+    registered class from ``configs[name]`` (absent: its defaults). With ``optional``, a transport
+    unavailable here (``TransportUnavailable``) leaves the others in service (logged) instead of
     failing, unless it was the only one asked for."""
-    from data_plane.loopback import LoopbackTransport
-    from data_plane.mooncake import MooncakeConfig, MooncakeTransport, MooncakeUnavailable
-    from data_plane.shm_transport import ShmTransport
-
     made: dict[str, Transport] = {}
     for name in names:
-        if name == "shm":
-            made[name] = ShmTransport()
-        elif name == "mooncake":
-            try:
-                made[name] = MooncakeTransport.for_process(mooncake_config or MooncakeConfig())
-            except MooncakeUnavailable as exc:
-                if not mooncake_optional or len(names) == 1:
-                    raise
-                logging.getLogger(__name__).warning("Mooncake unavailable, using %s only: %s",
-                                                    ",".join(n for n in names if n != "mooncake"), exc)
-        elif name == "loopback":
-            made[name] = LoopbackTransport()
-        else:
-            raise ValueError(f"unknown transport {name!r}")
+        module, _, class_name = transport_spec(name).implementation.partition(":")
+        transport_class = getattr(importlib.import_module(module), class_name)
+        try:
+            made[name] = transport_class.from_config((configs or {}).get(name))
+        except TransportUnavailable as exc:
+            if not optional or len(names) == 1:
+                raise
+            logging.getLogger(__name__).warning("%s unavailable, using %s only: %s", name.capitalize(),
+                                                ",".join(n for n in names if n != name), exc)
     return made

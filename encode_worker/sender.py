@@ -2,7 +2,8 @@
 
 Per item: wait (bounded, long-poll, no spinning) for the room's receiver, and fail the room
 when none came in time (its receiver, arriving later, learns it at once); pick the transport
-from what both sides offer (SHM on the same node, else Mooncake; loopback in tests); check rows x
+from what both sides offer, in the registry's preference order (``data_plane.offers.TRANSPORTS``:
+SHM on the same node, else Mooncake; loopback in tests); check rows x
 width x dtype and capacity before any byte moves; begin the write; write; commit with the slot
 generation and a checksum. Any failure fails only this room, with a reason the receiver can read.
 The send-ring slot is released once the transport has settled (a write that may still read it
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from data_plane.commit import EmbeddingLayout
+from data_plane.offers import TRANSPORT_NAMES
 from data_plane.pool import Lease, SlotPool
 from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
 from handshake.client import HandshakeError
@@ -44,7 +46,6 @@ from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound
 from multimodal.wire import EncodeHandshake
 
 log = logging.getLogger(__name__)
-TRANSPORT_PREFERENCE = ("shm", "mooncake", "loopback")
 INLINE_WRITE_BYTES = 4 << 20  # ~0.4 ms of memcpy here: the most a write may hold up the handshake loop
 
 
@@ -206,7 +207,9 @@ class Sender:
                 and (chosen is None or chosen[0].copies_in_submit))
 
     def _choose(self, offers) -> tuple[Transport, object] | None:
-        for name in TRANSPORT_PREFERENCE:
+        """The first transport, in the registry's preference order, both sides have and this
+        process can reach."""
+        for name in TRANSPORT_NAMES:
             transport = self.transports.get(name)
             if transport is None:
                 continue

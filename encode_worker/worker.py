@@ -34,9 +34,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.commit import EmbeddingLayout, checksum
 from data_plane.mooncake import MooncakeConfig
+from data_plane.offers import TRANSPORT_NAMES, transport_spec
 from data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmTensorHandle
-from data_plane.offers import TRANSPORT_NAMES, transport_spec
 from data_plane.transport import build_transports
 from encode_worker.cache import CacheKey, EmbeddingCache, Encoded
 from encode_worker.inputs import (

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from data_plane.json_fields import JsonBool, json_float, json_int
-from data_plane.offers import DTYPE_NAMES, MAX_BYTES, MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, Offer
+from data_plane.offers import (
+    DTYPE_NAMES,
+    MAX_OFFERS,
+    MAX_ROOM_ID,
+    MAX_ROWS,
+    MAX_WIDTH,
+    Offer,
+    TransportName,
+)
 
 MAX_BATCH = 256
 MAX_DEADLINE_S = 3600.0  # a registration's deadline
@@ -61,7 +69,7 @@ class Registration(_Body):
     rows: json_int(gt=0, le=MAX_ROWS)
     width: json_int(gt=0, le=MAX_WIDTH)
     dtype: str = Field(pattern=DTYPE_PATTERN)
-    offers: list[Offer] = Field(min_length=1, max_length=3)
+    offers: list[Offer] = Field(min_length=1, max_length=MAX_OFFERS)
     deadline_s: json_float(gt=0, le=MAX_DEADLINE_S) | None = None
 
     @property
@@ -79,7 +87,7 @@ class Registration(_Body):
             if offer.capacity < self.nbytes:
                 raise ValueError(f"[{self.rows}, {self.width}] {self.dtype} is {self.nbytes} bytes, more than "
                                  f"the {offer.kind} offer's capacity of {offer.capacity}")
-            start, end = (offer.address, 1 << 64) if offer.kind == "mooncake" else (offer.offset, MAX_BYTES)
+            start, end = offer.span()
             if start + offer.capacity > end:
                 raise ValueError(f"the {offer.kind} offer [{start}, +{offer.capacity}) runs past {end}")
         return self
@@ -95,7 +103,7 @@ class RegisterRequest(_Body):
 class BeginWrite(_Body):
     room: RoomId
     generation: json_int(ge=0, lt=1 << 63)
-    transport: Literal["mooncake", "shm", "loopback"]
+    transport: TransportName
     write_timeout_s: json_float(gt=0, le=600) = 30.0
     # who writes (an encode worker's id): the first writer owns the room's one write; another
     # writer's begin_write is refused, so two workers never write one slot
@@ -119,7 +127,7 @@ class EncodeTimings(_Body):
 class CommitBody(_Body):
     room: RoomId
     generation: json_int(ge=0, lt=1 << 63)
-    transport: Literal["mooncake", "shm", "loopback"]
+    transport: TransportName
     rows: json_int(gt=0, le=MAX_ROWS)
     width: json_int(gt=0, le=MAX_WIDTH)
     dtype: str = Field(pattern=DTYPE_PATTERN)

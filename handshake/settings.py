@@ -15,8 +15,9 @@ import os
 import socket
 import sys
 
+from data_plane.offers import TRANSPORT_NAMES
+
 DTYPES = ("bfloat16", "float16", "float32")
-TRANSPORTS = ("shm", "mooncake", "loopback")
 _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -107,9 +108,9 @@ def transports(text: str) -> str:
     """A non-empty comma-separated list of known transports: the same list, in order, without
     blanks or repeats (``.split(",")`` it)."""
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    unknown = [name for name in names if name not in TRANSPORTS]
+    unknown = [name for name in names if name not in TRANSPORT_NAMES]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(TRANSPORTS)} "
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(TRANSPORT_NAMES)} "
                                          f"(comma-separated){'; unknown: ' + ', '.join(unknown) if unknown else ''}")
     return ",".join(names)
 

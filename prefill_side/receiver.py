@@ -17,9 +17,10 @@ item's outcome, once settled, never changes; every slot a job reserved is releas
 while a writer may still land bytes in it, whatever path the item took.
 
 If someone unlinks the receive pool's ``/dev/shm`` segment, same-node writers can no longer map it:
-the receiver notices at the next job (or health check), stops offering SHM, says so once in the log
-and in ``health()``, and goes on over its other transports; with none left, ``health()`` says the
-process cannot receive (restart it: a new process makes a new pool).
+the receiver notices at the next job (or health check), stops offering the transports that need it
+(``TransportSpec.needs_shm_pool``: SHM), says so once in the log and in ``health()``, and goes on
+over its other transports; with none left, ``health()`` says the process cannot receive (restart
+it: a new process makes a new pool).
 """
 
 from __future__ import annotations
@@ -38,13 +39,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit, verify_rows
 from data_plane.dtypes import dtype_to_wire
-from data_plane.mooncake import MooncakeUnavailable
 from data_plane.pool import Lease, MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmError
 from data_plane.transport import build_transports
 from handshake.client import HandshakeClient, HandshakeError
 from handshake.loops import LoopThread
-from data_plane.offers import DTYPE_NAMES, MAX_WIDTH
+from data_plane.offers import DTYPE_NAMES, MAX_WIDTH, TransportUnavailable, transport_spec
 from handshake.models import MAX_BATCH, MAX_DEADLINE_S, MAX_WAIT_S, EncodeTimings, Registration, RoomState
 from multimodal.items import MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError, item_rows
@@ -221,12 +221,13 @@ class PrefillReceiver:
         self.pool = SlotPool(_receive_region(config, transports), config.slot_bytes, config.quarantine_s)
         try:
             self.transports = (transports if transports is not None
-                               else build_transports(config.transports, mooncake_optional=True))
+                               else build_transports(config.transports, optional=True))
             if self.pool.region.shm is None:  # /dev/shm had no room: nothing to offer same-node writers
-                self.transports = {name: t for name, t in self.transports.items() if name != "shm"}
+                self.transports = {name: t for name, t in self.transports.items()
+                                   if not transport_spec(name).needs_shm_pool}
                 if not self.transports:
-                    raise MooncakeUnavailable("no transport left: /dev/shm has no room for the pool and "
-                                              "Mooncake is not available")
+                    raise TransportUnavailable("no transport left: /dev/shm has no room for the pool and "
+                                               "no transport without it is available")
             for transport in self.transports.values():
                 transport.register(self.pool.region)
         except BaseException:
@@ -236,6 +237,8 @@ class PrefillReceiver:
         self.registry = registry or CollectorRegistry()
         self.metrics = ReceiverMetrics(self.registry, self)
         self.lost: dict[str, str] = {}  # transports no longer offered, with why
+        # offered only while the pool's /dev/shm segment is linked
+        self._shm_bound = tuple(name for name in self.transports if transport_spec(name).needs_shm_pool)
         for name in self.transports:
             self.metrics.transports.labels(name).set(1)
         self._lost_lock = threading.Lock()
@@ -266,18 +269,20 @@ class PrefillReceiver:
                 "not_ready": not_ready}
 
     def _check_shm(self) -> None:
-        """Stop offering SHM once ``/dev/shm`` no longer names the pool's segment (said once)."""
-        if "shm" not in self.transports or "shm" in self.lost or self.pool.region.shm_linked():
+        """Stop offering the transports that need the pool's ``/dev/shm`` segment once ``/dev/shm``
+        no longer names it (said once)."""
+        if not self._shm_bound or self._shm_bound[0] in self.lost or self.pool.region.shm_linked():
             return
         with self._lost_lock:
-            if "shm" in self.lost:
+            if self._shm_bound[0] in self.lost:
                 return
             reason = (f"the receive pool's SHM segment {self.pool.region.shm.name} is gone from /dev/shm "
                       "(unlinked by someone else): same-node writers cannot map it")
-            self.lost = {**self.lost, "shm": reason}
-        self.metrics.transports.labels("shm").set(0)
+            self.lost = {**self.lost, **dict.fromkeys(self._shm_bound, reason)}
+        for name in self._shm_bound:
+            self.metrics.transports.labels(name).set(0)
         others = [name for name in self.transports if name not in self.lost]
-        log.warning("%s; SHM is no longer offered, %s", reason,
+        log.warning("%s; %s no longer offered, %s", reason, ", ".join(self._shm_bound),
                     f"receiving over {', '.join(others)}" if others else "and no transport is left: restart "
                     "this process")
 
@@ -572,16 +577,18 @@ class PrefillReceiver:
 
 def _receive_region(config: ReceiverConfig, transports: dict | None) -> MemoryRegion:
     """The receive pool's memory: a /dev/shm segment, so same-node writers can map it. When /dev/shm
-    has no room for it (ENOSPC) and Mooncake is offered too, process memory instead: Mooncake only,
-    said in a warning. With SHM alone, the ENOSPC stands."""
+    has no room for it (ENOSPC) and a transport that does not need the segment is offered too
+    (Mooncake), process memory instead, said in a warning. With only transports that need it (SHM),
+    the ENOSPC stands."""
     try:
         return MemoryRegion.shared(config.pool_bytes)
     except ShmError as exc:
-        names = set(transports) if transports is not None else set(config.transports)
-        if exc.errno != errno.ENOSPC or not names - {"shm"}:
+        names = list(transports) if transports is not None else list(config.transports)
+        others = [name for name in names if not transport_spec(name).needs_shm_pool]
+        if exc.errno != errno.ENOSPC or not others:
             raise
         log.warning("no room in /dev/shm for the %d-byte receive pool (%s): using process memory, "
-                    "Mooncake only (no SHM)", config.pool_bytes, exc.strerror)
+                    "%s only (no SHM)", config.pool_bytes, exc.strerror, ", ".join(others))
         return MemoryRegion.anonymous(config.pool_bytes)
 
 

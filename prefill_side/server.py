@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _start(args):
     """Check every setting, load the tower, reserve the pool: ``(receiver, tower)``, or
     ``SettingError`` with the one line to print."""
-    from data_plane.mooncake import MooncakeConfig, MooncakeUnavailable
+    from data_plane.mooncake import MooncakeConfig
+    from data_plane.offers import TransportUnavailable, transport_spec
     from data_plane.shm import ShmError
     from data_plane.transport import build_transports
     from handshake.settings import (
@@ -290,7 +291,8 @@ def _start(args):
     if args.slot_bytes > args.pool_bytes:
         raise SettingError(f"--slot-bytes {args.slot_bytes} is larger than --pool-bytes {args.pool_bytes}")
     check_memory(args.pool_bytes, "--pool-bytes")
-    if args.transports == "shm":  # with Mooncake too, a full /dev/shm falls back to process memory
+    # with a transport that does not need it (Mooncake), a full /dev/shm falls back to process memory
+    if all(transport_spec(name).needs_shm_pool for name in args.transports.split(",")):
         check_shm_space(args.pool_bytes, "--pool-bytes")
     tower = None
     width, deepstack = args.width, args.deepstack_width
@@ -319,9 +321,9 @@ def _start(args):
     mooncake = MooncakeConfig(hostname=args.mooncake_host, device_names=args.mooncake_hca,
                               force_tcp=args.mooncake_force_tcp)
     try:
-        receiver = PrefillReceiver(config, build_transports(config.transports, mooncake, mooncake_optional=True),
+        receiver = PrefillReceiver(config, build_transports(config.transports, {"mooncake": mooncake}, optional=True),
                                    local_tower=tower)
-    except (MooncakeUnavailable, ShmError, ValueError) as exc:  # no usable transport or pool
+    except (TransportUnavailable, ShmError, ValueError) as exc:  # no usable transport or pool
         raise SettingError(f"cannot start: {exc}") from None
     return receiver, tower
 

@@ -257,8 +257,8 @@ class _SchedulerSide:
                                 require_checksum=settings.require_checksum, zero_copy=True)
         mooncake = MooncakeConfig(hostname=settings.mooncake_host, device_names=settings.mooncake_hca,
                                   force_tcp=settings.mooncake_force_tcp)
-        self.receiver = PrefillReceiver(config, build_transports(config.transports, mooncake,
-                                                                 mooncake_optional=True))
+        self.receiver = PrefillReceiver(config, build_transports(config.transports, {"mooncake": mooncake},
+                                                                 optional=True))
         if self.receiver.pool.region.shm is None:
             self.receiver.close()
             raise ValueError("EPDConnector needs its receive pool in /dev/shm (the model runner maps it): "
