@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from data_plane.offers import TRANSPORT_NAMES
 from handshake.settings import (
     Parser,
     SettingError,
@@ -43,7 +44,7 @@ FLAGS = [
     ("--bind", str, "0.0.0.0", "address the bootstrap and intake ports listen on"),
     ("--bootstrap-port", port, 8998, "handshake (room) REST port; also /healthz /readyz /metrics"),
     ("--intake-port", port, 8999, "ZMQ ROUTER port for items"),
-    ("--transports", transports, "shm,mooncake", "comma-separated: shm, mooncake, loopback"),
+    ("--transports", transports, "shm,mooncake", f"comma-separated: {', '.join(TRANSPORT_NAMES)}"),
     ("--mooncake-hca", str, "", "comma-separated RDMA HCA names for Mooncake ('' = all found)"),
     ("--mooncake-force-tcp", switch, "0", "1 = Mooncake over TCP even where RDMA exists"),
     ("--batch-patches", positive(int), 16384, "tower input patches per batch"),

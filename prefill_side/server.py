@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from data_plane.commit import checksum
 from data_plane.json_fields import JsonBool, json_float, json_int
+from data_plane.offers import TRANSPORT_NAMES
 from handshake.app import BodyLimit
 from handshake.models import EncodeTimings
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
@@ -243,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", type=dtype, default=env("EPD_DTYPE", "bfloat16"),
                         help="dtype of the rows: the encode workers' --dtype (bfloat16, float16, float32)")
     parser.add_argument("--transports", type=transports, default=env("EPD_TRANSPORTS", "shm,mooncake"),
-                        help="comma-separated: shm, mooncake")
+                        help=f"comma-separated: {', '.join(TRANSPORT_NAMES)}")
     parser.add_argument("--pool-bytes", type=positive(byte_size), default=env("EPD_POOL_BYTES", str(1 << 30)),
                         help="receive pool (bytes; K, M, G suffixes)")
     parser.add_argument("--slot-bytes", type=positive(byte_size), default=env("EPD_SLOT_BYTES", str(1 << 20)),
