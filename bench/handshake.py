@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from data_plane.offers import LoopbackOffer
 from handshake.client import HandshakeClient
-from handshake.loops import new_event_loop
 from handshake.models import BeginWrite, CommitBody, Registration, RoomState
+from loop_threads import new_event_loop
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 8)

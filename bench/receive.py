@@ -29,9 +29,9 @@ def _encode_side(conn) -> None:
     from encode_worker.sender import Sender, StagedItem, stage
     from handshake.access import LocalRooms
     from handshake.app import create_app
-    from handshake.loops import LoopThread
     from handshake.rooms import RoomTable
     from handshake.server import ThreadedServer
+    from loop_threads import LoopThread
     from multimodal.wire import EncodeHandshake
 
     table = RoomTable()
@@ -68,7 +68,7 @@ def _p(samples: list[float], q: float) -> float:
 def run(jobs: int = 60, progress=print) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from handshake.client import HandshakeClient
-    from handshake.loops import LoopThread
+    from loop_threads import LoopThread
     from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 

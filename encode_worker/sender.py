@@ -40,9 +40,9 @@ from data_plane.offers import TRANSPORT_NAMES
 from data_plane.pool import Lease, SlotPool
 from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
 from handshake.client import HandshakeError
-from handshake.loops import LoopThread
 from handshake.models import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
 from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound
+from loop_threads import LoopThread
 from multimodal.wire import EncodeHandshake
 
 log = logging.getLogger(__name__)

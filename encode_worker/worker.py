@@ -55,11 +55,11 @@ from encode_worker.tower import VisionTower
 from handshake.access import LocalRooms, RemoteRooms
 from handshake.app import create_app
 from handshake.client import HandshakeClient
-from handshake.loops import LoopThread
 from handshake.models import FailBody
 from handshake.rooms import RoomError, RoomTable
 from handshake.server import ThreadedServer
 from handshake.settings import DTYPES, SettingError, check_listen
+from loop_threads import LoopThread
 from multimodal.hashing import hash_feature
 from multimodal.rows import RowContractError, image_grid, split_rows
 from multimodal.wire import EncodeHandshake, endpoint_url

@@ -17,7 +17,6 @@ import aiohttp
 import yarl
 from pydantic import BaseModel, ValidationError
 
-from handshake.loops import LoopThread
 from handshake.models import (
     BatchResponse,
     BeginWrite,
@@ -29,13 +28,14 @@ from handshake.models import (
     FailRequest,
     MintRequest,
     MintResponse,
-    Registration,
     RegisterRequest,
+    Registration,
     RoomResult,
     RoomView,
     WatchItem,
     WatchRequest,
 )
+from loop_threads import LoopThread
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 # Idle pooled connections are dropped after this; the server keeps them longer (handshake.server),

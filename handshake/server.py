@@ -14,8 +14,8 @@ import time
 import uvicorn
 
 from handshake.app import MAX_BODY_BYTES, HandshakeAPI, create_app
-from handshake.loops import LoopThread
 from handshake.rooms import RoomLimits, RoomTable
+from loop_threads import LoopThread
 
 TOKEN_ENV = "EPD_HANDSHAKE_TOKEN"
 TOKEN_FILE_ENV = "EPD_HANDSHAKE_TOKEN_FILE"

@@ -39,13 +39,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit, verify_rows
 from data_plane.dtypes import dtype_to_wire
+from data_plane.offers import DTYPE_NAMES, MAX_WIDTH, TransportUnavailable, transport_spec
 from data_plane.pool import Lease, MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmError
 from data_plane.transport import build_transports
 from handshake.client import HandshakeClient, HandshakeError
-from handshake.loops import LoopThread
-from data_plane.offers import DTYPE_NAMES, MAX_WIDTH, TransportUnavailable, transport_spec
 from handshake.models import MAX_BATCH, MAX_DEADLINE_S, MAX_WAIT_S, EncodeTimings, Registration, RoomState
+from loop_threads import LoopThread
 from multimodal.items import MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError, item_rows
 from multimodal.wire import EncodeHandshake

@@ -14,10 +14,10 @@ from encode_worker.sender import Sender, StagedItem, stage
 from handshake.access import LocalRooms
 from handshake.app import create_app
 from handshake.client import SyncHandshakeClient
-from handshake.loops import LoopThread
 from handshake.models import Registration, RoomState
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
+from loop_threads import LoopThread
 from multimodal.wire import EncodeHandshake
 
 

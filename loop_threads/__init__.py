@@ -1,9 +1,6 @@
-"""Event loops on threads of their own: the handshake server's, the receiver's, the clients'.
-
-Every loop is uvloop's (uvicorn[standard] brings it). Measured here: an aiohttp round trip to a
-uvicorn server took ~250 us on it against ~400 us on asyncio's own loop, and a cross-thread
-wake-up ~45 us against ~55 us.
-"""
+"""Event loops on threads of their own, for the packages that run asyncio work beside threads:
+the handshake server's and clients', the encode worker's sender, the prefill receiver's. Every
+loop is uvloop's (uvicorn[standard] brings it; why: docs/performance.md, "Event loops")."""
 
 from __future__ import annotations
 
