@@ -2,7 +2,7 @@
 
 A small Qwen2.5-VL-architecture tower whose output width is a real one (3584, as Qwen2.5-VL-7B),
 so the bytes moved per item are real (448x448 -> 256 rows x 3584: 3.7 MB in float32, the default
-here because this CPU runs small bf16 towers ~5x slower than fp32; 1.8 MB in bf16).
+because CPUs without bf16 arithmetic run small bf16 towers several times slower; 1.8 MB in bf16).
 
 Every configuration runs the same real ``EncodeWorker`` (ZMQ intake, prepare / tower / stage
 threads, the scheduler's batching, send ring, checksum, the sender on the handshake loop, begin

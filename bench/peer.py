@@ -17,7 +17,7 @@ import os
 import traceback
 from dataclasses import dataclass
 
-PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # no OpenMP spin-wait between co-located processes (P1)
+PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # no OpenMP spin-wait: it starves co-located processes
 
 
 @dataclass(frozen=True)

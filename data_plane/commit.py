@@ -53,7 +53,7 @@ class EmbeddingLayout:
 
 
 def checksum(tensor: torch.Tensor) -> int:
-    """xxh3-64 of a tensor's bytes (about 9 GB/s here: as much as a copy, so it is optional)."""
+    """xxh3-64 of a tensor's bytes (it costs about as much CPU as a copy, so it is optional)."""
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     return xxhash.xxh3_64_intdigest(memoryview(flat.numpy()))
 

@@ -2,7 +2,7 @@
 
 Faults apply to the next submitted transfers, in order:
 ``delay`` (the copy lands after ``seconds``, then DONE), ``error`` (FAILED at once, nothing lands),
-``late`` (FAILED at once, unsettled, but the bytes land after ``seconds``: the Mooncake P4 case),
+``late`` (FAILED at once, unsettled, but the bytes land after ``seconds``: a failed Mooncake write),
 ``drop`` (nothing lands; FAILED at the deadline).
 """
 

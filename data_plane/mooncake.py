@@ -1,11 +1,12 @@
 """Mooncake TransferEngine transport: one-sided writes into the receiver's registered pool.
 
 One engine per process, created lazily in the process that uses it (an engine inherited across
-``fork`` hangs: notes P15) and kept for life (teardown costs ~1 s and holds the GIL: P10).
+``fork`` hangs) and kept for life (tearing one down holds the GIL for about a second).
 P2PHANDSHAKE, so no etcd. RDMA is used automatically when an HCA is present; ``force_tcp`` sets
-``MC_FORCE_TCP``. Writes are submitted and polled (the sync calls busy-spin a core: P2), each has
+``MC_FORCE_TCP``. Writes are submitted and polled (the sync calls busy-spin a core), each has
 a deadline, and a failed write is reported unsettled until Mooncake itself gives up, because
-it may still land (P4).
+it may still land. The engine behaviours relied on here, and how they were found:
+docs/performance.md, "Mooncake engine behaviours".
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ INSTALL_HINT = (
     "(mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1; on GPU hosts: "
     "pip install '.[gpu]' with the NVIDIA driver present. Never install both wheels."
 )
-# Mooncake's own timeout is clamped to >= 5 s and grows by 1 ns per byte (notes P3).
+# Mooncake's own timeout is clamped to >= 5 s and grows by 1 ns per byte.
 MIN_ENGINE_TIMEOUT_S = 5
 
 
@@ -51,7 +52,7 @@ class MooncakeConfig:
 
 @contextlib.contextmanager
 def _quiet_stderr(enabled: bool):
-    """glog prints two harmless lines per process whatever MC_LOG_LEVEL says (P16): hide fd 2."""
+    """glog prints two harmless lines per process whatever MC_LOG_LEVEL says: hide fd 2."""
     if not enabled:
         yield
         return
@@ -68,7 +69,7 @@ def _quiet_stderr(enabled: bool):
 
 
 def _load_engine_class(config: MooncakeConfig):
-    os.environ.setdefault("MC_LOG_LEVEL", config.log_level)  # only read at import (P16)
+    os.environ.setdefault("MC_LOG_LEVEL", config.log_level)  # only read at import
     try:
         with _quiet_stderr(config.log_level == "ERROR"):
             from mooncake.engine import TransferEngine
@@ -99,7 +100,7 @@ class _MooncakeTransfer(Transfer):
         if self._batch_id is not None:
             status = self._transport.engine.transfer_check_status(self._batch_id)
             if status == 1:
-                self._batch_id = None  # final: never poll a finished id again (P14)
+                self._batch_id = None  # the engine freed the id: never poll it again
                 self._finish(TransferState.DONE)  # also settles a transfer we had given up on
             elif status < 0:
                 self._batch_id = None
@@ -108,12 +109,12 @@ class _MooncakeTransfer(Transfer):
                     # connection left to read our source for (a retry would wait out its connect)
                     self._finish(TransferState.FAILED, "mooncake peer is gone (it refuses connections)")
                 elif not self._retried and self.state is TransferState.PENDING and now < self.deadline:
-                    # a rejected request tears down a TCP lane; one retry rides over it (P6)
+                    # a rejected request tears down a TCP lane; one retry rides over it
                     self._retried = True
                     self._batch_id = self._start()
                 else:
                     reason = "mooncake transfer timed out" if status == -2 else "mooncake transfer failed"
-                    self._finish(TransferState.FAILED, reason, settled=False)  # it may still land (P4)
+                    self._finish(TransferState.FAILED, reason, settled=False)  # it may still land
         if self.state is TransferState.PENDING and now >= self.deadline:
             self._finish(TransferState.FAILED, "deadline exceeded", settled=False)
         if not self.settled and now >= self._settle_by:
@@ -185,7 +186,8 @@ class MooncakeTransport(Transport):
         return True  # liveness is `alive(session)`; routability is the fabric's
 
     def alive(self, session: str) -> bool:
-        """Cheap liveness probe of a peer engine (answers in under 1 ms)."""
+        """Liveness probe of a peer engine: a live one answers and a dead one refuses at once (a
+        stalled one blocks: see ``_probe``)."""
         self._check_process()
         return self.engine.send_probe(session) == 0
 
@@ -237,7 +239,7 @@ class MooncakeTransport(Transport):
         self._check_process()
         self._first_contact(offer.session, max(0.1, min(2.0, deadline - time.monotonic())))
         address, nbytes = src.data_ptr(), src.numel()
-        # TCP accepts unregistered sources but RDMA needs an lkey (P7): enforce it everywhere.
+        # TCP accepts unregistered sources but RDMA needs an lkey: enforce it everywhere.
         if not any(region.contains(address, nbytes) for region in self._regions):
             raise TransferRefused("source bytes are not in a region registered with Mooncake")
         return _MooncakeTransfer(self, address, nbytes, offer, deadline)

@@ -3,7 +3,7 @@
 The same ``SlotPool`` serves as the prefill side's receive pool and the encode worker's send ring.
 A lease is a run of contiguous slots with a generation that only grows. Released leases are free
 at once; failed or cancelled ones are quarantined until a deadline that outlasts any write still in
-flight (a Mooncake write that returned an error can still land: notes P4).
+flight (a Mooncake write that returned an error can still land).
 """
 
 from __future__ import annotations

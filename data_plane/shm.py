@@ -152,7 +152,7 @@ class ShmSegment:
     def close(self) -> None:
         """Drop this process's reference to the mapping. It is unmapped once no tensor views it:
         torch views keep the mmap object alive, but ``mmap.close()`` would unmap under them
-        (measured: it succeeds while a ``torch.frombuffer`` view exists), so it is never called."""
+        (it does not refuse while a ``torch.frombuffer`` view exists), so it is never called."""
         self.tensor = torch.empty(0, dtype=torch.uint8)
         self._mmap = None
 

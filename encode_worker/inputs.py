@@ -16,10 +16,10 @@ from PIL import Image
 from data_plane.shm import ShmError, ShmTensorHandle
 
 MAX_SIDE = 16384
-# Decoded pixels of one image, checked from the header (or the shape) before decoding. A 190 KB
-# PNG may declare 16384 x 4096: decoding and preprocessing it took 1.1 GiB more resident memory
-# and ~4 s of CPU here (16 Mi pixels: ~290 MiB, ~1 s). 4096 x 4096 is above a 12 MP photo and
-# above what the Qwen2.5-VL and Qwen3-VL processors resize to (12.8 and 16.8 M pixels).
+# Decoded pixels of one image, checked from the header (or the shape) before decoding: a small
+# file may declare a huge image, and decoding and preprocessing cost memory and CPU in proportion
+# to its pixels. 4096 x 4096 is above a 12 MP photo and above what the Qwen2.5-VL and Qwen3-VL
+# processors resize to (12.8 and 16.8 M pixels).
 MAX_PIXELS = 16 << 20
 ALLOWED_FORMATS = {"PNG", "JPEG", "WEBP", "BMP"}
 

@@ -11,11 +11,11 @@ the same rows, concatenated on the hidden dimension (as vLLM does):
 ``encoded_deepstack`` (``ReceiverConfig.deepstack_width``).
 
 Batching changes no bit: on CPUs where oneMKL's small-M GEMM kernels round differently from its
-large-M ones (seen on an AVX-512/AMX Xeon: an image's rows in a mixed batch differed from the
-same image alone by ~1e-7), the sums would depend on the batch. Importing this module therefore
-defaults ``MKL_CBWR`` to ``AUTO,STRICT`` (oneMKL's strict reproducibility mode, read at its first
-call): GEMM results no longer depend on M or the thread count, for ~0-8 % of GEMM speed here.
-Set ``MKL_CBWR`` yourself to choose otherwise. GPU kernels are not covered: see docs/architecture.md.
+large-M ones (some AVX-512/AMX Xeons), the sums would depend on the batch. Importing this module
+therefore defaults ``MKL_CBWR`` to ``AUTO,STRICT`` (oneMKL's strict reproducibility mode, read at
+its first call): GEMM results do not depend on M or the thread count, for a few percent of
+GEMM speed (docs/performance.md). Set ``MKL_CBWR`` yourself to choose otherwise. GPU kernels are
+not covered: see docs/architecture.md.
 """
 
 from __future__ import annotations

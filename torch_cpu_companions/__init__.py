@@ -36,8 +36,8 @@ _acted: list[str] | None = None  # what apply() acted on, once it ran
 
 def _version_file(package: str) -> dict[str, str]:
     """The top-level ``NAME = value`` lines of ``package/version.py`` as strings (quotes stripped),
-    read without importing the package (nor ``ast``: 20 ms at every start-up); {} when the package
-    or the file is absent."""
+    read without importing the package (nor ``ast``: this runs at every interpreter start-up); {}
+    when the package or the file is absent."""
     spec = importlib.machinery.PathFinder.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return {}
