@@ -67,7 +67,7 @@ class StagedItem:
 @dataclass
 class Outcome:
     room: int
-    state: str  # "SUCCESS" or the reason class: "FAILED", "CANCELLED", "EXPIRED"
+    state: RoomState  # the room's end: SUCCESS, or FAILED / CANCELLED / EXPIRED
     transport: str | None
     reason: str | None
     nbytes: int
@@ -128,7 +128,7 @@ class Sender:
             else:
                 outcome = await loop.run_in_executor(self._pool, self._deliver, item, rooms, view, chosen)
         except RoomNotFound as exc:  # nothing to tell: the room is unknown at its endpoint, or gone
-            outcome = self._finish(item, "FAILED", None, f"not delivered: {exc}")
+            outcome = self._finish(item, RoomState.FAILED, None, f"not delivered: {exc}")
         except (RoomError, HandshakeError) as exc:  # expected (an endpoint down): a reason, no traceback
             reason = f"room unusable: {exc}"
             outcome = await loop.run_in_executor(self._pool, lambda: self._fail(item, reason, settled=True))
@@ -145,9 +145,9 @@ class Sender:
             return self._fail(item, "encode worker shutting down" if self._closing.is_set() else
                               f"no receiver registered within {self.receiver_wait_s:g} s", settled=True)
         if view.state is RoomState.WRITING:  # a room sent to two workers: the other one has it
-            return self._finish(item, "FAILED", None, "not written: another writer is writing this room")
+            return self._finish(item, RoomState.FAILED, None, "not written: another writer is writing this room")
         if view.state is not RoomState.REGISTERED:
-            return self._finish(item, view.state.value, None, view.reason or "room ended before a receiver came")
+            return self._finish(item, view.state, None, view.reason or "room ended before a receiver came")
         registration = view.registration
         reserved = EmbeddingLayout(registration.rows, registration.width, registration.dtype)
         if reserved != item.layout:
@@ -167,9 +167,9 @@ class Sender:
                                                 transport=transport.name, write_timeout_s=self.write_timeout_s,
                                                 writer=self.writer_id))
         except RoomError as exc:  # the room is another writer's (or gone): leave it as it is
-            return self._finish(item, "FAILED", None, f"not written: {exc}")
+            return self._finish(item, RoomState.FAILED, None, f"not written: {exc}")
         if view.state is not RoomState.WRITING or view.cancel_requested:
-            return self._finish(item, view.state.value, None, view.reason or "cancelled before the write")
+            return self._finish(item, view.state, None, view.reason or "cancelled before the write")
         started = time.monotonic()
         try:
             transfer = transport.submit(self.ring.view(item.lease), offer, started + self.write_timeout_s)
@@ -187,7 +187,7 @@ class Sender:
                                        shm_segment=getattr(offer, "segment", None),
                                        writer=self.writer_id,
                                        timings=EncodeTimings(**item.timings)))
-        return self._finish(item, view.state.value, transport.name, view.reason)
+        return self._finish(item, view.state, transport.name, view.reason)
 
     async def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView:
         waiting = time.monotonic()
@@ -223,14 +223,14 @@ class Sender:
     def _fail(self, item: StagedItem, reason: str, settled: bool, release: bool = True) -> Outcome:
         try:
             view = self.rooms_for(item.handshake).fail(item.room, reason, settled, self.writer_id)
-            state = view.state.value
+            state = view.state
         except (RoomError, HandshakeError) as exc:
-            state, reason = "FAILED", f"{reason} (and the room could not be told: {exc})"
+            state, reason = RoomState.FAILED, f"{reason} (and the room could not be told: {exc})"
         if release:
             self._release(item.lease)
         return Outcome(item.room, state, None, reason, item.layout.nbytes, item.timings)
 
-    def _finish(self, item: StagedItem, state: str, transport: str | None, reason: str | None) -> Outcome:
+    def _finish(self, item: StagedItem, state: RoomState, transport: str | None, reason: str | None) -> Outcome:
         self._release(item.lease)
         return Outcome(item.room, state, transport, reason, item.layout.nbytes, item.timings)
 

@@ -55,7 +55,7 @@ from encode_worker.tower import VisionTower
 from handshake.access import LocalRooms, RemoteRooms
 from handshake.app import create_app
 from handshake.client import HandshakeClient
-from handshake.models import FailBody
+from handshake.models import FailBody, RoomState
 from handshake.rooms import RoomError, RoomTable
 from handshake.server import ThreadedServer
 from handshake.settings import DTYPES, SettingError, check_listen
@@ -442,14 +442,14 @@ class EncodeWorker:
 
     def _on_outcome(self, outcome: Outcome) -> None:
         self._end_room(outcome.room)
-        self.metrics.requests.labels("IMAGE", outcome.state.lower()).inc()
-        if outcome.state != "SUCCESS":
-            self._item_log.warning("room %d %s: %s", outcome.room, outcome.state, outcome.reason)
+        self.metrics.requests.labels("IMAGE", outcome.state.value.lower()).inc()
+        if outcome.state is not RoomState.SUCCESS:
+            self._item_log.warning("room %d %s: %s", outcome.room, outcome.state.value, outcome.reason)
         if "queue_s" in outcome.timings:
             self.metrics.queue_seconds.observe(outcome.timings["queue_s"])
         if "wait_s" in outcome.timings:
             self.metrics.receiver_wait_seconds.observe(outcome.timings["wait_s"])
-        if outcome.state == "SUCCESS" and outcome.transport:
+        if outcome.state is RoomState.SUCCESS and outcome.transport:
             self.metrics.bytes.labels(outcome.transport).inc(outcome.nbytes)
             self.metrics.transfer_seconds.labels(outcome.transport).observe(outcome.timings["transfer_s"])
 

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from handshake.models import EncodeTimings
 from multimodal.wire import EncodeHandshake
+from prefill_side.states import ItemState
 
 Identifier = str  # vLLM's multimodal identifier of an item (its multi_modal_uuids value)
 
@@ -31,7 +32,7 @@ class ItemDelivery(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    state: str  # DONE (rows arrived), FAILED (vLLM's tower encoded it, or the request failed), ...
+    state: ItemState  # DONE: the rows arrived; FAILED: vLLM's tower encoded it, or the request failed
     transport: str | None = None  # shm / mooncake / loopback
     reason: str | None = None  # why it did not arrive
     receive_s: float = 0.0  # the scheduler first saw the request -> rows in the pool (or failure)

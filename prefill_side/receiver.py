@@ -26,7 +26,6 @@ it: a new process makes a new pool).
 from __future__ import annotations
 
 import asyncio
-import enum
 import errno
 import logging
 import threading
@@ -49,14 +48,9 @@ from loop_threads import LoopThread
 from multimodal.items import MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError, item_rows
 from multimodal.wire import EncodeHandshake
+from prefill_side.states import ItemState, JobState
 
 log = logging.getLogger(__name__)
-
-
-class JobState(enum.Enum):
-    PENDING = "PENDING"
-    DONE = "DONE"
-    FAILED = "FAILED"
 
 
 @dataclass(frozen=True)
@@ -102,7 +96,7 @@ class ReceiverConfig:
 @dataclass
 class ItemOutcome:
     index: int
-    state: str = "PENDING"  # PENDING, DONE, FAILED, SKIPPED
+    state: ItemState = ItemState.PENDING
     transport: str | None = None
     reason: str | None = None
     seconds: float = 0.0  # job start -> published (or failed)
@@ -138,7 +132,7 @@ class ReceiveJob:
         """Non-blocking: PENDING until every item is DONE (or skipped), or FAILED."""
         if not self._future.done():
             return JobState.PENDING
-        return JobState.FAILED if any(o.state == "FAILED" for o in self.outcomes) else JobState.DONE
+        return JobState.FAILED if any(o.state == ItemState.FAILED for o in self.outcomes) else JobState.DONE
 
     def wait(self, timeout: float | None = None) -> JobState:
         try:
@@ -154,7 +148,7 @@ class ReceiveJob:
 
     @property
     def reasons(self) -> dict[int, str]:
-        return {o.index: o.reason for o in self.outcomes if o.state == "FAILED"}
+        return {o.index: o.reason for o in self.outcomes if o.state == ItemState.FAILED}
 
     def release(self) -> None:
         """Zero-copy mode: the engine is done with the items' ``encoded`` views; free their slots
@@ -168,7 +162,7 @@ class ReceiveJob:
     def _settle_if_done(self) -> None:
         """On the receiver's loop, after an item's outcome is final: the job ends with its last
         item, not when its coroutines have unwound (that took ~80 us more here)."""
-        if all(outcome.state != "PENDING" for outcome in self.outcomes):
+        if all(outcome.state != ItemState.PENDING for outcome in self.outcomes):
             self._end()
 
     def _end(self, task: Future | None = None) -> None:
@@ -327,7 +321,7 @@ class PrefillReceiver:
         self._check_shm()
         for index, item in enumerate(job.inputs.mm_items):
             if item.encode_handshake is None or item.encoded is not None:
-                job.outcomes[index].state = "SKIPPED"
+                job.outcomes[index].state = ItemState.SKIPPED
                 continue
             try:
                 handshake = _room_address(item)
@@ -374,7 +368,7 @@ class PrefillReceiver:
             log.exception("receive job %s: endpoint %s:%d failed", job.request_id,
                           entries[0].handshake.bootstrap_host, entries[0].handshake.bootstrap_port)
             for entry in entries:
-                if job.outcomes[entry.index].state == "PENDING":
+                if job.outcomes[entry.index].state == ItemState.PENDING:
                     await self._give_up(job, entry.index, entry.item, f"receiver error: {type(exc).__name__}: {exc}",
                                         entry, quarantine=True)
 
@@ -407,7 +401,7 @@ class PrefillReceiver:
     async def _cancel(self, job: ReceiveJob, reason: str) -> None:
         by_endpoint: dict[tuple[str, int], list[int]] = {}
         for item, outcome in zip(job.inputs.mm_items, job.outcomes):
-            if outcome.state == "PENDING" and item.encode_handshake is not None:
+            if outcome.state == ItemState.PENDING and item.encode_handshake is not None:
                 try:
                     handshake = _room_address(item)
                 except (TypeError, ValueError):  # refused at the start: it names no room
@@ -418,8 +412,8 @@ class PrefillReceiver:
 
     async def _abort(self, job: ReceiveJob, reason: str) -> None:
         for outcome in job.outcomes:
-            if outcome.state == "PENDING":
-                outcome.state, outcome.reason = "FAILED", reason
+            if outcome.state == ItemState.PENDING:
+                outcome.state, outcome.reason = ItemState.FAILED, reason
                 outcome.seconds = time.monotonic() - job.started
                 self.metrics.items.labels("none", "failed").inc()
         job._settle_if_done()
@@ -463,7 +457,7 @@ class PrefillReceiver:
                                     quarantine=True)
 
     async def _publish(self, job: ReceiveJob, entry: _Pending, view) -> None:
-        if job.outcomes[entry.index].state != "PENDING":  # aborted: the writer is done, nobody reads the rows
+        if job.outcomes[entry.index].state != ItemState.PENDING:  # aborted: the writer is done, nobody reads the rows
             self.pool.release(entry.lease)
             return
         commit = Commit.of(view.commit)
@@ -495,7 +489,7 @@ class PrefillReceiver:
         if grid is not None and known is None:
             entry.item.model_specific_data["image_grid_thw"] = torch.tensor([list(grid)])
         outcome = job.outcomes[entry.index]
-        outcome.state, outcome.transport, outcome.encoder = "DONE", view.transport, view.commit.timings
+        outcome.state, outcome.transport, outcome.encoder = ItemState.DONE, view.transport, view.commit.timings
         outcome.seconds = time.monotonic() - job.started
         self.metrics.items.labels(view.transport or "unknown", "done").inc()
         self.metrics.bytes.labels(view.transport or "unknown").inc(entry.layout.nbytes)
@@ -516,17 +510,17 @@ class PrefillReceiver:
         if entry is not None:
             (self.pool.quarantine if quarantine else self.pool.release)(entry.lease)
         outcome = job.outcomes[index]
-        if outcome.state != "PENDING":  # aborted already: its outcome stands
+        if outcome.state != ItemState.PENDING:  # aborted already: its outcome stands
             return
         outcome.seconds = time.monotonic() - job.started
         if self.config.fallback == "local_tower" and self.local_tower is not None and item.feature is not None \
                 and not job._cancelled.is_set():
             try:
                 rows = await asyncio.get_running_loop().run_in_executor(None, self.encode_locally, item)
-                if outcome.state != "PENDING":  # aborted while the tower ran
+                if outcome.state != ItemState.PENDING:  # aborted while the tower ran
                     return
                 self.set_encoded(item, rows)
-                outcome.state, outcome.transport, outcome.fallback = "DONE", "local_tower", True
+                outcome.state, outcome.transport, outcome.fallback = ItemState.DONE, "local_tower", True
                 outcome.reason = f"fallback after: {reason}"
                 self.metrics.fallbacks.inc()
                 self.metrics.items.labels("local_tower", "done").inc()
@@ -534,7 +528,7 @@ class PrefillReceiver:
                 return
             except Exception as exc:  # the fallback failing must not hide the first reason
                 reason = f"{reason}; local tower also failed: {exc}"
-        outcome.state, outcome.reason = "FAILED", reason
+        outcome.state, outcome.reason = ItemState.FAILED, reason
         self.metrics.items.labels("none", "failed").inc()
         job._settle_if_done()
 

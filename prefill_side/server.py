@@ -41,6 +41,7 @@ from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError
 from multimodal.wire import EncodeHandshake
 from prefill_side.receiver import PrefillReceiver, ReceiverConfig
+from prefill_side.states import ItemState
 
 MAX_IMAGE_B64 = 48 << 20
 MAX_BODY_BYTES = 256 << 20  # a request's whole body: items, and image bytes when they travel
@@ -177,7 +178,7 @@ async def _encode_colocated(receiver: PrefillReceiver, job) -> None:
     """Items that came with image bytes and no room: this process's own tower encodes them, in
     one batch (item by item if the batch fails, so a bad image fails only itself)."""
     local = [(item, outcome) for item, outcome in zip(job.inputs.mm_items, job.outcomes)
-             if outcome.state == "SKIPPED" and item.encoded is None and isinstance(item.feature, bytes)]
+             if outcome.state == ItemState.SKIPPED and item.encoded is None and isinstance(item.feature, bytes)]
     if not local:
         return
     loop = asyncio.get_running_loop()
@@ -188,10 +189,10 @@ async def _encode_colocated(receiver: PrefillReceiver, job) -> None:
         rows = [await _encode_one(loop, receiver, item) for item in items]
     for (item, outcome), item_rows in zip(local, rows):
         if isinstance(item_rows, Exception):
-            outcome.state, outcome.reason = "FAILED", f"local tower failed: {item_rows}"
+            outcome.state, outcome.reason = ItemState.FAILED, f"local tower failed: {item_rows}"
             continue
         receiver.set_encoded(item, item_rows)
-        outcome.state, outcome.transport = "DONE", "local"
+        outcome.state, outcome.transport = ItemState.DONE, "local"
         outcome.seconds = time.monotonic() - job.started
 
 

@@ -58,7 +58,7 @@ from data_plane.shm import ShmSegment
 from encode_worker.families import FAMILIES
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from prefill_side.ec_params import DeliveryReport, Identifier, ItemDelivery, TransferParams, identifier
-from prefill_side.receiver import JobState
+from prefill_side.states import ItemState, JobState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -306,15 +306,15 @@ class _SchedulerSide:
             self._fail(request.request_id, f"invalid ec_transfer_params: {exc}")
             return None
         items, slots = [], {}
-        for identifier, handshake in params.rooms.items():
-            index = next((i for i, f in enumerate(request.mm_features) if f.identifier == identifier), None)
+        for key, handshake in params.rooms.items():
+            index = next((i for i, f in enumerate(request.mm_features) if f.identifier == key), None)
             if index is None:
-                self._fail(request.request_id, f"ec_transfer_params names a room for {identifier!r}, which is "
+                self._fail(request.request_id, f"ec_transfer_params names a room for {key!r}, which is "
                            "no item of this request")
                 return None
             feature = request.mm_features[index]
             if feature.modality not in MODALITIES:
-                self._fail(request.request_id, f"item {identifier!r} is {feature.modality}: only "
+                self._fail(request.request_id, f"item {key!r} is {feature.modality}: only "
                            f"{', '.join(MODALITIES)} rows are received")
                 return None
             rows = request.get_num_encoder_embeds(index)
@@ -322,7 +322,7 @@ class _SchedulerSide:
             grid = _placeholder_data(feature).get(f"{feature.modality}_grid_thw")
             if grid is not None:  # the receiver checks the encoder's grid against the one vLLM placed
                 known[f"{feature.modality}_grid_thw"] = grid.reshape(1, 3)
-            slots[identifier] = len(items)
+            slots[key] = len(items)
             start = feature.mm_position.offset
             items.append(MultimodalDataItem(MODALITIES[feature.modality], offsets=[[start, start + rows - 1]],
                                             model_specific_data=known, encode_handshake=handshake.model_dump()))
@@ -340,17 +340,17 @@ class _SchedulerSide:
         """The job ended: offer what arrived; fall back or fail the request for what did not."""
         received.settled = True
         failed = []
-        for identifier, index in received.slots.items():
+        for key, index in received.slots.items():
             outcome = received.job.outcomes[index]
-            if outcome.state == "DONE":
-                received.arrived[identifier] = received.job.inputs.mm_items[index].encoded
+            if outcome.state == ItemState.DONE:
+                received.arrived[key] = received.job.inputs.mm_items[index].encoded
                 continue
-            feature = next(f for f in request.mm_features if f.identifier == identifier)
+            feature = next(f for f in request.mm_features if f.identifier == key)
             if _carries_media(feature):
                 log.warning("request %s: item %s falls back to vLLM's own encoder: %s", request.request_id,
-                            identifier, outcome.reason)
+                            key, outcome.reason)
             else:
-                failed.append(f"item {identifier}: {outcome.reason}")
+                failed.append(f"item {key}: {outcome.reason}")
         if failed:
             self._fail(request.request_id, "; ".join(failed) + " (and the request carries no image to encode "
                        "locally)")
