@@ -37,6 +37,7 @@ demo: setup
 	$(VPY) -m bench.demo
 
 test: setup
+	$(VPY) -m ruff check .
 	$(VPY) -m pytest -q
 
 bench: setup

@@ -32,7 +32,7 @@ from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from dispatcher.dispatch import DispatchedItem, DispatchError, Dispatcher
+from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError
 from dispatcher.workers import WorkerAddress, WorkerSet
 from gateway.chat import ChatRequest, ChatRequestError, EncodedImage, ImageRef, InlineImage, image_refs, rewrite
 from gateway.media import MediaError, MediaFetcher

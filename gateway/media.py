@@ -17,9 +17,9 @@ import ipaddress
 import socket
 
 import aiohttp
+import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
-import yarl
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 

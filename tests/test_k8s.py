@@ -583,8 +583,8 @@ def test_same_node_containers_share_one_memory_backed_dev_shm_as_one_user(render
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_graceful_termination_outlasts_in_flight_writes(rendered, variant):
-    from encode_worker.worker import EncodeWorker
     from data_plane.mooncake import MooncakeConfig
+    from encode_worker.worker import EncodeWorker
     from prefill_side.receiver import ReceiverConfig
 
     join_s = EncodeWorker.stop.__defaults__[0]  # the worker's thread joins
