@@ -149,7 +149,7 @@ class MediaFetcher:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             resolver = None if self.allow_private else PublicOnlyResolver()
-            connector = aiohttp.TCPConnector(resolver=resolver, limit=64, ttl_dns_cache=None if resolver else 10)
+            connector = aiohttp.TCPConnector(resolver=resolver, limit=64, ttl_dns_cache=10)
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True,
                                                   timeout=aiohttp.ClientTimeout(total=None))
         return self._session
