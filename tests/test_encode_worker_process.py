@@ -78,7 +78,12 @@ def spawn_worker(directory):
                                 "--intake-port", str(intake), "--transports", "shm,mooncake",
                                 "--ring-bytes", str(32 << 20)], env=env)
     url = f"http://127.0.0.1:{bootstrap}"
-    wait_ready(url)
+    try:
+        wait_ready(url)
+    except BaseException:  # never leave a worker that did not come up running
+        process.kill()
+        process.wait(30)
+        raise
     return process, url, intake
 
 
