@@ -20,9 +20,10 @@ import os
 import sys
 
 from handshake.settings import (
-    Parser,
     SettingError,
     check_checkpoint,
+    env_var,
+    flag_parser,
     handshake_token,
     port,
     read_secret,
@@ -51,16 +52,11 @@ FLAGS = [
 
 
 def env_name(flag: str) -> str:
-    return "EPD_DISPATCH_" + flag.lstrip("-").replace("-", "_").upper()
+    return env_var("EPD_DISPATCH_", flag)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
-                    epilog="Each flag also reads EPD_DISPATCH_<FLAG> from the environment.")
-    for flag, kind, default, text in FLAGS:
-        # a value from the environment is a string default: argparse checks it with the flag's type
-        parser.add_argument(flag, type=kind, default=os.environ.get(env_name(flag), default),
-                            help=f"{text} [{env_name(flag)}]")
+    parser = flag_parser(PROG, __doc__.split("\n\n")[0], "EPD_DISPATCH_", FLAGS)
     parser.add_argument("images", nargs="+", help="image files (PNG, JPEG, WebP, BMP)")
     return parser
 

@@ -16,7 +16,6 @@ import threading
 
 from data_plane.offers import TRANSPORT_NAMES
 from handshake.settings import (
-    Parser,
     SettingError,
     byte_size,
     check_checkpoint,
@@ -24,6 +23,8 @@ from handshake.settings import (
     check_listen,
     check_memory,
     dtype,
+    env_var,
+    flag_parser,
     handshake_token,
     port,
     positive,
@@ -69,17 +70,11 @@ FLAGS = [
 
 
 def env_name(flag: str) -> str:
-    return "EPD_" + flag.lstrip("-").replace("-", "_").upper()
+    return env_var("EPD_", flag)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog=PROG, description="EPD encode worker.",
-                    epilog="Each flag also reads EPD_<FLAG> from the environment.")
-    for flag, kind, default, text in FLAGS:
-        # a value from the environment is a string default: argparse checks it with the flag's type
-        parser.add_argument(flag, type=kind, default=os.environ.get(env_name(flag), default),
-                            help=f"{text} [{env_name(flag)}]")
-    return parser
+    return flag_parser(PROG, "EPD encode worker.", "EPD_", FLAGS)
 
 
 def config_from_args(args):

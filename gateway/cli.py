@@ -16,18 +16,18 @@ import os
 import sys
 
 from handshake.settings import (
-    Parser,
     SettingError,
     byte_size,
     check_checkpoint,
     check_listen,
+    env_var,
+    flag_parser,
     handshake_token,
     non_negative,
     port,
     positive,
     read_secret,
     refuse,
-    switch,
 )
 
 PROG = "epd-gateway"
@@ -64,22 +64,11 @@ SWITCHES = [
 
 
 def env_name(flag: str) -> str:
-    return "EPD_GATEWAY_" + flag.lstrip("-").replace("-", "_").upper()
+    return env_var("EPD_GATEWAY_", flag)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
-                    epilog="Each flag also reads EPD_GATEWAY_<FLAG> from the environment.")
-    for flag, kind, default, text in FLAGS:
-        # a value from the environment is a string default: argparse checks it with the flag's type
-        parser.add_argument(flag, type=kind, default=os.environ.get(env_name(flag), default),
-                            help=f"{text} [{env_name(flag)}]")
-    for flag, default, text in SWITCHES:
-        from_env = os.environ.get(env_name(flag))
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                            default=default if from_env is None else switch(from_env),
-                            help=f"{text} [{env_name(flag)}=1/0]")
-    return parser
+    return flag_parser(PROG, __doc__.split("\n\n")[0], "EPD_GATEWAY_", FLAGS, SWITCHES)
 
 
 def settings_from(args):

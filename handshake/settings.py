@@ -43,6 +43,31 @@ def one_line(message: object, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def env_var(prefix: str, flag: str) -> str:
+    """The environment variable a flag also reads: ``--ring-bytes`` -> ``<prefix>RING_BYTES``."""
+    return prefix + flag.lstrip("-").replace("-", "_").upper()
+
+
+def flag_parser(prog: str, description: str, env_prefix: str, flags, switches=()) -> Parser:
+    """A ``Parser`` for ``flags`` (``(flag, type, default, help)``) and negatable ``switches``
+    (``(flag, default, help)``: ``--x`` / ``--no-x``), each also read from the environment as
+    ``<env_prefix><FLAG>``: a value there is a string default, checked by the flag's type when
+    parsed (a switch's, now: a bad one is refused with one line)."""
+    parser = Parser(prog=prog, description=description,
+                    epilog=f"Each flag also reads {env_prefix}<FLAG> from the environment.")
+    for flag, kind, default, text in flags:
+        name = env_var(env_prefix, flag)
+        parser.add_argument(flag, type=kind, default=os.environ.get(name, default), help=f"{text} [{name}]")
+    for flag, default, text in switches:
+        name = env_var(env_prefix, flag)
+        try:
+            value = default if name not in os.environ else switch(os.environ[name])
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"{name}: {exc}")
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f"{text} [{name}=1/0]")
+    return parser
+
+
 # ---- flag types (argparse turns their ValueError into "invalid <name> value") -------------------
 
 
