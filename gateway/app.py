@@ -111,22 +111,34 @@ class OpenAIError(Exception):
 
 @dataclass
 class _Prepared:
-    """A request ready for vLLM: the body to send, and what to undo or report."""
+    """A request ready for vLLM: the client's body, its images, and where each was placed."""
 
     request_id: str
-    body: dict
+    original: dict  # the client's body
     stream: bool
     refs: list[ImageRef] = field(default_factory=list)
     items: list[DispatchedItem] = field(default_factory=list)  # one per distinct image
     of_ref: list[int] = field(default_factory=list)  # the item of each image part
-    placed: list[DispatchedItem] = field(default_factory=list)  # items with a room
     dispatch_s: float = 0.0
 
-    def inline_body(self, original: dict) -> dict:
-        """The request with every image inline (vLLM encodes them all)."""
-        images = [InlineImage.of(ref, self.items[i].image, _media_type(self.items[i]))
-                  for ref, i in zip(self.refs, self.of_ref)]
-        return rewrite(original, self.refs, images, None)
+    @property
+    def placed(self) -> list[DispatchedItem]:
+        """The items an encode worker delivers (they have a room)."""
+        return [item for item in self.items if item.worker is not None]
+
+    def vllm_body(self) -> dict:
+        """The body for vLLM as the items stand: a placed image as its grid and identifier, with
+        its room in ``ec_transfer_params``; any other inline (vLLM encodes it)."""
+        images, rooms = [], {}
+        for ref, index in zip(self.refs, self.of_ref):
+            item = self.items[index]
+            if item.worker is not None:
+                key = identifier(item.content_hash)
+                images.append(EncodedImage(key, item.grid_thw))
+                rooms[key] = item.encode_handshake.model_dump()
+            else:
+                images.append(InlineImage.of(ref, item.image, _media_type(item)))
+        return rewrite(self.original, self.refs, images, rooms) if self.refs else self.original
 
     def report(self, delivery: DeliveryReport | None) -> GatewayReport:
         images = []
@@ -210,8 +222,8 @@ class Gateway:
             self.metrics.count("internal_error")
             return OpenAIError(500, f"internal error: {type(exc).__name__}", kind="internal_error").response()
         if prepared.stream:
-            return await self._stream(request, body, prepared, started)
-        return await self._complete(request, body, prepared, started)
+            return await self._stream(request, prepared, started)
+        return await self._complete(request, prepared, started)
 
     async def _read(self, request: Request) -> tuple[dict, ChatRequest]:
         data = bytearray()
@@ -257,22 +269,11 @@ class Gateway:
             raise OpenAIError(400, str(exc)) from None
         prepared.dispatch_s = time.monotonic() - started
         self.metrics.dispatch.labels(self.metrics.model_name).observe(prepared.dispatch_s)
-        images, rooms = [], {}
-        for ref, index in zip(refs, prepared.of_ref):
-            item = prepared.items[index]
-            if item.worker is not None:
-                key = identifier(item.content_hash)
-                images.append(EncodedImage(key, item.grid_thw))
-                rooms[key] = item.encode_handshake.model_dump()
-            else:
-                images.append(InlineImage.of(ref, item.image, _media_type(item)))
         for item in prepared.items:
             self.metrics.images.labels(self.metrics.model_name, "encode_worker" if item.worker else "colocated").inc()
-            if item.worker is None:
-                reason = "no_healthy_worker" if item.error.startswith("no healthy") else "dispatch_failed"
+            if item.worker is None:  # no worker tried at all: none was healthy; else each tried one refused
+                reason = "dispatch_failed" if item.attempts else "no_healthy_worker"
                 self.metrics.colocated.labels(self.metrics.model_name, reason).inc()
-        prepared.placed = [item for item in prepared.items if item.worker is not None]
-        prepared.body = rewrite(body, refs, images, rooms)
         return prepared
 
     def _cancel(self, prepared: _Prepared, reason: str) -> None:
@@ -316,8 +317,8 @@ class Gateway:
 
     # ---- non-streaming ------------------------------------------------------------------------
 
-    async def _complete(self, request: Request, original: dict, prepared: _Prepared, started: float) -> Response:
-        call = await self._until_client_leaves(request, self._call(original, prepared), prepared)
+    async def _complete(self, request: Request, prepared: _Prepared, started: float) -> Response:
+        call = await self._until_client_leaves(request, self._call(prepared), prepared)
         if call is None:
             return Response(status_code=499)
         try:
@@ -328,19 +329,16 @@ class Gateway:
         self.metrics.count("ok")
         return Response(payload, media_type="application/json")
 
-    async def _call(self, original: dict, prepared: _Prepared) -> bytes:
+    async def _call(self, prepared: _Prepared) -> bytes:
         """vLLM's answer (``UpstreamRefusal`` for another status than 200); on a failed EPD
         delivery, once more with the images inline. The answer gets the ``epd`` report (where each
         image was encoded, and how it arrived)."""
-        async with await self._post(prepared.body) as response:
+        async with await self._post(prepared.vllm_body()) as response:
             status, payload = response.status, await response.read()
         if status == 500 and prepared.placed and self.settings.retry_colocated:
-            log.warning("request %s failed in vLLM with encode-worker images; retrying with them inline",
-                        prepared.request_id)
-            self._count_retry(prepared)
-            async with await self._post(prepared.inline_body(original)) as response:
+            self._fall_back_inline(prepared)
+            async with await self._post(prepared.vllm_body()) as response:
                 status, payload = response.status, await response.read()
-            prepared.placed = []
         if status != 200:
             raise UpstreamRefusal(status, payload)
         try:
@@ -353,15 +351,18 @@ class Gateway:
             return payload
         return json.dumps(answer).encode()
 
-    def _count_retry(self, prepared: _Prepared) -> None:
+    def _fall_back_inline(self, prepared: _Prepared) -> None:
+        """The request failed in vLLM with encode-worker images: from now on vLLM encodes them."""
+        log.warning("request %s failed in vLLM with encode-worker images; retrying with them inline",
+                    prepared.request_id)
         for item in prepared.placed:
             self.metrics.colocated.labels(self.metrics.model_name, "delivery_failed").inc()
             item.worker, item.error = None, f"delivery failed in vLLM (worker {item.worker}); vLLM encoded it"
 
     # ---- streaming ----------------------------------------------------------------------------
 
-    async def _stream(self, request: Request, original: dict, prepared: _Prepared, started: float) -> Response:
-        opened = await self._until_client_leaves(request, self._open(original, prepared), prepared)
+    async def _stream(self, request: Request, prepared: _Prepared, started: float) -> Response:
+        opened = await self._until_client_leaves(request, self._open(prepared), prepared)
         if opened is None:
             return Response(status_code=499)
         try:
@@ -371,12 +372,11 @@ class Gateway:
         return StreamingResponse(self._relay(response, held, events, prepared, started),
                                  media_type="text/event-stream")
 
-    async def _open(self, original: dict, prepared: _Prepared
-                    ) -> tuple[aiohttp.ClientResponse, list[bytes], AsyncIterator[bytes]]:
+    async def _open(self, prepared: _Prepared) -> tuple[aiohttp.ClientResponse, list[bytes], AsyncIterator[bytes]]:
         """vLLM's stream, its events up to the first token held back when a failed delivery must
         be retried inline (it shows up there as an error event); ``UpstreamRefusal`` for another
         status than 200. The stream is closed if this is cancelled (the client left)."""
-        response = await self._post(prepared.body)
+        response = await self._post(prepared.vllm_body())
         try:
             if response.status != 200:
                 raise UpstreamRefusal(response.status, await response.read())
@@ -390,11 +390,8 @@ class Gateway:
             if not held or _first_token_or_error(held[-1]) != "error":
                 return response, held, events
             response.close()
-            log.warning("request %s failed in vLLM with encode-worker images; retrying with them inline",
-                        prepared.request_id)
-            self._count_retry(prepared)
-            prepared.placed = []
-            response = await self._post(prepared.inline_body(original))
+            self._fall_back_inline(prepared)
+            response = await self._post(prepared.vllm_body())
             if response.status != 200:
                 raise UpstreamRefusal(response.status, await response.read())
             return response, [], _events(response)
