@@ -29,6 +29,7 @@ import statistics
 import time
 
 from bench.images import synthetic_image
+from bench.rounds import in_round
 
 SIDES = ("queue", "encode", "transfer", "handshake")
 MODES = ("epd", "colocated")
@@ -123,7 +124,7 @@ def run(images_per_request=(1, 8), size: int = 448, concurrency: int = 4, second
                 with tqdm(total=rounds * len(configs) * seconds, unit="s", desc="epd-bench e2e",
                           bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}]") as bar:
                     for round_index in range(rounds):
-                        for mode, n in configs if round_index % 2 == 0 else configs[::-1]:
+                        for mode, n in in_round(configs, round_index):
                             bar.set_postfix_str(f"round {round_index + 1}, {mode}, {n} image{'s' if n > 1 else ''}"
                                                 "/request")
                             started = time.monotonic()

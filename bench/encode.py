@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from bench.rounds import in_round
 from data_plane.offers import LoopbackOffer
 from data_plane.transport import CompletedTransfer, Transfer, Transport
 from handshake.models import Registration, RoomState
@@ -237,7 +238,7 @@ def run(items: int = 48, size: int = 448, depth: int = 2, hidden: int = 64, widt
         for config in configs:  # warm-up: first connections and mappings, the tower's first calls
             bench.round(config.sink, config.batch_items, images[:8])
         for round_index in range(rounds):
-            for config in configs if round_index % 2 == 0 else configs[::-1]:
+            for config in in_round(configs, round_index):
                 rate, failed, batches = bench.round(config.sink, config.batch_items, images)
                 config.items_per_s.append(rate)
                 config.batches += batches

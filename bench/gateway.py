@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from bench.rounds import in_round
+
 PATHS = ("direct", "gateway-colocated", "gateway-epd")
 
 
@@ -91,7 +93,7 @@ def run(args) -> dict:
                 total = args.rounds * len(args.sizes) * len(PATHS) * args.requests
                 with tqdm(total=total, unit="req", desc="epd-bench gateway", file=sys.stderr) as progress:
                     for round_index in range(args.rounds):
-                        order = PATHS if round_index % 2 == 0 else PATHS[::-1]
+                        order = in_round(PATHS, round_index)
                         for size in args.sizes:
                             for path in order:
                                 role = gateways.get(path)

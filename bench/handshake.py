@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from bench.rounds import in_round
 from data_plane.offers import LoopbackOffer
 from handshake.client import HandshakeClient
 from handshake.models import BeginWrite, CommitBody, Registration, RoomState
@@ -179,7 +180,7 @@ def run(seconds: float = 1.0, rounds: int = 3, concurrency=CONCURRENCY, progress
     levels = [Level(batch, level) for batch in BATCHES for level in concurrency]
     try:
         for round_index in range(rounds):
-            for level in levels if round_index % 2 == 0 else levels[::-1]:
+            for level in in_round(levels, round_index):
                 with asyncio.Runner(loop_factory=new_event_loop) as runner:
                     runner.run(_load(url, level, seconds))
             progress(f"  round {round_index + 1}/{rounds} done")

@@ -46,6 +46,8 @@ import tempfile
 import time
 import urllib.request
 
+from bench.rounds import in_round
+
 TRACE_ENV = "EPD_BENCH_VLLM_TRACE"  # a server's connector appends its events here (JSON lines)
 PATHS = ("epd-shm", "epd-mooncake", "example", "mooncake-ec", "cpu-ec", "colocated")
 OURS = ("epd-shm", "epd-mooncake")
@@ -457,7 +459,7 @@ def run(args) -> dict:
                     total = args.rounds * len(args.sizes) * len(running) * args.requests
                     with tqdm(total=total, unit="req", desc="epd-bench vllm", file=sys.stderr) as progress:
                         for round_index in range(args.rounds):
-                            order = running if round_index % 2 == 0 else running[::-1]
+                            order = in_round(running, round_index)
                             for size in args.sizes:
                                 for path in order:
                                     row = await bench.batch(path, size, session, dispatchers, progress)
