@@ -143,8 +143,9 @@ class EncodeBench:
     """One worker per configuration, started once, and the receiver process, for every round."""
 
     def __init__(self, tower, images: list[bytes], transport: str, receiver_conn):
+        from encode_worker.config import WorkerConfig
         from encode_worker.inputs import image_from_bytes
-        from encode_worker.worker import EncodeWorker, WorkerConfig
+        from encode_worker.worker import EncodeWorker
 
         self.tower = tower
         self.receiver = receiver_conn

@@ -12,53 +12,32 @@ the command line, which is one line on stderr.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import json
-import os
 import sys
+from typing import ClassVar
 
-from handshake.settings import (
-    SettingError,
-    check_checkpoint,
-    env_var,
-    flag_parser,
-    handshake_token,
-    port,
-    read_secret,
-    refuse,
-    switch,
-)
+from pydantic import Field
+from pydantic_settings import CliPositionalArg, SettingsConfigDict
 
-PROG = "epd-dispatch"
-FLAGS = [
-    # (flag, type, default, help)
-    ("--model", str, None, "checkpoint directory whose image processor config the encode workers use"),
-    ("--served-model", str, None, "model name to put in intake messages (workers refuse other models)"),
-    ("--workers", str, "", "static workers: comma-separated host[:bootstrap_port[:intake_port]], "
-                           "e.g. 10.0.0.5,10.0.0.6:9000:9001"),
-    ("--dns", str, "", "DNS name listing the workers (a Kubernetes headless Service)"),
-    ("--bootstrap-port", port, 8998, "workers' bootstrap (rooms) port, with --dns"),
-    ("--intake-port", port, 8999, "workers' intake port, with --dns"),
-    ("--rooms-url", str, "", "standalone handshake endpoint for all rooms (default: each item's worker)"),
-    ("--near", str, "", "host of the prefill engine: its encode workers go first (same-node SHM)"),
-    ("--prefill", str, "", "reference prefill URL to post the request to (epd-prefill)"),
-    ("--verify", switch, "0", "1 = ask the prefill process to check every item against its own tower"),
-    ("--request-id", str, "req-1", "request id"),
-    ("--token-file", str, None, "handshake bearer token file (or $EPD_HANDSHAKE_TOKEN[_FILE])"),
-    ("--intake-token-file", str, None, "intake token file (or $EPD_INTAKE_TOKEN)"),
-]
+from dispatcher.settings import EncodeWorkerTargets, HttpUrl
+from process_settings import SettingError, refuse
 
 
-def env_name(flag: str) -> str:
-    return env_var("EPD_DISPATCH_", flag)
+class DispatchSettings(EncodeWorkerTargets):
+    """Send a request's images to encode workers and print the prefill request (or, with --prefill,
+    what a reference prefill process received)."""
 
+    model_config = SettingsConfigDict(env_prefix="EPD_DISPATCH_")
+    PROG: ClassVar[str] = "epd-dispatch"
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = flag_parser(PROG, __doc__.split("\n\n")[0], "EPD_DISPATCH_", FLAGS)
-    parser.add_argument("images", nargs="+", help="image files (PNG, JPEG, WebP, BMP)")
-    return parser
+    images: CliPositionalArg[list[str]] = Field(min_length=1, description="image files (PNG, JPEG, WebP, BMP)")
+    served_model: str | None = Field(None, description="model name to put in intake messages (workers refuse "
+                                     "other models)")
+    prefill: HttpUrl = Field(None, description="reference prefill URL to post the request to (epd-prefill)")
+    verify: bool = Field(False, description="ask the prefill process to check every item against its own tower")
+    request_id: str = Field("req-1", min_length=1, description="request id")
 
 
 def prefill_body(request_id: str, items, verify: bool) -> dict:
@@ -72,70 +51,36 @@ def prefill_body(request_id: str, items, verify: bool) -> dict:
     return {"request_id": request_id, "items": body, "verify": verify}
 
 
-def _http_url(text: str, flag: str) -> str:
-    import yarl
-
-    url = yarl.URL(text)
-    if url.scheme not in ("http", "https") or not url.host:
-        raise SettingError(f"{flag} {text!r} is not an http:// URL")
-    return text.rstrip("/")
-
-
-def _setup(args):
-    """Everything the command line names, checked: (workers, dispatcher, images, tokens)."""
-    from dispatcher.workers import WorkerAddress
-
-    if not args.model:
-        raise SettingError("--model (or EPD_DISPATCH_MODEL) is required")
-    check_checkpoint(args.model)
-    try:
-        static = [WorkerAddress.parse(w) for w in args.workers.split(",") if w.strip()]
-    except ValueError as exc:
-        raise SettingError(f"--workers: {exc}") from None
-    if not static and not args.dns:
-        raise SettingError("give the encode workers: --workers host[:bootstrap_port[:intake_port]],... or --dns NAME")
-    for flag in ("--rooms-url", "--prefill"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value:
-            _http_url(value, flag)
+def _read_images(settings: DispatchSettings) -> list[bytes]:
+    """Every image file the command line names, read."""
     images = []
-    for path in args.images:
+    for path in settings.images:
         try:
             with open(path, "rb") as f:
                 images.append(f.read())
         except OSError as exc:
             raise SettingError(f"{path}: {exc.strerror}") from None
-    intake_token = (read_secret(args.intake_token_file, "--intake-token-file") if args.intake_token_file
-                    else os.environ.get("EPD_INTAKE_TOKEN") or None)
-    return static, images, handshake_token(args.token_file), intake_token
+    return images
 
 
-def _processor(model: str):
-    from transformers import AutoImageProcessor
-
-    try:
-        return AutoImageProcessor.from_pretrained(model, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise SettingError(f"--model {model}: cannot read its image processor config: {exc}") from None
-
-
-async def run(args) -> int:
+async def run(args: DispatchSettings) -> int:
     import aiohttp
 
     from dispatcher.dispatch import Dispatcher, DispatchError
     from dispatcher.workers import WorkerSet
 
-    static, images, token, intake_token = _setup(args)
-    workers = WorkerSet(static, args.dns or None, args.bootstrap_port, args.intake_port)
-    dispatcher = Dispatcher(workers, _processor(args.model), rooms_url=args.rooms_url or None,
-                            served_model=args.served_model, handshake_token=token, intake_token=intake_token)
+    images = _read_images(args)
+    workers = WorkerSet(list(args.workers), args.dns, args.bootstrap_port, args.intake_port)
+    dispatcher = Dispatcher(workers, args.image_processor(), rooms_url=args.rooms_url,
+                            served_model=args.served_model, handshake_token=args.handshake_token,
+                            intake_token=args.intake_token)
     try:
         try:
             dispatcher.describe(images, args.images)  # refuse a bad file before any worker is asked
         except DispatchError as exc:
             raise SettingError(str(exc)) from None
         await workers.refresh()
-        items = await dispatcher.dispatch(args.request_id, images, near=args.near or None, names=args.images)
+        items = await dispatcher.dispatch(args.request_id, images, near=args.near, names=args.images)
         dispatched = [{"image": path, "rows": item.rows, "grid_thw": item.grid_thw, "worker": item.worker,
                        "content_hash": f"{item.content_hash:032x}", "error": item.error,
                        "dispatch_ms": round(item.dispatch_s * 1e3, 3),
@@ -161,7 +106,7 @@ async def run(args) -> int:
         await workers.close()
     print(json.dumps(output, indent=2))
     for line in failed:
-        print(f"{PROG}: {line}", file=sys.stderr)
+        print(f"{DispatchSettings.PROG}: {line}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -185,11 +130,10 @@ async def _post(url: str, body: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return asyncio.run(run(args))
+        return asyncio.run(run(DispatchSettings.from_command_line(argv)))
     except SettingError as exc:
-        return refuse(PROG, exc)
+        return refuse(DispatchSettings.PROG, exc)
 
 
 if __name__ == "__main__":

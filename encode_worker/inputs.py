@@ -14,13 +14,9 @@ import torch
 from PIL import Image
 
 from data_plane.shm import ShmError, ShmTensorHandle
+from encode_worker.config import MAX_PIXELS
 
 MAX_SIDE = 16384
-# Decoded pixels of one image, checked from the header (or the shape) before decoding: a small
-# file may declare a huge image, and decoding and preprocessing cost memory and CPU in proportion
-# to its pixels. 4096 x 4096 is above a 12 MP photo and above what the Qwen2.5-VL and Qwen3-VL
-# processors resize to (12.8 and 16.8 M pixels).
-MAX_PIXELS = 16 << 20
 ALLOWED_FORMATS = {"PNG", "JPEG", "WEBP", "BMP"}
 
 

@@ -25,7 +25,6 @@ import queue
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -34,14 +33,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.commit import EmbeddingLayout, checksum
 from data_plane.mooncake import MooncakeConfig
-from data_plane.offers import TRANSPORT_NAMES, transport_spec
+from data_plane.offers import transport_spec
 from data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmTensorHandle
 from data_plane.transport import build_transports
 from encode_worker.cache import CacheKey, EmbeddingCache, Encoded
+from encode_worker.config import WorkerConfig
 from encode_worker.inputs import (
     ALLOWED_FORMATS,
-    MAX_PIXELS,
     MAX_SIDE,
     BadItem,
     image_from_bytes,
@@ -58,11 +57,11 @@ from handshake.client import HandshakeClient
 from handshake.models import FailBody, RoomState
 from handshake.rooms import RoomError, RoomTable
 from handshake.server import ThreadedServer
-from handshake.settings import DTYPES, SettingError, check_listen
 from loop_threads import LoopThread
 from multimodal.hashing import hash_feature
 from multimodal.rows import RowContractError, image_grid, split_rows
 from multimodal.wire import EncodeHandshake, endpoint_url
+from process_settings import SettingError, check_listen
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
@@ -87,69 +86,6 @@ def _malloc_trim():
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
-
-
-@dataclass
-class WorkerConfig:
-    model: str
-    served_model: str | None = None  # the name dispatchers use; default: the checkpoint folder's name
-    dtype: str = "float32"
-    device: str = "cpu"
-    host: str = "127.0.0.1"  # the address peers use for this worker (rooms, Mooncake)
-    bind: str = "0.0.0.0"
-    bootstrap_port: int = 8998
-    intake_port: int = 8999
-    transports: tuple[str, ...] = ("shm", "mooncake")
-    mooncake_hca: str = ""
-    mooncake_force_tcp: bool = False
-    batch_patches: int = 16384  # tower input patches per batch
-    batch_items: int = 8
-    queue_items: int = 64
-    queue_bytes: int = 1 << 30  # payloads waiting for the tower (queue_items x max_payload_bytes is 4 GiB)
-    max_payload_bytes: int = 64 << 20
-    # decoded pixels: one image (checked from its header or shape at intake, before decoding),
-    # and one batch (the prepare stage decodes a batch's images one after another)
-    max_image_pixels: int = MAX_PIXELS
-    batch_pixels: int = 2 * MAX_PIXELS
-    ring_bytes: int = 512 << 20
-    ring_slot_bytes: int = 1 << 20
-    cache_bytes: int = 1 << 30
-    receiver_wait_s: float = 30.0  # then the room fails ("no receiver registered within ...")
-    write_timeout_s: float = 30.0
-    room_timeout_s: float = 5.0  # one call to another endpoint's room API
-    checksum: bool = True
-    send_workers: int = 8
-    handshake_token: str | None = None
-    intake_token: str | None = None
-    probe_interval_s: float = 10.0
-
-    def validate(self) -> WorkerConfig:
-        """Refuse (``SettingError``, one line) any setting that cannot work, before anything starts."""
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise SettingError(message)
-
-        need(self.dtype in DTYPES, f"dtype {self.dtype!r}: a tower runs in {', '.join(DTYPES)}")
-        need(bool(self.transports), "transports: give at least one of " + ", ".join(TRANSPORT_NAMES))
-        unknown = [t for t in self.transports if t not in TRANSPORT_NAMES]
-        need(not unknown, f"transports: unknown {unknown}; use {', '.join(TRANSPORT_NAMES)}")
-        need(bool(self.host) and bool(self.bind), "host and bind must be addresses")
-        for name in ("bootstrap_port", "intake_port"):
-            need(0 <= getattr(self, name) <= 65535, f"{name} {getattr(self, name)} is not in 0..65535 (0: any)")
-        need(not self.bootstrap_port or self.bootstrap_port != self.intake_port,
-             f"bootstrap and intake ports are both {self.intake_port}")
-        for name in ("batch_patches", "batch_items", "queue_items", "queue_bytes", "max_payload_bytes", "max_image_pixels",
-                     "batch_pixels", "ring_bytes", "ring_slot_bytes", "send_workers"):
-            need(getattr(self, name) > 0, f"{name} must be above 0, got {getattr(self, name)}")
-        need(self.cache_bytes >= 0, f"cache_bytes must be 0 (off) or above, got {self.cache_bytes}")
-        need(self.ring_slot_bytes <= self.ring_bytes,
-             f"ring_slot_bytes {self.ring_slot_bytes} is larger than the ring ({self.ring_bytes})")
-        need(self.batch_pixels >= self.max_image_pixels,
-             f"batch_pixels {self.batch_pixels} is below max_image_pixels {self.max_image_pixels}")
-        for name in ("receiver_wait_s", "write_timeout_s", "room_timeout_s", "probe_interval_s"):
-            value = getattr(self, name)
-            need(0 < value < float("inf"), f"{name} must be a positive number of seconds, got {value}")
-        return self
 
 
 class WorkerMetrics:
@@ -232,7 +168,7 @@ class LoopClient:
 
 class EncodeWorker:
     def __init__(self, config: WorkerConfig, tower: VisionTower | None = None, transports: dict | None = None):
-        self.config = config.validate()
+        self.config = config
         self.tower = tower or VisionTower.load(config.model, config.dtype, config.device)
         self.preprocess_id = f"{zlib.crc32(json.dumps(self.tower.processor.to_dict(), sort_keys=True, default=str).encode()):08x}"
         self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
@@ -255,7 +191,7 @@ class EncodeWorker:
         except BaseException:
             self._close_transports()
             raise
-        self.table = RoomTable()
+        self.table = RoomTable(config.room_limits())
         registry = CollectorRegistry()
         self.metrics = WorkerMetrics(registry, self)
         self.app = create_app(self.table, token=config.handshake_token, ready=self.ready, registry=registry)

@@ -33,36 +33,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ValidationError
 
 from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError
-from dispatcher.workers import WorkerAddress, WorkerSet
+from dispatcher.workers import WorkerSet
 from gateway.chat import ChatRequest, ChatRequestError, EncodedImage, ImageRef, InlineImage, image_refs, rewrite
 from gateway.media import MediaError, MediaFetcher
+from gateway.settings import GatewaySettings
 from prefill_side.ec_params import DeliveryReport, ItemDelivery, identifier
 
 log = logging.getLogger(__name__)
 # Latency buckets (seconds) from 100 us: a dispatch on one node takes well under a millisecond.
 BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    vllm_url: str  # the vLLM OpenAI server (with the EPD connector), http://host:port
-    served_model_name: str  # the model_name label of the metrics, and what intake messages name
-    workers: tuple[WorkerAddress, ...] = ()
-    dns: str | None = None  # or a DNS name listing the workers (a headless Service)
-    bootstrap_port: int = 8998
-    intake_port: int = 8999
-    rooms_url: str | None = None  # a standalone handshake endpoint for all rooms
-    near: str | None = None  # the vLLM engine's host: its encode workers first (SHM)
-    handshake_token: str | None = None
-    intake_token: str | None = None
-    max_image_bytes: int = 20 << 20
-    fetch_timeout_s: float = 10.0
-    max_redirects: int = 3
-    allow_private_urls: bool = False
-    max_body_bytes: int = 100 << 20
-    max_in_flight: int = 256  # chat requests at once (each holds its body: bounds the gateway's memory)
-    request_timeout_s: float = 600.0  # the whole vLLM call
-    retry_colocated: bool = True
 
 
 class GatewayMetrics:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import ipaddress
 import logging
@@ -10,12 +9,18 @@ import os
 import signal
 import sys
 import time
+from typing import ClassVar
 
 import uvicorn
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
 from handshake.app import MAX_BODY_BYTES, HandshakeAPI, create_app
-from handshake.rooms import RoomLimits, RoomTable
+from handshake.rooms import RoomTable
+from handshake.settings import RoomTableSettings
 from loop_threads import LoopThread
+from process_settings import Port, PositiveByteSize, SettingError, check_listen, refuse
+from process_settings.secrets import HandshakeToken
 
 TOKEN_ENV = "EPD_HANDSHAKE_TOKEN"
 TOKEN_FILE_ENV = "EPD_HANDSHAKE_TOKEN_FILE"
@@ -124,43 +129,31 @@ class ThreadedServer:
             self.loop.stop(10)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from handshake.settings import Parser, byte_size, port, positive
+class HandshakeSettings(RoomTableSettings, HandshakeToken):
+    """Standalone bootstrap-room handshake service."""
 
-    env = os.environ.get
-    parser = Parser(prog="epd-handshake", description="Standalone bootstrap-room handshake service.")
-    # a value from the environment is a string default: argparse checks it with the flag's type
-    parser.add_argument("--host", default=env("EPD_HANDSHAKE_HOST", "0.0.0.0"),
-                        help="address to listen on [EPD_HANDSHAKE_HOST]")
-    parser.add_argument("--port", type=port, default=env("EPD_HANDSHAKE_PORT", "8998"),
-                        help="port of the room API, /healthz, /readyz, /metrics [EPD_HANDSHAKE_PORT]")
-    parser.add_argument("--token-file", default=None, help=f"bearer token file (or ${TOKEN_FILE_ENV}, ${TOKEN_ENV})")
-    parser.add_argument("--max-live-rooms", type=positive(int), default=RoomLimits.max_live_rooms)
-    parser.add_argument("--max-tombstones", type=positive(int), default=RoomLimits.max_tombstones)
-    parser.add_argument("--tombstone-ttl-s", type=positive(float), default=RoomLimits.tombstone_ttl_s)
-    parser.add_argument("--max-room-ttl-s", type=positive(float), default=RoomLimits.max_ttl_s,
-                        help="longest lifetime a mint may ask for (a longer ttl_s is refused)")
-    parser.add_argument("--max-body-bytes", type=positive(byte_size), default=MAX_BODY_BYTES,
-                        help="largest accepted request body (bytes; K, M, G suffixes)")
-    return parser
+    model_config = SettingsConfigDict(env_prefix="EPD_HANDSHAKE_")
+    PROG: ClassVar[str] = "epd-handshake"
+
+    host: str = Field("0.0.0.0", min_length=1, description="address to listen on")
+    port: Port = Field(8998, description="port of the room API, /healthz, /readyz, /metrics")
+    max_body_bytes: PositiveByteSize = Field(MAX_BODY_BYTES, description="largest accepted request body (bytes; "
+                                             "K, M, G suffixes)")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Every setting is checked first: a mistake is one line on stderr and exit status 1."""
-    from handshake.settings import SettingError, check_listen, handshake_token, refuse
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
     try:
-        token = handshake_token(args.token_file)
-        check_listen(args.host, args.port, "--port")
+        settings = HandshakeSettings.from_command_line(argv)
+        check_listen(settings.host, settings.port, "--port")
     except SettingError as exc:
-        return refuse("epd-handshake", exc)
-    limits = RoomLimits(args.max_live_rooms, args.max_tombstones, args.tombstone_ttl_s, args.max_room_ttl_s)
-    app = create_app(RoomTable(limits), token=token, max_body_bytes=args.max_body_bytes)
+        return refuse(HandshakeSettings.PROG, exc)
+    token = settings.handshake_token
+    app = create_app(RoomTable(settings.room_limits()), token=token, max_body_bytes=settings.max_body_bytes)
     log.info("epd-handshake serving rooms on http://%s:%d (room API /v1/rooms, /healthz, /readyz, /metrics; "
-             "bearer token %s)", args.host, args.port, "required" if token else "off")
-    serve(app, args.host, args.port)
+             "bearer token %s)", settings.host, settings.port, "required" if token else "off")
+    serve(app, settings.host, settings.port)
     return 0
 
 

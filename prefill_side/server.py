@@ -17,20 +17,21 @@ developers the few calls an engine makes: ``receiver.start(request_id, mm_inputs
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import os
 import sys
 import threading
 import time
+from typing import ClassVar, Literal
 
 import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from data_plane.commit import checksum
 from data_plane.json_fields import JsonBool, json_float, json_int
@@ -42,6 +43,18 @@ from multimodal.rows import RowContractError
 from multimodal.wire import EncodeHandshake
 from prefill_side.receiver import PrefillReceiver, ReceiverConfig
 from prefill_side.states import ItemState
+from process_settings import (
+    Dtype,
+    NonNegativeInt,
+    Port,
+    PositiveByteSize,
+    PositiveInt,
+    PositiveSeconds,
+    SettingError,
+    TransportNames,
+    refuse,
+)
+from process_settings.secrets import HandshakeToken
 
 MAX_IMAGE_B64 = 48 << 20
 MAX_BODY_BYTES = 256 << 20  # a request's whole body: items, and image bytes when they travel
@@ -226,86 +239,74 @@ class TowerCalls:
             return self.tower.encode_items(pixel_values, grid_thw)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from handshake.settings import Parser, byte_size, dtype, non_negative, port, positive, switch, transports
+class PrefillSettings(HandshakeToken):
+    """Reference prefill process: receives each item's rows from the encode workers. Rows arrive in
+    the encode workers' dtype: --dtype must be theirs, and --width their tower's row width (--model
+    gives it). A mismatch fails every item."""
 
-    parser = Parser(prog="epd-prefill", description=__doc__.split("\n\n")[0],
-                    epilog="Rows arrive in the encode workers' dtype: --dtype must be theirs, and --width their "
-                           "tower's row width (--model gives it). A mismatch fails every item.")
-    env = os.environ.get
-    # a value from the environment is a string default: argparse checks it with the flag's type
-    parser.add_argument("--host", default=env("EPD_PREFILL_HOST", "0.0.0.0"), help="address to listen on")
-    parser.add_argument("--port", type=port, default=env("EPD_PREFILL_PORT", "9100"),
-                        help="port of /v1/prefill, /healthz, /readyz, /metrics")
-    parser.add_argument("--model", default=env("EPD_MODEL"), help="checkpoint for verification / fallback; "
-                        "also gives --width and --deepstack-width")
-    parser.add_argument("--width", type=non_negative(int), default=env("EPD_WIDTH", "0"),
-                        help="wire width of one row (the encode workers' tower's; default: from --model)")
-    parser.add_argument("--deepstack-width", type=non_negative(int), default=env("EPD_DEEPSTACK_WIDTH", "0"))
-    parser.add_argument("--dtype", type=dtype, default=env("EPD_DTYPE", "bfloat16"),
-                        help="dtype of the rows: the encode workers' --dtype (bfloat16, float16, float32)")
-    parser.add_argument("--transports", type=transports, default=env("EPD_TRANSPORTS", "shm,mooncake"),
-                        help=f"comma-separated: {', '.join(TRANSPORT_NAMES)}")
-    parser.add_argument("--pool-bytes", type=positive(byte_size), default=env("EPD_POOL_BYTES", str(1 << 30)),
-                        help="receive pool (bytes; K, M, G suffixes)")
-    parser.add_argument("--slot-bytes", type=positive(byte_size), default=env("EPD_SLOT_BYTES", str(1 << 20)),
-                        help="receive pool slot size")
-    parser.add_argument("--item-timeout-s", type=positive(float), default=env("EPD_ITEM_TIMEOUT_S", "60"))
-    parser.add_argument("--quarantine-s", type=positive(float), default=env("EPD_QUARANTINE_S", "40"),
-                        help="hold a failed slot this long (above the encode workers' Mooncake transfer timeout)")
-    parser.add_argument("--fallback", choices=("fail", "local_tower"), default=env("EPD_FALLBACK", "fail"))
-    parser.add_argument("--tower-calls", type=positive(int), default=env("EPD_TOWER_CALLS", "1"),
-                        help="local tower forward passes at once (colocated items, fallback, verification)")
-    parser.add_argument("--max-body-bytes", type=positive(byte_size),
-                        default=env("EPD_MAX_BODY_BYTES", str(MAX_BODY_BYTES)), help="largest accepted request body")
-    parser.add_argument("--require-checksum", action=argparse.BooleanOptionalAction,
-                        default=switch(env("EPD_REQUIRE_CHECKSUM", "true")),
-                        help="refuse commits without the rows' checksum (workers run with --checksum 0)")
-    parser.add_argument("--token-file", default=env("EPD_HANDSHAKE_TOKEN_FILE"),
-                        help="handshake bearer token file (or $EPD_HANDSHAKE_TOKEN)")
-    parser.add_argument("--mooncake-host", default=env("EPD_MOONCAKE_HOST", "127.0.0.1"),
-                        help="address encode workers use to reach this process's Mooncake engine (the pod IP)")
-    parser.add_argument("--mooncake-hca", default=env("EPD_MOONCAKE_HCA", ""),
-                        help="comma-separated RDMA HCA names for Mooncake ('' = all found)")
-    parser.add_argument("--mooncake-force-tcp", type=switch, default=env("EPD_MOONCAKE_FORCE_TCP", "0"),
-                        help="1 = Mooncake over TCP even where RDMA exists")
-    return parser
+    model_config = SettingsConfigDict(env_prefix="EPD_PREFILL_")
+    PROG: ClassVar[str] = "epd-prefill"
+
+    host: str = Field("0.0.0.0", min_length=1, description="address to listen on")
+    port: Port = Field(9100, description="port of /v1/prefill, /healthz, /readyz, /metrics")
+    model: str | None = Field(None, description="checkpoint for verification / fallback; also gives --width and "
+                              "--deepstack-width")
+    width: NonNegativeInt = Field(0, description="wire width of one row (the encode workers' tower's; default: "
+                                  "from --model)")
+    deepstack_width: NonNegativeInt = Field(0, description="the last columns of a row that are DeepStack levels "
+                                            "(default: from --model)")
+    dtype: Dtype = Field("bfloat16", description="dtype of the rows: the encode workers' --dtype (bfloat16, "
+                         "float16, float32)")
+    transports: TransportNames = Field(("shm", "mooncake"), description=f"comma-separated: "
+                                       f"{', '.join(TRANSPORT_NAMES)}")
+    pool_bytes: PositiveByteSize = Field(1 << 30, description="receive pool (bytes; K, M, G suffixes)")
+    slot_bytes: PositiveByteSize = Field(1 << 20, description="receive pool slot size")
+    item_timeout_s: PositiveSeconds = Field(60.0, description="deadline of one item")
+    quarantine_s: PositiveSeconds = Field(40.0, description="hold a failed slot this long (above the encode "
+                                          "workers' Mooncake transfer timeout)")
+    fallback: Literal["fail", "local_tower"] = Field("fail", description="an item whose rows do not arrive: "
+                                                     "fail it, or encode it here (needs --model)")
+    tower_calls: PositiveInt = Field(1, description="local tower forward passes at once (colocated items, "
+                                     "fallback, verification)")
+    max_body_bytes: PositiveByteSize = Field(MAX_BODY_BYTES, description="largest accepted request body")
+    require_checksum: bool = Field(True, description="refuse commits without the rows' checksum (workers run "
+                                   "with --no-checksum)")
+    mooncake_host: str = Field("127.0.0.1", min_length=1, description="address encode workers use to reach this "
+                               "process's Mooncake engine (the pod IP)")
+    mooncake_hca: str = Field("", description="comma-separated RDMA HCA names for Mooncake ('' = all found)")
+    mooncake_force_tcp: bool = Field(False, description="Mooncake over TCP even where RDMA exists")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrefillSettings:
+        if self.slot_bytes > self.pool_bytes:
+            raise SettingError(f"--slot-bytes {self.slot_bytes} is larger than --pool-bytes {self.pool_bytes}")
+        return self
 
 
-def _start(args):
+def _start(settings: PrefillSettings):
     """Check every setting, load the tower, reserve the pool: ``(receiver, tower)``, or
     ``SettingError`` with the one line to print."""
     from data_plane.mooncake import MooncakeConfig
     from data_plane.offers import TransportUnavailable, transport_spec
     from data_plane.shm import ShmError
     from data_plane.transport import build_transports
-    from handshake.settings import (
-        SettingError,
-        check_checkpoint,
-        check_listen,
-        check_memory,
-        check_shm_space,
-        handshake_token,
-    )
+    from process_settings import check_checkpoint, check_listen, check_memory, check_shm_space
 
-    token = handshake_token(args.token_file)
-    check_listen(args.host, args.port, "--port")
-    if args.slot_bytes > args.pool_bytes:
-        raise SettingError(f"--slot-bytes {args.slot_bytes} is larger than --pool-bytes {args.pool_bytes}")
-    check_memory(args.pool_bytes, "--pool-bytes")
+    check_listen(settings.host, settings.port, "--port")
+    check_memory(settings.pool_bytes, "--pool-bytes")
     # with a transport that does not need it (Mooncake), a full /dev/shm falls back to process memory
-    if all(transport_spec(name).needs_shm_pool for name in args.transports.split(",")):
-        check_shm_space(args.pool_bytes, "--pool-bytes")
+    if all(transport_spec(name).needs_shm_pool for name in settings.transports):
+        check_shm_space(settings.pool_bytes, "--pool-bytes")
     tower = None
-    width, deepstack = args.width, args.deepstack_width
-    if args.model:
+    width, deepstack = settings.width, settings.deepstack_width
+    if settings.model:
         from encode_worker.tower import TowerLoadError, VisionTower
 
-        check_checkpoint(args.model)
+        check_checkpoint(settings.model)
         try:
-            tower = TowerCalls(VisionTower.load(args.model, dtype=args.dtype), args.tower_calls)
+            tower = TowerCalls(VisionTower.load(settings.model, dtype=settings.dtype), settings.tower_calls)
         except (TowerLoadError, OSError, ValueError) as exc:
-            raise SettingError(f"--model {args.model}: cannot load the vision tower: {exc}") from None
+            raise SettingError(f"--model {settings.model}: cannot load the vision tower: {exc}") from None
         for flag, given, own in (("--width", width, tower.info.wire_width),
                                  ("--deepstack-width", deepstack, tower.info.out_width * tower.info.deepstack_levels)):
             if given and given != own:
@@ -315,13 +316,13 @@ def _start(args):
         raise SettingError("give --width (or --model to read it from the checkpoint)")
     if deepstack >= width:
         raise SettingError(f"--deepstack-width {deepstack} leaves no main embedding in rows of {width}")
-    config = ReceiverConfig(width=width, dtype=args.dtype, deepstack_width=deepstack, pool_bytes=args.pool_bytes,
-                            slot_bytes=args.slot_bytes, transports=tuple(args.transports.split(",")),
-                            item_timeout_s=args.item_timeout_s, quarantine_s=args.quarantine_s, fallback=args.fallback,
-                            handshake_token=token, require_checksum=args.require_checksum)
+    config = ReceiverConfig(width=width, dtype=settings.dtype, deepstack_width=deepstack, pool_bytes=settings.pool_bytes,
+                            slot_bytes=settings.slot_bytes, transports=settings.transports,
+                            item_timeout_s=settings.item_timeout_s, quarantine_s=settings.quarantine_s, fallback=settings.fallback,
+                            handshake_token=settings.handshake_token, require_checksum=settings.require_checksum)
     # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback default.
-    mooncake = MooncakeConfig(hostname=args.mooncake_host, device_names=args.mooncake_hca,
-                              force_tcp=args.mooncake_force_tcp)
+    mooncake = MooncakeConfig(hostname=settings.mooncake_host, device_names=settings.mooncake_hca,
+                              force_tcp=settings.mooncake_force_tcp)
     try:
         receiver = PrefillReceiver(config, build_transports(config.transports, {"mooncake": mooncake}, optional=True),
                                    local_tower=tower)
@@ -335,22 +336,21 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     from handshake.server import serve
-    from handshake.settings import SettingError, refuse
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
     try:
-        receiver, tower = _start(args)
+        settings = PrefillSettings.from_command_line(argv)
+        receiver, tower = _start(settings)
     except SettingError as exc:
-        return refuse("epd-prefill", exc)
+        return refuse(PrefillSettings.PROG, exc)
     config = receiver.config
     logging.getLogger("epd-prefill").info(
         "epd-prefill ready: http://%s:%d (/v1/prefill, /healthz, /readyz, /metrics); rows of %d x %s; "
-        "transports %s (Mooncake host %s); local tower %s", args.host, args.port, config.width, config.dtype,
-        ",".join(receiver.transports), args.mooncake_host, args.model or "none")
+        "transports %s (Mooncake host %s); local tower %s", settings.host, settings.port, config.width, config.dtype,
+        ",".join(receiver.transports), settings.mooncake_host, settings.model or "none")
     try:
-        serve(create_app(receiver, tower, args.max_body_bytes), args.host, args.port)
+        serve(create_app(receiver, tower, settings.max_body_bytes), settings.host, settings.port)
     finally:
         receiver.close()
     return 0

@@ -94,7 +94,8 @@ def loopback_stack(tower, local_tower=None, worker=None, receiver=None):
     transport (rooms over the worker's real HTTP server, items over its real ZMQ intake).
     ``worker`` / ``receiver``: overrides of their configs."""
     from data_plane.loopback import LoopbackTransport
-    from encode_worker.worker import EncodeWorker, WorkerConfig
+    from encode_worker.config import WorkerConfig
+    from encode_worker.worker import EncodeWorker
     from prefill_side import PrefillReceiver, ReceiverConfig
 
     loopback = LoopbackTransport()

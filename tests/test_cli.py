@@ -117,10 +117,10 @@ WORKER_MISTAKES = [
     (["--dtype", "nonsense"], {}, ["--dtype", "'nonsense' is not one of bfloat16, float16, float32"]),
     (["--transports", ""], {}, ["--transports", "give one or more of shm, mooncake, loopback"]),
     (["--transports", "shm,carrier-pigeon"], {}, ["unknown: carrier-pigeon"]),
-    (["--intake-port", "70000"], {}, ["port 70000 is not in 1..65535"]),
+    (["--intake-port", "70000"], {}, ["--intake-port", "port 70000 is not in 0..65535"]),
     (["--queue-items", "-1"], {}, ["--queue-items", "-1 must be above 0"]),
-    (["--ring-slot-bytes", "0"], {}, ["ring_slot_bytes must be above 0"]),
-    (["--ring-slot-bytes", "2M", "--ring-bytes", "1M"], {}, ["ring_slot_bytes 2097152 is larger than the ring"]),
+    (["--ring-slot-bytes", "0"], {}, ["--ring-slot-bytes", "0 must be above 0"]),
+    (["--ring-slot-bytes", "2M", "--ring-bytes", "1M"], {}, ["--ring-slot-bytes 2097152 is larger than the ring"]),
     (["--receiver-wait-s", "inf"], {}, ["--receiver-wait-s", "inf is not finite"]),
     (["--write-timeout-s", "nan"], {}, ["--write-timeout-s", "nan is not finite"]),
     (["--ring-bytes", "100T"], {}, ["--ring-bytes of 109951162777600 bytes is more than this machine's available memory"]),
@@ -163,8 +163,9 @@ def test_a_port_taken_after_the_checks_stops_the_worker_cleanly(checkpoint):
     the process in a segmentation fault (exit 139)."""
     script = f"""
 import socket
-from encode_worker.worker import EncodeWorker, WorkerConfig
-from handshake.settings import SettingError
+from encode_worker.config import WorkerConfig
+from encode_worker.worker import EncodeWorker
+from process_settings import SettingError
 taken = socket.socket(); taken.bind(("127.0.0.1", 0)); taken.listen()
 config = WorkerConfig(model={checkpoint!r}, dtype="float32", bind="127.0.0.1", bootstrap_port=0,
                       intake_port=taken.getsockname()[1], transports=("shm", "mooncake"), ring_bytes=8 << 20)
@@ -222,7 +223,7 @@ def test_handshake_refuses_bad_settings_and_says_where_it_serves(files, taken_po
     assert_refused(run("handshake.server", "--port", free_port(), "--token-file", files["empty_token"]),
                    "is empty")
     assert_refused(run("handshake.server", "--max-live-rooms", "-5"), "--max-live-rooms", "-5 must be above 0")
-    assert_refused(run("handshake.server", env={"EPD_HANDSHAKE_PORT": "eighty"}), "invalid port value: 'eighty'")
+    assert_refused(run("handshake.server", env={"EPD_HANDSHAKE_PORT": "eighty"}), "--port (or EPD_HANDSHAKE_PORT): 'eighty' is not a port number")
     port = free_port()
     process = spawn("handshake.server", ["--host", "127.0.0.1", "--port", port], tmp_path / "handshake.log")
     wait_http(f"http://127.0.0.1:{port}/healthz", process)
@@ -278,15 +279,16 @@ def test_dispatch_names_the_file_it_refuses(checkpoint, files):
     assert_refused(run("dispatcher.cli", "--model", checkpoint, "--workers", "h:70000", files["cat"]),
                    "--workers", "ports must be in 1..65535")
     assert_refused(run("dispatcher.cli", "--model", checkpoint, *workers, "--prefill", "prefill:9100", files["cat"]),
-                   "--prefill 'prefill:9100' is not an http:// URL")
+                   "--prefill", "'prefill:9100' is not an http:// URL")
 
 
 def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint, files, tmp_path):
     """The worker takes the item, and the prefill process reports it FAILED (it reserved rows of
     the wrong width: the worker refuses the write): epd-dispatch used to exit 0."""
     from data_plane.shm_transport import ShmTransport
+    from encode_worker.config import WorkerConfig
     from encode_worker.tower import VisionTower
-    from encode_worker.worker import EncodeWorker, WorkerConfig
+    from encode_worker.worker import EncodeWorker
 
     worker = EncodeWorker(WorkerConfig(model=checkpoint, dtype="float32", bind="127.0.0.1", bootstrap_port=0,
                                        intake_port=0, transports=("shm",), ring_bytes=8 << 20,

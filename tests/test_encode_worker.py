@@ -12,11 +12,12 @@ from safetensors.torch import load_file, save_file
 
 from data_plane.loopback import LoopbackFault, LoopbackTransport
 from data_plane.shm import ShmTensorHandle
+from encode_worker.config import WorkerConfig
 from encode_worker.inputs import image_from_bytes
 from encode_worker.intake import IntakeClient, IntakeRequest
 from encode_worker.small_checkpoints import build_full, build_vision_only
 from encode_worker.tower import TowerLoadError, VisionTower
-from encode_worker.worker import EncodeWorker, WorkerConfig
+from encode_worker.worker import EncodeWorker
 from handshake.models import RoomState
 from multimodal.hashing import hash_feature
 from multimodal.wire import EncodeHandshake

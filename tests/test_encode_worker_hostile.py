@@ -17,12 +17,13 @@ import torch
 from data_plane.loopback import LoopbackTransport
 from data_plane.pool import MemoryRegion
 from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle
+from encode_worker.config import WorkerConfig
 from encode_worker.inputs import image_from_bytes
 from encode_worker.intake import IntakeClient
 from encode_worker.scheduler import BatchQueue, EncodeJob
 from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
-from encode_worker.worker import EncodeWorker, WorkerConfig
+from encode_worker.worker import EncodeWorker
 from handshake.models import RoomState
 from handshake.rooms import RoomConflict
 from multimodal.hashing import hash_feature

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from unittest import mock
 
 import pytest
 import torch
@@ -155,16 +156,16 @@ def test_probes_and_metrics(worker_process):
         assert name in text, name
 
 
-def test_every_flag_has_an_env_var():
-    from encode_worker.cli import FLAGS, build_parser, env_name
+def test_every_flag_has_an_env_var_and_the_flag_wins():
+    from encode_worker.config import WorkerConfig
 
-    os.environ["EPD_BATCH_ITEMS"] = "3"
-    try:
-        assert build_parser().parse_args([]).batch_items == 3
-        assert build_parser().parse_args(["--batch-items", "5"]).batch_items == 5
-    finally:
-        del os.environ["EPD_BATCH_ITEMS"]
-    assert len({env_name(flag) for flag, *_ in FLAGS}) == len(FLAGS)
+    with mock.patch.dict(os.environ, {"EPD_BATCH_ITEMS": "3", "EPD_CHECKSUM": "0"}):
+        assert WorkerConfig.from_command_line(["--model", "m"]).batch_items == 3
+        assert not WorkerConfig.from_command_line(["--model", "m"]).checksum
+        flags = WorkerConfig.from_command_line(["--model", "m", "--batch-items", "5", "--checksum"])
+        assert flags.batch_items == 5 and flags.checksum
+    names = {WorkerConfig.env_name(field) for field in WorkerConfig.model_fields}
+    assert len(names) == len(WorkerConfig.model_fields) and "EPD_RING_SLOT_BYTES" in names
 
 
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])

@@ -29,6 +29,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from dispatcher.workers import WorkerAddress
+from process_settings import ProcessSettings
+
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 KUBECTL = Path(sys.executable).parent / "kubectl"
@@ -127,8 +130,13 @@ def parsed(container):
         return VLLM, vllm_serve(tuple(args))
     assert len(command) == 1 and command[0] in SCRIPTS, f"{command} is not one of the console scripts {SCRIPTS}"
     module = importlib.import_module(SCRIPTS[command[0]].split(":")[0])
-    with mock.patch.dict(os.environ, env, clear=True):
-        return command[0], module.build_parser().parse_args(args)
+    (settings,) = [value for value in vars(module).values() if isinstance(value, type)
+                   and issubclass(value, ProcessSettings) and getattr(value, "PROG", None) == command[0]]
+    # the token files are secrets mounted in the cluster only: read as their path here
+    with (mock.patch.dict(os.environ, env, clear=True),
+          mock.patch("process_settings.secrets.handshake_token", lambda path: path and f"token in {path}"),
+          mock.patch("process_settings.secrets.read_secret", lambda path, flag: f"token in {path}")):
+        return command[0], settings.from_command_line(args)
 
 
 @functools.cache
@@ -153,7 +161,7 @@ def vllm_serve(args: tuple[str, ...]):
 def transports(program, args) -> list[str]:
     if program == VLLM:
         return args.connector.transports
-    return args.transports.split(",") if hasattr(args, "transports") else []
+    return list(getattr(args, "transports", ()))
 
 
 def mooncake_choices(program, args) -> tuple[str, bool]:
@@ -324,10 +332,10 @@ def test_gateway_reaches_vllm_and_the_encoders_and_all_three_serve_one_checkpoin
         assert bool(local) == colocated and ("127.0.0.1" in gateway.vllm_url) == colocated
         # the encode workers: its own pod's only (SHM reaches no other pod), else the headless Service
         if colocated:
-            assert (gateway.workers, gateway.dns) == ("127.0.0.1", "")
+            assert (gateway.workers, gateway.dns) == ((WorkerAddress("127.0.0.1"),), None)
             (worker,) = [a for program, a in map(parsed, containers(template)) if program == "epd-encode-worker"]
         else:
-            assert (gateway.workers, gateway.dns) == ("", "epd-encode-workers")
+            assert (gateway.workers, gateway.dns) == ((), "epd-encode-workers")
             (worker,) = {(w.bootstrap_port, w.intake_port): w for w in workers}.values()
         assert (gateway.bootstrap_port, gateway.intake_port) == (worker.bootstrap_port, worker.intake_port)
 
@@ -717,7 +725,7 @@ def test_prefill_offers_mooncake_at_its_mooncake_host(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MC_LOG_LEVEL="ERROR", EPD_MOONCAKE_HOST="127.0.0.2")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MC_LOG_LEVEL="ERROR", EPD_PREFILL_MOONCAKE_HOST="127.0.0.2")
     process = subprocess.Popen([sys.executable, "-m", "prefill_side.server", "--host", "127.0.0.1", "--port", str(port),
                                 "--width", "8", "--transports", "mooncake", "--pool-bytes", str(1 << 20),
                                 "--slot-bytes", str(1 << 16)], env=env, stderr=subprocess.DEVNULL)

@@ -334,7 +334,8 @@ def test_a_receive_pool_whose_segment_is_unlinked_stops_offering_shm_and_says_so
 
     from data_plane.loopback import LoopbackTransport
     from data_plane.shm_transport import ShmTransport
-    from encode_worker.worker import EncodeWorker, WorkerConfig
+    from encode_worker.config import WorkerConfig
+    from encode_worker.worker import EncodeWorker
 
     loopback = LoopbackTransport()
     worker = EncodeWorker(WorkerConfig(model=tower.model_id, transports=("shm", "loopback"), bootstrap_port=0,

@@ -9,10 +9,11 @@ import pathlib
 import pytest
 
 from data_plane.loopback import LoopbackTransport
+from encode_worker.config import WorkerConfig
 from encode_worker.inputs import image_from_bytes
 from encode_worker.intake import IntakeClient
 from encode_worker.small_checkpoints import build_vision_only
-from encode_worker.worker import EncodeWorker, WorkerConfig
+from encode_worker.worker import EncodeWorker
 from handshake.client import HandshakeError, SyncHandshakeClient
 from handshake.models import RoomState
 from tests.encode_helpers import Receiver, png

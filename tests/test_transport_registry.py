@@ -1,7 +1,6 @@
 """The transport registry (``data_plane.offers.TRANSPORTS``) is what every reader uses: the
 handshake models' names and offers bound, ``--transports``, and ``build_transports``."""
 
-import argparse
 import subprocess
 import sys
 import typing
@@ -11,7 +10,7 @@ from pydantic import ValidationError
 
 from data_plane.offers import MAX_OFFERS, TRANSPORT_NAMES, TRANSPORTS, transport_spec
 from handshake.models import BeginWrite, CommitBody, Registration
-from handshake.settings import transports
+from process_settings import TransportNames
 
 
 def test_registry_order_and_flags():
@@ -38,13 +37,16 @@ def test_handshake_models_read_the_registry():
 
 
 def test_cli_transports_flag_reads_the_registry():
-    assert transports("loopback, shm") == "loopback,shm"
-    with pytest.raises(argparse.ArgumentTypeError, match="give one or more of shm, mooncake, loopback"):
-        transports("carrier-pigeon")
+    from pydantic import TypeAdapter
+
+    names = TypeAdapter(TransportNames)
+    assert names.validate_python("loopback, shm,shm") == ("loopback", "shm")
+    with pytest.raises(ValidationError, match="give one or more of shm, mooncake, loopback"):
+        names.validate_python("carrier-pigeon")
 
 
 def test_registry_and_handshake_models_load_without_torch():
-    code = "import sys, data_plane.offers, handshake.models, handshake.settings; print('torch' in sys.modules)"
+    code = "import sys, data_plane.offers, handshake.models, process_settings, encode_worker.config; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
 

@@ -1,0 +1,33 @@
+"""Process settings: one frozen, typed object per ``epd-*`` process (``ProcessSettings``), from
+which its flags, its ``EPD_...`` environment variables, mounted secret files and ``--help`` are
+all generated; the value types those objects share; and the start-up checks that need the
+machine. An operator's mistake is one line on stderr and exit status 1, before anything starts."""
+
+from process_settings.base import ProcessSettings, SettingError, one_line, refuse
+from process_settings.checks import (
+    check_checkpoint,
+    check_device,
+    check_listen,
+    check_memory,
+    check_shm_space,
+    handshake_token,
+    read_secret,
+)
+from process_settings.values import (
+    DTYPES,
+    AnyPort,
+    ByteSize,
+    Dtype,
+    NonNegativeInt,
+    Port,
+    PositiveByteSize,
+    PositiveInt,
+    PositiveSeconds,
+    TransportNames,
+)
+
+__all__ = [
+    "DTYPES", "AnyPort", "ByteSize", "Dtype", "NonNegativeInt", "Port", "PositiveByteSize", "PositiveInt",
+    "PositiveSeconds", "ProcessSettings", "SettingError", "TransportNames", "check_checkpoint", "check_device",
+    "check_listen", "check_memory", "check_shm_space", "handshake_token", "one_line", "read_secret", "refuse",
+]

@@ -1,0 +1,113 @@
+"""Start-up checks that need the machine to judge (a port in use, a checkpoint directory, a
+device, memory, a token file): each raises ``SettingError`` with the one line the operator sees."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+from process_settings.base import SettingError
+
+
+def check_listen(host: str, port_number: int, what: str) -> None:
+    """Refuse a port this process cannot listen on (in use, not an address of this host,
+    privileged): checked by binding it once, then letting go."""
+    try:
+        infos = socket.getaddrinfo(host, port_number, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SettingError(f"{what}: cannot resolve {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            hint = " (another process listens there)" if exc.errno == errno.EADDRINUSE else ""
+            raise SettingError(f"{what}: cannot listen on {host}:{port_number}: {exc.strerror}{hint}") from None
+
+
+def check_checkpoint(path: str, flag: str = "--model") -> str:
+    """A checkpoint directory: exists, is a directory, has a config.json."""
+    if not os.path.exists(path):
+        raise SettingError(f"{flag} {path}: no such directory")
+    if not os.path.isdir(path):
+        raise SettingError(f"{flag} {path}: not a directory (give the checkpoint's directory, not a file in it)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SettingError(f"{flag} {path}: no config.json (not a Hugging Face checkpoint directory)")
+    return path
+
+
+def check_device(text: str) -> str:
+    """A torch device this build and machine have (``cpu``, ``cuda``, ``cuda:N``)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise SettingError(f"--device {text!r} is not a torch device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SettingError(f"--device {text}: this torch build or machine has no CUDA device "
+                               f"(torch {torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SettingError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif device.type != "cpu":
+        raise SettingError(f"--device {text}: only cpu and cuda devices are supported")
+    return text
+
+
+def check_memory(nbytes: int, what: str) -> None:
+    """Refuse an allocation this machine cannot hold (above its available memory): it would be
+    killed while touching the pages, or swap."""
+    available = _meminfo("MemAvailable")
+    if available is not None and nbytes > available:
+        raise SettingError(f"{what} of {nbytes} bytes is more than this machine's available memory "
+                           f"({available} bytes)")
+
+
+def check_shm_space(nbytes: int, what: str) -> None:
+    """Refuse a ``/dev/shm`` segment larger than the space left there."""
+    info = os.statvfs("/dev/shm")
+    free = info.f_bavail * info.f_frsize
+    if nbytes > free:
+        raise SettingError(f"{what} of {nbytes} bytes does not fit /dev/shm: No space left on device "
+                           f"({free} bytes free)")
+
+
+def handshake_token(token_file: str | None) -> str | None:
+    """``handshake.server.load_token`` (``--token-file``, else the environment), its failures as
+    one line."""
+    from handshake.server import load_token
+
+    try:
+        return load_token(token_file)
+    except OSError as exc:
+        raise SettingError(f"token file {exc.filename}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise SettingError(f"token file: {exc}") from None
+
+
+def read_secret(path: str, flag: str) -> str:
+    """A token file's content (stripped): it must exist, be readable and not be empty."""
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise SettingError(f"{flag} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise SettingError(f"{flag} {path}: not a text file") from None
+    if not token:
+        raise SettingError(f"{flag} {path}: the file is empty")
+    return token
+
+
+def _meminfo(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,47 @@
+"""The bearer tokens a process holds, as settings fields: a token comes from its file flag
+(``--token-file``, ``--intake-token-file``), else from the environment or a secret file, and
+never from a flag's value (a command line is visible to every user of the machine)."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field, model_validator
+from pydantic_settings import CliSuppress
+
+from process_settings.base import ProcessSettings
+from process_settings.checks import handshake_token, read_secret
+
+INTAKE_TOKEN_ENV = "EPD_INTAKE_TOKEN"
+
+
+class HandshakeToken(ProcessSettings):
+    """The room API's bearer token: ``--token-file``, ``$EPD_HANDSHAKE_TOKEN_FILE`` or
+    ``$EPD_HANDSHAKE_TOKEN`` (also under the process's own prefix)."""
+
+    token_file: str | None = Field(None, description="handshake bearer token file (or $EPD_HANDSHAKE_TOKEN[_FILE])")
+    handshake_token: CliSuppress[str | None] = Field(None, repr=False, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_handshake_token(cls, data):
+        if isinstance(data, dict) and not data.get("handshake_token"):
+            data = {**data, "handshake_token": handshake_token(data.get("token_file"))}
+        return data
+
+
+class IntakeToken(ProcessSettings):
+    """The encode workers' intake token: ``--intake-token-file``, else ``$EPD_INTAKE_TOKEN``
+    (also under the process's own prefix)."""
+
+    intake_token_file: str | None = Field(None, description=f"intake token file (or ${INTAKE_TOKEN_ENV})")
+    intake_token: CliSuppress[str | None] = Field(None, repr=False, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_intake_token(cls, data):
+        if isinstance(data, dict) and not data.get("intake_token"):
+            path = data.get("intake_token_file")
+            token = read_secret(path, "--intake-token-file") if path else os.environ.get(INTAKE_TOKEN_ENV) or None
+            data = {**data, "intake_token": token}
+        return data
