@@ -116,6 +116,17 @@ class _Pending:
 
 
 class ReceiveJob:
+    """One request's items, as the engine sees them while the receiver fills them.
+
+    Ownership: the job owns its future, its cancelled flag and the zero-copy leases it holds; the
+    receiver changes them only through ``hold``, ``mark_cancelled``, ``settle_if_done`` and
+    ``ended``. ``outcomes`` is written by the receiver's loop thread alone while the job runs (an
+    item's outcome, once settled, never changes); the engine's threads read it, and call ``poll``,
+    ``wait``, ``cancel``, ``abort`` and ``release``. ``_held`` and ``_released`` are guarded by
+    ``_lock`` (the loop adds to ``_held``; ``release``, from any thread, empties it); ``_cancelled``
+    is set once, from any thread, under the same lock.
+    """
+
     def __init__(self, request_id: str, inputs: MultimodalInputs, receiver: PrefillReceiver):
         self.request_id = request_id
         self.inputs = inputs
@@ -124,7 +135,7 @@ class ReceiveJob:
         self._future = Future()  # done as soon as every item is settled (or the job's task crashed)
         self._cancelled = threading.Event()
         self._held: list[tuple[MultimodalDataItem, Lease]] = []  # zero-copy slots behind published views
-        self._held_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._released = False
         self.started = time.monotonic()
 
@@ -150,46 +161,68 @@ class ReceiveJob:
     def reasons(self) -> dict[int, str]:
         return {o.index: o.reason for o in self.outcomes if o.state == ItemState.FAILED}
 
+    @property
+    def cancelled(self) -> bool:
+        """Whether ``cancel`` (or ``abort``) was asked: no item falls back to the local tower then."""
+        return self._cancelled.is_set()
+
+    def mark_cancelled(self) -> bool:
+        """Set the cancelled flag (any thread); True for the one call that set it."""
+        with self._lock:
+            first = not self._cancelled.is_set()
+            self._cancelled.set()
+        return first
+
+    def hold(self, item: MultimodalDataItem, lease: Lease) -> bool:
+        """Zero-copy, on the receiver's loop: keep ``lease`` (the slot behind ``item``'s rows) until
+        ``release``. False when the engine already released the job: nobody will read the rows,
+        and the caller frees the lease."""
+        with self._lock:
+            if self._released:
+                return False
+            self._held.append((item, lease))
+        return True
+
     def release(self) -> None:
         """Zero-copy mode: the engine is done with the items' ``encoded`` views; free their slots
         (and clear ``encoded``, so nothing reads a slot its next tenant writes). Idempotent."""
-        with self._held_lock:
+        with self._lock:
             held, self._held, self._released = self._held, [], True
         for item, lease in held:
             item.encoded = item.encoded_deepstack = None
             self._receiver.pool.release(lease)
 
-    def _settle_if_done(self) -> None:
+    def settle_if_done(self) -> None:
         """On the receiver's loop, after an item's outcome is final: the job ends with its last
         item, not when its coroutines have unwound (that took ~80 us more here)."""
         if all(outcome.state != ItemState.PENDING for outcome in self.outcomes):
-            self._end()
+            self.ended()
 
-    def _end(self, task: Future | None = None) -> None:
+    def ended(self, task: Future | None = None) -> None:
+        """End the job (its future completes); a second call changes nothing. As the done-callback
+        of the job's task (``task`` given), a task that crashed or was cancelled ends the job with
+        that error."""
         error = None
-        if task is not None:  # the job's task ended: a crash ends the job with its error
+        if task is not None:
             error = RuntimeError("the receive job's task was cancelled") if task.cancelled() else task.exception()
         try:
             if error is not None:
                 self._future.set_exception(error)
             else:
                 self._future.set_result(None)
-        except InvalidStateError:  # already ended
-            pass
+        except InvalidStateError:  # already ended: its first end stands
+            return
 
     def cancel(self, reason: str = "request cancelled by the engine") -> None:
         """Cancel the job's rooms now, so encode workers stop; items not yet received fail.
         A room being written stays WRITING until its writer's outcome (then CANCELLED)."""
-        if not self._cancelled.is_set():
-            self._cancelled.set()
-            self._receiver._loop.submit(self._receiver._cancel(self, reason))
+        self._receiver.cancel(self, reason)
 
     def abort(self, reason: str) -> None:
         """``cancel``, and fail every item not yet settled now with ``reason`` (for a caller that
         stops waiting: a request's timeout). The job ends at once; the slots of those items are
         still released, or quarantined, when their rooms end."""
-        self.cancel(reason)
-        self._receiver._loop.submit(self._receiver._abort(self, reason))
+        self._receiver.abort(self, reason)
 
 
 class ReceiverMetrics:
@@ -209,6 +242,15 @@ class ReceiverMetrics:
 
 
 class PrefillReceiver:
+    """The receive pool, the transports and the loop thread every job runs on.
+
+    Ownership: the receiver owns the pool, the transports, ``lost`` (replaced whole under
+    ``_lost_lock``, by whichever thread notices the segment gone), the handshake clients (created
+    and closed on its loop thread) and the loop. It drives each job through the job's public
+    methods only; ``cancel`` and ``abort`` may be called from any thread and schedule their work
+    on the loop.
+    """
+
     def __init__(self, config: ReceiverConfig, transports: dict | None = None, local_tower=None,
                  registry: CollectorRegistry | None = None):
         self.config = config
@@ -241,8 +283,19 @@ class PrefillReceiver:
 
     def start(self, request_id: str, inputs: MultimodalInputs) -> ReceiveJob:
         job = ReceiveJob(request_id, inputs, self)
-        self._loop.submit(self._run(job)).add_done_callback(job._end)
+        self._loop.submit(self._run(job)).add_done_callback(job.ended)
         return job
+
+    def cancel(self, job: ReceiveJob, reason: str) -> None:
+        """Cancel ``job``'s rooms that are still pending (once per job; any thread): scheduled on
+        the loop, so encode workers stop; their items fail as their rooms end."""
+        if job.mark_cancelled():
+            self._loop.submit(self._cancel(job, reason))
+
+    def abort(self, job: ReceiveJob, reason: str) -> None:
+        """``cancel``, then fail ``job``'s unsettled items with ``reason`` on the loop (any thread)."""
+        self.cancel(job, reason)
+        self._loop.submit(self._abort(job, reason))
 
     def offered(self) -> list[str]:
         """The transports this receiver offers writers now (SHM leaves once its segment is gone)."""
@@ -416,7 +469,7 @@ class PrefillReceiver:
                 outcome.state, outcome.reason = ItemState.FAILED, reason
                 outcome.seconds = time.monotonic() - job.started
                 self.metrics.items.labels("none", "failed").inc()
-        job._settle_if_done()
+        job.settle_if_done()
 
     async def _cancel_rooms(self, endpoint: tuple[str, int], rooms: list[int], reason: str) -> None:
         host, port = endpoint
@@ -477,11 +530,9 @@ class PrefillReceiver:
                                 quarantine=False)
             return
         if self.config.zero_copy:
-            with job._held_lock:
-                if job._released:  # the engine already let go of this job: nobody will read the view
-                    self.pool.release(entry.lease)
-                    return
-                job._held.append((entry.item, entry.lease))
+            if not job.hold(entry.item, entry.lease):  # the engine already let go: nobody reads the view
+                self.pool.release(entry.lease)
+                return
             self.set_encoded(entry.item, rows)
         else:
             self.pool.release(entry.lease)
@@ -494,7 +545,7 @@ class PrefillReceiver:
         self.metrics.items.labels(view.transport or "unknown", "done").inc()
         self.metrics.bytes.labels(view.transport or "unknown").inc(entry.layout.nbytes)
         self.metrics.latency.observe(outcome.seconds)
-        job._settle_if_done()
+        job.settle_if_done()
 
     def set_encoded(self, item: MultimodalDataItem, rows: torch.Tensor) -> None:
         """``item.encoded`` (and ``encoded_deepstack``) from wire rows."""
@@ -514,7 +565,7 @@ class PrefillReceiver:
             return
         outcome.seconds = time.monotonic() - job.started
         if self.config.fallback == "local_tower" and self.local_tower is not None and item.feature is not None \
-                and not job._cancelled.is_set():
+                and not job.cancelled:
             try:
                 rows = await asyncio.get_running_loop().run_in_executor(None, self.encode_locally, item)
                 if outcome.state != ItemState.PENDING:  # aborted while the tower ran
@@ -524,13 +575,13 @@ class PrefillReceiver:
                 outcome.reason = f"fallback after: {reason}"
                 self.metrics.fallbacks.inc()
                 self.metrics.items.labels("local_tower", "done").inc()
-                job._settle_if_done()
+                job.settle_if_done()
                 return
             except Exception as exc:  # the fallback failing must not hide the first reason
                 reason = f"{reason}; local tower also failed: {exc}"
         outcome.state, outcome.reason = ItemState.FAILED, reason
         self.metrics.items.labels("none", "failed").inc()
-        job._settle_if_done()
+        job.settle_if_done()
 
     def encode_locally(self, item: MultimodalDataItem) -> torch.Tensor:
         """Rows for an item from the local tower and the pixels (or image bytes) it kept."""
