@@ -47,7 +47,7 @@ from handshake.models import MAX_BATCH, MAX_DEADLINE_S, MAX_WAIT_S, EncodeTiming
 from loop_threads import LoopThread
 from multimodal.items import MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError, item_rows
-from multimodal.wire import EncodeHandshake
+from multimodal.wire import EncodeHandshake, Endpoint
 from prefill_side.states import ItemState, JobState
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ class PrefillReceiver:
         for name in self.transports:
             self.metrics.transports.labels(name).set(1)
         self._lost_lock = threading.Lock()
-        self._clients: dict[tuple[str, int], HandshakeClient] = {}
+        self._clients: dict[Endpoint, HandshakeClient] = {}
         self._loop = LoopThread("prefill-receiver")
 
     def start(self, request_id: str, inputs: MultimodalInputs) -> ReceiveJob:
@@ -356,12 +356,10 @@ class PrefillReceiver:
 
     # ---- the job, on the receiver's loop ----------------------------------------------------
 
-    def _client(self, handshake: EncodeHandshake) -> HandshakeClient:
-        key = (handshake.bootstrap_host, handshake.bootstrap_port)
-        client = self._clients.get(key)
+    def _client(self, endpoint: Endpoint) -> HandshakeClient:
+        client = self._clients.get(endpoint)
         if client is None:
-            url = handshake.url
-            client = self._clients[key] = HandshakeClient(url, self.config.handshake_token,
+            client = self._clients[endpoint] = HandshakeClient(endpoint.url("http"), self.config.handshake_token,
                                                           timeout_s=self.config.endpoint_timeout_s, retries=2,
                                                           backoff_s=0.1, retry_timeouts=False)
         return client
@@ -369,8 +367,8 @@ class PrefillReceiver:
     async def _run(self, job: ReceiveJob) -> None:
         pending: list[_Pending] = []
         refused: list[tuple[int, MultimodalDataItem, str]] = []
-        unreserved: dict[tuple[str, int], list[int]] = {}  # rooms to cancel, so their workers stop waiting
-        rooms: set[tuple[str, int, int]] = set()
+        unreserved: dict[Endpoint, list[int]] = {}  # rooms to cancel, so their workers stop waiting
+        rooms: set[tuple[Endpoint, int]] = set()
         self._check_shm()
         for index, item in enumerate(job.inputs.mm_items):
             if item.encode_handshake is None or item.encoded is not None:
@@ -381,7 +379,7 @@ class PrefillReceiver:
             except (TypeError, ValueError) as exc:  # no room to cancel: the address names none
                 refused.append((index, item, f"invalid encode_handshake: {exc}"))
                 continue
-            room = (handshake.bootstrap_host, handshake.bootstrap_port, handshake.bootstrap_room)
+            room = (handshake.endpoint, handshake.bootstrap_room)
             if room in rooms:  # the room is the earlier item's: refuse this one, leave the room alone
                 refused.append((index, item, f"duplicate room {handshake.bootstrap_room}: an earlier item "
                                              "of this request names it"))
@@ -391,11 +389,10 @@ class PrefillReceiver:
                 pending.append(self._reserve(index, item, handshake))
             except (TypeError, ValueError, RowContractError, NoCapacity, TooLarge) as exc:
                 refused.append((index, item, f"cannot reserve: {exc}"))
-                unreserved.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
-                    handshake.bootstrap_room)
-        by_endpoint: dict[tuple[str, int], list[_Pending]] = {}
+                unreserved.setdefault(handshake.endpoint, []).append(handshake.bootstrap_room)
+        by_endpoint: dict[Endpoint, list[_Pending]] = {}
         for entry in pending:
-            by_endpoint.setdefault((entry.handshake.bootstrap_host, entry.handshake.bootstrap_port), []).append(entry)
+            by_endpoint.setdefault(entry.handshake.endpoint, []).append(entry)
         await asyncio.gather(*(self._cancel_rooms(endpoint, rooms, "the receiver could not reserve memory")
                                for endpoint, rooms in unreserved.items()),
                              *(self._give_up(job, index, item, reason, None, quarantine=False)
@@ -418,15 +415,14 @@ class PrefillReceiver:
         try:
             await self._exchange(job, entries, live)
         except Exception as exc:
-            log.exception("receive job %s: endpoint %s:%d failed", job.request_id,
-                          entries[0].handshake.bootstrap_host, entries[0].handshake.bootstrap_port)
+            log.exception("receive job %s: endpoint %s failed", job.request_id, entries[0].handshake.endpoint)
             for entry in entries:
                 if job.outcomes[entry.index].state == ItemState.PENDING:
                     await self._give_up(job, entry.index, entry.item, f"receiver error: {type(exc).__name__}: {exc}",
                                         entry, quarantine=True)
 
     async def _exchange(self, job: ReceiveJob, entries: list[_Pending], live: dict[int, _Pending]) -> None:
-        client = self._client(entries[0].handshake)
+        client = self._client(entries[0].handshake.endpoint)
         registrations = []
         for entry in entries:
             offers = [t.offer(self.pool, entry.lease) for name, t in self.transports.items() if name not in self.lost]
@@ -452,15 +448,14 @@ class PrefillReceiver:
             await self._handle(job, client, live, results)
 
     async def _cancel(self, job: ReceiveJob, reason: str) -> None:
-        by_endpoint: dict[tuple[str, int], list[int]] = {}
+        by_endpoint: dict[Endpoint, list[int]] = {}
         for item, outcome in zip(job.inputs.mm_items, job.outcomes):
             if outcome.state == ItemState.PENDING and item.encode_handshake is not None:
                 try:
                     handshake = _room_address(item)
                 except (TypeError, ValueError):  # refused at the start: it names no room
                     continue
-                by_endpoint.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
-                    handshake.bootstrap_room)
+                by_endpoint.setdefault(handshake.endpoint, []).append(handshake.bootstrap_room)
         await asyncio.gather(*(self._cancel_rooms(endpoint, rooms, reason) for endpoint, rooms in by_endpoint.items()))
 
     async def _abort(self, job: ReceiveJob, reason: str) -> None:
@@ -471,15 +466,14 @@ class PrefillReceiver:
                 self.metrics.items.labels("none", "failed").inc()
         job.settle_if_done()
 
-    async def _cancel_rooms(self, endpoint: tuple[str, int], rooms: list[int], reason: str) -> None:
-        host, port = endpoint
-        client = self._client(EncodeHandshake(bootstrap_room=1, bootstrap_host=host, bootstrap_port=port))
+    async def _cancel_rooms(self, endpoint: Endpoint, rooms: list[int], reason: str) -> None:
+        client = self._client(endpoint)
         for start in range(0, len(rooms), MAX_BATCH):  # a call's bound
             try:
                 await client.cancel(rooms[start : start + MAX_BATCH], reason)
             except HandshakeError as exc:
-                log.warning("cancel of %d rooms at %s:%d failed: %s", len(rooms[start : start + MAX_BATCH]), host,
-                            port, exc)
+                log.warning("cancel of %d rooms at %s failed: %s", len(rooms[start : start + MAX_BATCH]), endpoint,
+                            exc)
 
     async def _handle(self, job: ReceiveJob, client: HandshakeClient, live: dict[int, _Pending], results) -> None:
         now = time.monotonic()
@@ -504,8 +498,7 @@ class PrefillReceiver:
                                     quarantine=not view.writer_settled)
             elif now >= entry.deadline:
                 del live[result.room]
-                await self._cancel_rooms((entry.handshake.bootstrap_host, entry.handshake.bootstrap_port),
-                                         [result.room], "receiver timed out")
+                await self._cancel_rooms(entry.handshake.endpoint, [result.room], "receiver timed out")
                 await self._give_up(job, entry.index, entry.item, "timed out waiting for the encode worker", entry,
                                     quarantine=True)
 
