@@ -16,7 +16,9 @@ from dispatcher import Dispatcher, WorkerSet
 from dispatcher.cli import prefill_body
 from dispatcher.workers import WorkerAddress
 from encode_worker.small_checkpoints import build_vision_only
+from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from multimodal.wire import EncodeHandshake, Endpoint
+from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 
 
 def _has_ipv6_loopback() -> bool:
@@ -50,6 +52,21 @@ def test_an_endpoint_is_one_value_however_its_host_is_spelled():
     assert (worker.name, str(worker), worker.rooms, worker.intake) == (
         "[fd00::5]:9000", "[fd00::5]:9000:9001", Endpoint("fd00::5", 9000), Endpoint("fd00::5", 9001))
     assert WorkerAddress.parse(str(worker)) == worker == WorkerAddress("[fd00::5]", 9000, 9001)
+
+
+def test_a_room_named_with_and_without_brackets_is_one_room_to_the_receiver():
+    """The receiver keys rooms by endpoint: ``[::1]`` and ``::1`` name the same room, so the
+    second item naming it is refused as a duplicate (it once counted as another endpoint's)."""
+    receiver = PrefillReceiver(ReceiverConfig(width=16, dtype="float32", pool_bytes=1 << 20, slot_bytes=1 << 12,
+                                              transports=("loopback",)))
+    try:
+        items = [MultimodalDataItem(Modality.IMAGE, offsets=[[0, 15]], encode_handshake={
+            "bootstrap_room": 5, "bootstrap_host": host, "bootstrap_port": 1}) for host in ("::1", "[::1]")]
+        job = receiver.start("v6-twice", MultimodalInputs(items))
+        assert job.wait(5) is JobState.FAILED
+        assert "duplicate room 5" in job.reasons[1] and "duplicate" not in job.reasons[0]
+    finally:
+        receiver.close()
 
 
 @pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
