@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from dispatcher.workers import WorkerAddress
-from multimodal.wire import endpoint_url
+from multimodal.wire import Endpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"
@@ -69,19 +69,20 @@ class LocalCluster:
     def start_handshake(self, name: str = "handshake", extra: tuple[str, ...] = (), **launch) -> Role:
         port = free_port()
         return self._start(name, ["handshake.server", "--host", HOST, "--port", str(port), *extra],
-                           f"http://{HOST}:{port}", ready_path="/healthz", **launch)
+                           Endpoint(HOST, port).url("http"), ready_path="/healthz", **launch)
 
     def start_encode_worker(self, name: str = "encode-worker", transports: str = "shm,mooncake",
                             cache_bytes: int = 1 << 30, extra: tuple[str, ...] = (), host: str = HOST,
                             **launch) -> Role:
         """``host``: the loopback address it listens on and names itself by (``::1`` for IPv6)."""
         bootstrap, intake = free_port(host), free_port(host)
+        address = WorkerAddress(host, bootstrap, intake)
         role = self._start(name, ["encode_worker.cli", "--model", self.model_dir, "--dtype", self.dtype,
                                   "--host", host, "--bind", host, "--bootstrap-port", str(bootstrap),
                                   "--intake-port", str(intake), "--transports", transports,
                                   "--cache-bytes", str(cache_bytes), "--ring-bytes", str(256 << 20), *extra],
-                           endpoint_url("http", host, bootstrap), ready_path="/readyz", **launch)
-        role.worker = WorkerAddress(host, bootstrap, intake)
+                           address.url, ready_path="/readyz", **launch)
+        role.worker = address
         return role
 
     def start_prefill(self, name: str = "prefill", transports: str = "shm,mooncake", pool_bytes: int = 512 << 20,
@@ -89,7 +90,7 @@ class LocalCluster:
         port = free_port()
         return self._start(name, ["prefill_side.server", "--host", HOST, "--port", str(port), "--model",
                                   self.model_dir, "--dtype", self.dtype, "--transports", transports,
-                                  "--pool-bytes", str(pool_bytes), *extra], f"http://{HOST}:{port}",
+                                  "--pool-bytes", str(pool_bytes), *extra], Endpoint(HOST, port).url("http"),
                            ready_path="/healthz", **launch)
 
     def start_gateway(self, vllm_url: str, workers: list[WorkerAddress], name: str = "gateway",
@@ -98,8 +99,8 @@ class LocalCluster:
         port = free_port()
         return self._start(name, ["gateway.cli", "--host", HOST, "--port", str(port), "--model", self.model_dir,
                                   "--vllm-url", vllm_url, "--workers",
-                                  ",".join(f"{w.host}:{w.bootstrap_port}:{w.intake_port}" for w in workers),
-                                  *extra], f"http://{HOST}:{port}", ready_path="/health", **launch)
+                                  ",".join(str(w) for w in workers), *extra], Endpoint(HOST, port).url("http"),
+                           ready_path="/health", **launch)
 
     def _start(self, name: str, module_args: list[str], url: str, ready_path: str, env: dict | None = None,
                prefix: tuple[str, ...] = ()) -> Role:

@@ -29,7 +29,7 @@ from handshake.client import HandshakeClient, HandshakeError
 from multimodal.hashing import hash_feature
 from multimodal.items import Modality, MultimodalDataItem
 from multimodal.rows import image_grid
-from multimodal.wire import EncodeHandshake
+from multimodal.wire import EncodeHandshake, Endpoint
 
 log = logging.getLogger(__name__)
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
@@ -183,15 +183,14 @@ class Dispatcher:
         try:
             rooms = await rooms_client.mint(len(items), self.room_ttl_s)
         except HandshakeError as exc:
-            reason = f"cannot mint rooms at {endpoint[0]}:{endpoint[1]}: {exc}"
+            reason = f"cannot mint rooms at {endpoint}: {exc}"
             if self.rooms_url is None:
                 self.workers.mark_down(address, reason)
             for item in items:
                 item.error = reason
             return
         for item, room in zip(items, rooms):
-            item.encode_handshake = EncodeHandshake(bootstrap_room=room, bootstrap_host=endpoint[0],
-                                                    bootstrap_port=endpoint[1])
+            item.encode_handshake = EncodeHandshake.at(endpoint, room)
         replies = await asyncio.gather(*(self._send(request_id, address, item) for item in items))
         refused = []
         for item, reason in zip(items, replies):
@@ -232,10 +231,12 @@ class Dispatcher:
 
     # ---- connections -----------------------------------------------------------------------
 
-    def _room_endpoint(self, address: WorkerAddress) -> tuple[HandshakeClient, tuple[str, int]]:
-        url = self.rooms_url or address.url
-        parsed = yarl.URL(url)
-        return self._rooms_client(url), (parsed.host, parsed.port)
+    def _room_endpoint(self, address: WorkerAddress) -> tuple[HandshakeClient, Endpoint]:
+        """The client of the endpoint ``address``'s rooms are minted at, and that endpoint."""
+        if self.rooms_url is None:
+            return self._rooms_client(address.url), address.rooms
+        parsed = yarl.URL(self.rooms_url)
+        return self._rooms_client(self.rooms_url), Endpoint(parsed.host, parsed.port)
 
     def _rooms_client(self, url: str) -> HandshakeClient:
         url = str(yarl.URL(url))  # one spelling per endpoint (EncodeHandshake.url and WorkerAddress.url)

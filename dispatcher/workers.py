@@ -9,70 +9,67 @@ join and leave without a restart.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import re
 import socket
 from dataclasses import dataclass
 
 import aiohttp
 
 from dispatcher.ring import HashRing
-from multimodal.wire import endpoint_url
+from multimodal.wire import Endpoint, canonical_host, split_authority
 
 log = logging.getLogger(__name__)
 MAX_WORKERS = 1024
-HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})")  # a DNS name or an IPv4 address
 DEFAULT_BOOTSTRAP_PORT = 8998
 DEFAULT_INTAKE_PORT = 8999
 
 
 @dataclass(frozen=True)
 class WorkerAddress:
+    """An encode worker: its host, its rooms (bootstrap) port and its intake port."""
+
     host: str
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     intake_port: int = DEFAULT_INTAKE_PORT
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "host", self.rooms.host)  # bare and canonical, as Endpoint keeps it
+
+    @property
+    def rooms(self) -> Endpoint:
+        """The handshake endpoint its rooms live at."""
+        return Endpoint(self.host, self.bootstrap_port)
+
+    @property
+    def intake(self) -> Endpoint:
+        return Endpoint(self.host, self.intake_port)
+
     @property
     def name(self) -> str:
-        return f"{self.host}:{self.bootstrap_port}"
+        """The worker in the ring, in reports and in logs: its rooms' ``host:port``."""
+        return self.rooms.authority
 
     @property
     def url(self) -> str:
-        return endpoint_url("http", self.host, self.bootstrap_port)
+        return self.rooms.url("http")
 
     @property
     def intake_endpoint(self) -> str:
-        return endpoint_url("tcp", self.host, self.intake_port)
+        return self.intake.url("tcp")
+
+    def __str__(self) -> str:
+        """``host:bootstrap_port:intake_port`` (an IPv6 host bracketed): what ``parse`` reads back."""
+        return f"{self.rooms.authority}:{self.intake_port}"
 
     @classmethod
     def parse(cls, text: str) -> WorkerAddress:
         """``host``, ``host:bootstrap_port`` or ``host:bootstrap_port:intake_port``; an IPv6 host
         in brackets (``[fd00::5]:8998:8999``)."""
-        text = text.strip()
-        if text.startswith("["):
-            v6, bracket, rest = text[1:].partition("]")
-            try:
-                ipaddress.IPv6Address(v6)
-            except ValueError:
-                raise ValueError(f"worker {text!r}: {v6!r} is not an IPv6 address") from None
-            if not bracket or (rest and not rest.startswith(":")):
-                raise ValueError(f"worker {text!r}: expected [ipv6][:bootstrap_port[:intake_port]]")
-            parts = [v6, *rest[1:].split(":")] if rest else [v6]
-        else:
-            parts = text.split(":")
-            if parts[0] and not HOST.fullmatch(parts[0]):
-                raise ValueError(f"worker {text!r}: {parts[0]!r} is not a host name or IPv4 address "
-                                 "(an IPv6 address goes in brackets)")
-        if not parts[0] or len(parts) > 3:
-            raise ValueError(f"worker {text!r}: expected host[:bootstrap_port[:intake_port]]")
         try:
-            ports = [int(p) for p in parts[1:]]
-        except ValueError:
-            raise ValueError(f"worker {text!r}: ports must be numbers") from None
-        if any(not 0 < p < 65536 for p in ports):
-            raise ValueError(f"worker {text!r}: ports must be in 1..65535")
-        return cls(parts[0], *ports)
+            host, ports = split_authority(text, 2)
+        except ValueError as exc:
+            raise ValueError(f"worker {text!r}: {exc}") from None
+        return cls(host, *ports)
 
 
 @dataclass
@@ -117,6 +114,7 @@ class WorkerSet:
         ordered = [self._workers[name].address for name in self.ring.walk(content_hash)]
         if near is None:
             return ordered
+        near = canonical_host(near)
         return [a for a in ordered if a.host == near] + [a for a in ordered if a.host != near]
 
     def mark_down(self, address: WorkerAddress, reason: str) -> None:

@@ -314,7 +314,7 @@ class EncodeWorker:
         """This worker's own table, or a pooled client of the room's endpoint (any thread)."""
         if handshake.bootstrap_port == self.bootstrap_port and handshake.bootstrap_host in LOCAL_HOSTS | {self.config.host}:
             return LocalRooms(self.table)
-        key = (handshake.bootstrap_host, handshake.bootstrap_port)
+        key = handshake.endpoint
         with self._remote_lock:
             remote = self._remote.get(key)
             if remote is None:

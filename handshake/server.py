@@ -19,6 +19,7 @@ from handshake.app import MAX_BODY_BYTES, HandshakeAPI, create_app
 from handshake.rooms import RoomTable
 from handshake.settings import RoomTableSettings
 from loop_threads import LoopThread
+from multimodal.wire import Endpoint
 from process_settings import Port, PositiveByteSize, SettingError, check_listen, refuse
 from process_settings.secrets import HandshakeToken
 
@@ -99,6 +100,7 @@ class ThreadedServer:
         config = uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2,
                                 **UVICORN_OPTIONS)
         self.server = uvicorn.Server(config)
+        self.host = host
         self.loop = loop or LoopThread("handshake-server")
         self._owns_loop = loop is None
         self._serving = None
@@ -119,7 +121,8 @@ class ThreadedServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """This server over loopback: ``http://[::1]:port`` when it listens on IPv6, else 127.0.0.1."""
+        return Endpoint("::1" if ":" in self.host else "127.0.0.1", self.port).url("http")
 
     def stop(self) -> None:
         self.server.should_exit = True

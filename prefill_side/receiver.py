@@ -47,7 +47,7 @@ from handshake.models import MAX_BATCH, MAX_DEADLINE_S, MAX_WAIT_S, EncodeTiming
 from loop_threads import LoopThread
 from multimodal.items import MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError, item_rows
-from multimodal.wire import EncodeHandshake
+from multimodal.wire import EncodeHandshake, Endpoint
 from prefill_side.states import ItemState, JobState
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,17 @@ class _Pending:
 
 
 class ReceiveJob:
+    """One request's items, as the engine sees them while the receiver fills them.
+
+    Ownership: the job owns its future, its cancelled flag and the zero-copy leases it holds; the
+    receiver changes them only through ``hold``, ``mark_cancelled``, ``settle_if_done`` and
+    ``ended``. ``outcomes`` is written by the receiver's loop thread alone while the job runs (an
+    item's outcome, once settled, never changes); the engine's threads read it, and call ``poll``,
+    ``wait``, ``cancel``, ``abort`` and ``release``. ``_held`` and ``_released`` are guarded by
+    ``_lock`` (the loop adds to ``_held``; ``release``, from any thread, empties it); ``_cancelled``
+    is set once, from any thread, under the same lock.
+    """
+
     def __init__(self, request_id: str, inputs: MultimodalInputs, receiver: PrefillReceiver):
         self.request_id = request_id
         self.inputs = inputs
@@ -124,7 +135,7 @@ class ReceiveJob:
         self._future = Future()  # done as soon as every item is settled (or the job's task crashed)
         self._cancelled = threading.Event()
         self._held: list[tuple[MultimodalDataItem, Lease]] = []  # zero-copy slots behind published views
-        self._held_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._released = False
         self.started = time.monotonic()
 
@@ -150,46 +161,68 @@ class ReceiveJob:
     def reasons(self) -> dict[int, str]:
         return {o.index: o.reason for o in self.outcomes if o.state == ItemState.FAILED}
 
+    @property
+    def cancelled(self) -> bool:
+        """Whether ``cancel`` (or ``abort``) was asked: no item falls back to the local tower then."""
+        return self._cancelled.is_set()
+
+    def mark_cancelled(self) -> bool:
+        """Set the cancelled flag (any thread); True for the one call that set it."""
+        with self._lock:
+            first = not self._cancelled.is_set()
+            self._cancelled.set()
+        return first
+
+    def hold(self, item: MultimodalDataItem, lease: Lease) -> bool:
+        """Zero-copy, on the receiver's loop: keep ``lease`` (the slot behind ``item``'s rows) until
+        ``release``. False when the engine already released the job: nobody will read the rows,
+        and the caller frees the lease."""
+        with self._lock:
+            if self._released:
+                return False
+            self._held.append((item, lease))
+        return True
+
     def release(self) -> None:
         """Zero-copy mode: the engine is done with the items' ``encoded`` views; free their slots
         (and clear ``encoded``, so nothing reads a slot its next tenant writes). Idempotent."""
-        with self._held_lock:
+        with self._lock:
             held, self._held, self._released = self._held, [], True
         for item, lease in held:
             item.encoded = item.encoded_deepstack = None
             self._receiver.pool.release(lease)
 
-    def _settle_if_done(self) -> None:
+    def settle_if_done(self) -> None:
         """On the receiver's loop, after an item's outcome is final: the job ends with its last
         item, not when its coroutines have unwound (that took ~80 us more here)."""
         if all(outcome.state != ItemState.PENDING for outcome in self.outcomes):
-            self._end()
+            self.ended()
 
-    def _end(self, task: Future | None = None) -> None:
+    def ended(self, task: Future | None = None) -> None:
+        """End the job (its future completes); a second call changes nothing. As the done-callback
+        of the job's task (``task`` given), a task that crashed or was cancelled ends the job with
+        that error."""
         error = None
-        if task is not None:  # the job's task ended: a crash ends the job with its error
+        if task is not None:
             error = RuntimeError("the receive job's task was cancelled") if task.cancelled() else task.exception()
         try:
             if error is not None:
                 self._future.set_exception(error)
             else:
                 self._future.set_result(None)
-        except InvalidStateError:  # already ended
-            pass
+        except InvalidStateError:  # already ended: its first end stands
+            return
 
     def cancel(self, reason: str = "request cancelled by the engine") -> None:
         """Cancel the job's rooms now, so encode workers stop; items not yet received fail.
         A room being written stays WRITING until its writer's outcome (then CANCELLED)."""
-        if not self._cancelled.is_set():
-            self._cancelled.set()
-            self._receiver._loop.submit(self._receiver._cancel(self, reason))
+        self._receiver.cancel(self, reason)
 
     def abort(self, reason: str) -> None:
         """``cancel``, and fail every item not yet settled now with ``reason`` (for a caller that
         stops waiting: a request's timeout). The job ends at once; the slots of those items are
         still released, or quarantined, when their rooms end."""
-        self.cancel(reason)
-        self._receiver._loop.submit(self._receiver._abort(self, reason))
+        self._receiver.abort(self, reason)
 
 
 class ReceiverMetrics:
@@ -209,6 +242,15 @@ class ReceiverMetrics:
 
 
 class PrefillReceiver:
+    """The receive pool, the transports and the loop thread every job runs on.
+
+    Ownership: the receiver owns the pool, the transports, ``lost`` (replaced whole under
+    ``_lost_lock``, by whichever thread notices the segment gone), the handshake clients (created
+    and closed on its loop thread) and the loop. It drives each job through the job's public
+    methods only; ``cancel`` and ``abort`` may be called from any thread and schedule their work
+    on the loop.
+    """
+
     def __init__(self, config: ReceiverConfig, transports: dict | None = None, local_tower=None,
                  registry: CollectorRegistry | None = None):
         self.config = config
@@ -236,13 +278,24 @@ class PrefillReceiver:
         for name in self.transports:
             self.metrics.transports.labels(name).set(1)
         self._lost_lock = threading.Lock()
-        self._clients: dict[tuple[str, int], HandshakeClient] = {}
+        self._clients: dict[Endpoint, HandshakeClient] = {}
         self._loop = LoopThread("prefill-receiver")
 
     def start(self, request_id: str, inputs: MultimodalInputs) -> ReceiveJob:
         job = ReceiveJob(request_id, inputs, self)
-        self._loop.submit(self._run(job)).add_done_callback(job._end)
+        self._loop.submit(self._run(job)).add_done_callback(job.ended)
         return job
+
+    def cancel(self, job: ReceiveJob, reason: str) -> None:
+        """Cancel ``job``'s rooms that are still pending (once per job; any thread): scheduled on
+        the loop, so encode workers stop; their items fail as their rooms end."""
+        if job.mark_cancelled():
+            self._loop.submit(self._cancel(job, reason))
+
+    def abort(self, job: ReceiveJob, reason: str) -> None:
+        """``cancel``, then fail ``job``'s unsettled items with ``reason`` on the loop (any thread)."""
+        self.cancel(job, reason)
+        self._loop.submit(self._abort(job, reason))
 
     def offered(self) -> list[str]:
         """The transports this receiver offers writers now (SHM leaves once its segment is gone)."""
@@ -303,12 +356,10 @@ class PrefillReceiver:
 
     # ---- the job, on the receiver's loop ----------------------------------------------------
 
-    def _client(self, handshake: EncodeHandshake) -> HandshakeClient:
-        key = (handshake.bootstrap_host, handshake.bootstrap_port)
-        client = self._clients.get(key)
+    def _client(self, endpoint: Endpoint) -> HandshakeClient:
+        client = self._clients.get(endpoint)
         if client is None:
-            url = handshake.url
-            client = self._clients[key] = HandshakeClient(url, self.config.handshake_token,
+            client = self._clients[endpoint] = HandshakeClient(endpoint.url("http"), self.config.handshake_token,
                                                           timeout_s=self.config.endpoint_timeout_s, retries=2,
                                                           backoff_s=0.1, retry_timeouts=False)
         return client
@@ -316,8 +367,8 @@ class PrefillReceiver:
     async def _run(self, job: ReceiveJob) -> None:
         pending: list[_Pending] = []
         refused: list[tuple[int, MultimodalDataItem, str]] = []
-        unreserved: dict[tuple[str, int], list[int]] = {}  # rooms to cancel, so their workers stop waiting
-        rooms: set[tuple[str, int, int]] = set()
+        unreserved: dict[Endpoint, list[int]] = {}  # rooms to cancel, so their workers stop waiting
+        rooms: set[tuple[Endpoint, int]] = set()
         self._check_shm()
         for index, item in enumerate(job.inputs.mm_items):
             if item.encode_handshake is None or item.encoded is not None:
@@ -328,7 +379,7 @@ class PrefillReceiver:
             except (TypeError, ValueError) as exc:  # no room to cancel: the address names none
                 refused.append((index, item, f"invalid encode_handshake: {exc}"))
                 continue
-            room = (handshake.bootstrap_host, handshake.bootstrap_port, handshake.bootstrap_room)
+            room = (handshake.endpoint, handshake.bootstrap_room)
             if room in rooms:  # the room is the earlier item's: refuse this one, leave the room alone
                 refused.append((index, item, f"duplicate room {handshake.bootstrap_room}: an earlier item "
                                              "of this request names it"))
@@ -338,11 +389,10 @@ class PrefillReceiver:
                 pending.append(self._reserve(index, item, handshake))
             except (TypeError, ValueError, RowContractError, NoCapacity, TooLarge) as exc:
                 refused.append((index, item, f"cannot reserve: {exc}"))
-                unreserved.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
-                    handshake.bootstrap_room)
-        by_endpoint: dict[tuple[str, int], list[_Pending]] = {}
+                unreserved.setdefault(handshake.endpoint, []).append(handshake.bootstrap_room)
+        by_endpoint: dict[Endpoint, list[_Pending]] = {}
         for entry in pending:
-            by_endpoint.setdefault((entry.handshake.bootstrap_host, entry.handshake.bootstrap_port), []).append(entry)
+            by_endpoint.setdefault(entry.handshake.endpoint, []).append(entry)
         await asyncio.gather(*(self._cancel_rooms(endpoint, rooms, "the receiver could not reserve memory")
                                for endpoint, rooms in unreserved.items()),
                              *(self._give_up(job, index, item, reason, None, quarantine=False)
@@ -365,15 +415,14 @@ class PrefillReceiver:
         try:
             await self._exchange(job, entries, live)
         except Exception as exc:
-            log.exception("receive job %s: endpoint %s:%d failed", job.request_id,
-                          entries[0].handshake.bootstrap_host, entries[0].handshake.bootstrap_port)
+            log.exception("receive job %s: endpoint %s failed", job.request_id, entries[0].handshake.endpoint)
             for entry in entries:
                 if job.outcomes[entry.index].state == ItemState.PENDING:
                     await self._give_up(job, entry.index, entry.item, f"receiver error: {type(exc).__name__}: {exc}",
                                         entry, quarantine=True)
 
     async def _exchange(self, job: ReceiveJob, entries: list[_Pending], live: dict[int, _Pending]) -> None:
-        client = self._client(entries[0].handshake)
+        client = self._client(entries[0].handshake.endpoint)
         registrations = []
         for entry in entries:
             offers = [t.offer(self.pool, entry.lease) for name, t in self.transports.items() if name not in self.lost]
@@ -399,15 +448,14 @@ class PrefillReceiver:
             await self._handle(job, client, live, results)
 
     async def _cancel(self, job: ReceiveJob, reason: str) -> None:
-        by_endpoint: dict[tuple[str, int], list[int]] = {}
+        by_endpoint: dict[Endpoint, list[int]] = {}
         for item, outcome in zip(job.inputs.mm_items, job.outcomes):
             if outcome.state == ItemState.PENDING and item.encode_handshake is not None:
                 try:
                     handshake = _room_address(item)
                 except (TypeError, ValueError):  # refused at the start: it names no room
                     continue
-                by_endpoint.setdefault((handshake.bootstrap_host, handshake.bootstrap_port), []).append(
-                    handshake.bootstrap_room)
+                by_endpoint.setdefault(handshake.endpoint, []).append(handshake.bootstrap_room)
         await asyncio.gather(*(self._cancel_rooms(endpoint, rooms, reason) for endpoint, rooms in by_endpoint.items()))
 
     async def _abort(self, job: ReceiveJob, reason: str) -> None:
@@ -416,17 +464,16 @@ class PrefillReceiver:
                 outcome.state, outcome.reason = ItemState.FAILED, reason
                 outcome.seconds = time.monotonic() - job.started
                 self.metrics.items.labels("none", "failed").inc()
-        job._settle_if_done()
+        job.settle_if_done()
 
-    async def _cancel_rooms(self, endpoint: tuple[str, int], rooms: list[int], reason: str) -> None:
-        host, port = endpoint
-        client = self._client(EncodeHandshake(bootstrap_room=1, bootstrap_host=host, bootstrap_port=port))
+    async def _cancel_rooms(self, endpoint: Endpoint, rooms: list[int], reason: str) -> None:
+        client = self._client(endpoint)
         for start in range(0, len(rooms), MAX_BATCH):  # a call's bound
             try:
                 await client.cancel(rooms[start : start + MAX_BATCH], reason)
             except HandshakeError as exc:
-                log.warning("cancel of %d rooms at %s:%d failed: %s", len(rooms[start : start + MAX_BATCH]), host,
-                            port, exc)
+                log.warning("cancel of %d rooms at %s failed: %s", len(rooms[start : start + MAX_BATCH]), endpoint,
+                            exc)
 
     async def _handle(self, job: ReceiveJob, client: HandshakeClient, live: dict[int, _Pending], results) -> None:
         now = time.monotonic()
@@ -451,8 +498,7 @@ class PrefillReceiver:
                                     quarantine=not view.writer_settled)
             elif now >= entry.deadline:
                 del live[result.room]
-                await self._cancel_rooms((entry.handshake.bootstrap_host, entry.handshake.bootstrap_port),
-                                         [result.room], "receiver timed out")
+                await self._cancel_rooms(entry.handshake.endpoint, [result.room], "receiver timed out")
                 await self._give_up(job, entry.index, entry.item, "timed out waiting for the encode worker", entry,
                                     quarantine=True)
 
@@ -477,11 +523,9 @@ class PrefillReceiver:
                                 quarantine=False)
             return
         if self.config.zero_copy:
-            with job._held_lock:
-                if job._released:  # the engine already let go of this job: nobody will read the view
-                    self.pool.release(entry.lease)
-                    return
-                job._held.append((entry.item, entry.lease))
+            if not job.hold(entry.item, entry.lease):  # the engine already let go: nobody reads the view
+                self.pool.release(entry.lease)
+                return
             self.set_encoded(entry.item, rows)
         else:
             self.pool.release(entry.lease)
@@ -494,7 +538,7 @@ class PrefillReceiver:
         self.metrics.items.labels(view.transport or "unknown", "done").inc()
         self.metrics.bytes.labels(view.transport or "unknown").inc(entry.layout.nbytes)
         self.metrics.latency.observe(outcome.seconds)
-        job._settle_if_done()
+        job.settle_if_done()
 
     def set_encoded(self, item: MultimodalDataItem, rows: torch.Tensor) -> None:
         """``item.encoded`` (and ``encoded_deepstack``) from wire rows."""
@@ -514,7 +558,7 @@ class PrefillReceiver:
             return
         outcome.seconds = time.monotonic() - job.started
         if self.config.fallback == "local_tower" and self.local_tower is not None and item.feature is not None \
-                and not job._cancelled.is_set():
+                and not job.cancelled:
             try:
                 rows = await asyncio.get_running_loop().run_in_executor(None, self.encode_locally, item)
                 if outcome.state != ItemState.PENDING:  # aborted while the tower ran
@@ -524,13 +568,13 @@ class PrefillReceiver:
                 outcome.reason = f"fallback after: {reason}"
                 self.metrics.fallbacks.inc()
                 self.metrics.items.labels("local_tower", "done").inc()
-                job._settle_if_done()
+                job.settle_if_done()
                 return
             except Exception as exc:  # the fallback failing must not hide the first reason
                 reason = f"{reason}; local tower also failed: {exc}"
         outcome.state, outcome.reason = ItemState.FAILED, reason
         self.metrics.items.labels("none", "failed").inc()
-        job._settle_if_done()
+        job.settle_if_done()
 
     def encode_locally(self, item: MultimodalDataItem) -> torch.Tensor:
         """Rows for an item from the local tower and the pixels (or image bytes) it kept."""
