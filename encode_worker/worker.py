@@ -48,7 +48,7 @@ from encode_worker.inputs import (
     image_from_pixels,
     pixels_from_shm,
 )
-from encode_worker.intake import IntakeRefused, parse_request
+from encode_worker.intake import IntakeRefused, IntakeReply, IntakeStatus, parse_request
 from encode_worker.scheduler import BatchQueue, EncodeJob
 from encode_worker.sender import Outcome, Sender, StagedItem, stage
 from encode_worker.tower import VisionTower
@@ -176,6 +176,11 @@ class WorkerMetrics:
         for name in ("hits", "misses", "evictions"):
             Gauge(f"epd_encoder_cache_{name}", f"Embedding cache {name}", registry=registry).set_function(
                 lambda name=name: getattr(worker.cache, name))
+
+    def count(self, modality: str, status: IntakeStatus | RoomState) -> None:
+        """One item's intake answer or room end in ``epd_encoder_requests``: the status label is the
+        enum's value in lower case (accepted, refused, failed; success, cancelled, expired)."""
+        self.requests.labels(modality, status.value.lower()).inc()
 
 
 class RateLimitedLog:
@@ -400,7 +405,7 @@ class EncodeWorker:
         rooms at once, another endpoint's by a call on the loop (``_tell_failed``)."""
         room = handshake.bootstrap_room
         self._end_room(room)
-        self.metrics.requests.labels(modality, "failed").inc()
+        self.metrics.count(modality, RoomState.FAILED)
         self._item_log.warning("room %d failed: %s", room, reason)
         rooms = self.rooms_for(handshake)
         if rooms.in_process:
@@ -442,7 +447,7 @@ class EncodeWorker:
 
     def _on_outcome(self, outcome: Outcome) -> None:
         self._end_room(outcome.room)
-        self.metrics.requests.labels("IMAGE", outcome.state.value.lower()).inc()
+        self.metrics.count("IMAGE", outcome.state)
         if outcome.state is not RoomState.SUCCESS:
             self._item_log.warning("room %d %s: %s", outcome.room, outcome.state.value, outcome.reason)
         if "queue_s" in outcome.timings:
@@ -464,36 +469,37 @@ class EncodeWorker:
             frames = self._socket.recv_multipart(copy=True)
             identity, body = frames[0], frames[1:]
             reply = self._accept(body)
-            self._socket.send_multipart([identity, json.dumps(reply).encode()])
+            self._socket.send_multipart([identity, reply.frame()])
         self._socket.close(0)
 
-    def _accept(self, frames: list[bytes]) -> dict:
+    def _accept(self, frames: list[bytes]) -> IntakeReply:
         try:
             request, payload = parse_request(frames, self.config.max_payload_bytes, self.config.intake_token,
                                              self.served_model)
         except IntakeRefused as exc:
-            self.metrics.requests.labels("IMAGE", "refused").inc()
+            self.metrics.count("IMAGE", IntakeStatus.REFUSED)
             self._item_log.warning("intake refused an item (room %s): %s", exc.room, exc)
-            return {"ok": False, "room": exc.room, "reason": str(exc)}
+            return IntakeReply(status=IntakeStatus.REFUSED, room=exc.room, reason=str(exc))
         room = request.encode_handshake.bootstrap_room
         with self._in_flight_lock:
             duplicate = room in self._in_flight
             self._in_flight.add(room)
         if duplicate:
-            self.metrics.requests.labels(request.modality, "refused").inc()
+            self.metrics.count(request.modality, IntakeStatus.REFUSED)
             self._item_log.warning("intake refused room %d: an item for it is already in flight here", room)
-            return {"ok": False, "room": room, "reason": f"room {room} already has an item in flight here"}
+            return IntakeReply(status=IntakeStatus.REFUSED, room=room,
+                               reason=f"room {room} already has an item in flight here")
         try:
             job = self._job(request, payload)
         except BadItem as exc:
             self._fail_room(request.encode_handshake, str(exc), request.modality)
-            return {"ok": False, "room": room, "reason": str(exc)}
+            return IntakeReply(status=IntakeStatus.FAILED, room=room, reason=str(exc))
         if not self.queue.put(job):
             self._end_room(room)
-            self.metrics.requests.labels(request.modality, "refused").inc()
-            return {"ok": False, "room": room, "reason": "queue full", "retry_after_s": 0.1}
-        self.metrics.requests.labels(request.modality, "accepted").inc()
-        return {"ok": True, "room": room, "reason": None}
+            self.metrics.count(request.modality, IntakeStatus.REFUSED)
+            return IntakeReply(status=IntakeStatus.REFUSED, room=room, reason="queue full", retry_after_s=0.1)
+        self.metrics.count(request.modality, IntakeStatus.ACCEPTED)
+        return IntakeReply(status=IntakeStatus.ACCEPTED, room=room)
 
     def _job(self, request, payload: bytes | None) -> EncodeJob:
         """The item as a job, from what intake can see without decoding (the header, the shape,
