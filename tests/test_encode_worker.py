@@ -79,7 +79,7 @@ def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family)
         rooms = worker.table.mint(len(images), 60)
         for room, rows in zip(rooms, expected):
             receiver.reserve(room, rows.shape[0], rows.shape[1], rows.dtype)
-        jobs = [worker._job(_parse(request(worker, room)), image) for room, image in zip(rooms, images)]
+        jobs = [worker.intake.job(_parse(request(worker, room)), image) for room, image in zip(rooms, images)]
         encode_in_this_thread(worker, jobs)  # one mixed batch of three sizes
         for room, rows in zip(rooms, expected):
             state, got, view = receiver.wait(room)
@@ -96,9 +96,8 @@ def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family)
 
 def encode_in_this_thread(worker, jobs) -> None:
     """The worker's three stages over one known batch, in the test's thread."""
-    misses, ready = worker.prepare(jobs)
-    for job, encoded in ready + worker.encode(misses):
-        worker._stage_and_send(job, encoded)
+    for item in worker.tower_stage.run(worker.prepare.run(jobs)).ready:
+        worker.stage_and_send.send(item)
 
 
 def _parse(body):
@@ -151,7 +150,7 @@ def test_one_corrupt_image_fails_only_its_room(qwen25):
         rooms = worker.table.mint(3, 60)
         for room, image in ((rooms[0], good[0]), (rooms[2], good[1])):
             receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
-        jobs = [worker._job(_parse(request(worker, room)), image)
+        jobs = [worker.intake.job(_parse(request(worker, room)), image)
                 for room, image in zip(rooms, [good[0], corrupt, good[1]])]
         encode_in_this_thread(worker, jobs)
         assert receiver.wait(rooms[0])[0] is RoomState.SUCCESS
