@@ -190,7 +190,7 @@ class EncodeBench:
                 body = {"request_id": f"b{index}", "source": "bytes",
                         "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
                                              "bootstrap_port": worker.bootstrap_port}}
-                while not intake.send(body, image)["ok"]:
+                while not intake.send(body, image).ok:
                     time.sleep(0.005)
             if sink == "delivered":
                 finished, done = self.receiver.recv()  # CLOCK_MONOTONIC: one clock for the processes of a host

@@ -33,9 +33,13 @@ import socket
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from bench.cluster import HOST, LocalCluster, Role, free_port
 from bench.images import synthetic_image
+
+if TYPE_CHECKING:
+    from encode_worker.intake import IntakeReply
 
 FAST_S = 2.0  # the bound: an affected room fails within this of the fault being observable
 WIDTH = 2048  # the lab tower's output width: a 1M-pixel image is ~10 MB of fp32 rows
@@ -316,7 +320,7 @@ class Conn:
             item.encode_handshake = EncodeHandshake(bootstrap_room=room, bootstrap_host=host,
                                                     bootstrap_port=int(port))
 
-    async def send(self, worker: Role, item, request_id: str) -> dict:
+    async def send(self, worker: Role, item, request_id: str) -> IntakeReply:
         from encode_worker.intake import IntakeRequest
 
         request = IntakeRequest(request_id=f"{request_id}.{item.index}", content_hash=item.content_hash,
@@ -695,12 +699,12 @@ async def duplicate_room_at_intake(lab: FaultLab, conn: Conn, rng: random.Random
     first = await conn.send(a, original, request_id)
     started = time.monotonic()
     second = await conn.send(a, impostor, request_id + "-again")
-    outcome.affected.append({"state": "FAILED" if not second["ok"] else "DONE", "reason": second["reason"],
+    outcome.affected.append({"state": "FAILED" if not second.ok else "DONE", "reason": second.reason,
                              "ttf_s": time.monotonic() - started})
-    outcome.notes["intake"] = [first, second]
+    outcome.notes["intake"] = [first.model_dump(mode="json"), second.model_dump(mode="json")]
     posted = await conn.post(prefill, request_id, [original])
     conn.tally(outcome, posted, [original], {})
-    outcome.expected = first["ok"] and not second["ok"] and outcome.delivered == 1
+    outcome.expected = first.ok and not second.ok and outcome.delivered == 1
     return outcome
 
 
@@ -872,6 +876,8 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
     import zmq
     import zmq.asyncio
 
+    from encode_worker.intake import IntakeReply
+
     outcome = FaultOutcome("malformed_input")
     a = lab.roles["a"]
     socket_ = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -883,10 +889,10 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
             started = time.monotonic()
             await socket_.send_multipart(frames)
             if await socket_.poll(5000):
-                reply = json.loads(await socket_.recv())
+                reply = IntakeReply.model_validate_json(await socket_.recv())
                 replies.append(reply)
-                outcome.affected.append({"state": "REFUSED" if not reply["ok"] else "ACCEPTED",
-                                         "reason": reply.get("reason"), "ttf_s": time.monotonic() - started})
+                outcome.affected.append({"state": "REFUSED" if not reply.ok else "ACCEPTED",
+                                         "reason": reply.reason, "ttf_s": time.monotonic() - started})
             else:
                 outcome.affected.append({"state": "NO_REPLY", "reason": None, "ttf_s": None})
     finally:
@@ -930,10 +936,10 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
     view = next(iter(views.values()))
     outcome.affected.append({"state": "ACCEPTED" if view.state.value == "SUCCESS" else "REFUSED",
                              "reason": view.reason, "ttf_s": time.monotonic() - started})
-    outcome.notes["bad_shm_handle"] = {"intake_ok": reply["ok"], "room": view.state.value, "reason": view.reason}
+    outcome.notes["bad_shm_handle"] = {"intake_ok": reply.ok, "room": view.state.value, "reason": view.reason}
     outcome.notes["intake_replies"] = len(replies)
     outcome.notes["http_statuses"] = sorted(set(statuses), key=str)
-    outcome.expected = (len(replies) == len(MALFORMED_FRAMES) and not any(r["ok"] for r in replies)
+    outcome.expected = (len(replies) == len(MALFORMED_FRAMES) and not any(r.ok for r in replies)
                         and all(s is not None and 400 <= s < 500 for s in statuses) and view.state.value == "FAILED")
     for entry in outcome.affected:
         entry["state"] = "FAILED" if entry["state"] != "ACCEPTED" else "DONE"

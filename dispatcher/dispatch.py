@@ -24,7 +24,7 @@ from PIL import Image
 
 from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
 from encode_worker.inputs import ALLOWED_FORMATS
-from encode_worker.intake import AsyncIntakeClient, IntakeRefused, IntakeRequest
+from encode_worker.intake import AsyncIntakeClient, IntakeRefused, IntakeRequest, IntakeStatus
 from handshake.client import HandshakeClient, HandshakeError
 from multimodal.hashing import hash_feature
 from multimodal.items import Modality, MultimodalDataItem
@@ -222,12 +222,11 @@ class Dispatcher:
                 return str(exc)
             except IntakeRefused as exc:
                 return str(exc)
-            if reply.get("ok"):
+            if reply.status is IntakeStatus.ACCEPTED:
                 return None
-            retry_after = reply.get("retry_after_s")
-            if retry_after is None or time.monotonic() + retry_after > deadline:
-                return f"refused: {reply.get('reason')}"
-            await asyncio.sleep(retry_after)
+            if reply.retry_after_s is None or time.monotonic() + reply.retry_after_s > deadline:
+                return f"refused: {reply.reason}"
+            await asyncio.sleep(reply.retry_after_s)
 
     # ---- connections -----------------------------------------------------------------------
 

@@ -3,19 +3,21 @@
 Request frames (after the ROUTER identity): ``[metadata JSON, payload]``; the payload frame is
 the encoded image file (``source="bytes"``), raw ``uint8 [H, W, 3]`` pixels
 (``source="pixels"``, with ``shape``), or absent (``source="shm"``, with the handle in
-``shm``). Nothing from the network is unpickled. Reply: one JSON frame
-``{"ok", "room", "reason"}``; ``room`` is set whenever the metadata named one, so a client with
-several messages in flight (``AsyncIntakeClient``) matches each reply to its item.
+``shm``). Nothing from the network is unpickled. Reply: one JSON frame, an ``IntakeReply``
+(``status``, ``room``, ``reason``, ``retry_after_s``, and ``ok`` for readers that predate
+``status``); ``room`` is set whenever the metadata named one, so a client with several messages
+in flight (``AsyncIntakeClient``) matches each reply to its item. Torch-free: the dispatcher
+imports it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import hmac
-import json
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from data_plane.json_fields import json_int
 from multimodal.wire import EncodeHandshake
@@ -43,6 +45,42 @@ class IntakeRequest(BaseModel):
     shape: list[json_int(gt=0, le=16384)] | None = Field(default=None, min_length=3, max_length=3)
     shm: ShmPixels | None = None
     token: str | None = Field(default=None, max_length=256)
+
+
+class IntakeStatus(enum.StrEnum):
+    """What intake did with one message; with ``RoomState``'s terminal states, the vocabulary of an
+    item's ``epd_encoder_requests`` status label (the value in lower case)."""
+
+    ACCEPTED = "ACCEPTED"  # queued for the tower; the room's outcome comes through the room
+    REFUSED = "REFUSED"  # never queued, room untouched: bad frames, duplicate room, queue full
+    FAILED = "FAILED"  # the item is bad (header, size, hash): its room was failed with the reason
+
+
+class IntakeReply(BaseModel):
+    """Intake's answer to one message. ``ok`` is derived from ``status`` and travels too, so a
+    reader that knows only ``ok`` still reads it; a reply without ``status`` (such a worker's) is
+    read from ``ok``: accepted, or refused."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    status: IntakeStatus
+    room: json_int(ge=0) | None = None  # the room the metadata named; None when it could not be read
+    reason: str | None = None  # why, when not accepted
+    retry_after_s: float | None = None  # set on a refusal that may succeed later (queue full)
+
+    @computed_field
+    @property
+    def ok(self) -> bool:
+        return self.status is IntakeStatus.ACCEPTED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _status_from_ok(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "status" not in data and "ok" in data:
+            return {**data, "status": IntakeStatus.ACCEPTED if data["ok"] is True else IntakeStatus.REFUSED}
+        return data
+
+    def frame(self) -> bytes:
+        return self.model_dump_json().encode()
 
 
 class IntakeRefused(ValueError):
@@ -100,18 +138,18 @@ class IntakeClient:
         self._socket.setsockopt(zmq.IPV6, 1)  # an IPv6 worker's endpoint as well as an IPv4 one
         self._socket.connect(endpoint)
 
-    def send(self, request: dict, payload: bytes | None = None) -> dict:
+    def send(self, request: dict, payload: bytes | None = None) -> IntakeReply:
         frames = [IntakeRequest.model_validate(request).model_dump_json(exclude_none=True).encode()]
         if payload is not None:
             frames.append(payload)
         return self.send_raw(frames)
 
-    def send_raw(self, frames: list[bytes]) -> dict:
+    def send_raw(self, frames: list[bytes]) -> IntakeReply:
         """Send frames as they are (tests use it for malformed messages); wait for the reply."""
         self._socket.send_multipart(frames)
         if not self._socket.poll(self.timeout_ms):
             raise TimeoutError(f"no answer from encode worker intake {self.endpoint}")
-        return json.loads(self._socket.recv())
+        return IntakeReply.model_validate_json(self._socket.recv())
 
     def close(self) -> None:
         self._socket.close(0)
@@ -134,11 +172,11 @@ class AsyncIntakeClient:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IPV6, 1)  # an IPv6 worker's endpoint as well as an IPv4 one
         self._socket.connect(endpoint)
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, asyncio.Future[IntakeReply]] = {}
         self._reader: asyncio.Task | None = None
 
-    async def send(self, request: IntakeRequest, payload: bytes | None = None) -> dict:
-        """Send one item; its reply ``{"ok", "room", "reason"}``. Raises ``TimeoutError`` when the
+    async def send(self, request: IntakeRequest, payload: bytes | None = None) -> IntakeReply:
+        """Send one item; its reply. Raises ``TimeoutError`` when the
         worker does not answer in time, ``IntakeRefused`` when too many messages are in flight."""
         room = request.encode_handshake.bootstrap_room
         if room in self._waiting:
@@ -162,8 +200,8 @@ class AsyncIntakeClient:
 
     async def _read_replies(self) -> None:
         while self._waiting:
-            reply = json.loads(await self._socket.recv())
-            room = reply.get("room")
+            reply = IntakeReply.model_validate_json(await self._socket.recv())
+            room = reply.room
             waiting = [self._waiting.get(room)] if room is not None else list(self._waiting.values())
             for future in waiting:
                 if future is not None and not future.done():

@@ -14,7 +14,7 @@ from data_plane.loopback import LoopbackFault, LoopbackTransport
 from data_plane.shm import ShmTensorHandle
 from encode_worker.config import WorkerConfig
 from encode_worker.inputs import image_from_bytes
-from encode_worker.intake import IntakeClient, IntakeRequest
+from encode_worker.intake import IntakeClient, IntakeReply, IntakeRequest, IntakeStatus
 from encode_worker.small_checkpoints import build_full, build_vision_only
 from encode_worker.tower import TowerLoadError, VisionTower
 from encode_worker.worker import EncodeWorker
@@ -80,7 +80,7 @@ def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family)
         rooms = worker.table.mint(len(images), 60)
         for room, rows in zip(rooms, expected):
             receiver.reserve(room, rows.shape[0], rows.shape[1], rows.dtype)
-        jobs = [worker._job(_parse(request(worker, room)), image) for room, image in zip(rooms, images)]
+        jobs = [worker.intake.job(_parse(request(worker, room)), image) for room, image in zip(rooms, images)]
         encode_in_this_thread(worker, jobs)  # one mixed batch of three sizes
         for room, rows in zip(rooms, expected):
             state, got, view = receiver.wait(room)
@@ -97,9 +97,8 @@ def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family)
 
 def encode_in_this_thread(worker, jobs) -> None:
     """The worker's three stages over one known batch, in the test's thread."""
-    misses, ready = worker.prepare(jobs)
-    for job, encoded in ready + worker.encode(misses):
-        worker._stage_and_send(job, encoded)
+    for item in worker.tower_stage.run(worker.prepare.run(jobs)).ready:
+        worker.stage_and_send.send(item)
 
 
 def _parse(body):
@@ -121,7 +120,7 @@ def test_intake_to_delivery_with_cache_hit(qwen25):
         for attempt in range(2):
             (room,) = worker.table.mint(1, 60)
             reply = intake.send(request(worker, room, f"req{attempt}"), image)
-            assert reply == {"ok": True, "room": room, "reason": None}
+            assert reply == IntakeReply(status=IntakeStatus.ACCEPTED, room=room)
             # the receiver learns rows from the same processor config the worker uses
             inputs = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
             (rows,) = tower.rows_per_item(inputs["image_grid_thw"])
@@ -152,7 +151,7 @@ def test_one_corrupt_image_fails_only_its_room(qwen25):
         rooms = worker.table.mint(3, 60)
         for room, image in ((rooms[0], good[0]), (rooms[2], good[1])):
             receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
-        jobs = [worker._job(_parse(request(worker, room)), image)
+        jobs = [worker.intake.job(_parse(request(worker, room)), image)
                 for room, image in zip(rooms, [good[0], corrupt, good[1]])]
         encode_in_this_thread(worker, jobs)
         assert receiver.wait(rooms[0])[0] is RoomState.SUCCESS
@@ -178,12 +177,12 @@ def test_full_send_ring_stops_intake_instead_of_growing(qwen25):
     try:
         # no receiver yet: items pile up in the ring, the stages and the bounded queue, then stop
         replies = []
-        while len(replies) < 40 and not (len(replies) >= 6 and not any(r["ok"] for _, r in replies[-6:])):
+        while len(replies) < 40 and not (len(replies) >= 6 and not any(r.ok for _, r in replies[-6:])):
             replies.append(send())
             time.sleep(0.1)
-        accepted = [(room, reply) for room, reply in replies if reply["ok"]]
+        accepted = [(room, reply) for room, reply in replies if reply.ok]
         refused = replies[-6:]  # six in a row over 0.6 s: nothing is being pulled any more
-        assert all(reply == {"ok": False, "room": room, "reason": "queue full", "retry_after_s": 0.1}
+        assert all(reply == IntakeReply(status=IntakeStatus.REFUSED, room=room, reason="queue full", retry_after_s=0.1)
                    for room, reply in refused)
         # bounded: ring (1 item) + one batch held by each of the three stage threads + the two
         # hand-off queues (1 batch each) + the intake queue (2) = 8 items at most
@@ -223,10 +222,10 @@ def test_malformed_intake_is_refused_with_a_reason_and_the_worker_keeps_serving(
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
     try:
         reply = intake.send_raw(frames)
-        assert reply["ok"] is False and reason in reply["reason"]
+        assert reply.ok is False and reason in reply.reason
         (room,) = worker.table.mint(1, 60)
         image = png(64, 64, 9)
-        assert intake.send(request(worker, room), image)["ok"]
+        assert intake.send(request(worker, room), image).ok
         receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
         assert receiver.wait(room)[0] is RoomState.SUCCESS
     finally:
@@ -264,7 +263,7 @@ def test_raw_pixels_and_shm_handles_encode_like_the_png(qwen25, no_new_segments)
         for body, payload in sends:
             (room,) = worker.table.mint(1, 60)
             body["encode_handshake"]["bootstrap_room"] = room
-            assert intake.send(body, payload)["ok"]
+            assert intake.send(body, payload).ok
             receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
             state, rows, view = receiver.wait(room)
             assert state is RoomState.SUCCESS, view.reason
@@ -289,24 +288,24 @@ def test_a_lying_content_hash_is_refused_and_cannot_poison_the_cache(qwen25, no_
     handle = ShmTensorHandle.publish(pixels, purpose="intake")
     try:
         room, lie_room, shm_room, again = worker.table.mint(4, 60)
-        assert intake.send(request(worker, room, "honest"), honest)["ok"]
+        assert intake.send(request(worker, room, "honest"), honest).ok
         receiver.reserve(room, rows_for(tower, honest), tower.info.wire_width, tower.dtype)
         state, expected, _ = receiver.wait(room)
         assert state is RoomState.SUCCESS
         claimed = hash_feature(honest)
         reply = intake.send(request(worker, lie_room, "liar", content_hash=claimed), liar)
-        assert reply["ok"] is False and "is not the hash of the item's bytes" in reply["reason"]
+        assert reply.ok is False and "is not the hash of the item's bytes" in reply.reason
         assert worker.table.view(lie_room).state is RoomState.FAILED
         # SHM pixels are hashed once read: the lie fails the room with the same reason
         body = {**request(worker, shm_room, "shm-liar", content_hash=claimed), "source": "shm",
                 "shm": handle.to_wire()}
         receiver.reserve(shm_room, rows_for(tower, liar), tower.info.wire_width, tower.dtype)
-        assert intake.send(body, None)["ok"]
+        assert intake.send(body, None).ok
         state, _, view = receiver.wait(shm_room)
         assert state is RoomState.FAILED and "is not the hash of the item's bytes" in view.reason
         # the honest image still meets its own rows in the cache
         hits = worker.cache.hits
-        assert intake.send(request(worker, again, "honest-again", content_hash=claimed), honest)["ok"]
+        assert intake.send(request(worker, again, "honest-again", content_hash=claimed), honest).ok
         receiver.reserve(again, rows_for(tower, honest), tower.info.wire_width, tower.dtype)
         state, rows, _ = receiver.wait(again)
         assert state is RoomState.SUCCESS and torch.equal(rows, expected) and worker.cache.hits == hits + 1
@@ -324,14 +323,14 @@ def test_items_waiting_for_their_receivers_do_not_hold_up_an_item_whose_receiver
     try:
         late = worker.table.mint(6, 60)  # three times as many as there are sender threads
         for index, room in enumerate(late):
-            assert intake.send(request(worker, room, f"late{index}"), png(64, 64, 40 + index))["ok"]
+            assert intake.send(request(worker, room, f"late{index}"), png(64, 64, 40 + index)).ok
         (room,) = worker.table.mint(1, 60)
         image = png(64, 64, 50)
         processed = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
         rows = tower.encode_items(processed["pixel_values"], processed["image_grid_thw"])[0]
         receiver.reserve(room, rows.shape[0], rows.shape[1], rows.dtype)
         started = time.monotonic()
-        assert intake.send(request(worker, room, "ready"), image)["ok"]
+        assert intake.send(request(worker, room, "ready"), image).ok
         state, got, view = receiver.wait(room, timeout=10)
         assert state is RoomState.SUCCESS, view.reason
         assert torch.equal(got, rows) and time.monotonic() - started < 5  # not after the late ones' 20 s
@@ -365,7 +364,7 @@ def test_a_room_sent_to_two_workers_is_written_by_one_and_the_other_leaves_it_al
         body = request(workers[0], room)
         for worker in workers:
             intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
-            assert intake.send(body, image)["ok"]
+            assert intake.send(body, image).ok
             intake.close()
         state, got, view = receiver.wait(room)
         assert state is RoomState.SUCCESS and torch.equal(got, rows), view.reason

@@ -87,7 +87,7 @@ def deliver(tower, worker, receiver, intake, image, request_id):
     (room,) = worker.table.mint(1, 60)
     receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
     reply = intake.send(request(worker, room, request_id), image)
-    assert reply["ok"], reply
+    assert reply.ok, reply
     state, _, view = receiver.wait(room)
     assert state is RoomState.SUCCESS, view.reason
     return view
@@ -111,7 +111,7 @@ def test_intake_never_opens_a_segment_that_is_not_an_intake_handle(no_new_segmen
             body = request(worker, room, source="shm", content_hash=hash_feature(pixels.numpy().tobytes()),
                            shm={"shm_name": name, "shape": [16, 16, 3], "dtype": "uint8"})
             reply = intake.send(body)
-            assert reply["ok"] is False and "is not an intake handle" in reply["reason"], reply
+            assert reply.ok is False and "is not an intake handle" in reply.reason, reply
             view = worker.table.view(room)
             assert view.state is RoomState.FAILED and "is not an intake handle" in view.reason
             assert os.path.exists(f"/dev/shm/{name}")
@@ -123,7 +123,7 @@ def test_intake_never_opens_a_segment_that_is_not_an_intake_handle(no_new_segmen
         receiver.reserve(room, rows_for(tower, png(16, 16, 1)), tower.info.wire_width, tower.dtype)
         body = request(worker, room, source="shm", content_hash=hash_feature(pixels.numpy().tobytes()),
                        shm=handle.to_wire())
-        assert intake.send(body)["ok"]
+        assert intake.send(body).ok
         state, _, view = receiver.wait(room)
         assert state is RoomState.SUCCESS, view.reason
         assert not os.path.exists(f"/dev/shm/{handle.shm_name}")
@@ -159,7 +159,7 @@ def test_a_receiver_that_never_comes_fails_the_room_when_the_worker_stops_waitin
     worker, receiver, intake = make(receiver_wait_s=0.5)
     image = png(64, 64, 2)
     (room,) = worker.table.mint(1, 60)
-    assert intake.send(request(worker, room), image)["ok"]
+    assert intake.send(request(worker, room), image).ok
     view = wait_terminal(worker.table, room)
     assert view.state is RoomState.FAILED and "no receiver registered within 0.5 s" in view.reason
     eventually(lambda: worker.ring.stats()["leased_slots"] == 0, "the ring slot released", seconds=30)
@@ -194,7 +194,7 @@ def test_a_silent_room_endpoint_does_not_hold_up_intake(tower, make):
         threads = threading.active_count()
         for index, endpoint in enumerate(silent):
             reply = intake.send(request(worker, 7 + index, f"bad{index}", port=endpoint.port), b"not an image")
-            assert reply["ok"] is False and "cannot read image header" in reply["reason"]
+            assert reply.ok is False and "cannot read image header" in reply.reason
         assert threading.active_count() == threads  # no thread per endpoint
         for index in range(3):  # items to a healthy room complete while those calls are pending
             deliver(tower, worker, receiver, intake, png(64, 64, 10 + index), f"good{index}")
@@ -226,17 +226,17 @@ def test_a_decompression_bomb_is_refused_at_intake_from_its_header(tower, make):
     assert len(bomb) < 300 << 10
     (room,) = worker.table.mint(1, 60)
     reply = intake.send(request(worker, room, "bomb"), bomb)
-    assert reply["ok"] is False and "16384x4096 pixels is larger than this worker decodes" in reply["reason"]
+    assert reply.ok is False and "16384x4096 pixels is larger than this worker decodes" in reply.reason
     assert worker.table.view(room).state is RoomState.FAILED
     # raw pixels and SHM handles are held to the same bound, from their shape
     small, _, small_intake = make(max_image_pixels=32 * 32, batch_pixels=32 * 32)
     (room,) = small.table.mint(1, 60)
     reply = small_intake.send(request(small, room, "raw", source="pixels", shape=[64, 64, 3]), bytes(64 * 64 * 3))
-    assert reply["ok"] is False and "64x64 pixels is larger" in reply["reason"]
+    assert reply.ok is False and "64x64 pixels is larger" in reply.reason
     (room,) = small.table.mint(1, 60)
     body = request(small, room, "shm", source="shm", content_hash=1,
                    shm={"shm_name": "epd-in-1-0123456789abcdef", "shape": [64, 64, 3], "dtype": "uint8"})
-    assert "64x64 pixels is larger" in small_intake.send(body)["reason"]
+    assert "64x64 pixels is larger" in small_intake.send(body).reason
     deliver(tower, worker, receiver, intake, png(64, 64, 3), "after")  # and it keeps serving
 
 
@@ -248,7 +248,7 @@ def test_a_gif_is_refused_at_intake_not_after_queueing(tower, make):
     Image.new("RGB", (32, 32)).save(buffer, format="GIF")
     (room,) = worker.table.mint(1, 60)
     reply = intake.send(request(worker, room, "gif"), buffer.getvalue())
-    assert reply["ok"] is False and "'GIF' is not accepted" in reply["reason"]
+    assert reply.ok is False and "'GIF' is not accepted" in reply.reason
 
 
 def test_a_batch_decodes_at_most_its_pixel_budget():
@@ -301,7 +301,7 @@ def test_a_receiver_offer_naming_another_segment_is_not_written(no_new_segments,
         offer = ShmOffer(kind="shm", namespace=namespace_id(), segment=victim.shm_name, offset=0, capacity=1 << 16)
         worker.table.register(Registration(room=room, generation=1, rows=rows, width=tower.info.wire_width,
                                            dtype="float32", offers=[offer]))
-        assert intake.send(request(worker, room), image)["ok"]
+        assert intake.send(request(worker, room), image).ok
         view = wait_terminal(worker.table, room)
         assert view.state is RoomState.FAILED and "which is not a receive pool" in view.reason
         victim.attach()

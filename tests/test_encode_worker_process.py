@@ -126,7 +126,7 @@ def test_delivery_across_processes(worker_process, transport):
             reply = intake.send({"request_id": f"{transport}{index}", "source": "bytes",
                                  "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
                                                       "bootstrap_port": int(url.rsplit(":", 1)[1])}}, image)
-            assert reply["ok"], reply
+            assert reply.ok, reply
             if index == 1:  # encoder first: the rows wait in the ring for the receiver
                 eventually(lambda: ring_occupancy(url) > 0, "the rows staged in the send ring", seconds=30)
                 receiver.reserve(room, expected.shape[0], expected.shape[1], expected.dtype)
@@ -191,7 +191,7 @@ def test_prefill_receiver_across_processes(worker_process, transport):
         for index, (room, image) in enumerate(zip(rooms, images)):
             assert intake.send({"request_id": f"p{index}", "source": "bytes",
                                 "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                                     "bootstrap_port": port}}, image)["ok"]
+                                                     "bootstrap_port": port}}, image).ok
         assert job.wait(30) is JobState.DONE, job.reasons
         assert all(o.transport == transport for o in job.outcomes)
         for item, rows in zip(items, expected):
@@ -263,7 +263,7 @@ def test_reference_prefill_process_receives_and_verifies(worker_process, checkpo
         for index, (room, image) in enumerate(zip(rooms, images)):
             assert intake.send({"request_id": f"x{index}", "source": "bytes",
                                 "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                                     "bootstrap_port": port}}, image)["ok"]
+                                                     "bootstrap_port": port}}, image).ok
         request = urllib.request.Request(f"http://127.0.0.1:{prefill_port}/v1/prefill",
                                          data=json.dumps({"request_id": "r", "items": items, "verify": True}).encode(),
                                          headers={"content-type": "application/json"})

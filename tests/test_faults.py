@@ -180,7 +180,7 @@ def test_item_larger_than_the_send_ring(lab):
             reply = intake.send({"request_id": f"ring{room}", "source": "bytes", "encode_handshake": {
                 "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port}},
                 item.image)
-            assert reply["ok"], reply
+            assert reply.ok, reply
         state, _, view = receiver.wait(rooms[0])
         assert state is RoomState.FAILED and "larger than the send ring" in view.reason
         assert time.monotonic() - started < FAST_S + 1  # includes encoding both images

@@ -154,7 +154,7 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
         def send(image, room, tag):
             assert intake.send({"request_id": tag, "source": "bytes", "encode_handshake": {
                 "bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": worker.bootstrap_port}}, image)["ok"]
+                "bootstrap_port": worker.bootstrap_port}}, image).ok
 
         try:
             first, second = png(64, 64, 1), png(64, 64, 2)

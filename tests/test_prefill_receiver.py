@@ -63,7 +63,7 @@ def send(intake, worker, room, image, tag):
     reply = intake.send({"request_id": tag, "source": "bytes",
                          "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
                                               "bootstrap_port": worker.bootstrap_port}}, image)
-    assert reply["ok"], reply
+    assert reply.ok, reply
 
 
 @pytest.mark.parametrize("receiver_first", [True, False])

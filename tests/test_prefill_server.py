@@ -71,7 +71,7 @@ def room_item(worker, room, rows, **handshake):
 def send(intake, worker, room, image):
     reply = intake.send({"request_id": f"r{room}", "source": "bytes", "encode_handshake": {
         "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port}}, image)
-    assert reply["ok"], reply
+    assert reply.ok, reply
 
 
 def no_slot_held(receiver):

@@ -11,7 +11,7 @@ import pytest
 from data_plane.loopback import LoopbackTransport
 from encode_worker.config import WorkerConfig
 from encode_worker.inputs import image_from_bytes
-from encode_worker.intake import IntakeClient
+from encode_worker.intake import IntakeClient, IntakeReply, IntakeStatus
 from encode_worker.small_checkpoints import build_vision_only
 from encode_worker.worker import EncodeWorker
 from handshake.client import HandshakeError, SyncHandshakeClient
@@ -87,9 +87,9 @@ def test_intake_requires_its_token(locked_worker):
         (room,) = worker.table.mint(1, 60)
         for token in (None, "wrong", "intake-s3cret-but-longer", ""):
             reply = intake.send(_request(worker, room, token), image)
-            assert reply == {"ok": False, "room": room, "reason": "missing or wrong intake token"}
+            assert reply == IntakeReply(status=IntakeStatus.REFUSED, room=room, reason="missing or wrong intake token")
         assert worker.table.view(room).state is RoomState.PENDING  # a refused message touches nothing
-        assert intake.send(_request(worker, room, "intake-s3cret"), image)["ok"]
+        assert intake.send(_request(worker, room, "intake-s3cret"), image).ok
         tower = worker.tower
         inputs = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
         (rows,) = tower.rows_per_item(inputs["image_grid_thw"])
@@ -126,7 +126,7 @@ def test_frames_over_the_size_bounds_are_dropped_or_refused(locked_worker):
     try:
         (room,) = worker.table.mint(1, 60)
         reply = intake.send(_request(worker, room, "intake-s3cret"), b"\x89PNG" + b"\x00" * (256 << 10))
-        assert reply["ok"] is False and "exceeds" in reply["reason"]
+        assert reply.ok is False and "exceeds" in reply.reason
         with pytest.raises(TimeoutError):
             intake.send_raw([b"{}", b"\x00" * (2 << 20)])  # over MAXMSGSIZE: dropped unread
     finally:
@@ -134,6 +134,6 @@ def test_frames_over_the_size_bounds_are_dropped_or_refused(locked_worker):
     fresh = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
     try:
         (room,) = worker.table.mint(1, 60)
-        assert fresh.send(_request(worker, room, "intake-s3cret"), png(64, 64, 2))["ok"]
+        assert fresh.send(_request(worker, room, "intake-s3cret"), png(64, 64, 2)).ok
     finally:
         fresh.close()

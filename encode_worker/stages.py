@@ -1,0 +1,353 @@
+"""The encode worker's stages, one job and one thread each, joined by bounded queues
+(``encode_worker.messages`` says what travels and who writes which field):
+
+* ``Intake``: the ZMQ ROUTER loop; validates each message into an ``EncodeJob`` from what it can
+  see without decoding, queues it, and answers at once with an ``IntakeReply``.
+* ``Prepare``: takes a batch from the ``BatchQueue``; decodes and preprocesses each image; cache
+  hits skip the tower.
+* ``TowerStage``: one tower call per batch, rows split per item, cached; a batch that fails is
+  retried item by item, so a bad item fails only its room.
+* ``StageAndSend``: copies each item's rows into the send ring and hands it to the ``Sender``.
+
+Decoding the next batch and staging the last one overlap the tower. A full send ring blocks
+StageAndSend, which fills the hand-offs behind it, which stops Prepare pulling from the queue,
+which makes intake refuse ("queue full"): backpressure, all the way to the dispatcher.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import zmq
+from PIL import Image
+
+from data_plane.commit import EmbeddingLayout, checksum
+from data_plane.pool import NoCapacity, SlotPool, TooLarge
+from data_plane.shm import ShmTensorHandle
+from encode_worker.cache import CacheKey, EmbeddingCache, Encoded
+from encode_worker.inputs import (
+    ALLOWED_FORMATS,
+    MAX_SIDE,
+    BadItem,
+    image_from_bytes,
+    image_from_pixels,
+    pixels_from_shm,
+)
+from encode_worker.intake import IntakeRefused, IntakeReply, IntakeRequest, IntakeStatus, parse_request
+from encode_worker.messages import EncodedBatch, Handoff, Miss, PreparedBatch, ReadyItem
+from encode_worker.room_clients import InFlightRooms, RateLimitedLog, RoomFailer
+from encode_worker.scheduler import BatchQueue, EncodeJob
+from encode_worker.sender import Sender, StagedItem, stage
+from encode_worker.tower import VisionTower
+from multimodal.hashing import hash_feature
+from multimodal.rows import RowContractError, image_grid, split_rows
+from multimodal.wire import endpoint_url
+from process_settings import SettingError
+
+if TYPE_CHECKING:
+    from encode_worker.config import WorkerConfig
+    from encode_worker.health import Health
+    from encode_worker.worker import WorkerMetrics
+
+log = logging.getLogger(__name__)
+INTAKE_POLL_MS = 100  # how often the intake loop looks at the stop signal
+TAKE_BATCH_S = 0.2  # how long Prepare waits for a batch before looking at the stop signal
+QUEUE_FULL_RETRY_S = 0.1  # the retry_after_s of a "queue full" refusal
+SHUTTING_DOWN = "encode worker shutting down"
+
+
+class Intake:
+    """The intake socket and its loop. Never waits on the network or the tower: each message is
+    refused (room untouched), failed (a bad item: its room fails) or queued, and answered at once."""
+
+    def __init__(self, config: WorkerConfig, served_model: str, tower: VisionTower, queue: BatchQueue,
+                 in_flight: InFlightRooms, failer: RoomFailer, metrics: WorkerMetrics, item_log: RateLimitedLog,
+                 stopping: threading.Event):
+        self.config = config
+        self.served_model = served_model
+        self.tower = tower
+        self.queue = queue
+        self.in_flight = in_flight
+        self.failer = failer
+        self.metrics = metrics
+        self.item_log = item_log
+        self._stopping = stopping
+        self._socket: zmq.Socket | None = None
+        self.port: int | None = None
+
+    def listen(self) -> None:
+        """Bind the intake port (``SettingError``, one line, when it cannot be)."""
+        config = self.config
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_payload_bytes + (1 << 20))
+        self._socket.setsockopt(zmq.IPV6, 1)  # --bind may be an IPv6 address
+        try:
+            if config.intake_port:
+                self._socket.bind(endpoint_url("tcp", config.bind, config.intake_port))
+                self.port = config.intake_port
+            else:
+                self.port = self._socket.bind_to_random_port(endpoint_url("tcp", config.bind))
+        except zmq.ZMQError as exc:
+            raise SettingError(f"intake port: cannot listen on {config.bind}:{config.intake_port}: {exc.strerror}") from None
+
+    def loop(self) -> None:
+        """Answer messages until the worker stops; then close the socket (the loop's own)."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(INTAKE_POLL_MS):
+                continue
+            frames = self._socket.recv_multipart(copy=True)
+            identity, body = frames[0], frames[1:]
+            self._socket.send_multipart([identity, self.accept(body).frame()])
+        self.close()
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(0)
+
+    def accept(self, frames: list[bytes]) -> IntakeReply:
+        try:
+            request, payload = parse_request(frames, self.config.max_payload_bytes, self.config.intake_token,
+                                             self.served_model)
+        except IntakeRefused as exc:
+            self.metrics.count("IMAGE", IntakeStatus.REFUSED)
+            self.item_log.warning("intake refused an item (room %s): %s", exc.room, exc)
+            return IntakeReply(status=IntakeStatus.REFUSED, room=exc.room, reason=str(exc))
+        room = request.encode_handshake.bootstrap_room
+        if not self.in_flight.claim(room):
+            self.metrics.count(request.modality, IntakeStatus.REFUSED)
+            self.item_log.warning("intake refused room %d: an item for it is already in flight here", room)
+            return IntakeReply(status=IntakeStatus.REFUSED, room=room,
+                               reason=f"room {room} already has an item in flight here")
+        try:
+            job = self.job(request, payload)
+        except BadItem as exc:
+            self.failer.fail(request.encode_handshake, str(exc), request.modality)
+            return IntakeReply(status=IntakeStatus.FAILED, room=room, reason=str(exc))
+        if not self.queue.put(job):
+            self.in_flight.release(room)
+            self.metrics.count(request.modality, IntakeStatus.REFUSED)
+            return IntakeReply(status=IntakeStatus.REFUSED, room=room, reason="queue full",
+                               retry_after_s=QUEUE_FULL_RETRY_S)
+        self.metrics.count(request.modality, IntakeStatus.ACCEPTED)
+        return IntakeReply(status=IntakeStatus.ACCEPTED, room=room)
+
+    def job(self, request: IntakeRequest, payload: bytes | None) -> EncodeJob:
+        """The item as a job, from what intake can see without decoding (the header, the shape,
+        the SHM name); ``BadItem`` for an item that must not go further."""
+        if request.source == "bytes":
+            try:
+                with Image.open(io.BytesIO(payload)) as probe:
+                    width, height = probe.size
+                    image_format = probe.format
+            except Exception as exc:
+                raise BadItem(f"cannot read image header: {type(exc).__name__}") from None
+            if image_format not in ALLOWED_FORMATS:
+                raise BadItem(f"image format {image_format!r} is not accepted ({sorted(ALLOWED_FORMATS)})")
+        else:
+            height, width = (request.shape if request.source == "pixels" else request.shm.shape)[:2]
+        if width > MAX_SIDE or height > MAX_SIDE or width * height > self.config.max_image_pixels:
+            raise BadItem(f"image of {width}x{height} pixels is larger than this worker decodes "
+                          f"({self.config.max_image_pixels} pixels, {MAX_SIDE} a side)")
+        if request.source == "bytes":
+            source_payload = payload
+        elif request.source == "pixels":
+            source_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(height, width, 3)
+        else:
+            try:  # the name alone decides: a segment that is not an intake handle is never opened
+                source_payload = ShmTensorHandle.for_intake(request.shm.shm_name, tuple(request.shm.shape),
+                                                            torch.uint8)
+            except ValueError as exc:
+                raise BadItem(str(exc)) from None
+        # The cache key is the hash of the bytes this worker encodes, never the client's word for
+        # it: a wrong claimed hash would poison the cache entry of the image it names.
+        if request.source == "shm":
+            if request.content_hash is None:
+                raise BadItem("SHM-backed items must carry a content hash")
+            content_hash = request.content_hash  # checked against the pixels once read (Prepare)
+        else:
+            content_hash = hash_feature(payload)
+            check_claimed_hash(request.content_hash, content_hash)
+        return EncodeJob(request.request_id, request.encode_handshake, content_hash, request.source,
+                         source_payload, self._patches(height, width), request.modality, pixels=width * height,
+                         nbytes=len(payload) if payload is not None else 0)
+
+    def _patches(self, height: int, width: int) -> int:
+        try:
+            t, h, w = image_grid(self.tower.processor, height, width)
+        except ValueError as exc:
+            raise BadItem(f"image of {width}x{height} cannot be resized for the tower: {exc}") from None
+        return t * h * w
+
+
+class Prepare:
+    """Decode and preprocess one batch; look each item up in the cache. A bad item fails its room."""
+
+    def __init__(self, queue: BatchQueue, tower: VisionTower, preprocess_id: str, cache: EmbeddingCache,
+                 max_image_pixels: int, failer: RoomFailer, out: Handoff[PreparedBatch], stopping: threading.Event):
+        self.queue = queue
+        self.tower = tower
+        self.preprocess_id = preprocess_id
+        self.cache = cache
+        self.max_image_pixels = max_image_pixels
+        self.failer = failer
+        self.out = out
+        self._stopping = stopping
+
+    def loop(self) -> None:
+        while not self._stopping.is_set():
+            batch = self.queue.take_batch(TAKE_BATCH_S)
+            if batch and not self.out.put(self.run(batch)):
+                self.failer.fail_all(batch, SHUTTING_DOWN)
+
+    def run(self, batch: list[EncodeJob]) -> PreparedBatch:
+        misses, ready = [], []
+        for job in batch:
+            try:
+                image = self._image(job)
+                key = CacheKey(job.content_hash, self.tower.model_id, self.preprocess_id)
+                cached = self.cache.get(key)
+                if cached is not None:
+                    job.timings.update(queue_s=time.monotonic() - job.received_at, cache_hit=True)
+                    ready.append(ReadyItem(job, cached))
+                else:
+                    misses.append(Miss(job, key, self.tower.processor(images=[image], return_tensors="pt")))
+            except BadItem as exc:
+                self.failer.fail(job.handshake, str(exc), job.modality)
+        return PreparedBatch(batch, misses, ready)
+
+    def _image(self, job: EncodeJob) -> Image.Image:
+        if job.source == "bytes":
+            return image_from_bytes(job.payload, self.max_image_pixels)
+        if job.source == "pixels":
+            return image_from_pixels(job.payload, self.max_image_pixels)
+        pixels = pixels_from_shm(job.payload)
+        check_claimed_hash(job.content_hash, hash_feature(memoryview(pixels.numpy()).cast("B")))
+        return image_from_pixels(pixels, self.max_image_pixels)
+
+
+class TowerStage:
+    """One batch's misses through the tower in one call; rows split per item and cached. A batch
+    the tower refuses is retried item by item, and an item that fails alone fails its room."""
+
+    def __init__(self, tower: VisionTower, cache: EmbeddingCache, metrics: WorkerMetrics, health: Health,
+                 failer: RoomFailer, inbox: Handoff[PreparedBatch], out: Handoff[EncodedBatch],
+                 stopping: threading.Event):
+        self.tower = tower
+        self.cache = cache
+        self.metrics = metrics
+        self.health = health
+        self.failer = failer
+        self.inbox = inbox
+        self.out = out
+        self._stopping = stopping
+
+    def loop(self) -> None:
+        while not self._stopping.is_set():
+            prepared = self.inbox.get()
+            if prepared is None:
+                continue
+            encoded = self.run(prepared)
+            if not self.out.put(encoded):
+                self.failer.fail_all(encoded.jobs, SHUTTING_DOWN)
+
+    def run(self, prepared: PreparedBatch) -> EncodedBatch:
+        """The batch's cache hits, then its misses with their rows (those the tower encoded)."""
+        self.health.busy = True
+        try:
+            return EncodedBatch(prepared.ready + self.encode(prepared.misses))
+        except Exception:
+            log.exception("batch crashed")
+            self.failer.fail_all([miss.job for miss in prepared.misses], "encode worker error while encoding")
+            return EncodedBatch(prepared.ready)
+        finally:
+            self.health.busy = False
+
+    def encode(self, misses: list[Miss]) -> list[ReadyItem]:
+        """Run the tower once over all misses; cache and return each encoded item's rows."""
+        ready = []
+        if misses:
+            for miss, rows in zip(misses, self._encode_misses(misses)):
+                if rows is not None:
+                    encoded = Encoded(rows, tuple(miss.inputs["image_grid_thw"][0].tolist()))
+                    self.cache.put(miss.key, encoded)
+                    ready.append(ReadyItem(miss.job, encoded))
+        return ready
+
+    def _encode_misses(self, misses: list[Miss]) -> list[torch.Tensor | None]:
+        """Each miss's rows, or None for one whose room failed."""
+        pixel_values = torch.cat([miss.inputs["pixel_values"] for miss in misses])
+        grid_thw = torch.cat([miss.inputs["image_grid_thw"] for miss in misses])
+        started = time.monotonic()
+        try:
+            rows = split_rows(self.tower.encode(pixel_values, grid_thw), self.tower.rows_per_item(grid_thw))
+            seconds = time.monotonic() - started
+            for miss in misses:
+                miss.job.timings.update(queue_s=started - miss.job.received_at, encode_s=seconds)
+            self.metrics.encode_seconds.observe(seconds)
+            self.metrics.batch_items.observe(len(misses))
+            self.health.last_ok = time.monotonic()
+            return rows
+        except (RuntimeError, ValueError, RowContractError) as exc:
+            if len(misses) == 1:
+                job = misses[0].job
+                self.failer.fail(job.handshake, f"vision tower failed on this item: {exc}", job.modality)
+                return [None]
+            log.warning("batch of %d failed (%s); encoding items one by one", len(misses), exc)
+            return [self._encode_misses([miss])[0] for miss in misses]
+
+
+class StageAndSend:
+    """Copy each item's rows into a send-ring slot and submit it to the sender. A full ring blocks
+    this stage (backpressure) up to ``receiver_wait_s``; then the item's room fails."""
+
+    def __init__(self, ring: SlotPool, sender: Sender, receiver_wait_s: float, with_checksum: bool,
+                 failer: RoomFailer, inbox: Handoff[EncodedBatch], stopping: threading.Event):
+        self.ring = ring
+        self.sender = sender
+        self.receiver_wait_s = receiver_wait_s
+        self.with_checksum = with_checksum
+        self.failer = failer
+        self.inbox = inbox
+        self._stopping = stopping
+
+    def loop(self) -> None:
+        while not self._stopping.is_set():
+            encoded = self.inbox.get()
+            for item in encoded.ready if encoded is not None else ():
+                self.send(item)
+
+    def send(self, item: ReadyItem) -> None:
+        job, rows = item.job, item.encoded.rows
+        layout = EmbeddingLayout.of(rows)
+        deadline = time.monotonic() + self.receiver_wait_s
+        while True:
+            try:
+                lease = stage(self.ring, rows)
+                break
+            except TooLarge:
+                self.failer.fail(job.handshake, f"item of {layout.nbytes} bytes is larger than the send ring",
+                                 job.modality)
+                return
+            except NoCapacity:  # backpressure: this stage blocks, and so, in turn, do those before it
+                if time.monotonic() >= deadline:
+                    self.failer.fail(job.handshake, "send ring stayed full", job.modality)
+                    return
+                with self.sender.slot_freed:
+                    self.sender.slot_freed.wait(0.05)
+        digest = checksum(self.ring.view(lease)) if self.with_checksum else None
+        self.sender.submit(StagedItem(job.request_id, job.handshake, lease, layout, digest, dict(job.timings),
+                                      item.encoded.grid_thw))
+
+
+def check_claimed_hash(claimed: int | None, computed: int) -> None:
+    """A client's content hash must be the xxh3-128 of the payload's bytes (file or raw pixels)."""
+    if claimed is not None and claimed != computed:
+        raise BadItem(f"claimed content hash {claimed:032x} is not the hash of the item's bytes ({computed:032x})")
