@@ -1,0 +1,108 @@
+"""Each process's one settings object: flags, environment variables and secret files generated
+from its fields, in that order of precedence; booleans as --x/--no-x; frozen; a bad value is one
+line naming the flag and the variable."""
+
+import pytest
+from pydantic import ValidationError
+
+from dispatcher.cli import DispatchSettings
+from encode_worker.config import WorkerConfig
+from gateway.settings import GatewaySettings
+from handshake.server import HandshakeSettings
+from prefill_side.server import PrefillSettings
+from process_settings import ProcessSettings, SettingError
+
+PROCESSES = [WorkerConfig, PrefillSettings, DispatchSettings, GatewaySettings, HandshakeSettings]
+REQUIRED = {WorkerConfig: ["--model", "m"], PrefillSettings: [], HandshakeSettings: [],
+            DispatchSettings: ["--model", "m", "--workers", "h", "a.png"],
+            GatewaySettings: ["--model", "m", "--workers", "h", "--vllm-url", "http://v:8000"]}
+
+
+@pytest.fixture(autouse=True)
+def no_epd_environment(monkeypatch, tmp_path):
+    """Only what a test sets: no EPD_* variable of the machine, an empty secrets directory."""
+    import os
+
+    for name in [name for name in os.environ if name.startswith("EPD_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("EPD_SECRETS_DIR", str(tmp_path))
+
+
+@pytest.mark.parametrize("settings", PROCESSES, ids=lambda cls: cls.PROG)
+def test_every_field_is_a_described_flag_with_its_own_variable(settings, capsys):
+    assert issubclass(settings, ProcessSettings)
+    fields = settings.model_fields
+    assert all(field.description for name, field in fields.items() if not name.endswith("_token")), settings
+    assert len({settings.env_name(name) for name in fields}) == len(fields)
+    with pytest.raises(SystemExit) as exit_:
+        settings.from_command_line(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for name in fields:
+        if name.endswith("_token") or name == "images":
+            continue
+        assert f"--{name.replace('_', '-')}" in text and settings.env_name(name) in text, name
+
+
+@pytest.mark.parametrize("settings", PROCESSES, ids=lambda cls: cls.PROG)
+def test_settings_are_frozen(settings):
+    made = settings.from_command_line(REQUIRED[settings])
+    field = "model" if "model" in settings.model_fields else "host"
+    with pytest.raises(ValidationError, match="frozen"):
+        setattr(made, field, "other")
+
+
+def test_a_flag_beats_the_variable_which_beats_a_secret_file(monkeypatch, tmp_path):
+    (tmp_path / "EPD_RING_BYTES").write_text("64M")
+    (tmp_path / "EPD_QUEUE_ITEMS").write_text("7\n")
+    (tmp_path / "EPD_INTAKE_TOKEN").write_text("from-a-file")
+    monkeypatch.setenv("EPD_RING_BYTES", "128M")
+    settings = WorkerConfig.from_command_line(["--model", "m"])
+    assert (settings.ring_bytes, settings.queue_items, settings.intake_token) == (128 << 20, 7, "from-a-file")
+    assert WorkerConfig.from_command_line(["--model", "m", "--ring-bytes", "32M"]).ring_bytes == 32 << 20
+    assert "from-a-file" not in repr(settings)  # a token never shows in a log line
+
+
+def test_booleans_are_negatable_flags_and_read_true_false_from_the_environment(monkeypatch):
+    assert WorkerConfig.from_command_line(["--model", "m"]).checksum
+    assert not WorkerConfig.from_command_line(["--model", "m", "--no-checksum"]).checksum
+    monkeypatch.setenv("EPD_CHECKSUM", "false")
+    assert not WorkerConfig.from_command_line(["--model", "m"]).checksum
+    assert WorkerConfig.from_command_line(["--model", "m", "--checksum"]).checksum
+    monkeypatch.setenv("EPD_CHECKSUM", "maybe")
+    with pytest.raises(SettingError, match=r"--checksum \(or EPD_CHECKSUM\)"):
+        WorkerConfig.from_command_line(["--model", "m"])
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--ring-bytes", "lots"], "--ring-bytes (or EPD_RING_BYTES): 'lots' is not a size"),
+    (["--transports", "shm,carrier-pigeon"], "unknown: carrier-pigeon"),
+    (["--bootstrap-port", "9000", "--intake-port", "9000"], "--bootstrap-port and --intake-port are both 9000"),
+    (["--max-live-rooms", "0"], "--max-live-rooms (or EPD_MAX_LIVE_ROOMS): 0 must be above 0"),
+    (["--tombstone-ttl-s", "nan"], "--tombstone-ttl-s (or EPD_TOMBSTONE_TTL_S): nan is not finite"),
+])
+def test_a_bad_worker_setting_is_one_line_naming_flag_and_variable(args, line):
+    with pytest.raises(SettingError) as refused:
+        WorkerConfig.from_command_line(["--model", "m", *args])
+    assert line in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_worker_room_table_limits_are_settings(monkeypatch):
+    monkeypatch.setenv("EPD_MAX_TOMBSTONES", "11")
+    limits = WorkerConfig.from_command_line(["--model", "m", "--max-live-rooms", "5", "--tombstone-ttl-s", "2.5",
+                                            "--max-room-ttl-s", "60"]).room_limits()
+    assert (limits.max_live_rooms, limits.max_tombstones, limits.tombstone_ttl_s, limits.max_ttl_s) == (5, 11, 2.5, 60)
+
+
+def test_shared_groups_read_each_process_prefix(monkeypatch):
+    monkeypatch.setenv("EPD_GATEWAY_WORKERS", "10.0.0.5,[fd00::6]:9000:9001")
+    monkeypatch.setenv("EPD_DISPATCH_DNS", "epd-encode-workers")
+    gateway = GatewaySettings.from_command_line(["--model", "/models/Qwen2.5-VL-7B-Instruct", "--vllm-url",
+                                                 "http://v:8000/"])
+    assert [(w.host, w.bootstrap_port, w.intake_port) for w in gateway.workers] == [
+        ("10.0.0.5", 8998, 8999), ("fd00::6", 9000, 9001)]
+    assert gateway.vllm_url == "http://v:8000" and gateway.served_model_name == "Qwen2.5-VL-7B-Instruct"
+    dispatch = DispatchSettings.from_command_line(["--model", "m", "a.png"])
+    assert dispatch.dns == "epd-encode-workers" and dispatch.workers == ()
+    with pytest.raises(SettingError, match="give the encode workers"):
+        DispatchSettings.from_command_line(["--model", "m", "--dns", "", "a.png"])
