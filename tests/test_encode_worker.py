@@ -51,7 +51,7 @@ def reference_rows(full_model, tower, image_png: bytes) -> torch.Tensor:
 
 def make_worker(checkpoint, tower=None, **overrides):
     loopback = LoopbackTransport()
-    settings = dict(transports=("loopback",), bootstrap_port=0, intake_port=0, bind="127.0.0.1",
+    settings = dict(transports=("loopback",), dtype="float32", bootstrap_port=0, intake_port=0, bind="127.0.0.1",
                     ring_bytes=8 << 20, ring_slot_bytes=1 << 16, cache_bytes=32 << 20, receiver_wait_s=10)
     config = WorkerConfig(model=checkpoint, **{**settings, **overrides})
     worker = EncodeWorker(config, tower=tower, transports={"loopback": loopback}).start()
@@ -346,7 +346,7 @@ def test_a_room_sent_to_two_workers_is_written_by_one_and_the_other_leaves_it_al
     the other's begin_write is refused and it drops its item without failing the room."""
     directory, tower = qwen25
     loopback = LoopbackTransport()
-    settings = dict(transports=("loopback",), bootstrap_port=0, intake_port=0, bind="127.0.0.1",
+    settings = dict(transports=("loopback",), dtype="float32", bootstrap_port=0, intake_port=0, bind="127.0.0.1",
                     ring_bytes=8 << 20, ring_slot_bytes=1 << 16, cache_bytes=0, receiver_wait_s=10)
     outcomes = []
     workers = [EncodeWorker(WorkerConfig(model=directory, **settings), tower=tower,

@@ -116,7 +116,7 @@ def app_without_vllm(tmp_path_factory):
 
     model = str(tmp_path_factory.mktemp("model"))
     build_full("qwen2_vl", model)
-    settings = GatewaySettings(vllm_url=f"http://{HOST}:{free_port()}", served_model_name="m",
+    settings = GatewaySettings(model=model, vllm_url=f"http://{HOST}:{free_port()}", served_model_name="m",
                                workers=(WorkerAddress(HOST, free_port(), free_port()),), max_body_bytes=1 << 20)
     with TestClient(build_app(Gateway(settings, AutoImageProcessor.from_pretrained(model)))) as client:
         yield client
@@ -176,7 +176,8 @@ def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path):
     silent = socket.socket()
     silent.bind((HOST, 0))
     silent.listen(8)
-    settings = GatewaySettings(vllm_url=f"http://{HOST}:{silent.getsockname()[1]}", served_model_name="m",
+    settings = GatewaySettings(model=str(tmp_path), vllm_url=f"http://{HOST}:{silent.getsockname()[1]}",
+                               served_model_name="m",
                                workers=(WorkerAddress(HOST, free_port(), free_port()),), max_in_flight=1,
                                request_timeout_s=3)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
