@@ -38,6 +38,7 @@ demo: setup
 
 test: setup
 	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
 	$(VPY) -m pytest -q
 
 bench: setup

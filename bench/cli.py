@@ -10,64 +10,123 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    transfer = sub.add_parser("transfer", help="bytes into a receiver's slot: memcpy vs shm vs mooncake vs loopback")
-    transfer.add_argument("--sizes", default="1M,16M,128M", help="comma-separated sizes (K/M/G suffixes)")
+    transfer = sub.add_parser(
+        "transfer", help="bytes into a receiver's slot: memcpy vs shm vs mooncake vs loopback"
+    )
+    transfer.add_argument(
+        "--sizes", default="1M,16M,128M", help="comma-separated sizes (K/M/G suffixes)"
+    )
     transfer.add_argument("--rounds", type=int, default=None, help="timed rounds per path and size")
     transfer.add_argument("--json", default=None, help="write the results to this file")
-    handshake = sub.add_parser("handshake", help="room lifecycles per second through the client, single and batch-8")
-    handshake.add_argument("--seconds", type=float, default=1.0, help="duration of each concurrency level per round")
-    handshake.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median per level)")
+    handshake = sub.add_parser(
+        "handshake", help="room lifecycles per second through the client, single and batch-8"
+    )
+    handshake.add_argument(
+        "--seconds", type=float, default=1.0, help="duration of each concurrency level per round"
+    )
+    handshake.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds (median per level)"
+    )
     handshake.add_argument("--json", default=None, help="write the results to this file")
-    encode = sub.add_parser("encode", help="encode worker items/s: delivery vs a null sink, batched vs single")
+    encode = sub.add_parser(
+        "encode", help="encode worker items/s: delivery vs a null sink, batched vs single"
+    )
     encode.add_argument("--items", type=int, default=48)
     encode.add_argument("--size", type=int, default=448, help="square image side in pixels")
     encode.add_argument("--depth", type=int, default=2, help="tower layers")
     encode.add_argument("--hidden", type=int, default=64, help="tower (ViT) width")
-    encode.add_argument("--dtype", default="float32", help="tower dtype (bfloat16 is ~5x slower on this CPU)")
-    encode.add_argument("--width", type=int, default=3584, help="output width (Qwen2.5-VL-7B: 3584)")
+    encode.add_argument(
+        "--dtype", default="float32", help="tower dtype (bfloat16 is ~5x slower on this CPU)"
+    )
+    encode.add_argument(
+        "--width", type=int, default=3584, help="output width (Qwen2.5-VL-7B: 3584)"
+    )
     encode.add_argument("--transport", choices=("shm", "mooncake"), default="shm")
     encode.add_argument("--rounds", type=int, default=3)
     encode.add_argument("--json", default=None)
-    receive = sub.add_parser("receive", help="receive-path overhead per item beyond the raw transfer")
+    receive = sub.add_parser(
+        "receive", help="receive-path overhead per item beyond the raw transfer"
+    )
     receive.add_argument("--jobs", type=int, default=60)
     receive.add_argument("--json", default=None)
-    e2e = sub.add_parser("e2e", help="multi-image requests through real processes: EPD vs colocated")
-    e2e.add_argument("--images-per-request", default="1,8", help="comma-separated, one configuration each")
+    e2e = sub.add_parser(
+        "e2e", help="multi-image requests through real processes: EPD vs colocated"
+    )
+    e2e.add_argument(
+        "--images-per-request", default="1,8", help="comma-separated, one configuration each"
+    )
     e2e.add_argument("--size", type=int, default=448, help="square image side in pixels")
     e2e.add_argument("--concurrency", type=int, default=4, help="concurrent clients (closed loop)")
-    e2e.add_argument("--seconds", type=float, default=5.0, help="duration of each configuration per round")
-    e2e.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median per configuration)")
+    e2e.add_argument(
+        "--seconds", type=float, default=5.0, help="duration of each configuration per round"
+    )
+    e2e.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds (median per configuration)"
+    )
     e2e.add_argument("--transport", choices=("shm", "mooncake"), default="shm")
     e2e.add_argument("--cache", action="store_true", help="embedding cache on, images repeat")
     e2e.add_argument("--model", default=None, help="checkpoint (default: the demo's small tower)")
     e2e.add_argument("--dtype", default="float32")
     e2e.add_argument("--json", default=None)
-    e2e.add_argument("--plot", default="e2e.png", help="PNG plot path ('' for none); its raw JSON goes beside it")
-    soak = sub.add_parser("soak", help="real processes under random faults: corruption, leaks, time to failure")
+    e2e.add_argument(
+        "--plot", default="e2e.png", help="PNG plot path ('' for none); its raw JSON goes beside it"
+    )
+    soak = sub.add_parser(
+        "soak", help="real processes under random faults: corruption, leaks, time to failure"
+    )
     soak.add_argument("--items", type=int, default=1000, help="items to send, normal and faulted")
     soak.add_argument("--fault-rate", type=float, default=0.05, help="fault events per item")
     soak.add_argument("--concurrency", type=int, default=3, help="clients sending normal traffic")
     soak.add_argument("--seed", type=int, default=0)
-    soak.add_argument("--kinds", default=None, help="comma-separated fault scenarios (default: all)")
-    soak.add_argument("--model", default=None, help="checkpoint (default: a small Qwen2.5-VL tower, 2048-wide rows)")
+    soak.add_argument(
+        "--kinds", default=None, help="comma-separated fault scenarios (default: all)"
+    )
+    soak.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint (default: a small Qwen2.5-VL tower, 2048-wide rows)",
+    )
     soak.add_argument("--json", default=None)
-    vllm = sub.add_parser("vllm", help="vLLM's encoder cache fed by this connector (SHM, Mooncake) vs vLLM's own "
-                                       "EC connectors vs colocated: delivery time, TTFT, throughput, CPU per image")
-    vllm.add_argument("--paths", default="epd-shm,epd-mooncake,example,mooncake-ec,cpu-ec,colocated",
-                      help="comma-separated paths to run")
-    vllm.add_argument("--sizes", default="224,448,896", help="square image sides in pixels, one configuration each")
+    vllm = sub.add_parser(
+        "vllm",
+        help="vLLM's encoder cache fed by this connector (SHM, Mooncake) vs vLLM's own "
+        "EC connectors vs colocated: delivery time, TTFT, throughput, CPU per image",
+    )
+    vllm.add_argument(
+        "--paths",
+        default="epd-shm,epd-mooncake,example,mooncake-ec,cpu-ec,colocated",
+        help="comma-separated paths to run",
+    )
+    vllm.add_argument(
+        "--sizes",
+        default="224,448,896",
+        help="square image sides in pixels, one configuration each",
+    )
     vllm.add_argument("--requests", type=int, default=4, help="requests per path, size and round")
     vllm.add_argument("--concurrency", type=int, default=1, help="concurrent clients (closed loop)")
-    vllm.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median per path and size)")
-    vllm.add_argument("--hidden", type=int, default=2048, help="the model's width = the width of every embedding row")
+    vllm.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds (median per path and size)"
+    )
+    vllm.add_argument(
+        "--hidden",
+        type=int,
+        default=2048,
+        help="the model's width = the width of every embedding row",
+    )
     vllm.add_argument("--layers", type=int, default=1, help="LLM layers of the benchmark model")
     vllm.add_argument("--dtype", default="float32")
     vllm.add_argument("--json", default=None)
     vllm.add_argument("--plot", default="vllm.png", help="PNG plot path ('' for none)")
-    gateway = sub.add_parser("gateway", help="epd-gateway's added TTFT and CPU per image vs calling vLLM directly")
+    gateway = sub.add_parser(
+        "gateway", help="epd-gateway's added TTFT and CPU per image vs calling vLLM directly"
+    )
     gateway.add_argument("--sizes", default="224,448,896", help="square image sides in pixels")
-    gateway.add_argument("--requests", type=int, default=6, help="requests per path, size and round")
-    gateway.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median per path and size)")
+    gateway.add_argument(
+        "--requests", type=int, default=6, help="requests per path, size and round"
+    )
+    gateway.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds (median per path and size)"
+    )
     gateway.add_argument("--max-tokens", type=int, default=4)
     gateway.add_argument("--json", default=None)
     return parser

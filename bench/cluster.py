@@ -66,49 +66,149 @@ class LocalCluster:
     # ``env`` adds environment variables to a role's process; ``prefix`` runs it under another
     # command (the fault tests start one in a private mount namespace with ``unshare``).
 
-    def start_handshake(self, name: str = "handshake", extra: tuple[str, ...] = (), **launch) -> Role:
+    def start_handshake(
+        self, name: str = "handshake", extra: tuple[str, ...] = (), **launch
+    ) -> Role:
         port = free_port()
-        return self._start(name, ["handshake.server", "--host", HOST, "--port", str(port), *extra],
-                           Endpoint(HOST, port).url("http"), ready_path="/healthz", **launch)
+        return self._start(
+            name,
+            ["handshake.server", "--host", HOST, "--port", str(port), *extra],
+            Endpoint(HOST, port).url("http"),
+            ready_path="/healthz",
+            **launch,
+        )
 
-    def start_encode_worker(self, name: str = "encode-worker", transports: str = "shm,mooncake",
-                            cache_bytes: int = 1 << 30, extra: tuple[str, ...] = (), host: str = HOST,
-                            **launch) -> Role:
+    def start_encode_worker(
+        self,
+        name: str = "encode-worker",
+        transports: str = "shm,mooncake",
+        cache_bytes: int = 1 << 30,
+        extra: tuple[str, ...] = (),
+        host: str = HOST,
+        **launch,
+    ) -> Role:
         """``host``: the loopback address it listens on and names itself by (``::1`` for IPv6)."""
         bootstrap, intake = free_port(host), free_port(host)
         address = WorkerAddress(host, bootstrap, intake)
-        role = self._start(name, ["encode_worker.cli", "--model", self.model_dir, "--dtype", self.dtype,
-                                  "--host", host, "--bind", host, "--bootstrap-port", str(bootstrap),
-                                  "--intake-port", str(intake), "--transports", transports,
-                                  "--cache-bytes", str(cache_bytes), "--ring-bytes", str(256 << 20), *extra],
-                           address.url, ready_path="/readyz", **launch)
+        role = self._start(
+            name,
+            [
+                "encode_worker.cli",
+                "--model",
+                self.model_dir,
+                "--dtype",
+                self.dtype,
+                "--host",
+                host,
+                "--bind",
+                host,
+                "--bootstrap-port",
+                str(bootstrap),
+                "--intake-port",
+                str(intake),
+                "--transports",
+                transports,
+                "--cache-bytes",
+                str(cache_bytes),
+                "--ring-bytes",
+                str(256 << 20),
+                *extra,
+            ],
+            address.url,
+            ready_path="/readyz",
+            **launch,
+        )
         role.worker = address
         return role
 
-    def start_prefill(self, name: str = "prefill", transports: str = "shm,mooncake", pool_bytes: int = 512 << 20,
-                      extra: tuple[str, ...] = (), **launch) -> Role:
+    def start_prefill(
+        self,
+        name: str = "prefill",
+        transports: str = "shm,mooncake",
+        pool_bytes: int = 512 << 20,
+        extra: tuple[str, ...] = (),
+        **launch,
+    ) -> Role:
         port = free_port()
-        return self._start(name, ["prefill_side.server", "--host", HOST, "--port", str(port), "--model",
-                                  self.model_dir, "--dtype", self.dtype, "--transports", transports,
-                                  "--pool-bytes", str(pool_bytes), *extra], Endpoint(HOST, port).url("http"),
-                           ready_path="/healthz", **launch)
+        return self._start(
+            name,
+            [
+                "prefill_side.server",
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--model",
+                self.model_dir,
+                "--dtype",
+                self.dtype,
+                "--transports",
+                transports,
+                "--pool-bytes",
+                str(pool_bytes),
+                *extra,
+            ],
+            Endpoint(HOST, port).url("http"),
+            ready_path="/healthz",
+            **launch,
+        )
 
-    def start_gateway(self, vllm_url: str, workers: list[WorkerAddress], name: str = "gateway",
-                      extra: tuple[str, ...] = (), **launch) -> Role:
+    def start_gateway(
+        self,
+        vllm_url: str,
+        workers: list[WorkerAddress],
+        name: str = "gateway",
+        extra: tuple[str, ...] = (),
+        **launch,
+    ) -> Role:
         """``epd-gateway`` in front of ``vllm_url`` (ready once it serves: vLLM may still be starting)."""
         port = free_port()
-        return self._start(name, ["gateway.cli", "--host", HOST, "--port", str(port), "--model", self.model_dir,
-                                  "--vllm-url", vllm_url, "--workers",
-                                  ",".join(str(w) for w in workers), *extra], Endpoint(HOST, port).url("http"),
-                           ready_path="/health", **launch)
+        return self._start(
+            name,
+            [
+                "gateway.cli",
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--model",
+                self.model_dir,
+                "--vllm-url",
+                vllm_url,
+                "--workers",
+                ",".join(str(w) for w in workers),
+                *extra,
+            ],
+            Endpoint(HOST, port).url("http"),
+            ready_path="/health",
+            **launch,
+        )
 
-    def _start(self, name: str, module_args: list[str], url: str, ready_path: str, env: dict | None = None,
-               prefix: tuple[str, ...] = ()) -> Role:
-        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_WAIT_POLICY": "PASSIVE", "MC_LOG_LEVEL": "ERROR", **(env or {})}
+    def _start(
+        self,
+        name: str,
+        module_args: list[str],
+        url: str,
+        ready_path: str,
+        env: dict | None = None,
+        prefix: tuple[str, ...] = (),
+    ) -> Role:
+        env = {
+            **os.environ,
+            "PYTHONPATH": ROOT,
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "MC_LOG_LEVEL": "ERROR",
+            **(env or {}),
+        }
         log_path = os.path.join(self.log_dir, f"{name}.log")
         with open(log_path, "ab") as log:
-            process = subprocess.Popen([*prefix, sys.executable, "-m", *module_args], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT, cwd=ROOT)
+            process = subprocess.Popen(
+                [*prefix, sys.executable, "-m", *module_args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
         role = Role(name, process, url, ready_path, log_path)
         self.roles.append(role)
         return role
@@ -119,10 +219,14 @@ class LocalCluster:
         for role in self.roles:
             while not role.ready:
                 if not role.alive():
-                    raise RuntimeError(f"{role.name} exited with {role.process.returncode} while starting:\n"
-                                       f"{role.log_tail()}")
+                    raise RuntimeError(
+                        f"{role.name} exited with {role.process.returncode} while starting:\n"
+                        f"{role.log_tail()}"
+                    )
                 if time.monotonic() > end:
-                    raise TimeoutError(f"{role.name} was not ready within {timeout_s} s:\n{role.log_tail()}")
+                    raise TimeoutError(
+                        f"{role.name} was not ready within {timeout_s} s:\n{role.log_tail()}"
+                    )
                 try:
                     with urllib.request.urlopen(role.url + role.ready_path, timeout=1) as response:
                         role.ready = response.status == 200

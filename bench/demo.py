@@ -27,7 +27,11 @@ from bench.images import synthetic_image
 MAX_TOKENS = 12
 # (request, gateway, images as (width, height, seed, format)); seed 1 twice in a request: one encode
 REQUESTS = [
-    ("two images, one repeated", "shm", [(448, 448, 1, "PNG"), (640, 480, 2, "JPEG"), (448, 448, 1, "PNG")]),
+    (
+        "two images, one repeated",
+        "shm",
+        [(448, 448, 1, "PNG"), (640, 480, 2, "JPEG"), (448, 448, 1, "PNG")],
+    ),
     ("one image", "shm", [(336, 336, 3, "PNG")]),
     ("two images", "mooncake", [(800, 600, 4, "JPEG"), (224, 224, 5, "PNG")]),
 ]
@@ -54,17 +58,24 @@ def _data_uri(image: bytes, fmt: str) -> str:
 def _ask(client, model: str, urls: list[str], **extra):
     content = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
     content.append({"type": "text", "text": "What is in these pictures?"})
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
-                                          temperature=0, max_tokens=MAX_TOKENS,
-                                          extra_body={"return_token_ids": True}, **extra)
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        extra_body={"return_token_ids": True},
+        **extra,
+    )
 
 
 def _requests(model: str, gateways: dict, vllm_url: str) -> bool:
     import openai
 
     direct = openai.OpenAI(base_url=vllm_url + "/v1", api_key="-", max_retries=0, timeout=300)
-    clients = {name: openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=300)
-               for name, url in gateways.items()}
+    clients = {
+        name: openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=300)
+        for name, url in gateways.items()
+    }
     all_equal = True
     try:
         for title, path, specs in REQUESTS:
@@ -74,29 +85,45 @@ def _requests(model: str, gateways: dict, vllm_url: str) -> bool:
             elapsed = time.monotonic() - started
             colocated = _ask(direct, model, urls)
             tokens = answer.choices[0].model_extra.get("token_ids")
-            equal = tokens == colocated.choices[0].model_extra.get("token_ids") and tokens is not None
+            equal = (
+                tokens == colocated.choices[0].model_extra.get("token_ids") and tokens is not None
+            )
             all_equal &= equal
             report, metrics = answer.model_extra["epd"], answer.model_extra.get("metrics") or {}
-            print(f"\n{title} ({len(urls)} image parts) -> gateway-{path}: answered in {elapsed * 1e3:.0f} ms")
+            print(
+                f"\n{title} ({len(urls)} image parts) -> gateway-{path}: answered in {elapsed * 1e3:.0f} ms"
+            )
             print(f"  text:   {answer.choices[0].message.content!r}")
             print(f"  tokens: {tokens}")
-            print(f"  equal to vLLM's colocated run (its own tower on the same images): {'yes' if equal else 'NO'}")
-            print(f"  dispatch {report['dispatch_ms']:.1f} ms (load, hash, rooms, intake: every image placed); "
-                  f"vLLM: waited {metrics.get('queue_time_ms') or 0:.1f} ms for rows, "
-                  f"prefill to first token {metrics.get('time_to_first_token_ms') or 0:.1f} ms")
-            print(f"  {'image':>12s} {'rows':>5s} {'encoder':>13s} {'transport':>9s} {'queue':>6s} {'encode':>6s} "
-                  f"{'wait':>6s} {'xfer':>6s} {'received':>8s} (ms)")
+            print(
+                f"  equal to vLLM's colocated run (its own tower on the same images): {'yes' if equal else 'NO'}"
+            )
+            print(
+                f"  dispatch {report['dispatch_ms']:.1f} ms (load, hash, rooms, intake: every image placed); "
+                f"vLLM: waited {metrics.get('queue_time_ms') or 0:.1f} ms for rows, "
+                f"prefill to first token {metrics.get('time_to_first_token_ms') or 0:.1f} ms"
+            )
+            print(
+                f"  {'image':>12s} {'rows':>5s} {'encoder':>13s} {'transport':>9s} {'queue':>6s} {'encode':>6s} "
+                f"{'wait':>6s} {'xfer':>6s} {'received':>8s} (ms)"
+            )
             distinct = list(dict.fromkeys(specs))  # the report has one entry per distinct image
             for (w, h, _, fmt), image in zip(distinct, report["images"], strict=True):
                 print("  " + _row(f"{w}x{h} {fmt.lower()}", image))
         started = time.monotonic()
         first, parts = None, []
-        for chunk in _ask(clients["shm"], model, [_data_uri(synthetic_image(512, 384, 6, "JPEG"), "JPEG")],
-                          stream=True):
+        for chunk in _ask(
+            clients["shm"],
+            model,
+            [_data_uri(synthetic_image(512, 384, 6, "JPEG"), "JPEG")],
+            stream=True,
+        ):
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.monotonic() - started
                 parts.append(chunk.choices[0].delta.content)
-        print(f"\nstreamed (gateway-shm): first token after {first * 1e3:.0f} ms: {''.join(parts)!r}")
+        print(
+            f"\nstreamed (gateway-shm): first token after {first * 1e3:.0f} ms: {''.join(parts)!r}"
+        )
     finally:
         direct.close()
         for client in clients.values():
@@ -107,20 +134,29 @@ def _requests(model: str, gateways: dict, vllm_url: str) -> bool:
 def _row(label: str, image: dict) -> str:
     delivery = image.get("delivery") or {}
     timings = delivery.get("encoder") or {}
-    queue, encode, wait, transfer = (timings.get(k, 0.0) * 1e3 for k in ("queue_s", "encode_s", "wait_s",
-                                                                         "transfer_s"))
+    queue, encode, wait, transfer = (
+        timings.get(k, 0.0) * 1e3 for k in ("queue_s", "encode_s", "wait_s", "transfer_s")
+    )
     encode_text = "cache" if timings.get("cache_hit") else f"{encode:.1f}"
-    return (f"{label:>12s} {image['rows']:>5d} {image['encoder']:>13s} "
-            f"{delivery.get('transport') or '-':>9s} {queue:6.1f} {encode_text:>6s} {wait:6.1f} {transfer:6.1f} "
-            f"{delivery.get('receive_s', 0.0) * 1e3:8.1f}")
+    return (
+        f"{label:>12s} {image['rows']:>5d} {image['encoder']:>13s} "
+        f"{delivery.get('transport') or '-':>9s} {queue:6.1f} {encode_text:>6s} {wait:6.1f} {transfer:6.1f} "
+        f"{delivery.get('receive_s', 0.0) * 1e3:8.1f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     from bench.vllm import Server, _wait_healthy
 
-    parser = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory of a Qwen2-VL / Qwen2.5-VL model "
-                        "(default: a tiny Qwen2-VL-architecture model with a tokenizer, built on first run and cached)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.demo", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory of a Qwen2-VL / Qwen2.5-VL model "
+        "(default: a tiny Qwen2-VL-architecture model with a tokenizer, built on first run and cached)",
+    )
     parser.add_argument("--dtype", default="float32", help="vLLM's and the encode workers' dtype")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -128,41 +164,67 @@ def main(argv: list[str] | None = None) -> int:
 
     print(INTRO)
     if args.model is None:
-        print("The default model is tiny, with random weights: its text is noise. What counts is that its tokens "
-              "equal\nvLLM's own colocated answer to the same images. --model DIR serves a real checkpoint.\n")
+        print(
+            "The default model is tiny, with random weights: its text is noise. What counts is that its tokens "
+            "equal\nvLLM's own colocated answer to the same images. --model DIR serves a real checkpoint.\n"
+        )
     model = args.model or default_model()
     before = set(glob.glob("/dev/shm/epd-*"))
     log_dir = tempfile.mkdtemp(prefix="epd-demo-")
     cluster = LocalCluster(model, args.dtype, log_dir=log_dir)
-    connector = {"ec_connector": "EPDConnector", "ec_connector_module_path": "prefill_side.vllm_connector",
-                 "ec_role": "ec_consumer", "ec_connector_extra_config": {"pool_bytes": 256 << 20,
-                                                                         "transports": ["shm", "mooncake"]}}
+    connector = {
+        "ec_connector": "EPDConnector",
+        "ec_connector_module_path": "prefill_side.vllm_connector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"pool_bytes": 256 << 20, "transports": ["shm", "mooncake"]},
+    }
     vllm = None
     equal = False
     try:
-        print(f"Starting every role as its own process on 127.0.0.1 (model {model}, {args.dtype}; logs in {log_dir}):")
-        workers = {"shm": cluster.start_encode_worker("worker-shm", transports="shm"),
-                   "mooncake": cluster.start_encode_worker("worker-mooncake", transports="mooncake")}
-        vllm = Server("vllm", model, log_dir, connector, args.dtype, 4096, images_per_prompt=4,
-                      extra=("--distributed-executor-backend", "mp", "--enable-per-request-metrics"))
-        gateways = {path: cluster.start_gateway(vllm.url, [worker.worker], name=f"gateway-{path}")
-                    for path, worker in workers.items()}
+        print(
+            f"Starting every role as its own process on 127.0.0.1 (model {model}, {args.dtype}; logs in {log_dir}):"
+        )
+        workers = {
+            "shm": cluster.start_encode_worker("worker-shm", transports="shm"),
+            "mooncake": cluster.start_encode_worker("worker-mooncake", transports="mooncake"),
+        }
+        vllm = Server(
+            "vllm",
+            model,
+            log_dir,
+            connector,
+            args.dtype,
+            4096,
+            images_per_prompt=4,
+            extra=("--distributed-executor-backend", "mp", "--enable-per-request-metrics"),
+        )
+        gateways = {
+            path: cluster.start_gateway(vllm.url, [worker.worker], name=f"gateway-{path}")
+            for path, worker in workers.items()
+        }
         cluster.wait_ready()
         failed = _wait_healthy([vllm], timeout_s=600)
         if failed:
             raise RuntimeError(f"vLLM did not start: {failed['vllm']}")
         for name, role, what in (
-                ("worker-shm", workers["shm"], "epd-encode-worker: writes into vLLM's pool over /dev/shm"),
-                ("worker-mooncake", workers["mooncake"], "epd-encode-worker: writes over Mooncake TCP"),
-                ("vllm", vllm, "vLLM's OpenAI server + EngineCore + model runner, EPD connector"),
-                ("gateway-shm", gateways["shm"], "epd-gateway -> worker-shm, vLLM"),
-                ("gateway-mooncake", gateways["mooncake"], "epd-gateway -> worker-mooncake, vLLM")):
+            (
+                "worker-shm",
+                workers["shm"],
+                "epd-encode-worker: writes into vLLM's pool over /dev/shm",
+            ),
+            ("worker-mooncake", workers["mooncake"], "epd-encode-worker: writes over Mooncake TCP"),
+            ("vllm", vllm, "vLLM's OpenAI server + EngineCore + model runner, EPD connector"),
+            ("gateway-shm", gateways["shm"], "epd-gateway -> worker-shm, vLLM"),
+            ("gateway-mooncake", gateways["mooncake"], "epd-gateway -> worker-mooncake, vLLM"),
+        ):
             print(f"  {name:16s} pid {role.process.pid:<7d} {role.url:24s} {what}")
         equal = _requests(model, {path: role.url for path, role in gateways.items()}, vllm.url)
-        print("\nms: dispatch = the gateway's work before vLLM gets the request; queue = worker intake until the "
-              "tower took\nthe image's batch; encode = the tower's time for that batch (cache = served from the "
-              "worker's cache);\nwait = rows ready until vLLM's receiver registered; xfer = the write into vLLM's "
-              "memory; received =\nvLLM's scheduler first saw the request until the rows were in its pool.")
+        print(
+            "\nms: dispatch = the gateway's work before vLLM gets the request; queue = worker intake until the "
+            "tower took\nthe image's batch; encode = the tower's time for that batch (cache = served from the "
+            "worker's cache);\nwait = rows ready until vLLM's receiver registered; xfer = the write into vLLM's "
+            "memory; received =\nvLLM's scheduler first saw the request until the rows were in its pool."
+        )
     finally:
         print("\nStopping every process (SIGTERM)...")
         if vllm is not None:

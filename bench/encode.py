@@ -93,15 +93,31 @@ def _receiver_main(conn, pool_bytes: int, width: int, dtype: str, transport: str
     from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
     from prefill_side import PrefillReceiver, ReceiverConfig
 
-    receiver = PrefillReceiver(ReceiverConfig(width=width, dtype=dtype, pool_bytes=pool_bytes,
-                                              transports=(transport,), item_timeout_s=300))
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=width,
+            dtype=dtype,
+            pool_bytes=pool_bytes,
+            transports=(transport,),
+            item_timeout_s=300,
+        )
+    )
     conn.send("ready")
     try:
         while (message := conn.recv()) is not None:
             port, rooms, rows = message
-            items = [MultimodalDataItem(Modality.IMAGE, offsets=[[0, rows - 1]],
-                                        encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                                          "bootstrap_port": port}) for room in rooms]
+            items = [
+                MultimodalDataItem(
+                    Modality.IMAGE,
+                    offsets=[[0, rows - 1]],
+                    encode_handshake={
+                        "bootstrap_room": room,
+                        "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": port,
+                    },
+                )
+                for room in rooms
+            ]
             job = receiver.start("bench", MultimodalInputs(items))
             job.wait(600)
             conn.send((time.monotonic(), [o.state == "DONE" for o in job.outcomes]))
@@ -114,7 +130,9 @@ class Config:
     sink: str  # "delivered" | "null"
     batch_items: int
     items_per_s: list[float] = field(default_factory=list)  # one per timed round
-    batches: Counter = field(default_factory=Counter)  # histogram bucket -> batches, timed rounds only
+    batches: Counter = field(
+        default_factory=Counter
+    )  # histogram bucket -> batches, timed rounds only
 
     @property
     def name(self) -> str:
@@ -150,20 +168,32 @@ class EncodeBench:
         self.tower = tower
         self.receiver = receiver_conn
         self.dtype = str(tower.dtype).removeprefix("torch.")
-        grid = tower.processor(images=[image_from_bytes(images[0])], return_tensors="pt")["image_grid_thw"]
+        grid = tower.processor(images=[image_from_bytes(images[0])], return_tensors="pt")[
+            "image_grid_thw"
+        ]
         self.rows = tower.rows_per_item(grid)[0]
         self.nbytes = self.rows * tower.info.wire_width * tower.dtype.itemsize
         self.workers = {}
         for sink in SINKS:  # "delivered" first: the null sinks run where its transport runs
             for batch in BATCH_ITEMS:
-                config = WorkerConfig(model=tower.model_id, dtype=self.dtype, bind="127.0.0.1", bootstrap_port=0,
-                                      intake_port=0, batch_items=batch, queue_items=len(images), cache_bytes=0,
-                                      ring_bytes=256 << 20)
+                config = WorkerConfig(
+                    model=tower.model_id,
+                    dtype=self.dtype,
+                    bind="127.0.0.1",
+                    bootstrap_port=0,
+                    intake_port=0,
+                    batch_items=batch,
+                    queue_items=len(images),
+                    cache_bytes=0,
+                    ring_bytes=256 << 20,
+                )
                 transports = None  # the worker builds the real ones
                 if sink == "null":
                     measured = self.workers[("delivered", batch)].transports[transport]
                     transports = {"loopback": NullSink(inline=measured.copies_in_submit)}
-                self.workers[(sink, batch)] = EncodeWorker(config, tower=tower, transports=transports).start()
+                self.workers[(sink, batch)] = EncodeWorker(
+                    config, tower=tower, transports=transports
+                ).start()
 
     def close(self) -> None:
         for worker in self.workers.values():
@@ -183,23 +213,46 @@ class EncodeBench:
                 self.receiver.send((worker.bootstrap_port, rooms, self.rows))
             else:
                 for room in rooms:
-                    worker.table.register(Registration(
-                        room=room, generation=1, rows=self.rows, width=self.tower.info.wire_width, dtype=self.dtype,
-                        offers=[LoopbackOffer(kind="loopback", region=0, offset=0, capacity=self.nbytes)]))
+                    worker.table.register(
+                        Registration(
+                            room=room,
+                            generation=1,
+                            rows=self.rows,
+                            width=self.tower.info.wire_width,
+                            dtype=self.dtype,
+                            offers=[
+                                LoopbackOffer(
+                                    kind="loopback", region=0, offset=0, capacity=self.nbytes
+                                )
+                            ],
+                        )
+                    )
             for index, (room, image) in enumerate(zip(rooms, images)):
-                body = {"request_id": f"b{index}", "source": "bytes",
-                        "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                             "bootstrap_port": worker.bootstrap_port}}
+                body = {
+                    "request_id": f"b{index}",
+                    "source": "bytes",
+                    "encode_handshake": {
+                        "bootstrap_room": room,
+                        "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": worker.bootstrap_port,
+                    },
+                }
                 while not intake.send(body, image).ok:
                     time.sleep(0.005)
             if sink == "delivered":
-                finished, done = self.receiver.recv()  # CLOCK_MONOTONIC: one clock for the processes of a host
+                finished, done = (
+                    self.receiver.recv()
+                )  # CLOCK_MONOTONIC: one clock for the processes of a host
                 delivered = sum(done)
             else:
                 finished, delivered = worker.loop.run(_committed(worker.table, rooms))
         finally:
             intake.close()
-        return len(images) / (finished - started), len(images) - delivered, _batch_buckets(worker) - before
+        return (
+            len(images) / (finished - started),
+            len(images) - delivered,
+            _batch_buckets(worker) - before,
+        )
 
 
 async def _committed(table, rooms: list[int]) -> tuple[float, int]:
@@ -217,8 +270,17 @@ async def _committed(table, rooms: list[int]) -> tuple[float, int]:
     return time.monotonic(), success
 
 
-def run(items: int = 48, size: int = 448, depth: int = 2, hidden: int = 64, width: int = 3584,
-        transport: str = "shm", rounds: int = 3, dtype: str = "float32", progress=print) -> dict:
+def run(
+    items: int = 48,
+    size: int = 448,
+    depth: int = 2,
+    hidden: int = 64,
+    width: int = 3584,
+    transport: str = "shm",
+    rounds: int = 3,
+    dtype: str = "float32",
+    progress=print,
+) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from encode_worker.tower import VisionTower
 
@@ -226,8 +288,11 @@ def run(items: int = 48, size: int = 448, depth: int = 2, hidden: int = 64, widt
     images = _images(items, size)
     context = mp.get_context("spawn")
     conn, child = context.Pipe()
-    receiver = context.Process(target=_receiver_main, daemon=True,
-                               args=(child, 512 << 20, tower.info.wire_width, dtype, transport))
+    receiver = context.Process(
+        target=_receiver_main,
+        daemon=True,
+        args=(child, 512 << 20, tower.info.wire_width, dtype, transport),
+    )
     receiver.start()
     child.close()
     assert conn.recv() == "ready"
@@ -244,8 +309,10 @@ def run(items: int = 48, size: int = 448, depth: int = 2, hidden: int = 64, widt
                 config.items_per_s.append(rate)
                 config.batches += batches
                 failures += failed
-            progress(f"  round {round_index + 1}/{rounds}: "
-                     + ", ".join(f"{c.name} {c.items_per_s[-1]:.1f}/s" for c in configs))
+            progress(
+                f"  round {round_index + 1}/{rounds}: "
+                + ", ".join(f"{c.name} {c.items_per_s[-1]:.1f}/s" for c in configs)
+            )
     finally:
         if bench is not None:
             bench.close()
@@ -258,14 +325,27 @@ def run(items: int = 48, size: int = 448, depth: int = 2, hidden: int = 64, widt
         "batched/single (delivered)": median["delivered_batched"] / median["delivered_single"],
         "batched/single (null sink)": median["null_batched"] / median["null_single"],
     }
-    return {"items": items, "size": size, "dtype": dtype, "rounds": rounds, "transport": transport,
-            "tower": {"depth": depth, "hidden": hidden, "out_width": width},
-            "configs": {c.name: {"sink": c.sink, "batch_items_max": c.batch_items,
-                                 "items_per_s": median[c.name], "items_per_s_rounds": c.items_per_s,
-                                 "batches": {label: n for label, n in c.batches.items() if n},
-                                 "items_per_batch_mean": _mean_batch(c.batches, items * rounds)}
-                        for c in configs},
-            "ratios": ratios, "failed_items": failures}
+    return {
+        "items": items,
+        "size": size,
+        "dtype": dtype,
+        "rounds": rounds,
+        "transport": transport,
+        "tower": {"depth": depth, "hidden": hidden, "out_width": width},
+        "configs": {
+            c.name: {
+                "sink": c.sink,
+                "batch_items_max": c.batch_items,
+                "items_per_s": median[c.name],
+                "items_per_s_rounds": c.items_per_s,
+                "batches": {label: n for label, n in c.batches.items() if n},
+                "items_per_batch_mean": _mean_batch(c.batches, items * rounds),
+            }
+            for c in configs
+        },
+        "ratios": ratios,
+        "failed_items": failures,
+    }
 
 
 def _mean_batch(batches: Counter, items: int) -> float | None:
@@ -274,10 +354,23 @@ def _mean_batch(batches: Counter, items: int) -> float | None:
 
 
 def main(args) -> int:
-    print(f"epd-bench encode: {args.items} images of {args.size}x{args.size}, tower depth {args.depth} hidden "
-          f"{args.hidden} out width {args.width} ({args.dtype}), transport {args.transport}, {args.rounds} rounds")
-    report = run(args.items, args.size, args.depth, args.hidden, args.width, args.transport, args.rounds, args.dtype)
-    print(f"\n{'configuration':18s} {'items/s':>8s}  {'per round':24s} batches formed (items: count), mean")
+    print(
+        f"epd-bench encode: {args.items} images of {args.size}x{args.size}, tower depth {args.depth} hidden "
+        f"{args.hidden} out width {args.width} ({args.dtype}), transport {args.transport}, {args.rounds} rounds"
+    )
+    report = run(
+        args.items,
+        args.size,
+        args.depth,
+        args.hidden,
+        args.width,
+        args.transport,
+        args.rounds,
+        args.dtype,
+    )
+    print(
+        f"\n{'configuration':18s} {'items/s':>8s}  {'per round':24s} batches formed (items: count), mean"
+    )
     for name, row in report["configs"].items():
         rounds = " ".join(f"{v:.1f}" for v in row["items_per_s_rounds"])
         batches = " ".join(f"{label}:{n}" for label, n in row["batches"].items())

@@ -62,7 +62,9 @@ class LabConfig:
     pool_bytes: int = 512 << 20
     victim_pool_bytes: int = 96 << 20
     slot_bytes: int = 256 << 10
-    quarantine_s: float = 8.0  # above the workers' Mooncake transfer timeout (5 s, its minimum) + 1 s
+    quarantine_s: float = (
+        8.0  # above the workers' Mooncake transfer timeout (5 s, its minimum) + 1 s
+    )
     steady_write_timeout_s: float = 5.0
     victim_write_timeout_s: float = 2.0
     item_timeout_s: float = 20.0
@@ -89,14 +91,24 @@ class FaultOutcome:
 
     @property
     def failed_fast(self) -> bool:
-        return all(a["state"] != "DONE" and a.get("ttf_s") is not None and a["ttf_s"] <= FAST_S
-                   for a in self.affected)
+        return all(
+            a["state"] != "DONE" and a.get("ttf_s") is not None and a["ttf_s"] <= FAST_S
+            for a in self.affected
+        )
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "affected": self.affected, "delivered_anyway": self.delivered_anyway,
-                "delivered": self.delivered,
-                "corrupted": self.corrupted, "collateral": self.collateral, "expected": self.expected,
-                "ttf_s": self.ttf_s, "failed_fast": self.failed_fast, "notes": self.notes}
+        return {
+            "kind": self.kind,
+            "affected": self.affected,
+            "delivered_anyway": self.delivered_anyway,
+            "delivered": self.delivered,
+            "corrupted": self.corrupted,
+            "collateral": self.collateral,
+            "expected": self.expected,
+            "ttf_s": self.ttf_s,
+            "failed_fast": self.failed_fast,
+            "notes": self.notes,
+        }
 
 
 @dataclass
@@ -121,8 +133,11 @@ def shm_segments() -> set[str]:
 
 def _metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in response.read().decode().splitlines()
-                   if line.startswith(name + " ") or line.startswith(name + "{"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in response.read().decode().splitlines()
+            if line.startswith(name + " ") or line.startswith(name + "{")
+        )
 
 
 class FaultLab:
@@ -132,7 +147,9 @@ class FaultLab:
         self.roles: dict[str, Role] = {}
         self.restarts: dict[str, int] = {}
         self.pids: set[int] = set()  # every process the lab started, dead or alive
-        self.serve_failures: list[dict] = []  # what a failed `serves` check received, for the report
+        self.serve_failures: list[
+            dict
+        ] = []  # what a failed `serves` check received, for the report
         self._references: dict[int, int] = {}
         self.tower = None
         self.processor = None
@@ -146,25 +163,54 @@ class FaultLab:
             role = self.cluster.start_handshake("handshake")
         elif name == "a":
             role = self.cluster.start_encode_worker(
-                "worker-a", transports="shm,mooncake",
-                extra=(*worker_common, "--ring-bytes", str(64 << 20),
-                       "--write-timeout-s", str(c.steady_write_timeout_s)))
+                "worker-a",
+                transports="shm,mooncake",
+                extra=(
+                    *worker_common,
+                    "--ring-bytes",
+                    str(64 << 20),
+                    "--write-timeout-s",
+                    str(c.steady_write_timeout_s),
+                ),
+            )
         elif name == "b":
             role = self.cluster.start_encode_worker(
-                "worker-b", transports="mooncake",
-                extra=(*worker_common, "--ring-bytes", str(64 << 20),
-                       "--write-timeout-s", str(c.steady_write_timeout_s)))
+                "worker-b",
+                transports="mooncake",
+                extra=(
+                    *worker_common,
+                    "--ring-bytes",
+                    str(64 << 20),
+                    "--write-timeout-s",
+                    str(c.steady_write_timeout_s),
+                ),
+            )
         elif name == "v":
             role = self.cluster.start_encode_worker(
-                "worker-v", transports="mooncake",
-                extra=(*worker_common, "--ring-bytes", str(64 << 20),
-                       "--write-timeout-s", str(c.victim_write_timeout_s)))
+                "worker-v",
+                transports="mooncake",
+                extra=(
+                    *worker_common,
+                    "--ring-bytes",
+                    str(64 << 20),
+                    "--write-timeout-s",
+                    str(c.victim_write_timeout_s),
+                ),
+            )
         elif name in ("prefill", "pv"):
             role = self.cluster.start_prefill(
-                "prefill" if name == "prefill" else "prefill-v", transports="shm,mooncake",
+                "prefill" if name == "prefill" else "prefill-v",
+                transports="shm,mooncake",
                 pool_bytes=c.pool_bytes if name == "prefill" else c.victim_pool_bytes,
-                extra=("--slot-bytes", str(c.slot_bytes), "--quarantine-s", str(c.quarantine_s),
-                       "--item-timeout-s", str(c.item_timeout_s)))
+                extra=(
+                    "--slot-bytes",
+                    str(c.slot_bytes),
+                    "--quarantine-s",
+                    str(c.quarantine_s),
+                    "--item-timeout-s",
+                    str(c.item_timeout_s),
+                ),
+            )
         else:
             raise ValueError(name)
         self.roles[name] = self.track(role)
@@ -190,10 +236,14 @@ class FaultLab:
 
         from encode_worker.tower import VisionTower
 
-        names = ["handshake", "a", "v", "prefill", "pv"] + (["b"] if self.config.steady_mooncake_worker else [])
+        names = ["handshake", "a", "v", "prefill", "pv"] + (
+            ["b"] if self.config.steady_mooncake_worker else []
+        )
         for name in names:
             self._start(name)
-        self.tower = VisionTower.load(self.config.model, dtype=self.config.dtype)  # while they start
+        self.tower = VisionTower.load(
+            self.config.model, dtype=self.config.dtype
+        )  # while they start
         self.processor = AutoImageProcessor.from_pretrained(self.config.model)
         self.cluster.wait_ready(180)
         return self
@@ -222,8 +272,10 @@ class FaultLab:
 
     def pool_stats(self, name: str = "prefill") -> dict[str, float]:
         url = self.roles[name].url
-        return {"leased": _metric(url, "epd_prefill_pool_leased_slots"),
-                "quarantined": _metric(url, "epd_prefill_pool_quarantined_slots")}
+        return {
+            "leased": _metric(url, "epd_prefill_pool_leased_slots"),
+            "quarantined": _metric(url, "epd_prefill_pool_quarantined_slots"),
+        }
 
     def ring_occupancy(self, name: str) -> float:
         return _metric(self.roles[name].url, "epd_encoder_ring_occupancy")
@@ -305,7 +357,9 @@ class Conn:
         key = (role.name, role.process.pid)
         intake = self._intakes.get(key)
         if intake is None:
-            intake = self._intakes[key] = AsyncIntakeClient(role.worker.intake_endpoint, timeout_s=10)
+            intake = self._intakes[key] = AsyncIntakeClient(
+                role.worker.intake_endpoint, timeout_s=10
+            )
         return intake
 
     # ---- the steps of a request ------------------------------------------------------------
@@ -317,18 +371,24 @@ class Conn:
         host, port = rooms_url.rsplit("/", 1)[-1].rsplit(":", 1)
         rooms = await self.rooms(rooms_url).mint(len(items), 120)
         for item, room in zip(items, rooms):
-            item.encode_handshake = EncodeHandshake(bootstrap_room=room, bootstrap_host=host,
-                                                    bootstrap_port=int(port))
+            item.encode_handshake = EncodeHandshake(
+                bootstrap_room=room, bootstrap_host=host, bootstrap_port=int(port)
+            )
 
     async def send(self, worker: Role, item, request_id: str) -> IntakeReply:
         from encode_worker.intake import IntakeRequest
 
-        request = IntakeRequest(request_id=f"{request_id}.{item.index}", content_hash=item.content_hash,
-                                encode_handshake=item.encode_handshake, source="bytes")
+        request = IntakeRequest(
+            request_id=f"{request_id}.{item.index}",
+            content_hash=item.content_hash,
+            encode_handshake=item.encode_handshake,
+            source="bytes",
+        )
         return await self.intake(worker).send(request, item.image)
 
-    def post(self, prefill: Role, request_id: str, items, timeout_s: float = 60.0,
-             body_edit=None) -> asyncio.Task:
+    def post(
+        self, prefill: Role, request_id: str, items, timeout_s: float = 60.0, body_edit=None
+    ) -> asyncio.Task:
         """POST /v1/prefill for ``items`` (as a task: faults are injected while it runs)."""
         from dispatcher.cli import prefill_body
 
@@ -346,7 +406,9 @@ class Conn:
 
         return asyncio.ensure_future(run())
 
-    async def wait_rooms(self, url: str, rooms: list[int], until, timeout_s: float = 30.0) -> dict[int, object]:
+    async def wait_rooms(
+        self, url: str, rooms: list[int], until, timeout_s: float = 30.0
+    ) -> dict[int, object]:
         """Long-poll ``rooms`` at ``url`` until ``until(views)`` holds, or every room is terminal
         (views by room); the views. ``TimeoutError`` if neither happens within ``timeout_s``."""
         from handshake.models import RoomState
@@ -356,22 +418,33 @@ class Conn:
         views: dict[int, object] = {}
         end = time.monotonic() + timeout_s
         while True:
-            results = await client.watch(versions, wait_s=max(0.01, min(2.0, end - time.monotonic())))
+            results = await client.watch(
+                versions, wait_s=max(0.01, min(2.0, end - time.monotonic()))
+            )
             for result in results:
                 if result.ok:
                     views[result.room] = result.view
                     versions[result.room] = result.view.version
             if until(views):
                 return views
-            if all(v.state is not RoomState.PENDING and v.state.terminal for v in views.values()) \
-                    and len(views) == len(rooms):
+            if all(
+                v.state is not RoomState.PENDING and v.state.terminal for v in views.values()
+            ) and len(views) == len(rooms):
                 return views
             if time.monotonic() >= end:
-                raise TimeoutError(f"rooms at {url} not as awaited within {timeout_s} s: "
-                                   f"{ {room: view.state.value for room, view in views.items()} }")
+                raise TimeoutError(
+                    f"rooms at {url} not as awaited within {timeout_s} s: "
+                    f"{ {room: view.state.value for room, view in views.items()} }"
+                )
 
-    def tally(self, outcome: FaultOutcome, posted: Posted, items, affected: dict[int, float],
-              expect_reason: str | None = None) -> FaultOutcome:
+    def tally(
+        self,
+        outcome: FaultOutcome,
+        posted: Posted,
+        items,
+        affected: dict[int, float],
+        expect_reason: str | None = None,
+    ) -> FaultOutcome:
         """Fill ``outcome`` from a prefill report: ``affected`` maps item index -> the moment its
         fault became observable; every other item must arrive bit-exact."""
         for index, item in enumerate(items):
@@ -386,9 +459,14 @@ class Conn:
                 outcome.notes.setdefault("collateral_reasons", []).append(row["reason"])
             if index in affected:
                 ttf = posted.failed_at(index) - affected[index] if row["state"] != "DONE" else None
-                outcome.affected.append({"index": index, "state": row["state"], "reason": row["reason"],
-                                         "ttf_s": ttf})
-                if expect_reason is not None and row["state"] != "DONE" and expect_reason not in (row["reason"] or ""):
+                outcome.affected.append(
+                    {"index": index, "state": row["state"], "reason": row["reason"], "ttf_s": ttf}
+                )
+                if (
+                    expect_reason is not None
+                    and row["state"] != "DONE"
+                    and expect_reason not in (row["reason"] or "")
+                ):
                     outcome.expected = False
         return outcome
 
@@ -399,7 +477,10 @@ class Conn:
 def small_images(rng: random.Random, count: int) -> list[bytes]:
     """Ordinary items: 224..448 px (64..256 rows, 0.5..2 MB of fp32 rows at the lab's width)."""
     sides = (224, 280, 336, 392, 448)
-    return [synthetic_image(rng.choice(sides), rng.choice(sides), rng.randrange(1 << 30)) for _ in range(count)]
+    return [
+        synthetic_image(rng.choice(sides), rng.choice(sides), rng.randrange(1 << 30))
+        for _ in range(count)
+    ]
 
 
 def big_images(rng: random.Random, count: int) -> list[bytes]:
@@ -411,16 +492,29 @@ async def _writing(conn: Conn, url: str, rooms: list[int], timeout_s: float = 30
     """Wait until any of ``rooms`` is WRITING (or all are past it); the views."""
     from handshake.models import RoomState
 
-    return await conn.wait_rooms(url, rooms, lambda views: any(v.state is RoomState.WRITING for v in views.values())
-                                 or (len(views) == len(rooms) and all(v.state.terminal for v in views.values())),
-                                 timeout_s)
+    return await conn.wait_rooms(
+        url,
+        rooms,
+        lambda views: (
+            any(v.state is RoomState.WRITING for v in views.values())
+            or (len(views) == len(rooms) and all(v.state.terminal for v in views.values()))
+        ),
+        timeout_s,
+    )
 
 
 async def _registered(conn: Conn, url: str, rooms: list[int], timeout_s: float = 30.0) -> dict:
     from handshake.models import RoomState
 
-    return await conn.wait_rooms(url, rooms, lambda views: len(views) == len(rooms) and all(
-        v.state is not RoomState.PENDING for v in views.values()), timeout_s)
+    return await conn.wait_rooms(
+        url,
+        rooms,
+        lambda views: (
+            len(views) == len(rooms)
+            and all(v.state is not RoomState.PENDING for v in views.values())
+        ),
+        timeout_s,
+    )
 
 
 def _request_id(kind: str, rng: random.Random) -> str:
@@ -430,7 +524,9 @@ def _request_id(kind: str, rng: random.Random) -> str:
 # ---- scenarios ------------------------------------------------------------------------------
 
 
-async def _until_caught(attempt, lab: FaultLab, conn: Conn, rng: random.Random, tries: int = 3) -> FaultOutcome:
+async def _until_caught(
+    attempt, lab: FaultLab, conn: Conn, rng: random.Random, tries: int = 3
+) -> FaultOutcome:
     """Run ``attempt`` until its fault landed while a write was in flight (a write of ~10 MB takes
     tens of ms here, so a signal sent on seeing WRITING can come after the commit): every
     attempt's delivered, delivered-anyway and corrupted items count."""
@@ -442,7 +538,11 @@ async def _until_caught(attempt, lab: FaultLab, conn: Conn, rng: random.Random, 
         total.collateral += outcome.collateral
         total.delivered_anyway += outcome.delivered_anyway
         if outcome.notes.get("mid_transfer") or number == tries:
-            outcome.delivered, outcome.corrupted, outcome.collateral = total.delivered, total.corrupted, total.collateral
+            outcome.delivered, outcome.corrupted, outcome.collateral = (
+                total.delivered,
+                total.corrupted,
+                total.collateral,
+            )
             outcome.delivered_anyway = total.delivered_anyway
             outcome.notes["attempts"] = number
             return outcome
@@ -453,7 +553,9 @@ async def worker_killed_mid_transfer(lab: FaultLab, conn: Conn, rng: random.Rand
     return await _until_caught(_worker_killed_once, lab, conn, rng)
 
 
-async def worker_paused_past_deadline(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
+async def worker_paused_past_deadline(
+    lab: FaultLab, conn: Conn, rng: random.Random
+) -> FaultOutcome:
     """``_worker_paused_once`` until the stop lands mid-transfer."""
     return await _until_caught(_worker_paused_once, lab, conn, rng)
 
@@ -497,7 +599,9 @@ async def _worker_killed_once(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     outcome.notes["states_at_kill"] = sorted(view.state.value for view in views.values())
     result = await posted
     # read before the restart below: the quarantine may end while the victim starts again
-    outcome.notes["quarantined_after_failure"] = (await asyncio.to_thread(lab.pool_stats, "prefill"))["quarantined"]
+    outcome.notes["quarantined_after_failure"] = (
+        await asyncio.to_thread(lab.pool_stats, "prefill")
+    )["quarantined"]
     affected = {index: killed for index in range(len(siblings), len(items))}
     conn.tally(outcome, result, items, affected)
     # an item committed before the kill was delivered (the kill came too late for it); the
@@ -554,13 +658,18 @@ async def _worker_paused_once(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     return outcome
 
 
-async def prefill_killed_after_registering(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
+async def prefill_killed_after_registering(
+    lab: FaultLab, conn: Conn, rng: random.Random
+) -> FaultOutcome:
     """The prefill process ``pv`` registers its slots for items on workers ``a`` (SHM) and ``v``
     (Mooncake), then is SIGKILLed before the workers write. Each worker must end those rooms and free
     its send-ring slots within its write deadline, and keep serving."""
     outcome = FaultOutcome("prefill_killed_after_registering")
     # both workers have written into pv before (the Mooncake peer is known, not a first contact)
-    outcome.notes["served_before"] = [await serves(lab, conn, rng, "a", "pv"), await serves(lab, conn, rng, "v", "pv")]
+    outcome.notes["served_before"] = [
+        await serves(lab, conn, rng, "a", "pv"),
+        await serves(lab, conn, rng, "v", "pv"),
+    ]
     request_id = _request_id("pkill", rng)
     on_a, on_v = lab.describe(small_images(rng, 2)), lab.describe(small_images(rng, 2))
     items = _one_request(on_a, on_v)
@@ -583,23 +692,42 @@ async def prefill_killed_after_registering(lab: FaultLab, conn: Conn, rng: rando
     ends = {}
     for worker, group in (("a", on_a), ("v", on_v)):
         rooms = [i.encode_handshake.bootstrap_room for i in group]
-        views = await conn.wait_rooms(lab.roles[worker].url, rooms, lambda vs, n=len(rooms): len(vs) == n and all(
-            x.state.terminal for x in vs.values()), timeout_s=30)
+        views = await conn.wait_rooms(
+            lab.roles[worker].url,
+            rooms,
+            lambda vs, n=len(rooms): len(vs) == n and all(x.state.terminal for x in vs.values()),
+            timeout_s=30,
+        )
         ended = time.monotonic()
         for room in rooms:
             view = views[room]
-            outcome.affected.append({"worker": worker, "state": view.state.value, "reason": view.reason,
-                                     "ttf_s": ended - killed})
+            outcome.affected.append(
+                {
+                    "worker": worker,
+                    "state": view.state.value,
+                    "reason": view.reason,
+                    "ttf_s": ended - killed,
+                }
+            )
         # the send ring frees its slots within the worker's write deadline (or at once)
-        deadline = (lab.config.steady_write_timeout_s if worker == "a" else lab.config.victim_write_timeout_s)
+        deadline = (
+            lab.config.steady_write_timeout_s
+            if worker == "a"
+            else lab.config.victim_write_timeout_s
+        )
         end = time.monotonic() + 30
         while lab.ring_occupancy(worker) > 0 and time.monotonic() < end:
             await asyncio.sleep(0.05)
-        ends[worker] = {"ring_free_after_s": time.monotonic() - killed, "deadline_s": deadline,
-                        "ring_occupancy": lab.ring_occupancy(worker)}
+        ends[worker] = {
+            "ring_free_after_s": time.monotonic() - killed,
+            "deadline_s": deadline,
+            "ring_occupancy": lab.ring_occupancy(worker),
+        }
     outcome.notes["rings"] = ends
-    outcome.expected = all(e["ring_occupancy"] == 0 and e["ring_free_after_s"] <= e["deadline_s"] + FAST_S
-                           for e in ends.values())
+    outcome.expected = all(
+        e["ring_occupancy"] == 0 and e["ring_free_after_s"] <= e["deadline_s"] + FAST_S
+        for e in ends.values()
+    )
     # rooms end without a receiver: SUCCESS would mean bytes were written into a dead process's memory
     outcome.notes["room_states"] = sorted(a["state"] for a in outcome.affected)
     for entry in outcome.affected:
@@ -614,8 +742,11 @@ async def handshake_unreachable(lab: FaultLab, conn: Conn, rng: random.Random) -
     have their rooms at worker ``a`` and must arrive."""
     outcome = FaultOutcome("handshake_unreachable")
     request_id = _request_id("hs", rng)
-    siblings, at_handshake, nowhere = (lab.describe(small_images(rng, 2)), lab.describe(small_images(rng, 2)),
-                                       lab.describe(small_images(rng, 1)))
+    siblings, at_handshake, nowhere = (
+        lab.describe(small_images(rng, 2)),
+        lab.describe(small_images(rng, 2)),
+        lab.describe(small_images(rng, 1)),
+    )
     items = _one_request(siblings, at_handshake, nowhere)
     a, prefill, hs = lab.roles["a"], lab.roles["prefill"], lab.roles["handshake"]
     await conn.mint(siblings, a.url)
@@ -623,8 +754,9 @@ async def handshake_unreachable(lab: FaultLab, conn: Conn, rng: random.Random) -
     from multimodal.wire import EncodeHandshake
 
     dead_port = free_port()  # nothing listens there
-    nowhere[0].encode_handshake = EncodeHandshake(bootstrap_room=rng.randrange(1, 1 << 62), bootstrap_host=HOST,
-                                                  bootstrap_port=dead_port)
+    nowhere[0].encode_handshake = EncodeHandshake(
+        bootstrap_room=rng.randrange(1, 1 << 62), bootstrap_host=HOST, bootstrap_port=dead_port
+    )
     posted_at = time.monotonic()
     posted = conn.post(prefill, request_id, items)
     await _registered(conn, hs.url, [i.encode_handshake.bootstrap_room for i in at_handshake])
@@ -665,8 +797,12 @@ async def cancel_during_write(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     os.kill(pv.process.pid, signal.SIGSTOP)
     try:
         await conn.send(v, victim, request_id)
-        views = await conn.wait_rooms(v.url, rooms[1:], lambda vs: bool(vs) and vs[rooms[1]].state is not
-                                      RoomState.REGISTERED, timeout_s=20)
+        views = await conn.wait_rooms(
+            v.url,
+            rooms[1:],
+            lambda vs: bool(vs) and vs[rooms[1]].state is not RoomState.REGISTERED,
+            timeout_s=20,
+        )
         outcome.notes["state_before_cancel"] = views[rooms[1]].state.value
         (result,) = await conn.rooms(v.url).cancel([rooms[1]], "cancelled by the fault test")
         outcome.notes["state_after_cancel"] = result.view.state.value
@@ -679,8 +815,11 @@ async def cancel_during_write(lab: FaultLab, conn: Conn, rng: random.Random) -> 
         os.kill(pv.process.pid, signal.SIGCONT)
     result = await posted
     conn.tally(outcome, result, items, {1: resumed}, expect_reason="CANCELLED")
-    outcome.expected = outcome.expected and outcome.notes["state_while_held"] == "WRITING" \
+    outcome.expected = (
+        outcome.expected
+        and outcome.notes["state_while_held"] == "WRITING"
         and outcome.notes["cancel_requested"] is True
+    )
     return outcome
 
 
@@ -692,15 +831,22 @@ async def duplicate_room_at_intake(lab: FaultLab, conn: Conn, rng: random.Random
     request_id = _request_id("dup", rng)
     a, prefill = lab.roles["a"], lab.roles["prefill"]
     side = rng.choice((224, 336, 448))
-    original, impostor = lab.describe([synthetic_image(side, side, rng.randrange(1 << 30)) for _ in range(2)])
+    original, impostor = lab.describe(
+        [synthetic_image(side, side, rng.randrange(1 << 30)) for _ in range(2)]
+    )
     original.index = 0
     await conn.mint([original], a.url)
     impostor.encode_handshake = original.encode_handshake
     first = await conn.send(a, original, request_id)
     started = time.monotonic()
     second = await conn.send(a, impostor, request_id + "-again")
-    outcome.affected.append({"state": "FAILED" if not second.ok else "DONE", "reason": second.reason,
-                             "ttf_s": time.monotonic() - started})
+    outcome.affected.append(
+        {
+            "state": "FAILED" if not second.ok else "DONE",
+            "reason": second.reason,
+            "ttf_s": time.monotonic() - started,
+        }
+    )
     outcome.notes["intake"] = [first.model_dump(mode="json"), second.model_dump(mode="json")]
     posted = await conn.post(prefill, request_id, [original])
     conn.tally(outcome, posted, [original], {})
@@ -708,7 +854,9 @@ async def duplicate_room_at_intake(lab: FaultLab, conn: Conn, rng: random.Random
     return outcome
 
 
-async def duplicate_room_in_one_request(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
+async def duplicate_room_in_one_request(
+    lab: FaultLab, conn: Conn, rng: random.Random
+) -> FaultOutcome:
     """One request names one room for two items: the second item is refused at once (no slot is
     reserved for it), the first arrives bit-exact, and no slot is left leased."""
     outcome = FaultOutcome("duplicate_room_in_one_request")
@@ -727,7 +875,9 @@ async def duplicate_room_in_one_request(lab: FaultLab, conn: Conn, rng: random.R
     return outcome
 
 
-async def duplicate_room_two_receivers(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
+async def duplicate_room_two_receivers(
+    lab: FaultLab, conn: Conn, rng: random.Random
+) -> FaultOutcome:
     """Two requests (in two prefill processes) register the same room: the later registration is
     refused at once and its slot released; the first receiver gets the item bit-exact."""
     outcome = FaultOutcome("duplicate_room_two_receivers")
@@ -750,7 +900,11 @@ async def duplicate_room_two_receivers(lab: FaultLab, conn: Conn, rng: random.Ra
 async def duplicate_room(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:
     """The three duplicate-room faults in a row, as one soak event."""
     outcome = FaultOutcome("duplicate_room")
-    for part in (duplicate_room_at_intake, duplicate_room_in_one_request, duplicate_room_two_receivers):
+    for part in (
+        duplicate_room_at_intake,
+        duplicate_room_in_one_request,
+        duplicate_room_two_receivers,
+    ):
         result = await part(lab, conn, rng)
         outcome.affected += result.affected
         outcome.delivered += result.delivered
@@ -783,8 +937,12 @@ async def item_too_large(lab: FaultLab, conn: Conn, rng: random.Random) -> Fault
     conn.tally(outcome, result, items, {1: result.sent}, expect_reason="cannot reserve")
     from handshake.models import RoomState
 
-    views = await conn.wait_rooms(a.url, [items[1].encode_handshake.bootstrap_room],
-                                  lambda vs: bool(vs) and next(iter(vs.values())).state.terminal, timeout_s=10)
+    views = await conn.wait_rooms(
+        a.url,
+        [items[1].encode_handshake.bootstrap_room],
+        lambda vs: bool(vs) and next(iter(vs.values())).state.terminal,
+        timeout_s=10,
+    )
     outcome.notes["room_state"] = next(iter(views.values())).state.value
     outcome.expected = outcome.expected and outcome.notes["room_state"] == RoomState.CANCELLED.value
     return outcome
@@ -822,24 +980,43 @@ async def layout_mismatch(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
 
     width, dtype = rng.choice([(WIDTH - 8, "float32"), (WIDTH, "bfloat16"), (WIDTH * 2, "float32")])
     outcome = FaultOutcome("layout_mismatch", notes={"receiver": [width, dtype]})
-    receiver = PrefillReceiver(ReceiverConfig(width=width, dtype=dtype, pool_bytes=16 << 20, slot_bytes=1 << 18,
-                                              transports=("shm",), item_timeout_s=10))
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=width,
+            dtype=dtype,
+            pool_bytes=16 << 20,
+            slot_bytes=1 << 18,
+            transports=("shm",),
+            item_timeout_s=10,
+        )
+    )
     try:
         (item,) = lab.describe(small_images(rng, 1))
         await conn.mint([item], lab.roles["a"].url)
-        mm = MultimodalDataItem(Modality.IMAGE, offsets=[[0, item.rows - 1]],
-                                encode_handshake=item.encode_handshake.model_dump())
+        mm = MultimodalDataItem(
+            Modality.IMAGE,
+            offsets=[[0, item.rows - 1]],
+            encode_handshake=item.encode_handshake.model_dump(),
+        )
         job = receiver.start(_request_id("layout", rng), MultimodalInputs([mm]))
         await conn.send(lab.roles["a"], item, "layout")
         await asyncio.wrap_future(job.future)
         failed_at = job.started + job.outcomes[0].seconds
         # the mismatch is observable once the encoder has the rows: when the worker's room failed
         reason = job.reasons.get(0)
-        outcome.affected.append({"state": job.outcomes[0].state, "reason": reason,
-                                 "ttf_s": max(0.0, failed_at - job.started) if reason else None})
+        outcome.affected.append(
+            {
+                "state": job.outcomes[0].state,
+                "reason": reason,
+                "ttf_s": max(0.0, failed_at - job.started) if reason else None,
+            }
+        )
         outcome.notes["pool"] = receiver.pool.stats()
-        outcome.expected = (reason is not None and "contract mismatch" in reason
-                            and receiver.pool.stats()["leased_slots"] == 0)
+        outcome.expected = (
+            reason is not None
+            and "contract mismatch" in reason
+            and receiver.pool.stats()["leased_slots"] == 0
+        )
     finally:
         receiver.close()
     return outcome
@@ -854,17 +1031,61 @@ MALFORMED_FRAMES = [
     [b'{"request_id": "x", "source": "bytes", "encode_handshake": {"bootstrap_room": NaN}}', b"x"],
     [json.dumps({"request_id": "a" * 129, "source": "bytes"}).encode(), b"x"],
     [b" " * (70 << 10)],  # metadata frame larger than the limit
-    [json.dumps({"request_id": "a", "source": "bytes", "encode_handshake": {
-        "bootstrap_room": 7, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1}}).encode(), b"not an image"],
-    [json.dumps({"request_id": "a", "source": "pixels", "shape": [4, 4, 3], "encode_handshake": {
-        "bootstrap_room": 8, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1}}).encode(), b"\x00" * 47],
-    [json.dumps({"request_id": "a", "source": "shm", "shm": {"shm_name": "../../etc/passwd", "shape": [1, 1, 3],
-                 "dtype": "uint8"}, "encode_handshake": {"bootstrap_room": 10, "bootstrap_host": "h",
-                                                         "bootstrap_port": 1}}).encode()],
+    [
+        json.dumps(
+            {
+                "request_id": "a",
+                "source": "bytes",
+                "encode_handshake": {
+                    "bootstrap_room": 7,
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": 1,
+                },
+            }
+        ).encode(),
+        b"not an image",
+    ],
+    [
+        json.dumps(
+            {
+                "request_id": "a",
+                "source": "pixels",
+                "shape": [4, 4, 3],
+                "encode_handshake": {
+                    "bootstrap_room": 8,
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": 1,
+                },
+            }
+        ).encode(),
+        b"\x00" * 47,
+    ],
+    [
+        json.dumps(
+            {
+                "request_id": "a",
+                "source": "shm",
+                "shm": {"shm_name": "../../etc/passwd", "shape": [1, 1, 3], "dtype": "uint8"},
+                "encode_handshake": {
+                    "bootstrap_room": 10,
+                    "bootstrap_host": "h",
+                    "bootstrap_port": 1,
+                },
+            }
+        ).encode()
+    ],
 ]
 MALFORMED_BODIES = [
-    b"", b"null", b"[]", b"{", b"\xff\xfe", b"[" * 100_000, b'{"receivers": [{"room": 1e400}]}',
-    json.dumps({"rooms": [0]}).encode(), json.dumps({"count": -1}).encode(), b" " * (2 << 20),
+    b"",
+    b"null",
+    b"[]",
+    b"{",
+    b"\xff\xfe",
+    b"[" * 100_000,
+    b'{"receivers": [{"room": 1e400}]}',
+    json.dumps({"rooms": [0]}).encode(),
+    json.dumps({"count": -1}).encode(),
+    b" " * (2 << 20),
 ]
 
 
@@ -891,16 +1112,26 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
             if await socket_.poll(5000):
                 reply = IntakeReply.model_validate_json(await socket_.recv())
                 replies.append(reply)
-                outcome.affected.append({"state": "REFUSED" if not reply.ok else "ACCEPTED",
-                                         "reason": reply.reason, "ttf_s": time.monotonic() - started})
+                outcome.affected.append(
+                    {
+                        "state": "REFUSED" if not reply.ok else "ACCEPTED",
+                        "reason": reply.reason,
+                        "ttf_s": time.monotonic() - started,
+                    }
+                )
             else:
                 outcome.affected.append({"state": "NO_REPLY", "reason": None, "ttf_s": None})
     finally:
         socket_.close(0)
     statuses = []
-    for url, paths in ((a.url, ("/v1/rooms", "/v1/rooms/register", "/v1/rooms/commit", "/v1/rooms/watch")),
-                       (lab.roles["handshake"].url, ("/v1/rooms/fail", "/v1/rooms/cancel", "/v1/rooms/begin-write")),
-                       (lab.roles["prefill"].url, ("/v1/prefill",))):
+    for url, paths in (
+        (a.url, ("/v1/rooms", "/v1/rooms/register", "/v1/rooms/commit", "/v1/rooms/watch")),
+        (
+            lab.roles["handshake"].url,
+            ("/v1/rooms/fail", "/v1/rooms/cancel", "/v1/rooms/begin-write"),
+        ),
+        (lab.roles["prefill"].url, ("/v1/prefill",)),
+    ):
         for path in paths:
             for body in MALFORMED_BODIES:
                 started = time.monotonic()
@@ -908,47 +1139,84 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
                 # closed: with Expect: 100-continue the client reads that answer before sending the
                 # body (without it, the refusal can be lost to the connection closing mid-send)
                 try:
-                    async with conn._session.post(url + path, data=body, expect100=len(body) > (1 << 20),
-                                                  headers={"content-type": "application/json"}) as response:
+                    async with conn._session.post(
+                        url + path,
+                        data=body,
+                        expect100=len(body) > (1 << 20),
+                        headers={"content-type": "application/json"},
+                    ) as response:
                         await response.read()
                         status = response.status
                 except aiohttp.ClientError as exc:
-                    status, error = None, f"{type(exc).__name__}: {exc}"  # no answer at all: a finding
+                    status, error = (
+                        None,
+                        f"{type(exc).__name__}: {exc}",
+                    )  # no answer at all: a finding
                 statuses.append(status)
                 if len(body) > (1 << 20):
                     outcome.notes.setdefault("oversized_statuses", {})[url + path] = status
                 if status is None or not 400 <= status < 500:
                     outcome.notes.setdefault("bad_statuses", []).append(
-                        (url + path, body[:40], status if status is not None else error))
-                outcome.affected.append({"state": f"HTTP {status}", "reason": path,
-                                         "ttf_s": time.monotonic() - started})
+                        (url + path, body[:40], status if status is not None else error)
+                    )
+                outcome.affected.append(
+                    {"state": f"HTTP {status}", "reason": path, "ttf_s": time.monotonic() - started}
+                )
     # a well-formed intake SHM handle naming no segment: accepted, then its room fails with the reason
     (bad_shm,) = lab.describe(small_images(rng, 1))
     await conn.mint([bad_shm], a.url)
     from encode_worker.intake import IntakeRequest
 
-    request = IntakeRequest(request_id="bad-shm", content_hash=1, encode_handshake=bad_shm.encode_handshake,
-                            source="shm", shm={"shm_name": "epd-in-does-not-exist", "shape": [4, 4, 3], "dtype": "uint8"})
+    request = IntakeRequest(
+        request_id="bad-shm",
+        content_hash=1,
+        encode_handshake=bad_shm.encode_handshake,
+        source="shm",
+        shm={"shm_name": "epd-in-does-not-exist", "shape": [4, 4, 3], "dtype": "uint8"},
+    )
     started = time.monotonic()
     reply = await conn.intake(a).send(request)
-    views = await conn.wait_rooms(a.url, [bad_shm.encode_handshake.bootstrap_room],
-                                  lambda vs: bool(vs) and next(iter(vs.values())).state.terminal, timeout_s=10)
+    views = await conn.wait_rooms(
+        a.url,
+        [bad_shm.encode_handshake.bootstrap_room],
+        lambda vs: bool(vs) and next(iter(vs.values())).state.terminal,
+        timeout_s=10,
+    )
     view = next(iter(views.values()))
-    outcome.affected.append({"state": "ACCEPTED" if view.state.value == "SUCCESS" else "REFUSED",
-                             "reason": view.reason, "ttf_s": time.monotonic() - started})
-    outcome.notes["bad_shm_handle"] = {"intake_ok": reply.ok, "room": view.state.value, "reason": view.reason}
+    outcome.affected.append(
+        {
+            "state": "ACCEPTED" if view.state.value == "SUCCESS" else "REFUSED",
+            "reason": view.reason,
+            "ttf_s": time.monotonic() - started,
+        }
+    )
+    outcome.notes["bad_shm_handle"] = {
+        "intake_ok": reply.ok,
+        "room": view.state.value,
+        "reason": view.reason,
+    }
     outcome.notes["intake_replies"] = len(replies)
     outcome.notes["http_statuses"] = sorted(set(statuses), key=str)
-    outcome.expected = (len(replies) == len(MALFORMED_FRAMES) and not any(r.ok for r in replies)
-                        and all(s is not None and 400 <= s < 500 for s in statuses) and view.state.value == "FAILED")
+    outcome.expected = (
+        len(replies) == len(MALFORMED_FRAMES)
+        and not any(r.ok for r in replies)
+        and all(s is not None and 400 <= s < 500 for s in statuses)
+        and view.state.value == "FAILED"
+    )
     for entry in outcome.affected:
         entry["state"] = "FAILED" if entry["state"] != "ACCEPTED" else "DONE"
     outcome.notes["serves_after"] = await serves(lab, conn, rng)
     return outcome
 
 
-async def serves(lab: FaultLab, conn: Conn, rng: random.Random, worker: str | Role = "a",
-                 prefill: str | Role = "prefill", transport: str | None = None) -> bool:
+async def serves(
+    lab: FaultLab,
+    conn: Conn,
+    rng: random.Random,
+    worker: str | Role = "a",
+    prefill: str | Role = "prefill",
+    transport: str | None = None,
+) -> bool:
     """A normal two-item request through ``worker`` into ``prefill`` arrives bit-exact (over
     ``transport``, if given)."""
     items = lab.describe(small_images(rng, 2))
@@ -960,26 +1228,48 @@ async def serves(lab: FaultLab, conn: Conn, rng: random.Random, worker: str | Ro
     for item in items:
         await conn.send(role, item, request_id)
     result = await posted
-    ok = all(row["state"] == "DONE" and row["checksum"] == lab.reference(item.image)
-             and (transport is None or row["transport"] == transport)
-             for row, item in zip(result.report["items"], items))
+    ok = all(
+        row["state"] == "DONE"
+        and row["checksum"] == lab.reference(item.image)
+        and (transport is None or row["transport"] == transport)
+        for row, item in zip(result.report["items"], items)
+    )
     if not ok:
-        lab.serve_failures.append({"worker": role.name, "prefill": prefill.name, "items": result.report["items"]})
+        lab.serve_failures.append(
+            {"worker": role.name, "prefill": prefill.name, "items": result.report["items"]}
+        )
     return ok
 
 
 # ---- start-up faults: processes of their own --------------------------------------------------
 
 
-def start_with_small_dev_shm(lab: FaultLab, name: str, transports: str, shm_bytes: int = 8 << 20) -> Role:
+def start_with_small_dev_shm(
+    lab: FaultLab, name: str, transports: str, shm_bytes: int = 8 << 20
+) -> Role:
     """An epd-prefill in a private mount namespace whose /dev/shm is a ``shm_bytes`` tmpfs, smaller
     than its pool: creating the pool gets a real ENOSPC from posix_fallocate."""
     if shutil.which("unshare") is None:
         raise RuntimeError("unshare(1) is not installed")
-    prefix = ("unshare", "-m", "--propagation", "private", "sh", "-c",
-              f'mount -t tmpfs -o size={shm_bytes} tmpfs /dev/shm && exec "$@"', "sh")
-    return lab.track(lab.cluster.start_prefill(name, transports=transports, pool_bytes=32 << 20,
-                                               extra=("--slot-bytes", str(lab.config.slot_bytes)), prefix=prefix))
+    prefix = (
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount -t tmpfs -o size={shm_bytes} tmpfs /dev/shm && exec "$@"',
+        "sh",
+    )
+    return lab.track(
+        lab.cluster.start_prefill(
+            name,
+            transports=transports,
+            pool_bytes=32 << 20,
+            extra=("--slot-bytes", str(lab.config.slot_bytes)),
+            prefix=prefix,
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -988,7 +1278,9 @@ def mooncake_ports_taken():
     does when a pod's pinned Mooncake range is already in use. Yields the environment to start a
     process with."""
     holder = socket.socket()
-    for port in random.sample(range(15000, 17000), 2000):  # Mooncake ignores a range outside its own
+    for port in random.sample(
+        range(15000, 17000), 2000
+    ):  # Mooncake ignores a range outside its own
         try:
             holder.bind(("0.0.0.0", port))
             break
@@ -1009,8 +1301,18 @@ def can_mount_tmpfs() -> bool:
         return False
     import subprocess
 
-    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True)
+    probe = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=1m tmpfs /dev/shm",
+        ],
+        capture_output=True,
+    )
     return probe.returncode == 0
 
 
@@ -1053,16 +1355,30 @@ async def dev_shm_full(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOu
     log = _log(only_shm)
     outcome.notes["shm_only_exit_code"] = code
     outcome.notes["shm_only_last_line"] = log.strip().splitlines()[-1] if log.strip() else ""
-    outcome.affected.append({"state": "FAILED" if code not in (None, 0) else "DONE",
-                             "reason": outcome.notes["shm_only_last_line"], "ttf_s": time.monotonic() - started})
+    outcome.affected.append(
+        {
+            "state": "FAILED" if code not in (None, 0) else "DONE",
+            "reason": outcome.notes["shm_only_last_line"],
+            "ttf_s": time.monotonic() - started,
+        }
+    )
     await asyncio.to_thread(lab.cluster.wait_ready, 120)
-    outcome.notes["fallback_serves_over_mooncake"] = await serves(lab, conn, rng, "a", fallback, "mooncake")
+    outcome.notes["fallback_serves_over_mooncake"] = await serves(
+        lab, conn, rng, "a", fallback, "mooncake"
+    )
     log = _log(fallback)
-    outcome.notes["fallback_says"] = [line for line in log.splitlines() if "No space left" in line][:1]
+    outcome.notes["fallback_says"] = [line for line in log.splitlines() if "No space left" in line][
+        :1
+    ]
     outcome.notes["fallback_exit_code"] = await _retire(lab, fallback)
-    outcome.expected = (code not in (None, 0) and "No space left on device" in outcome.notes["shm_only_last_line"]
-                        and "Traceback" not in _log(only_shm) and outcome.notes["fallback_serves_over_mooncake"]
-                        and bool(outcome.notes["fallback_says"]) and outcome.notes["fallback_exit_code"] == 0)
+    outcome.expected = (
+        code not in (None, 0)
+        and "No space left on device" in outcome.notes["shm_only_last_line"]
+        and "Traceback" not in _log(only_shm)
+        and outcome.notes["fallback_serves_over_mooncake"]
+        and bool(outcome.notes["fallback_says"])
+        and outcome.notes["fallback_exit_code"] == 0
+    )
     return outcome
 
 
@@ -1073,28 +1389,59 @@ async def mooncake_unavailable(lab: FaultLab, conn: Conn, rng: random.Random) ->
     outcome = FaultOutcome("mooncake_unavailable")
     started = time.monotonic()
     with mooncake_ports_taken() as env:
-        worker = lab.track(lab.cluster.start_encode_worker("worker-nomc", transports="shm,mooncake",
-                                                           extra=("--ring-bytes", str(32 << 20)), env=env))
-        prefill = lab.track(lab.cluster.start_prefill("prefill-nomc", transports="shm,mooncake", pool_bytes=32 << 20,
-                                                      extra=("--slot-bytes", str(lab.config.slot_bytes)), env=env))
-        only = lab.track(lab.cluster.start_prefill("prefill-nomc-only", transports="mooncake", pool_bytes=32 << 20,
-                                                   env=env))
+        worker = lab.track(
+            lab.cluster.start_encode_worker(
+                "worker-nomc",
+                transports="shm,mooncake",
+                extra=("--ring-bytes", str(32 << 20)),
+                env=env,
+            )
+        )
+        prefill = lab.track(
+            lab.cluster.start_prefill(
+                "prefill-nomc",
+                transports="shm,mooncake",
+                pool_bytes=32 << 20,
+                extra=("--slot-bytes", str(lab.config.slot_bytes)),
+                env=env,
+            )
+        )
+        only = lab.track(
+            lab.cluster.start_prefill(
+                "prefill-nomc-only", transports="mooncake", pool_bytes=32 << 20, env=env
+            )
+        )
         code = await _wait_exit(lab, only)
         log = _log(only)
         outcome.notes["mooncake_only_exit_code"] = code
-        outcome.notes["mooncake_only_last_line"] = log.strip().splitlines()[-1] if log.strip() else ""
-        outcome.affected.append({"state": "FAILED" if code not in (None, 0) else "DONE",
-                                 "reason": outcome.notes["mooncake_only_last_line"],
-                                 "ttf_s": time.monotonic() - started})
+        outcome.notes["mooncake_only_last_line"] = (
+            log.strip().splitlines()[-1] if log.strip() else ""
+        )
+        outcome.affected.append(
+            {
+                "state": "FAILED" if code not in (None, 0) else "DONE",
+                "reason": outcome.notes["mooncake_only_last_line"],
+                "ttf_s": time.monotonic() - started,
+            }
+        )
         await asyncio.to_thread(lab.cluster.wait_ready, 120)
         outcome.notes["serves_over_shm"] = await serves(lab, conn, rng, worker, prefill, "shm")
-        outcome.notes["worker_says"] = [l for l in _log(worker).splitlines() if "Mooncake unavailable" in l][:1]
-        outcome.notes["prefill_says"] = [l for l in _log(prefill).splitlines() if "Mooncake unavailable" in l][:1]
+        outcome.notes["worker_says"] = [
+            l for l in _log(worker).splitlines() if "Mooncake unavailable" in l
+        ][:1]
+        outcome.notes["prefill_says"] = [
+            l for l in _log(prefill).splitlines() if "Mooncake unavailable" in l
+        ][:1]
         outcome.notes["exit_codes"] = [await _retire(lab, worker), await _retire(lab, prefill)]
-    outcome.expected = (code not in (None, 0) and "Mooncake" in outcome.notes["mooncake_only_last_line"]
-                        and "Traceback" not in _log(only) and outcome.notes["serves_over_shm"]
-                        and bool(outcome.notes["worker_says"]) and bool(outcome.notes["prefill_says"])
-                        and outcome.notes["exit_codes"] == [0, 0])
+    outcome.expected = (
+        code not in (None, 0)
+        and "Mooncake" in outcome.notes["mooncake_only_last_line"]
+        and "Traceback" not in _log(only)
+        and outcome.notes["serves_over_shm"]
+        and bool(outcome.notes["worker_says"])
+        and bool(outcome.notes["prefill_says"])
+        and outcome.notes["exit_codes"] == [0, 0]
+    )
     return outcome
 
 

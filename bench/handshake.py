@@ -52,8 +52,10 @@ def _free_port() -> int:
 
 def start_server(port: int) -> subprocess.Popen:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    process = subprocess.Popen([sys.executable, "-m", "handshake.server", "--host", "127.0.0.1", "--port", str(port)],
-                               env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "handshake.server", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+    )
     end = time.monotonic() + 30
     while time.monotonic() < end:
         try:
@@ -66,18 +68,33 @@ def start_server(port: int) -> subprocess.Popen:
 
 
 def _registration(room: int) -> Registration:
-    return Registration(room=room, generation=1, rows=256, width=3584, dtype="bfloat16",
-                        offers=[LoopbackOffer(kind="loopback", region=1, offset=0, capacity=256 * 3584 * 2)])
+    return Registration(
+        room=room,
+        generation=1,
+        rows=256,
+        width=3584,
+        dtype="bfloat16",
+        offers=[LoopbackOffer(kind="loopback", region=1, offset=0, capacity=256 * 3584 * 2)],
+    )
 
 
 def _commit(room: int) -> CommitBody:
-    return CommitBody(room=room, generation=1, transport="loopback", rows=256, width=3584, dtype="bfloat16",
-                      checksum=12345)
+    return CommitBody(
+        room=room,
+        generation=1,
+        transport="loopback",
+        rows=256,
+        width=3584,
+        dtype="bfloat16",
+        checksum=12345,
+    )
 
 
 def _views(results) -> dict:
     if not all(result.ok for result in results):
-        raise RuntimeError(f"room calls refused: {[result.error for result in results if not result.ok]}")
+        raise RuntimeError(
+            f"room calls refused: {[result.error for result in results if not result.ok]}"
+        )
     return {result.room: result.view for result in results}
 
 
@@ -86,9 +103,17 @@ async def _receiver(client: HandshakeClient, rooms: list[int]) -> int:
     views = _views(await client.register([_registration(room) for room in rooms], wait_s=POLL_S))
     calls = 1
     while True:
-        if any(view.state.terminal and view.state is not RoomState.SUCCESS for view in views.values()):
-            raise RuntimeError(f"lifecycle ended in {[view.state.value for view in views.values()]}")
-        live = {room: view.version for room, view in views.items() if view.state is not RoomState.SUCCESS}
+        if any(
+            view.state.terminal and view.state is not RoomState.SUCCESS for view in views.values()
+        ):
+            raise RuntimeError(
+                f"lifecycle ended in {[view.state.value for view in views.values()]}"
+            )
+        live = {
+            room: view.version
+            for room, view in views.items()
+            if view.state is not RoomState.SUCCESS
+        }
         if not live:
             return calls
         views.update(_views(await client.watch(live, wait_s=POLL_S)))
@@ -110,8 +135,14 @@ async def _sender(client: HandshakeClient, rooms: list[int]) -> int:
                 del waiting[room]
             else:
                 raise RuntimeError(f"room {room} is {view.state.value} before the write")
-    _views(await client.begin_write([BeginWrite(room=room, generation=1, transport="loopback", writer=WRITER)
-                                     for room in rooms]))
+    _views(
+        await client.begin_write(
+            [
+                BeginWrite(room=room, generation=1, transport="loopback", writer=WRITER)
+                for room in rooms
+            ]
+        )
+    )
     _views(await client.commit([_commit(room) for room in rooms]))
     return calls + 2
 
@@ -129,15 +160,22 @@ class Level:
         latencies = sorted(self.latencies_s)
         count = len(latencies)
         lifecycles_per_s = statistics.median(self.lifecycles_per_s)
-        row = {"batch": self.batch, "concurrency": self.concurrency, "lifecycles": count,
-               "lifecycles_per_s": lifecycles_per_s, "rooms_per_s": lifecycles_per_s * self.batch,
-               "lifecycles_per_s_rounds": self.lifecycles_per_s,
-               "p50_ms": statistics.median(latencies) * 1e3,
-               "p99_ms": latencies[min(count - 1, int(count * 0.99))] * 1e3,
-               "receiver_calls_per_lifecycle": self.receiver_calls / count,
-               "sender_calls_per_lifecycle": self.sender_calls / count}
+        row = {
+            "batch": self.batch,
+            "concurrency": self.concurrency,
+            "lifecycles": count,
+            "lifecycles_per_s": lifecycles_per_s,
+            "rooms_per_s": lifecycles_per_s * self.batch,
+            "lifecycles_per_s_rounds": self.lifecycles_per_s,
+            "p50_ms": statistics.median(latencies) * 1e3,
+            "p99_ms": latencies[min(count - 1, int(count * 0.99))] * 1e3,
+            "receiver_calls_per_lifecycle": self.receiver_calls / count,
+            "sender_calls_per_lifecycle": self.sender_calls / count,
+        }
         if self.batch == 1:
-            row["meets_goal"] = row["lifecycles_per_s"] >= GOAL_LIFECYCLES_PER_S and row["p99_ms"] <= GOAL_P99_MS
+            row["meets_goal"] = (
+                row["lifecycles_per_s"] >= GOAL_LIFECYCLES_PER_S and row["p99_ms"] <= GOAL_P99_MS
+            )
         else:
             row["meets_goal"] = row["rooms_per_s"] >= GOAL_ROOMS_PER_S
         return row
@@ -188,26 +226,42 @@ def run(seconds: float = 1.0, rounds: int = 3, concurrency=CONCURRENCY, progress
         server.terminate()
         server.wait(10)
     rows = [level.summary() for level in levels]
-    return {"seconds_per_level_per_round": seconds, "rounds": rounds, "levels": rows,
-            "goals": {f"batch 1: >= {GOAL_LIFECYCLES_PER_S} lifecycles/s at p99 <= {GOAL_P99_MS:.0f} ms":
-                      [r["concurrency"] for r in rows if r["batch"] == 1 and r["meets_goal"]],
-                      f"batch 8: >= {GOAL_ROOMS_PER_S} rooms/s":
-                      [r["concurrency"] for r in rows if r["batch"] == 8 and r["meets_goal"]]}}
+    return {
+        "seconds_per_level_per_round": seconds,
+        "rounds": rounds,
+        "levels": rows,
+        "goals": {
+            f"batch 1: >= {GOAL_LIFECYCLES_PER_S} lifecycles/s at p99 <= {GOAL_P99_MS:.0f} ms": [
+                r["concurrency"] for r in rows if r["batch"] == 1 and r["meets_goal"]
+            ],
+            f"batch 8: >= {GOAL_ROOMS_PER_S} rooms/s": [
+                r["concurrency"] for r in rows if r["batch"] == 8 and r["meets_goal"]
+            ],
+        },
+    }
 
 
 def main(args) -> int:
-    print(f"epd-bench handshake: {args.seconds:g} s per level and round, {args.rounds} rounds; server in its own "
-          "process on loopback, default limits")
+    print(
+        f"epd-bench handshake: {args.seconds:g} s per level and round, {args.rounds} rounds; server in its own "
+        "process on loopback, default limits"
+    )
     report = run(args.seconds, args.rounds)
-    print(f"\n{'batch':>5s} {'conc':>5s} {'lifecycles/s':>13s} {'rooms/s':>8s} {'p50 ms':>7s} {'p99 ms':>7s} "
-          f"{'calls recv/send':>16s}  goal  per round")
+    print(
+        f"\n{'batch':>5s} {'conc':>5s} {'lifecycles/s':>13s} {'rooms/s':>8s} {'p50 ms':>7s} {'p99 ms':>7s} "
+        f"{'calls recv/send':>16s}  goal  per round"
+    )
     for row in report["levels"]:
         rounds = " ".join(f"{v:.0f}" for v in row["lifecycles_per_s_rounds"])
-        print(f"{row['batch']:5d} {row['concurrency']:5d} {row['lifecycles_per_s']:13.0f} {row['rooms_per_s']:8.0f} "
-              f"{row['p50_ms']:7.1f} {row['p99_ms']:7.1f} {row['receiver_calls_per_lifecycle']:8.2f}/"
-              f"{row['sender_calls_per_lifecycle']:<7.2f}  {'met ' if row['meets_goal'] else '-   '}  {rounds}")
+        print(
+            f"{row['batch']:5d} {row['concurrency']:5d} {row['lifecycles_per_s']:13.0f} {row['rooms_per_s']:8.0f} "
+            f"{row['p50_ms']:7.1f} {row['p99_ms']:7.1f} {row['receiver_calls_per_lifecycle']:8.2f}/"
+            f"{row['sender_calls_per_lifecycle']:<7.2f}  {'met ' if row['meets_goal'] else '-   '}  {rounds}"
+        )
     for goal, levels in report["goals"].items():
-        print(f"{goal}: {'met at concurrency ' + ', '.join(map(str, levels)) if levels else 'not met at any level'}")
+        print(
+            f"{goal}: {'met at concurrency ' + ', '.join(map(str, levels)) if levels else 'not met at any level'}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

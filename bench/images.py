@@ -20,7 +20,10 @@ def synthetic_image(width: int, height: int, seed: int, fmt: str = "PNG") -> byt
     draw = ImageDraw.Draw(image)
     for _ in range(6):
         x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
-        x1, y1 = x0 + int(rng.integers(8, max(9, width // 3))), y0 + int(rng.integers(8, max(9, height // 3)))
+        x1, y1 = (
+            x0 + int(rng.integers(8, max(9, width // 3))),
+            y0 + int(rng.integers(8, max(9, height // 3))),
+        )
         color = tuple(int(v) for v in rng.integers(0, 255, 3))
         (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=color)
     buffer = io.BytesIO()

@@ -67,15 +67,22 @@ def _serve(conn, config: PeerConfig) -> None:
                 _, commit_json, seed = message
                 lease, layout = current
                 try:
-                    rows = accept_commit(pool, lease, layout, Commit.model_validate(commit_json),
-                                         require_checksum=False)  # measures both variants
+                    rows = accept_commit(
+                        pool,
+                        lease,
+                        layout,
+                        Commit.model_validate(commit_json),
+                        require_checksum=False,
+                    )  # measures both variants
                 except ValueError as exc:
                     pool.quarantine(lease)
                     conn.send(("rejected", str(exc)))
                     continue
                 exact = None
                 if seed is not None:
-                    exact = bool(torch.equal(rows, pattern(layout.rows, layout.width, layout.dtype, seed)))
+                    exact = bool(
+                        torch.equal(rows, pattern(layout.rows, layout.width, layout.dtype, seed))
+                    )
                 pool.release(lease)
                 conn.send(("accepted", exact))
             elif kind == "stats":
@@ -86,7 +93,9 @@ def _serve(conn, config: PeerConfig) -> None:
                 exact = None
                 if seed is not None:
                     rows = pool.view(lease).view(layout.torch_dtype).view(layout.rows, layout.width)
-                    exact = bool(torch.equal(rows, pattern(layout.rows, layout.width, layout.dtype, seed)))
+                    exact = bool(
+                        torch.equal(rows, pattern(layout.rows, layout.width, layout.dtype, seed))
+                    )
                 pool.release(lease)
                 conn.send(("ok", exact))
             elif kind == "stop":

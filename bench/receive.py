@@ -48,9 +48,12 @@ def _encode_side(conn) -> None:
             rooms = table.mint(count, 60)
             for room in rooms:
                 lease = stage(ring, rows)
-                handshake = EncodeHandshake(bootstrap_room=room, bootstrap_host="127.0.0.1",
-                                            bootstrap_port=server.port)
-                sender.submit(StagedItem("bench", handshake, lease, layout, checksum(ring.view(lease)), {}))
+                handshake = EncodeHandshake(
+                    bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
+                )
+                sender.submit(
+                    StagedItem("bench", handshake, lease, layout, checksum(ring.view(lease)), {})
+                )
             conn.send(rooms)
     finally:
         sender.close()
@@ -78,9 +81,18 @@ def run(jobs: int = 60, progress=print) -> dict:
     encode_side.start()
     child.close()
     port = conn.recv()
-    receivers = {mode: PrefillReceiver(ReceiverConfig(width=WIDTH, dtype="bfloat16", pool_bytes=64 << 20,
-                                                      transports=("shm",), zero_copy=mode == "zero_copy"))
-                 for mode in ("copy", "zero_copy")}
+    receivers = {
+        mode: PrefillReceiver(
+            ReceiverConfig(
+                width=WIDTH,
+                dtype="bfloat16",
+                pool_bytes=64 << 20,
+                transports=("shm",),
+                zero_copy=mode == "zero_copy",
+            )
+        )
+        for mode in ("copy", "zero_copy")
+    }
     # the machine's floor, in the same run: an empty HTTP round trip to the same server, from this
     # thread through a client loop thread (the hand-offs a job pays too)
     probe_loop = LoopThread("bench-probe")
@@ -96,13 +108,24 @@ def run(jobs: int = 60, progress=print) -> dict:
                 probe_loop.run(probe.healthy())
                 if index >= 5:
                     round_trips.append(time.perf_counter() - started)
-                for mode, receiver in receivers.items():  # interleaved: both modes see the same machine
+                for (
+                    mode,
+                    receiver,
+                ) in receivers.items():  # interleaved: both modes see the same machine
                     conn.send(images)
                     rooms = conn.recv()
-                    items = [MultimodalDataItem(Modality.IMAGE, offsets=[[0, ROWS - 1]],
-                                                encode_handshake={"bootstrap_room": room,
-                                                                  "bootstrap_host": "127.0.0.1",
-                                                                  "bootstrap_port": port}) for room in rooms]
+                    items = [
+                        MultimodalDataItem(
+                            Modality.IMAGE,
+                            offsets=[[0, ROWS - 1]],
+                            encode_handshake={
+                                "bootstrap_room": room,
+                                "bootstrap_host": "127.0.0.1",
+                                "bootstrap_port": port,
+                            },
+                        )
+                        for room in rooms
+                    ]
                     started = time.perf_counter()
                     job = receiver.start(f"{mode}{index}", MultimodalInputs(items))
                     state = job.wait(30)
@@ -113,19 +136,29 @@ def run(jobs: int = 60, progress=print) -> dict:
                     # the writes run one after another on the sender's loop: their sum is their span
                     transfer_s = sum(outcome.encoder.transfer_s for outcome in job.outcomes)
                     if index >= 5:  # warm-up: connections, first mappings
-                        last = max(outcome.seconds for outcome in job.outcomes)  # job start -> last item published
+                        last = max(
+                            outcome.seconds for outcome in job.outcomes
+                        )  # job start -> last item published
                         published[mode].append((last - transfer_s) / images)
                         returned[mode].append((elapsed - transfer_s) / images)
             for mode in receivers:
                 key = f"{images}_image" + ("_zero_copy" if mode == "zero_copy" else "")
-                report[key] = {"p50_ms": _p(published[mode], 0.5), "p99_ms": _p(published[mode], 0.99),
-                               "p50_until_wait_returned_ms": _p(returned[mode], 0.5), "jobs": jobs}
-                progress(f"  {mode:9s} {images}-image requests: overhead per item p50 {report[key]['p50_ms']:.2f} ms, "
-                         f"p99 {report[key]['p99_ms']:.2f} ms (until wait() returned: p50 "
-                         f"{report[key]['p50_until_wait_returned_ms']:.2f} ms)")
+                report[key] = {
+                    "p50_ms": _p(published[mode], 0.5),
+                    "p99_ms": _p(published[mode], 0.99),
+                    "p50_until_wait_returned_ms": _p(returned[mode], 0.5),
+                    "jobs": jobs,
+                }
+                progress(
+                    f"  {mode:9s} {images}-image requests: overhead per item p50 {report[key]['p50_ms']:.2f} ms, "
+                    f"p99 {report[key]['p99_ms']:.2f} ms (until wait() returned: p50 "
+                    f"{report[key]['p50_until_wait_returned_ms']:.2f} ms)"
+                )
         report["empty_round_trip_ms"] = {"p50": _p(round_trips, 0.5), "p99": _p(round_trips, 0.99)}
-        progress(f"  an empty HTTP round trip to the same server, from this thread: p50 "
-                 f"{report['empty_round_trip_ms']['p50']:.2f} ms, p99 {report['empty_round_trip_ms']['p99']:.2f} ms")
+        progress(
+            f"  an empty HTTP round trip to the same server, from this thread: p50 "
+            f"{report['empty_round_trip_ms']['p50']:.2f} ms, p99 {report['empty_round_trip_ms']['p99']:.2f} ms"
+        )
     finally:
         conn.send(None)
         encode_side.join(10)
@@ -137,8 +170,10 @@ def run(jobs: int = 60, progress=print) -> dict:
 
 
 def main(args) -> int:
-    print(f"epd-bench receive: {ROWS}x{WIDTH} bf16 items over SHM from the encode worker's sender (another "
-          f"process), {args.jobs} jobs each; overhead = (job start -> last item published - the writes) / items")
+    print(
+        f"epd-bench receive: {ROWS}x{WIDTH} bf16 items over SHM from the encode worker's sender (another "
+        f"process), {args.jobs} jobs each; overhead = (job start -> last item published - the writes) / items"
+    )
     report = run(args.jobs)
     if args.json:
         with open(args.json, "w") as f:

@@ -48,7 +48,10 @@ WEIGHTS = {
     "dev_shm_full": 0.25,
     "mooncake_unavailable": 0.25,
 }
-STARTUP = {"dev_shm_full", "mooncake_unavailable"}  # no room to fail: a process that starts (or exits) right
+STARTUP = {
+    "dev_shm_full",
+    "mooncake_unavailable",
+}  # no room to fail: a process that starts (or exits) right
 REFUSALS = {"malformed_input"}  # refusals of bad frames and bodies, not rooms
 DISTINCT_IMAGES = 256
 RSS_GROWTH_PCT = 5.0  # the goal: no steady process's VmRSS grows more than this after the warm-up
@@ -70,15 +73,25 @@ def _p(values: list[float], q: float) -> float | None:
 
 
 class Soak:
-    def __init__(self, items: int, fault_rate: float, concurrency: int = 3, seed: int = 0, model: str | None = None,
-                 kinds: list[str] | None = None, progress: bool = True):
+    def __init__(
+        self,
+        items: int,
+        fault_rate: float,
+        concurrency: int = 3,
+        seed: int = 0,
+        model: str | None = None,
+        kinds: list[str] | None = None,
+        progress: bool = True,
+    ):
         self.items = items
         self.fault_rate = fault_rate
         self.concurrency = concurrency
         self.rng = random.Random(seed)
         self.seed = seed
         self.model = model or lab_model(os.path.join(tempfile.gettempdir(), "epd-soak-tower"))
-        self.kinds = kinds or [kind for kind in WEIGHTS if kind != "dev_shm_full" or faults.can_mount_tmpfs()]
+        self.kinds = kinds or [
+            kind for kind in WEIGHTS if kind != "dev_shm_full" or faults.can_mount_tmpfs()
+        ]
         self.progress = progress
         self.counted = 0  # items sent so far, normal and faulted
         self.normal = {"requests": 0, "items": 0, "delivered": 0, "corrupted": 0, "failed": 0}
@@ -89,13 +102,17 @@ class Soak:
 
     # ---- traffic ---------------------------------------------------------------------------
 
-    async def _client(self, lab: FaultLab, dispatcher, session, pool: list[bytes], client_rng: random.Random) -> None:
+    async def _client(
+        self, lab: FaultLab, dispatcher, session, pool: list[bytes], client_rng: random.Random
+    ) -> None:
         from dispatcher.cli import prefill_body
 
         prefill = lab.roles["prefill"]
         while not self._stop.is_set():
             # keep fault events at the fault rate: wait while the fault driver is behind
-            while (len(self.events) + 1) < self.counted * self.fault_rate and not self._stop.is_set():
+            while (
+                len(self.events) + 1
+            ) < self.counted * self.fault_rate and not self._stop.is_set():
                 await asyncio.sleep(0.05)
             if self.counted >= self.items:
                 return
@@ -105,13 +122,17 @@ class Soak:
             request_id = f"soak-{self.normal['requests']}-{client_rng.randrange(1 << 30):x}"
             self.normal["requests"] += 1
             items = await dispatcher.dispatch(request_id, images)
-            async with session.post(prefill.url + "/v1/prefill", json=prefill_body(request_id, items, False)) as resp:
+            async with session.post(
+                prefill.url + "/v1/prefill", json=prefill_body(request_id, items, False)
+            ) as resp:
                 report = await resp.json()
             for item, row in zip(items, report["items"]):
                 self.normal["items"] += 1
                 if row["state"] != "DONE":
                     self.normal["failed"] += 1
-                    self.failures.append(f"{request_id}[{row['index']}]: {row['reason'] or item.error}")
+                    self.failures.append(
+                        f"{request_id}[{row['index']}]: {row['reason'] or item.error}"
+                    )
                 elif row["checksum"] == lab.reference(item.image):
                     self.normal["delivered"] += 1
                 else:
@@ -123,7 +144,9 @@ class Soak:
         while not self._stop.is_set():
             if len(self.events) >= max(1, round(self.items * self.fault_rate)):
                 return
-            if len(self.events) >= self.counted * self.fault_rate:  # ahead of the traffic: wait for it
+            if (
+                len(self.events) >= self.counted * self.fault_rate
+            ):  # ahead of the traffic: wait for it
                 await asyncio.sleep(0.05)
                 continue
             kind = self.rng.choices(kinds, weights)[0]
@@ -132,9 +155,17 @@ class Soak:
                 outcome = await faults.SCENARIOS[kind](lab, conn, self.rng)
                 record = outcome.as_dict()
             except Exception as exc:  # a scenario that broke is a finding, never a silent skip
-                record = {"kind": kind, "error": f"{type(exc).__name__}: {exc}", "affected": [],
-                          "delivered_anyway": [], "delivered": 0, "corrupted": 0, "collateral": 0,
-                          "expected": False, "notes": {}}
+                record = {
+                    "kind": kind,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "affected": [],
+                    "delivered_anyway": [],
+                    "delivered": 0,
+                    "corrupted": 0,
+                    "collateral": 0,
+                    "expected": False,
+                    "notes": {},
+                }
                 await asyncio.to_thread(self._heal, lab)
             record["seconds"] = time.monotonic() - started
             self.counted += len(record["affected"]) if kind not in REFUSALS | STARTUP else 0
@@ -153,16 +184,21 @@ class Soak:
             for name in ("handshake", "a", "b", "prefill"):
                 role = lab.roles.get(name)
                 if role is not None and role.alive():
-                    self.rss.setdefault(f"{name}:{role.process.pid}", []).append((now, lab.rss(name)))
+                    self.rss.setdefault(f"{name}:{role.process.pid}", []).append(
+                        (now, lab.rss(name))
+                    )
             await asyncio.sleep(1.0)
 
     async def _report_progress(self, started: float) -> None:
         while not self._stop.is_set():
             await asyncio.sleep(10)
             elapsed = time.monotonic() - started
-            print(f"  {elapsed:6.0f} s  items {self.counted}/{self.items}  faults {len(self.events)}  "
-                  f"normal delivered {self.normal['delivered']} failed {self.normal['failed']} "
-                  f"corrupted {self.normal['corrupted']}", flush=True)
+            print(
+                f"  {elapsed:6.0f} s  items {self.counted}/{self.items}  faults {len(self.events)}  "
+                f"normal delivered {self.normal['delivered']} failed {self.normal['failed']} "
+                f"corrupted {self.normal['corrupted']}",
+                flush=True,
+            )
 
     async def _run(self, lab: FaultLab) -> None:
         import aiohttp
@@ -172,20 +208,31 @@ class Soak:
 
         pool_rng = random.Random(self.seed + 1)
         sides = (224, 280, 336, 392, 448)
-        pool = [synthetic_image(pool_rng.choice(sides), pool_rng.choice(sides), 10_000 + i)
-                for i in range(DISTINCT_IMAGES)]
+        pool = [
+            synthetic_image(pool_rng.choice(sides), pool_rng.choice(sides), 10_000 + i)
+            for i in range(DISTINCT_IMAGES)
+        ]
         for image in pool:
             lab.reference(image)
         workers = WorkerSet([lab.roles[name].worker for name in ("a", "b")], check_timeout_s=2)
         await workers.refresh()
         dispatcher = Dispatcher(workers, lab.processor, intake_timeout_s=10)
         started = time.monotonic()
-        async with lab.connect() as conn, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            tasks = [asyncio.ensure_future(self._client(lab, dispatcher, session, pool, random.Random(self.seed * 100 + i)))
-                     for i in range(self.concurrency)]
+        async with (
+            lab.connect() as conn,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session,
+        ):
+            tasks = [
+                asyncio.ensure_future(
+                    self._client(lab, dispatcher, session, pool, random.Random(self.seed * 100 + i))
+                )
+                for i in range(self.concurrency)
+            ]
             fault_task = asyncio.ensure_future(self._faults(lab, conn))
             sampler = asyncio.ensure_future(self._sample_rss(lab))
-            ticker = asyncio.ensure_future(self._report_progress(started)) if self.progress else None
+            ticker = (
+                asyncio.ensure_future(self._report_progress(started)) if self.progress else None
+            )
             try:
                 await asyncio.gather(*tasks)
                 await fault_task
@@ -201,8 +248,11 @@ class Soak:
     # ---- the run ---------------------------------------------------------------------------
 
     def run(self) -> dict:
-        config = LabConfig(model=self.model, steady_mooncake_worker=True,
-                           log_dir=tempfile.mkdtemp(prefix="epd-soak-logs-"))
+        config = LabConfig(
+            model=self.model,
+            steady_mooncake_worker=True,
+            log_dir=tempfile.mkdtemp(prefix="epd-soak-logs-"),
+        )
         lab = FaultLab(config)
         print(f"process logs in {config.log_dir}", flush=True)
         started = time.monotonic()
@@ -220,7 +270,9 @@ class Soak:
             codes = lab.stop()
         time.sleep(0.5)
         orphans_after_stop = sorted(lab.orphan_segments())
-        return self._summary(lab, start_s, leaks, rings, orphans_live, orphans_after_stop, rss, codes)
+        return self._summary(
+            lab, start_s, leaks, rings, orphans_live, orphans_after_stop, rss, codes
+        )
 
     def _rss_growth(self) -> dict:
         """Per steady process: resident memory at the end of the warm-up (10 % of the run) and at
@@ -233,60 +285,113 @@ class Soak:
             warm = next(s for s in samples if s[0] >= first_t + 0.1 * (last_t - first_t))[1]
             end = samples[-1][1]
             growth[key] = {
-                "vmrss_kb_after_warmup": warm["VmRSS"], "vmrss_kb_end": end["VmRSS"],
+                "vmrss_kb_after_warmup": warm["VmRSS"],
+                "vmrss_kb_end": end["VmRSS"],
                 "vmrss_growth_pct": 100.0 * (end["VmRSS"] - warm["VmRSS"]) / warm["VmRSS"],
-                "rss_anon_kb_after_warmup": warm["RssAnon"], "rss_anon_kb_end": end["RssAnon"],
+                "rss_anon_kb_after_warmup": warm["RssAnon"],
+                "rss_anon_kb_end": end["RssAnon"],
                 "rss_anon_growth_pct": 100.0 * (end["RssAnon"] - warm["RssAnon"]) / warm["RssAnon"],
-                "vmrss_kb_max": max(s[1]["VmRSS"] for s in samples), "samples": len(samples),
-                "trace": [(round(t - first_t), s["VmRSS"], s["RssAnon"], s["RssShmem"])
-                          for t, s in samples[:: max(1, len(samples) // 40)]]}
+                "vmrss_kb_max": max(s[1]["VmRSS"] for s in samples),
+                "samples": len(samples),
+                "trace": [
+                    (round(t - first_t), s["VmRSS"], s["RssAnon"], s["RssShmem"])
+                    for t, s in samples[:: max(1, len(samples) // 40)]
+                ],
+            }
         return growth
 
-    def _summary(self, lab, start_s, leaks, rings, orphans_live, orphans_after_stop, rss, codes) -> dict:
+    def _summary(
+        self, lab, start_s, leaks, rings, orphans_live, orphans_after_stop, rss, codes
+    ) -> dict:
         # every room a fault was aimed at: those that failed, and those delivered all the same
-        affected = [a for e in self.events if e["kind"] not in STARTUP | REFUSALS
-                    for a in e["affected"] + e["delivered_anyway"]]
+        affected = [
+            a
+            for e in self.events
+            if e["kind"] not in STARTUP | REFUSALS
+            for a in e["affected"] + e["delivered_anyway"]
+        ]
         failed = [a for a in affected if a["state"] != "DONE"]
         rooms_ttf = [a["ttf_s"] for a in failed if a.get("ttf_s") is not None]
         failed_fast = sum(1 for a in failed if a.get("ttf_s") is not None and a["ttf_s"] <= FAST_S)
         by_kind = {}
         for event in self.events:
-            entry = by_kind.setdefault(event["kind"], {"events": 0, "expected": 0, "errors": 0, "affected": 0,
-                                                       "delivered_anyway": 0, "ttf_s": []})
+            entry = by_kind.setdefault(
+                event["kind"],
+                {
+                    "events": 0,
+                    "expected": 0,
+                    "errors": 0,
+                    "affected": 0,
+                    "delivered_anyway": 0,
+                    "ttf_s": [],
+                },
+            )
             entry["events"] += 1
             entry["expected"] += bool(event.get("expected"))
             entry["errors"] += "error" in event
             aimed = event["affected"] + event["delivered_anyway"]
             entry["affected"] += len(aimed)
             entry["delivered_anyway"] += sum(a["state"] == "DONE" for a in aimed)
-            entry["ttf_s"] += [a["ttf_s"] for a in event["affected"] if a.get("ttf_s") is not None
-                               and a["state"] != "DONE"]
+            entry["ttf_s"] += [
+                a["ttf_s"]
+                for a in event["affected"]
+                if a.get("ttf_s") is not None and a["state"] != "DONE"
+            ]
         for entry in by_kind.values():
             times = entry.pop("ttf_s")
-            entry["ttf_p50_s"], entry["ttf_p99_s"], entry["ttf_max_s"] = _p(times, 0.5), _p(times, 0.99), \
-                max(times) if times else None
+            entry["ttf_p50_s"], entry["ttf_p99_s"], entry["ttf_max_s"] = (
+                _p(times, 0.5),
+                _p(times, 0.99),
+                max(times) if times else None,
+            )
         delivered = self.normal["delivered"] + sum(e["delivered"] for e in self.events)
         corrupted = self.normal["corrupted"] + sum(e["corrupted"] for e in self.events)
         collateral = self.normal["failed"] + sum(e["collateral"] for e in self.events)
         crashed = [e for e in self.events if "error" in e]
         unexpected = [e for e in self.events if not e.get("expected") and "error" not in e]
         report = {
-            "items": self.counted, "items_goal": self.items, "fault_rate": self.fault_rate, "seed": self.seed,
-            "fault_events": len(self.events), "concurrency": self.concurrency,
-            "delivered": delivered, "corrupted": corrupted,
-            "faulted_rooms": len(affected), "faulted_rooms_failed": len(failed), "failed_fast": failed_fast,
-            "failed_slow": len(failed) - failed_fast, "faulted_rooms_delivered_anyway": len(affected) - len(failed),
-            "collateral_failures": collateral, "collateral_reasons": self.failures[:20],
-            "ttf_p50_s": _p(rooms_ttf, 0.5), "ttf_p99_s": _p(rooms_ttf, 0.99), "ttf_max_s": max(rooms_ttf, default=None),
-            "unexpected_outcome_count": len(unexpected), "unexpected_outcomes": unexpected[:10],
-            "crashed_scenario_count": len(crashed), "crashed_scenarios": crashed[:10],
-            "leaked_slots": {"pools": leaks, "send_rings": rings,
-                             "total": sum(v["leased"] + v["quarantined"] for v in leaks.values()) + sum(rings.values())},
-            "leaked_shm_segments": {"while_running": orphans_live, "after_stop": orphans_after_stop,
-                                    "total": len(set(orphans_live) | set(orphans_after_stop))},
-            "serve_check_failure_count": len(lab.serve_failures), "serve_check_failures": lab.serve_failures[:10],
-            "rss": rss, "restarts": lab.restarts, "exit_codes": codes, "by_kind": by_kind,
-            "normal": self.normal, "start_s": start_s, "wall_s": self.wall_s,
+            "items": self.counted,
+            "items_goal": self.items,
+            "fault_rate": self.fault_rate,
+            "seed": self.seed,
+            "fault_events": len(self.events),
+            "concurrency": self.concurrency,
+            "delivered": delivered,
+            "corrupted": corrupted,
+            "faulted_rooms": len(affected),
+            "faulted_rooms_failed": len(failed),
+            "failed_fast": failed_fast,
+            "failed_slow": len(failed) - failed_fast,
+            "faulted_rooms_delivered_anyway": len(affected) - len(failed),
+            "collateral_failures": collateral,
+            "collateral_reasons": self.failures[:20],
+            "ttf_p50_s": _p(rooms_ttf, 0.5),
+            "ttf_p99_s": _p(rooms_ttf, 0.99),
+            "ttf_max_s": max(rooms_ttf, default=None),
+            "unexpected_outcome_count": len(unexpected),
+            "unexpected_outcomes": unexpected[:10],
+            "crashed_scenario_count": len(crashed),
+            "crashed_scenarios": crashed[:10],
+            "leaked_slots": {
+                "pools": leaks,
+                "send_rings": rings,
+                "total": sum(v["leased"] + v["quarantined"] for v in leaks.values())
+                + sum(rings.values()),
+            },
+            "leaked_shm_segments": {
+                "while_running": orphans_live,
+                "after_stop": orphans_after_stop,
+                "total": len(set(orphans_live) | set(orphans_after_stop)),
+            },
+            "serve_check_failure_count": len(lab.serve_failures),
+            "serve_check_failures": lab.serve_failures[:10],
+            "rss": rss,
+            "restarts": lab.restarts,
+            "exit_codes": codes,
+            "by_kind": by_kind,
+            "normal": self.normal,
+            "start_s": start_s,
+            "wall_s": self.wall_s,
             "items_per_s": self.counted / self.wall_s if self.wall_s else None,
         }
         report["goals"] = [asdict(goal) for goal in _goals(report)]
@@ -297,60 +402,118 @@ def _goals(report: dict) -> list[Goal]:
     """Every goal the soak reports; the exit status fails unless all are met."""
     goals = [
         Goal("corrupted items", report["corrupted"], "0", report["corrupted"] == 0),
-        Goal(f"faulted rooms that failed slower than {FAST_S:g} s", report["failed_slow"], "0",
-             report["failed_slow"] == 0),
-        Goal("normal items that failed (collateral)", report["collateral_failures"], "0",
-             report["collateral_failures"] == 0),
-        Goal("fault events with an unexpected outcome", report["unexpected_outcome_count"], "0",
-             report["unexpected_outcome_count"] == 0),
-        Goal("fault scenarios that crashed", report["crashed_scenario_count"], "0",
-             report["crashed_scenario_count"] == 0),
-        Goal("failed serves-afterwards checks", report["serve_check_failure_count"], "0",
-             report["serve_check_failure_count"] == 0),
-        Goal("leaked slots", report["leaked_slots"]["total"], "0", report["leaked_slots"]["total"] == 0),
-        Goal("leaked SHM segments", report["leaked_shm_segments"]["total"], "0",
-             report["leaked_shm_segments"]["total"] == 0),
-        Goal("non-zero exit codes at the end", {k: v for k, v in report["exit_codes"].items() if v != 0}, "none",
-             all(code == 0 for code in report["exit_codes"].values())),
+        Goal(
+            f"faulted rooms that failed slower than {FAST_S:g} s",
+            report["failed_slow"],
+            "0",
+            report["failed_slow"] == 0,
+        ),
+        Goal(
+            "normal items that failed (collateral)",
+            report["collateral_failures"],
+            "0",
+            report["collateral_failures"] == 0,
+        ),
+        Goal(
+            "fault events with an unexpected outcome",
+            report["unexpected_outcome_count"],
+            "0",
+            report["unexpected_outcome_count"] == 0,
+        ),
+        Goal(
+            "fault scenarios that crashed",
+            report["crashed_scenario_count"],
+            "0",
+            report["crashed_scenario_count"] == 0,
+        ),
+        Goal(
+            "failed serves-afterwards checks",
+            report["serve_check_failure_count"],
+            "0",
+            report["serve_check_failure_count"] == 0,
+        ),
+        Goal(
+            "leaked slots",
+            report["leaked_slots"]["total"],
+            "0",
+            report["leaked_slots"]["total"] == 0,
+        ),
+        Goal(
+            "leaked SHM segments",
+            report["leaked_shm_segments"]["total"],
+            "0",
+            report["leaked_shm_segments"]["total"] == 0,
+        ),
+        Goal(
+            "non-zero exit codes at the end",
+            {k: v for k, v in report["exit_codes"].items() if v != 0},
+            "none",
+            all(code == 0 for code in report["exit_codes"].values()),
+        ),
     ]
     for key, row in report["rss"].items():
         growth = row["vmrss_growth_pct"]
-        goals.append(Goal(f"RSS growth after warm-up, {key} (%)", round(growth, 1), f"< {RSS_GROWTH_PCT:g}",
-                          growth < RSS_GROWTH_PCT))
+        goals.append(
+            Goal(
+                f"RSS growth after warm-up, {key} (%)",
+                round(growth, 1),
+                f"< {RSS_GROWTH_PCT:g}",
+                growth < RSS_GROWTH_PCT,
+            )
+        )
     return goals
 
 
 def main(args) -> int:
     kinds = args.kinds.split(",") if args.kinds else None
-    print(f"epd-bench soak: {args.items} items, fault rate {args.fault_rate}, {args.concurrency} clients, "
-          f"seed {args.seed}", flush=True)
+    print(
+        f"epd-bench soak: {args.items} items, fault rate {args.fault_rate}, {args.concurrency} clients, "
+        f"seed {args.seed}",
+        flush=True,
+    )
     soak = Soak(args.items, args.fault_rate, args.concurrency, args.seed, args.model, kinds)
     report = soak.run()
-    print(f"\nitems {report['items']} (faults: {report['fault_events']} events, {report['faulted_rooms']} rooms) "
-          f"in {report['wall_s']:.0f} s")
-    print(f"delivered {report['delivered']}  corrupted {report['corrupted']}  failed fast "
-          f"{report['failed_fast']}/{report['faulted_rooms_failed']} faulted rooms that failed "
-          f"(slow {report['failed_slow']}); delivered anyway {report['faulted_rooms_delivered_anyway']}/"
-          f"{report['faulted_rooms']} (their fault came after their commit)  collateral {report['collateral_failures']}")
+    print(
+        f"\nitems {report['items']} (faults: {report['fault_events']} events, {report['faulted_rooms']} rooms) "
+        f"in {report['wall_s']:.0f} s"
+    )
+    print(
+        f"delivered {report['delivered']}  corrupted {report['corrupted']}  failed fast "
+        f"{report['failed_fast']}/{report['faulted_rooms_failed']} faulted rooms that failed "
+        f"(slow {report['failed_slow']}); delivered anyway {report['faulted_rooms_delivered_anyway']}/"
+        f"{report['faulted_rooms']} (their fault came after their commit)  collateral {report['collateral_failures']}"
+    )
     ttf = report["ttf_p99_s"]
-    print(f"time to failure p50 {report['ttf_p50_s'] or 0:.3f} s, p99 {ttf or 0:.3f} s, max {report['ttf_max_s'] or 0:.3f} s")
-    print(f"leaked slots {report['leaked_slots']['total']}, leaked SHM segments {report['leaked_shm_segments']['total']}")
+    print(
+        f"time to failure p50 {report['ttf_p50_s'] or 0:.3f} s, p99 {ttf or 0:.3f} s, max {report['ttf_max_s'] or 0:.3f} s"
+    )
+    print(
+        f"leaked slots {report['leaked_slots']['total']}, leaked SHM segments {report['leaked_shm_segments']['total']}"
+    )
     for key, row in report["rss"].items():
-        print(f"RSS {key:18s} {row['vmrss_kb_after_warmup'] / 1024:8.1f} -> {row['vmrss_kb_end'] / 1024:8.1f} MiB "
-              f"({row['vmrss_growth_pct']:+.1f} %), anonymous {row['rss_anon_growth_pct']:+.1f} %")
+        print(
+            f"RSS {key:18s} {row['vmrss_kb_after_warmup'] / 1024:8.1f} -> {row['vmrss_kb_end'] / 1024:8.1f} MiB "
+            f"({row['vmrss_growth_pct']:+.1f} %), anonymous {row['rss_anon_growth_pct']:+.1f} %"
+        )
     for kind, row in sorted(report["by_kind"].items()):
         if kind in STARTUP:
             what = f"processes that exited with a reason {row['affected']:4d}, start to exit max {row['ttf_max_s']:.1f} s"
         elif kind in REFUSALS:
             what = f"refusals {row['affected']:4d}, slowest {row['ttf_max_s']:.3f} s"
         else:
-            what = (f"rooms {row['affected']:4d} (delivered anyway {row['delivered_anyway']})  ttf p99 "
-                    f"{row['ttf_p99_s'] if row['ttf_p99_s'] is not None else 0:.3f} s")
-        print(f"  {kind:34s} events {row['events']:4d}  as expected {row['expected']:4d}  crashed {row['errors']:3d}  "
-              f"{what}")
+            what = (
+                f"rooms {row['affected']:4d} (delivered anyway {row['delivered_anyway']})  ttf p99 "
+                f"{row['ttf_p99_s'] if row['ttf_p99_s'] is not None else 0:.3f} s"
+            )
+        print(
+            f"  {kind:34s} events {row['events']:4d}  as expected {row['expected']:4d}  crashed {row['errors']:3d}  "
+            f"{what}"
+        )
     print("goals:")
     for goal in report["goals"]:
-        print(f"  {'met   ' if goal['met'] else 'MISSED'} {goal['name']}: {goal['value']} (goal {goal['target']})")
+        print(
+            f"  {'met   ' if goal['met'] else 'MISSED'} {goal['name']}: {goal['value']} (goal {goal['target']})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)

@@ -22,8 +22,16 @@ import torch
 
 from bench.peer import PeerConfig, pattern, start_peer, stop_peer
 
-PATHS = ("memcpy", "shm", "shm+checksum", "mooncake_raw", "mooncake_raw_poll", "mooncake", "mooncake+checksum",
-         "loopback")
+PATHS = (
+    "memcpy",
+    "shm",
+    "shm+checksum",
+    "mooncake_raw",
+    "mooncake_raw_poll",
+    "mooncake",
+    "mooncake+checksum",
+    "loopback",
+)
 BARE = ("mooncake_raw", "mooncake_raw_poll")
 ROUNDS = {1 << 20: 30, 16 << 20: 15, 128 << 20: 7}
 
@@ -82,15 +90,22 @@ class TransferBench:
             dst = self.copy_dst.tensor[:nbytes]
             start = time.perf_counter()
             dst.copy_(src)
-            return time.perf_counter() - start, bool(torch.equal(dst, src)) if seed is not None else None
+            return time.perf_counter() - start, bool(
+                torch.equal(dst, src)
+            ) if seed is not None else None
         if path == "loopback":
             layout = EmbeddingLayout(rows, width, "bfloat16")
             lease = self.loop_pool.lease(nbytes)
             offer = self.loopback.offer(self.loop_pool, lease)
             start = time.perf_counter()
             self.loopback.submit(src, offer, time.monotonic() + 60).wait()
-            got = accept_commit(self.loop_pool, lease, layout, make_commit(payload, lease.generation, False),
-                                require_checksum=False)
+            got = accept_commit(
+                self.loop_pool,
+                lease,
+                layout,
+                make_commit(payload, lease.generation, False),
+                require_checksum=False,
+            )
             elapsed = time.perf_counter() - start
             exact = bool(torch.equal(got, payload)) if seed is not None else None
             self.loop_pool.release(lease)
@@ -101,9 +116,13 @@ class TransferBench:
             offer = offers["mooncake"]
             start = time.perf_counter()
             if path == "mooncake_raw":
-                rc = engine.transfer_sync_write(offer["session"], src.data_ptr(), offer["address"], nbytes)
+                rc = engine.transfer_sync_write(
+                    offer["session"], src.data_ptr(), offer["address"], nbytes
+                )
             else:
-                rc = _submit_and_poll(engine, offer["session"], src.data_ptr(), offer["address"], nbytes)
+                rc = _submit_and_poll(
+                    engine, offer["session"], src.data_ptr(), offer["address"], nbytes
+                )
             self.peer.send(("raw_done", seed))
             _, exact = self.peer.recv()
             elapsed = time.perf_counter() - start
@@ -114,7 +133,9 @@ class TransferBench:
         offer = (MooncakeOffer if name == "mooncake" else ShmOffer).model_validate(offers[name])
         start = time.perf_counter()
         transfer = self.transports[name].submit(src, offer, time.monotonic() + 60)
-        commit = make_commit(payload, generation, with_checksum)  # overlaps an in-flight Mooncake write
+        commit = make_commit(
+            payload, generation, with_checksum
+        )  # overlaps an in-flight Mooncake write
         if transfer.wait().value != "done":
             raise RuntimeError(f"{path} transfer failed: {transfer.error}")
         self.peer.send(("commit", commit.model_dump(), seed))
@@ -157,9 +178,18 @@ def run(sizes: list[int], paths=PATHS, rounds: int | None = None, progress=print
             for path in paths:
                 _, exact = bench.run(path, payload, seed)  # a checked round, untimed
                 median = statistics.median(times[path])
-                results.append({"path": path, "size_bytes": size, "gbps_median": size / median / 1e9,
-                                "byte_exact": exact, "rounds": count})
-                progress(f"  {path:18s} {size >> 20:5d} MiB  {size / median / 1e9:6.2f} GB/s  exact={exact}")
+                results.append(
+                    {
+                        "path": path,
+                        "size_bytes": size,
+                        "gbps_median": size / median / 1e9,
+                        "byte_exact": exact,
+                        "rounds": count,
+                    }
+                )
+                progress(
+                    f"  {path:18s} {size >> 20:5d} MiB  {size / median / 1e9:6.2f} GB/s  exact={exact}"
+                )
     finally:
         receiver_pool = bench.close()
     return {"results": results, "receiver_pool_after": receiver_pool}
@@ -176,9 +206,14 @@ def ratios(report: dict) -> list[dict]:
         if bare:
             row["best_bare"] = max(bare, key=lambda path: by[(path, size)])
             by[("best_bare", size)] = by[(row["best_bare"], size)]
-        for num, den in (("shm", "memcpy"), ("mooncake", "best_bare"), ("mooncake", "mooncake_raw"),
-                         ("mooncake", "mooncake_raw_poll"), ("shm+checksum", "memcpy"),
-                         ("mooncake+checksum", "best_bare")):
+        for num, den in (
+            ("shm", "memcpy"),
+            ("mooncake", "best_bare"),
+            ("mooncake", "mooncake_raw"),
+            ("mooncake", "mooncake_raw_poll"),
+            ("shm+checksum", "memcpy"),
+            ("mooncake+checksum", "best_bare"),
+        ):
             if (num, size) in by and (den, size) in by:
                 row[f"{num}/{den}"] = by[(num, size)] / by[(den, size)]
         out.append(row)
@@ -194,8 +229,14 @@ def main(args) -> int:
     rows = report["ratios"]
     print(f"  {'':32s}" + "".join(f"{row['size_bytes'] >> 20:>14d} MiB" for row in rows))
     for name in dict.fromkeys(k for row in rows for k, v in row.items() if isinstance(v, float)):
-        print(f"  {name:32s}" + "".join(f"{row[name]:18.2f}" if name in row else f"{'-':>18s}" for row in rows))
-    print(f"  {'best bare engine path':32s}" + "".join(f"{row.get('best_bare', '-'):>18s}" for row in rows))
+        print(
+            f"  {name:32s}"
+            + "".join(f"{row[name]:18.2f}" if name in row else f"{'-':>18s}" for row in rows)
+        )
+    print(
+        f"  {'best bare engine path':32s}"
+        + "".join(f"{row.get('best_bare', '-'):>18s}" for row in rows)
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -51,16 +51,23 @@ from bench.rounds import in_round
 TRACE_ENV = "EPD_BENCH_VLLM_TRACE"  # a server's connector appends its events here (JSON lines)
 PATHS = ("epd-shm", "epd-mooncake", "example", "mooncake-ec", "cpu-ec", "colocated")
 OURS = ("epd-shm", "epd-mooncake")
-SERVERS_OF = {"epd-shm": ["epd"], "epd-mooncake": ["epd"], "colocated": ["epd"],
-              "example": ["example-producer", "example-consumer"],
-              "mooncake-ec": ["mooncake-producer", "mooncake-consumer"], "cpu-ec": ["cpu-producer", "cpu-consumer"]}
+SERVERS_OF = {
+    "epd-shm": ["epd"],
+    "epd-mooncake": ["epd"],
+    "colocated": ["epd"],
+    "example": ["example-producer", "example-consumer"],
+    "mooncake-ec": ["mooncake-producer", "mooncake-consumer"],
+    "cpu-ec": ["cpu-producer", "cpu-consumer"],
+}
 
 
 def _trace(event: str, identifier: str, **fields) -> None:
     """One event of this process's connector, appended as a JSON line (one write: atomic)."""
     path = os.environ.get(TRACE_ENV)
     if path:
-        line = json.dumps({"event": event, "id": identifier, "t": time.time(), "pid": os.getpid(), **fields})
+        line = json.dumps(
+            {"event": event, "id": identifier, "t": time.time(), "pid": os.getpid(), **fields}
+        )
         with open(path, "a") as f:
             f.write(line + "\n")
 
@@ -90,6 +97,7 @@ def _traced_saves(save):
 # ---- the timed connectors the servers load (ec_connector_module_path = "bench.vllm") --------
 # Defined lazily: importing vLLM is seconds, and `epd-bench` imports this module for its parser.
 
+
 def __getattr__(name: str):
     if name == "TimedEPDConnector":
         from prefill_side.vllm_connector import EPDConnector
@@ -118,44 +126,91 @@ def __getattr__(name: str):
     if name == "TimedExampleConnector":
         from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
-        return type("TimedExampleConnector", (ECExampleConnector,), {
-            "start_load_caches": _traced_loads(ECExampleConnector.start_load_caches),
-            "save_caches": _traced_saves(ECExampleConnector.save_caches)})
+        return type(
+            "TimedExampleConnector",
+            (ECExampleConnector,),
+            {
+                "start_load_caches": _traced_loads(ECExampleConnector.start_load_caches),
+                "save_caches": _traced_saves(ECExampleConnector.save_caches),
+            },
+        )
     if name == "TimedMooncakeConnector":
-        from vllm.distributed.ec_transfer.ec_connector.mooncake_ec_connector import ECMooncakeConnector
+        from vllm.distributed.ec_transfer.ec_connector.mooncake_ec_connector import (
+            ECMooncakeConnector,
+        )
 
-        return type("TimedMooncakeConnector", (ECMooncakeConnector,), {
-            "start_load_caches": _traced_loads(ECMooncakeConnector.start_load_caches),
-            "save_caches": _traced_saves(ECMooncakeConnector.save_caches)})
+        return type(
+            "TimedMooncakeConnector",
+            (ECMooncakeConnector,),
+            {
+                "start_load_caches": _traced_loads(ECMooncakeConnector.start_load_caches),
+                "save_caches": _traced_saves(ECMooncakeConnector.save_caches),
+            },
+        )
     raise AttributeError(name)
 
 
 # ---- servers ----------------------------------------------------------------------------------
 
+
 class Server:
     """One vLLM OpenAI server process (and its engine processes), logging to a file."""
 
-    def __init__(self, name: str, model: str, log_dir: str, ec_config: dict | None, dtype: str,
-                 max_model_len: int, env: dict | None = None, extra: tuple[str, ...] = (), images_per_prompt: int = 1):
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        log_dir: str,
+        ec_config: dict | None,
+        dtype: str,
+        max_model_len: int,
+        env: dict | None = None,
+        extra: tuple[str, ...] = (),
+        images_per_prompt: int = 1,
+    ):
         from bench.cluster import free_port
 
         self.name, self.model, self.port = name, model, free_port()
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.trace_path = os.path.join(log_dir, f"{name}.trace")
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host",
-                   "127.0.0.1", "--port", str(self.port), "--dtype", dtype, "--enforce-eager", "--max-model-len",
-                   str(max_model_len), "--limit-mm-per-prompt", json.dumps({"image": images_per_prompt}), *extra]
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            dtype,
+            "--enforce-eager",
+            "--max-model-len",
+            str(max_model_len),
+            "--limit-mm-per-prompt",
+            json.dumps({"image": images_per_prompt}),
+            *extra,
+        ]
         if ec_config is not None:
             command += ["--ec-transfer-config", json.dumps(ec_config)]
-        env = {**os.environ, TRACE_ENV: self.trace_path, "VLLM_CPU_KVCACHE_SPACE": "1",
-               "OMP_WAIT_POLICY": "PASSIVE", "MC_LOG_LEVEL": "ERROR", **(env or {})}
+        env = {
+            **os.environ,
+            TRACE_ENV: self.trace_path,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "MC_LOG_LEVEL": "ERROR",
+            **(env or {}),
+        }
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def healthy(self) -> bool:
         if self.process.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.process.returncode}: {self.log_tail()}")
+            raise RuntimeError(
+                f"{self.name} exited with {self.process.returncode}: {self.log_tail()}"
+            )
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=1) as response:
                 return response.status == 200
@@ -164,8 +219,12 @@ class Server:
 
     def log_tail(self, lines: int = 6) -> str:
         with open(self.log_path, errors="replace") as f:
-            kept = [line.strip() for line in f if any(word in line for word in ("Error", "error", "raise", "fail"))
-                    and "ulimit" not in line]  # vLLM's start-up warning about the fd limit says "failed"
+            kept = [
+                line.strip()
+                for line in f
+                if any(word in line for word in ("Error", "error", "raise", "fail"))
+                and "ulimit" not in line
+            ]  # vLLM's start-up warning about the fd limit says "failed"
         return " | ".join(kept[-lines:]) or "(no error in its log)"
 
     def cpu_seconds(self) -> dict[str, float]:
@@ -199,7 +258,9 @@ def cpu_seconds(pids) -> dict[str, float]:
         except OSError:  # ended meanwhile
             continue
         fields = rest.split()
-        by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf(
+            "SC_CLK_TCK"
+        )
     return by_name
 
 
@@ -248,14 +309,24 @@ def _ec(connector: str, role: str, module: str | None = "bench.vllm", **fields) 
 
 # ---- requests -----------------------------------------------------------------------------------
 
+
 def _content(part: dict) -> list:
     return [part, {"type": "text", "text": "Describe the picture."}]
 
 
-async def _chat(session, server: Server, content: list, ec_transfer_params: dict | None = None,
-                max_tokens: int = 1) -> dict:
-    body = {"model": server.model, "messages": [{"role": "user", "content": content}], "temperature": 0,
-            "max_tokens": max_tokens}
+async def _chat(
+    session,
+    server: Server,
+    content: list,
+    ec_transfer_params: dict | None = None,
+    max_tokens: int = 1,
+) -> dict:
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
     if ec_transfer_params is not None:
         body["ec_transfer_params"] = ec_transfer_params
     async with session.post(server.url + "/v1/chat/completions", json=body) as response:
@@ -276,7 +347,9 @@ class Bench:
         self.args, self.log_dir, self.identifier = args, log_dir, identifier
         self.model = cached_vlm("qwen2_5_vl", hidden=args.hidden, layers=args.layers)
         self.processor = AutoImageProcessor.from_pretrained(self.model)
-        self.cluster = LocalCluster(self.model, dtype=args.dtype, log_dir=log_dir)  # the encode workers
+        self.cluster = LocalCluster(
+            self.model, dtype=args.dtype, log_dir=log_dir
+        )  # the encode workers
         self.workers = {}  # path -> its encode worker
         self.servers: dict[str, Server] = {}
         self.unavailable: dict[str, str] = {}
@@ -293,29 +366,50 @@ class Bench:
         args, model = self.args, self.model
         spawn = {}
         if set(paths) & {"epd-shm", "epd-mooncake", "colocated"}:
-            spawn["epd"] = _ec("TimedEPDConnector", "ec_consumer", ec_connector_extra_config={
-                "pool_bytes": 512 << 20, "transports": ["shm", "mooncake"]})
+            spawn["epd"] = _ec(
+                "TimedEPDConnector",
+                "ec_consumer",
+                ec_connector_extra_config={
+                    "pool_bytes": 512 << 20,
+                    "transports": ["shm", "mooncake"],
+                },
+            )
         if "example" in paths:
             shared = tempfile.mkdtemp(prefix="ec-example-", dir=self.log_dir)
             extra = {"shared_storage_path": shared}
-            spawn["example-producer"] = _ec("TimedExampleConnector", "ec_producer", ec_connector_extra_config=extra)
-            spawn["example-consumer"] = _ec("TimedExampleConnector", "ec_consumer", ec_connector_extra_config=extra)
+            spawn["example-producer"] = _ec(
+                "TimedExampleConnector", "ec_producer", ec_connector_extra_config=extra
+            )
+            spawn["example-consumer"] = _ec(
+                "TimedExampleConnector", "ec_consumer", ec_connector_extra_config=extra
+            )
         if "mooncake-ec" in paths:
             from bench.cluster import free_port
 
             self.mooncake_ports = {role: free_port() for role in ("producer", "consumer")}
             for role in ("producer", "consumer"):
-                spawn[f"mooncake-{role}"] = _ec("TimedMooncakeConnector", f"ec_{role}", ec_buffer_device="cpu",
-                                                ec_ip="127.0.0.1", ec_port=self.mooncake_ports[role],
-                                                ec_connector_extra_config={"mooncake_protocol": "tcp",
-                                                                           "push_wait_timeout_s": 20})
+                spawn[f"mooncake-{role}"] = _ec(
+                    "TimedMooncakeConnector",
+                    f"ec_{role}",
+                    ec_buffer_device="cpu",
+                    ec_ip="127.0.0.1",
+                    ec_port=self.mooncake_ports[role],
+                    ec_connector_extra_config={
+                        "mooncake_protocol": "tcp",
+                        "push_wait_timeout_s": 20,
+                    },
+                )
         if "cpu-ec" in paths:
             spawn["cpu-producer"] = _ec("ECCPUConnector", "ec_producer", module=None)
             spawn["cpu-consumer"] = _ec("ECCPUConnector", "ec_consumer", module=None)
         if "epd-shm" in paths:
-            self.workers["epd-shm"] = self.cluster.start_encode_worker("worker-shm", transports="shm")
+            self.workers["epd-shm"] = self.cluster.start_encode_worker(
+                "worker-shm", transports="shm"
+            )
         if "epd-mooncake" in paths:
-            self.workers["epd-mooncake"] = self.cluster.start_encode_worker("worker-mooncake", transports="mooncake")
+            self.workers["epd-mooncake"] = self.cluster.start_encode_worker(
+                "worker-mooncake", transports="mooncake"
+            )
         max_len = max(1024, 2 * max(args.sizes) ** 2 // (28 * 28) + 256)
         for name, config in spawn.items():
             # ECCPUConnector refuses the V1 model runner, which vLLM's CPU build picks by default
@@ -347,34 +441,62 @@ class Bench:
             if item.error:
                 raise RuntimeError(f"dispatch failed: {item.error}")
             self.acks[key] = wall + item.dispatch_s
-            part = {"type": "image_embeds", "image_embeds": {"image_grid_thw": list(item.grid_thw)}, "uuid": key}
-            await _chat(session, self.servers["epd"], _content(part),
-                        {"rooms": {key: item.encode_handshake.model_dump()}})
+            part = {
+                "type": "image_embeds",
+                "image_embeds": {"image_grid_thw": list(item.grid_thw)},
+                "uuid": key,
+            }
+            await _chat(
+                session,
+                self.servers["epd"],
+                _content(part),
+                {"rooms": {key: item.encode_handshake.model_dump()}},
+            )
         elif path == "colocated":
-            await _chat(session, self.servers["epd"], _content({"type": "image_url", "image_url": {"url": url}}))
+            await _chat(
+                session,
+                self.servers["epd"],
+                _content({"type": "image_url", "image_url": {"url": url}}),
+            )
             key = None
         elif path == "example":
-            answer = await _chat(session, self.servers["example-producer"],
-                                 _content({"type": "image_url", "image_url": {"url": url}, "uuid": key}))
+            answer = await _chat(
+                session,
+                self.servers["example-producer"],
+                _content({"type": "image_url", "image_url": {"url": url}, "uuid": key}),
+            )
             grid = answer["ec_transfer_params"][key]["metadata"]["image_grid_thw"]
             part = {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid}, "uuid": key}
             await _chat(session, self.servers["example-consumer"], _content(part))
         elif path == "mooncake-ec":
-            grid = list(image_grid(self.processor, size, size))  # as its proxy would: from the image's size
+            grid = list(
+                image_grid(self.processor, size, size)
+            )  # as its proxy would: from the image's size
             items = [{"transfer_id": f"t-{self.seed}", "mm_hash": key}]
             part = {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid}, "uuid": key}
-            consumer = asyncio.ensure_future(_chat(session, self.servers["mooncake-consumer"], _content(part),
-                                                   {"ec_items": items}))
-            await _chat(session, self.servers["mooncake-producer"],
-                        _content({"type": "image_url", "image_url": {"url": url}, "uuid": key}),
-                        {"consumer_zmq": f"tcp://127.0.0.1:{self.mooncake_ports['consumer']}", "ec_items": items})
+            consumer = asyncio.ensure_future(
+                _chat(
+                    session, self.servers["mooncake-consumer"], _content(part), {"ec_items": items}
+                )
+            )
+            await _chat(
+                session,
+                self.servers["mooncake-producer"],
+                _content({"type": "image_url", "image_url": {"url": url}, "uuid": key}),
+                {
+                    "consumer_zmq": f"tcp://127.0.0.1:{self.mooncake_ports['consumer']}",
+                    "ec_items": items,
+                },
+            )
             await consumer
         else:
             raise ValueError(f"no request flow for {path}")
         return time.monotonic() - started, key
 
     async def batch(self, path: str, size: int, session, dispatcher, progress) -> dict:
-        consumer = {"example": "example-consumer", "mooncake-ec": "mooncake-consumer"}.get(path, "epd")
+        consumer = {"example": "example-consumer", "mooncake-ec": "mooncake-consumer"}.get(
+            path, "epd"
+        )
         producer = {"example": "example-producer", "mooncake-ec": "mooncake-producer"}.get(path)
         cpu_before = self.servers[consumer].cpu_seconds()
         producer_before = self.servers[producer].cpu_seconds() if producer else {}
@@ -395,14 +517,24 @@ class Bench:
 
         def per_image(server: Server, before: dict[str, float]) -> dict[str, float]:
             after = server.cpu_seconds()
-            return {name: (seconds - before.get(name, 0.0)) / count * 1e3 for name, seconds in after.items()}
+            return {
+                name: (seconds - before.get(name, 0.0)) / count * 1e3
+                for name, seconds in after.items()
+            }
 
         cpu = per_image(self.servers[consumer], cpu_before)
         producer_cpu = per_image(self.servers[producer], producer_before) if producer else None
-        return {"path": path, "size": size, "requests": count, "ttft_ms": statistics.median(latencies) * 1e3,
-                "throughput_rps": count / elapsed, "cpu_ms_per_image": sum(cpu.values()), "cpu_by_process": cpu,
-                "producer_cpu_ms_per_image": sum(producer_cpu.values()) if producer_cpu else None,
-                "keys": [key for key in keys if key]}
+        return {
+            "path": path,
+            "size": size,
+            "requests": count,
+            "ttft_ms": statistics.median(latencies) * 1e3,
+            "throughput_rps": count / elapsed,
+            "cpu_ms_per_image": sum(cpu.values()),
+            "cpu_by_process": cpu,
+            "producer_cpu_ms_per_image": sum(producer_cpu.values()) if producer_cpu else None,
+            "keys": [key for key in keys if key],
+        }
 
     def deliveries(self) -> dict[str, float]:
         """Seconds from 'embedding exists at its producer' to 'in vLLM's encoder cache', per
@@ -415,7 +547,9 @@ class Bench:
                 elif event["event"] == "encoded":
                     encoded.setdefault(event["id"], event["t"])
                 elif event["event"] == "received" and event["id"] in self.acks:
-                    encoded.setdefault(event["id"], self.acks[event["id"]] + event["queue_s"] + event["encode_s"])
+                    encoded.setdefault(
+                        event["id"], self.acks[event["id"]] + event["queue_s"] + event["encode_s"]
+                    )
         return {key: in_cache[key] - encoded[key] for key in in_cache if key in encoded}
 
 
@@ -427,7 +561,9 @@ def run(args) -> dict:
     paths = [p for p in args.paths.split(",") if p]
     unknown = set(paths) - set(PATHS)
     if unknown:
-        raise SystemExit(f"epd-bench vllm: unknown paths {sorted(unknown)}; choose from {', '.join(PATHS)}")
+        raise SystemExit(
+            f"epd-bench vllm: unknown paths {sorted(unknown)}; choose from {', '.join(PATHS)}"
+        )
     log_dir = tempfile.mkdtemp(prefix="epd-bench-vllm-")
     bench = Bench(args, log_dir)
     raw: list[dict] = []
@@ -447,22 +583,33 @@ def run(args) -> dict:
             timeout = aiohttp.ClientTimeout(total=120)
             try:
                 async with aiohttp.ClientSession(timeout=timeout) as session:
-                    for path in paths:  # one untimed request each: a path that cannot serve is reported
+                    for (
+                        path
+                    ) in paths:  # one untimed request each: a path that cannot serve is reported
                         if path in bench.unavailable:
                             continue
                         try:
                             await bench.request(path, session, dispatchers, min(args.sizes))
                         except Exception as exc:  # any failure: this path is out, with why
-                            logs = "; ".join(f"{name}: {bench.servers[name].log_tail(3)}" for name in SERVERS_OF[path])
-                            bench.unavailable[path] = f"first request failed: {type(exc).__name__}: {exc} ({logs})"
+                            logs = "; ".join(
+                                f"{name}: {bench.servers[name].log_tail(3)}"
+                                for name in SERVERS_OF[path]
+                            )
+                            bench.unavailable[path] = (
+                                f"first request failed: {type(exc).__name__}: {exc} ({logs})"
+                            )
                     running = [p for p in paths if p not in bench.unavailable]
                     total = args.rounds * len(args.sizes) * len(running) * args.requests
-                    with tqdm(total=total, unit="req", desc="epd-bench vllm", file=sys.stderr) as progress:
+                    with tqdm(
+                        total=total, unit="req", desc="epd-bench vllm", file=sys.stderr
+                    ) as progress:
                         for round_index in range(args.rounds):
                             order = in_round(running, round_index)
                             for size in args.sizes:
                                 for path in order:
-                                    row = await bench.batch(path, size, session, dispatchers, progress)
+                                    row = await bench.batch(
+                                        path, size, session, dispatchers, progress
+                                    )
                                     row["round"] = round_index
                                     raw.append(row)
             finally:
@@ -476,12 +623,24 @@ def run(args) -> dict:
     finally:
         codes = bench.stop()
     for row in raw:
-        row["delivery_ms"] = ([deliveries[k] * 1e3 for k in row["keys"] if k in deliveries] or None)
-    report = {"config": {"model": bench.model, "hidden": args.hidden, "layers": args.layers, "dtype": args.dtype,
-                         "sizes": args.sizes, "requests": args.requests, "concurrency": args.concurrency,
-                         "rounds": args.rounds, "paths": paths},
-              "unavailable": bench.unavailable, "summary": _summary(raw, args.sizes), "raw": raw,
-              "exit_codes": codes}
+        row["delivery_ms"] = [deliveries[k] * 1e3 for k in row["keys"] if k in deliveries] or None
+    report = {
+        "config": {
+            "model": bench.model,
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "dtype": args.dtype,
+            "sizes": args.sizes,
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "rounds": args.rounds,
+            "paths": paths,
+        },
+        "unavailable": bench.unavailable,
+        "summary": _summary(raw, args.sizes),
+        "raw": raw,
+        "exit_codes": codes,
+    }
     report["goal"] = _goal(report["summary"], args.sizes)
     return report
 
@@ -496,11 +655,20 @@ def _summary(raw: list[dict], sizes: list[int]) -> list[dict]:
                 values = [row[key] for row in rows if row[key] is not None]
                 return statistics.median(values) if values else None
 
-            deliveries = [statistics.median(row["delivery_ms"]) for row in rows if row["delivery_ms"]]
-            out.append({"path": path, "size": size, "ttft_ms": med("ttft_ms"), "throughput_rps": med("throughput_rps"),
-                        "delivery_ms": statistics.median(deliveries) if deliveries else None,
-                        "cpu_ms_per_image": med("cpu_ms_per_image"),
-                        "producer_cpu_ms_per_image": med("producer_cpu_ms_per_image")})
+            deliveries = [
+                statistics.median(row["delivery_ms"]) for row in rows if row["delivery_ms"]
+            ]
+            out.append(
+                {
+                    "path": path,
+                    "size": size,
+                    "ttft_ms": med("ttft_ms"),
+                    "throughput_rps": med("throughput_rps"),
+                    "delivery_ms": statistics.median(deliveries) if deliveries else None,
+                    "cpu_ms_per_image": med("cpu_ms_per_image"),
+                    "producer_cpu_ms_per_image": med("producer_cpu_ms_per_image"),
+                }
+            )
     return out
 
 
@@ -511,8 +679,11 @@ def _goal(summary: list[dict], sizes: list[int]) -> dict:
         rows = [row for row in summary if row["size"] == size and row["delivery_ms"] is not None]
         ours = [row["delivery_ms"] for row in rows if row["path"] in OURS]
         theirs = {row["path"]: row["delivery_ms"] for row in rows if row["path"] not in OURS}
-        goal[str(size)] = {"ours_ms": min(ours) if ours else None, "peers_ms": theirs,
-                           "lowest": bool(ours) and all(min(ours) < value for value in theirs.values())}
+        goal[str(size)] = {
+            "ours_ms": min(ours) if ours else None,
+            "peers_ms": theirs,
+            "lowest": bool(ours) and all(min(ours) < value for value in theirs.values()),
+        }
     return goal
 
 
@@ -524,12 +695,21 @@ def plot(report: dict, path: str) -> None:
 
     sizes = report["config"]["sizes"]
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    for ax, key, title in zip(axes, ("delivery_ms", "ttft_ms", "cpu_ms_per_image"),
-                              ("delivery: encoded -> vLLM's encoder cache (ms)", "TTFT (ms)",
-                               "consumer CPU per image (ms)")):
+    for ax, key, title in zip(
+        axes,
+        ("delivery_ms", "ttft_ms", "cpu_ms_per_image"),
+        (
+            "delivery: encoded -> vLLM's encoder cache (ms)",
+            "TTFT (ms)",
+            "consumer CPU per image (ms)",
+        ),
+    ):
         for name in dict.fromkeys(row["path"] for row in report["summary"]):
-            points = [(row["size"], row[key]) for row in report["summary"] if row["path"] == name
-                      and row[key] is not None]
+            points = [
+                (row["size"], row[key])
+                for row in report["summary"]
+                if row["path"] == name and row[key] is not None
+            ]
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
         ax.set_title(title, fontsize=10)
@@ -538,24 +718,33 @@ def plot(report: dict, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[1].legend(fontsize=8)  # every path has a TTFT (colocated has no delivery)
-    figure.suptitle(f"epd-bench vllm: width {report['config']['hidden']} {report['config']['dtype']}, "
-                    f"median of {report['config']['rounds']} rounds", fontsize=10)
+    figure.suptitle(
+        f"epd-bench vllm: width {report['config']['hidden']} {report['config']['dtype']}, "
+        f"median of {report['config']['rounds']} rounds",
+        fontsize=10,
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
 def _print(report: dict) -> None:
-    print(f"\n{'path':>13s} {'size':>5s} {'delivery ms':>12s} {'TTFT ms':>8s} {'req/s':>6s} {'CPU ms/img':>11s}")
+    print(
+        f"\n{'path':>13s} {'size':>5s} {'delivery ms':>12s} {'TTFT ms':>8s} {'req/s':>6s} {'CPU ms/img':>11s}"
+    )
     for row in report["summary"]:
         delivery = f"{row['delivery_ms']:.2f}" if row["delivery_ms"] is not None else "-"
-        print(f"{row['path']:>13s} {row['size']:>5d} {delivery:>12s} {row['ttft_ms']:>8.1f} "
-              f"{row['throughput_rps']:>6.2f} {row['cpu_ms_per_image']:>11.1f}")
+        print(
+            f"{row['path']:>13s} {row['size']:>5d} {delivery:>12s} {row['ttft_ms']:>8.1f} "
+            f"{row['throughput_rps']:>6.2f} {row['cpu_ms_per_image']:>11.1f}"
+        )
     for path, why in report["unavailable"].items():
         print(f"{path}: unavailable: {why}")
     for size, goal in report["goal"].items():
-        print(f"size {size}: EPD connector lowest delivery time: {'yes' if goal['lowest'] else 'NO'} "
-              f"(ours {goal['ours_ms']}, peers {goal['peers_ms']})")
+        print(
+            f"size {size}: EPD connector lowest delivery time: {'yes' if goal['lowest'] else 'NO'} "
+            f"(ours {goal['ours_ms']}, peers {goal['peers_ms']})"
+        )
 
 
 def main(args) -> int:

@@ -34,7 +34,9 @@ class EmbeddingLayout:
 
     def __post_init__(self) -> None:
         if not (0 < self.rows <= MAX_ROWS and 0 < self.width <= MAX_WIDTH):
-            raise ContractError(f"rows {self.rows} and width {self.width} must be in (0, {MAX_ROWS}] x (0, {MAX_WIDTH}]")
+            raise ContractError(
+                f"rows {self.rows} and width {self.width} must be in (0, {MAX_ROWS}] x (0, {MAX_WIDTH}]"
+            )
         dtype_from_wire(self.dtype)
 
     @property
@@ -48,7 +50,9 @@ class EmbeddingLayout:
     @classmethod
     def of(cls, tensor: torch.Tensor) -> EmbeddingLayout:
         if tensor.dim() != 2:
-            raise ContractError(f"embeddings must be 2-D [rows, width], got shape {tuple(tensor.shape)}")
+            raise ContractError(
+                f"embeddings must be 2-D [rows, width], got shape {tuple(tensor.shape)}"
+            )
         return cls(int(tensor.shape[0]), int(tensor.shape[1]), dtype_to_wire(tensor.dtype))
 
 
@@ -81,22 +85,39 @@ class Commit(BaseModel):
 
 def make_commit(rows: torch.Tensor, generation: int, with_checksum: bool = True) -> Commit:
     layout = EmbeddingLayout.of(rows)
-    return Commit(generation=generation, rows=layout.rows, width=layout.width, dtype=layout.dtype,
-                  checksum=checksum(rows) if with_checksum else None)
+    return Commit(
+        generation=generation,
+        rows=layout.rows,
+        width=layout.width,
+        dtype=layout.dtype,
+        checksum=checksum(rows) if with_checksum else None,
+    )
 
 
-def accept_commit(pool: SlotPool, lease: Lease, reserved: EmbeddingLayout, commit: Commit,
-                  verify_checksum: bool = True, require_checksum: bool = True) -> torch.Tensor:
+def accept_commit(
+    pool: SlotPool,
+    lease: Lease,
+    reserved: EmbeddingLayout,
+    commit: Commit,
+    verify_checksum: bool = True,
+    require_checksum: bool = True,
+) -> torch.Tensor:
     """Check a commit against the live lease and return the slot as a ``[rows, width]`` view
     (with ``verify_checksum=False`` the caller checks the bytes it publishes: ``verify_rows``)."""
     if commit.generation != lease.generation or not pool.is_current(lease):
-        raise ContractError(f"commit for generation {commit.generation} but the slot holds {lease.generation}"
-                            + ("" if pool.is_current(lease) else " (lease no longer live)"))
+        raise ContractError(
+            f"commit for generation {commit.generation} but the slot holds {lease.generation}"
+            + ("" if pool.is_current(lease) else " (lease no longer live)")
+        )
     if commit.layout != reserved:
-        raise ContractError(f"committed [{commit.rows}, {commit.width}] {commit.dtype} but reserved "
-                            f"[{reserved.rows}, {reserved.width}] {reserved.dtype}")
+        raise ContractError(
+            f"committed [{commit.rows}, {commit.width}] {commit.dtype} but reserved "
+            f"[{reserved.rows}, {reserved.width}] {reserved.dtype}"
+        )
     if reserved.nbytes != lease.nbytes:
-        raise ContractError(f"reserved layout needs {reserved.nbytes} bytes but the lease holds {lease.nbytes}")
+        raise ContractError(
+            f"reserved layout needs {reserved.nbytes} bytes but the lease holds {lease.nbytes}"
+        )
     rows = pool.view(lease).view(reserved.torch_dtype).view(reserved.rows, reserved.width)
     if verify_checksum:
         verify_rows(rows, commit, require_checksum)
@@ -108,8 +129,10 @@ def verify_rows(rows: torch.Tensor, commit: Commit, required: bool = True) -> No
     when ``required`` is False (then nothing but its generation and layout vouch for the bytes)."""
     if commit.checksum is None:
         if required:
-            raise ContractError("the commit carries no checksum and this receiver requires one "
-                                "(the sender runs without checksums; see require_checksum)")
+            raise ContractError(
+                "the commit carries no checksum and this receiver requires one "
+                "(the sender runs without checksums; see require_checksum)"
+            )
         return
     if checksum(rows) != commit.checksum:
         raise ContractError("checksum mismatch: the slot's bytes are not what the sender committed")

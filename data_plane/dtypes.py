@@ -22,11 +22,15 @@ def dtype_from_wire(name: str) -> torch.dtype:
     try:
         return WIRE_DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype {name!r} is not allowed; use one of {sorted(WIRE_DTYPES)}") from None
+        raise ValueError(
+            f"dtype {name!r} is not allowed; use one of {sorted(WIRE_DTYPES)}"
+        ) from None
 
 
 def dtype_to_wire(dtype: torch.dtype) -> str:
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} cannot cross the wire; use one of {sorted(WIRE_DTYPES)}") from None
+        raise ValueError(
+            f"dtype {dtype} cannot cross the wire; use one of {sorted(WIRE_DTYPES)}"
+        ) from None

@@ -13,8 +13,18 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, Strict, WithJsonSchema
 
-_SCHEMA_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
-_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+_SCHEMA_KEYS = {
+    "ge": "minimum",
+    "gt": "exclusiveMinimum",
+    "le": "maximum",
+    "lt": "exclusiveMaximum",
+}
+_BOUNDS = {
+    "ge": (operator.ge, ">="),
+    "gt": (operator.gt, ">"),
+    "le": (operator.le, "<="),
+    "lt": (operator.lt, "<"),
+}
 
 
 def _whole_number(constraints: dict):
@@ -38,7 +48,9 @@ def json_int(**constraints):
     fraction (``2.0``); never a bool or a string. The int branch is the fast one."""
     schema = {"type": "integer", **{_SCHEMA_KEYS[key]: value for key, value in constraints.items()}}
     whole_number = Annotated[float, Strict(), _whole_number(constraints)]
-    return Annotated[Annotated[int, Strict(), Field(**constraints)] | whole_number, WithJsonSchema(schema)]
+    return Annotated[
+        Annotated[int, Strict(), Field(**constraints)] | whole_number, WithJsonSchema(schema)
+    ]
 
 
 def json_float(**constraints):

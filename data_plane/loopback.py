@@ -55,7 +55,9 @@ class _ScheduledTransfer(Transfer):
             self._finish(TransferState.DONE)
         elif self.state is TransferState.PENDING and time.monotonic() >= self.deadline:
             # a delayed copy may still land: unsettled, like a Mooncake timeout
-            self._finish(TransferState.FAILED, "deadline exceeded", settled=self._fault.kind == "drop")
+            self._finish(
+                TransferState.FAILED, "deadline exceeded", settled=self._fault.kind == "drop"
+            )
         return self.state
 
 
@@ -89,7 +91,9 @@ class LoopbackTransport(Transport):
         region_id = self._region_ids.get(id(pool.region))
         if region_id is None:
             raise TransferRefused("pool region is not registered with the loopback transport")
-        return LoopbackOffer(kind="loopback", region=region_id, offset=lease.offset, capacity=lease.nbytes)
+        return LoopbackOffer(
+            kind="loopback", region=region_id, offset=lease.offset, capacity=lease.nbytes
+        )
 
     def reachable(self, offer: LoopbackOffer) -> bool:
         return offer.region in self._regions
@@ -98,7 +102,9 @@ class LoopbackTransport(Transport):
         region = self._regions[offer.region]
         nbytes = src.numel()
         if offer.offset + nbytes > region.nbytes:
-            raise TransferRefused(f"write [{offer.offset}, +{nbytes}) is outside the receiver's region")
+            raise TransferRefused(
+                f"write [{offer.offset}, +{nbytes}) is outside the receiver's region"
+            )
         dst = region.tensor[offer.offset : offer.offset + nbytes]
         with self._lock:
             fault = self._faults.popleft() if self._faults else None

@@ -79,8 +79,14 @@ def _load_engine_class(config: MooncakeConfig):
 
 
 class _MooncakeTransfer(Transfer):
-    def __init__(self, transport: MooncakeTransport, src_addr: int, nbytes: int, offer: MooncakeOffer,
-                 deadline: float):
+    def __init__(
+        self,
+        transport: MooncakeTransport,
+        src_addr: int,
+        nbytes: int,
+        offer: MooncakeOffer,
+        deadline: float,
+    ):
         super().__init__(nbytes, deadline)
         self._transport = transport
         self._args = (offer.session, src_addr, offer.address, nbytes)
@@ -91,7 +97,11 @@ class _MooncakeTransfer(Transfer):
     def _start(self) -> int | None:
         batch_id = self._transport.engine.transfer_submit_write(*self._args)
         if batch_id < 0:
-            self._finish(TransferState.FAILED, "mooncake refused to submit the write", settled=not self._retried)
+            self._finish(
+                TransferState.FAILED,
+                "mooncake refused to submit the write",
+                settled=not self._retried,
+            )
             return None
         return batch_id
 
@@ -107,13 +117,23 @@ class _MooncakeTransfer(Transfer):
                 if self.state is TransferState.PENDING and self._transport.refuses(self._args[0]):
                     # no process listens there any more: nothing can land, and the engine has no
                     # connection left to read our source for (a retry would wait out its connect)
-                    self._finish(TransferState.FAILED, "mooncake peer is gone (it refuses connections)")
-                elif not self._retried and self.state is TransferState.PENDING and now < self.deadline:
+                    self._finish(
+                        TransferState.FAILED, "mooncake peer is gone (it refuses connections)"
+                    )
+                elif (
+                    not self._retried
+                    and self.state is TransferState.PENDING
+                    and now < self.deadline
+                ):
                     # a rejected request tears down a TCP lane; one retry rides over it
                     self._retried = True
                     self._batch_id = self._start()
                 else:
-                    reason = "mooncake transfer timed out" if status == -2 else "mooncake transfer failed"
+                    reason = (
+                        "mooncake transfer timed out"
+                        if status == -2
+                        else "mooncake transfer failed"
+                    )
                     self._finish(TransferState.FAILED, reason, settled=False)  # it may still land
         if self.state is TransferState.PENDING and now >= self.deadline:
             self._finish(TransferState.FAILED, "deadline exceeded", settled=False)
@@ -129,7 +149,9 @@ class MooncakeTransport(Transport):
 
     def __init__(self, config: MooncakeConfig = MooncakeConfig()):
         engine_class = _load_engine_class(config)
-        os.environ["MC_TRANSFER_TIMEOUT"] = str(max(config.transfer_timeout_s, MIN_ENGINE_TIMEOUT_S))
+        os.environ["MC_TRANSFER_TIMEOUT"] = str(
+            max(config.transfer_timeout_s, MIN_ENGINE_TIMEOUT_S)
+        )
         if config.force_tcp:
             os.environ["MC_FORCE_TCP"] = "1"
         self.config = config
@@ -138,10 +160,12 @@ class MooncakeTransport(Transport):
             self.engine = engine_class()
             rc = self.engine.initialize(config.hostname, "P2PHANDSHAKE", "tcp", config.device_names)
         if rc != 0:
-            raise MooncakeUnavailable(f"Mooncake TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE) "
-                                      f"returned {rc} (is a port free in its range, MC_MIN_RPC_PORT.."
-                                      f"MC_MAX_RPC_PORT or 15000-17000, and is {config.hostname} an address of "
-                                      "this host?)")
+            raise MooncakeUnavailable(
+                f"Mooncake TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE) "
+                f"returned {rc} (is a port free in its range, MC_MIN_RPC_PORT.."
+                f"MC_MAX_RPC_PORT or 15000-17000, and is {config.hostname} an address of "
+                "this host?)"
+            )
         self.session = f"{config.hostname}:{self.engine.get_rpc_port()}"
         self._regions: list[MemoryRegion] = []
         self._reached: set[str] = set()  # sessions a probe has answered
@@ -155,7 +179,9 @@ class MooncakeTransport(Transport):
             if cls._instance is None or cls._instance.pid != os.getpid():
                 cls._instance = cls(config)
             elif cls._instance.config != config:
-                raise ValueError("the process's Mooncake engine was already created with another config")
+                raise ValueError(
+                    "the process's Mooncake engine was already created with another config"
+                )
             return cls._instance
 
     @classmethod
@@ -164,7 +190,9 @@ class MooncakeTransport(Transport):
 
     def _check_process(self) -> None:
         if os.getpid() != self.pid:
-            raise MooncakeUnavailable("a Mooncake engine cannot be used across fork(); create one per process")
+            raise MooncakeUnavailable(
+                "a Mooncake engine cannot be used across fork(); create one per process"
+            )
 
     def register(self, region: MemoryRegion) -> None:
         self._check_process()
@@ -173,14 +201,21 @@ class MooncakeTransport(Transport):
                 return
             rc = self.engine.register_memory(region.address, region.nbytes)
             if rc != 0:
-                raise MooncakeUnavailable(f"register_memory of {region.nbytes} bytes returned {rc}"
-                                          + (" (overlaps a registered region)" if rc == -7 else ""))
+                raise MooncakeUnavailable(
+                    f"register_memory of {region.nbytes} bytes returned {rc}"
+                    + (" (overlaps a registered region)" if rc == -7 else "")
+                )
             self._regions.append(region)
 
     def offer(self, pool: SlotPool, lease: Lease) -> MooncakeOffer:
         if not any(r is pool.region for r in self._regions):
             raise TransferRefused("pool region is not registered with Mooncake")
-        return MooncakeOffer(kind="mooncake", session=self.session, address=pool.region.address + lease.offset, capacity=lease.nbytes)
+        return MooncakeOffer(
+            kind="mooncake",
+            session=self.session,
+            address=pool.region.address + lease.offset,
+            capacity=lease.nbytes,
+        )
 
     def reachable(self, offer: MooncakeOffer) -> bool:
         return True  # liveness is `alive(session)`; routability is the fabric's
@@ -201,8 +236,11 @@ class MooncakeTransport(Transport):
                 if len(self._probing) >= 64:
                     return None
                 result: dict = {}
-                thread = threading.Thread(target=lambda: result.setdefault("ok", self.alive(session)),
-                                          name=f"mooncake-probe-{session}", daemon=True)
+                thread = threading.Thread(
+                    target=lambda: result.setdefault("ok", self.alive(session)),
+                    name=f"mooncake-probe-{session}",
+                    daemon=True,
+                )
                 thread.result = result
                 self._probing[session] = thread
                 thread.start()
@@ -230,7 +268,9 @@ class MooncakeTransport(Transport):
             return
         answer = self._probe(session, timeout_s)
         if answer is None:
-            raise TransferRefused(f"Mooncake peer {session} did not answer a first contact in {timeout_s:.1f} s")
+            raise TransferRefused(
+                f"Mooncake peer {session} did not answer a first contact in {timeout_s:.1f} s"
+            )
         if not answer:
             raise TransferRefused(f"Mooncake peer {session} is not reachable")
         self._reached.add(session)

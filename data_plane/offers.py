@@ -54,7 +54,9 @@ class ShmOffer(OfferModel):
 
 class MooncakeOffer(OfferModel):
     kind: Literal["mooncake"]
-    session: str = Field(min_length=3, max_length=300, pattern=r"^[A-Za-z0-9.\-_\[\]:]+:[0-9]{1,5}$")
+    session: str = Field(
+        min_length=3, max_length=300, pattern=r"^[A-Za-z0-9.\-_\[\]:]+:[0-9]{1,5}$"
+    )
     address: json_int(gt=0, lt=1 << 64)
     capacity: json_int(gt=0, le=MAX_BYTES)
 
@@ -85,7 +87,12 @@ class TransportSpec:
 
 TRANSPORTS: tuple[TransportSpec, ...] = (  # the sender's preference, first to last
     TransportSpec("shm", ShmOffer, "data_plane.shm_transport:ShmTransport", needs_shm_pool=True),
-    TransportSpec("mooncake", MooncakeOffer, "data_plane.mooncake:MooncakeTransport", registers_send_memory=True),
+    TransportSpec(
+        "mooncake",
+        MooncakeOffer,
+        "data_plane.mooncake:MooncakeTransport",
+        registers_send_memory=True,
+    ),
     TransportSpec("loopback", LoopbackOffer, "data_plane.loopback:LoopbackTransport"),
 )
 TRANSPORT_NAMES = tuple(spec.name for spec in TRANSPORTS)

@@ -46,7 +46,9 @@ class MemoryRegion:
         self.shm = shm
         self.address = tensor.data_ptr()
         self.nbytes = tensor.numel()
-        self._shm_file = _file_id(shm.name) if shm is not None else None  # (device, inode) of our segment
+        self._shm_file = (
+            _file_id(shm.name) if shm is not None else None
+        )  # (device, inode) of our segment
 
     @classmethod
     def anonymous(cls, nbytes: int) -> MemoryRegion:
@@ -64,7 +66,11 @@ class MemoryRegion:
         """Whether ``/dev/shm`` still names this region's segment. Someone may unlink it (or put
         another file in its place): the memory stays valid here, but a same-node writer can no
         longer map it."""
-        return self.shm is not None and self._shm_file is not None and _file_id(self.shm.name) == self._shm_file
+        return (
+            self.shm is not None
+            and self._shm_file is not None
+            and _file_id(self.shm.name) == self._shm_file
+        )
 
     def contains(self, address: int, nbytes: int) -> bool:
         return self.address <= address and address + nbytes <= self.address + self.nbytes
@@ -89,7 +95,9 @@ class SlotPool:
         clock: Callable[[], float] = time.monotonic,
     ):
         if slot_bytes <= 0 or region.nbytes < slot_bytes:
-            raise ValueError(f"slot size {slot_bytes} must be positive and fit the {region.nbytes}-byte region")
+            raise ValueError(
+                f"slot size {slot_bytes} must be positive and fit the {region.nbytes}-byte region"
+            )
         if quarantine_s <= 0:
             raise ValueError("quarantine must be positive")
         self.region = region
@@ -164,7 +172,9 @@ class SlotPool:
                 "slots": self.slot_count,
                 "free_slots": sum(length for _, length in self._free),
                 "leased_slots": sum(lease.slot_count for lease in self._leased.values()),
-                "quarantined_slots": sum(lease.slot_count for lease, _ in self._quarantined.values()),
+                "quarantined_slots": sum(
+                    lease.slot_count for lease, _ in self._quarantined.values()
+                ),
                 "leases": len(self._leased),
                 "generation": self._generation,
             }

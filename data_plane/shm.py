@@ -59,7 +59,9 @@ def is_pool_name(name: str) -> bool:
 def is_intake_name(name: str) -> bool:
     """Whether ``name`` is an intake handle's: ``epd-in-`` plus the producer's pid and a random
     part (``publish(..., purpose="intake")`` is the only creator of such names)."""
-    return isinstance(name, str) and name.startswith(INTAKE_PREFIX) and bool(_NAME_RE.fullmatch(name))
+    return (
+        isinstance(name, str) and name.startswith(INTAKE_PREFIX) and bool(_NAME_RE.fullmatch(name))
+    )
 
 
 @cache
@@ -82,7 +84,11 @@ class ShmSegment:
         self.size = size
         self.owner = owner
         self._mmap = mapping
-        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        self.tensor = (
+            torch.frombuffer(mapping, dtype=torch.uint8)
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
 
     @classmethod
     def create(cls, size: int, kind: str = "seg", name: str | None = None) -> ShmSegment:
@@ -108,7 +114,9 @@ class ShmSegment:
                 os.unlink(path)
                 resource_tracker.unregister(_tracker_name(name), "shared_memory")
                 if isinstance(exc, OSError):
-                    raise ShmError(exc.errno, f"cannot create {size}-byte SHM segment {name}: {exc.strerror}") from exc
+                    raise ShmError(
+                        exc.errno, f"cannot create {size}-byte SHM segment {name}: {exc.strerror}"
+                    ) from exc
                 raise
         finally:
             os.close(fd)
@@ -131,8 +139,10 @@ class ShmSegment:
             if info.st_uid != os.geteuid():
                 raise ShmError(f"SHM segment {name} belongs to uid {info.st_uid}, not to us")
             if info.st_size < max(min_size, 1) or (exact and info.st_size != max(min_size, 1)):
-                raise ShmError(f"SHM segment {name} has {info.st_size} bytes, "
-                               f"need {'exactly ' if exact else ''}{max(min_size, 1)}")
+                raise ShmError(
+                    f"SHM segment {name} has {info.st_size} bytes, "
+                    f"need {'exactly ' if exact else ''}{max(min_size, 1)}"
+                )
             mapping = mmap.mmap(fd, info.st_size)
         finally:
             os.close(fd)
@@ -194,7 +204,9 @@ class ShmTensorHandle:
     @classmethod
     def publish(cls, tensor: torch.Tensor, purpose: str = "handoff") -> ShmTensorHandle:
         if purpose not in PURPOSE_KINDS:
-            raise ValueError(f"unknown SHM handle purpose {purpose!r}; expected one of {sorted(PURPOSE_KINDS)}")
+            raise ValueError(
+                f"unknown SHM handle purpose {purpose!r}; expected one of {sorted(PURPOSE_KINDS)}"
+            )
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         segment = ShmSegment._create(max(flat.numel(), 1), new_name(PURPOSE_KINDS[purpose]))
         try:
@@ -210,23 +222,34 @@ class ShmTensorHandle:
         return cls(shm_name=segment.name, shape=tuple(tensor.shape), dtype=tensor.dtype)
 
     @classmethod
-    def for_intake(cls, shm_name: str, shape: tuple[int, ...], dtype: torch.dtype) -> ShmTensorHandle:
+    def for_intake(
+        cls, shm_name: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> ShmTensorHandle:
         """A handle named by an intake message; ``ValueError`` unless the name is an intake
         handle's (checked on the name alone: nothing in ``/dev/shm`` is touched)."""
         if not is_intake_name(shm_name):
-            raise ValueError(f"SHM segment {shm_name!r} is not an intake handle (intake reads only "
-                             f"{INTAKE_PREFIX}* segments, made by ShmTensorHandle.publish(..., purpose='intake'))")
+            raise ValueError(
+                f"SHM segment {shm_name!r} is not an intake handle (intake reads only "
+                f"{INTAKE_PREFIX}* segments, made by ShmTensorHandle.publish(..., purpose='intake'))"
+            )
         handle = cls(shm_name=shm_name, shape=shape, dtype=dtype)
         handle._exact = True
         return handle
 
     def to_wire(self) -> dict:
-        return {"shm_name": self.shm_name, "shape": list(self.shape), "dtype": dtype_to_wire(self.dtype)}
+        return {
+            "shm_name": self.shm_name,
+            "shape": list(self.shape),
+            "dtype": dtype_to_wire(self.dtype),
+        }
 
     @classmethod
     def from_wire(cls, data: dict) -> ShmTensorHandle:
-        return cls(shm_name=data["shm_name"], shape=tuple(int(d) for d in data["shape"]),
-                   dtype=dtype_from_wire(data["dtype"]))
+        return cls(
+            shm_name=data["shm_name"],
+            shape=tuple(int(d) for d in data["shape"]),
+            dtype=dtype_from_wire(data["dtype"]),
+        )
 
     def attach(self) -> None:
         if self._segment is None:
@@ -239,8 +262,10 @@ class ShmTensorHandle:
         """Copy the tensor out, unmap and unlink. ``attach()`` must have run."""
         segment = self._segment
         if segment is None:
-            raise RuntimeError(f"ShmTensorHandle({self.shm_name!r}) must be attach()'d before consume() "
-                               "(or was already consumed here)")
+            raise RuntimeError(
+                f"ShmTensorHandle({self.shm_name!r}) must be attach()'d before consume() "
+                "(or was already consumed here)"
+            )
         self._segment = None
         try:
             pin = torch.cuda.is_available()

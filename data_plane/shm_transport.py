@@ -23,7 +23,9 @@ class ShmTransport(Transport):
     copies_in_submit = True
 
     def __init__(self, max_attached: int = 64):
-        self._attached: collections.OrderedDict[str, tuple[ShmSegment, int | None]] = collections.OrderedDict()
+        self._attached: collections.OrderedDict[str, tuple[ShmSegment, int | None]] = (
+            collections.OrderedDict()
+        )
         self._max_attached = max_attached
         self._lock = threading.Lock()
 
@@ -34,8 +36,13 @@ class ShmTransport(Transport):
     def offer(self, pool: SlotPool, lease: Lease) -> ShmOffer:
         if pool.region.shm is None:
             raise TransferRefused("pool is not backed by /dev/shm")
-        return ShmOffer(kind="shm", namespace=namespace_id(), segment=pool.region.shm.name, offset=lease.offset,
-                        capacity=lease.nbytes)
+        return ShmOffer(
+            kind="shm",
+            namespace=namespace_id(),
+            segment=pool.region.shm.name,
+            offset=lease.offset,
+            capacity=lease.nbytes,
+        )
 
     def reachable(self, offer: ShmOffer) -> bool:
         return offer.namespace == namespace_id()
@@ -47,8 +54,10 @@ class ShmTransport(Transport):
         ever mapped: an offer naming any other segment of ours (an intake or handoff handle) is
         refused on the name alone."""
         if not is_pool_name(name):
-            raise TransferRefused(f"the receiver's offer names SHM segment {name}, which is not a receive pool "
-                                  f"({POOL_PREFIX}*)")
+            raise TransferRefused(
+                f"the receiver's offer names SHM segment {name}, which is not a receive pool "
+                f"({POOL_PREFIX}*)"
+            )
         with self._lock:
             entry = self._attached.get(name)
             if entry is not None:
@@ -58,8 +67,10 @@ class ShmTransport(Transport):
                     return segment
                 del self._attached[name]
                 segment.close()
-                raise TransferRefused(f"the receiver's segment {name} is gone "
-                                      "(its pool was closed or its process ended)")
+                raise TransferRefused(
+                    f"the receiver's segment {name} is gone "
+                    "(its pool was closed or its process ended)"
+                )
         self._drop_gone()
         try:
             segment = ShmSegment.attach(name)
@@ -80,14 +91,18 @@ class ShmTransport(Transport):
         receiver's pool pages stay allocated while anyone maps them, so without this a writer
         that outlived its receivers kept up to 64 dead pools alive."""
         with self._lock:
-            for name in [name for name, (_, inode) in self._attached.items() if _inode(name) != inode]:
+            for name in [
+                name for name, (_, inode) in self._attached.items() if _inode(name) != inode
+            ]:
                 self._attached.pop(name)[0].close()
 
     def _submit(self, src: torch.Tensor, offer: ShmOffer, deadline: float) -> Transfer:
         segment = self._segment(offer.segment)
         nbytes = src.numel()
         if offer.offset + nbytes > segment.size:
-            raise TransferRefused(f"write [{offer.offset}, +{nbytes}) is outside segment {offer.segment}")
+            raise TransferRefused(
+                f"write [{offer.offset}, +{nbytes}) is outside segment {offer.segment}"
+            )
         segment.tensor[offer.offset : offer.offset + nbytes].copy_(src)
         return CompletedTransfer(nbytes, deadline)
 

@@ -113,7 +113,9 @@ class Transport(abc.ABC):
             raise TransferRefused("source tensor must be contiguous")
         nbytes = src.numel() * src.element_size()
         if nbytes == 0 or nbytes > offer.capacity:
-            raise TransferRefused(f"{nbytes} bytes do not fit the receiver's {offer.capacity}-byte slot")
+            raise TransferRefused(
+                f"{nbytes} bytes do not fit the receiver's {offer.capacity}-byte slot"
+            )
         if not self.reachable(offer):
             raise TransferRefused(f"{self.name} offer is not reachable from this process")
         return self._submit(src.reshape(-1).view(torch.uint8), offer, deadline)
@@ -125,8 +127,9 @@ class Transport(abc.ABC):
         """Release what the transport holds (engines, mappings)."""
 
 
-def build_transports(names: Sequence[str], configs: Mapping[str, object] | None = None,
-                     optional: bool = False) -> dict[str, Transport]:
+def build_transports(
+    names: Sequence[str], configs: Mapping[str, object] | None = None, optional: bool = False
+) -> dict[str, Transport]:
     """This process's transports by name (``data_plane.offers.TRANSPORTS``), each built by its
     registered class from ``configs[name]`` (absent: its defaults). With ``optional``, a transport
     unavailable here (``TransportUnavailable``) leaves the others in service (logged) instead of
@@ -140,6 +143,10 @@ def build_transports(names: Sequence[str], configs: Mapping[str, object] | None 
         except TransportUnavailable as exc:
             if not optional or len(names) == 1:
                 raise
-            logging.getLogger(__name__).warning("%s unavailable, using %s only: %s", name.capitalize(),
-                                                ",".join(n for n in names if n != name), exc)
+            logging.getLogger(__name__).warning(
+                "%s unavailable, using %s only: %s",
+                name.capitalize(),
+                ",".join(n for n in names if n != name),
+                exc,
+            )
     return made

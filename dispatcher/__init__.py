@@ -5,4 +5,11 @@ from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError
 from dispatcher.ring import HashRing
 from dispatcher.workers import WorkerAddress, WorkerSet
 
-__all__ = ["DispatchError", "DispatchedItem", "Dispatcher", "HashRing", "WorkerAddress", "WorkerSet"]
+__all__ = [
+    "DispatchError",
+    "DispatchedItem",
+    "Dispatcher",
+    "HashRing",
+    "WorkerAddress",
+    "WorkerSet",
+]

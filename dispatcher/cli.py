@@ -32,11 +32,18 @@ class DispatchSettings(EncodeWorkerTargets):
     model_config = SettingsConfigDict(env_prefix="EPD_DISPATCH_")
     PROG: ClassVar[str] = "epd-dispatch"
 
-    images: CliPositionalArg[list[str]] = Field(min_length=1, description="image files (PNG, JPEG, WebP, BMP)")
-    served_model: str | None = Field(None, description="model name to put in intake messages (workers refuse "
-                                     "other models)")
-    prefill: HttpUrl = Field(None, description="reference prefill URL to post the request to (epd-prefill)")
-    verify: bool = Field(False, description="ask the prefill process to check every item against its own tower")
+    images: CliPositionalArg[list[str]] = Field(
+        min_length=1, description="image files (PNG, JPEG, WebP, BMP)"
+    )
+    served_model: str | None = Field(
+        None, description="model name to put in intake messages (workers refuse other models)"
+    )
+    prefill: HttpUrl = Field(
+        None, description="reference prefill URL to post the request to (epd-prefill)"
+    )
+    verify: bool = Field(
+        False, description="ask the prefill process to check every item against its own tower"
+    )
     request_id: str = Field("req-1", min_length=1, description="request id")
 
 
@@ -44,9 +51,16 @@ def prefill_body(request_id: str, items, verify: bool) -> dict:
     """The `POST /v1/prefill` body for dispatched items: consecutive placeholder spans."""
     body, start = [], 0
     for item in items:
-        body.append({"offsets": [[start, start + item.rows - 1]], "grid_thw": list(item.grid_thw),
-                     "encode_handshake": item.encode_handshake.model_dump() if item.encode_handshake else None,
-                     "image_b64": base64.b64encode(item.image).decode() if verify else None})
+        body.append(
+            {
+                "offsets": [[start, start + item.rows - 1]],
+                "grid_thw": list(item.grid_thw),
+                "encode_handshake": item.encode_handshake.model_dump()
+                if item.encode_handshake
+                else None,
+                "image_b64": base64.b64encode(item.image).decode() if verify else None,
+            }
+        )
         start += item.rows
     return {"request_id": request_id, "items": body, "verify": verify}
 
@@ -71,28 +85,54 @@ async def run(args: DispatchSettings) -> int:
 
     images = _read_images(args)
     workers = WorkerSet(list(args.workers), args.dns, args.bootstrap_port, args.intake_port)
-    dispatcher = Dispatcher(workers, args.image_processor(), rooms_url=args.rooms_url,
-                            served_model=args.served_model, handshake_token=args.handshake_token,
-                            intake_token=args.intake_token)
+    dispatcher = Dispatcher(
+        workers,
+        args.image_processor(),
+        rooms_url=args.rooms_url,
+        served_model=args.served_model,
+        handshake_token=args.handshake_token,
+        intake_token=args.intake_token,
+    )
     try:
         try:
             dispatcher.describe(images, args.images)  # refuse a bad file before any worker is asked
         except DispatchError as exc:
             raise SettingError(str(exc)) from None
         await workers.refresh()
-        items = await dispatcher.dispatch(args.request_id, images, near=args.near, names=args.images)
-        dispatched = [{"image": path, "rows": item.rows, "grid_thw": item.grid_thw, "worker": item.worker,
-                       "content_hash": f"{item.content_hash:032x}", "error": item.error,
-                       "dispatch_ms": round(item.dispatch_s * 1e3, 3),
-                       "encode_handshake": item.encode_handshake.model_dump() if item.encode_handshake else None}
-                      for path, item in zip(args.images, items)]
+        items = await dispatcher.dispatch(
+            args.request_id, images, near=args.near, names=args.images
+        )
+        dispatched = [
+            {
+                "image": path,
+                "rows": item.rows,
+                "grid_thw": item.grid_thw,
+                "worker": item.worker,
+                "content_hash": f"{item.content_hash:032x}",
+                "error": item.error,
+                "dispatch_ms": round(item.dispatch_s * 1e3, 3),
+                "encode_handshake": item.encode_handshake.model_dump()
+                if item.encode_handshake
+                else None,
+            }
+            for path, item in zip(args.images, items)
+        ]
         output = {"workers": workers.status(), "items": dispatched}
-        failed = [f"{path}: {item.error}" for path, item in zip(args.images, items) if item.error is not None]
+        failed = [
+            f"{path}: {item.error}"
+            for path, item in zip(args.images, items)
+            if item.error is not None
+        ]
         if args.prefill:
-            output["prefill"] = await _post(args.prefill, prefill_body(args.request_id, items, args.verify))
-            failed += [f"{_name(args.images, report.get('index'))}: prefill {report.get('state')}: "
-                       f"{report.get('reason')}" for report in output["prefill"].get("items", [])
-                       if report.get("state") != "DONE"]
+            output["prefill"] = await _post(
+                args.prefill, prefill_body(args.request_id, items, args.verify)
+            )
+            failed += [
+                f"{_name(args.images, report.get('index'))}: prefill {report.get('state')}: "
+                f"{report.get('reason')}"
+                for report in output["prefill"].get("items", [])
+                if report.get("state") != "DONE"
+            ]
             if output["prefill"].get("state") != "DONE" and not failed:
                 failed.append(f"prefill answered {output['prefill'].get('state')}")
         else:
@@ -126,7 +166,9 @@ async def _post(url: str, body: dict) -> dict:
             try:
                 return json.loads(text)
             except ValueError:
-                raise SettingError(f"--prefill {url} answered 200 with no JSON report: {text[:300]}") from None
+                raise SettingError(
+                    f"--prefill {url} answered 200 with no JSON report: {text[:300]}"
+                ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,15 +61,27 @@ class DispatchedItem:
         """The item as a prefill engine holds it: placeholders at ``[start, start + rows)``,
         the content hash, the expected patch grid, and the room."""
         return MultimodalDataItem(
-            Modality.IMAGE, hash=self.content_hash, offsets=[[start, start + self.rows - 1]],
+            Modality.IMAGE,
+            hash=self.content_hash,
+            offsets=[[start, start + self.rows - 1]],
             model_specific_data={"image_grid_thw": torch.tensor([list(self.grid_thw)])},
-            encode_handshake=self.encode_handshake.model_dump() if self.encode_handshake else None)
+            encode_handshake=self.encode_handshake.model_dump() if self.encode_handshake else None,
+        )
 
 
 class Dispatcher:
-    def __init__(self, workers: WorkerSet, processor, rooms_url: str | None = None, served_model: str | None = None,
-                 handshake_token: str | None = None, intake_token: str | None = None, room_ttl_s: float = 120.0,
-                 intake_timeout_s: float = 5.0, max_attempts: int = 3):
+    def __init__(
+        self,
+        workers: WorkerSet,
+        processor,
+        rooms_url: str | None = None,
+        served_model: str | None = None,
+        handshake_token: str | None = None,
+        intake_token: str | None = None,
+        room_ttl_s: float = 120.0,
+        intake_timeout_s: float = 5.0,
+        max_attempts: int = 3,
+    ):
         self.workers = workers
         self.processor = processor
         self.rooms_url = rooms_url  # a standalone room authority; None: rooms at each item's worker
@@ -108,30 +120,52 @@ class Dispatcher:
                     width, height = probe.size
                     image_format = probe.format
             except Exception as exc:  # PIL raises many types for bad data; its text names a BytesIO
-                raise DispatchError(f"{label}: not an image encode workers read ({', '.join(sorted(ALLOWED_FORMATS))}): "
-                                    f"{type(exc).__name__}") from None
+                raise DispatchError(
+                    f"{label}: not an image encode workers read ({', '.join(sorted(ALLOWED_FORMATS))}): "
+                    f"{type(exc).__name__}"
+                ) from None
             if image_format not in ALLOWED_FORMATS:
-                raise DispatchError(f"{label}: {image_format} is not accepted by encode workers "
-                                    f"({', '.join(sorted(ALLOWED_FORMATS))})")
+                raise DispatchError(
+                    f"{label}: {image_format} is not accepted by encode workers "
+                    f"({', '.join(sorted(ALLOWED_FORMATS))})"
+                )
             try:
                 grid = image_grid(self.processor, height, width)
             except ValueError as exc:
-                raise DispatchError(f"{label}: {width}x{height} cannot be resized for the tower: {exc}") from None
-            rows = grid[0] * grid[1] * grid[2] // self.processor.merge_size ** 2
-            items.append(DispatchedItem(index, image, hash_feature(image), width, height, grid, rows,
-                                        image_format=image_format))
+                raise DispatchError(
+                    f"{label}: {width}x{height} cannot be resized for the tower: {exc}"
+                ) from None
+            rows = grid[0] * grid[1] * grid[2] // self.processor.merge_size**2
+            items.append(
+                DispatchedItem(
+                    index,
+                    image,
+                    hash_feature(image),
+                    width,
+                    height,
+                    grid,
+                    rows,
+                    image_format=image_format,
+                )
+            )
         return items
 
-    async def dispatch(self, request_id: str, images: list[bytes], near: str | None = None,
-                       names: list[str] | None = None) -> list[DispatchedItem]:
+    async def dispatch(
+        self,
+        request_id: str,
+        images: list[bytes],
+        near: str | None = None,
+        names: list[str] | None = None,
+    ) -> list[DispatchedItem]:
         """Place every image on an encode worker; each item comes back with its room (or with
         ``error`` and, where one was minted, a cancelled room). ``near``: the prefill engine's
         host, whose encode workers are preferred (they can write over SHM). ``names``: what
         errors call the images (their files)."""
         return await self.place(request_id, self.describe(images, names), near)
 
-    async def place(self, request_id: str, items: list[DispatchedItem], near: str | None = None
-                    ) -> list[DispatchedItem]:
+    async def place(
+        self, request_id: str, items: list[DispatchedItem], near: str | None = None
+    ) -> list[DispatchedItem]:
         """``dispatch`` for items ``describe`` made (and returns them)."""
         if not REQUEST_ID.match(request_id):
             raise DispatchError(f"request id {request_id!r}: 1..100 of [A-Za-z0-9._:-]")
@@ -141,15 +175,20 @@ class Dispatcher:
             routes = self._route(unplaced, near)
             if not routes:
                 break
-            await asyncio.gather(*(self._place(request_id, address, batch, started)
-                                   for address, batch in routes.items()))
+            await asyncio.gather(
+                *(
+                    self._place(request_id, address, batch, started)
+                    for address, batch in routes.items()
+                )
+            )
             unplaced = [item for item in items if item.worker is None]
             if not unplaced:
                 break
         for item in items:
             if item.worker is None and item.error is None:
-                item.error = "no healthy encode worker" + (f" (tried {', '.join(item.attempts)})"
-                                                          if item.attempts else "")
+                item.error = "no healthy encode worker" + (
+                    f" (tried {', '.join(item.attempts)})" if item.attempts else ""
+                )
         return items
 
     async def cancel(self, items: list[DispatchedItem], reason: str) -> None:
@@ -159,26 +198,36 @@ class Dispatcher:
         for item in items:
             if item.worker is not None and item.encode_handshake is not None:
                 by_endpoint.setdefault(self.rooms_url or item.encode_handshake.url, []).append(
-                    item.encode_handshake.bootstrap_room)
+                    item.encode_handshake.bootstrap_room
+                )
         for url, rooms in by_endpoint.items():
             try:
                 await self._rooms_client(url).cancel(rooms, reason)
             except HandshakeError as exc:
                 log.warning("could not cancel %d rooms at %s: %s", len(rooms), url, exc)
 
-    def _route(self, items: list[DispatchedItem], near: str | None) -> dict[WorkerAddress, list[DispatchedItem]]:
+    def _route(
+        self, items: list[DispatchedItem], near: str | None
+    ) -> dict[WorkerAddress, list[DispatchedItem]]:
         """The next untried healthy worker for each item, grouped by worker."""
         routes: dict[WorkerAddress, list[DispatchedItem]] = {}
         for item in items:
-            address = next((a for a in self.workers.candidates(item.content_hash, near)
-                            if a.name not in item.attempts), None)
+            address = next(
+                (
+                    a
+                    for a in self.workers.candidates(item.content_hash, near)
+                    if a.name not in item.attempts
+                ),
+                None,
+            )
             if address is not None:
                 item.attempts.append(address.name)
                 routes.setdefault(address, []).append(item)
         return routes
 
-    async def _place(self, request_id: str, address: WorkerAddress, items: list[DispatchedItem],
-                     started: float) -> None:
+    async def _place(
+        self, request_id: str, address: WorkerAddress, items: list[DispatchedItem], started: float
+    ) -> None:
         rooms_client, endpoint = self._room_endpoint(address)
         try:
             rooms = await rooms_client.mint(len(items), self.room_ttl_s)
@@ -206,12 +255,19 @@ class Dispatcher:
             except HandshakeError as exc:
                 log.warning("could not cancel %d rooms at %s: %s", len(refused), endpoint, exc)
 
-    async def _send(self, request_id: str, address: WorkerAddress, item: DispatchedItem) -> str | None:
+    async def _send(
+        self, request_id: str, address: WorkerAddress, item: DispatchedItem
+    ) -> str | None:
         """None when the worker accepted the item, else why not. A worker that does not answer
         leaves the ring; a full queue is retried until the intake timeout."""
-        request = IntakeRequest(request_id=f"{request_id}.{item.index}", model=self.served_model,
-                                content_hash=item.content_hash, encode_handshake=item.encode_handshake,
-                                source="bytes", token=self.intake_token)
+        request = IntakeRequest(
+            request_id=f"{request_id}.{item.index}",
+            model=self.served_model,
+            content_hash=item.content_hash,
+            encode_handshake=item.encode_handshake,
+            source="bytes",
+            token=self.intake_token,
+        )
         intake = self._intake(address)
         deadline = time.monotonic() + self.intake_timeout_s
         while True:
@@ -238,12 +294,16 @@ class Dispatcher:
         return self._rooms_client(self.rooms_url), Endpoint(parsed.host, parsed.port)
 
     def _rooms_client(self, url: str) -> HandshakeClient:
-        url = str(yarl.URL(url))  # one spelling per endpoint (EncodeHandshake.url and WorkerAddress.url)
+        url = str(
+            yarl.URL(url)
+        )  # one spelling per endpoint (EncodeHandshake.url and WorkerAddress.url)
         client = self._rooms.get(url)
         if client is None:
             if len(self._rooms) >= MAX_WORKERS:  # workers come and go (DNS): drop the oldest client
                 asyncio.ensure_future(self._rooms.pop(next(iter(self._rooms))).close())
-            client = self._rooms[url] = HandshakeClient(url, self.handshake_token, timeout_s=2.0, retries=1)
+            client = self._rooms[url] = HandshakeClient(
+                url, self.handshake_token, timeout_s=2.0, retries=1
+            )
         return client
 
     def _intake(self, address: WorkerAddress) -> AsyncIntakeClient:
@@ -252,5 +312,7 @@ class Dispatcher:
             if len(self._intakes) >= MAX_WORKERS:  # workers come and go (DNS): drop the gone ones
                 for name in set(self._intakes) - set(self.workers.status()):
                     self._intakes.pop(name).close()
-            intake = self._intakes[address.name] = AsyncIntakeClient(address.intake_endpoint, self.intake_timeout_s)
+            intake = self._intakes[address.name] = AsyncIntakeClient(
+                address.intake_endpoint, self.intake_timeout_s
+            )
         return intake

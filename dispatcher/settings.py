@@ -17,8 +17,11 @@ from process_settings.secrets import HandshakeToken, IntakeToken
 
 def _workers(value: object) -> tuple[WorkerAddress, ...]:
     parts = value.split(",") if isinstance(value, str) else list(value)
-    return tuple(part if isinstance(part, WorkerAddress) else WorkerAddress.parse(part)
-                 for part in parts if not isinstance(part, str) or part.strip())
+    return tuple(
+        part if isinstance(part, WorkerAddress) else WorkerAddress.parse(part)
+        for part in parts
+        if not isinstance(part, str) or part.strip()
+    )
 
 
 def http_url(value: object) -> str | None:
@@ -44,23 +47,35 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
     """The encode workers (a static list or a DNS name), their rooms, and the model whose image
     processor config sizes each image (rows per image, as the workers compute them)."""
 
-    model: str = Field(min_length=1, description="checkpoint directory whose image processor config the encode workers use")
-    workers: WorkerList = Field((), description="static encode workers: comma-separated "
-                                "host[:bootstrap_port[:intake_port]], e.g. 10.0.0.5,[fd00::6]:9000:9001")
-    dns: OptionalText = Field(None, description="DNS name listing the encode workers (a Kubernetes headless "
-                              "Service)")
+    model: str = Field(
+        min_length=1,
+        description="checkpoint directory whose image processor config the encode workers use",
+    )
+    workers: WorkerList = Field(
+        (),
+        description="static encode workers: comma-separated "
+        "host[:bootstrap_port[:intake_port]], e.g. 10.0.0.5,[fd00::6]:9000:9001",
+    )
+    dns: OptionalText = Field(
+        None, description="DNS name listing the encode workers (a Kubernetes headless Service)"
+    )
     bootstrap_port: Port = Field(8998, description="workers' bootstrap (rooms) port, with --dns")
     intake_port: Port = Field(8999, description="workers' intake port, with --dns")
-    rooms_url: HttpUrl = Field(None, description="standalone handshake endpoint for all rooms (default: each "
-                               "item's worker)")
-    near: OptionalText = Field(None, description="host of the prefill engine: its encode workers go first "
-                               "(same-node SHM)")
+    rooms_url: HttpUrl = Field(
+        None,
+        description="standalone handshake endpoint for all rooms (default: each item's worker)",
+    )
+    near: OptionalText = Field(
+        None, description="host of the prefill engine: its encode workers go first (same-node SHM)"
+    )
 
     @model_validator(mode="after")
     def _some_workers(self):
         if not self.workers and not self.dns:
-            raise SettingError("give the encode workers: --workers host[:bootstrap_port[:intake_port]],... "
-                               "or --dns NAME")
+            raise SettingError(
+                "give the encode workers: --workers host[:bootstrap_port[:intake_port]],... "
+                "or --dns NAME"
+            )
         return self
 
     def image_processor(self):
@@ -71,7 +86,9 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
         try:
             return AutoImageProcessor.from_pretrained(self.model, local_files_only=True)
         except (OSError, ValueError) as exc:
-            raise SettingError(f"--model {self.model}: cannot read its image processor config: {exc}") from None
+            raise SettingError(
+                f"--model {self.model}: cannot read its image processor config: {exc}"
+            ) from None
 
     @property
     def model_folder_name(self) -> str:

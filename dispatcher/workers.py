@@ -33,7 +33,9 @@ class WorkerAddress:
     intake_port: int = DEFAULT_INTAKE_PORT
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "host", self.rooms.host)  # bare and canonical, as Endpoint keeps it
+        object.__setattr__(
+            self, "host", self.rooms.host
+        )  # bare and canonical, as Endpoint keeps it
 
     @property
     def rooms(self) -> Endpoint:
@@ -84,9 +86,17 @@ class WorkerSet:
     """The workers and the ring of the healthy ones. ``refresh()`` runs one round of discovery and
     checks; ``run()`` repeats it every ``interval_s`` until cancelled."""
 
-    def __init__(self, static: list[WorkerAddress] = (), dns_name: str | None = None,
-                 bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT, intake_port: int = DEFAULT_INTAKE_PORT,
-                 interval_s: float = 2.0, check_timeout_s: float = 1.0, rise: int = 1, replicas: int = 64):
+    def __init__(
+        self,
+        static: list[WorkerAddress] = (),
+        dns_name: str | None = None,
+        bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
+        intake_port: int = DEFAULT_INTAKE_PORT,
+        interval_s: float = 2.0,
+        check_timeout_s: float = 1.0,
+        rise: int = 1,
+        replicas: int = 64,
+    ):
         if not static and not dns_name:
             raise ValueError("give encode workers: a static list or a DNS name")
         self.static = list(static)
@@ -152,8 +162,9 @@ class WorkerSet:
         if not self.dns_name:
             return self.static
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(self.dns_name, self.bootstrap_port,
-                                                                 type=socket.SOCK_STREAM)
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                self.dns_name, self.bootstrap_port, type=socket.SOCK_STREAM
+            )
         except socket.gaierror as exc:
             log.warning("cannot resolve %s: %s", self.dns_name, exc)
             return [h.address for h in self._workers.values()]  # keep what we had; checks still run

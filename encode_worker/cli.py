@@ -38,7 +38,11 @@ def start(config: WorkerConfig):
 
     try:
         tower = VisionTower.load(config.model, config.dtype, config.device)
-    except (TowerLoadError, OSError, ValueError) as exc:  # a checkpoint that is not a complete tower
+    except (
+        TowerLoadError,
+        OSError,
+        ValueError,
+    ) as exc:  # a checkpoint that is not a complete tower
         raise SettingError(f"--model {config.model}: cannot load the vision tower: {exc}") from None
     try:
         return EncodeWorker(config, tower=tower).start()
@@ -48,16 +52,28 @@ def start(config: WorkerConfig):
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         worker = start(WorkerConfig.from_command_line(argv))
     except SettingError as exc:
         return refuse(WorkerConfig.PROG, exc)
     config = worker.config
-    logging.info("encode worker ready: model %s (served as %r, %s on %s); rooms, /readyz and /metrics on "
-                 "http://%s:%d (bound to %s); intake on tcp://%s:%d; transports %s", config.model,
-                 worker.served_model, config.dtype, config.device, config.host, worker.bootstrap_port, config.bind,
-                 config.host, worker.intake_port, ",".join(worker.transports))
+    logging.info(
+        "encode worker ready: model %s (served as %r, %s on %s); rooms, /readyz and /metrics on "
+        "http://%s:%d (bound to %s); intake on tcp://%s:%d; transports %s",
+        config.model,
+        worker.served_model,
+        config.dtype,
+        config.device,
+        config.host,
+        worker.bootstrap_port,
+        config.bind,
+        config.host,
+        worker.intake_port,
+        ",".join(worker.transports),
+    )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

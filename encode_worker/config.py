@@ -38,43 +38,72 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
     PROG: ClassVar[str] = "epd-encode-worker"
 
     model: str = Field(min_length=1, description="checkpoint directory (full VLM or vision-only)")
-    served_model: str | None = Field(None, description="model name intake requests may carry (default: the "
-                                     "checkpoint folder name)")
+    served_model: str | None = Field(
+        None,
+        description="model name intake requests may carry (default: the checkpoint folder name)",
+    )
     dtype: Dtype = Field("bfloat16", description="tower dtype: bfloat16, float16, float32")
     device: str = Field("cpu", description="torch device for the tower, e.g. cuda:0")
-    host: str = Field("127.0.0.1", min_length=1, description="address peers use to reach this worker (rooms, "
-                      "Mooncake)")
-    bind: str = Field("0.0.0.0", min_length=1, description="address the bootstrap and intake ports listen on")
-    bootstrap_port: AnyPort = Field(8998, description="handshake (room) REST port; also /healthz /readyz "
-                                    "/metrics (0: any free port)")
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="address peers use to reach this worker (rooms, Mooncake)",
+    )
+    bind: str = Field(
+        "0.0.0.0", min_length=1, description="address the bootstrap and intake ports listen on"
+    )
+    bootstrap_port: AnyPort = Field(
+        8998,
+        description="handshake (room) REST port; also /healthz /readyz /metrics (0: any free port)",
+    )
     intake_port: AnyPort = Field(8999, description="ZMQ ROUTER port for items (0: any free port)")
-    transports: TransportNames = Field(("shm", "mooncake"), description=f"comma-separated, in order of "
-                                       f"preference: {', '.join(TRANSPORT_NAMES)}")
-    mooncake_hca: str = Field("", description="comma-separated RDMA HCA names for Mooncake ('' = all found)")
+    transports: TransportNames = Field(
+        ("shm", "mooncake"),
+        description=f"comma-separated, in order of preference: {', '.join(TRANSPORT_NAMES)}",
+    )
+    mooncake_hca: str = Field(
+        "", description="comma-separated RDMA HCA names for Mooncake ('' = all found)"
+    )
     mooncake_force_tcp: bool = Field(False, description="Mooncake over TCP even where RDMA exists")
     batch_patches: PositiveInt = Field(16384, description="tower input patches per batch")
     batch_items: PositiveInt = Field(8, description="items per batch")
-    queue_items: PositiveInt = Field(64, description="items waiting for the tower before intake refuses")
-    queue_bytes: PositiveByteSize = Field(1 << 30, description="payload bytes waiting for the tower before "
-                                          "intake refuses")
-    max_payload_bytes: PositiveByteSize = Field(64 << 20, description="largest accepted item payload (bytes; K, "
-                                                "M, G suffixes)")
-    max_image_pixels: PositiveInt = Field(MAX_PIXELS, description="largest image decoded, in pixels, refused at "
-                                          "intake from its header or shape")
-    batch_pixels: PositiveInt | None = Field(None, description="decoded pixels per batch (default: twice "
-                                             "--max-image-pixels)")
+    queue_items: PositiveInt = Field(
+        64, description="items waiting for the tower before intake refuses"
+    )
+    queue_bytes: PositiveByteSize = Field(
+        1 << 30, description="payload bytes waiting for the tower before intake refuses"
+    )
+    max_payload_bytes: PositiveByteSize = Field(
+        64 << 20, description="largest accepted item payload (bytes; K, M, G suffixes)"
+    )
+    max_image_pixels: PositiveInt = Field(
+        MAX_PIXELS,
+        description="largest image decoded, in pixels, refused at intake from its header or shape",
+    )
+    batch_pixels: PositiveInt | None = Field(
+        None, description="decoded pixels per batch (default: twice --max-image-pixels)"
+    )
     ring_bytes: PositiveByteSize = Field(512 << 20, description="send ring size (registered once)")
     ring_slot_bytes: PositiveByteSize = Field(1 << 20, description="send ring slot size")
     cache_bytes: ByteSize = Field(1 << 30, description="embedding cache size (0 = off)")
-    receiver_wait_s: PositiveSeconds = Field(30.0, description="how long an encoded item waits for its "
-                                             "receiver; then its room fails")
+    receiver_wait_s: PositiveSeconds = Field(
+        30.0, description="how long an encoded item waits for its receiver; then its room fails"
+    )
     write_timeout_s: PositiveSeconds = Field(30.0, description="deadline of one write")
-    room_timeout_s: PositiveSeconds = Field(5.0, description="deadline of one call to another endpoint's room API")
-    checksum: bool = Field(True, description="commit with an xxh3-64 checksum of the rows (without it, receivers "
-                           "must run with require_checksum off)")
+    room_timeout_s: PositiveSeconds = Field(
+        5.0, description="deadline of one call to another endpoint's room API"
+    )
+    checksum: bool = Field(
+        True,
+        description="commit with an xxh3-64 checksum of the rows (without it, receivers "
+        "must run with require_checksum off)",
+    )
     send_workers: PositiveInt = Field(8, description="sender threads")
-    probe_interval_s: PositiveSeconds = Field(10.0, description="idle tower health probe interval; /readyz "
-                                              "fails after three intervals without a good encode")
+    probe_interval_s: PositiveSeconds = Field(
+        10.0,
+        description="idle tower health probe interval; /readyz "
+        "fails after three intervals without a good encode",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> WorkerConfig:
@@ -83,9 +112,13 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
         if self.bootstrap_port and self.bootstrap_port == self.intake_port:
             raise SettingError(f"--bootstrap-port and --intake-port are both {self.intake_port}")
         if self.ring_slot_bytes > self.ring_bytes:
-            raise SettingError(f"--ring-slot-bytes {self.ring_slot_bytes} is larger than the ring "
-                               f"(--ring-bytes {self.ring_bytes})")
+            raise SettingError(
+                f"--ring-slot-bytes {self.ring_slot_bytes} is larger than the ring "
+                f"(--ring-bytes {self.ring_bytes})"
+            )
         if self.batch_pixels < self.max_image_pixels:
-            raise SettingError(f"--batch-pixels {self.batch_pixels} is below --max-image-pixels "
-                               f"{self.max_image_pixels}")
+            raise SettingError(
+                f"--batch-pixels {self.batch_pixels} is below --max-image-pixels "
+                f"{self.max_image_pixels}"
+            )
         return self

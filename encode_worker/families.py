@@ -22,7 +22,9 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+)
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
@@ -39,38 +41,75 @@ class TowerFamily:
     # A small test tower's vision config: real patch, temporal and merge sizes, shrunk depth and widths.
     small_vision_config: Callable[[int, int, int], dict]  # (out_width, depth, width) -> kwargs
     small_image_processor: Callable[[], Qwen2VLImageProcessorPil]
-    vllm_connector: bool = True  # the EPD connector feeds vLLM its rows (Qwen3-VL's DeepStack rows: not yet)
+    vllm_connector: bool = (
+        True  # the EPD connector feeds vLLM its rows (Qwen3-VL's DeepStack rows: not yet)
+    )
 
 
 def _qwen2_image_processor() -> Qwen2VLImageProcessorPil:
-    return Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=3136,
-                                    max_pixels=1003520)
+    return Qwen2VLImageProcessorPil(
+        patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=3136, max_pixels=1003520
+    )
 
 
-FAMILIES: dict[str, TowerFamily] = {family.model_type: family for family in (
-    TowerFamily(
-        "qwen2_vl", Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel, Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        lambda out_width, depth, width: dict(depth=depth, embed_dim=width, hidden_size=out_width, num_heads=2,
-                                             mlp_ratio=2),
-        _qwen2_image_processor),
-    TowerFamily(
-        "qwen2_5_vl", Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        lambda out_width, depth, width: dict(depth=depth, hidden_size=width, out_hidden_size=out_width,
-                                             num_heads=2, intermediate_size=2 * width,
-                                             fullatt_block_indexes=[depth - 1], window_size=112),
-        _qwen2_image_processor),
-    TowerFamily(
-        "qwen3_vl", Qwen3VLVisionConfig, Qwen3VLVisionModel, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
-        lambda out_width, depth, width: dict(depth=depth, hidden_size=width, out_hidden_size=out_width,
-                                             num_heads=2, intermediate_size=2 * width, num_position_embeddings=64,
-                                             deepstack_visual_indexes=list(range(min(depth, 2)))),
-        lambda: Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
-                                         image_std=[0.5] * 3,
-                                         size={"shortest_edge": 65536, "longest_edge": 16777216}),
-        vllm_connector=False),
-)}
+FAMILIES: dict[str, TowerFamily] = {
+    family.model_type: family
+    for family in (
+        TowerFamily(
+            "qwen2_vl",
+            Qwen2VLVisionConfig,
+            Qwen2VisionTransformerPretrainedModel,
+            Qwen2VLConfig,
+            Qwen2VLForConditionalGeneration,
+            lambda out_width, depth, width: dict(
+                depth=depth, embed_dim=width, hidden_size=out_width, num_heads=2, mlp_ratio=2
+            ),
+            _qwen2_image_processor,
+        ),
+        TowerFamily(
+            "qwen2_5_vl",
+            Qwen2_5_VLVisionConfig,
+            Qwen2_5_VisionTransformerPretrainedModel,
+            Qwen2_5_VLConfig,
+            Qwen2_5_VLForConditionalGeneration,
+            lambda out_width, depth, width: dict(
+                depth=depth,
+                hidden_size=width,
+                out_hidden_size=out_width,
+                num_heads=2,
+                intermediate_size=2 * width,
+                fullatt_block_indexes=[depth - 1],
+                window_size=112,
+            ),
+            _qwen2_image_processor,
+        ),
+        TowerFamily(
+            "qwen3_vl",
+            Qwen3VLVisionConfig,
+            Qwen3VLVisionModel,
+            Qwen3VLConfig,
+            Qwen3VLForConditionalGeneration,
+            lambda out_width, depth, width: dict(
+                depth=depth,
+                hidden_size=width,
+                out_hidden_size=out_width,
+                num_heads=2,
+                intermediate_size=2 * width,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=list(range(min(depth, 2))),
+            ),
+            lambda: Qwen2VLImageProcessorPil(
+                patch_size=16,
+                temporal_patch_size=2,
+                merge_size=2,
+                image_mean=[0.5] * 3,
+                image_std=[0.5] * 3,
+                size={"shortest_edge": 65536, "longest_edge": 16777216},
+            ),
+            vllm_connector=False,
+        ),
+    )
+}
 
 
 def family(name: str) -> TowerFamily:
@@ -78,4 +117,6 @@ def family(name: str) -> TowerFamily:
     try:
         return FAMILIES[name]
     except KeyError:
-        raise ValueError(f"unknown family {name!r}; expected one of {', '.join(FAMILIES)}") from None
+        raise ValueError(
+            f"unknown family {name!r}; expected one of {', '.join(FAMILIES)}"
+        ) from None

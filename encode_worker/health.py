@@ -46,8 +46,14 @@ class Health:
     TowerStage (a batch encoded) and ``probe``; ``healthy`` by ``probe`` only. Readers take them
     unlocked: each is one assignment, and readiness tolerates a value one batch old."""
 
-    def __init__(self, tower: VisionTower, sender: Sender, probe_interval_s: float, stopping: threading.Event,
-                 stages_idle: Callable[[], bool]):
+    def __init__(
+        self,
+        tower: VisionTower,
+        sender: Sender,
+        probe_interval_s: float,
+        stopping: threading.Event,
+        stages_idle: Callable[[], bool],
+    ):
         self.tower = tower
         self.sender = sender
         self.probe_interval_s = probe_interval_s
@@ -58,7 +64,9 @@ class Health:
         self.last_ok = 0.0
 
     def ready(self) -> bool:
-        return self.healthy and (self.busy or time.monotonic() - self.last_ok < 3 * self.probe_interval_s)
+        return self.healthy and (
+            self.busy or time.monotonic() - self.last_ok < 3 * self.probe_interval_s
+        )
 
     def probe(self) -> None:
         """A tiny dummy encode; runs only when the tower is idle (or before the stages start)."""

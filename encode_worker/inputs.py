@@ -28,11 +28,15 @@ def image_from_bytes(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
     try:
         with Image.open(io.BytesIO(data)) as probe:
             if probe.format not in ALLOWED_FORMATS:
-                raise BadItem(f"image format {probe.format!r} is not accepted ({sorted(ALLOWED_FORMATS)})")
+                raise BadItem(
+                    f"image format {probe.format!r} is not accepted ({sorted(ALLOWED_FORMATS)})"
+                )
             width, height = probe.size
             if width > MAX_SIDE or height > MAX_SIDE or width * height > max_pixels:
-                raise BadItem(f"image of {width}x{height} pixels is larger than allowed "
-                              f"({max_pixels} pixels, {MAX_SIDE} a side)")
+                raise BadItem(
+                    f"image of {width}x{height} pixels is larger than allowed "
+                    f"({max_pixels} pixels, {MAX_SIDE} a side)"
+                )
             image = probe.convert("RGB")
             image.load()
             return image
@@ -44,7 +48,9 @@ def image_from_bytes(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
 
 def image_from_pixels(pixels: torch.Tensor, max_pixels: int = MAX_PIXELS) -> Image.Image:
     if pixels.dtype != torch.uint8 or pixels.dim() != 3 or pixels.shape[2] != 3:
-        raise BadItem(f"raw pixels must be uint8 [H, W, 3], got {pixels.dtype} {tuple(pixels.shape)}")
+        raise BadItem(
+            f"raw pixels must be uint8 [H, W, 3], got {pixels.dtype} {tuple(pixels.shape)}"
+        )
     height, width = int(pixels.shape[0]), int(pixels.shape[1])
     if not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE and height * width <= max_pixels):
         raise BadItem(f"raw pixels of {width}x{height} are out of range")

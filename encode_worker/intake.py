@@ -35,7 +35,9 @@ class ShmPixels(BaseModel):
 class IntakeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
-    model: str | None = Field(default=None, max_length=256)  # refused unless it names this worker's model
+    model: str | None = Field(
+        default=None, max_length=256
+    )  # refused unless it names this worker's model
     modality: Literal["IMAGE"] = "IMAGE"
     # xxh3-128 of the payload's bytes (the image file, or the raw uint8 pixels); the worker computes
     # it itself and refuses an item whose claimed hash differs. Required for SHM-backed pixels.
@@ -63,7 +65,9 @@ class IntakeReply(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     status: IntakeStatus
-    room: json_int(ge=0) | None = None  # the room the metadata named; None when it could not be read
+    room: json_int(ge=0) | None = (
+        None  # the room the metadata named; None when it could not be read
+    )
     reason: str | None = None  # why, when not accepted
     retry_after_s: float | None = None  # set on a refusal that may succeed later (queue full)
 
@@ -76,7 +80,10 @@ class IntakeReply(BaseModel):
     @classmethod
     def _status_from_ok(cls, data: Any) -> Any:
         if isinstance(data, dict) and "status" not in data and "ok" in data:
-            return {**data, "status": IntakeStatus.ACCEPTED if data["ok"] is True else IntakeStatus.REFUSED}
+            return {
+                **data,
+                "status": IntakeStatus.ACCEPTED if data["ok"] is True else IntakeStatus.REFUSED,
+            }
         return data
 
     def frame(self) -> bytes:
@@ -91,8 +98,9 @@ class IntakeRefused(ValueError):
         self.room = room
 
 
-def parse_request(frames: list[bytes], max_payload_bytes: int, token: str | None,
-                  model: str | None = None) -> tuple[IntakeRequest, bytes | None]:
+def parse_request(
+    frames: list[bytes], max_payload_bytes: int, token: str | None, model: str | None = None
+) -> tuple[IntakeRequest, bytes | None]:
     """Validate one request's frames (identity already removed)."""
     if not 1 <= len(frames) <= 2:
         raise IntakeRefused(f"expected [metadata, payload] frames, got {len(frames)}")
@@ -103,7 +111,9 @@ def parse_request(frames: list[bytes], max_payload_bytes: int, token: str | None
     except ValidationError as exc:
         raise IntakeRefused(f"bad metadata: {exc.errors(include_url=False)[:3]}") from None
     room = request.encode_handshake.bootstrap_room
-    if token is not None and not hmac.compare_digest((request.token or "").encode(), token.encode()):
+    if token is not None and not hmac.compare_digest(
+        (request.token or "").encode(), token.encode()
+    ):
         raise IntakeRefused("missing or wrong intake token", room)
     if request.model is not None and request.model != model:
         raise IntakeRefused(f"unknown model {request.model!r}: this worker serves {model!r}", room)
@@ -115,12 +125,16 @@ def parse_request(frames: list[bytes], max_payload_bytes: int, token: str | None
         if payload is None or not payload:
             raise IntakeRefused(f"source {request.source!r} needs a payload frame", room)
         if len(payload) > max_payload_bytes:
-            raise IntakeRefused(f"payload of {len(payload)} bytes exceeds {max_payload_bytes}", room)
+            raise IntakeRefused(
+                f"payload of {len(payload)} bytes exceeds {max_payload_bytes}", room
+            )
         if request.source == "pixels":
             if request.shape is None or request.shape[2] != 3:
                 raise IntakeRefused("source 'pixels' needs shape [H, W, 3]", room)
             if request.shape[0] * request.shape[1] * 3 != len(payload):
-                raise IntakeRefused(f"payload of {len(payload)} bytes does not match shape {request.shape}", room)
+                raise IntakeRefused(
+                    f"payload of {len(payload)} bytes does not match shape {request.shape}", room
+                )
     return request, payload
 
 
@@ -193,8 +207,9 @@ class AsyncIntakeClient:
             await self._socket.send_multipart(frames, copy=False)
             return await asyncio.wait_for(future, self.timeout_s)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"no answer from encode worker intake {self.endpoint} "
-                               f"within {self.timeout_s} s") from None
+            raise TimeoutError(
+                f"no answer from encode worker intake {self.endpoint} within {self.timeout_s} s"
+            ) from None
         finally:
             self._waiting.pop(room, None)
 
@@ -202,7 +217,9 @@ class AsyncIntakeClient:
         while self._waiting:
             reply = IntakeReply.model_validate_json(await self._socket.recv())
             room = reply.room
-            waiting = [self._waiting.get(room)] if room is not None else list(self._waiting.values())
+            waiting = (
+                [self._waiting.get(room)] if room is not None else list(self._waiting.values())
+            )
             for future in waiting:
                 if future is not None and not future.done():
                     future.set_result(reply)

@@ -28,7 +28,9 @@ from multimodal.wire import EncodeHandshake, Endpoint, canonical_host
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
 MAX_ENDPOINTS = 256  # room endpoints with a pooled client; the oldest is closed beyond
-MAX_PENDING_FAILS = 1024  # room-fail calls to other endpoints in flight; beyond, the room is left to expire
+MAX_PENDING_FAILS = (
+    1024  # room-fail calls to other endpoints in flight; beyond, the room is left to expire
+)
 
 
 class RateLimitedLog:
@@ -55,7 +57,10 @@ class RateLimitedLog:
             self._count += 1
             dropped, self._dropped = self._dropped, 0
         if dropped:
-            message, args = message + " (%d more such lines left out before this one)", (*args, dropped)
+            message, args = (
+                message + " (%d more such lines left out before this one)",
+                (*args, dropped),
+            )
         self.logger.warning(message, *args)
 
 
@@ -100,6 +105,7 @@ class LoopClient:
             if threading.current_thread() is self._loop.thread:  # it would wait for itself forever
                 raise RuntimeError(f"blocking room call {name} on the loop that serves it")
             return self._loop.run(method(*args, **kwargs))
+
         return call
 
     def close(self) -> concurrent.futures.Future:
@@ -110,8 +116,15 @@ class RoomClients:
     """Where an item's room lives: this worker's own table, or a pooled client of its endpoint
     (any thread). The pool holds at most ``MAX_ENDPOINTS`` clients, the oldest closed first."""
 
-    def __init__(self, table: RoomTable, loop: LoopThread, host: str, local_port: Callable[[], int],
-                 token: str | None, timeout_s: float):
+    def __init__(
+        self,
+        table: RoomTable,
+        loop: LoopThread,
+        host: str,
+        local_port: Callable[[], int],
+        token: str | None,
+        timeout_s: float,
+    ):
         self.table = table
         self.loop = loop
         self._local_hosts = LOCAL_HOSTS | {canonical_host(host)}
@@ -129,8 +142,12 @@ class RoomClients:
             remote = self._remote.get(key)
             if remote is None:
                 if len(self._remote) >= MAX_ENDPOINTS:
-                    self._remote.pop(next(iter(self._remote))).client.close()  # the first endpoint added
-                client = HandshakeClient(handshake.url, token=self._token, timeout_s=self._timeout_s)
+                    self._remote.pop(
+                        next(iter(self._remote))
+                    ).client.close()  # the first endpoint added
+                client = HandshakeClient(
+                    handshake.url, token=self._token, timeout_s=self._timeout_s
+                )
                 remote = self._remote[key] = RemoteRooms(LoopClient(self.loop, client))
             return remote
 
@@ -146,8 +163,14 @@ class RoomFailer:
     at once, another endpoint's by a call on the loop. Each failure ends the room's item here
     (``InFlightRooms``) and counts it (``on_failed``, with the item's modality)."""
 
-    def __init__(self, rooms: RoomClients, in_flight: InFlightRooms, on_failed: Callable[[str], None],
-                 item_log: RateLimitedLog, timeout_s: float):
+    def __init__(
+        self,
+        rooms: RoomClients,
+        in_flight: InFlightRooms,
+        on_failed: Callable[[str], None],
+        item_log: RateLimitedLog,
+        timeout_s: float,
+    ):
         self.rooms = rooms
         self.in_flight = in_flight
         self.on_failed = on_failed
@@ -176,8 +199,13 @@ class RoomFailer:
             return
         with self._lock:
             if len(self._failing) >= MAX_PENDING_FAILS:
-                self.item_log.warning("room %d at %s not told it failed (%d such calls in flight); "
-                                      "it ends when its TTL does", room, handshake.endpoint, len(self._failing))
+                self.item_log.warning(
+                    "room %d at %s not told it failed (%d such calls in flight); "
+                    "it ends when its TTL does",
+                    room,
+                    handshake.endpoint,
+                    len(self._failing),
+                )
                 return
             future = self.rooms.loop.submit(self._tell_failed(rooms.client.client, room, reason))
             self._failing.add(future)
@@ -197,15 +225,28 @@ class RoomFailer:
     async def _tell_failed(self, client: HandshakeClient, room: int, reason: str) -> None:
         try:
             (result,) = await asyncio.wait_for(
-                client.fail([FailBody(room=room, reason=reason[:500], settled=True)]), self.timeout_s)
+                client.fail([FailBody(room=room, reason=reason[:500], settled=True)]),
+                self.timeout_s,
+            )
             if not result.ok:
                 log.info("room %d not failed at %s: %s", room, client.base_url, result.error)
         except asyncio.TimeoutError:
-            self.item_log.warning("could not tell %s that room %d failed: no answer within %g s",
-                                  client.base_url, room, self.timeout_s)
-        except Exception as exc:  # unreachable, or an answer that is not the room API's: one line, no traceback
-            self.item_log.warning("could not tell %s that room %d failed: %s: %s", client.base_url, room,
-                                  type(exc).__name__, exc)
+            self.item_log.warning(
+                "could not tell %s that room %d failed: no answer within %g s",
+                client.base_url,
+                room,
+                self.timeout_s,
+            )
+        except (
+            Exception
+        ) as exc:  # unreachable, or an answer that is not the room API's: one line, no traceback
+            self.item_log.warning(
+                "could not tell %s that room %d failed: %s: %s",
+                client.base_url,
+                room,
+                type(exc).__name__,
+                exc,
+            )
 
     def _told(self, future: concurrent.futures.Future) -> None:
         with self._lock:

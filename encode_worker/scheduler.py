@@ -30,7 +30,9 @@ class EncodeJob:
     pixels: int = 0  # the source image's pixels, decoded by the prepare stage
     nbytes: int = 0  # payload bytes this job holds in this process (an SHM handle's: none yet)
     received_at: float = field(default_factory=time.monotonic)
-    timings: dict[str, float | bool] = field(default_factory=dict)  # by the stages: EncodeTimings' fields
+    timings: dict[str, float | bool] = field(
+        default_factory=dict
+    )  # by the stages: EncodeTimings' fields
 
     @property
     def room(self) -> int:
@@ -38,8 +40,14 @@ class EncodeJob:
 
 
 class BatchQueue:
-    def __init__(self, max_items: int, patch_budget: int, batch_items: int, pixel_budget: int | None = None,
-                 max_bytes: int | None = None):
+    def __init__(
+        self,
+        max_items: int,
+        patch_budget: int,
+        batch_items: int,
+        pixel_budget: int | None = None,
+        max_bytes: int | None = None,
+    ):
         self.max_items = max_items
         self.patch_budget = patch_budget
         self.batch_items = batch_items
@@ -57,7 +65,11 @@ class BatchQueue:
         with self._ready:
             if self.closed or len(self._jobs) >= self.max_items:
                 return False
-            if self.max_bytes is not None and self._jobs and self.nbytes + job.nbytes > self.max_bytes:
+            if (
+                self.max_bytes is not None
+                and self._jobs
+                and self.nbytes + job.nbytes > self.max_bytes
+            ):
                 return False  # one job alone may hold more: it was already received
             self._jobs.append(job)
             self.nbytes += job.nbytes
@@ -67,14 +79,18 @@ class BatchQueue:
     def take_batch(self, timeout: float) -> list[EncodeJob]:
         """The next FIFO batch: at least one job, then more while within the budgets and cap."""
         with self._ready:
-            if not self._jobs and not self._ready.wait_for(lambda: self._jobs or self.closed, timeout):
+            if not self._jobs and not self._ready.wait_for(
+                lambda: self._jobs or self.closed, timeout
+            ):
                 return []
             batch: list[EncodeJob] = []
             patches = pixels = 0
             while self._jobs and len(batch) < self.batch_items:
                 job = self._jobs[0]
-                if batch and (patches + job.patches > self.patch_budget or
-                              (self.pixel_budget is not None and pixels + job.pixels > self.pixel_budget)):
+                if batch and (
+                    patches + job.patches > self.patch_budget
+                    or (self.pixel_budget is not None and pixels + job.pixels > self.pixel_budget)
+                ):
                     break
                 batch.append(self._jobs.popleft())
                 self.nbytes -= job.nbytes

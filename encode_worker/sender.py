@@ -46,7 +46,9 @@ from loop_threads import LoopThread
 from multimodal.wire import EncodeHandshake
 
 log = logging.getLogger(__name__)
-INLINE_WRITE_BYTES = 4 << 20  # ~0.4 ms of memcpy here: the most a write may hold up the handshake loop
+INLINE_WRITE_BYTES = (
+    4 << 20
+)  # ~0.4 ms of memcpy here: the most a write may hold up the handshake loop
 
 
 @dataclass
@@ -71,14 +73,24 @@ class Outcome:
     transport: str | None
     reason: str | None
     nbytes: int
-    timings: dict[str, float | bool]  # EncodeTimings' fields: queue_s, encode_s, wait_s, transfer_s, cache_hit
+    timings: dict[
+        str, float | bool
+    ]  # EncodeTimings' fields: queue_s, encode_s, wait_s, transfer_s, cache_hit
 
 
 class Sender:
-    def __init__(self, ring: SlotPool, transports: dict[str, Transport], rooms_for: Callable[[EncodeHandshake], object],
-                 loop: LoopThread, receiver_wait_s: float = 30.0, write_timeout_s: float = 30.0, workers: int = 8,
-                 on_outcome: Callable[[Outcome], None] = lambda outcome: None,
-                 inline_write_bytes: int = INLINE_WRITE_BYTES):
+    def __init__(
+        self,
+        ring: SlotPool,
+        transports: dict[str, Transport],
+        rooms_for: Callable[[EncodeHandshake], object],
+        loop: LoopThread,
+        receiver_wait_s: float = 30.0,
+        write_timeout_s: float = 30.0,
+        workers: int = 8,
+        on_outcome: Callable[[Outcome], None] = lambda outcome: None,
+        inline_write_bytes: int = INLINE_WRITE_BYTES,
+    ):
         self.ring = ring
         self.transports = transports
         self.rooms_for = rooms_for
@@ -122,89 +134,158 @@ class Sender:
         try:
             rooms = self.rooms_for(item.handshake)
             view = await self._wait_for_receiver(rooms, item)
-            chosen = self._choose(view.registration.offers) if view.state is RoomState.REGISTERED else None
+            chosen = (
+                self._choose(view.registration.offers)
+                if view.state is RoomState.REGISTERED
+                else None
+            )
             if self._writes_inline(rooms, item, chosen):
                 outcome = self._deliver(item, rooms, view, chosen)
             else:
-                outcome = await loop.run_in_executor(self._pool, self._deliver, item, rooms, view, chosen)
+                outcome = await loop.run_in_executor(
+                    self._pool, self._deliver, item, rooms, view, chosen
+                )
         except RoomNotFound as exc:  # nothing to tell: the room is unknown at its endpoint, or gone
             outcome = self._finish(item, RoomState.FAILED, None, f"not delivered: {exc}")
-        except (RoomError, HandshakeError) as exc:  # expected (an endpoint down): a reason, no traceback
+        except (
+            RoomError,
+            HandshakeError,
+        ) as exc:  # expected (an endpoint down): a reason, no traceback
             reason = f"room unusable: {exc}"
-            outcome = await loop.run_in_executor(self._pool, lambda: self._fail(item, reason, settled=True))
+            outcome = await loop.run_in_executor(
+                self._pool, lambda: self._fail(item, reason, settled=True)
+            )
         except Exception as exc:  # never lose an item silently: fail its room
             log.exception("delivery of room %d crashed", item.room)
             reason = f"encode worker error: {type(exc).__name__}: {exc}"
-            outcome = await loop.run_in_executor(self._pool, lambda: self._fail(item, reason, settled=True))
+            outcome = await loop.run_in_executor(
+                self._pool, lambda: self._fail(item, reason, settled=True)
+            )
         self.on_outcome(outcome)
 
-    def _deliver(self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None) -> Outcome:
+    def _deliver(
+        self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None
+    ) -> Outcome:
         """On a sender thread (or, see ``_writes_inline``, the loop), once the wait for the receiver
         is over; ``chosen``: the transport and offer picked from the registration."""
         if view.state is RoomState.PENDING:  # no receiver came: the room fails now, not at its TTL
-            return self._fail(item, "encode worker shutting down" if self._closing.is_set() else
-                              f"no receiver registered within {self.receiver_wait_s:g} s", settled=True)
+            return self._fail(
+                item,
+                "encode worker shutting down"
+                if self._closing.is_set()
+                else f"no receiver registered within {self.receiver_wait_s:g} s",
+                settled=True,
+            )
         if view.state is RoomState.WRITING:  # a room sent to two workers: the other one has it
-            return self._finish(item, RoomState.FAILED, None, "not written: another writer is writing this room")
+            return self._finish(
+                item, RoomState.FAILED, None, "not written: another writer is writing this room"
+            )
         if view.state is not RoomState.REGISTERED:
-            return self._finish(item, view.state, None, view.reason or "room ended before a receiver came")
+            return self._finish(
+                item, view.state, None, view.reason or "room ended before a receiver came"
+            )
         registration = view.registration
         reserved = EmbeddingLayout(registration.rows, registration.width, registration.dtype)
         if reserved != item.layout:
-            return self._fail(item, f"contract mismatch: encoder has [{item.layout.rows}, {item.layout.width}] "
-                                    f"{item.layout.dtype}, receiver reserved [{reserved.rows}, {reserved.width}] "
-                                    f"{reserved.dtype}", settled=True)
+            return self._fail(
+                item,
+                f"contract mismatch: encoder has [{item.layout.rows}, {item.layout.width}] "
+                f"{item.layout.dtype}, receiver reserved [{reserved.rows}, {reserved.width}] "
+                f"{reserved.dtype}",
+                settled=True,
+            )
         if chosen is None:
             kinds = [offer.kind for offer in registration.offers]
-            return self._fail(item, f"no common transport: receiver offers {kinds}, "
-                                    f"encoder has {sorted(self.transports)}", settled=True)
+            return self._fail(
+                item,
+                f"no common transport: receiver offers {kinds}, "
+                f"encoder has {sorted(self.transports)}",
+                settled=True,
+            )
         transport, offer = chosen
         if offer.capacity < item.layout.nbytes:
-            return self._fail(item, f"receiver slot holds {offer.capacity} bytes, item needs "
-                                    f"{item.layout.nbytes}", settled=True)
+            return self._fail(
+                item,
+                f"receiver slot holds {offer.capacity} bytes, item needs {item.layout.nbytes}",
+                settled=True,
+            )
         try:
-            view = rooms.begin_write(BeginWrite(room=item.room, generation=registration.generation,
-                                                transport=transport.name, write_timeout_s=self.write_timeout_s,
-                                                writer=self.writer_id))
+            view = rooms.begin_write(
+                BeginWrite(
+                    room=item.room,
+                    generation=registration.generation,
+                    transport=transport.name,
+                    write_timeout_s=self.write_timeout_s,
+                    writer=self.writer_id,
+                )
+            )
         except RoomError as exc:  # the room is another writer's (or gone): leave it as it is
             return self._finish(item, RoomState.FAILED, None, f"not written: {exc}")
         if view.state is not RoomState.WRITING or view.cancel_requested:
             return self._finish(item, view.state, None, view.reason or "cancelled before the write")
         started = time.monotonic()
         try:
-            transfer = transport.submit(self.ring.view(item.lease), offer, started + self.write_timeout_s)
+            transfer = transport.submit(
+                self.ring.view(item.lease), offer, started + self.write_timeout_s
+            )
         except TransferRefused as exc:
             return self._fail(item, f"{transport.name} refused the write: {exc}", settled=True)
         state = transfer.wait()
         item.timings["transfer_s"] = time.monotonic() - started
         if state is not TransferState.DONE:
             self._hold_until_settled(transfer, item.lease)
-            return self._fail(item, f"{transport.name} write failed: {transfer.error}", settled=transfer.settled,
-                              release=False)
-        view = rooms.commit(CommitBody(room=item.room, generation=registration.generation, transport=transport.name,
-                                       rows=item.layout.rows, width=item.layout.width, dtype=item.layout.dtype,
-                                       checksum=item.checksum, grid_thw=item.grid_thw,
-                                       shm_segment=getattr(offer, "segment", None),
-                                       writer=self.writer_id,
-                                       timings=EncodeTimings(**item.timings)))
+            return self._fail(
+                item,
+                f"{transport.name} write failed: {transfer.error}",
+                settled=transfer.settled,
+                release=False,
+            )
+        view = rooms.commit(
+            CommitBody(
+                room=item.room,
+                generation=registration.generation,
+                transport=transport.name,
+                rows=item.layout.rows,
+                width=item.layout.width,
+                dtype=item.layout.dtype,
+                checksum=item.checksum,
+                grid_thw=item.grid_thw,
+                shm_segment=getattr(offer, "segment", None),
+                writer=self.writer_id,
+                timings=EncodeTimings(**item.timings),
+            )
+        )
         return self._finish(item, view.state, transport.name, view.reason)
 
     async def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView:
         waiting = time.monotonic()
         deadline = waiting + self.receiver_wait_s
-        version = MINTED_VERSION  # the first long-poll waits unless the room moved since it was minted
+        version = (
+            MINTED_VERSION  # the first long-poll waits unless the room moved since it was minted
+        )
         while True:
-            view = await rooms.wait_async(item.room, version, max(0.0, min(0.5, deadline - time.monotonic())))
-            if view.state is not RoomState.PENDING or time.monotonic() >= deadline or self._closing.is_set():
+            view = await rooms.wait_async(
+                item.room, version, max(0.0, min(0.5, deadline - time.monotonic()))
+            )
+            if (
+                view.state is not RoomState.PENDING
+                or time.monotonic() >= deadline
+                or self._closing.is_set()
+            ):
                 item.timings["wait_s"] = time.monotonic() - waiting
                 return view
             version = view.version
 
-    def _writes_inline(self, rooms, item: StagedItem, chosen: tuple[Transport, object] | None) -> bool:
+    def _writes_inline(
+        self, rooms, item: StagedItem, chosen: tuple[Transport, object] | None
+    ) -> bool:
         """Whether the delivery cannot block the loop: room calls on this process's table and no
         write, or a small one that is a memcpy inside ``submit`` (SHM)."""
-        return (rooms.in_process and item.layout.nbytes <= self.inline_write_bytes
-                and (chosen is None or chosen[0].copies_in_submit))
+        return (
+            rooms.in_process
+            and item.layout.nbytes <= self.inline_write_bytes
+            and (chosen is None or chosen[0].copies_in_submit)
+        )
 
     def _choose(self, offers) -> tuple[Transport, object] | None:
         """The first transport, in the registry's preference order, both sides have and this
@@ -230,7 +311,9 @@ class Sender:
             self._release(item.lease)
         return Outcome(item.room, state, None, reason, item.layout.nbytes, item.timings)
 
-    def _finish(self, item: StagedItem, state: RoomState, transport: str | None, reason: str | None) -> Outcome:
+    def _finish(
+        self, item: StagedItem, state: RoomState, transport: str | None, reason: str | None
+    ) -> Outcome:
         self._release(item.lease)
         return Outcome(item.room, state, transport, reason, item.layout.nbytes, item.timings)
 

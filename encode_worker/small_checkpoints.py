@@ -33,8 +33,14 @@ def build_full(name: str, directory: str, out_width: int = 96, seed: int = 0) ->
     """A full VLM checkpoint (tower + tiny LLM), saved in several safetensors shards."""
     torch.manual_seed(seed)
     config_class, model_class = family(name).vlm_config, family(name).vlm
-    text = dict(hidden_size=out_width, intermediate_size=2 * out_width, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1, vocab_size=256)
+    text = dict(
+        hidden_size=out_width,
+        intermediate_size=2 * out_width,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=256,
+    )
     config = config_class(vision_config=vision_config(name, out_width), text_config=text)
     model = model_class(config).eval()
     os.makedirs(directory, exist_ok=True)
@@ -43,8 +49,9 @@ def build_full(name: str, directory: str, out_width: int = 96, seed: int = 0) ->
     return directory
 
 
-def build_vision_only(name: str, directory: str, out_width: int = 96, depth: int = 2, width: int = 64,
-                      seed: int = 0) -> str:
+def build_vision_only(
+    name: str, directory: str, out_width: int = 96, depth: int = 2, width: int = 64, seed: int = 0
+) -> str:
     """Just the tower (``visual.*`` weights at the top level), plus the image processor config."""
     torch.manual_seed(seed)
     config_class, tower_class = family(name).vision_config, family(name).tower

@@ -38,7 +38,13 @@ from encode_worker.inputs import (
     image_from_pixels,
     pixels_from_shm,
 )
-from encode_worker.intake import IntakeRefused, IntakeReply, IntakeRequest, IntakeStatus, parse_request
+from encode_worker.intake import (
+    IntakeRefused,
+    IntakeReply,
+    IntakeRequest,
+    IntakeStatus,
+    parse_request,
+)
 from encode_worker.messages import EncodedBatch, Handoff, Miss, PreparedBatch, ReadyItem
 from encode_worker.room_clients import InFlightRooms, RateLimitedLog, RoomFailer
 from encode_worker.scheduler import BatchQueue, EncodeJob
@@ -65,9 +71,18 @@ class Intake:
     """The intake socket and its loop. Never waits on the network or the tower: each message is
     refused (room untouched), failed (a bad item: its room fails) or queued, and answered at once."""
 
-    def __init__(self, config: WorkerConfig, served_model: str, tower: VisionTower, queue: BatchQueue,
-                 in_flight: InFlightRooms, failer: RoomFailer, metrics: WorkerMetrics, item_log: RateLimitedLog,
-                 stopping: threading.Event):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        served_model: str,
+        tower: VisionTower,
+        queue: BatchQueue,
+        in_flight: InFlightRooms,
+        failer: RoomFailer,
+        metrics: WorkerMetrics,
+        item_log: RateLimitedLog,
+        stopping: threading.Event,
+    ):
         self.config = config
         self.served_model = served_model
         self.tower = tower
@@ -94,7 +109,9 @@ class Intake:
             else:
                 self.port = self._socket.bind_to_random_port(endpoint_url("tcp", config.bind))
         except zmq.ZMQError as exc:
-            raise SettingError(f"intake port: cannot listen on {config.bind}:{config.intake_port}: {exc.strerror}") from None
+            raise SettingError(
+                f"intake port: cannot listen on {config.bind}:{config.intake_port}: {exc.strerror}"
+            ) from None
 
     def loop(self) -> None:
         """Answer messages until the worker stops; then close the socket (the loop's own)."""
@@ -114,8 +131,9 @@ class Intake:
 
     def accept(self, frames: list[bytes]) -> IntakeReply:
         try:
-            request, payload = parse_request(frames, self.config.max_payload_bytes, self.config.intake_token,
-                                             self.served_model)
+            request, payload = parse_request(
+                frames, self.config.max_payload_bytes, self.config.intake_token, self.served_model
+            )
         except IntakeRefused as exc:
             self.metrics.count("IMAGE", IntakeStatus.REFUSED)
             self.item_log.warning("intake refused an item (room %s): %s", exc.room, exc)
@@ -123,9 +141,14 @@ class Intake:
         room = request.encode_handshake.bootstrap_room
         if not self.in_flight.claim(room):
             self.metrics.count(request.modality, IntakeStatus.REFUSED)
-            self.item_log.warning("intake refused room %d: an item for it is already in flight here", room)
-            return IntakeReply(status=IntakeStatus.REFUSED, room=room,
-                               reason=f"room {room} already has an item in flight here")
+            self.item_log.warning(
+                "intake refused room %d: an item for it is already in flight here", room
+            )
+            return IntakeReply(
+                status=IntakeStatus.REFUSED,
+                room=room,
+                reason=f"room {room} already has an item in flight here",
+            )
         try:
             job = self.job(request, payload)
         except BadItem as exc:
@@ -134,8 +157,12 @@ class Intake:
         if not self.queue.put(job):
             self.in_flight.release(room)
             self.metrics.count(request.modality, IntakeStatus.REFUSED)
-            return IntakeReply(status=IntakeStatus.REFUSED, room=room, reason="queue full",
-                               retry_after_s=QUEUE_FULL_RETRY_S)
+            return IntakeReply(
+                status=IntakeStatus.REFUSED,
+                room=room,
+                reason="queue full",
+                retry_after_s=QUEUE_FULL_RETRY_S,
+            )
         self.metrics.count(request.modality, IntakeStatus.ACCEPTED)
         return IntakeReply(status=IntakeStatus.ACCEPTED, room=room)
 
@@ -150,20 +177,27 @@ class Intake:
             except Exception as exc:
                 raise BadItem(f"cannot read image header: {type(exc).__name__}") from None
             if image_format not in ALLOWED_FORMATS:
-                raise BadItem(f"image format {image_format!r} is not accepted ({sorted(ALLOWED_FORMATS)})")
+                raise BadItem(
+                    f"image format {image_format!r} is not accepted ({sorted(ALLOWED_FORMATS)})"
+                )
         else:
             height, width = (request.shape if request.source == "pixels" else request.shm.shape)[:2]
         if width > MAX_SIDE or height > MAX_SIDE or width * height > self.config.max_image_pixels:
-            raise BadItem(f"image of {width}x{height} pixels is larger than this worker decodes "
-                          f"({self.config.max_image_pixels} pixels, {MAX_SIDE} a side)")
+            raise BadItem(
+                f"image of {width}x{height} pixels is larger than this worker decodes "
+                f"({self.config.max_image_pixels} pixels, {MAX_SIDE} a side)"
+            )
         if request.source == "bytes":
             source_payload = payload
         elif request.source == "pixels":
-            source_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(height, width, 3)
+            source_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(
+                height, width, 3
+            )
         else:
             try:  # the name alone decides: a segment that is not an intake handle is never opened
-                source_payload = ShmTensorHandle.for_intake(request.shm.shm_name, tuple(request.shm.shape),
-                                                            torch.uint8)
+                source_payload = ShmTensorHandle.for_intake(
+                    request.shm.shm_name, tuple(request.shm.shape), torch.uint8
+                )
             except ValueError as exc:
                 raise BadItem(str(exc)) from None
         # The cache key is the hash of the bytes this worker encodes, never the client's word for
@@ -175,23 +209,42 @@ class Intake:
         else:
             content_hash = hash_feature(payload)
             check_claimed_hash(request.content_hash, content_hash)
-        return EncodeJob(request.request_id, request.encode_handshake, content_hash, request.source,
-                         source_payload, self._patches(height, width), request.modality, pixels=width * height,
-                         nbytes=len(payload) if payload is not None else 0)
+        return EncodeJob(
+            request.request_id,
+            request.encode_handshake,
+            content_hash,
+            request.source,
+            source_payload,
+            self._patches(height, width),
+            request.modality,
+            pixels=width * height,
+            nbytes=len(payload) if payload is not None else 0,
+        )
 
     def _patches(self, height: int, width: int) -> int:
         try:
             t, h, w = image_grid(self.tower.processor, height, width)
         except ValueError as exc:
-            raise BadItem(f"image of {width}x{height} cannot be resized for the tower: {exc}") from None
+            raise BadItem(
+                f"image of {width}x{height} cannot be resized for the tower: {exc}"
+            ) from None
         return t * h * w
 
 
 class Prepare:
     """Decode and preprocess one batch; look each item up in the cache. A bad item fails its room."""
 
-    def __init__(self, queue: BatchQueue, tower: VisionTower, preprocess_id: str, cache: EmbeddingCache,
-                 max_image_pixels: int, failer: RoomFailer, out: Handoff[PreparedBatch], stopping: threading.Event):
+    def __init__(
+        self,
+        queue: BatchQueue,
+        tower: VisionTower,
+        preprocess_id: str,
+        cache: EmbeddingCache,
+        max_image_pixels: int,
+        failer: RoomFailer,
+        out: Handoff[PreparedBatch],
+        stopping: threading.Event,
+    ):
         self.queue = queue
         self.tower = tower
         self.preprocess_id = preprocess_id
@@ -218,7 +271,9 @@ class Prepare:
                     job.timings.update(queue_s=time.monotonic() - job.received_at, cache_hit=True)
                     ready.append(ReadyItem(job, cached))
                 else:
-                    misses.append(Miss(job, key, self.tower.processor(images=[image], return_tensors="pt")))
+                    misses.append(
+                        Miss(job, key, self.tower.processor(images=[image], return_tensors="pt"))
+                    )
             except BadItem as exc:
                 self.failer.fail(job.handshake, str(exc), job.modality)
         return PreparedBatch(batch, misses, ready)
@@ -237,9 +292,17 @@ class TowerStage:
     """One batch's misses through the tower in one call; rows split per item and cached. A batch
     the tower refuses is retried item by item, and an item that fails alone fails its room."""
 
-    def __init__(self, tower: VisionTower, cache: EmbeddingCache, metrics: WorkerMetrics, health: Health,
-                 failer: RoomFailer, inbox: Handoff[PreparedBatch], out: Handoff[EncodedBatch],
-                 stopping: threading.Event):
+    def __init__(
+        self,
+        tower: VisionTower,
+        cache: EmbeddingCache,
+        metrics: WorkerMetrics,
+        health: Health,
+        failer: RoomFailer,
+        inbox: Handoff[PreparedBatch],
+        out: Handoff[EncodedBatch],
+        stopping: threading.Event,
+    ):
         self.tower = tower
         self.cache = cache
         self.metrics = metrics
@@ -265,7 +328,9 @@ class TowerStage:
             return EncodedBatch(prepared.ready + self.encode(prepared.misses))
         except Exception:
             log.exception("batch crashed")
-            self.failer.fail_all([miss.job for miss in prepared.misses], "encode worker error while encoding")
+            self.failer.fail_all(
+                [miss.job for miss in prepared.misses], "encode worker error while encoding"
+            )
             return EncodedBatch(prepared.ready)
         finally:
             self.health.busy = False
@@ -287,7 +352,9 @@ class TowerStage:
         grid_thw = torch.cat([miss.inputs["image_grid_thw"] for miss in misses])
         started = time.monotonic()
         try:
-            rows = split_rows(self.tower.encode(pixel_values, grid_thw), self.tower.rows_per_item(grid_thw))
+            rows = split_rows(
+                self.tower.encode(pixel_values, grid_thw), self.tower.rows_per_item(grid_thw)
+            )
             seconds = time.monotonic() - started
             for miss in misses:
                 miss.job.timings.update(queue_s=started - miss.job.received_at, encode_s=seconds)
@@ -298,7 +365,9 @@ class TowerStage:
         except (RuntimeError, ValueError, RowContractError) as exc:
             if len(misses) == 1:
                 job = misses[0].job
-                self.failer.fail(job.handshake, f"vision tower failed on this item: {exc}", job.modality)
+                self.failer.fail(
+                    job.handshake, f"vision tower failed on this item: {exc}", job.modality
+                )
                 return [None]
             log.warning("batch of %d failed (%s); encoding items one by one", len(misses), exc)
             return [self._encode_misses([miss])[0] for miss in misses]
@@ -308,8 +377,16 @@ class StageAndSend:
     """Copy each item's rows into a send-ring slot and submit it to the sender. A full ring blocks
     this stage (backpressure) up to ``receiver_wait_s``; then the item's room fails."""
 
-    def __init__(self, ring: SlotPool, sender: Sender, receiver_wait_s: float, with_checksum: bool,
-                 failer: RoomFailer, inbox: Handoff[EncodedBatch], stopping: threading.Event):
+    def __init__(
+        self,
+        ring: SlotPool,
+        sender: Sender,
+        receiver_wait_s: float,
+        with_checksum: bool,
+        failer: RoomFailer,
+        inbox: Handoff[EncodedBatch],
+        stopping: threading.Event,
+    ):
         self.ring = ring
         self.sender = sender
         self.receiver_wait_s = receiver_wait_s
@@ -333,21 +410,37 @@ class StageAndSend:
                 lease = stage(self.ring, rows)
                 break
             except TooLarge:
-                self.failer.fail(job.handshake, f"item of {layout.nbytes} bytes is larger than the send ring",
-                                 job.modality)
+                self.failer.fail(
+                    job.handshake,
+                    f"item of {layout.nbytes} bytes is larger than the send ring",
+                    job.modality,
+                )
                 return
-            except NoCapacity:  # backpressure: this stage blocks, and so, in turn, do those before it
+            except (
+                NoCapacity
+            ):  # backpressure: this stage blocks, and so, in turn, do those before it
                 if time.monotonic() >= deadline:
                     self.failer.fail(job.handshake, "send ring stayed full", job.modality)
                     return
                 with self.sender.slot_freed:
                     self.sender.slot_freed.wait(0.05)
         digest = checksum(self.ring.view(lease)) if self.with_checksum else None
-        self.sender.submit(StagedItem(job.request_id, job.handshake, lease, layout, digest, dict(job.timings),
-                                      item.encoded.grid_thw))
+        self.sender.submit(
+            StagedItem(
+                job.request_id,
+                job.handshake,
+                lease,
+                layout,
+                digest,
+                dict(job.timings),
+                item.encoded.grid_thw,
+            )
+        )
 
 
 def check_claimed_hash(claimed: int | None, computed: int) -> None:
     """A client's content hash must be the xxh3-128 of the payload's bytes (file or raw pixels)."""
     if claimed is not None and claimed != computed:
-        raise BadItem(f"claimed content hash {claimed:032x} is not the hash of the item's bytes ({computed:032x})")
+        raise BadItem(
+            f"claimed content hash {claimed:032x} is not the hash of the item's bytes ({computed:032x})"
+        )

@@ -64,7 +64,9 @@ def detect_family(directory: str) -> str:
         raise TowerLoadError(f"cannot read {path}: {exc}") from exc
     family = model_type.removesuffix("_vision")
     if family not in FAMILIES:
-        raise TowerLoadError(f"model_type {model_type!r} is not a supported tower ({sorted(FAMILIES)})")
+        raise TowerLoadError(
+            f"model_type {model_type!r} is not a supported tower ({sorted(FAMILIES)})"
+        )
     return family
 
 
@@ -82,8 +84,15 @@ class TowerInfo:
 
 
 class VisionTower:
-    def __init__(self, model: torch.nn.Module, info: TowerInfo, processor, dtype: torch.dtype, device: str,
-                 model_id: str):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        info: TowerInfo,
+        processor,
+        dtype: torch.dtype,
+        device: str,
+        model_id: str,
+    ):
         self.model = model
         self.info = info
         self.processor = processor
@@ -99,27 +108,40 @@ class VisionTower:
         config = config_class.from_pretrained(directory)
         with _quiet_transformers():  # the LLM's weights are "unexpected" here, by design
             model, info = tower_class.from_pretrained(
-                directory, config=config, dtype=torch_dtype, key_mapping=KEY_MAPPING, output_loading_info=True,
-                local_files_only=True)
+                directory,
+                config=config,
+                dtype=torch_dtype,
+                key_mapping=KEY_MAPPING,
+                output_loading_info=True,
+                local_files_only=True,
+            )
         if info["missing_keys"]:
             missing = sorted(info["missing_keys"])
-            raise TowerLoadError(f"{len(missing)} tower weights missing from {directory} (e.g. {missing[:3]}); "
-                                 "refusing to run a randomly initialised tower")
+            raise TowerLoadError(
+                f"{len(missing)} tower weights missing from {directory} (e.g. {missing[:3]}); "
+                "refusing to run a randomly initialised tower"
+            )
         model = model.to(device).eval()
         processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True)
         out_width = getattr(config, "out_hidden_size", None) or config.hidden_size
         levels = len(getattr(config, "deepstack_visual_indexes", None) or [])
-        tower_info = TowerInfo(family, out_width, levels, config.spatial_merge_size, config.patch_size)
-        return cls(model, tower_info, processor, torch_dtype, device, model_id=os.path.abspath(directory))
+        tower_info = TowerInfo(
+            family, out_width, levels, config.spatial_merge_size, config.patch_size
+        )
+        return cls(
+            model, tower_info, processor, torch_dtype, device, model_id=os.path.abspath(directory)
+        )
 
     def rows_per_item(self, grid_thw: torch.Tensor) -> list[int]:
-        merge2 = self.info.merge ** 2
+        merge2 = self.info.merge**2
         return [int(t * h * w) // merge2 for t, h, w in grid_thw.tolist()]
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Packed wire rows ``[sum rows, wire_width]`` for a batch of items, in item order."""
-        out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid_thw.to(self.device))
+        out = self.model(
+            pixel_values.to(self.device, self.dtype), grid_thw=grid_thw.to(self.device)
+        )
         if isinstance(out, torch.Tensor):
             return out
         merged = out.pooler_output
@@ -127,7 +149,8 @@ class VisionTower:
             merged = torch.cat([merged, *out.deepstack_features], dim=1)
         return merged
 
-    def encode_items(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+    def encode_items(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> list[torch.Tensor]:
         """One ``[rows_i, wire_width]`` tensor per item (views of one packed output)."""
         return split_rows(self.encode(pixel_values, grid_thw), self.rows_per_item(grid_thw))
-

@@ -48,27 +48,50 @@ log = logging.getLogger(__name__)
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, worker: EncodeWorker):
         self.registry = registry
-        self.requests = Counter("epd_encoder_requests", "Items by modality and outcome", ["modality", "status"],
-                                registry=registry)
-        self.batch_items = Histogram("epd_encoder_batch_items", "Items per tower batch",
-                                     buckets=(1, 2, 4, 8, 16, 32), registry=registry)
-        self.encode_seconds = Histogram("epd_encoder_encode_seconds", "Tower time per batch", registry=registry)
-        self.queue_seconds = Histogram("epd_encoder_queue_seconds", "Intake to the tower starting the item's batch",
-                                       registry=registry)
-        self.receiver_wait_seconds = Histogram("epd_encoder_receiver_wait_seconds",
-                                               "Rows staged to the receiver registered (or the wait ended)",
-                                               registry=registry)
-        self.transfer_seconds = Histogram("epd_encoder_transfer_seconds",
-                                          "The write alone per delivered item: submit to the transport settled",
-                                          ["transport"], registry=registry)
-        self.bytes = Counter("epd_encoder_bytes", "Bytes delivered", ["transport"], registry=registry)
-        Gauge("epd_encoder_queue_depth", "Items waiting for the tower", registry=registry).set_function(
-            lambda: len(worker.queue))
-        Gauge("epd_encoder_ring_occupancy", "Leased fraction of the send ring", registry=registry).set_function(
-            lambda: worker.ring.stats()["leased_slots"] / worker.ring.slot_count)
+        self.requests = Counter(
+            "epd_encoder_requests",
+            "Items by modality and outcome",
+            ["modality", "status"],
+            registry=registry,
+        )
+        self.batch_items = Histogram(
+            "epd_encoder_batch_items",
+            "Items per tower batch",
+            buckets=(1, 2, 4, 8, 16, 32),
+            registry=registry,
+        )
+        self.encode_seconds = Histogram(
+            "epd_encoder_encode_seconds", "Tower time per batch", registry=registry
+        )
+        self.queue_seconds = Histogram(
+            "epd_encoder_queue_seconds",
+            "Intake to the tower starting the item's batch",
+            registry=registry,
+        )
+        self.receiver_wait_seconds = Histogram(
+            "epd_encoder_receiver_wait_seconds",
+            "Rows staged to the receiver registered (or the wait ended)",
+            registry=registry,
+        )
+        self.transfer_seconds = Histogram(
+            "epd_encoder_transfer_seconds",
+            "The write alone per delivered item: submit to the transport settled",
+            ["transport"],
+            registry=registry,
+        )
+        self.bytes = Counter(
+            "epd_encoder_bytes", "Bytes delivered", ["transport"], registry=registry
+        )
+        Gauge(
+            "epd_encoder_queue_depth", "Items waiting for the tower", registry=registry
+        ).set_function(lambda: len(worker.queue))
+        Gauge(
+            "epd_encoder_ring_occupancy", "Leased fraction of the send ring", registry=registry
+        ).set_function(lambda: worker.ring.stats()["leased_slots"] / worker.ring.slot_count)
         for name in ("hits", "misses", "evictions"):
-            Gauge(f"epd_encoder_cache_{name}", f"Embedding cache {name}", registry=registry).set_function(
-                lambda name=name: getattr(worker.cache, name))
+            Gauge(
+                f"epd_encoder_cache_{name}", f"Embedding cache {name}", registry=registry
+            ).set_function(lambda name=name: getattr(worker.cache, name))
 
     def count(self, modality: str, status: IntakeStatus | RoomState) -> None:
         """One item's intake answer or room end in ``epd_encoder_requests``: the status label is the
@@ -77,23 +100,44 @@ class WorkerMetrics:
 
 
 class EncodeWorker:
-    def __init__(self, config: WorkerConfig, tower: VisionTower | None = None, transports: dict | None = None):
+    def __init__(
+        self, config: WorkerConfig, tower: VisionTower | None = None, transports: dict | None = None
+    ):
         self.config = config
         self.tower = tower or VisionTower.load(config.model, config.dtype, config.device)
         self.preprocess_id = f"{zlib.crc32(json.dumps(self.tower.processor.to_dict(), sort_keys=True, default=str).encode()):08x}"
         self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
         self.cache = EmbeddingCache(config.cache_bytes)
-        self.queue = BatchQueue(config.queue_items, config.batch_patches, config.batch_items, config.batch_pixels,
-                                config.queue_bytes)
-        self.ring = SlotPool(MemoryRegion.anonymous(config.ring_bytes), config.ring_slot_bytes,
-                             quarantine_s=config.write_timeout_s * 2)
+        self.queue = BatchQueue(
+            config.queue_items,
+            config.batch_patches,
+            config.batch_items,
+            config.batch_pixels,
+            config.queue_bytes,
+        )
+        self.ring = SlotPool(
+            MemoryRegion.anonymous(config.ring_bytes),
+            config.ring_slot_bytes,
+            quarantine_s=config.write_timeout_s * 2,
+        )
         # a transport that cannot start (Mooncake) leaves the others in service (logged); alone, it
         # is an error
-        self.transports = transports if transports is not None else build_transports(
-            config.transports, {"mooncake": MooncakeConfig(hostname=config.host, device_names=config.mooncake_hca,
-                                                           force_tcp=config.mooncake_force_tcp,
-                                                           transfer_timeout_s=max(5, int(config.write_timeout_s)))},
-            optional=True)
+        self.transports = (
+            transports
+            if transports is not None
+            else build_transports(
+                config.transports,
+                {
+                    "mooncake": MooncakeConfig(
+                        hostname=config.host,
+                        device_names=config.mooncake_hca,
+                        force_tcp=config.mooncake_force_tcp,
+                        transfer_timeout_s=max(5, int(config.write_timeout_s)),
+                    )
+                },
+                optional=True,
+            )
+        )
         try:
             for transport in self.transports.values():
                 if transport_spec(transport.name).registers_send_memory:
@@ -104,31 +148,94 @@ class EncodeWorker:
         self.table = RoomTable(config.room_limits())
         registry = CollectorRegistry()
         self.metrics = WorkerMetrics(registry, self)
-        self.app = create_app(self.table, token=config.handshake_token, ready=self.ready, registry=registry)
-        self.loop = LoopThread("handshake")  # the handshake server's and the sender's: room work without hand-offs
-        self.room_clients = RoomClients(self.table, self.loop, config.host, lambda: self.bootstrap_port,
-                                     config.handshake_token, config.room_timeout_s)
+        self.app = create_app(
+            self.table, token=config.handshake_token, ready=self.ready, registry=registry
+        )
+        self.loop = LoopThread(
+            "handshake"
+        )  # the handshake server's and the sender's: room work without hand-offs
+        self.room_clients = RoomClients(
+            self.table,
+            self.loop,
+            config.host,
+            lambda: self.bootstrap_port,
+            config.handshake_token,
+            config.room_timeout_s,
+        )
         item_log = RateLimitedLog(log)
         self.in_flight = InFlightRooms()
-        self.failer = RoomFailer(self.room_clients, self.in_flight,
-                                 lambda modality: self.metrics.count(modality, RoomState.FAILED), item_log,
-                                 config.room_timeout_s)
-        self.sender = Sender(self.ring, self.transports, self.room_clients, self.loop, config.receiver_wait_s,
-                             config.write_timeout_s, config.send_workers, on_outcome=self._on_outcome)
+        self.failer = RoomFailer(
+            self.room_clients,
+            self.in_flight,
+            lambda modality: self.metrics.count(modality, RoomState.FAILED),
+            item_log,
+            config.room_timeout_s,
+        )
+        self.sender = Sender(
+            self.ring,
+            self.transports,
+            self.room_clients,
+            self.loop,
+            config.receiver_wait_s,
+            config.write_timeout_s,
+            config.send_workers,
+            on_outcome=self._on_outcome,
+        )
         self._item_log = item_log
         self._stopping = threading.Event()
-        self._prepared: Handoff[PreparedBatch] = Handoff(self._stopping)  # decoded, waiting for the tower
-        self._encoded: Handoff[EncodedBatch] = Handoff(self._stopping)  # encoded, waiting for the ring
-        self.health = Health(self.tower, self.sender, config.probe_interval_s, self._stopping,
-                             lambda: not len(self.queue) and self._prepared.empty())
-        self.intake = Intake(config, self.served_model, self.tower, self.queue, self.in_flight, self.failer,
-                             self.metrics, item_log, self._stopping)
-        self.prepare = Prepare(self.queue, self.tower, self.preprocess_id, self.cache, config.max_image_pixels,
-                               self.failer, self._prepared, self._stopping)
-        self.tower_stage = TowerStage(self.tower, self.cache, self.metrics, self.health, self.failer,
-                                      self._prepared, self._encoded, self._stopping)
-        self.stage_and_send = StageAndSend(self.ring, self.sender, config.receiver_wait_s, config.checksum,
-                                           self.failer, self._encoded, self._stopping)
+        self._prepared: Handoff[PreparedBatch] = Handoff(
+            self._stopping
+        )  # decoded, waiting for the tower
+        self._encoded: Handoff[EncodedBatch] = Handoff(
+            self._stopping
+        )  # encoded, waiting for the ring
+        self.health = Health(
+            self.tower,
+            self.sender,
+            config.probe_interval_s,
+            self._stopping,
+            lambda: not len(self.queue) and self._prepared.empty(),
+        )
+        self.intake = Intake(
+            config,
+            self.served_model,
+            self.tower,
+            self.queue,
+            self.in_flight,
+            self.failer,
+            self.metrics,
+            item_log,
+            self._stopping,
+        )
+        self.prepare = Prepare(
+            self.queue,
+            self.tower,
+            self.preprocess_id,
+            self.cache,
+            config.max_image_pixels,
+            self.failer,
+            self._prepared,
+            self._stopping,
+        )
+        self.tower_stage = TowerStage(
+            self.tower,
+            self.cache,
+            self.metrics,
+            self.health,
+            self.failer,
+            self._prepared,
+            self._encoded,
+            self._stopping,
+        )
+        self.stage_and_send = StageAndSend(
+            self.ring,
+            self.sender,
+            config.receiver_wait_s,
+            config.checksum,
+            self.failer,
+            self._encoded,
+            self._stopping,
+        )
         self._threads: list[threading.Thread] = []
         self.server: ThreadedServer | None = None
 
@@ -142,9 +249,13 @@ class EncodeWorker:
         except BaseException:
             self.stop()
             raise
-        for target, name in ((self.intake.loop, "intake"), (self.prepare.loop, "prepare"),
-                             (self.tower_stage.loop, "encode"), (self.stage_and_send.loop, "stage"),
-                             (self.health.loop, "housekeeping")):
+        for target, name in (
+            (self.intake.loop, "intake"),
+            (self.prepare.loop, "prepare"),
+            (self.tower_stage.loop, "encode"),
+            (self.stage_and_send.loop, "stage"),
+            (self.health.loop, "housekeeping"),
+        ):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -156,9 +267,13 @@ class EncodeWorker:
         if config.bootstrap_port:
             check_listen(config.bind, config.bootstrap_port, "bootstrap port")
         try:
-            self.server = ThreadedServer(self.app, config.bind, config.bootstrap_port, self.loop).start()
+            self.server = ThreadedServer(
+                self.app, config.bind, config.bootstrap_port, self.loop
+            ).start()
         except RuntimeError as exc:
-            raise SettingError(f"bootstrap port: cannot serve on {config.bind}:{config.bootstrap_port}: {exc}") from None
+            raise SettingError(
+                f"bootstrap port: cannot serve on {config.bind}:{config.bootstrap_port}: {exc}"
+            ) from None
         self.intake.listen()
 
     @property
@@ -210,11 +325,15 @@ class EncodeWorker:
         self.in_flight.release(outcome.room)
         self.metrics.count("IMAGE", outcome.state)
         if outcome.state is not RoomState.SUCCESS:
-            self._item_log.warning("room %d %s: %s", outcome.room, outcome.state.value, outcome.reason)
+            self._item_log.warning(
+                "room %d %s: %s", outcome.room, outcome.state.value, outcome.reason
+            )
         if "queue_s" in outcome.timings:
             self.metrics.queue_seconds.observe(outcome.timings["queue_s"])
         if "wait_s" in outcome.timings:
             self.metrics.receiver_wait_seconds.observe(outcome.timings["wait_s"])
         if outcome.state is RoomState.SUCCESS and outcome.transport:
             self.metrics.bytes.labels(outcome.transport).inc(outcome.nbytes)
-            self.metrics.transfer_seconds.labels(outcome.transport).observe(outcome.timings["transfer_s"])
+            self.metrics.transfer_seconds.labels(outcome.transport).observe(
+                outcome.timings["transfer_s"]
+            )

@@ -29,39 +29,97 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from pydantic import BaseModel, ValidationError
 
 from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError
 from dispatcher.workers import WorkerSet
-from gateway.chat import ChatRequest, ChatRequestError, EncodedImage, ImageRef, InlineImage, image_refs, rewrite
+from gateway.chat import (
+    ChatRequest,
+    ChatRequestError,
+    EncodedImage,
+    ImageRef,
+    InlineImage,
+    image_refs,
+    rewrite,
+)
 from gateway.media import MediaError, MediaFetcher
 from gateway.settings import GatewaySettings
 from prefill_side.ec_params import DeliveryReport, ItemDelivery, identifier
 
 log = logging.getLogger(__name__)
 # Latency buckets (seconds) from 100 us: a dispatch on one node takes well under a millisecond.
-BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BUCKETS = (
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
 
 
 class GatewayMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         labels = ["model_name"]
-        self.requests = Counter("epd_gateway_requests", "Chat requests by outcome",
-                                labels + ["outcome"], registry=self.registry)
-        self.images = Counter("epd_gateway_images", "Images by who encoded them (encode_worker, colocated)",
-                              labels + ["encoder"], registry=self.registry)
-        self.colocated = Counter("epd_gateway_colocated_fallbacks",
-                                 "Images sent to vLLM inline instead of an encode worker, by reason",
-                                 labels + ["reason"], registry=self.registry)
-        self.dispatch = Histogram("epd_gateway_dispatch_seconds", "Request start -> every image placed",
-                                  labels, buckets=BUCKETS, registry=self.registry)
-        self.first_token = Histogram("epd_gateway_time_to_first_token_seconds",
-                                     "Request start -> first token relayed (streaming) or the answer",
-                                     labels, buckets=BUCKETS, registry=self.registry)
-        self.in_flight = Gauge("epd_gateway_requests_in_flight", "Chat requests being served now", labels,
-                               registry=self.registry)
+        self.requests = Counter(
+            "epd_gateway_requests",
+            "Chat requests by outcome",
+            labels + ["outcome"],
+            registry=self.registry,
+        )
+        self.images = Counter(
+            "epd_gateway_images",
+            "Images by who encoded them (encode_worker, colocated)",
+            labels + ["encoder"],
+            registry=self.registry,
+        )
+        self.colocated = Counter(
+            "epd_gateway_colocated_fallbacks",
+            "Images sent to vLLM inline instead of an encode worker, by reason",
+            labels + ["reason"],
+            registry=self.registry,
+        )
+        self.dispatch = Histogram(
+            "epd_gateway_dispatch_seconds",
+            "Request start -> every image placed",
+            labels,
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self.first_token = Histogram(
+            "epd_gateway_time_to_first_token_seconds",
+            "Request start -> first token relayed (streaming) or the answer",
+            labels,
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "epd_gateway_requests_in_flight",
+            "Chat requests being served now",
+            labels,
+            registry=self.registry,
+        )
         self.model_name = model_name
 
     def count(self, outcome: str) -> None:
@@ -79,13 +137,28 @@ class UpstreamRefusal(Exception):
 class OpenAIError(Exception):
     """A refusal in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                       "code": self.status}}, status_code=self.status)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": str(self),
+                    "type": self.kind,
+                    "param": self.param,
+                    "code": self.status,
+                }
+            },
+            status_code=self.status,
+        )
 
 
 @dataclass
@@ -123,11 +196,20 @@ class _Prepared:
         images = []
         for item in self.items:
             key = identifier(item.content_hash)
-            images.append(ImageReport(
-                identifier=key, encoder="encode_worker" if item.worker else "colocated", worker=item.worker,
-                rows=item.rows, error=item.error, dispatch_ms=round(item.dispatch_s * 1e3, 3),
-                delivery=delivery.items.get(key) if delivery is not None else None))
-        return GatewayReport(request_id=self.request_id, dispatch_ms=round(self.dispatch_s * 1e3, 3), images=images)
+            images.append(
+                ImageReport(
+                    identifier=key,
+                    encoder="encode_worker" if item.worker else "colocated",
+                    worker=item.worker,
+                    rows=item.rows,
+                    error=item.error,
+                    dispatch_ms=round(item.dispatch_s * 1e3, 3),
+                    delivery=delivery.items.get(key) if delivery is not None else None,
+                )
+            )
+        return GatewayReport(
+            request_id=self.request_id, dispatch_ms=round(self.dispatch_s * 1e3, 3), images=images
+        )
 
 
 class ImageReport(BaseModel):
@@ -151,14 +233,27 @@ class GatewayReport(BaseModel):
 
 
 class Gateway:
-    def __init__(self, settings: GatewaySettings, processor, registry: CollectorRegistry | None = None):
+    def __init__(
+        self, settings: GatewaySettings, processor, registry: CollectorRegistry | None = None
+    ):
         self.settings = settings
-        self.workers = WorkerSet(list(settings.workers), settings.dns, settings.bootstrap_port, settings.intake_port)
-        self.dispatcher = Dispatcher(self.workers, processor, rooms_url=settings.rooms_url,
-                                     served_model=settings.served_model_name, handshake_token=settings.handshake_token,
-                                     intake_token=settings.intake_token)
-        self.fetcher = MediaFetcher(settings.max_image_bytes, settings.fetch_timeout_s, settings.max_redirects,
-                                    settings.allow_private_urls)
+        self.workers = WorkerSet(
+            list(settings.workers), settings.dns, settings.bootstrap_port, settings.intake_port
+        )
+        self.dispatcher = Dispatcher(
+            self.workers,
+            processor,
+            rooms_url=settings.rooms_url,
+            served_model=settings.served_model_name,
+            handshake_token=settings.handshake_token,
+            intake_token=settings.intake_token,
+        )
+        self.fetcher = MediaFetcher(
+            settings.max_image_bytes,
+            settings.fetch_timeout_s,
+            settings.max_redirects,
+            settings.allow_private_urls,
+        )
         self.metrics = GatewayMetrics(settings.served_model_name, registry)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -166,7 +261,8 @@ class Gateway:
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s),
-            connector=aiohttp.TCPConnector(limit=0))
+            connector=aiohttp.TCPConnector(limit=0),
+        )
         await self.workers.refresh()
         self._spawn(self.workers.run())
 
@@ -196,10 +292,14 @@ class Gateway:
         except OpenAIError as exc:
             self.metrics.count("refused")
             return exc.response()
-        except Exception as exc:  # a fault of ours or a dependency's: still OpenAI's shape, and logged
+        except (
+            Exception
+        ) as exc:  # a fault of ours or a dependency's: still OpenAI's shape, and logged
             log.exception("chat request failed before vLLM was called")
             self.metrics.count("internal_error")
-            return OpenAIError(500, f"internal error: {type(exc).__name__}", kind="internal_error").response()
+            return OpenAIError(
+                500, f"internal error: {type(exc).__name__}", kind="internal_error"
+            ).response()
         if prepared.stream:
             return await self._stream(request, prepared, started)
         return await self._complete(request, prepared, started)
@@ -209,7 +309,9 @@ class Gateway:
         async for chunk in request.stream():
             data += chunk
             if len(data) > self.settings.max_body_bytes:
-                raise OpenAIError(413, f"request body larger than {self.settings.max_body_bytes} bytes")
+                raise OpenAIError(
+                    413, f"request body larger than {self.settings.max_body_bytes} bytes"
+                )
         try:
             body = json.loads(data)
         except ValueError as exc:
@@ -232,7 +334,9 @@ class Gateway:
         if not refs:
             return prepared
         started = time.monotonic()
-        loaded = await asyncio.gather(*(self.fetcher.load(ref.url) for ref in refs), return_exceptions=True)
+        loaded = await asyncio.gather(
+            *(self.fetcher.load(ref.url) for ref in refs), return_exceptions=True
+        )
         distinct: dict[bytes, int] = {}
         for ref, data in zip(refs, loaded):
             if isinstance(data, MediaError):
@@ -241,16 +345,21 @@ class Gateway:
                 raise data
             prepared.of_ref.append(distinct.setdefault(data, len(distinct)))
         try:
-            prepared.items = self.dispatcher.describe(list(distinct), [refs[prepared.of_ref.index(i)].param
-                                                                       for i in range(len(distinct))])
+            prepared.items = self.dispatcher.describe(
+                list(distinct), [refs[prepared.of_ref.index(i)].param for i in range(len(distinct))]
+            )
             await self.dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
         except DispatchError as exc:
             raise OpenAIError(400, str(exc)) from None
         prepared.dispatch_s = time.monotonic() - started
         self.metrics.dispatch.labels(self.metrics.model_name).observe(prepared.dispatch_s)
         for item in prepared.items:
-            self.metrics.images.labels(self.metrics.model_name, "encode_worker" if item.worker else "colocated").inc()
-            if item.worker is None:  # no worker tried at all: none was healthy; else each tried one refused
+            self.metrics.images.labels(
+                self.metrics.model_name, "encode_worker" if item.worker else "colocated"
+            ).inc()
+            if (
+                item.worker is None
+            ):  # no worker tried at all: none was healthy; else each tried one refused
                 reason = "dispatch_failed" if item.attempts else "no_healthy_worker"
                 self.metrics.colocated.labels(self.metrics.model_name, reason).inc()
         return prepared
@@ -261,14 +370,21 @@ class Gateway:
 
     async def _post(self, body: dict) -> aiohttp.ClientResponse:
         try:
-            return await self._session.post(self.settings.vllm_url + "/v1/chat/completions", json=body)
+            return await self._session.post(
+                self.settings.vllm_url + "/v1/chat/completions", json=body
+            )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise OpenAIError(502, f"vLLM at {self.settings.vllm_url} cannot be reached: {type(exc).__name__}: {exc}",
-                              kind="upstream_error") from None
+            raise OpenAIError(
+                502,
+                f"vLLM at {self.settings.vllm_url} cannot be reached: {type(exc).__name__}: {exc}",
+                kind="upstream_error",
+            ) from None
 
     # ---- non-streaming ------------------------------------------------------------------------
 
-    async def _until_client_leaves(self, request: Request, coroutine, prepared: _Prepared) -> asyncio.Task | None:
+    async def _until_client_leaves(
+        self, request: Request, coroutine, prepared: _Prepared
+    ) -> asyncio.Task | None:
         """The finished task of ``coroutine``, or None when the client left first: then the
         coroutine is cancelled (dropping the vLLM call makes vLLM abort the request) and so are
         the request's rooms."""
@@ -326,17 +442,26 @@ class Gateway:
             report = prepared.report(DeliveryReport.model_validate(delivery) if delivery else None)
             answer["epd"] = report.model_dump(mode="json")
         except (ValueError, AttributeError) as exc:  # not the answer we know: relay vLLM's as it is
-            log.warning("request %s: vLLM's answer carries no delivery report we read: %s", prepared.request_id, exc)
+            log.warning(
+                "request %s: vLLM's answer carries no delivery report we read: %s",
+                prepared.request_id,
+                exc,
+            )
             return payload
         return json.dumps(answer).encode()
 
     def _fall_back_inline(self, prepared: _Prepared) -> None:
         """The request failed in vLLM with encode-worker images: from now on vLLM encodes them."""
-        log.warning("request %s failed in vLLM with encode-worker images; retrying with them inline",
-                    prepared.request_id)
+        log.warning(
+            "request %s failed in vLLM with encode-worker images; retrying with them inline",
+            prepared.request_id,
+        )
         for item in prepared.placed:
             self.metrics.colocated.labels(self.metrics.model_name, "delivery_failed").inc()
-            item.worker, item.error = None, f"delivery failed in vLLM (worker {item.worker}); vLLM encoded it"
+            item.worker, item.error = (
+                None,
+                f"delivery failed in vLLM (worker {item.worker}); vLLM encoded it",
+            )
 
     # ---- streaming ----------------------------------------------------------------------------
 
@@ -348,10 +473,13 @@ class Gateway:
             response, held, events = opened.result()
         except (OpenAIError, UpstreamRefusal) as exc:
             return self._upstream_failed(prepared, exc)
-        return StreamingResponse(self._relay(response, held, events, prepared, started),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            self._relay(response, held, events, prepared, started), media_type="text/event-stream"
+        )
 
-    async def _open(self, prepared: _Prepared) -> tuple[aiohttp.ClientResponse, list[bytes], AsyncIterator[bytes]]:
+    async def _open(
+        self, prepared: _Prepared
+    ) -> tuple[aiohttp.ClientResponse, list[bytes], AsyncIterator[bytes]]:
         """vLLM's stream, its events up to the first token held back when a failed delivery must
         be retried inline (it shows up there as an error event); ``UpstreamRefusal`` for another
         status than 200. The stream is closed if this is cancelled (the client left)."""
@@ -378,21 +506,35 @@ class Gateway:
             response.close()
             raise
 
-    async def _relay(self, response: aiohttp.ClientResponse, held: list[bytes], events: AsyncIterator[bytes],
-                     prepared: _Prepared, started: float) -> AsyncIterator[bytes]:
+    async def _relay(
+        self,
+        response: aiohttp.ClientResponse,
+        held: list[bytes],
+        events: AsyncIterator[bytes],
+        prepared: _Prepared,
+        started: float,
+    ) -> AsyncIterator[bytes]:
         outcome, waiting_first = "client_disconnected", True
         try:
             async for event in _chain(held, events):
                 if waiting_first and _first_token_or_error(event) == "token":
                     waiting_first = False
-                    self.metrics.first_token.labels(self.metrics.model_name).observe(time.monotonic() - started)
+                    self.metrics.first_token.labels(self.metrics.model_name).observe(
+                        time.monotonic() - started
+                    )
                 yield event
             outcome = "ok"
-        except aiohttp.ClientError as exc:  # vLLM's side of the stream broke: the client's ends here too
+        except (
+            aiohttp.ClientError
+        ) as exc:  # vLLM's side of the stream broke: the client's ends here too
             log.warning("request %s: vLLM's stream broke: %s", prepared.request_id, exc)
             outcome = "upstream_error"
-            error = {"message": f"vLLM's stream broke: {type(exc).__name__}", "type": "upstream_error",
-                     "param": None, "code": 502}
+            error = {
+                "message": f"vLLM's stream broke: {type(exc).__name__}",
+                "type": "upstream_error",
+                "param": None,
+                "code": 502,
+            }
             yield f"data: {json.dumps({'error': error})}\n\n".encode()
         finally:
             response.close()  # before the end: vLLM sees the connection drop and aborts the request
@@ -405,15 +547,23 @@ class Gateway:
     async def models(self) -> Response:
         try:
             async with self._session.get(self.settings.vllm_url + "/v1/models") as response:
-                return Response(await response.read(), status_code=response.status, media_type="application/json")
+                return Response(
+                    await response.read(),
+                    status_code=response.status,
+                    media_type="application/json",
+                )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return OpenAIError(502, f"vLLM at {self.settings.vllm_url} cannot be reached: {exc}",
-                               kind="upstream_error").response()
+            return OpenAIError(
+                502,
+                f"vLLM at {self.settings.vllm_url} cannot be reached: {exc}",
+                kind="upstream_error",
+            ).response()
 
     async def backend_ready(self) -> bool:
         try:
-            async with self._session.get(self.settings.vllm_url + "/health",
-                                         timeout=aiohttp.ClientTimeout(total=2)) as response:
+            async with self._session.get(
+                self.settings.vllm_url + "/health", timeout=aiohttp.ClientTimeout(total=2)
+            ) as response:
                 return response.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
@@ -445,7 +595,7 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
 
 
 def _first_token_or_error(event: bytes) -> str | None:
-    """"token" for an event with generated text or a finish, "error" for an error event, else None."""
+    """ "token" for an event with generated text or a finish, "error" for an error event, else None."""
     if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
         return None
     try:
@@ -479,8 +629,11 @@ class InFlightLimit:
         limit = self.gateway.settings.max_in_flight
         if self.count >= limit:
             self.gateway.metrics.count("overloaded")
-            refusal = OpenAIError(503, f"the gateway serves {limit} requests at once (--max-in-flight); retry shortly",
-                                  kind="overloaded").response()
+            refusal = OpenAIError(
+                503,
+                f"the gateway serves {limit} requests at once (--max-in-flight); retry shortly",
+                kind="overloaded",
+            ).response()
             refusal.headers["Retry-After"] = "1"
             return await refusal(scope, receive, send)
         gauge = self.gateway.metrics.in_flight.labels(self.gateway.metrics.model_name)
@@ -523,7 +676,9 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def ready() -> Response:
         if await gateway.backend_ready():
             return JSONResponse({"status": "ready", "encode_workers": gateway.workers.status()})
-        return JSONResponse({"status": f"vLLM at {gateway.settings.vllm_url} is not healthy"}, status_code=503)
+        return JSONResponse(
+            {"status": f"vLLM at {gateway.settings.vllm_url} is not healthy"}, status_code=503
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:

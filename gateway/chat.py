@@ -60,7 +60,9 @@ class ImageRef:
 def image_refs(request: ChatRequest) -> list[ImageRef]:
     """Every image part, in prompt order; ``ChatRequestError`` for what the gateway refuses."""
     if request.model_extra and "ec_transfer_params" in request.model_extra:
-        raise ChatRequestError("ec_transfer_params is set by the gateway, not by clients", "ec_transfer_params")
+        raise ChatRequestError(
+            "ec_transfer_params is set by the gateway, not by clients", "ec_transfer_params"
+        )
     refs = []
     for m, message in enumerate(request.messages):
         if not isinstance(message.content, list):
@@ -71,18 +73,23 @@ def image_refs(request: ChatRequest) -> list[ImageRef]:
             if not isinstance(kind, str):
                 raise ChatRequestError("a content part needs a string 'type'", f"{where}.type")
             if kind == "image_embeds":
-                raise ChatRequestError("image_embeds parts are set by the gateway; send the image as image_url",
-                                       where)
+                raise ChatRequestError(
+                    "image_embeds parts are set by the gateway; send the image as image_url", where
+                )
             if kind != "image_url":
                 continue
             if "uuid" in part:
-                raise ChatRequestError("an image's uuid is set by the gateway (its content hash)", f"{where}.uuid")
+                raise ChatRequestError(
+                    "an image's uuid is set by the gateway (its content hash)", f"{where}.uuid"
+                )
             image_url = part.get("image_url")
             url = image_url.get("url") if isinstance(image_url, dict) else image_url
             if not isinstance(url, str) or not url:
                 raise ChatRequestError("image_url needs a 'url' string", f"{where}.image_url")
             if len(url) > MAX_URL_CHARS:
-                raise ChatRequestError(f"image_url is longer than {MAX_URL_CHARS} characters", f"{where}.image_url")
+                raise ChatRequestError(
+                    f"image_url is longer than {MAX_URL_CHARS} characters", f"{where}.image_url"
+                )
             refs.append(ImageRef(m, p, url))
     return refs
 
@@ -109,8 +116,12 @@ class InlineImage:
         return cls(f"data:{media_type};base64,{base64.b64encode(data).decode()}")
 
 
-def rewrite(body: dict, refs: list[ImageRef], images: list[EncodedImage | InlineImage],
-            rooms: dict[str, dict] | None) -> dict:
+def rewrite(
+    body: dict,
+    refs: list[ImageRef],
+    images: list[EncodedImage | InlineImage],
+    rooms: dict[str, dict] | None,
+) -> dict:
     """The body for vLLM: each image part replaced by ``images[i]``'s part, and the rooms of the
     encoded ones in ``ec_transfer_params``. ``body`` is left as it was."""
     out = copy.copy(body)
@@ -119,8 +130,11 @@ def rewrite(body: dict, refs: list[ImageRef], images: list[EncodedImage | Inline
         out["messages"][m]["content"] = list(out["messages"][m]["content"])
     for ref, image in zip(refs, images, strict=True):
         if isinstance(image, EncodedImage):
-            part = {"type": "image_embeds", "image_embeds": {"image_grid_thw": list(image.grid_thw)},
-                    "uuid": image.identifier}
+            part = {
+                "type": "image_embeds",
+                "image_embeds": {"image_grid_thw": list(image.grid_thw)},
+                "uuid": image.identifier,
+            }
         else:
             part = {"type": "image_url", "image_url": {"url": image.url}}
         out["messages"][ref.message]["content"][ref.part] = part

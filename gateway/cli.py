@@ -27,10 +27,17 @@ def main(argv: list[str] | None = None) -> int:
         check_listen(settings.host, settings.port, "--port")
     except SettingError as exc:
         return refuse(GatewaySettings.PROG, exc)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger(settings.PROG).info(
         "%s ready: http://%s:%d (/v1/chat/completions, /v1/models, /health, /readyz, /metrics) in front of vLLM "
-        "at %s", settings.PROG, settings.host, settings.port, settings.vllm_url)
+        "at %s",
+        settings.PROG,
+        settings.host,
+        settings.port,
+        settings.vllm_url,
+    )
     serve(build_app(Gateway(settings, processor)), settings.host, settings.port)
     return 0
 

@@ -41,8 +41,9 @@ class PublicOnlyResolver(AbstractResolver):
     def __init__(self) -> None:
         self._inner = DefaultResolver()
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-                      ) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         results = [r for r in await self._inner.resolve(host, port, family) if _public(r["host"])]
         if not results:
             raise OSError(f"{host} resolves only to private or reserved addresses")
@@ -53,8 +54,13 @@ class PublicOnlyResolver(AbstractResolver):
 
 
 class MediaFetcher:
-    def __init__(self, max_bytes: int = 20 << 20, timeout_s: float = 10.0, max_redirects: int = 3,
-                 allow_private: bool = False):
+    def __init__(
+        self,
+        max_bytes: int = 20 << 20,
+        timeout_s: float = 10.0,
+        max_redirects: int = 3,
+        allow_private: bool = False,
+    ):
         self.max_bytes, self.timeout_s = max_bytes, timeout_s
         self.max_redirects, self.allow_private = max_redirects, allow_private
         self._session: aiohttp.ClientSession | None = None
@@ -72,7 +78,9 @@ class MediaFetcher:
             try:
                 return await asyncio.wait_for(self._fetch(url), self.timeout_s)
             except TimeoutError:
-                raise MediaError(f"fetching {_short(url)} took longer than {self.timeout_s:g} s") from None
+                raise MediaError(
+                    f"fetching {_short(url)} took longer than {self.timeout_s:g} s"
+                ) from None
         raise MediaError(f"image_url must be a data: URI or an http(s) URL, got {_short(url)}")
 
     def decode_data_uri(self, url: str) -> bytes:
@@ -81,7 +89,9 @@ class MediaFetcher:
             raise MediaError("data URI without a ',' before its payload")
         media_type, *parameters = header.split(";")
         if not media_type.lower().startswith("image/"):
-            raise MediaError(f"data URI of type {media_type or '(none)'!r}: an image/* type is required")
+            raise MediaError(
+                f"data URI of type {media_type or '(none)'!r}: an image/* type is required"
+            )
         if "base64" not in (p.strip().lower() for p in parameters):
             raise MediaError("data URI is not base64 (';base64,' is required)")
         if len(payload) > (self.max_bytes + 2) // 3 * 4 + 4:
@@ -105,21 +115,27 @@ class MediaFetcher:
                     if response.status in REDIRECTS:
                         location = response.headers.get("Location")
                         if not location:
-                            raise MediaError(f"{_short(url)} answered {response.status} without a Location")
+                            raise MediaError(
+                                f"{_short(url)} answered {response.status} without a Location"
+                            )
                         url = str(target.join(yarl.URL(location)))
                         continue
                     if response.status != 200:
                         raise MediaError(f"{_short(url)} answered HTTP {response.status}")
                     kind = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
                     if not kind.startswith("image/"):
-                        raise MediaError(f"{_short(url)} is {kind or 'of no content type'}, not an image/* type")
+                        raise MediaError(
+                            f"{_short(url)} is {kind or 'of no content type'}, not an image/* type"
+                        )
                     if (response.content_length or 0) > self.max_bytes:
                         raise MediaError(f"{_short(url)}: image larger than {self.max_bytes} bytes")
                     data = bytearray()
                     async for chunk in response.content.iter_chunked(1 << 16):
                         data += chunk
                         if len(data) > self.max_bytes:
-                            raise MediaError(f"{_short(url)}: image larger than {self.max_bytes} bytes")
+                            raise MediaError(
+                                f"{_short(url)}: image larger than {self.max_bytes} bytes"
+                            )
                     if not data:
                         raise MediaError(f"{_short(url)} answered an empty body")
                     return bytes(data)
@@ -150,8 +166,9 @@ class MediaFetcher:
         if self._session is None:
             resolver = None if self.allow_private else PublicOnlyResolver()
             connector = aiohttp.TCPConnector(resolver=resolver, limit=64, ttl_dns_cache=10)
-            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True,
-                                                  timeout=aiohttp.ClientTimeout(total=None))
+            self._session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=True, timeout=aiohttp.ClientTimeout(total=None)
+            )
         return self._session
 
 

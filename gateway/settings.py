@@ -9,7 +9,14 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from dispatcher.settings import EncodeWorkerTargets, HttpUrl
-from process_settings import ByteSize, NonNegativeInt, Port, PositiveInt, PositiveSeconds, SettingError
+from process_settings import (
+    ByteSize,
+    NonNegativeInt,
+    Port,
+    PositiveInt,
+    PositiveSeconds,
+    SettingError,
+)
 
 
 class GatewaySettings(EncodeWorkerTargets):
@@ -22,25 +29,41 @@ class GatewaySettings(EncodeWorkerTargets):
 
     host: str = Field("0.0.0.0", min_length=1, description="address to listen on")
     port: Port = Field(8000, description="port to listen on")
-    vllm_url: HttpUrl = Field(description="the vLLM OpenAI server with the EPD connector, http://host:port")
-    served_model_name: str | None = Field(None, description="the model's name in metrics and intake messages, as "
-                                          "the encode workers' --served-model (default: --model's folder name, "
-                                          "theirs too)")
-    max_image_bytes: ByteSize = Field(20 << 20, description="largest image taken (data URI or fetched)")
-    fetch_timeout_s: PositiveSeconds = Field(10.0, description="time to fetch one http(s) image, redirects "
-                                             "included")
-    max_redirects: NonNegativeInt = Field(3, description="redirects followed when fetching an image")
-    allow_private_urls: bool = Field(False, description="fetch image URLs on loopback, private and link-local "
-                                     "addresses")
+    vllm_url: HttpUrl = Field(
+        description="the vLLM OpenAI server with the EPD connector, http://host:port"
+    )
+    served_model_name: str | None = Field(
+        None,
+        description="the model's name in metrics and intake messages, as "
+        "the encode workers' --served-model (default: --model's folder name, "
+        "theirs too)",
+    )
+    max_image_bytes: ByteSize = Field(
+        20 << 20, description="largest image taken (data URI or fetched)"
+    )
+    fetch_timeout_s: PositiveSeconds = Field(
+        10.0, description="time to fetch one http(s) image, redirects included"
+    )
+    max_redirects: NonNegativeInt = Field(
+        3, description="redirects followed when fetching an image"
+    )
+    allow_private_urls: bool = Field(
+        False, description="fetch image URLs on loopback, private and link-local addresses"
+    )
     max_body_bytes: ByteSize = Field(100 << 20, description="largest request body taken")
     # each request in flight holds its body: this bounds the gateway's memory
-    max_in_flight: PositiveInt = Field(256, description="chat requests served at once; one more gets 503 and "
-                                       "Retry-After")
+    max_in_flight: PositiveInt = Field(
+        256, description="chat requests served at once; one more gets 503 and Retry-After"
+    )
     request_timeout_s: PositiveSeconds = Field(600.0, description="time for vLLM's whole answer")
-    retry_colocated: bool = Field(True, description="when a request's encode-worker images fail inside vLLM, "
-                                  "send it once more with the images inline (vLLM encodes them)")
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning, "
-                                                                     "error")
+    retry_colocated: bool = Field(
+        True,
+        description="when a request's encode-worker images fail inside vLLM, "
+        "send it once more with the images inline (vLLM encodes them)",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="debug, info, warning, error"
+    )
 
     @model_validator(mode="after")
     def _served_name(self) -> GatewaySettings:

@@ -49,7 +49,9 @@ class RemoteRooms:
         return result.view
 
     async def wait_async(self, room: int, after_version: int, wait_s: float) -> RoomView:
-        return self._one(await asyncio.wrap_future(self.client.submit("watch", {room: after_version}, wait_s)))
+        return self._one(
+            await asyncio.wrap_future(self.client.submit("watch", {room: after_version}, wait_s))
+        )
 
     def begin_write(self, write: BeginWrite) -> RoomView:
         return self._one(self.client.begin_write([write]))
@@ -58,4 +60,8 @@ class RemoteRooms:
         return self._one(self.client.commit([commit]))
 
     def fail(self, room: int, reason: str, settled: bool, writer: str | None = None) -> RoomView:
-        return self._one(self.client.fail([FailBody(room=room, reason=reason[:500], settled=settled, writer=writer)]))
+        return self._one(
+            self.client.fail(
+                [FailBody(room=room, reason=reason[:500], settled=settled, writer=writer)]
+            )
+        )

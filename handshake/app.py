@@ -19,7 +19,13 @@ from collections.abc import Callable
 from fastapi import FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
@@ -49,11 +55,16 @@ AUTH_ERRORS = {401: {"description": "Missing or wrong bearer token"}}
 class HandshakeMetrics:
     def __init__(self, table: RoomTable, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        self.latency = Histogram("epd_handshake_request_seconds", "Request latency by route", ["route", "method"],
-                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5, 30),
-                                 registry=self.registry)
-        Gauge("epd_handshake_longpoll_waiters", "Long-poll waiters now", registry=self.registry).set_function(
-            lambda: table.waiters)
+        self.latency = Histogram(
+            "epd_handshake_request_seconds",
+            "Request latency by route",
+            ["route", "method"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=self.registry,
+        )
+        Gauge(
+            "epd_handshake_longpoll_waiters", "Long-poll waiters now", registry=self.registry
+        ).set_function(lambda: table.waiters)
         self.registry.register(_RoomCollector(table))
         # labels() looks the child up on every call: bind each (route, method) once
         self._latency_children: dict[tuple[str, str], object] = {}
@@ -61,7 +72,9 @@ class HandshakeMetrics:
     def observe(self, route: str, method: str, seconds: float) -> None:
         child = self._latency_children.get((route, method))
         if child is None:
-            child = self._latency_children.setdefault((route, method), self.latency.labels(route, method))
+            child = self._latency_children.setdefault(
+                (route, method), self.latency.labels(route, method)
+            )
         child.observe(seconds)
 
 
@@ -73,12 +86,15 @@ class _RoomCollector:
         self.table = table
 
     def collect(self):
-        rooms = GaugeMetricFamily("epd_handshake_rooms", "Rooms by state (terminal ones are tombstones)",
-                                  labels=["state"])
+        rooms = GaugeMetricFamily(
+            "epd_handshake_rooms", "Rooms by state (terminal ones are tombstones)", labels=["state"]
+        )
         for state, count in self.table.counts().items():
             rooms.add_metric([state.value], count)
         yield rooms
-        transitions = CounterMetricFamily("epd_handshake_transitions", "Room state transitions", labels=["to"])
+        transitions = CounterMetricFamily(
+            "epd_handshake_transitions", "Room state transitions", labels=["to"]
+        )
         for state, count in self.table.entered().items():
             transitions.add_metric([state.value], count)
         yield transitions
@@ -177,11 +193,15 @@ class HandshakeAPI(FastAPI):
     (routing, exception and exit-stack middleware, per-route wrappers), whose CPU per request
     rivals the room work itself; everything else (GET routes, /docs, 404/405) is FastAPI's."""
 
-    def configure_front_door(self, token: str | None, max_body_bytes: int, metrics: HandshakeMetrics) -> None:
+    def configure_front_door(
+        self, token: str | None, max_body_bytes: int, metrics: HandshakeMetrics
+    ) -> None:
         self.token = token.encode() if token else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
-        self.body_routes = {route.path: route for route in self.router.routes if isinstance(route, _BodyRoute)}
+        self.body_routes = {
+            route.path: route for route in self.router.routes if isinstance(route, _BodyRoute)
+        }
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -191,7 +211,9 @@ class HandshakeAPI(FastAPI):
         if self.token is not None and scope["path"].startswith("/v1"):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, b"Bearer " + self.token):
-                return await _reply(send, 401, "missing or wrong bearer token", {"www-authenticate": "Bearer"})
+                return await _reply(
+                    send, 401, "missing or wrong bearer token", {"www-authenticate": "Bearer"}
+                )
         if declared_too_large(headers, self.max_body_bytes):
             return await _reply(send, 413, BodyTooLarge(self.max_body_bytes).detail)
         limited_receive = limit_body(receive, self.max_body_bytes)
@@ -206,7 +228,9 @@ class HandshakeAPI(FastAPI):
             await _reply(send, 413, exc.detail)
         except _ClientGone:
             return
-        self.metrics.observe(route.path if route else "unmatched", scope["method"], time.perf_counter() - started)
+        self.metrics.observe(
+            route.path if route else "unmatched", scope["method"], time.perf_counter() - started
+        )
 
 
 async def _read_body(receive) -> bytes:
@@ -234,7 +258,9 @@ def _ok(room: int, view: RoomView) -> RoomResult:
 
 
 def _refused(room: int, error: RoomError) -> RoomResult:
-    return RoomResult.model_construct(room=room, ok=False, view=None, error=str(error), status=error.status)
+    return RoomResult.model_construct(
+        room=room, ok=False, view=None, error=str(error), status=error.status
+    )
 
 
 def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
@@ -245,11 +271,19 @@ def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
 
 
 def _watch_results(versions: dict[int, int], views: list) -> list[RoomResult]:
-    return [_refused(room, v) if isinstance(v, RoomError) else _ok(room, v) for room, v in zip(versions, views)]
+    return [
+        _refused(room, v) if isinstance(v, RoomError) else _ok(room, v)
+        for room, v in zip(versions, views)
+    ]
 
 
-def create_app(table: RoomTable | None = None, token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               ready: Callable[[], bool] = lambda: True, registry: CollectorRegistry | None = None) -> HandshakeAPI:
+def create_app(
+    table: RoomTable | None = None,
+    token: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    ready: Callable[[], bool] = lambda: True,
+    registry: CollectorRegistry | None = None,
+) -> HandshakeAPI:
     """The handshake app over ``table``. An embedding process (the encode worker) gates ``/readyz``
     with ``ready`` and adds its own metrics to ``/metrics`` through ``registry``."""
     table = table or RoomTable()
@@ -272,20 +306,35 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
 
     # FastAPI's native OpenTelemetry hooks are off (CPU on every request); we export Prometheus.
     telemetry = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
-    app = HandshakeAPI(title="EPD handshake", version="1", lifespan=lifespan, telemetry=telemetry,
-                  description="Bootstrap rooms: one per item, pairing an encode worker's write with its receiver.")
+    app = HandshakeAPI(
+        title="EPD handshake",
+        version="1",
+        lifespan=lifespan,
+        telemetry=telemetry,
+        description="Bootstrap rooms: one per item, pairing an encode worker's write with its receiver.",
+    )
     app.state.table = table
     app.state.metrics = metrics
 
     def body_route(path: str, **kwargs):
         def add(endpoint):
-            app.router.add_api_route(path, endpoint, methods=["POST"], route_class_override=_BodyRoute, **kwargs)
+            app.router.add_api_route(
+                path, endpoint, methods=["POST"], route_class_override=_BodyRoute, **kwargs
+            )
             return endpoint
+
         return add
 
-    @body_route("/v1/rooms", response_model=MintResponse, responses={**BODY_ERRORS, **AUTH_ERRORS,
-              400: {"description": "ttl_s over this table's room lifetime (RoomLimits.max_ttl_s)"},
-              503: {"description": "Too many live rooms; retry after Retry-After seconds"}})
+    @body_route(
+        "/v1/rooms",
+        response_model=MintResponse,
+        responses={
+            **BODY_ERRORS,
+            **AUTH_ERRORS,
+            400: {"description": "ttl_s over this table's room lifetime (RoomLimits.max_ttl_s)"},
+            503: {"description": "Too many live rooms; retry after Retry-After seconds"},
+        },
+    )
     async def mint(body: MintRequest):
         """Mint ``count`` rooms with unique 63-bit ids, alive for ``ttl_s`` (at most the table's maximum)."""
         try:
@@ -296,49 +345,79 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
             return JSONResponse({"detail": str(exc)}, status_code=exc.status)
         return _json(MintResponse(rooms=rooms, ttl_s=body.ttl_s))
 
-    @body_route("/v1/rooms/register", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    @body_route(
+        "/v1/rooms/register", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
+    )
     async def register(body: RegisterRequest):
         """A receiver reserves its slot per room: generation, rows x width x dtype, transport offers.
         With ``wait_s`` it then long-polls until one of the rooms changes again."""
         results = [_result(r.room, lambda r=r: table.register(r)) for r in body.receivers]
         if body.wait_s > 0:
-            versions = {r.room: r.view.version for r in results if r.ok and not r.view.state.terminal}
+            versions = {
+                r.room: r.view.version for r in results if r.ok and not r.view.state.terminal
+            }
             if len(versions) == len(results):
                 results = _watch_results(versions, await table.watch(versions, body.wait_s))
         return _answer(results)
 
-    @body_route("/v1/rooms/begin-write", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    @body_route(
+        "/v1/rooms/begin-write",
+        response_model=BatchResponse,
+        responses={**BODY_ERRORS, **AUTH_ERRORS},
+    )
     async def begin_write(body: BeginWriteRequest):
         """A sender starts writing (REGISTERED -> WRITING); a cancelled room answers CANCELLED instead."""
         return _answer([_result(w.room, lambda w=w: table.begin_write(w)) for w in body.writes])
 
-    @body_route("/v1/rooms/commit", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    @body_route(
+        "/v1/rooms/commit", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
+    )
     async def commit(body: CommitRequest):
         """A sender's write completed: generation, layout, checksum. Stale generations are refused."""
         return _answer([_result(c.room, lambda c=c: table.commit(c)) for c in body.commits])
 
-    @body_route("/v1/rooms/fail", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    @body_route(
+        "/v1/rooms/fail", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
+    )
     async def fail(body: FailRequest):
         """Fail rooms with a reason the other side can read; ``settled`` if no byte can still land."""
-        return _answer([_result(f.room, lambda f=f: table.fail(f.room, f.reason, f.settled, f.writer))
-                        for f in body.failures])
+        return _answer(
+            [
+                _result(f.room, lambda f=f: table.fail(f.room, f.reason, f.settled, f.writer))
+                for f in body.failures
+            ]
+        )
 
-    @body_route("/v1/rooms/cancel", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    @body_route(
+        "/v1/rooms/cancel", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
+    )
     async def cancel(body: CancelRequest):
         """Cancel rooms; one being written stays WRITING (cancel_requested) until the writer's outcome."""
-        return _answer([_result(room, lambda room=room: table.cancel(room, body.reason)) for room in body.rooms])
+        return _answer(
+            [
+                _result(room, lambda room=room: table.cancel(room, body.reason))
+                for room in body.rooms
+            ]
+        )
 
-    @body_route("/v1/rooms/watch", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS})
+    @body_route(
+        "/v1/rooms/watch", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
+    )
     async def watch(body: WatchRequest):
         """Long-poll: answers once any room is past its ``after_version`` or after ``wait_s``."""
         versions = {item.room: item.after_version for item in body.rooms}
         return _answer(_watch_results(versions, await table.watch(versions, body.wait_s)))
 
-    @app.get("/v1/rooms/{room:int}", response_model=RoomView,
-             responses={**AUTH_ERRORS, 404: {"description": "Unknown room"}})
-    async def get_room(room: int = Path(ge=1, le=MAX_ROOM_ID),
-                       after_version: int = Query(0, ge=0, lt=1 << 63),
-                       wait_s: float = Query(0.0, ge=0, le=MAX_WAIT_S)):
+    @app.get(
+        "/v1/rooms/{room:int}",
+        response_model=RoomView,
+        responses={**AUTH_ERRORS, 404: {"description": "Unknown room"}},
+    )
+    async def get_room(
+        room: int = Path(ge=1, le=MAX_ROOM_ID),
+        after_version: int = Query(0, ge=0, lt=1 << 63),
+        wait_s: float = Query(0.0, ge=0, le=MAX_WAIT_S),
+    ):
         """One room; with ``wait_s`` it long-polls until its version passes ``after_version``."""
         (view,) = await table.watch({room: after_version}, wait_s)
         if isinstance(view, RoomError):
@@ -354,11 +433,19 @@ def create_app(table: RoomTable | None = None, token: str | None = None, max_bod
     async def readyz():
         """Readiness: the embedding process's own check, and a room table with room for one more."""
         if not ready():
-            return JSONResponse({"ready": False, "reason": "the process's own readiness check fails"},
-                                status_code=503)
+            return JSONResponse(
+                {"ready": False, "reason": "the process's own readiness check fails"},
+                status_code=503,
+            )
         if table.full():
-            return JSONResponse({"ready": False, "reason": f"room table full: {table.limits.max_live_rooms} "
-                                 "live rooms, no room can be minted"}, status_code=503)
+            return JSONResponse(
+                {
+                    "ready": False,
+                    "reason": f"room table full: {table.limits.max_live_rooms} "
+                    "live rooms, no room can be minted",
+                },
+                status_code=503,
+            )
         return {"ready": True, "live_rooms": table.live_rooms}
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -41,8 +41,16 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 # Idle pooled connections are dropped after this; the server keeps them longer (handshake.server),
 # so the client always lets go first and never sends on a connection the server is closing.
 KEEPALIVE_S = 30.0
-ROUTES = ("/v1/rooms", "/v1/rooms/register", "/v1/rooms/begin-write", "/v1/rooms/commit", "/v1/rooms/fail",
-          "/v1/rooms/cancel", "/v1/rooms/watch", "/healthz")
+ROUTES = (
+    "/v1/rooms",
+    "/v1/rooms/register",
+    "/v1/rooms/begin-write",
+    "/v1/rooms/commit",
+    "/v1/rooms/fail",
+    "/v1/rooms/cancel",
+    "/v1/rooms/watch",
+    "/healthz",
+)
 
 
 class HandshakeError(Exception):
@@ -58,8 +66,15 @@ class HandshakeClient:
     retry would add another timeout before the caller learns it (connection errors and 503s are
     still retried)."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 5.0, retries: int = 3,
-                 backoff_s: float = 0.05, retry_timeouts: bool = True):
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        retries: int = 3,
+        backoff_s: float = 0.05,
+        retry_timeouts: bool = True,
+    ):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
@@ -80,8 +95,10 @@ class HandshakeClient:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                headers=self._headers, connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=KEEPALIVE_S),
-                cookie_jar=aiohttp.DummyCookieJar())
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=KEEPALIVE_S),
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
         return self._session
 
     async def close(self) -> None:
@@ -89,8 +106,16 @@ class HandshakeClient:
             await self._session.close()
             self._session = None
 
-    async def _call(self, method: str, path: str, *, body: bytes | None = None, params=None, idempotent=True,
-                    extra_timeout: float = 0.0) -> bytes:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        params=None,
+        idempotent=True,
+        extra_timeout: float = 0.0,
+    ) -> bytes:
         attempts = self.retries + 1 if idempotent else 1
         timeout = self._timeout(extra_timeout)
         url = self._urls.get(path) or yarl.URL(self.base_url + path)
@@ -98,43 +123,61 @@ class HandshakeClient:
         for attempt in range(attempts):
             last = attempt == attempts - 1
             try:
-                async with self._client().request(method, url, data=body, params=params,
-                                                  headers=headers, timeout=timeout) as response:
+                async with self._client().request(
+                    method, url, data=body, params=params, headers=headers, timeout=timeout
+                ) as response:
                     answer = await response.read()
                     if response.status == 503 and not last:
                         retry_after = float(response.headers.get("Retry-After", self.backoff_s))
-                        await asyncio.sleep(min(retry_after, self.backoff_s * 2 ** attempt))
+                        await asyncio.sleep(min(retry_after, self.backoff_s * 2**attempt))
                         continue
                     if response.status >= 400:
                         raise HandshakeError(response.status, _detail(answer))
                     return answer
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+            except (
+                aiohttp.ClientConnectionError,
+                aiohttp.ClientPayloadError,
+                asyncio.TimeoutError,
+            ) as exc:
                 if last or (isinstance(exc, asyncio.TimeoutError) and not self.retry_timeouts):
                     raise HandshakeError(0, f"{type(exc).__name__}: {exc or 'no answer'}") from exc
-                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+                await asyncio.sleep(self.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
     def _timeout(self, extra_s: float) -> aiohttp.ClientTimeout:
         timeout = self._timeouts.get(extra_s)
         if timeout is None:
-            if len(self._timeouts) >= 16:  # callers use a few long-poll lengths; stay bounded anyway
+            if (
+                len(self._timeouts) >= 16
+            ):  # callers use a few long-poll lengths; stay bounded anyway
                 self._timeouts.clear()
-            timeout = self._timeouts[extra_s] = aiohttp.ClientTimeout(total=self.timeout_s + extra_s)
+            timeout = self._timeouts[extra_s] = aiohttp.ClientTimeout(
+                total=self.timeout_s + extra_s
+            )
         return timeout
 
     async def _batch(self, path: str, request: BaseModel, wait_s: float = 0.0) -> list[RoomResult]:
         """POST one batch body (serialized once by pydantic) and parse the per-room results."""
         body = request.model_dump_json().encode()
-        return _parse(BatchResponse, await self._call("POST", path, body=body, extra_timeout=wait_s)).results
+        return _parse(
+            BatchResponse, await self._call("POST", path, body=body, extra_timeout=wait_s)
+        ).results
 
     async def mint(self, count: int = 1, ttl_s: float = 120.0) -> list[int]:
         body = MintRequest(count=count, ttl_s=ttl_s).model_dump_json().encode()
-        return _parse(MintResponse, await self._call("POST", "/v1/rooms", body=body, idempotent=False)).rooms
+        return _parse(
+            MintResponse, await self._call("POST", "/v1/rooms", body=body, idempotent=False)
+        ).rooms
 
-    async def register(self, registrations: Iterable[Registration], wait_s: float = 0.0) -> list[RoomResult]:
+    async def register(
+        self, registrations: Iterable[Registration], wait_s: float = 0.0
+    ) -> list[RoomResult]:
         """Register receivers; with ``wait_s``, also wait for the next change of any of the rooms."""
-        return await self._batch("/v1/rooms/register", RegisterRequest(receivers=list(registrations), wait_s=wait_s),
-                                 wait_s)
+        return await self._batch(
+            "/v1/rooms/register",
+            RegisterRequest(receivers=list(registrations), wait_s=wait_s),
+            wait_s,
+        )
 
     async def begin_write(self, writes: Iterable[BeginWrite]) -> list[RoomResult]:
         return await self._batch("/v1/rooms/begin-write", BeginWriteRequest(writes=list(writes)))
@@ -145,12 +188,18 @@ class HandshakeClient:
     async def fail(self, failures: Iterable[FailBody]) -> list[RoomResult]:
         return await self._batch("/v1/rooms/fail", FailRequest(failures=list(failures)))
 
-    async def cancel(self, rooms: Iterable[int], reason: str = "cancelled by the receiver") -> list[RoomResult]:
-        return await self._batch("/v1/rooms/cancel", CancelRequest(rooms=list(rooms), reason=reason))
+    async def cancel(
+        self, rooms: Iterable[int], reason: str = "cancelled by the receiver"
+    ) -> list[RoomResult]:
+        return await self._batch(
+            "/v1/rooms/cancel", CancelRequest(rooms=list(rooms), reason=reason)
+        )
 
     async def watch(self, versions: dict[int, int], wait_s: float = 0.0) -> list[RoomResult]:
         items = [WatchItem(room=room, after_version=version) for room, version in versions.items()]
-        return await self._batch("/v1/rooms/watch", WatchRequest(rooms=items, wait_s=wait_s), wait_s)
+        return await self._batch(
+            "/v1/rooms/watch", WatchRequest(rooms=items, wait_s=wait_s), wait_s
+        )
 
     async def get(self, room: int, after_version: int = 0, wait_s: float = 0.0) -> RoomView:
         params = {"after_version": after_version, "wait_s": wait_s}
@@ -171,7 +220,9 @@ def _parse(model: type[BaseModel], body: bytes):
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise HandshakeError(0, f"malformed answer ({exc.error_count()} errors for {model.__name__})") from exc
+        raise HandshakeError(
+            0, f"malformed answer ({exc.error_count()} errors for {model.__name__})"
+        ) from exc
 
 
 def _detail(body: bytes) -> str:

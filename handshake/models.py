@@ -85,11 +85,15 @@ class Registration(_Body):
             raise ValueError(f"one offer per transport, got {kinds}")
         for offer in self.offers:
             if offer.capacity < self.nbytes:
-                raise ValueError(f"[{self.rows}, {self.width}] {self.dtype} is {self.nbytes} bytes, more than "
-                                 f"the {offer.kind} offer's capacity of {offer.capacity}")
+                raise ValueError(
+                    f"[{self.rows}, {self.width}] {self.dtype} is {self.nbytes} bytes, more than "
+                    f"the {offer.kind} offer's capacity of {offer.capacity}"
+                )
             start, end = offer.span()
             if start + offer.capacity > end:
-                raise ValueError(f"the {offer.kind} offer [{start}, +{offer.capacity}) runs past {end}")
+                raise ValueError(
+                    f"the {offer.kind} offer [{start}, +{offer.capacity}) runs past {end}"
+                )
         return self
 
 
@@ -117,8 +121,12 @@ class BeginWriteRequest(_Body):
 class EncodeTimings(_Body):
     """Where an item's time went on the encode worker (seconds); informational, for latency splits."""
 
-    queue_s: json_float(ge=0, le=86400) = 0.0  # intake -> the tower started its batch (or a cache hit)
-    encode_s: json_float(ge=0, le=86400) = 0.0  # the tower's time for the item's batch; 0 on a cache hit
+    queue_s: json_float(ge=0, le=86400) = (
+        0.0  # intake -> the tower started its batch (or a cache hit)
+    )
+    encode_s: json_float(ge=0, le=86400) = (
+        0.0  # the tower's time for the item's batch; 0 on a cache hit
+    )
     wait_s: json_float(ge=0, le=86400) = 0.0  # rows staged -> the item's receiver registered
     transfer_s: json_float(ge=0, le=86400) = 0.0  # the write itself
     cache_hit: JsonBool = False
@@ -134,7 +142,9 @@ class CommitBody(_Body):
     checksum: json_int(ge=0, lt=1 << 64) | None = None
     # the (t, h, w) patch grid the rows came from, so the receiver can check it placed as many
     # placeholders as the encoder's image processor produced rows
-    grid_thw: tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None = None
+    grid_thw: (
+        tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None
+    ) = None
     shm_segment: str | None = Field(default=None, pattern=r"^epd-[A-Za-z0-9_-]{1,100}$")
     timings: EncodeTimings | None = None
     # the writer that began the write; a commit naming another writer is refused

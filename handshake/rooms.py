@@ -77,15 +77,48 @@ class _Room:
         """The final state as a tuple the GC does not track (a terminal room never changes again)."""
         registration = self.registration.model_dump_json().encode() if self.registration else None
         commit = self.commit.model_dump_json().encode() if self.commit else None
-        return (ended_at, self.room_id, self.deadline, self.state.value, self.version, registration,
-                self.transport, commit, self.reason, self.cancel_requested, self.writer_settled)
+        return (
+            ended_at,
+            self.room_id,
+            self.deadline,
+            self.state.value,
+            self.version,
+            registration,
+            self.transport,
+            commit,
+            self.reason,
+            self.cancel_requested,
+            self.writer_settled,
+        )
 
     @classmethod
     def from_tombstone(cls, record: tuple) -> _Room:
-        _, room_id, deadline, state, version, registration, transport, commit, reason, cancel, settled = record
-        return cls(room_id, deadline, RoomState(state), version,
-                   Registration.model_validate_json(registration) if registration else None, transport, None,
-                   CommitBody.model_validate_json(commit) if commit else None, reason, cancel, settled)
+        (
+            _,
+            room_id,
+            deadline,
+            state,
+            version,
+            registration,
+            transport,
+            commit,
+            reason,
+            cancel,
+            settled,
+        ) = record
+        return cls(
+            room_id,
+            deadline,
+            RoomState(state),
+            version,
+            Registration.model_validate_json(registration) if registration else None,
+            transport,
+            None,
+            CommitBody.model_validate_json(commit) if commit else None,
+            reason,
+            cancel,
+            settled,
+        )
 
 
 @dataclass(frozen=True)
@@ -117,12 +150,16 @@ class _Waiter:
 
 
 class RoomTable:
-    def __init__(self, limits: RoomLimits = RoomLimits(), clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, limits: RoomLimits = RoomLimits(), clock: Callable[[], float] = time.monotonic
+    ):
         self.limits = limits
         self._clock = clock
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}  # live rooms
-        self._tombstones: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # oldest first
+        self._tombstones: collections.OrderedDict[int, tuple] = (
+            collections.OrderedDict()
+        )  # oldest first
         self._counts = collections.Counter()  # rooms now in each state
         self._entered = collections.Counter()  # transitions into each state, ever (a metric)
         self._due: list[tuple[float, int]] = []  # (deadline, room id) heap; stale entries skipped
@@ -158,7 +195,9 @@ class RoomTable:
 
     def mint(self, count: int, ttl_s: float) -> list[int]:
         if not 0 < ttl_s <= self.limits.max_ttl_s:
-            raise RoomError(f"ttl_s {ttl_s} is outside (0, {self.limits.max_ttl_s}], this table's room lifetime")
+            raise RoomError(
+                f"ttl_s {ttl_s} is outside (0, {self.limits.max_ttl_s}], this table's room lifetime"
+            )
         with self._lock:
             self._sweep_locked()
             if len(self._rooms) + count > self.limits.max_live_rooms:
@@ -183,13 +222,18 @@ class RoomTable:
                     raise RoomConflict("room already has a different receiver registration")
             elif room.state is RoomState.PENDING:
                 room.registration = registration
-                if registration.deadline_s is not None and self._clock() + registration.deadline_s < room.deadline:
+                if (
+                    registration.deadline_s is not None
+                    and self._clock() + registration.deadline_s < room.deadline
+                ):
                     room.deadline = self._clock() + registration.deadline_s
                     heapq.heappush(self._due, (room.deadline, room.room_id))
                 self._move(room, RoomState.REGISTERED)
             else:  # ended before any receiver came: refused, with why
-                raise RoomConflict(f"room {room.room_id} ended {room.state.value} before this receiver "
-                                   f"registered: {room.reason or 'no reason given'}")
+                raise RoomConflict(
+                    f"room {room.room_id} ended {room.state.value} before this receiver "
+                    f"registered: {room.reason or 'no reason given'}"
+                )
             return self._view(room)  # this registration, or a retry of it
 
     def begin_write(self, write: BeginWrite) -> RoomView:
@@ -198,7 +242,9 @@ class RoomTable:
             if room.state is RoomState.PENDING:
                 raise RoomConflict("no receiver has registered this room yet")
             if room.registration is not None and room.registration.generation != write.generation:
-                raise RoomConflict(f"stale generation {write.generation}; the slot holds {room.registration.generation}")
+                raise RoomConflict(
+                    f"stale generation {write.generation}; the slot holds {room.registration.generation}"
+                )
             if room.state is RoomState.REGISTERED:
                 room.transport, room.writer = write.transport, write.writer
                 room.write_deadline = min(room.deadline, self._clock() + write.write_timeout_s)
@@ -206,7 +252,9 @@ class RoomTable:
                 self._move(room, RoomState.WRITING)
             elif room.state is RoomState.WRITING:
                 if room.writer != write.writer:
-                    raise RoomConflict(f"another writer ({room.writer or 'unnamed'}) is writing this room")
+                    raise RoomConflict(
+                        f"another writer ({room.writer or 'unnamed'}) is writing this room"
+                    )
                 if room.transport != write.transport:
                     raise RoomConflict(f"write already started over {room.transport}")
             return self._view(room)
@@ -222,17 +270,32 @@ class RoomTable:
                 raise RoomConflict("no receiver has registered this room yet")
             registration = room.registration
             if commit.generation != registration.generation:
-                raise RoomConflict(f"stale generation {commit.generation}; the slot holds {registration.generation}")
-            if (commit.rows, commit.width, commit.dtype) != (registration.rows, registration.width, registration.dtype):
+                raise RoomConflict(
+                    f"stale generation {commit.generation}; the slot holds {registration.generation}"
+                )
+            if (commit.rows, commit.width, commit.dtype) != (
+                registration.rows,
+                registration.width,
+                registration.dtype,
+            ):
                 raise RoomConflict(
                     f"commit [{commit.rows}, {commit.width}] {commit.dtype} does not match the reservation "
-                    f"[{registration.rows}, {registration.width}] {registration.dtype}")
+                    f"[{registration.rows}, {registration.width}] {registration.dtype}"
+                )
             if room.state is not RoomState.WRITING:
                 raise RoomConflict("no write has begun in this room (begin_write first)")
-            if commit.writer is not None and room.writer is not None and commit.writer != room.writer:
-                raise RoomConflict(f"commit by {commit.writer}, but {room.writer} began this room's write")
+            if (
+                commit.writer is not None
+                and room.writer is not None
+                and commit.writer != room.writer
+            ):
+                raise RoomConflict(
+                    f"commit by {commit.writer}, but {room.writer} began this room's write"
+                )
             if commit.transport != room.transport:
-                raise RoomConflict(f"commit over {commit.transport} but the write began over {room.transport}")
+                raise RoomConflict(
+                    f"commit over {commit.transport} but the write began over {room.transport}"
+                )
             room.commit = commit
             room.transport = commit.transport
             room.writer_settled = True
@@ -245,11 +308,17 @@ class RoomTable:
     def fail(self, room_id: int, reason: str, settled: bool, writer: str | None = None) -> RoomView:
         with self._lock:
             room = self._get(room_id)
-            if (room.state is RoomState.WRITING and writer is not None and room.writer is not None
-                    and writer != room.writer):
+            if (
+                room.state is RoomState.WRITING
+                and writer is not None
+                and room.writer is not None
+                and writer != room.writer
+            ):
                 raise RoomConflict(f"{writer} cannot fail a room {room.writer} is writing")
             if not room.state.terminal:
-                room.reason = reason if not room.cancel_requested else f"{room.reason}; writer: {reason}"
+                room.reason = (
+                    reason if not room.cancel_requested else f"{room.reason}; writer: {reason}"
+                )
                 room.writer_settled = settled or room.state is not RoomState.WRITING
                 self._move(room, RoomState.CANCELLED if room.cancel_requested else RoomState.FAILED)
             return self._view(room)
@@ -274,7 +343,9 @@ class RoomTable:
         """Views of the rooms, returned as soon as any is past its version (or after ``wait_s``)."""
         waiter = self._arm(versions, asyncio.get_running_loop()) if wait_s > 0 else None
         if waiter is not None:
-            timer = waiter.loop.call_later(wait_s, waiter._resolve)  # one future, no wait_for/shield tasks
+            timer = waiter.loop.call_later(
+                wait_s, waiter._resolve
+            )  # one future, no wait_for/shield tasks
             try:
                 await waiter.future
             finally:
@@ -347,13 +418,19 @@ class RoomTable:
             return room
         record = self._tombstones.get(room_id)
         if record is None:
-            raise RoomNotFound(f"room {room_id} is unknown here (never minted, or its tombstone expired)")
+            raise RoomNotFound(
+                f"room {room_id} is unknown here (never minted, or its tombstone expired)"
+            )
         return _Room.from_tombstone(record)
 
     def _expire_if_due(self, room: _Room, now: float) -> None:
         if room.state.terminal:
             return
-        if room.state is RoomState.WRITING and room.write_deadline is not None and now >= room.write_deadline:
+        if (
+            room.state is RoomState.WRITING
+            and room.write_deadline is not None
+            and now >= room.write_deadline
+        ):
             room.reason = room.reason or "the writer reported no outcome before its write deadline"
             self._move(room, RoomState.CANCELLED if room.cancel_requested else RoomState.EXPIRED)
         elif now >= room.deadline:
@@ -384,8 +461,14 @@ class RoomTable:
         # Built from fields the table already validated: model_construct skips re-validation,
         # which would otherwise run for every room in every answer.
         return RoomView.model_construct(
-            room=room.room_id, state=room.state, version=room.version, registration=room.registration,
-            transport=room.transport, commit=room.commit, reason=room.reason,
-            cancel_requested=room.cancel_requested, writer_settled=room.writer_settled,
+            room=room.room_id,
+            state=room.state,
+            version=room.version,
+            registration=room.registration,
+            transport=room.transport,
+            commit=room.commit,
+            reason=room.reason,
+            cancel_requested=room.cancel_requested,
+            writer_settled=room.writer_settled,
             expires_in_s=max(0.0, room.deadline - self._clock()),
         )

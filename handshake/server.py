@@ -45,8 +45,14 @@ def load_token(token_file: str | None) -> str | None:
 # Idle keep-alive connections stay open 65 s, longer than our clients keep them (30 s): with
 # uvicorn's default 5 s, a client reusing a connection just as the server closed it got "Server
 # disconnected", and a mint (never retried) failed.
-UVICORN_OPTIONS = dict(log_level="warning", access_log=False, server_header=False, date_header=False,
-                       proxy_headers=False, timeout_keep_alive=65)
+UVICORN_OPTIONS = dict(
+    log_level="warning",
+    access_log=False,
+    server_header=False,
+    date_header=False,
+    proxy_headers=False,
+    timeout_keep_alive=65,
+)
 
 
 def open_listener_warning(app, host: str) -> str | None:
@@ -61,8 +67,10 @@ def open_listener_warning(app, host: str) -> str | None:
         remedy = f"set a bearer token (--token-file, ${TOKEN_FILE_ENV} or ${TOKEN_ENV}) or keep the port private"
     else:
         remedy = "it has no authentication of its own: keep the port private"
-    return (f"INSECURE: {app.title} listens on {host} and takes requests from anyone who reaches the port, "
-            f"with no token; {remedy} (a NetworkPolicy, or bind 127.0.0.1)")
+    return (
+        f"INSECURE: {app.title} listens on {host} and takes requests from anyone who reaches the port, "
+        f"with no token; {remedy} (a NetworkPolicy, or bind 127.0.0.1)"
+    )
 
 
 def _is_ip(host: str) -> bool:
@@ -97,8 +105,9 @@ class ThreadedServer:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, loop: LoopThread | None = None):
         _warn_if_open(app, host)
-        config = uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2,
-                                **UVICORN_OPTIONS)
+        config = uvicorn.Config(
+            app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2, **UVICORN_OPTIONS
+        )
         self.server = uvicorn.Server(config)
         self.host = host
         self.loop = loop or LoopThread("handshake-server")
@@ -140,22 +149,32 @@ class HandshakeSettings(RoomTableSettings, HandshakeToken):
 
     host: str = Field("0.0.0.0", min_length=1, description="address to listen on")
     port: Port = Field(8998, description="port of the room API, /healthz, /readyz, /metrics")
-    max_body_bytes: PositiveByteSize = Field(MAX_BODY_BYTES, description="largest accepted request body (bytes; "
-                                             "K, M, G suffixes)")
+    max_body_bytes: PositiveByteSize = Field(
+        MAX_BODY_BYTES, description="largest accepted request body (bytes; K, M, G suffixes)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Every setting is checked first: a mistake is one line on stderr and exit status 1."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         settings = HandshakeSettings.from_command_line(argv)
         check_listen(settings.host, settings.port, "--port")
     except SettingError as exc:
         return refuse(HandshakeSettings.PROG, exc)
     token = settings.handshake_token
-    app = create_app(RoomTable(settings.room_limits()), token=token, max_body_bytes=settings.max_body_bytes)
-    log.info("epd-handshake serving rooms on http://%s:%d (room API /v1/rooms, /healthz, /readyz, /metrics; "
-             "bearer token %s)", settings.host, settings.port, "required" if token else "off")
+    app = create_app(
+        RoomTable(settings.room_limits()), token=token, max_body_bytes=settings.max_body_bytes
+    )
+    log.info(
+        "epd-handshake serving rooms on http://%s:%d (room API /v1/rooms, /healthz, /readyz, /metrics; "
+        "bearer token %s)",
+        settings.host,
+        settings.port,
+        "required" if token else "off",
+    )
     serve(app, settings.host, settings.port)
     return 0
 

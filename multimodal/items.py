@@ -87,7 +87,9 @@ class MultimodalDataItem:
             self.hash = uuid.uuid4().int
         elif self.hash is None:
             if isinstance(self.feature, ShmTensorHandle):
-                raise ValueError("SHM-backed multimodal items must carry a content hash or pad_value")
+                raise ValueError(
+                    "SHM-backed multimodal items must carry a content hash or pad_value"
+                )
             if self.feature is None:
                 raise ValueError("item has neither a hash nor a feature to hash")
             self.hash = hash_feature(self.feature)

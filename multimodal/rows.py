@@ -30,7 +30,9 @@ def item_rows(offsets: Sequence[Sequence[int]] | None) -> int:
         if start < 0 or end < start:
             raise RowContractError(f"offset span ({start}, {end}) is empty or negative")
         if start <= previous_end:
-            raise RowContractError(f"offset span ({start}, {end}) overlaps or precedes the previous one")
+            raise RowContractError(
+                f"offset span ({start}, {end}) overlaps or precedes the previous one"
+            )
         previous_end = end
         total += end - start + 1
     return total
@@ -43,7 +45,9 @@ def split_rows(packed: torch.Tensor, rows_per_item: Sequence[int]) -> list[torch
     with every count positive.
     """
     if packed.dim() != 2:
-        raise RowContractError(f"packed output must be 2-D [rows, width], got shape {tuple(packed.shape)}")
+        raise RowContractError(
+            f"packed output must be 2-D [rows, width], got shape {tuple(packed.shape)}"
+        )
     counts = [int(r) for r in rows_per_item]
     if any(r <= 0 for r in counts):
         raise RowContractError(f"every item needs a positive row count, got {counts}")
@@ -61,8 +65,11 @@ def image_grid(processor, height: int, width: int) -> tuple[int, int, int]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     patch = processor.patch_size
-    resized_h, resized_w = smart_resize(height, width, factor=patch * processor.merge_size,
-                                        min_pixels=processor.size["shortest_edge"],
-                                        max_pixels=processor.size["longest_edge"])
+    resized_h, resized_w = smart_resize(
+        height,
+        width,
+        factor=patch * processor.merge_size,
+        min_pixels=processor.size["shortest_edge"],
+        max_pixels=processor.size["longest_edge"],
+    )
     return 1, resized_h // patch, resized_w // patch
-

@@ -4,4 +4,11 @@ from encode workers (SHM on the same node, Mooncake otherwise), with fallback an
 from prefill_side.receiver import ItemOutcome, PrefillReceiver, ReceiveJob, ReceiverConfig
 from prefill_side.states import ItemState, JobState
 
-__all__ = ["ItemOutcome", "ItemState", "JobState", "PrefillReceiver", "ReceiveJob", "ReceiverConfig"]
+__all__ = [
+    "ItemOutcome",
+    "ItemState",
+    "JobState",
+    "PrefillReceiver",
+    "ReceiveJob",
+    "ReceiverConfig",
+]

@@ -32,7 +32,9 @@ class ItemDelivery(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    state: ItemState  # DONE: the rows arrived; FAILED: vLLM's tower encoded it, or the request failed
+    state: (
+        ItemState  # DONE: the rows arrived; FAILED: vLLM's tower encoded it, or the request failed
+    )
     transport: str | None = None  # shm / mooncake / loopback
     reason: str | None = None  # why it did not arrive
     receive_s: float = 0.0  # the scheduler first saw the request -> rows in the pool (or failure)

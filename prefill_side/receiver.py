@@ -43,7 +43,14 @@ from data_plane.pool import Lease, MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmError
 from data_plane.transport import build_transports
 from handshake.client import HandshakeClient, HandshakeError
-from handshake.models import MAX_BATCH, MAX_DEADLINE_S, MAX_WAIT_S, EncodeTimings, Registration, RoomState
+from handshake.models import (
+    MAX_BATCH,
+    MAX_DEADLINE_S,
+    MAX_WAIT_S,
+    EncodeTimings,
+    Registration,
+    RoomState,
+)
 from loop_threads import LoopThread
 from multimodal.items import MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError, item_rows
@@ -77,18 +84,39 @@ class ReceiverConfig:
 
     def __post_init__(self) -> None:
         """Refuse now what would fail every item later, at its registration or its long-poll."""
-        problems = [problem for bad, problem in (
-            (not 0 < self.width <= MAX_WIDTH, f"width {self.width} is not in 1..{MAX_WIDTH}"),
-            (self.dtype not in DTYPE_NAMES, f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_NAMES)}"),
-            (not 0 <= self.deepstack_width < self.width, f"deepstack_width {self.deepstack_width} is not in "
-                                                         f"0..width-1"),
-            (not 0 < self.item_timeout_s <= MAX_DEADLINE_S, f"item_timeout_s {self.item_timeout_s} is not in "
-                                                             f"(0, {MAX_DEADLINE_S}] (a room's deadline)"),
-            (not 0 < self.poll_s <= MAX_WAIT_S, f"poll_s {self.poll_s} is not in (0, {MAX_WAIT_S}] (a long-poll)"),
-            (not self.endpoint_timeout_s > 0, f"endpoint_timeout_s {self.endpoint_timeout_s} is not above 0"),
-            (self.fallback not in ("fail", "local_tower"), f"fallback {self.fallback!r} is not fail or local_tower"),
-            (not self.transports, "no transport given"),
-        ) if bad]
+        problems = [
+            problem
+            for bad, problem in (
+                (not 0 < self.width <= MAX_WIDTH, f"width {self.width} is not in 1..{MAX_WIDTH}"),
+                (
+                    self.dtype not in DTYPE_NAMES,
+                    f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_NAMES)}",
+                ),
+                (
+                    not 0 <= self.deepstack_width < self.width,
+                    f"deepstack_width {self.deepstack_width} is not in 0..width-1",
+                ),
+                (
+                    not 0 < self.item_timeout_s <= MAX_DEADLINE_S,
+                    f"item_timeout_s {self.item_timeout_s} is not in "
+                    f"(0, {MAX_DEADLINE_S}] (a room's deadline)",
+                ),
+                (
+                    not 0 < self.poll_s <= MAX_WAIT_S,
+                    f"poll_s {self.poll_s} is not in (0, {MAX_WAIT_S}] (a long-poll)",
+                ),
+                (
+                    not self.endpoint_timeout_s > 0,
+                    f"endpoint_timeout_s {self.endpoint_timeout_s} is not above 0",
+                ),
+                (
+                    self.fallback not in ("fail", "local_tower"),
+                    f"fallback {self.fallback!r} is not fail or local_tower",
+                ),
+                (not self.transports, "no transport given"),
+            )
+            if bad
+        ]
         if problems:
             raise ValueError("ReceiverConfig: " + "; ".join(problems))
 
@@ -101,7 +129,9 @@ class ItemOutcome:
     reason: str | None = None
     seconds: float = 0.0  # job start -> published (or failed)
     fallback: bool = False
-    encoder: EncodeTimings | None = None  # where the time went on the encode worker, from its commit
+    encoder: EncodeTimings | None = (
+        None  # where the time went on the encode worker, from its commit
+    )
 
 
 @dataclass
@@ -134,7 +164,9 @@ class ReceiveJob:
         self._receiver = receiver
         self._future = Future()  # done as soon as every item is settled (or the job's task crashed)
         self._cancelled = threading.Event()
-        self._held: list[tuple[MultimodalDataItem, Lease]] = []  # zero-copy slots behind published views
+        self._held: list[
+            tuple[MultimodalDataItem, Lease]
+        ] = []  # zero-copy slots behind published views
         self._lock = threading.Lock()
         self._released = False
         self.started = time.monotonic()
@@ -143,7 +175,11 @@ class ReceiveJob:
         """Non-blocking: PENDING until every item is DONE (or skipped), or FAILED."""
         if not self._future.done():
             return JobState.PENDING
-        return JobState.FAILED if any(o.state == ItemState.FAILED for o in self.outcomes) else JobState.DONE
+        return (
+            JobState.FAILED
+            if any(o.state == ItemState.FAILED for o in self.outcomes)
+            else JobState.DONE
+        )
 
     def wait(self, timeout: float | None = None) -> JobState:
         try:
@@ -204,7 +240,11 @@ class ReceiveJob:
         that error."""
         error = None
         if task is not None:
-            error = RuntimeError("the receive job's task was cancelled") if task.cancelled() else task.exception()
+            error = (
+                RuntimeError("the receive job's task was cancelled")
+                if task.cancelled()
+                else task.exception()
+            )
         try:
             if error is not None:
                 self._future.set_exception(error)
@@ -227,18 +267,36 @@ class ReceiveJob:
 
 class ReceiverMetrics:
     def __init__(self, registry: CollectorRegistry, receiver: PrefillReceiver):
-        self.items = Counter("epd_prefill_items", "Items by transport and outcome", ["transport", "outcome"],
-                             registry=registry)
-        self.latency = Histogram("epd_prefill_receive_seconds", "Start of job to item published",
-                                 registry=registry)
-        self.bytes = Counter("epd_prefill_bytes", "Bytes received", ["transport"], registry=registry)
-        self.fallbacks = Counter("epd_prefill_fallbacks", "Items encoded by the local tower", registry=registry)
-        Gauge("epd_prefill_pool_leased_slots", "Receive pool slots leased", registry=registry).set_function(
-            lambda: receiver.pool.stats()["leased_slots"])
-        Gauge("epd_prefill_pool_quarantined_slots", "Receive pool slots in quarantine",
-              registry=registry).set_function(lambda: receiver.pool.stats()["quarantined_slots"])
-        self.transports = Gauge("epd_prefill_transport_offered", "1 while the transport is offered to writers, "
-                                "0 once lost (the SHM pool segment unlinked)", ["transport"], registry=registry)
+        self.items = Counter(
+            "epd_prefill_items",
+            "Items by transport and outcome",
+            ["transport", "outcome"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "epd_prefill_receive_seconds", "Start of job to item published", registry=registry
+        )
+        self.bytes = Counter(
+            "epd_prefill_bytes", "Bytes received", ["transport"], registry=registry
+        )
+        self.fallbacks = Counter(
+            "epd_prefill_fallbacks", "Items encoded by the local tower", registry=registry
+        )
+        Gauge(
+            "epd_prefill_pool_leased_slots", "Receive pool slots leased", registry=registry
+        ).set_function(lambda: receiver.pool.stats()["leased_slots"])
+        Gauge(
+            "epd_prefill_pool_quarantined_slots",
+            "Receive pool slots in quarantine",
+            registry=registry,
+        ).set_function(lambda: receiver.pool.stats()["quarantined_slots"])
+        self.transports = Gauge(
+            "epd_prefill_transport_offered",
+            "1 while the transport is offered to writers, "
+            "0 once lost (the SHM pool segment unlinked)",
+            ["transport"],
+            registry=registry,
+        )
 
 
 class PrefillReceiver:
@@ -251,19 +309,36 @@ class PrefillReceiver:
     on the loop.
     """
 
-    def __init__(self, config: ReceiverConfig, transports: dict | None = None, local_tower=None,
-                 registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        config: ReceiverConfig,
+        transports: dict | None = None,
+        local_tower=None,
+        registry: CollectorRegistry | None = None,
+    ):
         self.config = config
-        self.pool = SlotPool(_receive_region(config, transports), config.slot_bytes, config.quarantine_s)
+        self.pool = SlotPool(
+            _receive_region(config, transports), config.slot_bytes, config.quarantine_s
+        )
         try:
-            self.transports = (transports if transports is not None
-                               else build_transports(config.transports, optional=True))
-            if self.pool.region.shm is None:  # /dev/shm had no room: nothing to offer same-node writers
-                self.transports = {name: t for name, t in self.transports.items()
-                                   if not transport_spec(name).needs_shm_pool}
+            self.transports = (
+                transports
+                if transports is not None
+                else build_transports(config.transports, optional=True)
+            )
+            if (
+                self.pool.region.shm is None
+            ):  # /dev/shm had no room: nothing to offer same-node writers
+                self.transports = {
+                    name: t
+                    for name, t in self.transports.items()
+                    if not transport_spec(name).needs_shm_pool
+                }
                 if not self.transports:
-                    raise TransportUnavailable("no transport left: /dev/shm has no room for the pool and "
-                                               "no transport without it is available")
+                    raise TransportUnavailable(
+                        "no transport left: /dev/shm has no room for the pool and "
+                        "no transport without it is available"
+                    )
             for transport in self.transports.values():
                 transport.register(self.pool.region)
         except BaseException:
@@ -274,7 +349,9 @@ class PrefillReceiver:
         self.metrics = ReceiverMetrics(self.registry, self)
         self.lost: dict[str, str] = {}  # transports no longer offered, with why
         # offered only while the pool's /dev/shm segment is linked
-        self._shm_bound = tuple(name for name in self.transports if transport_spec(name).needs_shm_pool)
+        self._shm_bound = tuple(
+            name for name in self.transports if transport_spec(name).needs_shm_pool
+        )
         for name in self.transports:
             self.metrics.transports.labels(name).set(1)
         self._lost_lock = threading.Lock()
@@ -308,12 +385,22 @@ class PrefillReceiver:
         left: only a restart helps), or cannot take an item now (no free slot), else None."""
         offered = self.offered()
         stats = self.pool.stats()
-        cannot_receive = None if offered else f"no transport left to offer: {'; '.join(self.lost.values())}"
+        cannot_receive = (
+            None if offered else f"no transport left to offer: {'; '.join(self.lost.values())}"
+        )
         not_ready = cannot_receive or (
             f"receive pool exhausted: 0 of {stats['slots']} slots free ({stats['leased_slots']} leased, "
-            f"{stats['quarantined_slots']} quarantined)" if stats["free_slots"] == 0 else None)
-        return {"transports": offered, "lost": dict(self.lost), "pool": stats, "cannot_receive": cannot_receive,
-                "not_ready": not_ready}
+            f"{stats['quarantined_slots']} quarantined)"
+            if stats["free_slots"] == 0
+            else None
+        )
+        return {
+            "transports": offered,
+            "lost": dict(self.lost),
+            "pool": stats,
+            "cannot_receive": cannot_receive,
+            "not_ready": not_ready,
+        }
 
     def _check_shm(self) -> None:
         """Stop offering the transports that need the pool's ``/dev/shm`` segment once ``/dev/shm``
@@ -323,15 +410,22 @@ class PrefillReceiver:
         with self._lost_lock:
             if self._shm_bound[0] in self.lost:
                 return
-            reason = (f"the receive pool's SHM segment {self.pool.region.shm.name} is gone from /dev/shm "
-                      "(unlinked by someone else): same-node writers cannot map it")
+            reason = (
+                f"the receive pool's SHM segment {self.pool.region.shm.name} is gone from /dev/shm "
+                "(unlinked by someone else): same-node writers cannot map it"
+            )
             self.lost = {**self.lost, **dict.fromkeys(self._shm_bound, reason)}
         for name in self._shm_bound:
             self.metrics.transports.labels(name).set(0)
         others = [name for name in self.transports if name not in self.lost]
-        log.warning("%s; %s no longer offered, %s", reason, ", ".join(self._shm_bound),
-                    f"receiving over {', '.join(others)}" if others else "and no transport is left: restart "
-                    "this process")
+        log.warning(
+            "%s; %s no longer offered, %s",
+            reason,
+            ", ".join(self._shm_bound),
+            f"receiving over {', '.join(others)}"
+            if others
+            else "and no transport is left: restart this process",
+        )
 
     def close(self) -> None:
         async def shutdown():
@@ -359,9 +453,14 @@ class PrefillReceiver:
     def _client(self, endpoint: Endpoint) -> HandshakeClient:
         client = self._clients.get(endpoint)
         if client is None:
-            client = self._clients[endpoint] = HandshakeClient(endpoint.url("http"), self.config.handshake_token,
-                                                          timeout_s=self.config.endpoint_timeout_s, retries=2,
-                                                          backoff_s=0.1, retry_timeouts=False)
+            client = self._clients[endpoint] = HandshakeClient(
+                endpoint.url("http"),
+                self.config.handshake_token,
+                timeout_s=self.config.endpoint_timeout_s,
+                retries=2,
+                backoff_s=0.1,
+                retry_timeouts=False,
+            )
         return client
 
     async def _run(self, job: ReceiveJob) -> None:
@@ -380,9 +479,17 @@ class PrefillReceiver:
                 refused.append((index, item, f"invalid encode_handshake: {exc}"))
                 continue
             room = (handshake.endpoint, handshake.bootstrap_room)
-            if room in rooms:  # the room is the earlier item's: refuse this one, leave the room alone
-                refused.append((index, item, f"duplicate room {handshake.bootstrap_room}: an earlier item "
-                                             "of this request names it"))
+            if (
+                room in rooms
+            ):  # the room is the earlier item's: refuse this one, leave the room alone
+                refused.append(
+                    (
+                        index,
+                        item,
+                        f"duplicate room {handshake.bootstrap_room}: an earlier item "
+                        "of this request names it",
+                    )
+                )
                 continue
             rooms.add(room)
             try:
@@ -393,19 +500,32 @@ class PrefillReceiver:
         by_endpoint: dict[Endpoint, list[_Pending]] = {}
         for entry in pending:
             by_endpoint.setdefault(entry.handshake.endpoint, []).append(entry)
-        await asyncio.gather(*(self._cancel_rooms(endpoint, rooms, "the receiver could not reserve memory")
-                               for endpoint, rooms in unreserved.items()),
-                             *(self._give_up(job, index, item, reason, None, quarantine=False)
-                               for index, item, reason in refused),
-                             *(self._serve_endpoint(job, entries[start : start + MAX_BATCH])  # a call's bound
-                               for entries in by_endpoint.values() for start in range(0, len(entries), MAX_BATCH)))
+        await asyncio.gather(
+            *(
+                self._cancel_rooms(endpoint, rooms, "the receiver could not reserve memory")
+                for endpoint, rooms in unreserved.items()
+            ),
+            *(
+                self._give_up(job, index, item, reason, None, quarantine=False)
+                for index, item, reason in refused
+            ),
+            *(
+                self._serve_endpoint(job, entries[start : start + MAX_BATCH])  # a call's bound
+                for entries in by_endpoint.values()
+                for start in range(0, len(entries), MAX_BATCH)
+            ),
+        )
 
-    def _reserve(self, index: int, item: MultimodalDataItem, handshake: EncodeHandshake) -> _Pending:
+    def _reserve(
+        self, index: int, item: MultimodalDataItem, handshake: EncodeHandshake
+    ) -> _Pending:
         if not any(name not in self.lost for name in self.transports):
             raise ValueError(f"no transport left to offer ({'; '.join(self.lost.values())})")
         layout = EmbeddingLayout(item_rows(item.offsets), self.config.width, self.config.dtype)
         lease = self.pool.lease(layout.nbytes)  # NoCapacity: refuse now, never wait
-        return _Pending(index, item, handshake, layout, lease, time.monotonic() + self.config.item_timeout_s)
+        return _Pending(
+            index, item, handshake, layout, lease, time.monotonic() + self.config.item_timeout_s
+        )
 
     async def _serve_endpoint(self, job: ReceiveJob, entries: list[_Pending]) -> None:
         """One endpoint's items, to their end. Whatever goes wrong here, no item is left pending
@@ -415,21 +535,42 @@ class PrefillReceiver:
         try:
             await self._exchange(job, entries, live)
         except Exception as exc:
-            log.exception("receive job %s: endpoint %s failed", job.request_id, entries[0].handshake.endpoint)
+            log.exception(
+                "receive job %s: endpoint %s failed", job.request_id, entries[0].handshake.endpoint
+            )
             for entry in entries:
                 if job.outcomes[entry.index].state == ItemState.PENDING:
-                    await self._give_up(job, entry.index, entry.item, f"receiver error: {type(exc).__name__}: {exc}",
-                                        entry, quarantine=True)
+                    await self._give_up(
+                        job,
+                        entry.index,
+                        entry.item,
+                        f"receiver error: {type(exc).__name__}: {exc}",
+                        entry,
+                        quarantine=True,
+                    )
 
-    async def _exchange(self, job: ReceiveJob, entries: list[_Pending], live: dict[int, _Pending]) -> None:
+    async def _exchange(
+        self, job: ReceiveJob, entries: list[_Pending], live: dict[int, _Pending]
+    ) -> None:
         client = self._client(entries[0].handshake.endpoint)
         registrations = []
         for entry in entries:
-            offers = [t.offer(self.pool, entry.lease) for name, t in self.transports.items() if name not in self.lost]
-            registrations.append(Registration(room=entry.handshake.bootstrap_room, generation=entry.lease.generation,
-                                              rows=entry.layout.rows, width=entry.layout.width,
-                                              dtype=entry.layout.dtype, offers=offers,
-                                              deadline_s=self.config.item_timeout_s))
+            offers = [
+                t.offer(self.pool, entry.lease)
+                for name, t in self.transports.items()
+                if name not in self.lost
+            ]
+            registrations.append(
+                Registration(
+                    room=entry.handshake.bootstrap_room,
+                    generation=entry.lease.generation,
+                    rows=entry.layout.rows,
+                    width=entry.layout.width,
+                    dtype=entry.layout.dtype,
+                    offers=offers,
+                    deadline_s=self.config.item_timeout_s,
+                )
+            )
         first = True
         while live:
             try:
@@ -437,13 +578,21 @@ class PrefillReceiver:
                     results = await client.register(registrations, wait_s=self.config.poll_s)
                     first = False
                 else:
-                    results = await client.watch({room: e.version for room, e in live.items()}, self.config.poll_s)
+                    results = await client.watch(
+                        {room: e.version for room, e in live.items()}, self.config.poll_s
+                    )
             except HandshakeError as exc:
                 # a register that timed out may still have reached the room, so a writer may come:
                 # hold the slot whatever round this was
                 for entry in list(live.values()):
-                    await self._give_up(job, entry.index, entry.item, f"encode worker endpoint unreachable: {exc}",
-                                        entry, quarantine=True)
+                    await self._give_up(
+                        job,
+                        entry.index,
+                        entry.item,
+                        f"encode worker endpoint unreachable: {exc}",
+                        entry,
+                        quarantine=True,
+                    )
                 return
             await self._handle(job, client, live, results)
 
@@ -456,7 +605,12 @@ class PrefillReceiver:
                 except (TypeError, ValueError):  # refused at the start: it names no room
                     continue
                 by_endpoint.setdefault(handshake.endpoint, []).append(handshake.bootstrap_room)
-        await asyncio.gather(*(self._cancel_rooms(endpoint, rooms, reason) for endpoint, rooms in by_endpoint.items()))
+        await asyncio.gather(
+            *(
+                self._cancel_rooms(endpoint, rooms, reason)
+                for endpoint, rooms in by_endpoint.items()
+            )
+        )
 
     async def _abort(self, job: ReceiveJob, reason: str) -> None:
         for outcome in job.outcomes:
@@ -472,10 +626,16 @@ class PrefillReceiver:
             try:
                 await client.cancel(rooms[start : start + MAX_BATCH], reason)
             except HandshakeError as exc:
-                log.warning("cancel of %d rooms at %s failed: %s", len(rooms[start : start + MAX_BATCH]), endpoint,
-                            exc)
+                log.warning(
+                    "cancel of %d rooms at %s failed: %s",
+                    len(rooms[start : start + MAX_BATCH]),
+                    endpoint,
+                    exc,
+                )
 
-    async def _handle(self, job: ReceiveJob, client: HandshakeClient, live: dict[int, _Pending], results) -> None:
+    async def _handle(
+        self, job: ReceiveJob, client: HandshakeClient, live: dict[int, _Pending], results
+    ) -> None:
         now = time.monotonic()
         for result in results:
             entry = live.get(result.room)
@@ -483,8 +643,14 @@ class PrefillReceiver:
                 continue
             if not result.ok:
                 del live[result.room]
-                await self._give_up(job, entry.index, entry.item, f"room refused or lost: {result.error}", entry,
-                                    quarantine=entry.version > 0)
+                await self._give_up(
+                    job,
+                    entry.index,
+                    entry.item,
+                    f"room refused or lost: {result.error}",
+                    entry,
+                    quarantine=entry.version > 0,
+                )
                 continue
             view = result.view
             entry.version = view.version
@@ -493,37 +659,68 @@ class PrefillReceiver:
                 await self._publish(job, entry, view)
             elif view.state.terminal:
                 del live[result.room]
-                await self._give_up(job, entry.index, entry.item,
-                                    f"room {view.state.value}: {view.reason or 'no reason given'}", entry,
-                                    quarantine=not view.writer_settled)
+                await self._give_up(
+                    job,
+                    entry.index,
+                    entry.item,
+                    f"room {view.state.value}: {view.reason or 'no reason given'}",
+                    entry,
+                    quarantine=not view.writer_settled,
+                )
             elif now >= entry.deadline:
                 del live[result.room]
-                await self._cancel_rooms(entry.handshake.endpoint, [result.room], "receiver timed out")
-                await self._give_up(job, entry.index, entry.item, "timed out waiting for the encode worker", entry,
-                                    quarantine=True)
+                await self._cancel_rooms(
+                    entry.handshake.endpoint, [result.room], "receiver timed out"
+                )
+                await self._give_up(
+                    job,
+                    entry.index,
+                    entry.item,
+                    "timed out waiting for the encode worker",
+                    entry,
+                    quarantine=True,
+                )
 
     async def _publish(self, job: ReceiveJob, entry: _Pending, view) -> None:
-        if job.outcomes[entry.index].state != ItemState.PENDING:  # aborted: the writer is done, nobody reads the rows
+        if (
+            job.outcomes[entry.index].state != ItemState.PENDING
+        ):  # aborted: the writer is done, nobody reads the rows
             self.pool.release(entry.lease)
             return
         commit = Commit.of(view.commit)
         try:
-            rows = accept_commit(self.pool, entry.lease, entry.layout, commit, verify_checksum=False)
+            rows = accept_commit(
+                self.pool, entry.lease, entry.layout, commit, verify_checksum=False
+            )
             if not self.config.zero_copy:
                 rows = rows.clone()  # verified below: the bytes checked are the bytes published
             verify_rows(rows, commit, self.config.require_checksum)
         except ContractError as exc:
-            await self._give_up(job, entry.index, entry.item, f"commit rejected: {exc}", entry, quarantine=True)
+            await self._give_up(
+                job, entry.index, entry.item, f"commit rejected: {exc}", entry, quarantine=True
+            )
             return
         grid = view.commit.grid_thw
         known = entry.item.model_specific_data.get("image_grid_thw")
-        if grid is not None and known is not None and [int(v) for v in torch.as_tensor(known).reshape(-1)] != list(grid):
-            await self._give_up(job, entry.index, entry.item, f"encoder's image_grid_thw {list(grid)} differs from "
-                                f"the request's {torch.as_tensor(known).reshape(-1).tolist()}", entry,
-                                quarantine=False)
+        if (
+            grid is not None
+            and known is not None
+            and [int(v) for v in torch.as_tensor(known).reshape(-1)] != list(grid)
+        ):
+            await self._give_up(
+                job,
+                entry.index,
+                entry.item,
+                f"encoder's image_grid_thw {list(grid)} differs from "
+                f"the request's {torch.as_tensor(known).reshape(-1).tolist()}",
+                entry,
+                quarantine=False,
+            )
             return
         if self.config.zero_copy:
-            if not job.hold(entry.item, entry.lease):  # the engine already let go: nobody reads the view
+            if not job.hold(
+                entry.item, entry.lease
+            ):  # the engine already let go: nobody reads the view
                 self.pool.release(entry.lease)
                 return
             self.set_encoded(entry.item, rows)
@@ -533,7 +730,11 @@ class PrefillReceiver:
         if grid is not None and known is None:
             entry.item.model_specific_data["image_grid_thw"] = torch.tensor([list(grid)])
         outcome = job.outcomes[entry.index]
-        outcome.state, outcome.transport, outcome.encoder = ItemState.DONE, view.transport, view.commit.timings
+        outcome.state, outcome.transport, outcome.encoder = (
+            ItemState.DONE,
+            view.transport,
+            view.commit.timings,
+        )
         outcome.seconds = time.monotonic() - job.started
         self.metrics.items.labels(view.transport or "unknown", "done").inc()
         self.metrics.bytes.labels(view.transport or "unknown").inc(entry.layout.nbytes)
@@ -548,8 +749,15 @@ class PrefillReceiver:
         else:
             item.encoded = rows
 
-    async def _give_up(self, job: ReceiveJob, index: int, item: MultimodalDataItem, reason: str,
-                       entry: _Pending | None, quarantine: bool) -> None:
+    async def _give_up(
+        self,
+        job: ReceiveJob,
+        index: int,
+        item: MultimodalDataItem,
+        reason: str,
+        entry: _Pending | None,
+        quarantine: bool,
+    ) -> None:
         """The room failed: free or quarantine its slot, then fall back or fail the item."""
         if entry is not None:
             (self.pool.quarantine if quarantine else self.pool.release)(entry.lease)
@@ -557,14 +765,24 @@ class PrefillReceiver:
         if outcome.state != ItemState.PENDING:  # aborted already: its outcome stands
             return
         outcome.seconds = time.monotonic() - job.started
-        if self.config.fallback == "local_tower" and self.local_tower is not None and item.feature is not None \
-                and not job.cancelled:
+        if (
+            self.config.fallback == "local_tower"
+            and self.local_tower is not None
+            and item.feature is not None
+            and not job.cancelled
+        ):
             try:
-                rows = await asyncio.get_running_loop().run_in_executor(None, self.encode_locally, item)
+                rows = await asyncio.get_running_loop().run_in_executor(
+                    None, self.encode_locally, item
+                )
                 if outcome.state != ItemState.PENDING:  # aborted while the tower ran
                     return
                 self.set_encoded(item, rows)
-                outcome.state, outcome.transport, outcome.fallback = ItemState.DONE, "local_tower", True
+                outcome.state, outcome.transport, outcome.fallback = (
+                    ItemState.DONE,
+                    "local_tower",
+                    True,
+                )
                 outcome.reason = f"fallback after: {reason}"
                 self.metrics.fallbacks.inc()
                 self.metrics.items.labels("local_tower", "done").inc()
@@ -589,27 +807,45 @@ class PrefillReceiver:
         from encode_worker.inputs import image_from_bytes, image_from_pixels
 
         tower = self.local_tower
-        if (tower.info.wire_width, dtype_to_wire(tower.dtype)) != (self.config.width, self.config.dtype):
-            raise RowContractError(f"the local tower makes [*, {tower.info.wire_width}] {dtype_to_wire(tower.dtype)} "
-                                   f"rows, this receiver takes [*, {self.config.width}] {self.config.dtype}")
+        if (tower.info.wire_width, dtype_to_wire(tower.dtype)) != (
+            self.config.width,
+            self.config.dtype,
+        ):
+            raise RowContractError(
+                f"the local tower makes [*, {tower.info.wire_width}] {dtype_to_wire(tower.dtype)} "
+                f"rows, this receiver takes [*, {self.config.width}] {self.config.dtype}"
+            )
         processed = []
         for item in items:
             feature = item.feature
-            image = image_from_bytes(feature) if isinstance(feature, (bytes, bytearray)) else image_from_pixels(feature)
+            image = (
+                image_from_bytes(feature)
+                if isinstance(feature, (bytes, bytearray))
+                else image_from_pixels(feature)
+            )
             inputs = tower.processor(images=[image], return_tensors="pt")
             grid = inputs["image_grid_thw"]
             (rows,) = tower.rows_per_item(grid)
             placeholders = item_rows(item.offsets)
             if rows != placeholders:
-                raise RowContractError(f"the image makes {rows} rows (grid {grid.reshape(-1).tolist()}) but the "
-                                       f"item's placeholders hold {placeholders}")
+                raise RowContractError(
+                    f"the image makes {rows} rows (grid {grid.reshape(-1).tolist()}) but the "
+                    f"item's placeholders hold {placeholders}"
+                )
             known = item.model_specific_data.get("image_grid_thw")
-            if known is not None and torch.as_tensor(known).reshape(-1).tolist() != grid.reshape(-1).tolist():
-                raise RowContractError(f"the image's grid {grid.reshape(-1).tolist()} differs from the item's "
-                                       f"image_grid_thw {torch.as_tensor(known).reshape(-1).tolist()}")
+            if (
+                known is not None
+                and torch.as_tensor(known).reshape(-1).tolist() != grid.reshape(-1).tolist()
+            ):
+                raise RowContractError(
+                    f"the image's grid {grid.reshape(-1).tolist()} differs from the item's "
+                    f"image_grid_thw {torch.as_tensor(known).reshape(-1).tolist()}"
+                )
             processed.append(inputs)
-        rows = tower.encode_items(torch.cat([p["pixel_values"] for p in processed]),
-                                  torch.cat([p["image_grid_thw"] for p in processed]))
+        rows = tower.encode_items(
+            torch.cat([p["pixel_values"] for p in processed]),
+            torch.cat([p["image_grid_thw"] for p in processed]),
+        )
         return [r.to(tower.dtype).clone() for r in rows]
 
 
@@ -625,8 +861,13 @@ def _receive_region(config: ReceiverConfig, transports: dict | None) -> MemoryRe
         others = [name for name in names if not transport_spec(name).needs_shm_pool]
         if exc.errno != errno.ENOSPC or not others:
             raise
-        log.warning("no room in /dev/shm for the %d-byte receive pool (%s): using process memory, "
-                    "%s only (no SHM)", config.pool_bytes, exc.strerror, ", ".join(others))
+        log.warning(
+            "no room in /dev/shm for the %d-byte receive pool (%s): using process memory, "
+            "%s only (no SHM)",
+            config.pool_bytes,
+            exc.strerror,
+            ", ".join(others),
+        )
         return MemoryRegion.anonymous(config.pool_bytes)
 
 

@@ -66,7 +66,9 @@ class PrefillItem(BaseModel):
     encode_handshake: EncodeHandshake | None = None
     image_b64: str | None = Field(default=None, max_length=MAX_IMAGE_B64)
     # the patch grid the request expects; a commit with another one fails the item
-    grid_thw: tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None = None
+    grid_thw: (
+        tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None
+    ) = None
 
 
 class PrefillRequest(BaseModel):
@@ -89,7 +91,9 @@ class ItemReport(BaseModel):
     fallback: bool
     verified: bool | None
     encoder: EncodeTimings | None = None  # the encode worker's split of its part (from the commit)
-    checksum: int | None = None  # xxh3-64 of the published wire rows, for checks against a reference
+    checksum: int | None = (
+        None  # xxh3-64 of the published wire rows, for checks against a reference
+    )
 
 
 class PrefillResponse(BaseModel):
@@ -101,78 +105,148 @@ class PrefillResponse(BaseModel):
     started_monotonic: float | None = None
 
 
-def create_app(receiver: PrefillReceiver, local_tower=None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="EPD reference prefill", version="1",
-                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
+def create_app(
+    receiver: PrefillReceiver, local_tower=None, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
+    app = FastAPI(
+        title="EPD reference prefill",
+        version="1",
+        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
+    )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc: RequestValidationError):
         # FastAPI's own answer echoes each bad input, and an out-of-range number (1e400 parses as
         # inf) cannot be written back as JSON: that was a 500, and the connection closed
-        errors = [{key: error[key] for key in ("type", "loc", "msg") if key in error} for error in exc.errors()]
+        errors = [
+            {key: error[key] for key in ("type", "loc", "msg") if key in error}
+            for error in exc.errors()
+        ]
         return JSONResponse({"detail": errors}, status_code=422)
 
-    @app.post("/v1/prefill", response_model=PrefillResponse, responses={400: {"description": "Malformed JSON"}})
+    @app.post(
+        "/v1/prefill",
+        response_model=PrefillResponse,
+        responses={400: {"description": "Malformed JSON"}},
+    )
     async def prefill(body: PrefillRequest):
         """Receive every item's rows; report per item."""
         items = []
         for index, entry in enumerate(body.items):
             try:
-                feature = base64.b64decode(entry.image_b64, validate=True) if entry.image_b64 else None
+                feature = (
+                    base64.b64decode(entry.image_b64, validate=True) if entry.image_b64 else None
+                )
             except ValueError:  # answered in the shape of the 422 the schema declares
-                return JSONResponse({"detail": [{"type": "value_error", "loc": ["body", "items", index, "image_b64"],
-                                                 "msg": "image_b64 is not base64"}]}, status_code=422)
-            items.append(MultimodalDataItem(Modality.IMAGE, offsets=[list(span) for span in entry.offsets],
-                                            feature=feature,
-                                            model_specific_data={"image_grid_thw": torch.tensor([list(entry.grid_thw)])}
-                                            if entry.grid_thw else {},
-                                            encode_handshake=entry.encode_handshake.model_dump()
-                                            if entry.encode_handshake else None))
+                return JSONResponse(
+                    {
+                        "detail": [
+                            {
+                                "type": "value_error",
+                                "loc": ["body", "items", index, "image_b64"],
+                                "msg": "image_b64 is not base64",
+                            }
+                        ]
+                    },
+                    status_code=422,
+                )
+            items.append(
+                MultimodalDataItem(
+                    Modality.IMAGE,
+                    offsets=[list(span) for span in entry.offsets],
+                    feature=feature,
+                    model_specific_data={"image_grid_thw": torch.tensor([list(entry.grid_thw)])}
+                    if entry.grid_thw
+                    else {},
+                    encode_handshake=entry.encode_handshake.model_dump()
+                    if entry.encode_handshake
+                    else None,
+                )
+            )
         job = receiver.start(body.request_id, MultimodalInputs(items))
         ended = asyncio.wrap_future(job.future)
         # asyncio.wait, not wait_for: a timed-out wait_for cancels the wrapper, and with it the
         # job's own future (the request then got a 500 instead of its report)
         if not (await asyncio.wait({ended}, timeout=body.timeout_s))[0]:
-            job.abort(f"timed out: not received within the request's timeout_s ({body.timeout_s:g} s)")
+            job.abort(
+                f"timed out: not received within the request's timeout_s ({body.timeout_s:g} s)"
+            )
             await ended  # at once: abort settles every item
         if local_tower is not None:
             await _encode_colocated(receiver, job)
         reports = []
         for item, outcome in zip(items, job.outcomes):
             verified = None
-            if (body.verify and local_tower is not None and item.encoded is not None and item.feature is not None
-                    and outcome.transport != "local"):
+            if (
+                body.verify
+                and local_tower is not None
+                and item.encoded is not None
+                and item.feature is not None
+                and outcome.transport != "local"
+            ):
                 try:
-                    expected = await asyncio.get_running_loop().run_in_executor(None, receiver.encode_locally, item)
+                    expected = await asyncio.get_running_loop().run_in_executor(
+                        None, receiver.encode_locally, item
+                    )
                     verified = bool(torch.equal(_wire_rows(item), expected))
-                except RowContractError:  # the local tower's processor disagrees on the rows or the grid
+                except (
+                    RowContractError
+                ):  # the local tower's processor disagrees on the rows or the grid
                     verified = False
             encoded = item.encoded
             wire = _wire_rows(item) if encoded is not None else None
-            reports.append(ItemReport(index=outcome.index, state=outcome.state,
-                                      rows=encoded.shape[0] if encoded is not None else None,
-                                      width=wire.shape[1] if wire is not None else None,
-                                      transport=outcome.transport, seconds=outcome.seconds, reason=outcome.reason,
-                                      fallback=outcome.fallback, verified=verified, encoder=outcome.encoder,
-                                      checksum=checksum(wire) if wire is not None else None))
-        return Response(PrefillResponse(request_id=body.request_id, state=job.poll().value, items=reports,
-                                        started_monotonic=job.started).model_dump_json(),
-                        media_type="application/json")
+            reports.append(
+                ItemReport(
+                    index=outcome.index,
+                    state=outcome.state,
+                    rows=encoded.shape[0] if encoded is not None else None,
+                    width=wire.shape[1] if wire is not None else None,
+                    transport=outcome.transport,
+                    seconds=outcome.seconds,
+                    reason=outcome.reason,
+                    fallback=outcome.fallback,
+                    verified=verified,
+                    encoder=outcome.encoder,
+                    checksum=checksum(wire) if wire is not None else None,
+                )
+            )
+        return Response(
+            PrefillResponse(
+                request_id=body.request_id,
+                state=job.poll().value,
+                items=reports,
+                started_monotonic=job.started,
+            ).model_dump_json(),
+            media_type="application/json",
+        )
 
-    @app.get("/healthz", responses={503: {"description": "No transport left: this process cannot receive"}})
+    @app.get(
+        "/healthz",
+        responses={503: {"description": "No transport left: this process cannot receive"}},
+    )
     async def healthz():
         """Liveness: 503 once the process can never receive again (restart it)."""
         health = receiver.health()
-        return JSONResponse({"ok": health["cannot_receive"] is None, **_summary(health)},
-                            status_code=503 if health["cannot_receive"] else 200)
+        return JSONResponse(
+            {"ok": health["cannot_receive"] is None, **_summary(health)},
+            status_code=503 if health["cannot_receive"] else 200,
+        )
 
-    @app.get("/readyz", responses={503: {"description": "Cannot take an item now, with the reason"}})
+    @app.get(
+        "/readyz", responses={503: {"description": "Cannot take an item now, with the reason"}}
+    )
     async def readyz():
         """Readiness: 503 while no receive slot is free (or no transport is left), with the reason."""
         health = receiver.health()
-        return JSONResponse({"ready": health["not_ready"] is None, "reason": health["not_ready"], **_summary(health)},
-                            status_code=503 if health["not_ready"] else 200)
+        return JSONResponse(
+            {
+                "ready": health["not_ready"] is None,
+                "reason": health["not_ready"],
+                **_summary(health),
+            },
+            status_code=503 if health["not_ready"] else 200,
+        )
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
@@ -183,15 +257,25 @@ def create_app(receiver: PrefillReceiver, local_tower=None, max_body_bytes: int 
 
 def _summary(health: dict) -> dict:
     stats = health["pool"]
-    return {"transports": health["transports"], "lost": health["lost"],
-            "pool": {key: stats[key] for key in ("slots", "free_slots", "leased_slots", "quarantined_slots")}}
+    return {
+        "transports": health["transports"],
+        "lost": health["lost"],
+        "pool": {
+            key: stats[key] for key in ("slots", "free_slots", "leased_slots", "quarantined_slots")
+        },
+    }
 
 
 async def _encode_colocated(receiver: PrefillReceiver, job) -> None:
     """Items that came with image bytes and no room: this process's own tower encodes them, in
     one batch (item by item if the batch fails, so a bad image fails only itself)."""
-    local = [(item, outcome) for item, outcome in zip(job.inputs.mm_items, job.outcomes)
-             if outcome.state == ItemState.SKIPPED and item.encoded is None and isinstance(item.feature, bytes)]
+    local = [
+        (item, outcome)
+        for item, outcome in zip(job.inputs.mm_items, job.outcomes)
+        if outcome.state == ItemState.SKIPPED
+        and item.encoded is None
+        and isinstance(item.feature, bytes)
+    ]
     if not local:
         return
     loop = asyncio.get_running_loop()
@@ -234,7 +318,9 @@ class TowerCalls:
     def __getattr__(self, name: str):
         return getattr(self.tower, name)
 
-    def encode_items(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+    def encode_items(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> list[torch.Tensor]:
         with self._calls:
             return self.tower.encode_items(pixel_values, grid_thw)
 
@@ -249,37 +335,66 @@ class PrefillSettings(HandshakeToken):
 
     host: str = Field("0.0.0.0", min_length=1, description="address to listen on")
     port: Port = Field(9100, description="port of /v1/prefill, /healthz, /readyz, /metrics")
-    model: str | None = Field(None, description="checkpoint for verification / fallback; also gives --width and "
-                              "--deepstack-width")
-    width: NonNegativeInt = Field(0, description="wire width of one row (the encode workers' tower's; default: "
-                                  "from --model)")
-    deepstack_width: NonNegativeInt = Field(0, description="the last columns of a row that are DeepStack levels "
-                                            "(default: from --model)")
-    dtype: Dtype = Field("bfloat16", description="dtype of the rows: the encode workers' --dtype (bfloat16, "
-                         "float16, float32)")
-    transports: TransportNames = Field(("shm", "mooncake"), description=f"comma-separated: "
-                                       f"{', '.join(TRANSPORT_NAMES)}")
-    pool_bytes: PositiveByteSize = Field(1 << 30, description="receive pool (bytes; K, M, G suffixes)")
+    model: str | None = Field(
+        None,
+        description="checkpoint for verification / fallback; also gives --width and "
+        "--deepstack-width",
+    )
+    width: NonNegativeInt = Field(
+        0, description="wire width of one row (the encode workers' tower's; default: from --model)"
+    )
+    deepstack_width: NonNegativeInt = Field(
+        0, description="the last columns of a row that are DeepStack levels (default: from --model)"
+    )
+    dtype: Dtype = Field(
+        "bfloat16",
+        description="dtype of the rows: the encode workers' --dtype (bfloat16, float16, float32)",
+    )
+    transports: TransportNames = Field(
+        ("shm", "mooncake"), description=f"comma-separated: {', '.join(TRANSPORT_NAMES)}"
+    )
+    pool_bytes: PositiveByteSize = Field(
+        1 << 30, description="receive pool (bytes; K, M, G suffixes)"
+    )
     slot_bytes: PositiveByteSize = Field(1 << 20, description="receive pool slot size")
     item_timeout_s: PositiveSeconds = Field(60.0, description="deadline of one item")
-    quarantine_s: PositiveSeconds = Field(40.0, description="hold a failed slot this long (above the encode "
-                                          "workers' Mooncake transfer timeout)")
-    fallback: Literal["fail", "local_tower"] = Field("fail", description="an item whose rows do not arrive: "
-                                                     "fail it, or encode it here (needs --model)")
-    tower_calls: PositiveInt = Field(1, description="local tower forward passes at once (colocated items, "
-                                     "fallback, verification)")
-    max_body_bytes: PositiveByteSize = Field(MAX_BODY_BYTES, description="largest accepted request body")
-    require_checksum: bool = Field(True, description="refuse commits without the rows' checksum (workers run "
-                                   "with --no-checksum)")
-    mooncake_host: str = Field("127.0.0.1", min_length=1, description="address encode workers use to reach this "
-                               "process's Mooncake engine (the pod IP)")
-    mooncake_hca: str = Field("", description="comma-separated RDMA HCA names for Mooncake ('' = all found)")
+    quarantine_s: PositiveSeconds = Field(
+        40.0,
+        description="hold a failed slot this long (above the encode "
+        "workers' Mooncake transfer timeout)",
+    )
+    fallback: Literal["fail", "local_tower"] = Field(
+        "fail",
+        description="an item whose rows do not arrive: fail it, or encode it here (needs --model)",
+    )
+    tower_calls: PositiveInt = Field(
+        1,
+        description="local tower forward passes at once (colocated items, fallback, verification)",
+    )
+    max_body_bytes: PositiveByteSize = Field(
+        MAX_BODY_BYTES, description="largest accepted request body"
+    )
+    require_checksum: bool = Field(
+        True,
+        description="refuse commits without the rows' checksum (workers run with --no-checksum)",
+    )
+    mooncake_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="address encode workers use to reach this "
+        "process's Mooncake engine (the pod IP)",
+    )
+    mooncake_hca: str = Field(
+        "", description="comma-separated RDMA HCA names for Mooncake ('' = all found)"
+    )
     mooncake_force_tcp: bool = Field(False, description="Mooncake over TCP even where RDMA exists")
 
     @model_validator(mode="after")
     def _consistent(self) -> PrefillSettings:
         if self.slot_bytes > self.pool_bytes:
-            raise SettingError(f"--slot-bytes {self.slot_bytes} is larger than --pool-bytes {self.pool_bytes}")
+            raise SettingError(
+                f"--slot-bytes {self.slot_bytes} is larger than --pool-bytes {self.pool_bytes}"
+            )
         return self
 
 
@@ -304,28 +419,53 @@ def _start(settings: PrefillSettings):
 
         check_checkpoint(settings.model)
         try:
-            tower = TowerCalls(VisionTower.load(settings.model, dtype=settings.dtype), settings.tower_calls)
+            tower = TowerCalls(
+                VisionTower.load(settings.model, dtype=settings.dtype), settings.tower_calls
+            )
         except (TowerLoadError, OSError, ValueError) as exc:
-            raise SettingError(f"--model {settings.model}: cannot load the vision tower: {exc}") from None
-        for flag, given, own in (("--width", width, tower.info.wire_width),
-                                 ("--deepstack-width", deepstack, tower.info.out_width * tower.info.deepstack_levels)):
+            raise SettingError(
+                f"--model {settings.model}: cannot load the vision tower: {exc}"
+            ) from None
+        for flag, given, own in (
+            ("--width", width, tower.info.wire_width),
+            ("--deepstack-width", deepstack, tower.info.out_width * tower.info.deepstack_levels),
+        ):
             if given and given != own:
-                raise SettingError(f"{flag} {given} differs from the checkpoint's ({own}); leave it out")
+                raise SettingError(
+                    f"{flag} {given} differs from the checkpoint's ({own}); leave it out"
+                )
         width, deepstack = tower.info.wire_width, tower.info.out_width * tower.info.deepstack_levels
     if width <= 0:
         raise SettingError("give --width (or --model to read it from the checkpoint)")
     if deepstack >= width:
-        raise SettingError(f"--deepstack-width {deepstack} leaves no main embedding in rows of {width}")
-    config = ReceiverConfig(width=width, dtype=settings.dtype, deepstack_width=deepstack, pool_bytes=settings.pool_bytes,
-                            slot_bytes=settings.slot_bytes, transports=settings.transports,
-                            item_timeout_s=settings.item_timeout_s, quarantine_s=settings.quarantine_s, fallback=settings.fallback,
-                            handshake_token=settings.handshake_token, require_checksum=settings.require_checksum)
+        raise SettingError(
+            f"--deepstack-width {deepstack} leaves no main embedding in rows of {width}"
+        )
+    config = ReceiverConfig(
+        width=width,
+        dtype=settings.dtype,
+        deepstack_width=deepstack,
+        pool_bytes=settings.pool_bytes,
+        slot_bytes=settings.slot_bytes,
+        transports=settings.transports,
+        item_timeout_s=settings.item_timeout_s,
+        quarantine_s=settings.quarantine_s,
+        fallback=settings.fallback,
+        handshake_token=settings.handshake_token,
+        require_checksum=settings.require_checksum,
+    )
     # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback default.
-    mooncake = MooncakeConfig(hostname=settings.mooncake_host, device_names=settings.mooncake_hca,
-                              force_tcp=settings.mooncake_force_tcp)
+    mooncake = MooncakeConfig(
+        hostname=settings.mooncake_host,
+        device_names=settings.mooncake_hca,
+        force_tcp=settings.mooncake_force_tcp,
+    )
     try:
-        receiver = PrefillReceiver(config, build_transports(config.transports, {"mooncake": mooncake}, optional=True),
-                                   local_tower=tower)
+        receiver = PrefillReceiver(
+            config,
+            build_transports(config.transports, {"mooncake": mooncake}, optional=True),
+            local_tower=tower,
+        )
     except (TransportUnavailable, ShmError, ValueError) as exc:  # no usable transport or pool
         raise SettingError(f"cannot start: {exc}") from None
     return receiver, tower
@@ -338,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     from handshake.server import serve
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         settings = PrefillSettings.from_command_line(argv)
         receiver, tower = _start(settings)
@@ -347,8 +489,15 @@ def main(argv: list[str] | None = None) -> int:
     config = receiver.config
     logging.getLogger("epd-prefill").info(
         "epd-prefill ready: http://%s:%d (/v1/prefill, /healthz, /readyz, /metrics); rows of %d x %s; "
-        "transports %s (Mooncake host %s); local tower %s", settings.host, settings.port, config.width, config.dtype,
-        ",".join(receiver.transports), settings.mooncake_host, settings.model or "none")
+        "transports %s (Mooncake host %s); local tower %s",
+        settings.host,
+        settings.port,
+        config.width,
+        config.dtype,
+        ",".join(receiver.transports),
+        settings.mooncake_host,
+        settings.model or "none",
+    )
     try:
         serve(create_app(receiver, tower, settings.max_body_bytes), settings.host, settings.port)
     finally:

@@ -16,4 +16,6 @@ class ItemState(enum.StrEnum):
     PENDING = "PENDING"  # not settled yet
     DONE = "DONE"  # rows published in the item's ``encoded`` (received, or the local tower's)
     FAILED = "FAILED"  # the outcome's ``reason`` says why
-    SKIPPED = "SKIPPED"  # no room: not the receiver's to fill (epd-prefill's own tower may encode it)
+    SKIPPED = (
+        "SKIPPED"  # no room: not the receiver's to fill (epd-prefill's own tower may encode it)
+    )

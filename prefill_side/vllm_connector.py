@@ -57,7 +57,13 @@ from data_plane.dtypes import dtype_from_wire, dtype_to_wire
 from data_plane.shm import ShmSegment
 from encode_worker.families import FAMILIES
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
-from prefill_side.ec_params import DeliveryReport, Identifier, ItemDelivery, TransferParams, identifier
+from prefill_side.ec_params import (
+    DeliveryReport,
+    Identifier,
+    ItemDelivery,
+    TransferParams,
+    identifier,
+)
 from prefill_side.states import ItemState, JobState
 
 if TYPE_CHECKING:
@@ -145,7 +151,9 @@ class _Received:
     request_id: str
     job: ReceiveJob
     slots: dict[Identifier, int]  # identifier -> its item's index in the job
-    arrived: dict[Identifier, torch.Tensor] = field(default_factory=dict)  # rows in the pool, once settled
+    arrived: dict[Identifier, torch.Tensor] = field(
+        default_factory=dict
+    )  # rows in the pool, once settled
     settled: bool = False
     pins: int = 0  # loads naming this job's slots not yet reported copied
     finished: bool = False  # vLLM is done with the request
@@ -157,8 +165,10 @@ def model_row_width(vllm_config: VllmConfig) -> tuple[int, torch.dtype]:
     model_config = vllm_config.model_config
     model_type = model_config.hf_config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"EPDConnector: model type {model_type!r} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ValueError(
+            f"EPDConnector: model type {model_type!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     return model_config.get_hidden_size(), model_config.dtype
 
 
@@ -168,12 +178,16 @@ class EPDConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
         if self.is_producer or not self.is_consumer:
-            raise ValueError('EPDConnector is a consumer: run it with "ec_role": "ec_consumer" '
-                             "(the encode workers are the producers)")
+            raise ValueError(
+                'EPDConnector is a consumer: run it with "ec_role": "ec_consumer" '
+                "(the encode workers are the producers)"
+            )
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-            raise ValueError("EPDConnector supports one model runner per engine (tensor and pipeline "
-                             "parallel size 1) for now")
+            raise ValueError(
+                "EPDConnector supports one model runner per engine (tensor and pipeline "
+                "parallel size 1) for now"
+            )
         width, dtype = model_row_width(vllm_config)
         self.width, self.dtype = width, dtype_to_wire(dtype)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config
@@ -249,20 +263,33 @@ class _SchedulerSide:
         from handshake.server import load_token
         from prefill_side.receiver import PrefillReceiver, ReceiverConfig
 
-        config = ReceiverConfig(width=width, dtype=dtype, pool_bytes=settings.pool_bytes,
-                                slot_bytes=settings.slot_bytes, quarantine_s=settings.quarantine_s,
-                                transports=tuple(settings.transports), item_timeout_s=settings.item_timeout_s,
-                                endpoint_timeout_s=settings.endpoint_timeout_s,
-                                handshake_token=load_token(settings.handshake_token_file),
-                                require_checksum=settings.require_checksum, zero_copy=True)
-        mooncake = MooncakeConfig(hostname=settings.mooncake_host, device_names=settings.mooncake_hca,
-                                  force_tcp=settings.mooncake_force_tcp)
-        self.receiver = PrefillReceiver(config, build_transports(config.transports, {"mooncake": mooncake},
-                                                                 optional=True))
+        config = ReceiverConfig(
+            width=width,
+            dtype=dtype,
+            pool_bytes=settings.pool_bytes,
+            slot_bytes=settings.slot_bytes,
+            quarantine_s=settings.quarantine_s,
+            transports=tuple(settings.transports),
+            item_timeout_s=settings.item_timeout_s,
+            endpoint_timeout_s=settings.endpoint_timeout_s,
+            handshake_token=load_token(settings.handshake_token_file),
+            require_checksum=settings.require_checksum,
+            zero_copy=True,
+        )
+        mooncake = MooncakeConfig(
+            hostname=settings.mooncake_host,
+            device_names=settings.mooncake_hca,
+            force_tcp=settings.mooncake_force_tcp,
+        )
+        self.receiver = PrefillReceiver(
+            config, build_transports(config.transports, {"mooncake": mooncake}, optional=True)
+        )
         if self.receiver.pool.region.shm is None:
             self.receiver.close()
-            raise ValueError("EPDConnector needs its receive pool in /dev/shm (the model runner maps it): "
-                             f"no room there for {settings.pool_bytes} bytes")
+            raise ValueError(
+                "EPDConnector needs its receive pool in /dev/shm (the model runner maps it): "
+                f"no room there for {settings.pool_bytes} bytes"
+            )
         self.segment = self.receiver.pool.region.shm.name
         self.width, self.dtype = width, dtype
         self.requests: dict[str, _Received] = {}
@@ -307,32 +334,56 @@ class _SchedulerSide:
             return None
         items, slots = [], {}
         for key, handshake in params.rooms.items():
-            index = next((i for i, f in enumerate(request.mm_features) if f.identifier == key), None)
+            index = next(
+                (i for i, f in enumerate(request.mm_features) if f.identifier == key), None
+            )
             if index is None:
-                self._fail(request.request_id, f"ec_transfer_params names a room for {key!r}, which is "
-                           "no item of this request")
+                self._fail(
+                    request.request_id,
+                    f"ec_transfer_params names a room for {key!r}, which is "
+                    "no item of this request",
+                )
                 return None
             feature = request.mm_features[index]
             if feature.modality not in MODALITIES:
-                self._fail(request.request_id, f"item {key!r} is {feature.modality}: only "
-                           f"{', '.join(MODALITIES)} rows are received")
+                self._fail(
+                    request.request_id,
+                    f"item {key!r} is {feature.modality}: only "
+                    f"{', '.join(MODALITIES)} rows are received",
+                )
                 return None
             rows = request.get_num_encoder_embeds(index)
             known = {}
             grid = _placeholder_data(feature).get(f"{feature.modality}_grid_thw")
-            if grid is not None:  # the receiver checks the encoder's grid against the one vLLM placed
+            if (
+                grid is not None
+            ):  # the receiver checks the encoder's grid against the one vLLM placed
                 known[f"{feature.modality}_grid_thw"] = grid.reshape(1, 3)
             slots[key] = len(items)
             start = feature.mm_position.offset
-            items.append(MultimodalDataItem(MODALITIES[feature.modality], offsets=[[start, start + rows - 1]],
-                                            model_specific_data=known, encode_handshake=handshake.model_dump()))
-        bare = [f.identifier for f in request.mm_features
-                if f.identifier not in params.rooms and not _carries_media(f)]
+            items.append(
+                MultimodalDataItem(
+                    MODALITIES[feature.modality],
+                    offsets=[[start, start + rows - 1]],
+                    model_specific_data=known,
+                    encode_handshake=handshake.model_dump(),
+                )
+            )
+        bare = [
+            f.identifier
+            for f in request.mm_features
+            if f.identifier not in params.rooms and not _carries_media(f)
+        ]
         if bare:
-            self._fail(request.request_id, f"items {', '.join(bare)} carry neither their media nor a room")
+            self._fail(
+                request.request_id, f"items {', '.join(bare)} carry neither their media nor a room"
+            )
             return None
-        received = _Received(request.request_id, self.receiver.start(request.request_id, MultimodalInputs(items)),
-                             slots)
+        received = _Received(
+            request.request_id,
+            self.receiver.start(request.request_id, MultimodalInputs(items)),
+            slots,
+        )
         self.requests[request.request_id] = received
         return received
 
@@ -347,13 +398,19 @@ class _SchedulerSide:
                 continue
             feature = next(f for f in request.mm_features if f.identifier == key)
             if _carries_media(feature):
-                log.warning("request %s: item %s falls back to vLLM's own encoder: %s", request.request_id,
-                            key, outcome.reason)
+                log.warning(
+                    "request %s: item %s falls back to vLLM's own encoder: %s",
+                    request.request_id,
+                    key,
+                    outcome.reason,
+                )
             else:
                 failed.append(f"item {key}: {outcome.reason}")
         if failed:
-            self._fail(request.request_id, "; ".join(failed) + " (and the request carries no image to encode "
-                       "locally)")
+            self._fail(
+                request.request_id,
+                "; ".join(failed) + " (and the request carries no image to encode locally)",
+            )
 
     def _fail(self, request_id: str, reason: str) -> None:
         log.warning("request %s fails: %s", request_id, reason)
@@ -365,11 +422,20 @@ class _SchedulerSide:
             return False
         key = (request.request_id, identifier)
         self.promised.pop(key, None)
-        expected = next((request.get_num_encoder_embeds(i) for i, f in enumerate(request.mm_features)
-                         if f.identifier == identifier), None)
+        expected = next(
+            (
+                request.get_num_encoder_embeds(i)
+                for i, f in enumerate(request.mm_features)
+                if f.identifier == identifier
+            ),
+            None,
+        )
         if expected is None:
-            log.warning("has_cache_item(%s) while placing request %s, which has no such item: left to vLLM",
-                        identifier, request.request_id)
+            log.warning(
+                "has_cache_item(%s) while placing request %s, which has no such item: left to vLLM",
+                identifier,
+                request.request_id,
+            )
             return False
         own = self.requests.get(request.request_id)
         sources = [own] if own is not None else []
@@ -379,8 +445,13 @@ class _SchedulerSide:
             if rows is None:
                 continue
             if rows.shape[0] != expected:  # never hand vLLM a wrong count: its engine would die
-                log.warning("request %s: %s arrived with %d rows but vLLM placed %d: left to vLLM", request.request_id,
-                            identifier, rows.shape[0], expected)
+                log.warning(
+                    "request %s: %s arrived with %d rows but vLLM placed %d: left to vLLM",
+                    request.request_id,
+                    identifier,
+                    rows.shape[0],
+                    expected,
+                )
                 continue
             self.promised[key] = source
             return True
@@ -392,9 +463,16 @@ class _SchedulerSide:
         if source is None:
             return  # vLLM encodes this one itself
         rows = source.arrived[identifier]
-        load = Load(next(self._ids), identifier, self.segment,
-                    rows.data_ptr() - self.receiver.pool.region.address, rows.shape[0], rows.shape[1], self.dtype,
-                    request.get_num_encoder_embeds(index))
+        load = Load(
+            next(self._ids),
+            identifier,
+            self.segment,
+            rows.data_ptr() - self.receiver.pool.region.address,
+            rows.shape[0],
+            rows.shape[1],
+            self.dtype,
+            request.get_num_encoder_embeds(index),
+        )
         source.pins += 1
         self.in_flight[load.load_id] = source
         self.pending.append(load)
@@ -424,10 +502,20 @@ class _SchedulerSide:
         received.finished = True
         if not received.settled:
             received.job.cancel("the request finished before its embeddings arrived")
-        report = DeliveryReport(items={
-            key: ItemDelivery(state=outcome.state, transport=outcome.transport, reason=outcome.reason,
-                              receive_s=outcome.seconds, encoder=outcome.encoder)
-            for key, outcome in ((key, received.job.outcomes[index]) for key, index in received.slots.items())})
+        report = DeliveryReport(
+            items={
+                key: ItemDelivery(
+                    state=outcome.state,
+                    transport=outcome.transport,
+                    reason=outcome.reason,
+                    receive_s=outcome.seconds,
+                    encoder=outcome.encoder,
+                )
+                for key, outcome in (
+                    (key, received.job.outcomes[index]) for key, index in received.slots.items()
+                )
+            }
+        )
         self._release_if_done(received)
         return report
 
@@ -444,8 +532,11 @@ class _WorkerSide:
         from vllm.platforms import current_platform
 
         self.width, self.dtype = width, dtype
-        self.device = (torch.device(current_platform.device_type, current_platform.current_device())
-                       if current_platform.is_cuda_alike() else torch.device(current_platform.device_type))
+        self.device = (
+            torch.device(current_platform.device_type, current_platform.current_device())
+            if current_platform.is_cuda_alike()
+            else torch.device(current_platform.device_type)
+        )
         self.segments: dict[str, ShmSegment] = {}
         self.loaded: list[int] = []
 
@@ -459,18 +550,27 @@ class _WorkerSide:
         """The load's rows in a tensor of their own on the model's device, once they are checked to
         be what vLLM expects (``ConnectorContractError`` otherwise: nothing is written)."""
         if load.rows != load.expected_rows:
-            raise ConnectorContractError(f"{load.identifier}: {load.rows} rows received, vLLM placed "
-                                         f"{load.expected_rows}")
+            raise ConnectorContractError(
+                f"{load.identifier}: {load.rows} rows received, vLLM placed {load.expected_rows}"
+            )
         if (load.width, dtype_from_wire(load.dtype)) != (self.width, self.dtype):
-            raise ConnectorContractError(f"{load.identifier}: rows of [*, {load.width}] {load.dtype}, the model "
-                                         f"takes [*, {self.width}] {dtype_to_wire(self.dtype)}")
+            raise ConnectorContractError(
+                f"{load.identifier}: rows of [*, {load.width}] {load.dtype}, the model "
+                f"takes [*, {self.width}] {dtype_to_wire(self.dtype)}"
+            )
         segment = self.segments.get(load.segment)
         if segment is None:
             segment = self.segments[load.segment] = ShmSegment.attach(load.segment)
         if load.offset < 0 or load.offset + load.nbytes > segment.size:
-            raise ConnectorContractError(f"{load.identifier}: bytes [{load.offset}, {load.offset + load.nbytes}) "
-                                         f"lie outside the {segment.size}-byte pool segment {load.segment}")
-        rows = segment.tensor[load.offset: load.offset + load.nbytes].view(self.dtype).view(load.rows, load.width)
+            raise ConnectorContractError(
+                f"{load.identifier}: bytes [{load.offset}, {load.offset + load.nbytes}) "
+                f"lie outside the {segment.size}-byte pool segment {load.segment}"
+            )
+        rows = (
+            segment.tensor[load.offset : load.offset + load.nbytes]
+            .view(self.dtype)
+            .view(load.rows, load.width)
+        )
         out = torch.empty((load.rows, load.width), dtype=self.dtype, device=self.device)
         out.copy_(rows)
         return out
@@ -499,8 +599,13 @@ def _carries_media(feature) -> bool:
 
 # ---- the gateway's side ----------------------------------------------------------------------
 
-def vllm_request(prompt: str, items: list[DispatchedItem], order: list[int] | None = None,
-                 images: list | None = None) -> tuple[dict, dict | None]:
+
+def vllm_request(
+    prompt: str,
+    items: list[DispatchedItem],
+    order: list[int] | None = None,
+    images: list | None = None,
+) -> tuple[dict, dict | None]:
     """``(prompt, ec_transfer_params)`` for ``LLM.generate`` from dispatched items: one item per
     distinct image (a repeated image is dispatched once), ``order`` the item of each image
     placeholder in the prompt (default: each item once, in order). ``images``: each item's decoded
@@ -510,14 +615,23 @@ def vllm_request(prompt: str, items: list[DispatchedItem], order: list[int] | No
     image is sent: nothing could encode it."""
     order = list(range(len(items))) if order is None else order
     if images is None and any(item.encode_handshake is None or item.error for item in items):
-        raise ValueError("an item has no room (" + "; ".join(str(item.error) for item in items if item.error)
-                         + "): send the images")
-    rooms = {identifier(item.content_hash): item.encode_handshake.model_dump() for item in items
-             if item.encode_handshake is not None and item.error is None}
+        raise ValueError(
+            "an item has no room ("
+            + "; ".join(str(item.error) for item in items if item.error)
+            + "): send the images"
+        )
+    rooms = {
+        identifier(item.content_hash): item.encode_handshake.model_dump()
+        for item in items
+        if item.encode_handshake is not None and item.error is None
+    }
     if images is None:
         data = {"image_grid_thw": torch.tensor([list(items[i].grid_thw) for i in order])}
     else:
         data = [images[i] for i in order]
-    request = {"prompt": prompt, "multi_modal_data": {"image": data},
-               "multi_modal_uuids": {"image": [identifier(items[i].content_hash) for i in order]}}
+    request = {
+        "prompt": prompt,
+        "multi_modal_data": {"image": data},
+        "multi_modal_uuids": {"image": [identifier(items[i].content_hash) for i in order]},
+    }
     return request, ({"rooms": rooms} if rooms else None)

@@ -27,7 +27,25 @@ from process_settings.values import (
 )
 
 __all__ = [
-    "DTYPES", "AnyPort", "ByteSize", "Dtype", "NonNegativeInt", "Port", "PositiveByteSize", "PositiveInt",
-    "PositiveSeconds", "ProcessSettings", "SettingError", "TransportNames", "check_checkpoint", "check_device",
-    "check_listen", "check_memory", "check_shm_space", "handshake_token", "one_line", "read_secret", "refuse",
+    "DTYPES",
+    "AnyPort",
+    "ByteSize",
+    "Dtype",
+    "NonNegativeInt",
+    "Port",
+    "PositiveByteSize",
+    "PositiveInt",
+    "PositiveSeconds",
+    "ProcessSettings",
+    "SettingError",
+    "TransportNames",
+    "check_checkpoint",
+    "check_device",
+    "check_listen",
+    "check_memory",
+    "check_shm_space",
+    "handshake_token",
+    "one_line",
+    "read_secret",
+    "refuse",
 ]

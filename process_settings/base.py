@@ -56,13 +56,21 @@ class ProcessSettings(BaseSettings):
     benchmarks, an embedding program) reads the environment too, and validates the same way."""
 
     model_config = SettingsConfigDict(
-        frozen=True, extra="forbid", validate_default=True, cli_kebab_case=True,
-        cli_implicit_flags=True, cli_hide_none_type=True, cli_show_env_vars=True, cli_avoid_json=True)
+        frozen=True,
+        extra="forbid",
+        validate_default=True,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        cli_show_env_vars=True,
+        cli_avoid_json=True,
+    )
     PROG: ClassVar[str]
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
-                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
         secrets_dir = os.environ.get(SECRETS_DIR_ENV, DEFAULT_SECRETS_DIR)
         sources = (init_settings, env_settings)
         if os.path.isdir(secrets_dir):
@@ -93,7 +101,9 @@ class ProcessSettings(BaseSettings):
             return message
         field = str(error["loc"][0])
         where = f"--{field.replace('_', '-')} (or {cls.env_name(field)})"
-        if error["type"] == "missing" or (error["type"] == "string_too_short" and error.get("input") == ""):
+        if error["type"] == "missing" or (
+            error["type"] == "string_too_short" and error.get("input") == ""
+        ):
             return f"{where} is required"
         return f"{where}: {message}"
 

@@ -14,7 +14,9 @@ def check_listen(host: str, port_number: int, what: str) -> None:
     """Refuse a port this process cannot listen on (in use, not an address of this host,
     privileged): checked by binding it once, then letting go."""
     try:
-        infos = socket.getaddrinfo(host, port_number, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(
+            host, port_number, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as exc:
         raise SettingError(f"{what}: cannot resolve {host!r}: {exc.strerror}") from None
     family, kind, proto, _, address = infos[0]
@@ -24,7 +26,9 @@ def check_listen(host: str, port_number: int, what: str) -> None:
             probe.bind(address)
         except OSError as exc:
             hint = " (another process listens there)" if exc.errno == errno.EADDRINUSE else ""
-            raise SettingError(f"{what}: cannot listen on {host}:{port_number}: {exc.strerror}{hint}") from None
+            raise SettingError(
+                f"{what}: cannot listen on {host}:{port_number}: {exc.strerror}{hint}"
+            ) from None
 
 
 def check_checkpoint(path: str, flag: str = "--model") -> str:
@@ -32,9 +36,13 @@ def check_checkpoint(path: str, flag: str = "--model") -> str:
     if not os.path.exists(path):
         raise SettingError(f"{flag} {path}: no such directory")
     if not os.path.isdir(path):
-        raise SettingError(f"{flag} {path}: not a directory (give the checkpoint's directory, not a file in it)")
+        raise SettingError(
+            f"{flag} {path}: not a directory (give the checkpoint's directory, not a file in it)"
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise SettingError(f"{flag} {path}: no config.json (not a Hugging Face checkpoint directory)")
+        raise SettingError(
+            f"{flag} {path}: no config.json (not a Hugging Face checkpoint directory)"
+        )
     return path
 
 
@@ -48,10 +56,14 @@ def check_device(text: str) -> str:
         raise SettingError(f"--device {text!r} is not a torch device (cpu, cuda, cuda:N)") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise SettingError(f"--device {text}: this torch build or machine has no CUDA device "
-                               f"(torch {torch.__version__}); use --device cpu")
+            raise SettingError(
+                f"--device {text}: this torch build or machine has no CUDA device "
+                f"(torch {torch.__version__}); use --device cpu"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise SettingError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here")
+            raise SettingError(
+                f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
     elif device.type != "cpu":
         raise SettingError(f"--device {text}: only cpu and cuda devices are supported")
     return text
@@ -62,8 +74,10 @@ def check_memory(nbytes: int, what: str) -> None:
     killed while touching the pages, or swap."""
     available = _meminfo("MemAvailable")
     if available is not None and nbytes > available:
-        raise SettingError(f"{what} of {nbytes} bytes is more than this machine's available memory "
-                           f"({available} bytes)")
+        raise SettingError(
+            f"{what} of {nbytes} bytes is more than this machine's available memory "
+            f"({available} bytes)"
+        )
 
 
 def check_shm_space(nbytes: int, what: str) -> None:
@@ -71,8 +85,10 @@ def check_shm_space(nbytes: int, what: str) -> None:
     info = os.statvfs("/dev/shm")
     free = info.f_bavail * info.f_frsize
     if nbytes > free:
-        raise SettingError(f"{what} of {nbytes} bytes does not fit /dev/shm: No space left on device "
-                           f"({free} bytes free)")
+        raise SettingError(
+            f"{what} of {nbytes} bytes does not fit /dev/shm: No space left on device "
+            f"({free} bytes free)"
+        )
 
 
 def handshake_token(token_file: str | None) -> str | None:

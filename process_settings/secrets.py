@@ -19,7 +19,9 @@ class HandshakeToken(ProcessSettings):
     """The room API's bearer token: ``--token-file``, ``$EPD_HANDSHAKE_TOKEN_FILE`` or
     ``$EPD_HANDSHAKE_TOKEN`` (also under the process's own prefix)."""
 
-    token_file: str | None = Field(None, description="handshake bearer token file (or $EPD_HANDSHAKE_TOKEN[_FILE])")
+    token_file: str | None = Field(
+        None, description="handshake bearer token file (or $EPD_HANDSHAKE_TOKEN[_FILE])"
+    )
     handshake_token: CliSuppress[str | None] = Field(None, repr=False, exclude=True)
 
     @model_validator(mode="before")
@@ -34,7 +36,9 @@ class IntakeToken(ProcessSettings):
     """The encode workers' intake token: ``--intake-token-file``, else ``$EPD_INTAKE_TOKEN``
     (also under the process's own prefix)."""
 
-    intake_token_file: str | None = Field(None, description=f"intake token file (or ${INTAKE_TOKEN_ENV})")
+    intake_token_file: str | None = Field(
+        None, description=f"intake token file (or ${INTAKE_TOKEN_ENV})"
+    )
     intake_token: CliSuppress[str | None] = Field(None, repr=False, exclude=True)
 
     @model_validator(mode="before")
@@ -42,6 +46,10 @@ class IntakeToken(ProcessSettings):
     def _read_intake_token(cls, data):
         if isinstance(data, dict) and not data.get("intake_token"):
             path = data.get("intake_token_file")
-            token = read_secret(path, "--intake-token-file") if path else os.environ.get(INTAKE_TOKEN_ENV) or None
+            token = (
+                read_secret(path, "--intake-token-file")
+                if path
+                else os.environ.get(INTAKE_TOKEN_ENV) or None
+            )
             data = {**data, "intake_token": token}
         return data

@@ -35,6 +35,7 @@ def _port(lowest: int):
         if not lowest <= number <= 65535:
             raise ValueError(f"port {number} is not in {lowest}..65535")
         return number
+
     return parse
 
 
@@ -50,6 +51,7 @@ def _bounded(kind: type, above_zero: bool):
         if number < 0:
             raise ValueError(f"{value} must be 0 or above")
         return number
+
     return parse
 
 
@@ -71,6 +73,7 @@ def _byte_size(above_zero: bool):
         if above_zero and number == 0:
             raise ValueError(f"{value} must be above 0")
         return number
+
     return parse
 
 
@@ -87,8 +90,10 @@ def _transports(value: object) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(str(name).strip() for name in parts if str(name).strip()))
     unknown = [name for name in names if name not in TRANSPORT_NAMES]
     if unknown or not names:
-        raise ValueError(f"{value!r}: give one or more of {', '.join(TRANSPORT_NAMES)} (comma-separated)"
-                         + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+        raise ValueError(
+            f"{value!r}: give one or more of {', '.join(TRANSPORT_NAMES)} (comma-separated)"
+            + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+        )
     return names
 
 

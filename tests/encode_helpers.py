@@ -46,8 +46,16 @@ class Receiver:
         lease = self.pool.lease(layout.nbytes)
         offers = [t.offer(self.pool, lease) for t in self.transports.values()]
         self.reserved[room] = (lease, layout)
-        return self._register(Registration(room=room, generation=lease.generation, rows=rows, width=width,
-                                           dtype=layout.dtype, offers=offers))
+        return self._register(
+            Registration(
+                room=room,
+                generation=lease.generation,
+                rows=rows,
+                width=width,
+                dtype=layout.dtype,
+                offers=offers,
+            )
+        )
 
     def wait(self, room: int, timeout: float = 30.0):
         """(state, rows or None, view) once the room is terminal; ``TimeoutError`` if it is not
@@ -63,7 +71,11 @@ class Receiver:
                 raise TimeoutError(f"room {room} still {view.state.value} after {timeout} s")
         lease, layout = self.reserved[room]
         if view.state is RoomState.SUCCESS:
-            return view.state, accept_commit(self.pool, lease, layout, Commit.of(view.commit)).clone(), view
+            return (
+                view.state,
+                accept_commit(self.pool, lease, layout, Commit.of(view.commit)).clone(),
+                view,
+            )
         return view.state, None, view
 
     def close(self):
@@ -99,13 +111,39 @@ def loopback_stack(tower, local_tower=None, worker=None, receiver=None):
     from prefill_side import PrefillReceiver, ReceiverConfig
 
     loopback = LoopbackTransport()
-    worker_config = WorkerConfig(**{**dict(model=tower.model_id, transports=("loopback",), bootstrap_port=0,
-                                           intake_port=0, bind="127.0.0.1", ring_bytes=8 << 20,
-                                           ring_slot_bytes=1 << 16, receiver_wait_s=10), **(worker or {})})
-    encode_worker = EncodeWorker(worker_config, tower=tower, transports={"loopback": loopback}).start()
-    receiver_config = ReceiverConfig(**{**dict(width=tower.info.wire_width, dtype="float32", pool_bytes=8 << 20,
-                                               slot_bytes=1 << 16, item_timeout_s=10), **(receiver or {})})
-    prefill = PrefillReceiver(receiver_config, transports={"loopback": loopback}, local_tower=local_tower)
+    worker_config = WorkerConfig(
+        **{
+            **dict(
+                model=tower.model_id,
+                transports=("loopback",),
+                bootstrap_port=0,
+                intake_port=0,
+                bind="127.0.0.1",
+                ring_bytes=8 << 20,
+                ring_slot_bytes=1 << 16,
+                receiver_wait_s=10,
+            ),
+            **(worker or {}),
+        }
+    )
+    encode_worker = EncodeWorker(
+        worker_config, tower=tower, transports={"loopback": loopback}
+    ).start()
+    receiver_config = ReceiverConfig(
+        **{
+            **dict(
+                width=tower.info.wire_width,
+                dtype="float32",
+                pool_bytes=8 << 20,
+                slot_bytes=1 << 16,
+                item_timeout_s=10,
+            ),
+            **(receiver or {}),
+        }
+    )
+    prefill = PrefillReceiver(
+        receiver_config, transports={"loopback": loopback}, local_tower=local_tower
+    )
     try:
         yield encode_worker, prefill, loopback
     finally:

@@ -43,14 +43,26 @@ def files(tmp_path_factory, checkpoint):
     (root / "cat.png").write_bytes(png(64, 64, 1))
     (root / "token").write_text("secret\n")
     (root / "empty-token").write_text("\n")
-    return {"dir": str(root), "file": os.path.join(checkpoint, "config.json"), "no_weights": str(no_weights),
-            "gif": str(root / "anim.gif"), "notes": str(root / "notes.png"), "cat": str(root / "cat.png"),
-            "empty_token": str(root / "empty-token")}
+    return {
+        "dir": str(root),
+        "file": os.path.join(checkpoint, "config.json"),
+        "no_weights": str(no_weights),
+        "gif": str(root / "anim.gif"),
+        "notes": str(root / "notes.png"),
+        "cat": str(root / "cat.png"),
+        "empty_token": str(root / "empty-token"),
+    }
 
 
 def run(module, *args, env=None, timeout=180):
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, **ENV, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **ENV, **(env or {})},
+    )
 
 
 def assert_refused(result, *expected):
@@ -103,8 +115,13 @@ def stop(process, log_path) -> str:
 
 def spawn(module, args, log_path):
     log = open(log_path, "w")
-    process = subprocess.Popen([sys.executable, "-m", module, *map(str, args)], stdout=log,
-                               stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENV})
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, *map(str, args)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, **ENV},
+    )
     log.close()
     return process
 
@@ -114,18 +131,38 @@ def spawn(module, args, log_path):
 
 WORKER_MISTAKES = [
     (["--model", "/nonexistent/model"], {}, ["--model /nonexistent/model: no such directory"]),
-    (["--dtype", "nonsense"], {}, ["--dtype", "'nonsense' is not one of bfloat16, float16, float32"]),
+    (
+        ["--dtype", "nonsense"],
+        {},
+        ["--dtype", "'nonsense' is not one of bfloat16, float16, float32"],
+    ),
     (["--transports", ""], {}, ["--transports", "give one or more of shm, mooncake, loopback"]),
     (["--transports", "shm,carrier-pigeon"], {}, ["unknown: carrier-pigeon"]),
     (["--intake-port", "70000"], {}, ["--intake-port", "port 70000 is not in 0..65535"]),
     (["--queue-items", "-1"], {}, ["--queue-items", "-1 must be above 0"]),
     (["--ring-slot-bytes", "0"], {}, ["--ring-slot-bytes", "0 must be above 0"]),
-    (["--ring-slot-bytes", "2M", "--ring-bytes", "1M"], {}, ["--ring-slot-bytes 2097152 is larger than the ring"]),
+    (
+        ["--ring-slot-bytes", "2M", "--ring-bytes", "1M"],
+        {},
+        ["--ring-slot-bytes 2097152 is larger than the ring"],
+    ),
     (["--receiver-wait-s", "inf"], {}, ["--receiver-wait-s", "inf is not finite"]),
     (["--write-timeout-s", "nan"], {}, ["--write-timeout-s", "nan is not finite"]),
-    (["--ring-bytes", "100T"], {}, ["--ring-bytes of 109951162777600 bytes is more than this machine's available memory"]),
-    (["--token-file", "/nonexistent/token"], {}, ["token file /nonexistent/token: No such file or directory"]),
-    (["--intake-token-file", "/nonexistent/token"], {}, ["--intake-token-file /nonexistent/token: No such file"]),
+    (
+        ["--ring-bytes", "100T"],
+        {},
+        ["--ring-bytes of 109951162777600 bytes is more than this machine's available memory"],
+    ),
+    (
+        ["--token-file", "/nonexistent/token"],
+        {},
+        ["token file /nonexistent/token: No such file or directory"],
+    ),
+    (
+        ["--intake-token-file", "/nonexistent/token"],
+        {},
+        ["--intake-token-file /nonexistent/token: No such file"],
+    ),
     ([], {"EPD_RING_BYTES": "lots"}, ["--ring-bytes", "'lots' is not a size"]),
     ([], {"EPD_MODEL": ""}, ["--model (or EPD_MODEL) is required"]),
 ]
@@ -142,19 +179,34 @@ def test_encode_worker_refuses_a_checkpoint_it_cannot_use(files):
     ports = ["--bind", "127.0.0.1", "--bootstrap-port", free_port(), "--intake-port", free_port()]
     assert_refused(run("encode_worker.cli", "--model", files["file"], *ports), "not a directory")
     assert_refused(run("encode_worker.cli", "--model", files["dir"], *ports), "no config.json")
-    assert_refused(run("encode_worker.cli", "--model", files["no_weights"], *ports),
-                   "cannot load the vision tower", "no file named model.safetensors")
+    assert_refused(
+        run("encode_worker.cli", "--model", files["no_weights"], *ports),
+        "cannot load the vision tower",
+        "no file named model.safetensors",
+    )
     if not torch.cuda.is_available():
-        assert_refused(run("encode_worker.cli", "--model", files["no_weights"], *ports, "--device", "cuda:0"),
-                       "--device cuda:0: this torch build or machine has no CUDA device")
+        assert_refused(
+            run("encode_worker.cli", "--model", files["no_weights"], *ports, "--device", "cuda:0"),
+            "--device cuda:0: this torch build or machine has no CUDA device",
+        )
 
 
 @pytest.mark.parametrize("which", ["--bootstrap-port", "--intake-port"])
 def test_encode_worker_refuses_a_port_in_use(checkpoint, taken_port, which):
     ports = {"--bootstrap-port": free_port(), "--intake-port": free_port(), which: taken_port}
-    result = run("encode_worker.cli", "--model", checkpoint, "--bind", "127.0.0.1", "--transports", "shm,mooncake",
-                 *[str(x) for pair in ports.items() for x in pair])
-    assert_refused(result, f"{which}: cannot listen on 127.0.0.1:{taken_port}", "Address already in use")
+    result = run(
+        "encode_worker.cli",
+        "--model",
+        checkpoint,
+        "--bind",
+        "127.0.0.1",
+        "--transports",
+        "shm,mooncake",
+        *[str(x) for pair in ports.items() for x in pair],
+    )
+    assert_refused(
+        result, f"{which}: cannot listen on 127.0.0.1:{taken_port}", "Address already in use"
+    )
 
 
 def test_a_port_taken_after_the_checks_stops_the_worker_cleanly(checkpoint):
@@ -174,12 +226,20 @@ try:
 except SettingError as exc:
     print("refused:", exc)
 """
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, cwd=ROOT, env={**os.environ, **ENV})
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **ENV},
+    )
     stdout, stderr = process.communicate(timeout=180)
     assert process.returncode == 0, (process.returncode, stderr[-2000:])
     assert "refused: intake port: cannot listen on 127.0.0.1" in stdout
-    assert glob.glob(f"/dev/shm/epd-*-{process.pid}-*") == []  # segment names carry their creator's pid
+    assert (
+        glob.glob(f"/dev/shm/epd-*-{process.pid}-*") == []
+    )  # segment names carry their creator's pid
 
 
 def test_encode_worker_says_it_started_and_logs_item_failures_once(checkpoint, tmp_path):
@@ -187,15 +247,42 @@ def test_encode_worker_says_it_started_and_logs_item_failures_once(checkpoint, t
 
     bootstrap, intake_port = free_port(), free_port()
     log_path = tmp_path / "worker.log"
-    process = spawn("encode_worker.cli", ["--model", checkpoint, "--dtype", "float32", "--bind", "127.0.0.1",
-                                          "--bootstrap-port", bootstrap, "--intake-port", intake_port,
-                                          "--transports", "shm", "--ring-bytes", "32M"], log_path)
+    process = spawn(
+        "encode_worker.cli",
+        [
+            "--model",
+            checkpoint,
+            "--dtype",
+            "float32",
+            "--bind",
+            "127.0.0.1",
+            "--bootstrap-port",
+            bootstrap,
+            "--intake-port",
+            intake_port,
+            "--transports",
+            "shm",
+            "--ring-bytes",
+            "32M",
+        ],
+        log_path,
+    )
     try:
         wait_http(f"http://127.0.0.1:{bootstrap}/readyz", process)
         intake = IntakeClient(f"tcp://127.0.0.1:{intake_port}")
         room = 12345  # never minted here: the item is refused, its room cannot be failed
-        reply = intake.send({"request_id": "bad", "source": "bytes", "encode_handshake": {
-            "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap}}, b"not an image")
+        reply = intake.send(
+            {
+                "request_id": "bad",
+                "source": "bytes",
+                "encode_handshake": {
+                    "bootstrap_room": room,
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": bootstrap,
+                },
+            },
+            b"not an image",
+        )
         assert reply.ok is False
         assert intake.send_raw([b"not json"]).ok is False
         intake.close()
@@ -203,11 +290,24 @@ def test_encode_worker_says_it_started_and_logs_item_failures_once(checkpoint, t
         log = stop(process, log_path)
     ready = [line for line in log.splitlines() if "encode worker ready" in line]
     assert len(ready) == 1, log
-    for text in (checkpoint, f"http://127.0.0.1:{bootstrap}", f"tcp://127.0.0.1:{intake_port}", "transports shm",
-                 "float32 on cpu"):
+    for text in (
+        checkpoint,
+        f"http://127.0.0.1:{bootstrap}",
+        f"tcp://127.0.0.1:{intake_port}",
+        "transports shm",
+        "float32 on cpu",
+    ):
         assert text in ready[0], ready[0]
-    assert sum(f"room {room} failed: cannot read image header" in line for line in log.splitlines()) == 1, log
-    assert sum("intake refused an item" in line and "bad metadata" in line for line in log.splitlines()) == 1, log
+    assert (
+        sum(f"room {room} failed: cannot read image header" in line for line in log.splitlines())
+        == 1
+    ), log
+    assert (
+        sum(
+            "intake refused an item" in line and "bad metadata" in line for line in log.splitlines()
+        )
+        == 1
+    ), log
     assert "Traceback" not in log
 
 
@@ -215,20 +315,37 @@ def test_encode_worker_says_it_started_and_logs_item_failures_once(checkpoint, t
 
 
 def test_handshake_refuses_bad_settings_and_says_where_it_serves(files, taken_port, tmp_path):
-    assert_refused(run("handshake.server", "--host", "127.0.0.1", "--port", taken_port),
-                   f"--port: cannot listen on 127.0.0.1:{taken_port}", "Address already in use")
+    assert_refused(
+        run("handshake.server", "--host", "127.0.0.1", "--port", taken_port),
+        f"--port: cannot listen on 127.0.0.1:{taken_port}",
+        "Address already in use",
+    )
     assert_refused(run("handshake.server", "--port", "70000"), "port 70000 is not in 1..65535")
-    assert_refused(run("handshake.server", "--port", free_port(), "--token-file", "/nonexistent/token"),
-                   "token file /nonexistent/token: No such file or directory")
-    assert_refused(run("handshake.server", "--port", free_port(), "--token-file", files["empty_token"]),
-                   "is empty")
-    assert_refused(run("handshake.server", "--max-live-rooms", "-5"), "--max-live-rooms", "-5 must be above 0")
-    assert_refused(run("handshake.server", env={"EPD_HANDSHAKE_PORT": "eighty"}), "--port (or EPD_HANDSHAKE_PORT): 'eighty' is not a port number")
+    assert_refused(
+        run("handshake.server", "--port", free_port(), "--token-file", "/nonexistent/token"),
+        "token file /nonexistent/token: No such file or directory",
+    )
+    assert_refused(
+        run("handshake.server", "--port", free_port(), "--token-file", files["empty_token"]),
+        "is empty",
+    )
+    assert_refused(
+        run("handshake.server", "--max-live-rooms", "-5"), "--max-live-rooms", "-5 must be above 0"
+    )
+    assert_refused(
+        run("handshake.server", env={"EPD_HANDSHAKE_PORT": "eighty"}),
+        "--port (or EPD_HANDSHAKE_PORT): 'eighty' is not a port number",
+    )
     port = free_port()
-    process = spawn("handshake.server", ["--host", "127.0.0.1", "--port", port], tmp_path / "handshake.log")
+    process = spawn(
+        "handshake.server", ["--host", "127.0.0.1", "--port", port], tmp_path / "handshake.log"
+    )
     wait_http(f"http://127.0.0.1:{port}/healthz", process)
     log = stop(process, tmp_path / "handshake.log")
-    assert f"epd-handshake serving rooms on http://127.0.0.1:{port}" in log and "bearer token off" in log, log
+    assert (
+        f"epd-handshake serving rooms on http://127.0.0.1:{port}" in log
+        and "bearer token off" in log
+    ), log
 
 
 # ---- epd-prefill -------------------------------------------------------------------------------
@@ -237,12 +354,24 @@ def test_handshake_refuses_bad_settings_and_says_where_it_serves(files, taken_po
 PREFILL_MISTAKES = [
     (["--width", "96", "--dtype", "nonsense"], ["--dtype", "'nonsense' is not one of"]),
     (["--width", "96", "--slot-bytes", "0"], ["--slot-bytes", "0 must be above 0"]),
-    (["--width", "96", "--slot-bytes", "2M", "--pool-bytes", "1M"], ["--slot-bytes 2097152 is larger than --pool-bytes"]),
-    (["--width", "96", "--pool-bytes", "100T"], ["--pool-bytes of 109951162777600 bytes is more than this machine's"]),
+    (
+        ["--width", "96", "--slot-bytes", "2M", "--pool-bytes", "1M"],
+        ["--slot-bytes 2097152 is larger than --pool-bytes"],
+    ),
+    (
+        ["--width", "96", "--pool-bytes", "100T"],
+        ["--pool-bytes of 109951162777600 bytes is more than this machine's"],
+    ),
     (["--width", "96", "--transports", ""], ["--transports", "give one or more of"]),
     (["--width", "96", "--port", "70000"], ["port 70000 is not in 1..65535"]),
-    (["--width", "96", "--token-file", "/nonexistent/token"], ["token file /nonexistent/token: No such file"]),
-    (["--width", "96", "--deepstack-width", "96"], ["--deepstack-width 96 leaves no main embedding"]),
+    (
+        ["--width", "96", "--token-file", "/nonexistent/token"],
+        ["token file /nonexistent/token: No such file"],
+    ),
+    (
+        ["--width", "96", "--deepstack-width", "96"],
+        ["--deepstack-width 96 leaves no main embedding"],
+    ),
     ([], ["give --width (or --model to read it from the checkpoint)"]),
     (["--model", "/nonexistent/model"], ["--model /nonexistent/model: no such directory"]),
 ]
@@ -250,16 +379,42 @@ PREFILL_MISTAKES = [
 
 @pytest.mark.parametrize("args, expected", PREFILL_MISTAKES)
 def test_prefill_refuses_a_bad_setting_in_one_line(args, expected):
-    assert_refused(run("prefill_side.server", "--host", "127.0.0.1", "--port", free_port(), *args), *expected)
+    assert_refused(
+        run("prefill_side.server", "--host", "127.0.0.1", "--port", free_port(), *args), *expected
+    )
 
 
 def test_prefill_refuses_a_checkpoint_or_port_it_cannot_use(checkpoint, files, taken_port):
-    assert_refused(run("prefill_side.server", "--host", "127.0.0.1", "--port", free_port(), "--model",
-                       files["no_weights"]), "cannot load the vision tower")
-    assert_refused(run("prefill_side.server", "--host", "127.0.0.1", "--port", free_port(), "--model", checkpoint,
-                       "--width", "5"), "--width 5 differs from the checkpoint's (96)")
-    assert_refused(run("prefill_side.server", "--host", "127.0.0.1", "--port", taken_port, "--width", "96"),
-                   f"--port: cannot listen on 127.0.0.1:{taken_port}")
+    assert_refused(
+        run(
+            "prefill_side.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            free_port(),
+            "--model",
+            files["no_weights"],
+        ),
+        "cannot load the vision tower",
+    )
+    assert_refused(
+        run(
+            "prefill_side.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            free_port(),
+            "--model",
+            checkpoint,
+            "--width",
+            "5",
+        ),
+        "--width 5 differs from the checkpoint's (96)",
+    )
+    assert_refused(
+        run("prefill_side.server", "--host", "127.0.0.1", "--port", taken_port, "--width", "96"),
+        f"--port: cannot listen on 127.0.0.1:{taken_port}",
+    )
 
 
 # ---- epd-dispatch ------------------------------------------------------------------------------
@@ -267,19 +422,43 @@ def test_prefill_refuses_a_checkpoint_or_port_it_cannot_use(checkpoint, files, t
 
 def test_dispatch_names_the_file_it_refuses(checkpoint, files):
     workers = ["--workers", "127.0.0.1:1:1"]
-    line = assert_refused(run("dispatcher.cli", "--model", checkpoint, *workers, files["cat"], files["notes"]),
-                          f"{files['notes']}: not an image encode workers read")
+    line = assert_refused(
+        run("dispatcher.cli", "--model", checkpoint, *workers, files["cat"], files["notes"]),
+        f"{files['notes']}: not an image encode workers read",
+    )
     assert "BytesIO" not in line and "image 1" not in line
-    assert_refused(run("dispatcher.cli", "--model", checkpoint, *workers, files["gif"]),
-                   f"{files['gif']}: GIF is not accepted by encode workers")
-    assert_refused(run("dispatcher.cli", "--model", checkpoint, *workers, "/nonexistent/a.png"),
-                   "/nonexistent/a.png: No such file or directory")
-    assert_refused(run("dispatcher.cli", "--model", files["file"], *workers, files["cat"]), "not a directory")
-    assert_refused(run("dispatcher.cli", "--model", checkpoint, files["cat"]), "give the encode workers")
-    assert_refused(run("dispatcher.cli", "--model", checkpoint, "--workers", "h:70000", files["cat"]),
-                   "--workers", "ports must be in 1..65535")
-    assert_refused(run("dispatcher.cli", "--model", checkpoint, *workers, "--prefill", "prefill:9100", files["cat"]),
-                   "--prefill", "'prefill:9100' is not an http:// URL")
+    assert_refused(
+        run("dispatcher.cli", "--model", checkpoint, *workers, files["gif"]),
+        f"{files['gif']}: GIF is not accepted by encode workers",
+    )
+    assert_refused(
+        run("dispatcher.cli", "--model", checkpoint, *workers, "/nonexistent/a.png"),
+        "/nonexistent/a.png: No such file or directory",
+    )
+    assert_refused(
+        run("dispatcher.cli", "--model", files["file"], *workers, files["cat"]), "not a directory"
+    )
+    assert_refused(
+        run("dispatcher.cli", "--model", checkpoint, files["cat"]), "give the encode workers"
+    )
+    assert_refused(
+        run("dispatcher.cli", "--model", checkpoint, "--workers", "h:70000", files["cat"]),
+        "--workers",
+        "ports must be in 1..65535",
+    )
+    assert_refused(
+        run(
+            "dispatcher.cli",
+            "--model",
+            checkpoint,
+            *workers,
+            "--prefill",
+            "prefill:9100",
+            files["cat"],
+        ),
+        "--prefill",
+        "'prefill:9100' is not an http:// URL",
+    )
 
 
 def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint, files, tmp_path):
@@ -290,19 +469,53 @@ def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint
     from encode_worker.tower import VisionTower
     from encode_worker.worker import EncodeWorker
 
-    worker = EncodeWorker(WorkerConfig(model=checkpoint, dtype="float32", bind="127.0.0.1", bootstrap_port=0,
-                                       intake_port=0, transports=("shm",), ring_bytes=8 << 20,
-                                       ring_slot_bytes=1 << 16), tower=VisionTower.load(checkpoint),
-                          transports={"shm": ShmTransport()}).start()
+    worker = EncodeWorker(
+        WorkerConfig(
+            model=checkpoint,
+            dtype="float32",
+            bind="127.0.0.1",
+            bootstrap_port=0,
+            intake_port=0,
+            transports=("shm",),
+            ring_bytes=8 << 20,
+            ring_slot_bytes=1 << 16,
+        ),
+        tower=VisionTower.load(checkpoint),
+        transports={"shm": ShmTransport()},
+    ).start()
     port = free_port()
-    prefill = spawn("prefill_side.server", ["--host", "127.0.0.1", "--port", port, "--width", "8", "--dtype",
-                                            "float32", "--transports", "shm", "--pool-bytes", "16M",
-                                            "--slot-bytes", "64K"], tmp_path / "prefill.log")
+    prefill = spawn(
+        "prefill_side.server",
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--width",
+            "8",
+            "--dtype",
+            "float32",
+            "--transports",
+            "shm",
+            "--pool-bytes",
+            "16M",
+            "--slot-bytes",
+            "64K",
+        ],
+        tmp_path / "prefill.log",
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz", prefill)
-        result = run("dispatcher.cli", "--model", checkpoint, "--workers",
-                     f"127.0.0.1:{worker.bootstrap_port}:{worker.intake_port}", "--prefill",
-                     f"http://127.0.0.1:{port}", files["cat"])
+        result = run(
+            "dispatcher.cli",
+            "--model",
+            checkpoint,
+            "--workers",
+            f"127.0.0.1:{worker.bootstrap_port}:{worker.intake_port}",
+            "--prefill",
+            f"http://127.0.0.1:{port}",
+            files["cat"],
+        )
     finally:
         prefill_log = stop(prefill, tmp_path / "prefill.log")
         worker.stop()
@@ -310,5 +523,7 @@ def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint
     assert "rows of 8 x float32; transports shm" in prefill_log, prefill_log
     assert result.returncode == 1, (result.stdout[-2000:], result.stderr[-2000:])
     assert '"state": "FAILED"' in result.stdout
-    assert f"{files['cat']}: prefill FAILED" in result.stderr and "contract mismatch" in result.stderr
+    assert (
+        f"{files['cat']}: prefill FAILED" in result.stderr and "contract mismatch" in result.stderr
+    )
     assert "Traceback" not in result.stderr

@@ -26,8 +26,10 @@ from tests.encode_helpers import loopback_stack
 
 
 @settings(max_examples=50, deadline=None)
-@given(members=st.sets(st.text("abcdef0123456789:.", min_size=1, max_size=12), min_size=2, max_size=8),
-       keys=st.lists(st.integers(0, (1 << 128) - 1), min_size=1, max_size=40))
+@given(
+    members=st.sets(st.text("abcdef0123456789:.", min_size=1, max_size=12), min_size=2, max_size=8),
+    keys=st.lists(st.integers(0, (1 << 128) - 1), min_size=1, max_size=40),
+)
 def test_removing_a_member_moves_only_its_own_keys(members, keys):
     ring = HashRing(members, replicas=16)
     before = {key: ring.owner(key) for key in keys}
@@ -51,10 +53,25 @@ def test_worker_addresses_parse_or_refuse():
     assert WorkerAddress.parse("10.0.0.5") == WorkerAddress("10.0.0.5", 8998, 8999)
     assert WorkerAddress.parse("w-1:9000:9001").intake_endpoint == "tcp://w-1:9001"
     v6 = WorkerAddress.parse("[fd00::5]:9000:9001")
-    assert v6 == WorkerAddress("fd00::5", 9000, 9001) and WorkerAddress.parse("[::1]") == WorkerAddress("::1")
+    assert v6 == WorkerAddress("fd00::5", 9000, 9001) and WorkerAddress.parse(
+        "[::1]"
+    ) == WorkerAddress("::1")
     assert (v6.url, v6.intake_endpoint) == ("http://[fd00::5]:9000", "tcp://[fd00::5]:9001")
-    for bad in ("", ":8998", "h:x", "h:1:2:3", "h:70000", "my host", "bad/host:1", "-h", "fd00::5", "[fd00::5",
-                "[not-v6]:1", "[::1]x", "[::1]:1:2:3"):
+    for bad in (
+        "",
+        ":8998",
+        "h:x",
+        "h:1:2:3",
+        "h:70000",
+        "my host",
+        "bad/host:1",
+        "-h",
+        "fd00::5",
+        "[fd00::5",
+        "[not-v6]:1",
+        "[::1]x",
+        "[::1]:1:2:3",
+    ):
         with pytest.raises(ValueError):
             WorkerAddress.parse(bad)
 
@@ -132,14 +149,20 @@ def _dispatch(worker, tower, images, **options):
 
 
 def _receive(receiver, items):
-    inputs = MultimodalInputs([item.to_mm_item(start) for item, start in zip(items, range(0, 10 ** 6, 10 ** 4))])
+    inputs = MultimodalInputs(
+        [item.to_mm_item(start) for item, start in zip(items, range(0, 10**6, 10**4))]
+    )
     job = receiver.start("req-1", inputs)
     return job, job.wait(20), inputs
 
 
 def test_a_request_arrives_byte_exact_with_rows_from_the_image_header(stack, tower):
     worker, receiver = stack
-    images = [synthetic_image(448, 448, 1), synthetic_image(640, 480, 2, "JPEG"), synthetic_image(200, 340, 3)]
+    images = [
+        synthetic_image(448, 448, 1),
+        synthetic_image(640, 480, 2, "JPEG"),
+        synthetic_image(200, 340, 3),
+    ]
     items = _dispatch(worker, tower, images)
     assert all(item.error is None and item.worker for item in items)
     job, state, inputs = _receive(receiver, items)
@@ -183,28 +206,46 @@ def _gif() -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("images, message", [
-    ([], "1..64 images"),
-    ([b"not an image"], "image 0: not an image encode workers read .*: UnidentifiedImageError$"),
-    ([synthetic_image(1, 400, 6)], "image 0: 1x400 cannot be resized for the tower"),  # too thin for the processor
-    ([synthetic_image(64, 64, 7), _gif()], "image 1: GIF is not accepted by encode workers"),
-])
+@pytest.mark.parametrize(
+    "images, message",
+    [
+        ([], "1..64 images"),
+        (
+            [b"not an image"],
+            "image 0: not an image encode workers read .*: UnidentifiedImageError$",
+        ),
+        (
+            [synthetic_image(1, 400, 6)],
+            "image 0: 1x400 cannot be resized for the tower",
+        ),  # too thin for the processor
+        ([synthetic_image(64, 64, 7), _gif()], "image 1: GIF is not accepted by encode workers"),
+    ],
+)
 def test_bad_requests_are_refused_before_anything_is_minted(tower, images, message):
     workers = WorkerSet([WorkerAddress("127.0.0.1", 1, 1)])
     with pytest.raises(DispatchError, match=message):
         asyncio.run(Dispatcher(workers, tower.processor).dispatch("req-3", images))
     with pytest.raises(DispatchError, match="request id"):
-        asyncio.run(Dispatcher(workers, tower.processor).dispatch("bad id!", [synthetic_image(64, 64, 7)]))
-    with pytest.raises(DispatchError, match="^photos/b.bin: not an image") as refused:  # named as the caller names it
-        asyncio.run(Dispatcher(workers, tower.processor).dispatch("req-4", [synthetic_image(64, 64, 7), b"x"],
-                                                                  names=["photos/a.png", "photos/b.bin"]))
+        asyncio.run(
+            Dispatcher(workers, tower.processor).dispatch("bad id!", [synthetic_image(64, 64, 7)])
+        )
+    with pytest.raises(
+        DispatchError, match="^photos/b.bin: not an image"
+    ) as refused:  # named as the caller names it
+        asyncio.run(
+            Dispatcher(workers, tower.processor).dispatch(
+                "req-4", [synthetic_image(64, 64, 7), b"x"], names=["photos/a.png", "photos/b.bin"]
+            )
+        )
     assert "BytesIO" not in str(refused.value)
 
 
 def test_workers_near_the_prefill_engine_come_first_and_the_rest_stay_as_fallback():
     servers = [ThreadedServer(create_app()).start() for _ in range(3)]
     hosts = ["localhost", "127.0.0.1", "127.0.0.1"]  # two "hosts": the same machine by two names
-    workers = WorkerSet([WorkerAddress(host, server.port, 1) for host, server in zip(hosts, servers)])
+    workers = WorkerSet(
+        [WorkerAddress(host, server.port, 1) for host, server in zip(hosts, servers)]
+    )
 
     async def check():
         await workers.refresh()
@@ -218,4 +259,6 @@ def test_workers_near_the_prefill_engine_come_first_and_the_rest_stay_as_fallbac
     for key in (1, 1 << 40, 1 << 100):
         near = workers.candidates(key, near="127.0.0.1")
         assert [a.host for a in near] == ["127.0.0.1", "127.0.0.1", "localhost"]
-        assert [a for a in workers.candidates(key) if a.host == "127.0.0.1"] == near[:2]  # ring order kept
+        assert [a for a in workers.candidates(key) if a.host == "127.0.0.1"] == near[
+            :2
+        ]  # ring order kept

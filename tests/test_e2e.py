@@ -32,15 +32,26 @@ def cluster(tmp_path_factory):
             "b": running.start_encode_worker("worker-b"),
             "c": running.start_encode_worker("worker-c"),  # the one that leaves
             "mooncake": running.start_prefill("prefill-mooncake", transports="mooncake"),
-            "shm": running.start_prefill("prefill-shm", transports="shm", pool_bytes=8 << 20,
-                                         extra=("--slot-bytes", str(256 << 10), "--fallback", "local_tower",
-                                                "--item-timeout-s", "10")),
+            "shm": running.start_prefill(
+                "prefill-shm",
+                transports="shm",
+                pool_bytes=8 << 20,
+                extra=(
+                    "--slot-bytes",
+                    str(256 << 10),
+                    "--fallback",
+                    "local_tower",
+                    "--item-timeout-s",
+                    "10",
+                ),
+            ),
         }
         running.wait_ready()
         yield running, roles
         codes = running.stop()
     assert {name: code for name, code in codes.items() if name != "worker-c"} == dict.fromkeys(
-        ("worker-a", "worker-b", "prefill-mooncake", "prefill-shm"), 0)  # clean SIGTERM exits
+        ("worker-a", "worker-b", "prefill-mooncake", "prefill-shm"), 0
+    )  # clean SIGTERM exits
     time.sleep(0.2)
     assert set(glob.glob("/dev/shm/epd-*")) - before == set()
 
@@ -51,7 +62,9 @@ def _processor(cluster):
     return AutoImageProcessor.from_pretrained(cluster.model_dir)
 
 
-async def _request(cluster, workers: list, prefill, images, request_id, verify=True, without_room=()):
+async def _request(
+    cluster, workers: list, prefill, images, request_id, verify=True, without_room=()
+):
     """Dispatch, then post to the prefill process; items in ``without_room`` go without a room."""
     worker_set = WorkerSet([role.worker for role in workers], check_timeout_s=1)
     await worker_set.refresh()
@@ -64,7 +77,9 @@ async def _request(cluster, workers: list, prefill, images, request_id, verify=T
     body = prefill_body(request_id, items, verify)
     for index in without_room:
         body["items"][index]["encode_handshake"] = None
-        body["items"][index]["image_b64"] = prefill_body(request_id, [items[index]], True)["items"][0]["image_b64"]
+        body["items"][index]["image_b64"] = prefill_body(request_id, [items[index]], True)["items"][
+            0
+        ]["image_b64"]
     async with aiohttp.ClientSession() as session:
         async with session.post(prefill.url + "/v1/prefill", json=body) as response:
             assert response.status == 200, await response.text()
@@ -73,35 +88,60 @@ async def _request(cluster, workers: list, prefill, images, request_id, verify=T
 
 def _metric(role, name: str) -> float:
     with urllib.request.urlopen(role.url + "/metrics", timeout=5) as response:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in response.read().decode().splitlines()
-                   if line.startswith(name))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in response.read().decode().splitlines()
+            if line.startswith(name)
+        )
 
 
 @pytest.mark.parametrize("transport", ["mooncake", "shm"])
 def test_mixed_items_arrive_bit_exact(cluster, transport):
     running, roles = cluster
-    seed = {"mooncake": 10, "shm": 20}[transport]  # images of their own: no cache hits from the other case
-    images = [synthetic_image(448, 448, seed), synthetic_image(640, 480, seed + 1, "JPEG"),
-              synthetic_image(256, 320, seed + 2)]
-    items, report = asyncio.run(_request(running, [roles["a"], roles["b"]], roles[transport], images,
-                                         f"mixed-{transport}", without_room=(1,)))
+    seed = {"mooncake": 10, "shm": 20}[
+        transport
+    ]  # images of their own: no cache hits from the other case
+    images = [
+        synthetic_image(448, 448, seed),
+        synthetic_image(640, 480, seed + 1, "JPEG"),
+        synthetic_image(256, 320, seed + 2),
+    ]
+    items, report = asyncio.run(
+        _request(
+            running,
+            [roles["a"], roles["b"]],
+            roles[transport],
+            images,
+            f"mixed-{transport}",
+            without_room=(1,),
+        )
+    )
     assert report["state"] == "DONE", report
     by_index = report["items"]
     for index in (0, 2):
         assert by_index[index]["transport"] == transport and by_index[index]["verified"] is True
         assert by_index[index]["rows"] == items[index].rows and by_index[index]["width"] == 512
         assert by_index[index]["encoder"]["encode_s"] > 0
-    assert by_index[1]["transport"] == "local" and by_index[1]["rows"] == items[1].rows  # colocated item
+    assert (
+        by_index[1]["transport"] == "local" and by_index[1]["rows"] == items[1].rows
+    )  # colocated item
 
 
 def test_a_repeated_image_meets_its_worker_and_cache(cluster):
     running, roles = cluster
     image = synthetic_image(448, 448, 31)
-    first, report1 = asyncio.run(_request(running, [roles["a"], roles["b"]], roles["shm"], [image], "repeat-1"))
-    second, report2 = asyncio.run(_request(running, [roles["a"], roles["b"]], roles["shm"], [image], "repeat-2"))
+    first, report1 = asyncio.run(
+        _request(running, [roles["a"], roles["b"]], roles["shm"], [image], "repeat-1")
+    )
+    second, report2 = asyncio.run(
+        _request(running, [roles["a"], roles["b"]], roles["shm"], [image], "repeat-2")
+    )
     assert first[0].worker == second[0].worker  # routing affinity by content hash
     assert report1["items"][0]["encoder"]["cache_hit"] is False
-    assert report2["items"][0]["encoder"]["cache_hit"] is True and report2["items"][0]["verified"] is True
+    assert (
+        report2["items"][0]["encoder"]["cache_hit"] is True
+        and report2["items"][0]["verified"] is True
+    )
 
 
 def test_a_worker_leaving_mid_run_fails_its_items_fast_and_the_rest_move_on(cluster):
@@ -120,8 +160,9 @@ def test_a_worker_leaving_mid_run_fails_its_items_fast_and_the_rest_move_on(clus
             running.kill(roles["c"])  # SIGKILL: its rooms and queued items die with it
             async with aiohttp.ClientSession() as session:
                 started = time.monotonic()
-                async with session.post(roles["shm"].url + "/v1/prefill",
-                                        json=prefill_body("leave-1", placed, True)) as response:
+                async with session.post(
+                    roles["shm"].url + "/v1/prefill", json=prefill_body("leave-1", placed, True)
+                ) as response:
                     report = await response.json()
                 elapsed = time.monotonic() - started
             after = await dispatcher.dispatch("leave-2", images)  # c fails, its items move to a
@@ -133,7 +174,9 @@ def test_a_worker_leaving_mid_run_fails_its_items_fast_and_the_rest_move_on(clus
     placed, report, elapsed, after, status = asyncio.run(scenario())
     for item, row in zip(placed, report["items"]):
         assert row["state"] == "DONE"
-        if item.worker == roles["c"].worker.name:  # its room endpoint died: fast failure, then fallback
+        if (
+            item.worker == roles["c"].worker.name
+        ):  # its room endpoint died: fast failure, then fallback
             assert row["fallback"] is True and "unreachable" in row["reason"] and row["seconds"] < 3
         else:
             assert row["fallback"] is False and row["verified"] is True
@@ -144,22 +187,34 @@ def test_a_worker_leaving_mid_run_fails_its_items_fast_and_the_rest_move_on(clus
 
 def test_a_request_larger_than_the_receive_pool_is_refused_and_frees_its_rooms(cluster):
     running, roles = cluster
-    big = [synthetic_image(1024, 768, 60 + i, "JPEG") for i in range(6)]  # 6 x 999 rows x 2 KB > 8 MiB pool
-    items, report = asyncio.run(_request(running, [roles["a"]], roles["shm"], big, "too-big", verify=False))
+    big = [
+        synthetic_image(1024, 768, 60 + i, "JPEG") for i in range(6)
+    ]  # 6 x 999 rows x 2 KB > 8 MiB pool
+    items, report = asyncio.run(
+        _request(running, [roles["a"]], roles["shm"], big, "too-big", verify=False)
+    )
     refused = [row for row in report["items"] if row["state"] != "DONE" or row["fallback"]]
-    assert refused and all("cannot reserve" in row["reason"] for row in refused), [r["reason"] for r in refused]
+    assert refused and all("cannot reserve" in row["reason"] for row in refused), [
+        r["reason"] for r in refused
+    ]
 
     async def room_states():
         client = HandshakeClient(roles["a"].url)
         try:
-            return [(await client.get(item.encode_handshake.bootstrap_room)).state for item in items]
+            return [
+                (await client.get(item.encode_handshake.bootstrap_room)).state for item in items
+            ]
         finally:
             await client.close()
 
     states = asyncio.run(room_states())
-    assert states.count(RoomState.CANCELLED) == len(refused)  # the worker was told: it holds nothing
+    assert states.count(RoomState.CANCELLED) == len(
+        refused
+    )  # the worker was told: it holds nothing
     assert states.count(RoomState.SUCCESS) == len(items) - len(refused)
-    _, after = asyncio.run(_request(running, [roles["a"]], roles["shm"], [synthetic_image(448, 448, 70)], "after"))
+    _, after = asyncio.run(
+        _request(running, [roles["a"]], roles["shm"], [synthetic_image(448, 448, 70)], "after")
+    )
     assert after["state"] == "DONE"  # nothing stuck
     assert _metric(roles["shm"], "epd_prefill_pool_leased_slots") == 0
 
@@ -173,14 +228,33 @@ def test_epd_dispatch_sends_files_and_reports_what_the_prefill_process_received(
         paths.append(str(path))
     worker = roles["a"].worker
     result = subprocess.run(
-        [sys.executable, "-m", "dispatcher.cli", "--model", running.model_dir, "--request-id", "cli-1",
-         "--workers", f"{worker.host}:{worker.bootstrap_port}:{worker.intake_port}",
-         "--prefill", roles["mooncake"].url, "--verify", *paths],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+        [
+            sys.executable,
+            "-m",
+            "dispatcher.cli",
+            "--model",
+            running.model_dir,
+            "--request-id",
+            "cli-1",
+            "--workers",
+            f"{worker.host}:{worker.bootstrap_port}:{worker.intake_port}",
+            "--prefill",
+            roles["mooncake"].url,
+            "--verify",
+            *paths,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)
     assert [item["worker"] for item in output["items"]] == [worker.name] * 2
     assert all(item["dispatch_ms"] > 0 for item in output["items"])
     assert output["prefill"]["state"] == "DONE"
     assert [row["verified"] for row in output["prefill"]["items"]] == [True, True]
-    assert [row["rows"] for row in output["prefill"]["items"]] == [item["rows"] for item in output["items"]]
+    assert [row["rows"] for row in output["prefill"]["items"]] == [
+        item["rows"] for item in output["items"]
+    ]

@@ -34,14 +34,18 @@ SIZES = [(64, 64), (300, 200), (128, 96)]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return {family: build_full(family, str(tmp_path_factory.mktemp(family))) for family in FULL_CLASSES}
+    return {
+        family: build_full(family, str(tmp_path_factory.mktemp(family))) for family in FULL_CLASSES
+    }
 
 
 def reference_rows(full_model, tower, image_png: bytes) -> torch.Tensor:
     """transformers' own get_image_features for this image alone, in the wire layout."""
     inputs = tower.processor(images=[image_from_bytes(image_png)], return_tensors="pt")
     with torch.inference_mode():
-        out = full_model.get_image_features(inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+        out = full_model.get_image_features(
+            inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]
+        )
     (main,) = out.pooler_output
     deepstack = getattr(out, "deepstack_features", None)
     if deepstack:
@@ -51,19 +55,34 @@ def reference_rows(full_model, tower, image_png: bytes) -> torch.Tensor:
 
 def make_worker(checkpoint, tower=None, **overrides):
     loopback = LoopbackTransport()
-    settings = dict(transports=("loopback",), dtype="float32", bootstrap_port=0, intake_port=0, bind="127.0.0.1",
-                    ring_bytes=8 << 20, ring_slot_bytes=1 << 16, cache_bytes=32 << 20, receiver_wait_s=10)
+    settings = dict(
+        transports=("loopback",),
+        dtype="float32",
+        bootstrap_port=0,
+        intake_port=0,
+        bind="127.0.0.1",
+        ring_bytes=8 << 20,
+        ring_slot_bytes=1 << 16,
+        cache_bytes=32 << 20,
+        receiver_wait_s=10,
+    )
     config = WorkerConfig(model=checkpoint, **{**settings, **overrides})
     worker = EncodeWorker(config, tower=tower, transports={"loopback": loopback}).start()
     return worker, Receiver(worker.table, {"loopback": loopback})
 
 
 def handshake(worker, room):
-    return EncodeHandshake(bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=worker.bootstrap_port)
+    return EncodeHandshake(
+        bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=worker.bootstrap_port
+    )
 
 
 def request(worker, room, request_id="r1", content_hash=None):
-    body = {"request_id": request_id, "encode_handshake": handshake(worker, room).model_dump(), "source": "bytes"}
+    body = {
+        "request_id": request_id,
+        "encode_handshake": handshake(worker, room).model_dump(),
+        "source": "bytes",
+    }
     if content_hash is not None:
         body["content_hash"] = content_hash
     return body
@@ -80,7 +99,10 @@ def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family)
         rooms = worker.table.mint(len(images), 60)
         for room, rows in zip(rooms, expected):
             receiver.reserve(room, rows.shape[0], rows.shape[1], rows.dtype)
-        jobs = [worker.intake.job(_parse(request(worker, room)), image) for room, image in zip(rooms, images)]
+        jobs = [
+            worker.intake.job(_parse(request(worker, room)), image)
+            for room, image in zip(rooms, images)
+        ]
         encode_in_this_thread(worker, jobs)  # one mixed batch of three sizes
         for room, rows in zip(rooms, expected):
             state, got, view = receiver.wait(room)
@@ -88,7 +110,10 @@ def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family)
             assert torch.equal(got, rows)
             if family == "qwen3_vl":
                 info = worker.tower.info
-                assert info.deepstack_levels == 2 and got.shape[1] == info.out_width * 3 == info.wire_width
+                assert (
+                    info.deepstack_levels == 2
+                    and got.shape[1] == info.out_width * 3 == info.wire_width
+                )
         assert worker.metrics.batch_items._sum.get() >= 3
     finally:
         worker.stop()
@@ -129,7 +154,9 @@ def test_intake_to_delivery_with_cache_hit(qwen25):
             assert state is RoomState.SUCCESS, view.reason
             got.append(data)
         assert worker.cache.hits == 1 and worker.cache.misses == 1
-        assert view.commit.grid_thw == tuple(inputs["image_grid_thw"][0].tolist())  # a hit carries it too
+        assert view.commit.grid_thw == tuple(
+            inputs["image_grid_thw"][0].tolist()
+        )  # a hit carries it too
         assert torch.equal(got[0], got[1])  # a hit ships the same bytes as the miss
     finally:
         intake.close()
@@ -138,7 +165,9 @@ def test_intake_to_delivery_with_cache_hit(qwen25):
 
 
 def rows_for(tower, image):
-    (rows,) = tower.rows_per_item(tower.processor(images=[image_from_bytes(image)], return_tensors="pt")["image_grid_thw"])
+    (rows,) = tower.rows_per_item(
+        tower.processor(images=[image_from_bytes(image)], return_tensors="pt")["image_grid_thw"]
+    )
     return rows
 
 
@@ -151,8 +180,10 @@ def test_one_corrupt_image_fails_only_its_room(qwen25):
         rooms = worker.table.mint(3, 60)
         for room, image in ((rooms[0], good[0]), (rooms[2], good[1])):
             receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
-        jobs = [worker.intake.job(_parse(request(worker, room)), image)
-                for room, image in zip(rooms, [good[0], corrupt, good[1]])]
+        jobs = [
+            worker.intake.job(_parse(request(worker, room)), image)
+            for room, image in zip(rooms, [good[0], corrupt, good[1]])
+        ]
         encode_in_this_thread(worker, jobs)
         assert receiver.wait(rooms[0])[0] is RoomState.SUCCESS
         assert receiver.wait(rooms[2])[0] is RoomState.SUCCESS
@@ -166,7 +197,9 @@ def test_one_corrupt_image_fails_only_its_room(qwen25):
 def test_full_send_ring_stops_intake_instead_of_growing(qwen25):
     directory, tower = qwen25
     image = png(448, 448, 4)  # 256 rows x 96 x fp32 = 96 KiB: two 64 KiB slots of a three-slot ring
-    worker, receiver = make_worker(directory, tower=tower, ring_bytes=3 << 16, queue_items=2, batch_items=1)
+    worker, receiver = make_worker(
+        directory, tower=tower, ring_bytes=3 << 16, queue_items=2, batch_items=1
+    )
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
     rooms = iter(worker.table.mint(40, 60))
 
@@ -177,13 +210,20 @@ def test_full_send_ring_stops_intake_instead_of_growing(qwen25):
     try:
         # no receiver yet: items pile up in the ring, the stages and the bounded queue, then stop
         replies = []
-        while len(replies) < 40 and not (len(replies) >= 6 and not any(r.ok for _, r in replies[-6:])):
+        while len(replies) < 40 and not (
+            len(replies) >= 6 and not any(r.ok for _, r in replies[-6:])
+        ):
             replies.append(send())
             time.sleep(0.1)
         accepted = [(room, reply) for room, reply in replies if reply.ok]
         refused = replies[-6:]  # six in a row over 0.6 s: nothing is being pulled any more
-        assert all(reply == IntakeReply(status=IntakeStatus.REFUSED, room=room, reason="queue full", retry_after_s=0.1)
-                   for room, reply in refused)
+        assert all(
+            reply
+            == IntakeReply(
+                status=IntakeStatus.REFUSED, room=room, reason="queue full", retry_after_s=0.1
+            )
+            for room, reply in refused
+        )
         # bounded: ring (1 item) + one batch held by each of the three stage threads + the two
         # hand-off queues (1 batch each) + the intake queue (2) = 8 items at most
         assert len(accepted) <= 8
@@ -192,31 +232,94 @@ def test_full_send_ring_stops_intake_instead_of_growing(qwen25):
             receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
         for room, _ in accepted:
             assert receiver.wait(room)[0] is RoomState.SUCCESS
-        eventually(lambda: worker.ring.stats()["leased_slots"] == 0, "the send ring drained", seconds=20)
+        eventually(
+            lambda: worker.ring.stats()["leased_slots"] == 0, "the send ring drained", seconds=20
+        )
     finally:
         intake.close()
         worker.stop()
         receiver.close()
 
 
-@pytest.mark.parametrize("frames, reason", [
-    ([b"not json"], "bad metadata"),
-    ([b"{}", b"x", b"y"], "expected"),
-    ([json.dumps({"request_id": "a", "source": "bytes",
-                  "encode_handshake": {"bootstrap_room": 1, "bootstrap_host": "h", "bootstrap_port": 1}}).encode()],
-     "needs a payload"),
-    ([json.dumps({"request_id": "a", "source": "pixels", "shape": [2, 2, 3],
-                  "encode_handshake": {"bootstrap_room": 1, "bootstrap_host": "h", "bootstrap_port": 1}}).encode(),
-      b"12345"], "does not match shape"),
-    ([json.dumps({"request_id": "a", "source": "bytes", "model": "some-other-model",
-                  "encode_handshake": {"bootstrap_room": 1, "bootstrap_host": "h", "bootstrap_port": 1}}).encode(),
-      b"x"], "unknown model"),
-    ([json.dumps({"request_id": "a", "source": "shm", "shm": {"shm_name": "../x", "shape": [1, 1, 3],
-                  "dtype": "uint8"},
-                  "encode_handshake": {"bootstrap_room": 1, "bootstrap_host": "h", "bootstrap_port": 1}}).encode()],
-     "bad metadata"),
-])
-def test_malformed_intake_is_refused_with_a_reason_and_the_worker_keeps_serving(qwen25, frames, reason):
+@pytest.mark.parametrize(
+    "frames, reason",
+    [
+        ([b"not json"], "bad metadata"),
+        ([b"{}", b"x", b"y"], "expected"),
+        (
+            [
+                json.dumps(
+                    {
+                        "request_id": "a",
+                        "source": "bytes",
+                        "encode_handshake": {
+                            "bootstrap_room": 1,
+                            "bootstrap_host": "h",
+                            "bootstrap_port": 1,
+                        },
+                    }
+                ).encode()
+            ],
+            "needs a payload",
+        ),
+        (
+            [
+                json.dumps(
+                    {
+                        "request_id": "a",
+                        "source": "pixels",
+                        "shape": [2, 2, 3],
+                        "encode_handshake": {
+                            "bootstrap_room": 1,
+                            "bootstrap_host": "h",
+                            "bootstrap_port": 1,
+                        },
+                    }
+                ).encode(),
+                b"12345",
+            ],
+            "does not match shape",
+        ),
+        (
+            [
+                json.dumps(
+                    {
+                        "request_id": "a",
+                        "source": "bytes",
+                        "model": "some-other-model",
+                        "encode_handshake": {
+                            "bootstrap_room": 1,
+                            "bootstrap_host": "h",
+                            "bootstrap_port": 1,
+                        },
+                    }
+                ).encode(),
+                b"x",
+            ],
+            "unknown model",
+        ),
+        (
+            [
+                json.dumps(
+                    {
+                        "request_id": "a",
+                        "source": "shm",
+                        "shm": {"shm_name": "../x", "shape": [1, 1, 3], "dtype": "uint8"},
+                        "encode_handshake": {
+                            "bootstrap_room": 1,
+                            "bootstrap_host": "h",
+                            "bootstrap_port": 1,
+                        },
+                    }
+                ).encode()
+            ],
+            "bad metadata",
+        ),
+    ],
+)
+def test_malformed_intake_is_refused_with_a_reason_and_the_worker_keeps_serving(
+    qwen25, frames, reason
+):
     directory, tower = qwen25
     worker, receiver = make_worker(directory, tower=tower)
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
@@ -255,9 +358,20 @@ def test_raw_pixels_and_shm_handles_encode_like_the_png(qwen25, no_new_segments)
     try:
         sends = [  # room 1 stands for each item's own room, minted below
             (request(worker, 1, "png"), image),
-            ({**request(worker, 1, "raw"), "source": "pixels", "shape": list(pixels.shape)}, pixels.numpy().tobytes()),
-            ({**request(worker, 1, "shm", content_hash=hash_feature(pixels.numpy().tobytes())), "source": "shm",
-              "shm": handle.to_wire()}, None),
+            (
+                {**request(worker, 1, "raw"), "source": "pixels", "shape": list(pixels.shape)},
+                pixels.numpy().tobytes(),
+            ),
+            (
+                {
+                    **request(
+                        worker, 1, "shm", content_hash=hash_feature(pixels.numpy().tobytes())
+                    ),
+                    "source": "shm",
+                    "shm": handle.to_wire(),
+                },
+                None,
+            ),
         ]
         results = []
         for body, payload in sends:
@@ -297,8 +411,11 @@ def test_a_lying_content_hash_is_refused_and_cannot_poison_the_cache(qwen25, no_
         assert reply.ok is False and "is not the hash of the item's bytes" in reply.reason
         assert worker.table.view(lie_room).state is RoomState.FAILED
         # SHM pixels are hashed once read: the lie fails the room with the same reason
-        body = {**request(worker, shm_room, "shm-liar", content_hash=claimed), "source": "shm",
-                "shm": handle.to_wire()}
+        body = {
+            **request(worker, shm_room, "shm-liar", content_hash=claimed),
+            "source": "shm",
+            "shm": handle.to_wire(),
+        }
         receiver.reserve(shm_room, rows_for(tower, liar), tower.info.wire_width, tower.dtype)
         assert intake.send(body, None).ok
         state, _, view = receiver.wait(shm_room)
@@ -308,7 +425,11 @@ def test_a_lying_content_hash_is_refused_and_cannot_poison_the_cache(qwen25, no_
         assert intake.send(request(worker, again, "honest-again", content_hash=claimed), honest).ok
         receiver.reserve(again, rows_for(tower, honest), tower.info.wire_width, tower.dtype)
         state, rows, _ = receiver.wait(again)
-        assert state is RoomState.SUCCESS and torch.equal(rows, expected) and worker.cache.hits == hits + 1
+        assert (
+            state is RoomState.SUCCESS
+            and torch.equal(rows, expected)
+            and worker.cache.hits == hits + 1
+        )
     finally:
         handle.release()  # a test that failed before the worker read it leaves no segment (else a no-op)
         intake.close()
@@ -333,8 +454,12 @@ def test_items_waiting_for_their_receivers_do_not_hold_up_an_item_whose_receiver
         assert intake.send(request(worker, room, "ready"), image).ok
         state, got, view = receiver.wait(room, timeout=10)
         assert state is RoomState.SUCCESS, view.reason
-        assert torch.equal(got, rows) and time.monotonic() - started < 5  # not after the late ones' 20 s
-        assert all(worker.table.view(r).state is RoomState.PENDING for r in late)  # still waiting, as they may
+        assert (
+            torch.equal(got, rows) and time.monotonic() - started < 5
+        )  # not after the late ones' 20 s
+        assert all(
+            worker.table.view(r).state is RoomState.PENDING for r in late
+        )  # still waiting, as they may
     finally:
         intake.close()
         worker.stop()
@@ -346,11 +471,26 @@ def test_a_room_sent_to_two_workers_is_written_by_one_and_the_other_leaves_it_al
     the other's begin_write is refused and it drops its item without failing the room."""
     directory, tower = qwen25
     loopback = LoopbackTransport()
-    settings = dict(transports=("loopback",), dtype="float32", bootstrap_port=0, intake_port=0, bind="127.0.0.1",
-                    ring_bytes=8 << 20, ring_slot_bytes=1 << 16, cache_bytes=0, receiver_wait_s=10)
+    settings = dict(
+        transports=("loopback",),
+        dtype="float32",
+        bootstrap_port=0,
+        intake_port=0,
+        bind="127.0.0.1",
+        ring_bytes=8 << 20,
+        ring_slot_bytes=1 << 16,
+        cache_bytes=0,
+        receiver_wait_s=10,
+    )
     outcomes = []
-    workers = [EncodeWorker(WorkerConfig(model=directory, **settings), tower=tower,
-                            transports={"loopback": loopback}).start() for _ in range(2)]
+    workers = [
+        EncodeWorker(
+            WorkerConfig(model=directory, **settings),
+            tower=tower,
+            transports={"loopback": loopback},
+        ).start()
+        for _ in range(2)
+    ]
     for worker in workers:
         worker.sender.on_outcome = outcomes.append
     receiver = Receiver(workers[0].table, {"loopback": loopback})
@@ -358,9 +498,13 @@ def test_a_room_sent_to_two_workers_is_written_by_one_and_the_other_leaves_it_al
         image = png(96, 128, 60)
         processed = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
         rows = tower.encode_items(processed["pixel_values"], processed["image_grid_thw"])[0]
-        (room,) = workers[0].table.mint(1, 60)  # the room lives at worker 0; worker 1 reaches it over REST
+        (room,) = workers[0].table.mint(
+            1, 60
+        )  # the room lives at worker 0; worker 1 reaches it over REST
         receiver.reserve(room, rows.shape[0], rows.shape[1], rows.dtype)
-        loopback.inject(LoopbackFault("delay", 1.5))  # the first write is still in flight when the second comes
+        loopback.inject(
+            LoopbackFault("delay", 1.5)
+        )  # the first write is still in flight when the second comes
         body = request(workers[0], room)
         for worker in workers:
             intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")

@@ -44,10 +44,21 @@ def make(tower):
 
     def make_worker(**overrides):
         loopback = LoopbackTransport()
-        settings = dict(transports=("loopback",), bootstrap_port=0, intake_port=0, bind="127.0.0.1",
-                        ring_bytes=8 << 20, ring_slot_bytes=1 << 16, cache_bytes=0, receiver_wait_s=10)
-        worker = EncodeWorker(WorkerConfig(model=tower.model_id, **{**settings, **overrides}), tower=tower,
-                              transports={"loopback": loopback}).start()
+        settings = dict(
+            transports=("loopback",),
+            bootstrap_port=0,
+            intake_port=0,
+            bind="127.0.0.1",
+            ring_bytes=8 << 20,
+            ring_slot_bytes=1 << 16,
+            cache_bytes=0,
+            receiver_wait_s=10,
+        )
+        worker = EncodeWorker(
+            WorkerConfig(model=tower.model_id, **{**settings, **overrides}),
+            tower=tower,
+            transports={"loopback": loopback},
+        ).start()
         receiver = Receiver(worker.table, {"loopback": loopback})
         intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
         started.append((worker, receiver, intake))
@@ -61,12 +72,21 @@ def make(tower):
 
 
 def request(worker, room, request_id="r1", host="127.0.0.1", port=None, **fields):
-    handshake = EncodeHandshake(bootstrap_room=room, bootstrap_host=host, bootstrap_port=port or worker.bootstrap_port)
-    return {"request_id": request_id, "encode_handshake": handshake.model_dump(), "source": "bytes", **fields}
+    handshake = EncodeHandshake(
+        bootstrap_room=room, bootstrap_host=host, bootstrap_port=port or worker.bootstrap_port
+    )
+    return {
+        "request_id": request_id,
+        "encode_handshake": handshake.model_dump(),
+        "source": "bytes",
+        **fields,
+    }
 
 
 def rows_for(tower, image):
-    (rows,) = tower.rows_per_item(tower.processor(images=[image_from_bytes(image)], return_tensors="pt")["image_grid_thw"])
+    (rows,) = tower.rows_per_item(
+        tower.processor(images=[image_from_bytes(image)], return_tensors="pt")["image_grid_thw"]
+    )
     return rows
 
 
@@ -108,8 +128,13 @@ def test_intake_never_opens_a_segment_that_is_not_an_intake_handle(no_new_segmen
     try:
         for name in (pool.shm.name, handoff.shm_name):
             (room,) = worker.table.mint(1, 60)
-            body = request(worker, room, source="shm", content_hash=hash_feature(pixels.numpy().tobytes()),
-                           shm={"shm_name": name, "shape": [16, 16, 3], "dtype": "uint8"})
+            body = request(
+                worker,
+                room,
+                source="shm",
+                content_hash=hash_feature(pixels.numpy().tobytes()),
+                shm={"shm_name": name, "shape": [16, 16, 3], "dtype": "uint8"},
+            )
             reply = intake.send(body)
             assert reply.ok is False and "is not an intake handle" in reply.reason, reply
             view = worker.table.view(room)
@@ -121,8 +146,13 @@ def test_intake_never_opens_a_segment_that_is_not_an_intake_handle(no_new_segmen
         assert handle.shm_name.startswith("epd-in-")
         (room,) = worker.table.mint(1, 60)
         receiver.reserve(room, rows_for(tower, png(16, 16, 1)), tower.info.wire_width, tower.dtype)
-        body = request(worker, room, source="shm", content_hash=hash_feature(pixels.numpy().tobytes()),
-                       shm=handle.to_wire())
+        body = request(
+            worker,
+            room,
+            source="shm",
+            content_hash=hash_feature(pixels.numpy().tobytes()),
+            shm=handle.to_wire(),
+        )
         assert intake.send(body).ok
         state, _, view = receiver.wait(room)
         assert state is RoomState.SUCCESS, view.reason
@@ -162,7 +192,9 @@ def test_a_receiver_that_never_comes_fails_the_room_when_the_worker_stops_waitin
     assert intake.send(request(worker, room), image).ok
     view = wait_terminal(worker.table, room)
     assert view.state is RoomState.FAILED and "no receiver registered within 0.5 s" in view.reason
-    eventually(lambda: worker.ring.stats()["leased_slots"] == 0, "the ring slot released", seconds=30)
+    eventually(
+        lambda: worker.ring.stats()["leased_slots"] == 0, "the ring slot released", seconds=30
+    )
     # the receiver that comes later is told at once, with the reason
     with pytest.raises(RoomConflict, match="no receiver registered within"):
         receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
@@ -193,7 +225,9 @@ def test_a_silent_room_endpoint_does_not_hold_up_intake(tower, make):
     try:
         threads = threading.active_count()
         for index, endpoint in enumerate(silent):
-            reply = intake.send(request(worker, 7 + index, f"bad{index}", port=endpoint.port), b"not an image")
+            reply = intake.send(
+                request(worker, 7 + index, f"bad{index}", port=endpoint.port), b"not an image"
+            )
             assert reply.ok is False and "cannot read image header" in reply.reason
         assert threading.active_count() == threads  # no thread per endpoint
         for index in range(3):  # items to a healthy room complete while those calls are pending
@@ -202,7 +236,11 @@ def test_a_silent_room_endpoint_does_not_hold_up_intake(tower, make):
     finally:
         for endpoint in silent:
             endpoint.close()
-    eventually(lambda: worker.pending_room_fails == 0, "the fail calls ended once the endpoints closed", seconds=30)
+    eventually(
+        lambda: worker.pending_room_fails == 0,
+        "the fail calls ended once the endpoints closed",
+        seconds=30,
+    )
 
 
 # ---- 4. decompression bombs ----------------------------------------------------------------------
@@ -210,14 +248,19 @@ def test_a_silent_room_endpoint_does_not_hold_up_intake(tower, make):
 
 def png_bomb(width: int, height: int) -> bytes:
     """A real, valid PNG of black pixels: small on the wire, ``width * height`` pixels decoded."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
 
     compressor = zlib.compressobj(9)
     row = b"\x00" * (1 + 3 * width)
     body = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
+    )
 
 
 def test_a_decompression_bomb_is_refused_at_intake_from_its_header(tower, make):
@@ -226,16 +269,26 @@ def test_a_decompression_bomb_is_refused_at_intake_from_its_header(tower, make):
     assert len(bomb) < 300 << 10
     (room,) = worker.table.mint(1, 60)
     reply = intake.send(request(worker, room, "bomb"), bomb)
-    assert reply.ok is False and "16384x4096 pixels is larger than this worker decodes" in reply.reason
+    assert (
+        reply.ok is False and "16384x4096 pixels is larger than this worker decodes" in reply.reason
+    )
     assert worker.table.view(room).state is RoomState.FAILED
     # raw pixels and SHM handles are held to the same bound, from their shape
     small, _, small_intake = make(max_image_pixels=32 * 32, batch_pixels=32 * 32)
     (room,) = small.table.mint(1, 60)
-    reply = small_intake.send(request(small, room, "raw", source="pixels", shape=[64, 64, 3]), bytes(64 * 64 * 3))
+    reply = small_intake.send(
+        request(small, room, "raw", source="pixels", shape=[64, 64, 3]), bytes(64 * 64 * 3)
+    )
     assert reply.ok is False and "64x64 pixels is larger" in reply.reason
     (room,) = small.table.mint(1, 60)
-    body = request(small, room, "shm", source="shm", content_hash=1,
-                   shm={"shm_name": "epd-in-1-0123456789abcdef", "shape": [64, 64, 3], "dtype": "uint8"})
+    body = request(
+        small,
+        room,
+        "shm",
+        source="shm",
+        content_hash=1,
+        shm={"shm_name": "epd-in-1-0123456789abcdef", "shape": [64, 64, 3], "dtype": "uint8"},
+    )
     assert "64x64 pixels is larger" in small_intake.send(body).reason
     deliver(tower, worker, receiver, intake, png(64, 64, 3), "after")  # and it keeps serving
 
@@ -252,18 +305,26 @@ def test_a_gif_is_refused_at_intake_not_after_queueing(tower, make):
 
 
 def test_a_batch_decodes_at_most_its_pixel_budget():
-    queue = BatchQueue(max_items=8, patch_budget=10 ** 6, batch_items=8, pixel_budget=100)
+    queue = BatchQueue(max_items=8, patch_budget=10**6, batch_items=8, pixel_budget=100)
     for index, pixels in enumerate((60, 30, 20, 150, 10)):
         handshake = EncodeHandshake(bootstrap_room=index + 1, bootstrap_host="h", bootstrap_port=1)
-        assert queue.put(EncodeJob(f"r{index}", handshake, index, "bytes", b"", patches=4, pixels=pixels))
-    assert [[job.pixels for job in queue.take_batch(0)] for _ in range(3)] == [[60, 30], [20], [150]]
-    assert [job.pixels for job in queue.take_batch(0)] == [10]  # one alone may exceed it: its own batch
+        assert queue.put(
+            EncodeJob(f"r{index}", handshake, index, "bytes", b"", patches=4, pixels=pixels)
+        )
+    assert [[job.pixels for job in queue.take_batch(0)] for _ in range(3)] == [
+        [60, 30],
+        [20],
+        [150],
+    ]
+    assert [job.pixels for job in queue.take_batch(0)] == [
+        10
+    ]  # one alone may exceed it: its own batch
 
 
 def test_the_queue_holds_at_most_its_payload_bytes():
     """queue_items x max_payload_bytes was the only bound on payloads waiting for the tower (4 GiB
     by default); the queue now refuses ("queue full") past max_bytes of them."""
-    queue = BatchQueue(max_items=8, patch_budget=10 ** 6, batch_items=1, max_bytes=100)
+    queue = BatchQueue(max_items=8, patch_budget=10**6, batch_items=1, max_bytes=100)
 
     def job(index, nbytes):
         handshake = EncodeHandshake(bootstrap_room=index + 1, bootstrap_host="h", bootstrap_port=1)
@@ -273,7 +334,9 @@ def test_the_queue_holds_at_most_its_payload_bytes():
     assert [j.nbytes for j in queue.take_batch(0)] == [60]
     assert queue.put(job(4, 50)) and queue.nbytes == 90
     queue.take_batch(0), queue.take_batch(0)
-    assert queue.nbytes == 0 and queue.put(job(5, 500))  # alone, a larger one (already received) is taken
+    assert queue.nbytes == 0 and queue.put(
+        job(5, 500)
+    )  # alone, a larger one (already received) is taken
 
 
 # ---- a receiver's offer naming a segment that is not a receive pool -----------------------------------
@@ -288,19 +351,44 @@ def test_a_receiver_offer_naming_another_segment_is_not_written(no_new_segments,
     from data_plane.shm_transport import ShmTransport
     from handshake.models import Registration
 
-    settings = dict(transports=("shm",), bootstrap_port=0, intake_port=0, bind="127.0.0.1", ring_bytes=8 << 20,
-                    ring_slot_bytes=1 << 16, cache_bytes=0, receiver_wait_s=10)
-    worker = EncodeWorker(WorkerConfig(model=tower.model_id, **settings), tower=tower,
-                          transports={"shm": ShmTransport()}).start()
+    settings = dict(
+        transports=("shm",),
+        bootstrap_port=0,
+        intake_port=0,
+        bind="127.0.0.1",
+        ring_bytes=8 << 20,
+        ring_slot_bytes=1 << 16,
+        cache_bytes=0,
+        receiver_wait_s=10,
+    )
+    worker = EncodeWorker(
+        WorkerConfig(model=tower.model_id, **settings),
+        tower=tower,
+        transports={"shm": ShmTransport()},
+    ).start()
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
     victim = ShmTensorHandle.publish(torch.full((1 << 16,), 7, dtype=torch.uint8), purpose="intake")
     try:
         image = png(64, 64, 5)
         rows = rows_for(tower, image)
         (room,) = worker.table.mint(1, 60)
-        offer = ShmOffer(kind="shm", namespace=namespace_id(), segment=victim.shm_name, offset=0, capacity=1 << 16)
-        worker.table.register(Registration(room=room, generation=1, rows=rows, width=tower.info.wire_width,
-                                           dtype="float32", offers=[offer]))
+        offer = ShmOffer(
+            kind="shm",
+            namespace=namespace_id(),
+            segment=victim.shm_name,
+            offset=0,
+            capacity=1 << 16,
+        )
+        worker.table.register(
+            Registration(
+                room=room,
+                generation=1,
+                rows=rows,
+                width=tower.info.wire_width,
+                dtype="float32",
+                offers=[offer],
+            )
+        )
         assert intake.send(request(worker, room), image).ok
         view = wait_terminal(worker.table, room)
         assert view.state is RoomState.FAILED and "which is not a receive pool" in view.reason

@@ -73,11 +73,31 @@ def ring_occupancy(url: str) -> float:
 
 def spawn_worker(directory):
     bootstrap, intake = free_port(), free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_WAIT_POLICY="PASSIVE", EPD_MODEL=directory,
-               EPD_BOOTSTRAP_PORT=str(bootstrap))
-    process = subprocess.Popen([sys.executable, "-m", "encode_worker.cli", "--dtype", "float32", "--bind", "127.0.0.1",
-                                "--intake-port", str(intake), "--transports", "shm,mooncake",
-                                "--ring-bytes", str(32 << 20)], env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        OMP_WAIT_POLICY="PASSIVE",
+        EPD_MODEL=directory,
+        EPD_BOOTSTRAP_PORT=str(bootstrap),
+    )
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "encode_worker.cli",
+            "--dtype",
+            "float32",
+            "--bind",
+            "127.0.0.1",
+            "--intake-port",
+            str(intake),
+            "--transports",
+            "shm,mooncake",
+            "--ring-bytes",
+            str(32 << 20),
+        ],
+        env=env,
+    )
     url = f"http://127.0.0.1:{bootstrap}"
     try:
         wait_ready(url)
@@ -122,13 +142,28 @@ def test_delivery_across_processes(worker_process, transport):
             if index == 0:  # receiver first
                 receiver.reserve(room, expected.shape[0], expected.shape[1], expected.dtype)
             else:  # the ring is empty again (the first item's slot freed): a staged item shows in it
-                eventually(lambda: ring_occupancy(url) == 0, "the send ring empty after the first item", seconds=30)
-            reply = intake.send({"request_id": f"{transport}{index}", "source": "bytes",
-                                 "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                                      "bootstrap_port": int(url.rsplit(":", 1)[1])}}, image)
+                eventually(
+                    lambda: ring_occupancy(url) == 0,
+                    "the send ring empty after the first item",
+                    seconds=30,
+                )
+            reply = intake.send(
+                {
+                    "request_id": f"{transport}{index}",
+                    "source": "bytes",
+                    "encode_handshake": {
+                        "bootstrap_room": room,
+                        "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": int(url.rsplit(":", 1)[1]),
+                    },
+                },
+                image,
+            )
             assert reply.ok, reply
             if index == 1:  # encoder first: the rows wait in the ring for the receiver
-                eventually(lambda: ring_occupancy(url) > 0, "the rows staged in the send ring", seconds=30)
+                eventually(
+                    lambda: ring_occupancy(url) > 0, "the rows staged in the send ring", seconds=30
+                )
                 receiver.reserve(room, expected.shape[0], expected.shape[1], expected.dtype)
             state, got, view = receiver.wait(room)
             assert state is RoomState.SUCCESS, view.reason
@@ -151,8 +186,14 @@ def test_probes_and_metrics(worker_process):
         assert response.status == 200
     with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
         text = response.read().decode()
-    for name in ("epd_encoder_requests_total", "epd_encoder_queue_depth", "epd_encoder_ring_occupancy",
-                 "epd_encoder_cache_hits", "epd_encoder_batch_items", "epd_handshake_rooms"):
+    for name in (
+        "epd_encoder_requests_total",
+        "epd_encoder_queue_depth",
+        "epd_encoder_ring_occupancy",
+        "epd_encoder_cache_hits",
+        "epd_encoder_batch_items",
+        "epd_handshake_rooms",
+    ):
         assert name in text, name
 
 
@@ -175,23 +216,47 @@ def test_prefill_receiver_across_processes(worker_process, transport):
 
     process, url, intake_port, tower = worker_process
     port = int(url.rsplit(":", 1)[1])
-    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=16 << 20,
-                                              slot_bytes=1 << 16, transports=(transport,)))
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=tower.info.wire_width,
+            dtype="float32",
+            pool_bytes=16 << 20,
+            slot_bytes=1 << 16,
+            transports=(transport,),
+        )
+    )
     client = SyncHandshakeClient(url)
     intake = IntakeClient(f"tcp://127.0.0.1:{intake_port}")
     try:
         images = [png(64, 64, 31), png(300, 200, 32), png(200, 120, 33)]
         rooms = client.mint(len(images))
         expected = [tower.encode_items(**_inputs(tower, image))[0] for image in images]
-        items = [MultimodalDataItem(Modality.IMAGE, offsets=[[0, rows.shape[0] - 1]],
-                                    encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                                      "bootstrap_port": port})
-                 for room, rows in zip(rooms, expected)]
+        items = [
+            MultimodalDataItem(
+                Modality.IMAGE,
+                offsets=[[0, rows.shape[0] - 1]],
+                encode_handshake={
+                    "bootstrap_room": room,
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": port,
+                },
+            )
+            for room, rows in zip(rooms, expected)
+        ]
         job = receiver.start("req", MultimodalInputs(items))
         for index, (room, image) in enumerate(zip(rooms, images)):
-            assert intake.send({"request_id": f"p{index}", "source": "bytes",
-                                "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                                     "bootstrap_port": port}}, image).ok
+            assert intake.send(
+                {
+                    "request_id": f"p{index}",
+                    "source": "bytes",
+                    "encode_handshake": {
+                        "bootstrap_room": room,
+                        "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": port,
+                    },
+                },
+                image,
+            ).ok
         assert job.wait(30) is JobState.DONE, job.reasons
         assert all(o.transport == transport for o in job.outcomes)
         for item, rows in zip(items, expected):
@@ -209,19 +274,36 @@ def test_encode_worker_killed_fails_the_job_fast_and_falls_back(checkpoint):
     tower = VisionTower.load(checkpoint)
     process, url, _ = spawn_worker(checkpoint)
     port = int(url.rsplit(":", 1)[1])
-    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=16 << 20,
-                                              slot_bytes=1 << 16, transports=("shm",), fallback="local_tower"),
-                               local_tower=tower)
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=tower.info.wire_width,
+            dtype="float32",
+            pool_bytes=16 << 20,
+            slot_bytes=1 << 16,
+            transports=("shm",),
+            fallback="local_tower",
+        ),
+        local_tower=tower,
+    )
     client = SyncHandshakeClient(url)
     try:
         image = png(96, 64, 41)
         rows = tower.encode_items(**_inputs(tower, image))[0]
         (room,) = client.mint(1)
-        item = MultimodalDataItem(Modality.IMAGE, offsets=[[0, rows.shape[0] - 1]], feature=image,
-                                  encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                                    "bootstrap_port": port})
+        item = MultimodalDataItem(
+            Modality.IMAGE,
+            offsets=[[0, rows.shape[0] - 1]],
+            feature=image,
+            encode_handshake={
+                "bootstrap_room": room,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": port,
+            },
+        )
         job = receiver.start("req", MultimodalInputs([item]))
-        wait_room(client, room, RoomState.REGISTERED)  # the pixels never arrive, and then the worker dies
+        wait_room(
+            client, room, RoomState.REGISTERED
+        )  # the pixels never arrive, and then the worker dies
         process.kill()
         killed = time.monotonic()
         assert job.wait(10) is JobState.DONE
@@ -245,9 +327,28 @@ def test_reference_prefill_process_receives_and_verifies(worker_process, checkpo
     port = int(url.rsplit(":", 1)[1])
     prefill_port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_WAIT_POLICY="PASSIVE")
-    prefill = subprocess.Popen([sys.executable, "-m", "prefill_side.server", "--host", "127.0.0.1", "--port",
-                                str(prefill_port), "--model", checkpoint, "--dtype", "float32", "--transports",
-                                "shm,mooncake", "--pool-bytes", str(16 << 20), "--slot-bytes", str(1 << 16)], env=env)
+    prefill = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefill_side.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(prefill_port),
+            "--model",
+            checkpoint,
+            "--dtype",
+            "float32",
+            "--transports",
+            "shm,mooncake",
+            "--pool-bytes",
+            str(16 << 20),
+            "--slot-bytes",
+            str(1 << 16),
+        ],
+        env=env,
+    )
     client = SyncHandshakeClient(url)
     intake = IntakeClient(f"tcp://127.0.0.1:{intake_port}")
     try:
@@ -257,21 +358,42 @@ def test_reference_prefill_process_receives_and_verifies(worker_process, checkpo
         items = []
         for room, image in zip(rooms, images):
             rows = tower.encode_items(**_inputs(tower, image))[0].shape[0]
-            items.append({"offsets": [[5, 5 + rows - 1]], "image_b64": base64.b64encode(image).decode(),
-                          "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                               "bootstrap_port": port}})
+            items.append(
+                {
+                    "offsets": [[5, 5 + rows - 1]],
+                    "image_b64": base64.b64encode(image).decode(),
+                    "encode_handshake": {
+                        "bootstrap_room": room,
+                        "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": port,
+                    },
+                }
+            )
         for index, (room, image) in enumerate(zip(rooms, images)):
-            assert intake.send({"request_id": f"x{index}", "source": "bytes",
-                                "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                                     "bootstrap_port": port}}, image).ok
-        request = urllib.request.Request(f"http://127.0.0.1:{prefill_port}/v1/prefill",
-                                         data=json.dumps({"request_id": "r", "items": items, "verify": True}).encode(),
-                                         headers={"content-type": "application/json"})
+            assert intake.send(
+                {
+                    "request_id": f"x{index}",
+                    "source": "bytes",
+                    "encode_handshake": {
+                        "bootstrap_room": room,
+                        "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": port,
+                    },
+                },
+                image,
+            ).ok
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{prefill_port}/v1/prefill",
+            data=json.dumps({"request_id": "r", "items": items, "verify": True}).encode(),
+            headers={"content-type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             report = json.loads(response.read())
         assert report["state"] == "DONE", report
         for item in report["items"]:
-            assert item["state"] == "DONE" and item["transport"] == "shm" and item["verified"] is True
+            assert (
+                item["state"] == "DONE" and item["transport"] == "shm" and item["verified"] is True
+            )
             assert item["width"] == tower.info.wire_width
     finally:
         intake.close()

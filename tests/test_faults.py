@@ -24,14 +24,18 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    config = LabConfig(model=lab_model(str(tmp_path_factory.mktemp("lab-tower"))),
-                       log_dir=str(tmp_path_factory.mktemp("lab-logs")))
+    config = LabConfig(
+        model=lab_model(str(tmp_path_factory.mktemp("lab-tower"))),
+        log_dir=str(tmp_path_factory.mktemp("lab-logs")),
+    )
     running = FaultLab(config).start()
     try:
         yield running
     finally:
         codes = running.stop()
-    assert all(code == 0 for code in codes.values()), codes  # clean SIGTERM exits (victims were replaced)
+    assert all(code == 0 for code in codes.values()), (
+        codes
+    )  # clean SIGTERM exits (victims were replaced)
     time.sleep(0.3)
     assert not running.orphan_segments(), "a /dev/shm segment outlived its process"
 
@@ -88,7 +92,9 @@ def test_encode_worker_killed_mid_transfer(lab):
     assert_fast(outcome)
     assert_siblings_exact(outcome, 2)
     assert all("unreachable" in a["reason"] for a in outcome.affected)
-    assert outcome.notes["quarantined_after_failure"] > 0  # held: bytes of the dead writer may be in them
+    assert (
+        outcome.notes["quarantined_after_failure"] > 0
+    )  # held: bytes of the dead writer may be in them
     assert_no_leaks(lab)
     assert still_serves(lab)
     assert still_serves(lab, worker="v")  # the restarted victim serves too
@@ -101,8 +107,13 @@ def test_prefill_killed_after_registering_frees_the_send_slots(lab):
     outcome = run(lab, faults.prefill_killed_after_registering, seed=2)
     assert outcome.expected, outcome.as_dict()
     for worker, ring in outcome.notes["rings"].items():
-        assert ring["ring_occupancy"] == 0 and ring["ring_free_after_s"] <= ring["deadline_s"], (worker, ring)
-    assert all(state != "SUCCESS" for state in outcome.notes["room_states"])  # nothing written into the dead
+        assert ring["ring_occupancy"] == 0 and ring["ring_free_after_s"] <= ring["deadline_s"], (
+            worker,
+            ring,
+        )
+    assert all(
+        state != "SUCCESS" for state in outcome.notes["room_states"]
+    )  # nothing written into the dead
     assert_no_leaks(lab)
     assert still_serves(lab)
     assert still_serves(lab, worker="v", prefill="pv")
@@ -163,23 +174,42 @@ def test_item_larger_than_the_send_ring(lab):
     from tests.encode_helpers import Receiver
 
     loopback = LoopbackTransport()
-    config = WorkerConfig(model=lab.config.model, transports=("loopback",), bootstrap_port=0, intake_port=0,
-                          bind="127.0.0.1", ring_bytes=1 << 20, ring_slot_bytes=1 << 16, cache_bytes=0,
-                          receiver_wait_s=10)
+    config = WorkerConfig(
+        model=lab.config.model,
+        transports=("loopback",),
+        bootstrap_port=0,
+        intake_port=0,
+        bind="127.0.0.1",
+        ring_bytes=1 << 20,
+        ring_slot_bytes=1 << 16,
+        cache_bytes=0,
+        receiver_wait_s=10,
+    )
     worker = EncodeWorker(config, tower=lab.tower, transports={"loopback": loopback}).start()
     receiver = Receiver(worker.table, {"loopback": loopback})
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
     try:
-        big, small = lab.describe([faults.synthetic_image(448, 448, 11), faults.synthetic_image(224, 224, 12)])
+        big, small = lab.describe(
+            [faults.synthetic_image(448, 448, 11), faults.synthetic_image(224, 224, 12)]
+        )
         assert big.rows * faults.WIDTH * 4 > config.ring_bytes >= small.rows * faults.WIDTH * 4
         rooms = worker.table.mint(2, 60)
         for room, item in zip(rooms, (big, small)):
             receiver.reserve(room, item.rows, faults.WIDTH, lab.tower.dtype)
         started = time.monotonic()
         for room, item in zip(rooms, (big, small)):
-            reply = intake.send({"request_id": f"ring{room}", "source": "bytes", "encode_handshake": {
-                "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port}},
-                item.image)
+            reply = intake.send(
+                {
+                    "request_id": f"ring{room}",
+                    "source": "bytes",
+                    "encode_handshake": {
+                        "bootstrap_room": room,
+                        "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": worker.bootstrap_port,
+                    },
+                },
+                item.image,
+            )
             assert reply.ok, reply
         state, _, view = receiver.wait(rooms[0])
         assert state is RoomState.FAILED and "larger than the send ring" in view.reason
@@ -212,15 +242,26 @@ def test_width_or_dtype_mismatch_between_the_sides(lab, width_delta, dtype):
     from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 
-    receiver = PrefillReceiver(ReceiverConfig(width=faults.WIDTH + width_delta, dtype=dtype, pool_bytes=16 << 20,
-                                              slot_bytes=1 << 18, transports=("shm",), item_timeout_s=10))
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=faults.WIDTH + width_delta,
+            dtype=dtype,
+            pool_bytes=16 << 20,
+            slot_bytes=1 << 18,
+            transports=("shm",),
+            item_timeout_s=10,
+        )
+    )
 
     async def go():
         async with lab.connect() as conn:
             (item,) = lab.describe([faults.synthetic_image(224, 224, 21)])
             await conn.mint([item], lab.roles["a"].url)
-            mm = MultimodalDataItem(Modality.IMAGE, offsets=[[0, item.rows - 1]],
-                                    encode_handshake=item.encode_handshake.model_dump())
+            mm = MultimodalDataItem(
+                Modality.IMAGE,
+                offsets=[[0, item.rows - 1]],
+                encode_handshake=item.encode_handshake.model_dump(),
+            )
             job = receiver.start("mismatch", MultimodalInputs([mm]))
             await conn.send(lab.roles["a"], item, "mismatch")
             sent = time.monotonic()
@@ -231,7 +272,10 @@ def test_width_or_dtype_mismatch_between_the_sides(lab, width_delta, dtype):
         job, elapsed = asyncio.run(go())
         assert job.poll() is JobState.FAILED and "contract mismatch" in job.reasons[0], job.reasons
         assert elapsed < FAST_S + 1  # includes the encode
-        assert receiver.pool.stats()["leased_slots"] == 0 and receiver.pool.stats()["quarantined_slots"] == 0
+        assert (
+            receiver.pool.stats()["leased_slots"] == 0
+            and receiver.pool.stats()["quarantined_slots"] == 0
+        )
     finally:
         receiver.close()
     assert still_serves(lab)
@@ -284,7 +328,9 @@ def test_encode_worker_paused_past_its_write_deadline(lab):
     assert "WRITING" in outcome.notes["states_at_stop"]
     assert outcome.notes["stopped_s"] > lab.config.victim_write_timeout_s
     assert_fast(outcome)
-    assert_siblings_exact(outcome, 2 + 4)  # the siblings, then four items into the same pool after the resume
+    assert_siblings_exact(
+        outcome, 2 + 4
+    )  # the siblings, then four items into the same pool after the resume
     assert outcome.notes["quarantined_at_resume"] > 0
     assert outcome.notes["victim_serves_after_resume"]
     assert_no_leaks(lab)
@@ -299,10 +345,14 @@ def test_malformed_frames_and_bodies_are_refused_and_every_listener_keeps_servin
     outcome = run(lab, faults.malformed_input, seed=13)
     assert outcome.expected, {key: value for key, value in outcome.notes.items()}
     assert outcome.notes["intake_replies"] == len(faults.MALFORMED_FRAMES)
-    assert all(status is not None and 400 <= status < 500 for status in outcome.notes["http_statuses"]), outcome.notes
+    assert all(
+        status is not None and 400 <= status < 500 for status in outcome.notes["http_statuses"]
+    ), outcome.notes
     # the 2 MiB body, over the rooms API's 1 MiB limit: the 413 each room listener really sent
     oversized = outcome.notes["oversized_statuses"]
-    assert [status for path, status in oversized.items() if "/v1/rooms" in path] == [413] * 7, oversized
+    assert [status for path, status in oversized.items() if "/v1/rooms" in path] == [413] * 7, (
+        oversized
+    )
     assert outcome.notes["bad_shm_handle"]["room"] == "FAILED"
     assert "cannot open SHM segment" in outcome.notes["bad_shm_handle"]["reason"]
     assert all(entry["ttf_s"] is not None and entry["ttf_s"] < FAST_S for entry in outcome.affected)
@@ -310,7 +360,9 @@ def test_malformed_frames_and_bodies_are_refused_and_every_listener_keeps_servin
     assert_no_leaks(lab)
 
 
-@pytest.mark.skipif(not faults.can_mount_tmpfs(), reason="needs unshare(1) and CAP_SYS_ADMIN to mount a small tmpfs")
+@pytest.mark.skipif(
+    not faults.can_mount_tmpfs(), reason="needs unshare(1) and CAP_SYS_ADMIN to mount a small tmpfs"
+)
 def test_dev_shm_full_at_start_up(lab):
     """epd-prefill in a private mount namespace whose /dev/shm (an 8 MiB tmpfs) cannot hold its
     32 MiB pool: creating the pool gets a real ENOSPC. Offered SHM and Mooncake, the process comes up
@@ -321,7 +373,9 @@ def test_dev_shm_full_at_start_up(lab):
     assert outcome.notes["shm_only_exit_code"] not in (None, 0)
     assert "No space left on device" in outcome.notes["shm_only_last_line"]
     assert outcome.notes["fallback_serves_over_mooncake"]
-    assert outcome.affected[0]["ttf_s"] < 60  # the process start itself (imports, tower) on this machine
+    assert (
+        outcome.affected[0]["ttf_s"] < 60
+    )  # the process start itself (imports, tower) on this machine
     assert_no_leaks(lab)
 
 

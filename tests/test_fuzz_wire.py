@@ -36,26 +36,53 @@ FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), max_exam
 SLOW = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=200)
 
 # JSON values with the numbers that break naive parsers: huge, negative, fractional, near 2**63/2**64
-numbers = st.one_of(st.integers(min_value=-(1 << 70), max_value=1 << 70),
-                    st.sampled_from([0, 1, -1, MAX_ROOM_ID, MAX_ROOM_ID + 1, (1 << 64) - 1, 1 << 64, 2.0, 2.5, 1e308]),
-                    st.floats(allow_nan=False, allow_infinity=False))
-json_values = st.recursive(st.none() | st.booleans() | numbers | st.text(max_size=20),
-                           lambda children: st.lists(children, max_size=4)
-                           | st.dictionaries(st.text(max_size=10), children, max_size=4), max_leaves=12)
-handshakes = st.fixed_dictionaries({"bootstrap_room": numbers, "bootstrap_host": st.sampled_from(
-    ["127.0.0.1", "h", "", "a/b", "x" * 300]), "bootstrap_port": numbers})
+numbers = st.one_of(
+    st.integers(min_value=-(1 << 70), max_value=1 << 70),
+    st.sampled_from(
+        [0, 1, -1, MAX_ROOM_ID, MAX_ROOM_ID + 1, (1 << 64) - 1, 1 << 64, 2.0, 2.5, 1e308]
+    ),
+    st.floats(allow_nan=False, allow_infinity=False),
+)
+json_values = st.recursive(
+    st.none() | st.booleans() | numbers | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+handshakes = st.fixed_dictionaries(
+    {
+        "bootstrap_room": numbers,
+        "bootstrap_host": st.sampled_from(["127.0.0.1", "h", "", "a/b", "x" * 300]),
+        "bootstrap_port": numbers,
+    }
+)
 
 
 def _intake_dicts():
     """Intake metadata: mostly near-valid (right keys, values fuzzed), sometimes anything."""
     near = st.fixed_dictionaries(
-        {"request_id": st.text(max_size=140), "source": st.sampled_from(["bytes", "pixels", "shm", "other"]),
-         "encode_handshake": handshakes},
-        optional={"shape": st.lists(numbers, max_size=4), "content_hash": numbers, "model": st.text(max_size=10),
-                  "token": st.text(max_size=10), "modality": st.sampled_from(["IMAGE", "AUDIO"]),
-                  "shm": st.fixed_dictionaries({"shm_name": st.text(max_size=30), "shape": st.lists(numbers, max_size=4),
-                                                "dtype": st.sampled_from(["uint8", "float32"])}),
-                  "extra": json_values})
+        {
+            "request_id": st.text(max_size=140),
+            "source": st.sampled_from(["bytes", "pixels", "shm", "other"]),
+            "encode_handshake": handshakes,
+        },
+        optional={
+            "shape": st.lists(numbers, max_size=4),
+            "content_hash": numbers,
+            "model": st.text(max_size=10),
+            "token": st.text(max_size=10),
+            "modality": st.sampled_from(["IMAGE", "AUDIO"]),
+            "shm": st.fixed_dictionaries(
+                {
+                    "shm_name": st.text(max_size=30),
+                    "shape": st.lists(numbers, max_size=4),
+                    "dtype": st.sampled_from(["uint8", "float32"]),
+                }
+            ),
+            "extra": json_values,
+        },
+    )
     return st.one_of(near, st.dictionaries(st.text(max_size=10), json_values, max_size=6))
 
 
@@ -89,8 +116,12 @@ def test_intake_frames_of_random_bytes(frames, token):
 
 
 @FAST
-@given(_intake_dicts(), st.one_of(st.none(), st.binary(max_size=64)), st.sampled_from([None, "secret"]),
-       st.integers(min_value=0, max_value=64))
+@given(
+    _intake_dicts(),
+    st.one_of(st.none(), st.binary(max_size=64)),
+    st.sampled_from([None, "secret"]),
+    st.integers(min_value=0, max_value=64),
+)
 def test_intake_metadata_json(metadata, payload, token, max_payload):
     frames = [json.dumps(metadata).encode()] + ([payload] if payload is not None else [])
     _check_intake(frames, max_payload, token)
@@ -100,47 +131,121 @@ def test_intake_metadata_json(metadata, payload, token, max_payload):
 @given(st.integers(min_value=0, max_value=400), st.integers(min_value=1, max_value=8))
 def test_intake_truncated_and_oversized(cut, extra):
     """Any prefix of a valid message's metadata is refused; a payload one byte over the limit is."""
-    valid = {"request_id": "r", "source": "pixels", "shape": [2, 2, 3],
-             "encode_handshake": {"bootstrap_room": 5, "bootstrap_host": "h", "bootstrap_port": 9}}
+    valid = {
+        "request_id": "r",
+        "source": "pixels",
+        "shape": [2, 2, 3],
+        "encode_handshake": {"bootstrap_room": 5, "bootstrap_host": "h", "bootstrap_port": 9},
+    }
     metadata = json.dumps(valid).encode()
     if cut < len(metadata):
         with pytest.raises(IntakeRefused):
             parse_request([metadata[:cut], b"\x00" * 12], 64, None, "m")
     assert _check_intake([metadata, b"\x00" * 12], 12, None)
     with pytest.raises(IntakeRefused):
-        parse_request([json.dumps({**valid, "source": "bytes"}).encode(), b"\x00" * (12 + extra)], 12, None, "m")
+        parse_request(
+            [json.dumps({**valid, "source": "bytes"}).encode(), b"\x00" * (12 + extra)],
+            12,
+            None,
+            "m",
+        )
     with pytest.raises(IntakeRefused):
         parse_request([b" " * (MAX_METADATA_BYTES + extra)], 12, None, "m")
 
 
 # ---- handshake bodies --------------------------------------------------------------------------
 
-BODIES = [models.MintRequest, models.RegisterRequest, models.BeginWriteRequest, models.CommitRequest,
-          models.FailRequest, models.CancelRequest, models.WatchRequest]
+BODIES = [
+    models.MintRequest,
+    models.RegisterRequest,
+    models.BeginWriteRequest,
+    models.CommitRequest,
+    models.FailRequest,
+    models.CancelRequest,
+    models.WatchRequest,
+]
 _room = st.one_of(numbers, st.integers(min_value=1, max_value=MAX_ROOM_ID))
-_offer = st.one_of(json_values, st.fixed_dictionaries({
-    "kind": st.sampled_from(["shm", "mooncake", "loopback", "rdma"]), "namespace": st.text(max_size=5),
-    "segment": st.text(max_size=20), "offset": numbers, "capacity": numbers, "session": st.text(max_size=20),
-    "address": numbers, "region": numbers}))
-_registration = st.fixed_dictionaries({"room": _room, "generation": numbers, "rows": numbers, "width": numbers,
-                                       "dtype": st.sampled_from(["float32", "bfloat16", "complex64", ""]),
-                                       "offers": st.lists(_offer, max_size=4)}, optional={"deadline_s": numbers})
-_commit = st.fixed_dictionaries({"room": _room, "generation": numbers, "transport": st.sampled_from(
-    ["shm", "mooncake", "tcp"]), "rows": numbers, "width": numbers, "dtype": st.sampled_from(["float32", "int8"])},
-    optional={"checksum": numbers, "grid_thw": st.lists(numbers, max_size=4), "shm_segment": st.text(max_size=20),
-              "timings": st.dictionaries(st.sampled_from(["queue_s", "encode_s", "cache_hit", "x"]), numbers)})
+_offer = st.one_of(
+    json_values,
+    st.fixed_dictionaries(
+        {
+            "kind": st.sampled_from(["shm", "mooncake", "loopback", "rdma"]),
+            "namespace": st.text(max_size=5),
+            "segment": st.text(max_size=20),
+            "offset": numbers,
+            "capacity": numbers,
+            "session": st.text(max_size=20),
+            "address": numbers,
+            "region": numbers,
+        }
+    ),
+)
+_registration = st.fixed_dictionaries(
+    {
+        "room": _room,
+        "generation": numbers,
+        "rows": numbers,
+        "width": numbers,
+        "dtype": st.sampled_from(["float32", "bfloat16", "complex64", ""]),
+        "offers": st.lists(_offer, max_size=4),
+    },
+    optional={"deadline_s": numbers},
+)
+_commit = st.fixed_dictionaries(
+    {
+        "room": _room,
+        "generation": numbers,
+        "transport": st.sampled_from(["shm", "mooncake", "tcp"]),
+        "rows": numbers,
+        "width": numbers,
+        "dtype": st.sampled_from(["float32", "int8"]),
+    },
+    optional={
+        "checksum": numbers,
+        "grid_thw": st.lists(numbers, max_size=4),
+        "shm_segment": st.text(max_size=20),
+        "timings": st.dictionaries(
+            st.sampled_from(["queue_s", "encode_s", "cache_hit", "x"]), numbers
+        ),
+    },
+)
 _bodies = st.one_of(
     st.fixed_dictionaries({"count": numbers, "ttl_s": numbers}),
-    st.fixed_dictionaries({"receivers": st.lists(_registration, max_size=3)}, optional={"wait_s": numbers}),
-    st.fixed_dictionaries({"writes": st.lists(st.fixed_dictionaries({"room": _room, "generation": numbers,
-                                                                     "transport": st.text(max_size=9)}), max_size=3)}),
+    st.fixed_dictionaries(
+        {"receivers": st.lists(_registration, max_size=3)}, optional={"wait_s": numbers}
+    ),
+    st.fixed_dictionaries(
+        {
+            "writes": st.lists(
+                st.fixed_dictionaries(
+                    {"room": _room, "generation": numbers, "transport": st.text(max_size=9)}
+                ),
+                max_size=3,
+            )
+        }
+    ),
     st.fixed_dictionaries({"commits": st.lists(_commit, max_size=3)}),
-    st.fixed_dictionaries({"failures": st.lists(st.fixed_dictionaries({"room": _room, "reason": st.text(max_size=600),
-                                                                       "settled": json_values}), max_size=3)}),
-    st.fixed_dictionaries({"rooms": st.lists(st.one_of(_room, st.fixed_dictionaries(
-        {"room": _room, "after_version": numbers})), max_size=3)}, optional={"reason": st.text(max_size=9),
-                                                                               "wait_s": numbers}),
-    json_values)
+    st.fixed_dictionaries(
+        {
+            "failures": st.lists(
+                st.fixed_dictionaries(
+                    {"room": _room, "reason": st.text(max_size=600), "settled": json_values}
+                ),
+                max_size=3,
+            )
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "rooms": st.lists(
+                st.one_of(_room, st.fixed_dictionaries({"room": _room, "after_version": numbers})),
+                max_size=3,
+            )
+        },
+        optional={"reason": st.text(max_size=9), "wait_s": numbers},
+    ),
+    json_values,
+)
 
 
 def _within_bounds(body) -> None:
@@ -158,10 +263,15 @@ def _within_bounds(body) -> None:
                 assert 1 <= entry <= MAX_ROOM_ID
 
 
-ROUTES = {models.MintRequest: "/v1/rooms", models.RegisterRequest: "/v1/rooms/register",
-          models.BeginWriteRequest: "/v1/rooms/begin-write", models.CommitRequest: "/v1/rooms/commit",
-          models.FailRequest: "/v1/rooms/fail", models.CancelRequest: "/v1/rooms/cancel",
-          models.WatchRequest: "/v1/rooms/watch"}
+ROUTES = {
+    models.MintRequest: "/v1/rooms",
+    models.RegisterRequest: "/v1/rooms/register",
+    models.BeginWriteRequest: "/v1/rooms/begin-write",
+    models.CommitRequest: "/v1/rooms/commit",
+    models.FailRequest: "/v1/rooms/fail",
+    models.CancelRequest: "/v1/rooms/cancel",
+    models.WatchRequest: "/v1/rooms/watch",
+}
 
 
 def _check_body(model, raw: bytes) -> bool:
@@ -170,7 +280,9 @@ def _check_body(model, raw: bytes) -> bool:
     400 for a TTL over the table's lifetime);
     any other is answered 422 with FastAPI's declared shape, one ``{type, loc, msg}`` per error of
     the model, ``loc`` under ``body``. True if the body was valid."""
-    response = _handshake_client().post(ROUTES[model], content=raw, headers={"content-type": "application/json"})
+    response = _handshake_client().post(
+        ROUTES[model], content=raw, headers={"content-type": "application/json"}
+    )
     assert str(response.status_code) in _declared_statuses(ROUTES[model]), response.status_code
     try:
         parsed = model.model_validate_json(raw)
@@ -180,14 +292,19 @@ def _check_body(model, raw: bytes) -> bool:
         assert response.status_code == 422, (response.status_code, response.text)
         detail = response.json()["detail"]
         assert [(d["type"], d["loc"], d["msg"]) for d in detail] == [
-            (e["type"], ["body", *e["loc"]], e["msg"]) for e in errors]
+            (e["type"], ["body", *e["loc"]], e["msg"]) for e in errors
+        ]
         return False
     _within_bounds(parsed)
     assert model.model_validate_json(parsed.model_dump_json()) == parsed  # what we send, we accept
-    if model is models.MintRequest and parsed.ttl_s > RoomLimits.max_ttl_s:  # over the table's own bound
+    if (
+        model is models.MintRequest and parsed.ttl_s > RoomLimits.max_ttl_s
+    ):  # over the table's own bound
         assert response.status_code == 400 and "room lifetime" in response.text, response.text
     else:
-        assert response.status_code in ((200, 503) if model is models.MintRequest else (200,)), response.text
+        assert response.status_code in ((200, 503) if model is models.MintRequest else (200,)), (
+            response.text
+        )
     return True
 
 
@@ -198,7 +315,9 @@ def _declared_statuses(path: str) -> set[str]:
     """The statuses the app's OpenAPI declares for POST ``path``."""
     if not _DECLARED:
         spec = _handshake_client().get("/openapi.json").json()
-        _DECLARED.update({p: set(v["post"]["responses"]) for p, v in spec["paths"].items() if "post" in v})
+        _DECLARED.update(
+            {p: set(v["post"]["responses"]) for p, v in spec["paths"].items() if "post" in v}
+        )
     return _DECLARED[path]
 
 
@@ -221,14 +340,37 @@ def test_handshake_bodies_of_random_bytes(raw, model):
 
 def test_a_valid_body_of_each_kind_is_accepted():
     """The checks above see valid bodies of every route (random bytes alone rarely are one)."""
-    valid = {models.MintRequest: {"count": 1}, models.RegisterRequest: {"receivers": [
-        {"room": 3, "generation": 1, "rows": 2, "width": 4, "dtype": "float32",
-         "offers": [{"kind": "loopback", "region": 1, "offset": 0, "capacity": 32}]}]},
+    valid = {
+        models.MintRequest: {"count": 1},
+        models.RegisterRequest: {
+            "receivers": [
+                {
+                    "room": 3,
+                    "generation": 1,
+                    "rows": 2,
+                    "width": 4,
+                    "dtype": "float32",
+                    "offers": [{"kind": "loopback", "region": 1, "offset": 0, "capacity": 32}],
+                }
+            ]
+        },
         models.BeginWriteRequest: {"writes": [{"room": 3, "generation": 1, "transport": "shm"}]},
-        models.CommitRequest: {"commits": [{"room": 3, "generation": 1, "transport": "shm", "rows": 2, "width": 4,
-                                            "dtype": "float32"}]},
-        models.FailRequest: {"failures": [{"room": 3, "reason": "x"}]}, models.CancelRequest: {"rooms": [3]},
-        models.WatchRequest: {"rooms": [{"room": 3}]}}
+        models.CommitRequest: {
+            "commits": [
+                {
+                    "room": 3,
+                    "generation": 1,
+                    "transport": "shm",
+                    "rows": 2,
+                    "width": 4,
+                    "dtype": "float32",
+                }
+            ]
+        },
+        models.FailRequest: {"failures": [{"room": 3, "reason": "x"}]},
+        models.CancelRequest: {"rooms": [3]},
+        models.WatchRequest: {"rooms": [{"room": 3}]},
+    }
     assert set(valid) == set(BODIES)
     for model, body in valid.items():
         assert _check_body(model, json.dumps(body).encode()), model
@@ -236,17 +378,42 @@ def test_a_valid_body_of_each_kind_is_accepted():
 
 
 @SLOW
-@given(st.integers(min_value=0, max_value=10_000), st.sampled_from(["/v1/rooms/register", "/v1/rooms/commit"]))
+@given(
+    st.integers(min_value=0, max_value=10_000),
+    st.sampled_from(["/v1/rooms/register", "/v1/rooms/commit"]),
+)
 def test_truncated_handshake_bodies_get_4xx(cut, path):
     """Any prefix of a valid body through the real app (front door, body routes): a 4xx, never a 5xx."""
-    body = {"/v1/rooms/register": {"receivers": [{"room": 3, "generation": 1, "rows": 2, "width": 4, "dtype": "float32",
-                                                  "offers": [{"kind": "loopback", "region": 1, "offset": 0,
-                                                              "capacity": 32}]}]},
-            "/v1/rooms/commit": {"commits": [{"room": 3, "generation": 1, "transport": "shm", "rows": 2, "width": 4,
-                                              "dtype": "float32"}]}}[path]
+    body = {
+        "/v1/rooms/register": {
+            "receivers": [
+                {
+                    "room": 3,
+                    "generation": 1,
+                    "rows": 2,
+                    "width": 4,
+                    "dtype": "float32",
+                    "offers": [{"kind": "loopback", "region": 1, "offset": 0, "capacity": 32}],
+                }
+            ]
+        },
+        "/v1/rooms/commit": {
+            "commits": [
+                {
+                    "room": 3,
+                    "generation": 1,
+                    "transport": "shm",
+                    "rows": 2,
+                    "width": 4,
+                    "dtype": "float32",
+                }
+            ]
+        },
+    }[path]
     raw = json.dumps(body).encode()
-    response = _handshake_client().post(path, content=raw[: cut % (len(raw) + 1)],
-                                        headers={"content-type": "application/json"})
+    response = _handshake_client().post(
+        path, content=raw[: cut % (len(raw) + 1)], headers={"content-type": "application/json"}
+    )
     assert response.status_code < 500
 
 
@@ -270,7 +437,9 @@ class _StubJob:
 
     def __init__(self, inputs):
         self.inputs = inputs
-        self.outcomes = [ItemOutcome(i, state="FAILED", reason="stub") for i in range(len(inputs.mm_items))]
+        self.outcomes = [
+            ItemOutcome(i, state="FAILED", reason="stub") for i in range(len(inputs.mm_items))
+        ]
         self.future = concurrent.futures.Future()
         self.future.set_result(None)
         self.started = time.monotonic()
@@ -289,17 +458,37 @@ class _StubReceiver:
         return _StubJob(inputs)
 
     def health(self):
-        return {"transports": ["loopback"], "lost": {}, "cannot_receive": None, "not_ready": None,
-                "pool": {"slots": 1, "free_slots": 1, "leased_slots": 0, "quarantined_slots": 0}}
+        return {
+            "transports": ["loopback"],
+            "lost": {},
+            "cannot_receive": None,
+            "not_ready": None,
+            "pool": {"slots": 1, "free_slots": 1, "leased_slots": 0, "quarantined_slots": 0},
+        }
 
 
 PREFILL_APP = create_app(_StubReceiver(), max_body_bytes=1 << 16)
-_prefill_items = st.lists(st.one_of(json_values, st.fixed_dictionaries(
-    {"offsets": st.lists(st.lists(numbers, max_size=3), max_size=3)},
-    optional={"encode_handshake": st.one_of(st.none(), handshakes), "image_b64": st.text(max_size=12),
-              "grid_thw": st.lists(numbers, max_size=4)})), max_size=3)
-_prefill_bodies = st.one_of(st.fixed_dictionaries({"request_id": st.text(max_size=140), "items": _prefill_items},
-                                                  optional={"verify": json_values, "timeout_s": numbers}), json_values)
+_prefill_items = st.lists(
+    st.one_of(
+        json_values,
+        st.fixed_dictionaries(
+            {"offsets": st.lists(st.lists(numbers, max_size=3), max_size=3)},
+            optional={
+                "encode_handshake": st.one_of(st.none(), handshakes),
+                "image_b64": st.text(max_size=12),
+                "grid_thw": st.lists(numbers, max_size=4),
+            },
+        ),
+    ),
+    max_size=3,
+)
+_prefill_bodies = st.one_of(
+    st.fixed_dictionaries(
+        {"request_id": st.text(max_size=140), "items": _prefill_items},
+        optional={"verify": json_values, "timeout_s": numbers},
+    ),
+    json_values,
+)
 
 
 @FAST
@@ -315,20 +504,36 @@ def test_prefill_request_model(body):
 
 
 @SLOW
-@given(st.one_of(_prefill_bodies.map(lambda body: json.dumps(body).encode()), st.binary(max_size=200)))
+@given(
+    st.one_of(_prefill_bodies.map(lambda body: json.dumps(body).encode()), st.binary(max_size=200))
+)
 def test_prefill_app_never_answers_5xx(raw):
     with TestClient(PREFILL_APP, raise_server_exceptions=False) as client:
-        response = client.post("/v1/prefill", content=raw, headers={"content-type": "application/json"})
+        response = client.post(
+            "/v1/prefill", content=raw, headers={"content-type": "application/json"}
+        )
     assert response.status_code < 500, response.text
 
 
 def test_prefill_app_out_of_range_numbers_and_oversized_bodies():
     """The two cases the fuzzing above found: 1e400 (inf after parsing) got a 500; bodies had no bound."""
     with TestClient(PREFILL_APP, raise_server_exceptions=False) as client:
-        assert client.post("/v1/prefill", content=b'{"request_id": 1e400}',
-                           headers={"content-type": "application/json"}).status_code == 422
-        assert client.post("/v1/prefill", content=b" " * ((1 << 16) + 1),
-                           headers={"content-type": "application/json"}).status_code == 413
+        assert (
+            client.post(
+                "/v1/prefill",
+                content=b'{"request_id": 1e400}',
+                headers={"content-type": "application/json"},
+            ).status_code
+            == 422
+        )
+        assert (
+            client.post(
+                "/v1/prefill",
+                content=b" " * ((1 << 16) + 1),
+                headers={"content-type": "application/json"},
+            ).status_code
+            == 413
+        )
 
 
 prefill_schema = schemathesis.openapi.from_asgi("/openapi.json", PREFILL_APP)
@@ -351,28 +556,58 @@ def test_prefill_api_has_no_5xx(case):
 # one settled entry per item; a DONE item carries exactly the rows written for its room; no slot
 # stays leased once a request's rooms end, and every quarantined slot comes back (module teardown).
 
+
 def _mostly(valid, junk, one_in: int = 8):
     """``valid``, but one draw in ``one_in`` from ``junk`` (one junk field refuses the whole body)."""
-    return st.integers(0, one_in - 1).flatmap(lambda n: junk if n == 1 else valid)  # the ends: drawn often
+    return st.integers(0, one_in - 1).flatmap(
+        lambda n: junk if n == 1 else valid
+    )  # the ends: drawn often
 
 
 _ROOM_KINDS = ("written", "written", "corrupt", "corrupt", "fresh", "cancelled", "dup")
-_real_handshakes = st.fixed_dictionaries({
-    "bootstrap_room": _mostly(st.sampled_from(_ROOM_KINDS), numbers),
-    "bootstrap_host": st.just("127.0.0.1"),
-    "bootstrap_port": _mostly(st.just("server"), st.just("closed"), 6)})
+_real_handshakes = st.fixed_dictionaries(
+    {
+        "bootstrap_room": _mostly(st.sampled_from(_ROOM_KINDS), numbers),
+        "bootstrap_host": st.just("127.0.0.1"),
+        "bootstrap_port": _mostly(st.just("server"), st.just("closed"), 6),
+    }
+)
 _real_offsets = st.lists(st.integers(0, 60), min_size=2, max_size=6, unique=True).map(
-    lambda ends: [list(span) for span in zip(sorted(ends)[::2], sorted(ends)[1::2])])  # increasing, disjoint
-_real_items = st.lists(_mostly(st.fixed_dictionaries(
-    {"offsets": _mostly(_real_offsets, st.lists(st.lists(numbers, max_size=3), max_size=3)),
-     "encode_handshake": _mostly(_real_handshakes, st.none(), 5)},
-    optional={"image_b64": _mostly(st.sampled_from(["", "aGVsbG8="]), st.text(max_size=12)),
-              "grid_thw": _mostly(st.sampled_from([[1, 2, 2], [1, 4, 4]]), st.lists(numbers, max_size=4))}),
-    json_values, 12), min_size=1, max_size=4)
-_real_bodies = _mostly(st.fixed_dictionaries(
-    {"request_id": st.text(min_size=1, max_size=20), "items": _real_items},
-    optional={"verify": _mostly(st.booleans(), json_values),
-              "timeout_s": _mostly(st.sampled_from([0.05, 0.3, 2.0, 60]), numbers)}), json_values, 12)
+    lambda ends: [list(span) for span in zip(sorted(ends)[::2], sorted(ends)[1::2])]
+)  # increasing, disjoint
+_real_items = st.lists(
+    _mostly(
+        st.fixed_dictionaries(
+            {
+                "offsets": _mostly(
+                    _real_offsets, st.lists(st.lists(numbers, max_size=3), max_size=3)
+                ),
+                "encode_handshake": _mostly(_real_handshakes, st.none(), 5),
+            },
+            optional={
+                "image_b64": _mostly(st.sampled_from(["", "aGVsbG8="]), st.text(max_size=12)),
+                "grid_thw": _mostly(
+                    st.sampled_from([[1, 2, 2], [1, 4, 4]]), st.lists(numbers, max_size=4)
+                ),
+            },
+        ),
+        json_values,
+        12,
+    ),
+    min_size=1,
+    max_size=4,
+)
+_real_bodies = _mostly(
+    st.fixed_dictionaries(
+        {"request_id": st.text(min_size=1, max_size=20), "items": _real_items},
+        optional={
+            "verify": _mostly(st.booleans(), json_values),
+            "timeout_s": _mostly(st.sampled_from([0.05, 0.3, 2.0, 60]), numbers),
+        },
+    ),
+    json_values,
+    12,
+)
 REAL_WIDTH = 8
 
 
@@ -390,13 +625,30 @@ def real_prefill():
     table = RoomTable()
     server = ThreadedServer(handshake_app(table)).start()
     loopback = LoopbackTransport()
-    receiver = PrefillReceiver(ReceiverConfig(width=REAL_WIDTH, dtype="float32", pool_bytes=16 << 10, slot_bytes=1 << 10,
-                                              transports=("loopback",), item_timeout_s=0.5, poll_s=0.2,
-                                              quarantine_s=0.5), transports={"loopback": loopback})
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=REAL_WIDTH,
+            dtype="float32",
+            pool_bytes=16 << 10,
+            slot_bytes=1 << 10,
+            transports=("loopback",),
+            item_timeout_s=0.5,
+            poll_s=0.2,
+            quarantine_s=0.5,
+        ),
+        transports={"loopback": loopback},
+    )
     closed = socket.socket()  # bound, never listening: a connection to it is refused
     closed.bind(("127.0.0.1", 0))
     try:
-        yield create_app(receiver, max_body_bytes=1 << 16), receiver, table, server, loopback, closed.getsockname()[1]
+        yield (
+            create_app(receiver, max_body_bytes=1 << 16),
+            receiver,
+            table,
+            server,
+            loopback,
+            closed.getsockname()[1],
+        )
         end = time.monotonic() + 10  # every quarantine (0.5 s) ends, and then every slot is free
         while receiver.pool.stats()["free_slots"] != receiver.pool.slot_count:
             assert time.monotonic() < end, f"slots never came back: {receiver.pool.stats()}"
@@ -416,7 +668,9 @@ def _place_rooms(body, table, port: int, closed_port: int) -> list[tuple[int, in
         handshake = item.get("encode_handshake") if isinstance(item, dict) else None
         if not isinstance(handshake, dict) or "bootstrap_port" not in handshake:
             continue
-        handshake["bootstrap_port"] = port if handshake["bootstrap_port"] == "server" else closed_port
+        handshake["bootstrap_port"] = (
+            port if handshake["bootstrap_port"] == "server" else closed_port
+        )
         kind = handshake.get("bootstrap_room")
         if not isinstance(kind, str):
             continue
@@ -432,7 +686,9 @@ def _place_rooms(body, table, port: int, closed_port: int) -> list[tuple[int, in
     return placed
 
 
-def _encode_side(table, transport, plan: dict[int, str], over: threading.Event, seconds: float = 20) -> dict[int, int]:
+def _encode_side(
+    table, transport, plan: dict[int, str], over: threading.Event, seconds: float = 20
+) -> dict[int, int]:
     """A test-side encoder for the rooms in ``plan`` (room -> "written" or "corrupt"): once a
     receiver registered, begin the write, copy random rows into its slot through ``transport`` and
     commit them (with a checksum one off for "corrupt"); rooms that end first are left alone, and
@@ -454,16 +710,28 @@ def _encode_side(table, transport, plan: dict[int, str], over: threading.Event, 
             registration = view.registration
             if view.state.terminal or registration is None:
                 continue
-            began = table.begin_write(BeginWrite(room=room, generation=registration.generation, transport="loopback"))
+            began = table.begin_write(
+                BeginWrite(room=room, generation=registration.generation, transport="loopback")
+            )
             if began.state is not RoomState.WRITING:
                 continue
-            rows = torch.randn(registration.rows, registration.width).to(dtype_from_wire(registration.dtype))
+            rows = torch.randn(registration.rows, registration.width).to(
+                dtype_from_wire(registration.dtype)
+            )
             (offer,) = [offer for offer in registration.offers if offer.kind == "loopback"]
             assert transport.submit(rows, offer, time.monotonic() + 5).wait() is TransferState.DONE
             sent = (checksum(rows) + (kind == "corrupt")) % (1 << 64)
-            done = table.commit(CommitBody(room=room, generation=registration.generation, transport="loopback",
-                                           rows=registration.rows, width=registration.width,
-                                           dtype=registration.dtype, checksum=sent))
+            done = table.commit(
+                CommitBody(
+                    room=room,
+                    generation=registration.generation,
+                    transport="loopback",
+                    rows=registration.rows,
+                    width=registration.width,
+                    dtype=registration.dtype,
+                    checksum=sent,
+                )
+            )
             if done.state is RoomState.SUCCESS:
                 committed[room] = sent
         if last_look:
@@ -486,7 +754,12 @@ def _prefill_declared(app) -> set[str]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(_mostly(_real_bodies.map(lambda body: ("json", body)), st.binary(max_size=120).map(lambda raw: ("raw", raw))))
+@given(
+    _mostly(
+        _real_bodies.map(lambda body: ("json", body)),
+        st.binary(max_size=120).map(lambda raw: ("raw", raw)),
+    )
+)
 def test_prefill_app_with_the_real_receiver(real_prefill, case):
     app, receiver, table, server, loopback, closed_port = real_prefill
     kind, body = case
@@ -498,7 +771,8 @@ def test_prefill_app_with_the_real_receiver(real_prefill, case):
     committed = encoder.submit(_encode_side, table, loopback, plan, over)
     encoder.shutdown(wait=False)
     response = TestClient(app, raise_server_exceptions=False).post(
-        "/v1/prefill", content=raw, headers={"content-type": "application/json"})
+        "/v1/prefill", content=raw, headers={"content-type": "application/json"}
+    )
     over.set()  # no receiver registers a room of this request any more
     assert response.status_code < 500, response.text
     committed = committed.result(timeout=20)
@@ -515,11 +789,17 @@ def test_prefill_app_with_the_real_receiver(real_prefill, case):
     report = response.json()
     assert len(report["items"]) == len(body["items"])
     assert all(item["state"] in ("DONE", "FAILED", "SKIPPED") for item in report["items"]), report
-    assert report["state"] == ("FAILED" if any(i["state"] == "FAILED" for i in report["items"]) else "DONE")
+    assert report["state"] == (
+        "FAILED" if any(i["state"] == "FAILED" for i in report["items"]) else "DONE"
+    )
     kinds = {index: (room, room_kind) for index, room, room_kind in placed}
     for index, item in enumerate(report["items"]):
-        event(f"item {item['state']}: {re.sub(r'[0-9]+', 'N', (item['reason'] or '').split(':')[0])[:40]}")
-        if item["state"] == "DONE":  # only from a room the encoder side committed, with exactly its rows
+        event(
+            f"item {item['state']}: {re.sub(r'[0-9]+', 'N', (item['reason'] or '').split(':')[0])[:40]}"
+        )
+        if (
+            item["state"] == "DONE"
+        ):  # only from a room the encoder side committed, with exactly its rows
             room, room_kind = kinds[index]
             assert room_kind != "corrupt" and item["checksum"] == committed[room], (item, room_kind)
             assert item["width"] == REAL_WIDTH and item["transport"] == "loopback"
@@ -531,9 +811,24 @@ def test_prefill_app_with_the_real_receiver(real_prefill, case):
 
 
 @FAST
-@given(st.one_of(st.text(max_size=120), st.from_regex(r"epd-[A-Za-z0-9_-]{1,100}", fullmatch=True),
-                 st.sampled_from(["epd-../x", "epd-a/b", "epd-\x00", "../../etc/passwd", "epd-" + "a" * 101,
-                                  "epd-ok\n", "/dev/shm/epd-x", "epd-"])))
+@given(
+    st.one_of(
+        st.text(max_size=120),
+        st.from_regex(r"epd-[A-Za-z0-9_-]{1,100}", fullmatch=True),
+        st.sampled_from(
+            [
+                "epd-../x",
+                "epd-a/b",
+                "epd-\x00",
+                "../../etc/passwd",
+                "epd-" + "a" * 101,
+                "epd-ok\n",
+                "/dev/shm/epd-x",
+                "epd-",
+            ]
+        ),
+    )
+)
 def test_shm_names(name):
     """validate_name, the wire pattern of offers and commits, and attach agree; an accepted name is
     one path component of ours that cannot leave /dev/shm."""
@@ -549,7 +844,9 @@ def test_shm_names(name):
         wire_valid = False
     assert valid == wire_valid
     if valid:
-        assert name.startswith("epd-") and "/" not in name and ".." not in name and "\x00" not in name
+        assert (
+            name.startswith("epd-") and "/" not in name and ".." not in name and "\x00" not in name
+        )
         assert len(name) <= 104
     try:
         ShmSegment.attach(name)
@@ -561,9 +858,17 @@ def test_shm_names(name):
 
 
 @FAST
-@given(st.dictionaries(st.sampled_from(["shm_name", "shape", "dtype", "x"]),
-                       st.one_of(json_values, st.lists(numbers, max_size=3),
-                                 st.sampled_from(["epd-h-1", "uint8", "float32", "complex64"])), max_size=4))
+@given(
+    st.dictionaries(
+        st.sampled_from(["shm_name", "shape", "dtype", "x"]),
+        st.one_of(
+            json_values,
+            st.lists(numbers, max_size=3),
+            st.sampled_from(["epd-h-1", "uint8", "float32", "complex64"]),
+        ),
+        max_size=4,
+    )
+)
 def test_shm_handles_from_the_wire(data):
     try:
         handle = ShmTensorHandle.from_wire(data)
@@ -576,14 +881,25 @@ def test_shm_handles_from_the_wire(data):
 # ---- commit acceptance -------------------------------------------------------------------------
 
 _POOL = SlotPool(MemoryRegion.anonymous(1 << 16), 1 << 10, quarantine_s=60)
-_commits = st.fixed_dictionaries({"generation": numbers, "rows": numbers, "width": numbers,
-                                  "dtype": st.sampled_from(["float32", "bfloat16", "uint8", "int64", "x"])},
-                                 optional={"checksum": numbers})
+_commits = st.fixed_dictionaries(
+    {
+        "generation": numbers,
+        "rows": numbers,
+        "width": numbers,
+        "dtype": st.sampled_from(["float32", "bfloat16", "uint8", "int64", "x"]),
+    },
+    optional={"checksum": numbers},
+)
 
 
 @FAST
-@given(_commits, st.integers(min_value=1, max_value=8), st.integers(min_value=1, max_value=16),
-       st.booleans(), st.booleans())
+@given(
+    _commits,
+    st.integers(min_value=1, max_value=8),
+    st.integers(min_value=1, max_value=16),
+    st.booleans(),
+    st.booleans(),
+)
 def test_commit_acceptance(fields, rows, width, release_first, flip):
     """A commit is accepted only for the live lease's generation, the reserved layout and (when sent)
     the slot's checksum; the view it returns is exactly the reservation. Anything else is a
@@ -594,9 +910,18 @@ def test_commit_acceptance(fields, rows, width, release_first, flip):
         view = _POOL.view(lease)
         view.copy_(torch.randint(0, 255, (view.numel(),), dtype=torch.uint8))
         rows_tensor = view.view(torch.float32).view(rows, width)
-        good = {"generation": lease.generation, "rows": rows, "width": width, "dtype": "float32",
-                "checksum": checksum(rows_tensor)}
-        for candidate in (fields, {**good, **{k: v for k, v in fields.items() if k == "checksum"}}, good):
+        good = {
+            "generation": lease.generation,
+            "rows": rows,
+            "width": width,
+            "dtype": "float32",
+            "checksum": checksum(rows_tensor),
+        }
+        for candidate in (
+            fields,
+            {**good, **{k: v for k, v in fields.items() if k == "checksum"}},
+            good,
+        ):
             try:
                 commit = Commit.model_validate_json(json.dumps(candidate))
             except ValidationError:
@@ -611,8 +936,12 @@ def test_commit_acceptance(fields, rows, width, release_first, flip):
             finally:
                 if flip:
                     view[0] ^= 1
-            matches = (live and commit.generation == lease.generation and commit.layout == layout
-                       and (commit.checksum is None or (commit.checksum == good["checksum"] and not flip)))
+            matches = (
+                live
+                and commit.generation == lease.generation
+                and commit.layout == layout
+                and (commit.checksum is None or (commit.checksum == good["checksum"] and not flip))
+            )
             assert (accepted is not None) == matches, (candidate, flip)
             if accepted is not None:
                 assert accepted.shape == (rows, width) and accepted.data_ptr() == view.data_ptr()

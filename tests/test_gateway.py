@@ -23,10 +23,18 @@ from tests.image_server import serving  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
 MAX_TOKENS = 8
-CONNECTOR = {"ec_connector": "EPDConnector", "ec_connector_module_path": "prefill_side.vllm_connector",
-             "ec_role": "ec_consumer", "ec_connector_extra_config": {
-                 "pool_bytes": 32 << 20, "slot_bytes": 1 << 16, "transports": ["shm", "mooncake"],
-                 "item_timeout_s": 20, "quarantine_s": 2}}
+CONNECTOR = {
+    "ec_connector": "EPDConnector",
+    "ec_connector_module_path": "prefill_side.vllm_connector",
+    "ec_role": "ec_consumer",
+    "ec_connector_extra_config": {
+        "pool_bytes": 32 << 20,
+        "slot_bytes": 1 << 16,
+        "transports": ["shm", "mooncake"],
+        "item_timeout_s": 20,
+        "quarantine_s": 2,
+    },
+}
 
 
 def data_uri(image: bytes, kind: str = "png") -> str:
@@ -45,8 +53,10 @@ def metric(url: str, name: str, **labels) -> float:
     return total
 
 
-IMAGE_FILES = {"/a.png": ("image/png", synthetic_image(112, 84, seed=71)),
-               "/page.html": ("text/html", b"<html></html>")}
+IMAGE_FILES = {
+    "/a.png": ("image/png", synthetic_image(112, 84, seed=71)),
+    "/page.html": ("text/html", b"<html></html>"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,28 +72,52 @@ class Stack:
         self.model = cached_vlm("qwen2_vl")
         self.cluster = LocalCluster(self.model, log_dir=log_dir)
         self.worker = self.cluster.start_encode_worker("worker", transports="shm")
-        self.vllm = Server("vllm", self.model, log_dir, CONNECTOR, "float32", 1024, images_per_prompt=4,
-                           extra=("--distributed-executor-backend", "mp"))
-        self.gateway = self.cluster.start_gateway(self.vllm.url, [self.worker.worker],
-                                                  extra=("--allow-private-urls", "--max-image-bytes", "1M"))
+        self.vllm = Server(
+            "vllm",
+            self.model,
+            log_dir,
+            CONNECTOR,
+            "float32",
+            1024,
+            images_per_prompt=4,
+            extra=("--distributed-executor-backend", "mp"),
+        )
+        self.gateway = self.cluster.start_gateway(
+            self.vllm.url,
+            [self.worker.worker],
+            extra=("--allow-private-urls", "--max-image-bytes", "1M"),
+        )
         # a worker that can reach no receiver (it offers loopback only): every room it takes fails
         self.stranger = self.cluster.start_encode_worker("worker-loopback", transports="loopback")
-        self.retrying = self.cluster.start_gateway(self.vllm.url, [self.stranger.worker], name="gateway-retrying")
+        self.retrying = self.cluster.start_gateway(
+            self.vllm.url, [self.stranger.worker], name="gateway-retrying"
+        )
         nobody = WorkerAddress(HOST, free_port(), free_port())  # no worker listens there
-        self.lonely = self.cluster.start_gateway(self.vllm.url, [nobody], name="gateway-without-workers")
+        self.lonely = self.cluster.start_gateway(
+            self.vllm.url, [nobody], name="gateway-without-workers"
+        )
         self.cluster.wait_ready()
         eventually(self.vllm.healthy, "the vLLM server answering /health", seconds=300)
         from bench.vllm import descendants
 
-        assert len(descendants(self.vllm.process.pid)) >= 2, "expected an EngineCore and a worker process"
-        self.client = openai.OpenAI(base_url=self.gateway.url + "/v1", api_key="-", max_retries=0, timeout=120)
-        self.direct = openai.OpenAI(base_url=self.vllm.url + "/v1", api_key="-", max_retries=0, timeout=120)
+        assert len(descendants(self.vllm.process.pid)) >= 2, (
+            "expected an EngineCore and a worker process"
+        )
+        self.client = openai.OpenAI(
+            base_url=self.gateway.url + "/v1", api_key="-", max_retries=0, timeout=120
+        )
+        self.direct = openai.OpenAI(
+            base_url=self.vllm.url + "/v1", api_key="-", max_retries=0, timeout=120
+        )
 
     def stop(self) -> list[int]:
         from bench.vllm import descendants
 
-        pids = [self.vllm.process.pid, *descendants(self.vllm.process.pid),
-                *(role.process.pid for role in self.cluster.roles)]
+        pids = [
+            self.vllm.process.pid,
+            *descendants(self.vllm.process.pid),
+            *(role.process.pid for role in self.cluster.roles),
+        ]
         self.client.close()
         self.direct.close()
         self.vllm.stop()
@@ -91,11 +125,22 @@ class Stack:
         assert codes == {name: 0 for name in codes}, codes
         return pids
 
-    def ask(self, client: openai.OpenAI, urls: list[str], max_tokens_override: int | None = None, **extra):
+    def ask(
+        self,
+        client: openai.OpenAI,
+        urls: list[str],
+        max_tokens_override: int | None = None,
+        **extra,
+    ):
         content = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
         content.append({"type": "text", "text": "Describe the pictures."})
-        return client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": content}],
-                                              temperature=0, max_tokens=max_tokens_override or MAX_TOKENS, **extra)
+        return client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": content}],
+            temperature=0,
+            max_tokens=max_tokens_override or MAX_TOKENS,
+            **extra,
+        )
 
     def colocated(self, urls: list[str]) -> str:
         """vLLM's own answer (its tower on the images), without the gateway."""
@@ -109,12 +154,22 @@ def stack(tmp_path_factory):
         yield running
     finally:
         pids = running.stop()
-    eventually(lambda: [p for p in os.listdir("/dev/shm") if p.startswith("epd-") and
-                        any(f"-{pid}-" in p for pid in pids)] == [],
-               "every segment of vLLM, its engine, the worker and the gateways unlinked", seconds=30)
+    eventually(
+        lambda: (
+            [
+                p
+                for p in os.listdir("/dev/shm")
+                if p.startswith("epd-") and any(f"-{pid}-" in p for pid in pids)
+            ]
+            == []
+        ),
+        "every segment of vLLM, its engine, the worker and the gateways unlinked",
+        seconds=30,
+    )
 
 
 # ---- end to end -----------------------------------------------------------------------------------
+
 
 def test_two_images_one_repeated_equal_colocated(stack):
     """Three image parts, two distinct images: each distinct image is encoded once by the worker
@@ -134,27 +189,36 @@ def test_streaming_relays_the_same_answer(stack):
     chunks = list(stack.ask(stack.client, [image], stream=True))
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
     assert chunks[-1].choices[0].finish_reason == "length"
-    assert streamed == stack.ask(stack.client, [image]).choices[0].message.content == stack.colocated([image])
+    assert (
+        streamed
+        == stack.ask(stack.client, [image]).choices[0].message.content
+        == stack.colocated([image])
+    )
 
 
 def test_http_url_and_data_uri_in_one_request(stack, image_server):
     """An http URL (fetched by the gateway, through two redirects) beside a data URI."""
     other = data_uri(synthetic_image(84, 84, seed=64), "png")
     answer = stack.ask(stack.client, [image_server + "/redirect/2", other])
-    assert [image["encoder"] for image in answer.model_extra["epd"]["images"]] == ["encode_worker"] * 2
+    assert [image["encoder"] for image in answer.model_extra["epd"]["images"]] == [
+        "encode_worker"
+    ] * 2
     served = data_uri(IMAGE_FILES["/a.png"][1])
     assert answer.choices[0].message.content == stack.colocated([served, other])
 
 
-@pytest.mark.parametrize("url, message", [
-    (data_uri(os.urandom(1_100_000)), "larger than 1048576 bytes"),
-    ("data:image/png;base64,@@@@", "not valid base64"),
-    (data_uri(synthetic_image(64, 64, seed=65, fmt="GIF"), "gif"), "GIF is not accepted"),
-    ("http://127.0.0.1:9/a.png", "cannot fetch"),
-    ("{server}/page.html", "not an image/* type"),
-    ("{server}/missing.png", "HTTP 404"),
-    ("ftp://example.com/a.png", "data: URI or an http(s) URL"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        (data_uri(os.urandom(1_100_000)), "larger than 1048576 bytes"),
+        ("data:image/png;base64,@@@@", "not valid base64"),
+        (data_uri(synthetic_image(64, 64, seed=65, fmt="GIF"), "gif"), "GIF is not accepted"),
+        ("http://127.0.0.1:9/a.png", "cannot fetch"),
+        ("{server}/page.html", "not an image/* type"),
+        ("{server}/missing.png", "HTTP 404"),
+        ("ftp://example.com/a.png", "data: URI or an http(s) URL"),
+    ],
+)
 def test_bad_images_are_refused_with_a_clear_error(stack, image_server, url, message):
     before = metric(stack.gateway.url, "epd_gateway_dispatch_seconds_count")
     with pytest.raises(openai.BadRequestError) as refused:
@@ -162,7 +226,9 @@ def test_bad_images_are_refused_with_a_clear_error(stack, image_server, url, mes
     assert refused.value.status_code == 400
     assert message in refused.value.message
     assert "messages[0].content[0].image_url" in refused.value.message  # which image
-    assert metric(stack.gateway.url, "epd_gateway_dispatch_seconds_count") == before  # nothing was dispatched
+    assert (
+        metric(stack.gateway.url, "epd_gateway_dispatch_seconds_count") == before
+    )  # nothing was dispatched
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -173,15 +239,33 @@ def test_client_leaving_before_the_answer_cancels_the_rooms(stack, stream):
     image = data_uri(synthetic_image(98, 98 + stream, seed=66))
     cancelled = metric(stack.worker.url, "epd_handshake_transitions_total", to="CANCELLED")
     left = metric(stack.gateway.url, "epd_gateway_requests_total", outcome="client_disconnected")
-    leaving = openai.OpenAI(base_url=stack.gateway.url + "/v1", api_key="-", max_retries=0, timeout=3)
+    leaving = openai.OpenAI(
+        base_url=stack.gateway.url + "/v1", api_key="-", max_retries=0, timeout=3
+    )
     os.kill(stack.vllm.process.pid, signal.SIGSTOP)
     try:
         with pytest.raises(openai.APITimeoutError):
-            list(stack.ask(leaving, [image], stream=stream)) if stream else stack.ask(leaving, [image])
-        eventually(lambda: metric(stack.worker.url, "epd_handshake_transitions_total", to="CANCELLED") == cancelled + 1,
-                   "the room cancelled at the worker", seconds=10)
-        eventually(lambda: metric(stack.gateway.url, "epd_gateway_requests_total",
-                                  outcome="client_disconnected") == left + 1, "the gateway counting it", seconds=10)
+            list(stack.ask(leaving, [image], stream=stream)) if stream else stack.ask(
+                leaving, [image]
+            )
+        eventually(
+            lambda: (
+                metric(stack.worker.url, "epd_handshake_transitions_total", to="CANCELLED")
+                == cancelled + 1
+            ),
+            "the room cancelled at the worker",
+            seconds=10,
+        )
+        eventually(
+            lambda: (
+                metric(
+                    stack.gateway.url, "epd_gateway_requests_total", outcome="client_disconnected"
+                )
+                == left + 1
+            ),
+            "the gateway counting it",
+            seconds=10,
+        )
     finally:
         os.kill(stack.vllm.process.pid, signal.SIGCONT)
         leaving.close()
@@ -195,14 +279,29 @@ def test_client_leaving_mid_stream_aborts_the_request_in_vllm(stack):
     it would run to the end otherwise); the next request is served."""
     generated = metric(stack.vllm.url, "vllm:generation_tokens_total")
     left = metric(stack.gateway.url, "epd_gateway_requests_total", outcome="client_disconnected")
-    stream = stack.ask(stack.client, [data_uri(synthetic_image(56, 56, seed=70))], stream=True,
-                       max_tokens_override=800, extra_body={"ignore_eos": True})
+    stream = stack.ask(
+        stack.client,
+        [data_uri(synthetic_image(56, 56, seed=70))],
+        stream=True,
+        max_tokens_override=800,
+        extra_body={"ignore_eos": True},
+    )
     for _, _chunk in zip(range(3), stream):
         pass
     stream.close()
-    eventually(lambda: metric(stack.gateway.url, "epd_gateway_requests_total",
-                              outcome="client_disconnected") == left + 1, "the gateway counting it", seconds=10)
-    eventually(lambda: metric(stack.vllm.url, "vllm:num_requests_running") == 0, "vLLM done with it", seconds=60)
+    eventually(
+        lambda: (
+            metric(stack.gateway.url, "epd_gateway_requests_total", outcome="client_disconnected")
+            == left + 1
+        ),
+        "the gateway counting it",
+        seconds=10,
+    )
+    eventually(
+        lambda: metric(stack.vllm.url, "vllm:num_requests_running") == 0,
+        "vLLM done with it",
+        seconds=60,
+    )
     assert metric(stack.vllm.url, "vllm:generation_tokens_total") - generated < 800
     fresh = data_uri(synthetic_image(70, 70, seed=72))
     assert stack.ask(stack.client, [fresh]).choices[0].message.content == stack.colocated([fresh])
@@ -211,7 +310,9 @@ def test_client_leaving_mid_stream_aborts_the_request_in_vllm(stack):
 def test_no_healthy_worker_falls_back_to_colocated(stack):
     """A gateway whose only worker is gone: the request still succeeds, vLLM encodes the image,
     the answer equals colocated, and the fallback is counted."""
-    client = openai.OpenAI(base_url=stack.lonely.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=stack.lonely.url + "/v1", api_key="-", max_retries=0, timeout=120
+    )
     image = data_uri(synthetic_image(112, 84, seed=68))
     try:
         answer = stack.ask(client, [image])
@@ -220,25 +321,40 @@ def test_no_healthy_worker_falls_back_to_colocated(stack):
     (report,) = answer.model_extra["epd"]["images"]
     assert report["encoder"] == "colocated" and "no healthy encode worker" in report["error"]
     assert answer.choices[0].message.content == stack.colocated([image])
-    assert metric(stack.lonely.url, "epd_gateway_colocated_fallbacks_total", reason="no_healthy_worker") == 1
+    assert (
+        metric(
+            stack.lonely.url, "epd_gateway_colocated_fallbacks_total", reason="no_healthy_worker"
+        )
+        == 1
+    )
 
 
 def test_failed_delivery_is_retried_colocated(stack):
     """The worker takes the image but cannot deliver it (no transport in common with vLLM's
     receiver): vLLM fails the request (it carries the grid alone); the gateway sends it once more
     with the image inline, and the client gets vLLM's colocated answer, streamed or not."""
-    client = openai.OpenAI(base_url=stack.retrying.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=stack.retrying.url + "/v1", api_key="-", max_retries=0, timeout=120
+    )
     image = data_uri(synthetic_image(84, 140, seed=69))
     try:
         answer = stack.ask(client, [image])
-        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stack.ask(client, [image], stream=True)
-                           if chunk.choices)
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in stack.ask(client, [image], stream=True)
+            if chunk.choices
+        )
     finally:
         client.close()
     (report,) = answer.model_extra["epd"]["images"]
     assert report["encoder"] == "colocated" and "delivery failed" in report["error"]
     assert answer.choices[0].message.content == streamed == stack.colocated([image])
-    assert metric(stack.retrying.url, "epd_gateway_colocated_fallbacks_total", reason="delivery_failed") == 2
+    assert (
+        metric(
+            stack.retrying.url, "epd_gateway_colocated_fallbacks_total", reason="delivery_failed"
+        )
+        == 2
+    )
 
 
 def test_models_health_and_text_only(stack):
@@ -247,6 +363,7 @@ def test_models_health_and_text_only(stack):
         assert response.status == 200
     with urllib.request.urlopen(stack.gateway.url + "/readyz", timeout=5) as response:
         assert response.status == 200
-    answer = stack.client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "Hi"}],
-                                                  temperature=0, max_tokens=4)
+    answer = stack.client.chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=4
+    )
     assert answer.usage.completion_tokens == 4 and answer.model_extra["epd"]["images"] == []

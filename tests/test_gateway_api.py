@@ -14,7 +14,14 @@ from PIL import Image
 from bench.cluster import HOST, free_port
 from bench.images import synthetic_image
 from dispatcher.workers import WorkerAddress
-from gateway.chat import ChatRequest, ChatRequestError, EncodedImage, InlineImage, image_refs, rewrite
+from gateway.chat import (
+    ChatRequest,
+    ChatRequestError,
+    EncodedImage,
+    InlineImage,
+    image_refs,
+    rewrite,
+)
 from gateway.media import MediaError, MediaFetcher
 from tests.image_server import serving
 
@@ -27,8 +34,11 @@ def image_server():
 
 def test_only_the_gateway_sets_rooms_embeds_and_identifiers():
     def refs(content, **extra):
-        return image_refs(ChatRequest.model_validate({"model": "m", "messages": [{"role": "user",
-                                                                               "content": content}], **extra}))
+        return image_refs(
+            ChatRequest.model_validate(
+                {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
+            )
+        )
 
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with pytest.raises(ChatRequestError, match="ec_transfer_params"):
@@ -44,26 +54,57 @@ def test_only_the_gateway_sets_rooms_embeds_and_identifiers():
 
 
 def test_rewrite_replaces_each_image_part_and_keeps_the_rest():
-    body = {"model": "m", "temperature": 0, "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Two:"},
-                                     {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}},
-                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Two:"},
+                    {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            },
+        ],
+    }
     refs = image_refs(ChatRequest.model_validate(body))
     assert [(r.message, r.part) for r in refs] == [(1, 1), (1, 2)]
-    out = rewrite(body, refs, [EncodedImage("ab" * 16, (1, 4, 6)), InlineImage("data:image/png;base64,AAAA")],
-                  {"ab" * 16: {"bootstrap_room": 7, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998}})
-    assert out["messages"][1]["content"][1] == {"type": "image_embeds", "uuid": "ab" * 16,
-                                                "image_embeds": {"image_grid_thw": [1, 4, 6]}}
-    assert out["messages"][1]["content"][2] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    out = rewrite(
+        body,
+        refs,
+        [EncodedImage("ab" * 16, (1, 4, 6)), InlineImage("data:image/png;base64,AAAA")],
+        {"ab" * 16: {"bootstrap_room": 7, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998}},
+    )
+    assert out["messages"][1]["content"][1] == {
+        "type": "image_embeds",
+        "uuid": "ab" * 16,
+        "image_embeds": {"image_grid_thw": [1, 4, 6]},
+    }
+    assert out["messages"][1]["content"][2] == {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64,AAAA"},
+    }
     assert out["ec_transfer_params"]["rooms"]["ab" * 16]["bootstrap_room"] == 7
     assert out["messages"][0] == body["messages"][0] and out["temperature"] == 0
-    assert body["messages"][1]["content"][1]["type"] == "image_url"  # the client's body is untouched
+    assert (
+        body["messages"][1]["content"][1]["type"] == "image_url"
+    )  # the client's body is untouched
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1/a.png", "http://10.1.2.3/a.png", "http://[::1]/a.png",
-                                 "http://169.254.169.254/latest/meta-data", "http://localhost:8000/a.png",
-                                 "http://[::ffff:127.0.0.1]/a.png", "http://0.0.0.0/a.png"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1/a.png",
+        "http://10.1.2.3/a.png",
+        "http://[::1]/a.png",
+        "http://169.254.169.254/latest/meta-data",
+        "http://localhost:8000/a.png",
+        "http://[::ffff:127.0.0.1]/a.png",
+        "http://0.0.0.0/a.png",
+    ],
+)
 def test_private_addresses_are_not_fetched(url):
     async def load():
         fetcher = MediaFetcher()
@@ -93,6 +134,7 @@ def test_a_name_resolving_to_a_private_address_is_not_fetched():
 
 def test_redirects_are_bounded(image_server):
     """Redirects followed up to the limit, every hop checked."""
+
     async def load(url, redirects):
         fetcher = MediaFetcher(max_redirects=redirects, allow_private=True)
         try:
@@ -100,7 +142,10 @@ def test_redirects_are_bounded(image_server):
         finally:
             await fetcher.close()
 
-    assert Image.open(io.BytesIO(asyncio.run(load(image_server + "/redirect/3", 3)))).size == (112, 84)
+    assert Image.open(io.BytesIO(asyncio.run(load(image_server + "/redirect/3", 3)))).size == (
+        112,
+        84,
+    )
     with pytest.raises(MediaError, match="more than 2 redirects"):
         asyncio.run(load(image_server + "/redirect/3", 2))
 
@@ -116,29 +161,80 @@ def app_without_vllm(tmp_path_factory):
 
     model = str(tmp_path_factory.mktemp("model"))
     build_full("qwen2_vl", model)
-    settings = GatewaySettings(model=model, vllm_url=f"http://{HOST}:{free_port()}", served_model_name="m",
-                               workers=(WorkerAddress(HOST, free_port(), free_port()),), max_body_bytes=1 << 20)
-    with TestClient(build_app(Gateway(settings, AutoImageProcessor.from_pretrained(model)))) as client:
+    settings = GatewaySettings(
+        model=model,
+        vllm_url=f"http://{HOST}:{free_port()}",
+        served_model_name="m",
+        workers=(WorkerAddress(HOST, free_port(), free_port()),),
+        max_body_bytes=1 << 20,
+    )
+    with TestClient(
+        build_app(Gateway(settings, AutoImageProcessor.from_pretrained(model)))
+    ) as client:
         yield client
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
-                                                                                  max_size=4), max_leaves=12)
-PART = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
-                 st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.one_of(
-                     st.fixed_dictionaries({"url": st.sampled_from(["data:image/png;base64,AAAA", "data:,x",
-                                                                    "data:image/png;base64,@@", "ftp://x/y.png",
-                                                                    "http://127.0.0.1/a.png", ""])}), JSON)}),
-                 JSON)
-BODY = st.one_of(JSON, st.fixed_dictionaries({
-    "model": st.one_of(st.just("m"), JSON),
-    "messages": st.one_of(st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.one_of(
-        st.text(max_size=10), st.lists(PART, max_size=3), JSON)}), max_size=3), JSON)},
-    optional={"stream": st.one_of(st.booleans(), JSON), "ec_transfer_params": JSON}))
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+PART = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image_url"),
+            "image_url": st.one_of(
+                st.fixed_dictionaries(
+                    {
+                        "url": st.sampled_from(
+                            [
+                                "data:image/png;base64,AAAA",
+                                "data:,x",
+                                "data:image/png;base64,@@",
+                                "ftp://x/y.png",
+                                "http://127.0.0.1/a.png",
+                                "",
+                            ]
+                        )
+                    }
+                ),
+                JSON,
+            ),
+        }
+    ),
+    JSON,
+)
+BODY = st.one_of(
+    JSON,
+    st.fixed_dictionaries(
+        {
+            "model": st.one_of(st.just("m"), JSON),
+            "messages": st.one_of(
+                st.lists(
+                    st.fixed_dictionaries(
+                        {
+                            "role": st.just("user"),
+                            "content": st.one_of(
+                                st.text(max_size=10), st.lists(PART, max_size=3), JSON
+                            ),
+                        }
+                    ),
+                    max_size=3,
+                ),
+                JSON,
+            ),
+        },
+        optional={"stream": st.one_of(st.booleans(), JSON), "ec_transfer_params": JSON},
+    ),
+)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(body=BODY)
 def test_any_body_gets_an_openai_answer(app_without_vllm, body):
     """Whatever the body: a refusal (400, OpenAI's error shape naming the problem) before vLLM, or,
@@ -152,10 +248,14 @@ def test_any_body_gets_an_openai_answer(app_without_vllm, body):
 
 def test_bodies_that_are_not_json_or_too_large(app_without_vllm):
     assert app_without_vllm.post("/v1/chat/completions", content=b"{").status_code == 400
-    assert app_without_vllm.post("/v1/chat/completions", content=b"[]").json()["error"]["message"] == (
-        "request body must be a JSON object")
+    assert app_without_vllm.post("/v1/chat/completions", content=b"[]").json()["error"][
+        "message"
+    ] == ("request body must be a JSON object")
     too_large = app_without_vllm.post("/v1/chat/completions", content=b" " * ((1 << 20) + 1))
-    assert too_large.status_code == 413 and "larger than 1048576 bytes" in too_large.json()["error"]["message"]
+    assert (
+        too_large.status_code == 413
+        and "larger than 1048576 bytes" in too_large.json()["error"]["message"]
+    )
 
 
 def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path):
@@ -176,25 +276,42 @@ def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path):
     silent = socket.socket()
     silent.bind((HOST, 0))
     silent.listen(8)
-    settings = GatewaySettings(model=str(tmp_path), vllm_url=f"http://{HOST}:{silent.getsockname()[1]}",
-                               served_model_name="m",
-                               workers=(WorkerAddress(HOST, free_port(), free_port()),), max_in_flight=1,
-                               request_timeout_s=3)
+    settings = GatewaySettings(
+        model=str(tmp_path),
+        vllm_url=f"http://{HOST}:{silent.getsockname()[1]}",
+        served_model_name="m",
+        workers=(WorkerAddress(HOST, free_port(), free_port()),),
+        max_in_flight=1,
+        request_timeout_s=3,
+    )
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
     try:
-        with TestClient(build_app(Gateway(settings, AutoImageProcessor.from_pretrained(str(tmp_path))))) as client:
+        with TestClient(
+            build_app(Gateway(settings, AutoImageProcessor.from_pretrained(str(tmp_path))))
+        ) as client:
             held = {}
-            waiting = threading.Thread(target=lambda: held.setdefault(
-                "response", client.post("/v1/chat/completions", content=body)))
+            waiting = threading.Thread(
+                target=lambda: held.setdefault(
+                    "response", client.post("/v1/chat/completions", content=body)
+                )
+            )
             waiting.start()
-            eventually(lambda: 'epd_gateway_requests_in_flight{model_name="m"} 1.0' in client.get("/metrics").text,
-                       "the first request held", seconds=10)
+            eventually(
+                lambda: (
+                    'epd_gateway_requests_in_flight{model_name="m"} 1.0'
+                    in client.get("/metrics").text
+                ),
+                "the first request held",
+                seconds=10,
+            )
             refused = client.post("/v1/chat/completions", content=body)
             assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
             assert "--max-in-flight" in refused.json()["error"]["message"]
             waiting.join(30)
             assert not waiting.is_alive(), "the held request did not end"
             assert held["response"].status_code == 502
-            assert client.post("/v1/chat/completions", content=body).status_code == 502  # room again
+            assert (
+                client.post("/v1/chat/completions", content=body).status_code == 502
+            )  # room again
     finally:
         silent.close()

@@ -50,7 +50,11 @@ def test_full_lifecycle_and_every_call_idempotent(served):
     assert writing.view.state is RoomState.WRITING and writing.view.transport == "loopback"
     assert _one(client.begin_write([begin(room)])).view.version == writing.view.version
     done = _one(client.commit([commit(room)]))
-    assert done.view.state is RoomState.SUCCESS and done.view.commit.checksum == 7 and done.view.writer_settled
+    assert (
+        done.view.state is RoomState.SUCCESS
+        and done.view.commit.checksum == 7
+        and done.view.writer_settled
+    )
     assert _one(client.commit([commit(room)])).view.version == done.view.version  # a retried commit
     # terminal is sticky: late fail / cancel / register answer the same terminal view
     assert _one(client.fail([FailBody(room=room, reason="late")])).view.state is RoomState.SUCCESS
@@ -85,8 +89,13 @@ def test_receiver_first_then_sender_learns_by_long_poll(served):
     _, client, _ = served
     (room,) = client.mint()
     version = client.get(room).version
-    threading.Timer(0.2, lambda: client.client and SyncHandshakeClient(client.client.base_url).register(
-        [registration(room)])).start()
+    threading.Timer(
+        0.2,
+        lambda: (
+            client.client
+            and SyncHandshakeClient(client.client.base_url).register([registration(room)])
+        ),
+    ).start()
     started = time.monotonic()
     (result,) = client.watch({room: version}, wait_s=10)
     assert result.view.state is RoomState.REGISTERED and time.monotonic() - started < 2
@@ -97,7 +106,12 @@ def test_encoder_fails_before_receiver_registers(served):
     (room,) = client.mint()
     client.fail([FailBody(room=room, reason="corrupt image: cannot decode PNG", settled=True)])
     late = _one(client.register([registration(room)]))
-    assert not late.ok and late.status == 409 and "ended FAILED" in late.error and "cannot decode" in late.error
+    assert (
+        not late.ok
+        and late.status == 409
+        and "ended FAILED" in late.error
+        and "cannot decode" in late.error
+    )
 
 
 def test_registering_after_a_cancel_is_refused_and_changes_nothing(served):
@@ -168,8 +182,11 @@ def test_live_rooms_are_bounded_with_retry_after():
     client = SyncHandshakeClient(server.url)
     try:
         client.mint(4)
-        request = urllib.request.Request(server.url + "/v1/rooms", data=b'{"count": 1}',
-                                         headers={"content-type": "application/json"})
+        request = urllib.request.Request(
+            server.url + "/v1/rooms",
+            data=b'{"count": 1}',
+            headers={"content-type": "application/json"},
+        )
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request, timeout=5)
         assert info.value.code == 503 and info.value.headers["Retry-After"] == "1"
@@ -214,29 +231,48 @@ def _post(url, data: bytes):
         return error.code, json.loads(error.read() or b"{}")
 
 
-@pytest.mark.parametrize("path, body, status", [
-    ("/v1/rooms", b"{not json", 422),
-    ("/v1/rooms", b'{"count": true}', 422),
-    ("/v1/rooms", b'{"count": "3"}', 422),
-    ("/v1/rooms", b'{"count": 0}', 422),
-    ("/v1/rooms", b'{"count": 1, "bogus": 1}', 422),
-    ("/v1/rooms/cancel", b'{"rooms": [0]}', 422),
-    ("/v1/rooms/cancel", b'{"rooms": [9223372036854775808]}', 422),
-    ("/v1/rooms/cancel", b'{"rooms": [9223372036854775808.0]}', 422),  # as a float it rounds onto the bound
-    ("/v1/rooms/cancel", b'{"rooms": [1.5]}', 422),
-    ("/v1/rooms/watch", b'{"rooms": [{"room": 1}], "wait_s": "1"}', 422),
-    ("/v1/rooms/commit", b'{"commits": [{"room": 1, "generation": 1, "transport": "loopback", "rows": 1, '
-                         b'"width": 1, "dtype": "float64"}]}', 422),
-    ("/v1/rooms/register", b'{"receivers": [{"room": 1, "generation": 1, "rows": 1, "width": 1, '
-                           b'"dtype": "bfloat16", "offers": [{"kind": "shm", "namespace": "n", '
-                           b'"segment": "../etc", "offset": 0, "capacity": 2}]}]}', 422),
-    # 64 TiB of rows against a 1 MiB offer
-    ("/v1/rooms/register", b'{"receivers": [{"room": 1, "generation": 1, "rows": 16777216, "width": 1048576, '
-                           b'"dtype": "float32", "offers": [{"kind": "loopback", "region": 1, "offset": 0, '
-                           b'"capacity": 1048576}]}]}', 422),
-    ("/v1/rooms", b'{"count": 256, "ttl_s": 3600}', 400),  # over the table's room lifetime
-    ("/v1/rooms/cancel", b'{"rooms": [1]}' + b" " * (70 << 10), 413),
-])
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/v1/rooms", b"{not json", 422),
+        ("/v1/rooms", b'{"count": true}', 422),
+        ("/v1/rooms", b'{"count": "3"}', 422),
+        ("/v1/rooms", b'{"count": 0}', 422),
+        ("/v1/rooms", b'{"count": 1, "bogus": 1}', 422),
+        ("/v1/rooms/cancel", b'{"rooms": [0]}', 422),
+        ("/v1/rooms/cancel", b'{"rooms": [9223372036854775808]}', 422),
+        (
+            "/v1/rooms/cancel",
+            b'{"rooms": [9223372036854775808.0]}',
+            422,
+        ),  # as a float it rounds onto the bound
+        ("/v1/rooms/cancel", b'{"rooms": [1.5]}', 422),
+        ("/v1/rooms/watch", b'{"rooms": [{"room": 1}], "wait_s": "1"}', 422),
+        (
+            "/v1/rooms/commit",
+            b'{"commits": [{"room": 1, "generation": 1, "transport": "loopback", "rows": 1, '
+            b'"width": 1, "dtype": "float64"}]}',
+            422,
+        ),
+        (
+            "/v1/rooms/register",
+            b'{"receivers": [{"room": 1, "generation": 1, "rows": 1, "width": 1, '
+            b'"dtype": "bfloat16", "offers": [{"kind": "shm", "namespace": "n", '
+            b'"segment": "../etc", "offset": 0, "capacity": 2}]}]}',
+            422,
+        ),
+        # 64 TiB of rows against a 1 MiB offer
+        (
+            "/v1/rooms/register",
+            b'{"receivers": [{"room": 1, "generation": 1, "rows": 16777216, "width": 1048576, '
+            b'"dtype": "float32", "offers": [{"kind": "loopback", "region": 1, "offset": 0, '
+            b'"capacity": 1048576}]}]}',
+            422,
+        ),
+        ("/v1/rooms", b'{"count": 256, "ttl_s": 3600}', 400),  # over the table's room lifetime
+        ("/v1/rooms/cancel", b'{"rooms": [1]}' + b" " * (70 << 10), 413),
+    ],
+)
 def test_bad_input_gets_4xx_with_a_reason(served, path, body, status):
     server, client, table = served
     before = table.counts()
@@ -251,11 +287,16 @@ def test_a_full_room_table_is_not_ready_and_says_why():
     server, table = _serve(max_live_rooms=4, max_ttl_s=1)
     client = SyncHandshakeClient(server.url)
     try:
-        assert get_json(server.url + "/readyz", timeout=5) == (200, {"ready": True, "live_rooms": 0})
+        assert get_json(server.url + "/readyz", timeout=5) == (
+            200,
+            {"ready": True, "live_rooms": 0},
+        )
         rooms = client.mint(4, ttl_s=1)
         status, body = get_json(server.url + "/readyz", timeout=5)
-        assert status == 503 and body == {"ready": False,
-                                          "reason": "room table full: 4 live rooms, no room can be minted"}
+        assert status == 503 and body == {
+            "ready": False,
+            "reason": "room table full: 4 live rooms, no room can be minted",
+        }
         client.cancel(rooms[:1])
         assert get_json(server.url + "/readyz", timeout=5)[0] == 200
     finally:
@@ -269,7 +310,9 @@ def test_a_listener_open_to_anyone_is_warned_about(caplog):
     from handshake.server import open_listener_warning
 
     open_app, locked_app = create_app(), create_app(token="s3cret")
-    assert "INSECURE: EPD handshake listens on 0.0.0.0" in open_listener_warning(open_app, "0.0.0.0")
+    assert "INSECURE: EPD handshake listens on 0.0.0.0" in open_listener_warning(
+        open_app, "0.0.0.0"
+    )
     assert "INSECURE" in open_listener_warning(open_app, "10.0.0.5")
     assert "INSECURE" in open_listener_warning(open_app, "epd-encode-0.epd")
     for host in ("127.0.0.1", "::1", "localhost"):
@@ -279,7 +322,9 @@ def test_a_listener_open_to_anyone_is_warned_about(caplog):
         ThreadedServer(open_app, host="0.0.0.0").stop()  # never started: nothing bound
         ThreadedServer(locked_app, host="0.0.0.0").stop()
         ThreadedServer(create_app(), host="127.0.0.1").stop()
-    assert [record.getMessage()[:40] for record in caplog.records] == ["INSECURE: EPD handshake listens on 0.0.0"]
+    assert [record.getMessage()[:40] for record in caplog.records] == [
+        "INSECURE: EPD handshake listens on 0.0.0"
+    ]
 
 
 def test_metrics_and_probes(served):
@@ -338,7 +383,9 @@ def test_idle_connections_outlive_the_clients_keep_alive():
     try:
         client.mint(1)
         time.sleep(5.5)  # past uvicorn's default keep-alive
-        assert len(server.server.server_state.connections) == 1  # still open: the pooled one is reused
+        assert (
+            len(server.server.server_state.connections) == 1
+        )  # still open: the pooled one is reused
         assert client.mint(1)
     finally:
         client.close()
@@ -382,10 +429,19 @@ class _CannedPeer:
         self.listener.close()
 
 
-@pytest.mark.parametrize("answer, why", [
-    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1923\r\n\r\n{\"res", "ClientPayloadError"),
-    (b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 13\r\n\r\n<html></html>", "malformed answer"),
-])
+@pytest.mark.parametrize(
+    "answer, why",
+    [
+        (
+            b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1923\r\n\r\n{"res',
+            "ClientPayloadError",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 13\r\n\r\n<html></html>",
+            "malformed answer",
+        ),
+    ],
+)
 def test_a_peer_that_dies_mid_answer_or_answers_nonsense_is_a_handshake_error(answer, why):
     """A worker killed while it sent an answer raised aiohttp's ClientPayloadError, and a 200 that
     is no room API answer pydantic's ValidationError: neither is what callers handle, so the

@@ -24,15 +24,27 @@ def test_api_conforms(case):
 
 def test_64_bit_boundaries_are_exact():
     with TestClient(create_app()) as client:
+
         def status(path, body):
             return client.post(path, json=body).status_code
 
-        assert status("/v1/rooms/cancel", {"rooms": [MAX_ROOM_ID]}) == 200  # unknown room: per-room 404 inside
+        assert (
+            status("/v1/rooms/cancel", {"rooms": [MAX_ROOM_ID]}) == 200
+        )  # unknown room: per-room 404 inside
         assert status("/v1/rooms/cancel", {"rooms": [MAX_ROOM_ID + 1]}) == 422
-        commit = {"room": 1, "generation": (1 << 63) - 1, "transport": "shm", "rows": 1, "width": 1,
-                  "dtype": "uint8", "checksum": (1 << 64) - 1}
+        commit = {
+            "room": 1,
+            "generation": (1 << 63) - 1,
+            "transport": "shm",
+            "rows": 1,
+            "width": 1,
+            "dtype": "uint8",
+            "checksum": (1 << 64) - 1,
+        }
         assert status("/v1/rooms/commit", {"commits": [commit]}) == 200
         assert status("/v1/rooms/commit", {"commits": [{**commit, "checksum": 1 << 64}]}) == 422
         assert status("/v1/rooms/commit", {"commits": [{**commit, "generation": 1 << 63}]}) == 422
-        assert status("/v1/rooms/commit", {"commits": [{**commit, "rows": 2.0}]}) == 200  # integral float
+        assert (
+            status("/v1/rooms/commit", {"commits": [{**commit, "rows": 2.0}]}) == 200
+        )  # integral float
         assert status("/v1/rooms/commit", {"commits": [{**commit, "rows": 2.5}]}) == 422

@@ -132,7 +132,11 @@ def test_a_commit_after_cancel_during_write_settles_as_cancelled():
 def test_fail_after_cancel_keeps_both_reasons():
     table, room = _cancelled_while_writing()
     view = table.fail(room, "peer reset", settled=False)
-    assert view.state is RoomState.CANCELLED and "user went away" in view.reason and "peer reset" in view.reason
+    assert (
+        view.state is RoomState.CANCELLED
+        and "user went away" in view.reason
+        and "peer reset" in view.reason
+    )
     assert not view.writer_settled
 
 
@@ -146,8 +150,12 @@ def test_tombstones_answer_like_the_room_and_are_not_tracked_by_the_gc():
     live_view = table.commit(commit(room))
     assert live_view.state is RoomState.SUCCESS
     tombstone_view = table.view(room)
-    assert tombstone_view == live_view.model_copy(update={"expires_in_s": tombstone_view.expires_in_s})
-    assert table.commit(commit(room)).state is RoomState.SUCCESS  # an idempotent retry against the tombstone
+    assert tombstone_view == live_view.model_copy(
+        update={"expires_in_s": tombstone_view.expires_in_s}
+    )
+    assert (
+        table.commit(commit(room)).state is RoomState.SUCCESS
+    )  # an idempotent retry against the tombstone
     gc.collect()
     assert not any(gc.is_tracked(record) for record in table._tombstones.values())
 
@@ -159,7 +167,9 @@ def test_a_second_writer_is_refused_and_the_first_may_retry():
     (room,) = table.mint(1, 60)
     table.register(registration(room))
     assert table.begin_write(begin(room, writer="worker-a")).state is RoomState.WRITING
-    assert table.begin_write(begin(room, writer="worker-a")).state is RoomState.WRITING  # idempotent retry
+    assert (
+        table.begin_write(begin(room, writer="worker-a")).state is RoomState.WRITING
+    )  # idempotent retry
     try:
         table.begin_write(begin(room, writer="worker-b"))
         raise AssertionError("a second writer was let in")
@@ -221,7 +231,10 @@ def test_a_commit_needs_a_begun_write_and_its_writer():
         table.fail(room, "not mine", settled=True, writer="worker-b")
     view = table.view(room)
     assert view.state is RoomState.WRITING and not view.writer_settled
-    assert table.commit(commit(room).model_copy(update={"writer": "worker-a"})).state is RoomState.SUCCESS
+    assert (
+        table.commit(commit(room).model_copy(update={"writer": "worker-a"})).state
+        is RoomState.SUCCESS
+    )
 
 
 @pytest.mark.parametrize("end", ["cancel", "fail", "expire"])
@@ -241,14 +254,18 @@ def test_registering_in_a_room_that_ended_is_refused_with_why(end):
     else:
         clock.now += 11
     before = table.view(room)
-    with pytest.raises(RoomConflict, match=f"ended {before.state.value} before this receiver registered") as info:
+    with pytest.raises(
+        RoomConflict, match=f"ended {before.state.value} before this receiver registered"
+    ) as info:
         table.register(registration(room))
     assert before.reason in str(info.value)
     assert table.view(room) == before
     if end != "expire":
         table.register(registration(taken))
         table.cancel(taken, "request aborted")
-        assert table.register(registration(taken)).state is RoomState.CANCELLED  # a retry of the one it took
+        assert (
+            table.register(registration(taken)).state is RoomState.CANCELLED
+        )  # a retry of the one it took
 
 
 def test_a_registration_is_checked_against_its_own_offers():
@@ -262,7 +279,9 @@ def test_a_registration_is_checked_against_its_own_offers():
         return LoopbackOffer(kind="loopback", region=1, offset=offset, capacity=capacity)
 
     huge = dict(room=1, generation=1, rows=1 << 24, width=1 << 20, dtype="float32")
-    with pytest.raises(ValidationError, match="70368744177664 bytes, more than the loopback offer's capacity"):
+    with pytest.raises(
+        ValidationError, match="70368744177664 bytes, more than the loopback offer's capacity"
+    ):
         Registration(**huge, offers=[offer(1 << 20)])
     small = dict(room=1, generation=1, rows=4, width=8, dtype="bfloat16")  # 64 bytes
     with pytest.raises(ValidationError, match="more than the loopback offer's capacity of 63"):
@@ -270,8 +289,12 @@ def test_a_registration_is_checked_against_its_own_offers():
     with pytest.raises(ValidationError, match="one offer per transport"):
         Registration(**small, offers=[offer(64), offer(64, offset=64)])
     with pytest.raises(ValidationError, match="runs past"):
-        Registration(**small, offers=[MooncakeOffer(kind="mooncake", session="h:1", address=(1 << 64) - 32,
-                                                    capacity=64)])
+        Registration(
+            **small,
+            offers=[
+                MooncakeOffer(kind="mooncake", session="h:1", address=(1 << 64) - 32, capacity=64)
+            ],
+        )
     with pytest.raises(ValidationError, match="runs past"):
         Registration(**small, offers=[offer(64, offset=1 << 40)])
     assert Registration(**small, offers=[offer(64)]).nbytes == 64

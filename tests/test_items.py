@@ -29,7 +29,12 @@ def test_pad_value_derives_from_hash_and_is_recognised():
     assert item.pad_value == MM_PAD_BASE + (((1 << 40) + 12345) & MM_PAD_HASH_MASK)
     ids = torch.tensor([5, item.pad_value, MM_PAD_BASE - 1, MM_PAD_BASE + MM_PAD_HASH_MASK + 1])
     assert is_mm_pad_value(ids).tolist() == [False, True, False, False]
-    assert maybe_substitute_mm_pad(ids, 7).tolist() == [5, 7, MM_PAD_BASE - 1, MM_PAD_BASE + MM_PAD_HASH_MASK + 1]
+    assert maybe_substitute_mm_pad(ids, 7).tolist() == [
+        5,
+        7,
+        MM_PAD_BASE - 1,
+        MM_PAD_BASE + MM_PAD_HASH_MASK + 1,
+    ]
     assert maybe_substitute_mm_pad(ids, None) is ids
 
 
@@ -98,20 +103,25 @@ def test_split_rows_refuses_mismatch():
         split_rows(torch.zeros(10), [10])
 
 
-@pytest.mark.parametrize("handshake", [
-    {"bootstrap_room": 0, "bootstrap_host": "h", "bootstrap_port": 1},
-    {"bootstrap_room": -1, "bootstrap_host": "h", "bootstrap_port": 1},
-    {"bootstrap_room": 1 << 63, "bootstrap_host": "h", "bootstrap_port": 1},
-    {"bootstrap_room": 1, "bootstrap_host": "h/../x", "bootstrap_port": 1},
-    {"bootstrap_room": 1, "bootstrap_host": "h", "bootstrap_port": 70000},
-])
+@pytest.mark.parametrize(
+    "handshake",
+    [
+        {"bootstrap_room": 0, "bootstrap_host": "h", "bootstrap_port": 1},
+        {"bootstrap_room": -1, "bootstrap_host": "h", "bootstrap_port": 1},
+        {"bootstrap_room": 1 << 63, "bootstrap_host": "h", "bootstrap_port": 1},
+        {"bootstrap_room": 1, "bootstrap_host": "h/../x", "bootstrap_port": 1},
+        {"bootstrap_room": 1, "bootstrap_host": "h", "bootstrap_port": 70000},
+    ],
+)
 def test_encode_handshake_refuses_bad_addresses(handshake):
     with pytest.raises(ValueError):
         EncodeHandshake(**handshake)
 
 
 def test_inputs_publish_and_release_shm_features(no_new_segments):
-    inputs = MultimodalInputs([MultimodalDataItem(Modality.IMAGE, hash=1, feature=torch.arange(6.0))])
+    inputs = MultimodalInputs(
+        [MultimodalDataItem(Modality.IMAGE, hash=1, feature=torch.arange(6.0))]
+    )
     inputs.publish_shm_features()
     assert inputs.has_pending_shm_features()
     inputs.attach_shm_features()
@@ -120,7 +130,14 @@ def test_inputs_publish_and_release_shm_features(no_new_segments):
     assert not inputs.has_pending_shm_features()
 
 
-@pytest.mark.parametrize("host, url", [("10.0.0.5", "http://10.0.0.5:8998"), ("::1", "http://[::1]:8998"),
-                                       ("[::1]", "http://[::1]:8998"), ("worker-0.epd", "http://worker-0.epd:8998")])
+@pytest.mark.parametrize(
+    "host, url",
+    [
+        ("10.0.0.5", "http://10.0.0.5:8998"),
+        ("::1", "http://[::1]:8998"),
+        ("[::1]", "http://[::1]:8998"),
+        ("worker-0.epd", "http://worker-0.epd:8998"),
+    ],
+)
 def test_encode_handshake_url_brackets_an_ipv6_host_once(host, url):
     assert EncodeHandshake(bootstrap_room=1, bootstrap_host=host, bootstrap_port=8998).url == url

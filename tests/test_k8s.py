@@ -35,13 +35,20 @@ from process_settings import ProcessSettings
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 KUBECTL = Path(sys.executable).parent / "kubectl"
-OVERLAYS = {"base": "base", "tcp": "overlays/tcp", "rdma": "overlays/rdma", "same-node": "overlays/same-node"}
+OVERLAYS = {
+    "base": "base",
+    "tcp": "overlays/tcp",
+    "rdma": "overlays/rdma",
+    "same-node": "overlays/same-node",
+}
 COMPONENTS = ["components/servicemonitor", "components/hpa", "components/handshake"]
 VARIANTS = [*OVERLAYS, *(f"{name}+components" for name in OVERLAYS if name != "base")]
 IMAGE = "ghcr.io/example-org/epd-encode-worker"  # ./Dockerfile: every EPD program
 VLLM_IMAGE = "ghcr.io/example-org/epd-vllm"  # ./Dockerfile.vllm: vLLM with the EPD connector
-RETAGGED = {IMAGE: "registry.example.com/epd/epd-encode-worker:0.1.1",  # an operator's `images:` entries
-            VLLM_IMAGE: "registry.example.com/epd/epd-vllm:0.1.1"}
+RETAGGED = {
+    IMAGE: "registry.example.com/epd/epd-encode-worker:0.1.1",  # an operator's `images:` entries
+    VLLM_IMAGE: "registry.example.com/epd/epd-vllm:0.1.1",
+}
 VLLM = "vllm"  # the vLLM image's command
 MIN_KUBERNETES = "1.30.0"  # the preStop `sleep` action (docs/deploy.md)
 POD_IP = "10.1.2.3"  # what the downward API's status.podIP stands for here
@@ -50,7 +57,9 @@ SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scrip
 
 
 def _render(directory: Path) -> list[dict]:
-    result = subprocess.run([str(KUBECTL), "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(KUBECTL), "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -61,19 +70,33 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     for name, path in OVERLAYS.items():
         if name == "base":
             continue
-        work = tmp_path_factory.mktemp(name)  # an operator's overlay; kustomize takes relative paths only
-        resources, components = ([os.path.relpath(K8S / target, work) for target in group]
-                                 for group in ([path], COMPONENTS))
-        (work / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": resources, "components": components,
-            "images": [{"name": name, "newName": new.split(":")[0], "newTag": new.split(":")[1]}
-                       for name, new in RETAGGED.items()]}))
+        work = tmp_path_factory.mktemp(
+            name
+        )  # an operator's overlay; kustomize takes relative paths only
+        resources, components = (
+            [os.path.relpath(K8S / target, work) for target in group]
+            for group in ([path], COMPONENTS)
+        )
+        (work / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "resources": resources,
+                    "components": components,
+                    "images": [
+                        {"name": name, "newName": new.split(":")[0], "newTag": new.split(":")[1]}
+                        for name, new in RETAGGED.items()
+                    ],
+                }
+            )
+        )
         out[f"{name}+components"] = _render(work)
     return out
 
 
 # ---- helpers over rendered objects --------------------------------------------------------------
+
 
 def of_kind(objects, kind):
     return [o for o in objects if o["kind"] == kind]
@@ -115,9 +138,13 @@ def container_env(container) -> dict[str, str]:
 def expanded(arg: str, env: dict[str, str]) -> str:
     """``arg`` as the kubelet passes it: each $(VAR) replaced by the container's env VAR (an
     undefined one would stay literal: refused here)."""
+
     def value(match):
-        assert match.group(1) in env, f"$({match.group(1)}) in {arg!r} names no env of the container"
+        assert match.group(1) in env, (
+            f"$({match.group(1)}) in {arg!r} names no env of the container"
+        )
         return env[match.group(1)]
+
     return re.sub(r"\$\((\w+)\)", value, arg)
 
 
@@ -128,14 +155,25 @@ def parsed(container):
     args = [expanded(arg, env) for arg in container.get("args", [])]
     if command == [VLLM]:
         return VLLM, vllm_serve(tuple(args))
-    assert len(command) == 1 and command[0] in SCRIPTS, f"{command} is not one of the console scripts {SCRIPTS}"
+    assert len(command) == 1 and command[0] in SCRIPTS, (
+        f"{command} is not one of the console scripts {SCRIPTS}"
+    )
     module = importlib.import_module(SCRIPTS[command[0]].split(":")[0])
-    (settings,) = [value for value in vars(module).values() if isinstance(value, type)
-                   and issubclass(value, ProcessSettings) and getattr(value, "PROG", None) == command[0]]
+    (settings,) = [
+        value
+        for value in vars(module).values()
+        if isinstance(value, type)
+        and issubclass(value, ProcessSettings)
+        and getattr(value, "PROG", None) == command[0]
+    ]
     # the token files are secrets mounted in the cluster only: read as their path here
-    with (mock.patch.dict(os.environ, env, clear=True),
-          mock.patch("process_settings.secrets.handshake_token", lambda path: path and f"token in {path}"),
-          mock.patch("process_settings.secrets.read_secret", lambda path, flag: f"token in {path}")):
+    with (
+        mock.patch.dict(os.environ, env, clear=True),
+        mock.patch(
+            "process_settings.secrets.handshake_token", lambda path: path and f"token in {path}"
+        ),
+        mock.patch("process_settings.secrets.read_secret", lambda path, flag: f"token in {path}"),
+    ):
         return command[0], settings.from_command_line(args)
 
 
@@ -154,7 +192,9 @@ def vllm_serve(args: tuple[str, ...]):
     namespace = parser.parse_args(list(args))
     assert namespace.subparser == serve.name, args
     serve.validate(namespace)
-    namespace.connector = ConnectorSettings.model_validate(namespace.ec_transfer_config.ec_connector_extra_config)
+    namespace.connector = ConnectorSettings.model_validate(
+        namespace.ec_transfer_config.ec_connector_extra_config
+    )
     return namespace
 
 
@@ -199,12 +239,15 @@ def runs_mooncake(container) -> bool:
 def served_paths(program, args) -> set[str]:
     if program == VLLM:
         from vllm.entrypoints.launchers.app import build_app
+
         app = build_app(args, ("generate",))
     elif program == "epd-gateway":
         from gateway.app import build_app
+
         app = build_app(None)  # the routes alone; the gateway object is used when serving
     else:  # the encode worker serves the handshake app on its bootstrap port
         from handshake.app import create_app
+
         app = create_app()
     return {route.path for route in app.routes}
 
@@ -216,6 +259,7 @@ def memory_bytes(quantity: str) -> int:
 
 
 # ---- schemas -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_object_validates_against_the_kubernetes_schemas(rendered, variant):
@@ -252,6 +296,7 @@ def test_components_add_what_they_promise(rendered):
 
 # ---- containers ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_command_parses_with_the_programs_own_parser(rendered, variant):
     programs = set()
@@ -260,10 +305,14 @@ def test_every_command_parses_with_the_programs_own_parser(rendered, variant):
             program, args = parsed(container)
             programs.add(program)
             if program == "epd-encode-worker":
-                assert args.host == POD_IP, "peers reach the worker at --host: it must be the pod IP"
+                assert args.host == POD_IP, (
+                    "peers reach the worker at --host: it must be the pod IP"
+                )
                 assert args.device.startswith("cuda") and args.bind == "0.0.0.0"
             if program == VLLM and "mooncake" in args.connector.transports:
-                assert args.connector.mooncake_host == POD_IP, "encode workers write to mooncake_host: the pod IP"
+                assert args.connector.mooncake_host == POD_IP, (
+                    "encode workers write to mooncake_host: the pod IP"
+                )
     assert {"epd-encode-worker", VLLM, "epd-gateway"} <= programs
 
 
@@ -273,16 +322,24 @@ def test_vllm_loads_the_epd_connector_as_a_consumer(rendered, variant):
 
     from prefill_side.vllm_connector import EPDConnector
 
-    engines = [args for _, t in pod_specs(rendered[variant]) for program, args in map(parsed, containers(t))
-               if program == VLLM]
+    engines = [
+        args
+        for _, t in pod_specs(rendered[variant])
+        for program, args in map(parsed, containers(t))
+        if program == VLLM
+    ]
     assert engines
     for args in engines:
         config = args.ec_transfer_config
         assert config.is_ec_consumer and not config.is_ec_producer
         assert config.ec_connector_module_path == EPDConnector.__module__
         assert ECConnectorFactory.get_connector_class(config) is EPDConnector
-        assert args.connector.transports == (["shm"] if variant.startswith("same-node") else ["mooncake"])
-        assert args.tensor_parallel_size == 1 and args.pipeline_parallel_size == 1, "the connector refuses them"
+        assert args.connector.transports == (
+            ["shm"] if variant.startswith("same-node") else ["mooncake"]
+        )
+        assert args.tensor_parallel_size == 1 and args.pipeline_parallel_size == 1, (
+            "the connector refuses them"
+        )
 
 
 def _service_port(objects, url: str, template) -> int | None:
@@ -292,17 +349,23 @@ def _service_port(objects, url: str, template) -> int | None:
     if host == "127.0.0.1":
         return int(port)
     for service in of_kind(objects, "Service"):
-        if service["metadata"]["name"] == host and selects({"matchLabels": service["spec"]["selector"]},
-                                                           template["metadata"]["labels"]):
+        if service["metadata"]["name"] == host and selects(
+            {"matchLabels": service["spec"]["selector"]}, template["metadata"]["labels"]
+        ):
             (entry,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
-            (number,) = {port_number(entry["targetPort"], c) for c in containers(template)
-                         if any(p.get("name") == entry["targetPort"] for p in c["ports"])}
+            (number,) = {
+                port_number(entry["targetPort"], c)
+                for c in containers(template)
+                if any(p.get("name") == entry["targetPort"] for p in c["ports"])
+            }
             return number
     return None
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_gateway_reaches_vllm_and_the_encoders_and_all_three_serve_one_checkpoint(rendered, variant):
+def test_gateway_reaches_vllm_and_the_encoders_and_all_three_serve_one_checkpoint(
+    rendered, variant
+):
     objects = rendered[variant]
     colocated = variant.startswith("same-node")
     gateways = []
@@ -311,33 +374,57 @@ def test_gateway_reaches_vllm_and_the_encoders_and_all_three_serve_one_checkpoin
         if "epd-gateway" in by_program:
             gateways.append((template, by_program["epd-gateway"]))
     assert gateways
-    workers = [args for _, t in pod_specs(objects) for program, args in map(parsed, containers(t))
-               if program == "epd-encode-worker"]
-    engines = [(t, args) for _, t in pod_specs(objects) for program, args in map(parsed, containers(t))
-               if program == VLLM]
+    workers = [
+        args
+        for _, t in pod_specs(objects)
+        for program, args in map(parsed, containers(t))
+        if program == "epd-encode-worker"
+    ]
+    engines = [
+        (t, args)
+        for _, t in pod_specs(objects)
+        for program, args in map(parsed, containers(t))
+        if program == VLLM
+    ]
     (model,) = {w.model for w in workers}
     (name,) = {w.served_model or os.path.basename(model) for w in workers}
     (dtype,) = {w.dtype for w in workers}
     for _, engine in engines:
-        assert engine.model_tag == model and engine.dtype == dtype, "the workers' rows are vLLM's rows"
-        assert engine.served_model_name == [name], "what clients send as `model`, the gateway's name too"
+        assert engine.model_tag == model and engine.dtype == dtype, (
+            "the workers' rows are vLLM's rows"
+        )
+        assert engine.served_model_name == [name], (
+            "what clients send as `model`, the gateway's name too"
+        )
     for template, gateway in gateways:
         assert gateway.model == model
-        assert (gateway.served_model_name or os.path.basename(gateway.model)) == name, "intake refuses other names"
+        assert (gateway.served_model_name or os.path.basename(gateway.model)) == name, (
+            "intake refuses other names"
+        )
         # vLLM: the same pod's (same-node, loopback) or the epd-prefill Service's
         local = [(t, e) for t, e in engines if t is template]
-        reached = [e for t, e in (local if colocated else engines)
-                   if _service_port(objects, gateway.vllm_url, t) == e.port]
+        reached = [
+            e
+            for t, e in (local if colocated else engines)
+            if _service_port(objects, gateway.vllm_url, t) == e.port
+        ]
         assert reached and len(reached) == len(local if colocated else engines), gateway.vllm_url
         assert bool(local) == colocated and ("127.0.0.1" in gateway.vllm_url) == colocated
         # the encode workers: its own pod's only (SHM reaches no other pod), else the headless Service
         if colocated:
             assert (gateway.workers, gateway.dns) == ((WorkerAddress("127.0.0.1"),), None)
-            (worker,) = [a for program, a in map(parsed, containers(template)) if program == "epd-encode-worker"]
+            (worker,) = [
+                a
+                for program, a in map(parsed, containers(template))
+                if program == "epd-encode-worker"
+            ]
         else:
             assert (gateway.workers, gateway.dns) == ((), "epd-encode-workers")
             (worker,) = {(w.bootstrap_port, w.intake_port): w for w in workers}.values()
-        assert (gateway.bootstrap_port, gateway.intake_port) == (worker.bootstrap_port, worker.intake_port)
+        assert (gateway.bootstrap_port, gateway.intake_port) == (
+            worker.bootstrap_port,
+            worker.intake_port,
+        )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -355,17 +442,30 @@ def test_images_are_pinned_and_every_container_is_bounded_and_unprivileged(rende
             assert not image.endswith(":latest"), image
             resources = container["resources"]
             for kind in ("cpu", "memory"):
-                assert kind in resources["requests"] and kind in resources["limits"], (name, container["name"])
-            assert memory_bytes(resources["requests"]["memory"]) <= memory_bytes(resources["limits"]["memory"])
+                assert kind in resources["requests"] and kind in resources["limits"], (
+                    name,
+                    container["name"],
+                )
+            assert memory_bytes(resources["requests"]["memory"]) <= memory_bytes(
+                resources["limits"]["memory"]
+            )
             security = container["securityContext"]
-            assert security["allowPrivilegeEscalation"] is False and security["readOnlyRootFilesystem"] is True
+            assert (
+                security["allowPrivilegeEscalation"] is False
+                and security["readOnlyRootFilesystem"] is True
+            )
             assert security["capabilities"]["drop"] == ["ALL"]
             added = security["capabilities"].get("add", [])
             if variant.startswith("rdma") and runs_mooncake(container):
                 assert added == ["IPC_LOCK"], "RDMA registration pins memory"
-                assert spec["securityContext"]["runAsUser"] == 0, "added capabilities reach root processes only"
+                assert spec["securityContext"]["runAsUser"] == 0, (
+                    "added capabilities reach root processes only"
+                )
             else:
-                assert added == [] and spec["securityContext"]["runAsNonRoot"] is True, (name, container["name"])
+                assert added == [] and spec["securityContext"]["runAsNonRoot"] is True, (
+                    name,
+                    container["name"],
+                )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -376,7 +476,9 @@ def test_encode_workers_get_a_gpu_and_rdma_pods_get_the_hca(rendered, variant):
             limits, requests = container["resources"]["limits"], container["resources"]["requests"]
             extended = {k for k in limits if "/" in k}
             assert {k: requests.get(k) for k in extended} == {k: limits[k] for k in extended}
-            assert limits.get("nvidia.com/gpu") == (1 if program in ("epd-encode-worker", VLLM) else None)
+            assert limits.get("nvidia.com/gpu") == (
+                1 if program in ("epd-encode-worker", VLLM) else None
+            )
             if program in ("epd-handshake", "epd-gateway"):
                 continue
             rdma = variant.startswith("rdma") and runs_mooncake(container)
@@ -388,6 +490,7 @@ def test_encode_workers_get_a_gpu_and_rdma_pods_get_the_hca(rendered, variant):
 
 # ---- ports ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_ports_agree_between_args_container_ports_probes_and_annotations(rendered, variant):
     for name, template in pod_specs(rendered[variant]):
@@ -398,14 +501,19 @@ def test_ports_agree_between_args_container_ports_probes_and_annotations(rendere
             declared = {p["name"]: p["containerPort"] for p in container["ports"]}
             assert declared == listening_ports(program, args), (name, container["name"])
             pod_ports += declared.values()
-            metrics_ports.add(declared[{"epd-encode-worker": "bootstrap", VLLM: "vllm"}.get(program, "http")])
+            metrics_ports.add(
+                declared[{"epd-encode-worker": "bootstrap", VLLM: "vllm"}.get(program, "http")]
+            )
             paths = served_paths(program, args)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if probe in container:
                     http = container[probe]["httpGet"]
                     assert port_number(http["port"], container) in declared.values()
                     assert http["path"] in paths, f"{program} serves no {http['path']}"
-            probed = {probe: container[probe]["httpGet"]["path"] for probe in ("readinessProbe", "livenessProbe")}
+            probed = {
+                probe: container[probe]["httpGet"]["path"]
+                for probe in ("readinessProbe", "livenessProbe")
+            }
             if program == "epd-encode-worker":  # ready: a full table says so
                 assert probed == {"readinessProbe": "/readyz", "livenessProbe": "/healthz"}
             if program == VLLM:  # 503 once the engine is dead
@@ -414,7 +522,10 @@ def test_ports_agree_between_args_container_ports_probes_and_annotations(rendere
                 assert probed == {"readinessProbe": "/readyz", "livenessProbe": "/health"}
         assert len(pod_ports) == len(set(pod_ports)), f"{name}: two containers listen on one port"
         annotations = template["metadata"]["annotations"]
-        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+        assert (
+            annotations["prometheus.io/scrape"] == "true"
+            and annotations["prometheus.io/path"] == "/metrics"
+        )
         assert int(annotations["prometheus.io/port"]) in metrics_ports
 
 
@@ -423,31 +534,60 @@ def test_services_reach_container_ports_of_the_pods_they_select(rendered, varian
     templates = [template for _, template in pod_specs(rendered[variant])]
     for service in of_kind(rendered[variant], "Service"):
         spec = service["spec"]
-        backends = [t for t in templates if selects({"matchLabels": spec["selector"]}, t["metadata"]["labels"])]
+        backends = [
+            t
+            for t in templates
+            if selects({"matchLabels": spec["selector"]}, t["metadata"]["labels"])
+        ]
         assert backends, f"Service {service['metadata']['name']} selects no pods"
         for port in spec["ports"]:
             for template in backends:
-                numbers = {port_number(port["targetPort"], c) for c in containers(template)
-                           if isinstance(port["targetPort"], int) or
-                           any(p.get("name") == port["targetPort"] for p in c["ports"])}
+                numbers = {
+                    port_number(port["targetPort"], c)
+                    for c in containers(template)
+                    if isinstance(port["targetPort"], int)
+                    or any(p.get("name") == port["targetPort"] for p in c["ports"])
+                }
                 assert numbers == {port["port"]}, (service["metadata"]["name"], port)
 
 
 def test_dispatcher_discovers_ready_encoders_through_a_headless_service(rendered):
     for variant in VARIANTS:
-        (service,) = [s for s in of_kind(rendered[variant], "Service") if s["metadata"]["name"] == "epd-encode-workers"]
-        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is False
+        (service,) = [
+            s
+            for s in of_kind(rendered[variant], "Service")
+            if s["metadata"]["name"] == "epd-encode-workers"
+        ]
+        assert (
+            service["spec"]["clusterIP"] == "None"
+            and service["spec"]["publishNotReadyAddresses"] is False
+        )
         assert {p["name"] for p in service["spec"]["ports"]} == {"bootstrap", "intake"}
-    assert "epd-encode-workers.<namespace>.svc.cluster.local" in (ROOT / "docs" / "deploy.md").read_text()
+    assert (
+        "epd-encode-workers.<namespace>.svc.cluster.local"
+        in (ROOT / "docs" / "deploy.md").read_text()
+    )
 
 
 # ---- NetworkPolicies ---------------------------------------------------------------------------------
 
 SOURCES = {  # who may knock: (namespace labels, pod labels)
-    "dispatcher": (NAMESPACE, {"app.kubernetes.io/part-of": "epd", "app.kubernetes.io/component": "dispatcher"}),
-    "prefill": (NAMESPACE, {"app.kubernetes.io/part-of": "epd", "app.kubernetes.io/component": "prefill"}),
-    "encode": (NAMESPACE, {"app.kubernetes.io/part-of": "epd", "app.kubernetes.io/component": "encode"}),
-    "monitoring": ({"kubernetes.io/metadata.name": "monitoring"}, {"app.kubernetes.io/name": "prometheus"}),
+    "dispatcher": (
+        NAMESPACE,
+        {"app.kubernetes.io/part-of": "epd", "app.kubernetes.io/component": "dispatcher"},
+    ),
+    "prefill": (
+        NAMESPACE,
+        {"app.kubernetes.io/part-of": "epd", "app.kubernetes.io/component": "prefill"},
+    ),
+    "encode": (
+        NAMESPACE,
+        {"app.kubernetes.io/part-of": "epd", "app.kubernetes.io/component": "encode"},
+    ),
+    "monitoring": (
+        {"kubernetes.io/metadata.name": "monitoring"},
+        {"app.kubernetes.io/name": "prometheus"},
+    ),
     "stranger": (NAMESPACE, {"app": "something-else"}),
 }
 
@@ -456,8 +596,11 @@ def opens(entry, template, port: int) -> bool:
     """Whether a NetworkPolicy port entry covers TCP ``port`` of the pod ``template``."""
     if entry.get("protocol", "TCP") != "TCP":
         return False
-    numbers = [port_number(entry["port"], c) for c in containers(template)
-               if isinstance(entry["port"], int) or any(p.get("name") == entry["port"] for p in c["ports"])]
+    numbers = [
+        port_number(entry["port"], c)
+        for c in containers(template)
+        if isinstance(entry["port"], int) or any(p.get("name") == entry["port"] for p in c["ports"])
+    ]
     return any(low <= port <= entry.get("endPort", low) for low in numbers)
 
 
@@ -465,20 +608,29 @@ def peer_admits(peer, namespace: dict, pod: dict) -> bool:
     assert "ipBlock" not in peer
     if "namespaceSelector" not in peer and namespace != NAMESPACE:
         return False  # a bare podSelector means pods of the policy's own namespace
-    return selects(peer.get("namespaceSelector", {}), namespace) and selects(peer.get("podSelector", {}), pod)
+    return selects(peer.get("namespaceSelector", {}), namespace) and selects(
+        peer.get("podSelector", {}), pod
+    )
 
 
 def admitted(policies, template, port: int) -> set[str]:
     """The SOURCES that ingress NetworkPolicies let reach ``port`` of the pod ``template``."""
     labels = template["metadata"]["labels"]
-    mine = [p for p in policies if selects(p["spec"]["podSelector"], labels) and "Ingress" in p["spec"]["policyTypes"]]
+    mine = [
+        p
+        for p in policies
+        if selects(p["spec"]["podSelector"], labels) and "Ingress" in p["spec"]["policyTypes"]
+    ]
     assert mine, f"pod {labels} is selected by no NetworkPolicy: it is open to anyone"
     allowed = set()
     for rule in (rule for policy in mine for rule in policy["spec"].get("ingress", [])):
         if "ports" in rule and not any(opens(entry, template, port) for entry in rule["ports"]):
             continue
-        allowed |= {source for source, (namespace, pod) in SOURCES.items()
-                    if "from" not in rule or any(peer_admits(peer, namespace, pod) for peer in rule["from"])}
+        allowed |= {
+            source
+            for source, (namespace, pod) in SOURCES.items()
+            if "from" not in rule or any(peer_admits(peer, namespace, pod) for peer in rule["from"])
+        }
     return allowed
 
 
@@ -487,14 +639,22 @@ def test_network_policies_open_each_port_to_its_peers_only(rendered, variant):
     objects = rendered[variant]
     policies = of_kind(objects, "NetworkPolicy")
     colocated = variant.startswith("same-node")
-    ((low, high),) = {mooncake_range(c) for _, t in pod_specs(objects) for c in containers(t)
-                    if "MC_MIN_RPC_PORT" in container_env(c)}
+    ((low, high),) = {
+        mooncake_range(c)
+        for _, t in pod_specs(objects)
+        for c in containers(t)
+        if "MC_MIN_RPC_PORT" in container_env(c)
+    }
     for _, template in pod_specs(objects):
         role = template["metadata"]["labels"]["app.kubernetes.io/component"]
         for container in containers(template):
             program, args = parsed(container)
             if program == "epd-encode-worker":
-                assert admitted(policies, template, args.bootstrap_port) == {"prefill", "dispatcher", "monitoring"}
+                assert admitted(policies, template, args.bootstrap_port) == {
+                    "prefill",
+                    "dispatcher",
+                    "monitoring",
+                }
                 assert admitted(policies, template, args.intake_port) == {"dispatcher"}
             elif program == VLLM:  # same-node: the pod's own gateway calls it over loopback
                 expected = {"monitoring"} if colocated else {"dispatcher", "monitoring"}
@@ -503,7 +663,12 @@ def test_network_policies_open_each_port_to_its_peers_only(rendered, variant):
                 assert admitted(policies, template, args.port) == set(SOURCES)
                 assert admitted(policies, template, args.port + 1) == set()
             else:
-                assert admitted(policies, template, args.port) == {"dispatcher", "prefill", "encode", "monitoring"}
+                assert admitted(policies, template, args.port) == {
+                    "dispatcher",
+                    "prefill",
+                    "encode",
+                    "monitoring",
+                }
             peer = {"encode": {"prefill"}, "prefill": {"encode"}}.get(role, set())
             expected = peer if any(runs_mooncake(c) for c in containers(template)) else set()
             for port in (low, high):
@@ -515,8 +680,13 @@ def test_network_policies_open_each_port_to_its_peers_only(rendered, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_mooncake_ports_are_pinned_to_the_range_the_policies_open(rendered, variant):
     objects = rendered[variant]
-    ranges = {(entry["port"], entry["endPort"]) for policy in of_kind(objects, "NetworkPolicy")
-              for rule in policy["spec"]["ingress"] for entry in rule.get("ports", []) if "endPort" in entry}
+    ranges = {
+        (entry["port"], entry["endPort"])
+        for policy in of_kind(objects, "NetworkPolicy")
+        for rule in policy["spec"]["ingress"]
+        for entry in rule.get("ports", [])
+        if "endPort" in entry
+    }
     engines = set()
     for _, template in pod_specs(objects):
         users = [c for c in containers(template) if runs_mooncake(c)]
@@ -524,10 +694,13 @@ def test_mooncake_ports_are_pinned_to_the_range_the_policies_open(rendered, vari
             low, high = mooncake_range(container)
             engines.add((low, high))
             assert high - low + 1 >= 2 * len(users), "each engine binds two ports: RPC and TCP data"
-    assert ranges == engines, "policies must open exactly the pinned Mooncake range (none where nothing runs it)"
+    assert ranges == engines, (
+        "policies must open exactly the pinned Mooncake range (none where nothing runs it)"
+    )
 
 
 # ---- storage, secrets, shutdown ------------------------------------------------------------------------
+
 
 def mounts(template, container):
     volumes = {v["name"]: v for v in template["spec"]["volumes"]}
@@ -541,12 +714,18 @@ def test_token_files_are_secret_keys_mounted_read_only(rendered, variant):
             program, args = parsed(container)
             for path in token_files(program, args):
                 assert path, f"{program} runs without a token"
-                (found,) = [(m, v) for m, v in mounts(template, container) if path.startswith(m["mountPath"] + "/")]
+                (found,) = [
+                    (m, v)
+                    for m, v in mounts(template, container)
+                    if path.startswith(m["mountPath"] + "/")
+                ]
                 mount, volume = found
                 assert mount["readOnly"] is True and volume["secret"]["secretName"] == "epd-tokens"
-                assert volume["secret"]["defaultMode"] & 0o077 <= 0o040, "token readable by its group at most"
+                assert volume["secret"]["defaultMode"] & 0o077 <= 0o040, (
+                    "token readable by its group at most"
+                )
                 key_paths = {item["path"]: item["key"] for item in volume["secret"]["items"]}
-                assert path[len(mount["mountPath"]) + 1:] in key_paths
+                assert path[len(mount["mountPath"]) + 1 :] in key_paths
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -565,13 +744,20 @@ def test_shm_and_memory_limits_hold_the_pools(rendered, variant):
                     shm = memory_bytes(volume["emptyDir"]["sizeLimit"])
             if program == VLLM:  # the receive pool is a /dev/shm segment vLLM's EngineCore creates
                 assert args.connector.pool_bytes <= shm - 256 * (1 << 20), name
-                assert limit >= args.connector.pool_bytes + 16 * gib, "the pool besides vLLM's own memory"
+                assert limit >= args.connector.pool_bytes + 16 * gib, (
+                    "the pool besides vLLM's own memory"
+                )
             if program == "epd-encode-worker":
                 assert limit >= args.ring_bytes + args.cache_bytes + 8 * gib
             if program in ("epd-encode-worker", VLLM, "epd-gateway"):  # the checkpoint, read-only
                 model = args.model_tag if program == VLLM else args.model
-                assert any(m["mountPath"] == "/models" and m["readOnly"] for m, _ in mounts(template, container))
-                assert any(model.startswith(m["mountPath"] + "/") for m, _ in mounts(template, container))
+                assert any(
+                    m["mountPath"] == "/models" and m["readOnly"]
+                    for m, _ in mounts(template, container)
+                )
+                assert any(
+                    model.startswith(m["mountPath"] + "/") for m, _ in mounts(template, container)
+                )
 
 
 def test_same_node_containers_share_one_memory_backed_dev_shm_as_one_user(rendered):
@@ -580,13 +766,22 @@ def test_same_node_containers_share_one_memory_backed_dev_shm_as_one_user(render
         programs = {parsed(c)[0]: c for c in containers(template)}
         assert set(programs) == {"epd-encode-worker", VLLM, "epd-gateway"}
         shm_users = [programs["epd-encode-worker"], programs[VLLM]]
-        shm_volumes = {v["name"] for c in shm_users for m, v in mounts(template, c) if m["mountPath"] == "/dev/shm"}
-        assert len(shm_volumes) == 1 and all(any(m["mountPath"] == "/dev/shm" for m, _ in mounts(template, c))
-                                             for c in shm_users)
+        shm_volumes = {
+            v["name"]
+            for c in shm_users
+            for m, v in mounts(template, c)
+            if m["mountPath"] == "/dev/shm"
+        }
+        assert len(shm_volumes) == 1 and all(
+            any(m["mountPath"] == "/dev/shm" for m, _ in mounts(template, c)) for c in shm_users
+        )
         assert all(transports(*parsed(c)) == ["shm"] for c in shm_users)
-        assert all("runAsUser" not in c.get("securityContext", {}) for c in programs.values()), \
+        assert all("runAsUser" not in c.get("securityContext", {}) for c in programs.values()), (
             "SHM segments are 0600 and owner-checked: the containers run as the pod's user"
-        assert not [d for n, d in pod_specs(rendered[variant]) if n in ("epd-prefill", "epd-gateway")]
+        )
+        assert not [
+            d for n, d in pod_specs(rendered[variant]) if n in ("epd-prefill", "epd-gateway")
+        ]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -606,19 +801,26 @@ def test_graceful_termination_outlasts_in_flight_writes(rendered, variant):
             assert grace >= pre_stop + join_s + args.write_timeout_s + 10
             # a receiver quarantines a failed slot longer than Mooncake may still write into it
             writer = MooncakeConfig(transfer_timeout_s=max(5, int(args.write_timeout_s)))
-            assert ReceiverConfig(width=1).quarantine_s > writer.engine_timeout_s(args.ring_slot_bytes)
+            assert ReceiverConfig(width=1).quarantine_s > writer.engine_timeout_s(
+                args.ring_slot_bytes
+            )
 
 
 # ---- components ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.endswith("+components")])
 def test_service_monitors_scrape_real_ports(rendered, variant):
     objects = rendered[variant]
     monitors = of_kind(objects, "ServiceMonitor")
-    assert {m["apiVersion"] for m in monitors} == {"monitoring.coreos.com/v1"} and len(monitors) == 3
+    assert {m["apiVersion"] for m in monitors} == {"monitoring.coreos.com/v1"} and len(
+        monitors
+    ) == 3
     services = of_kind(objects, "Service")
     for monitor in monitors:
-        matched = [s for s in services if selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
+        matched = [
+            s for s in services if selects(monitor["spec"]["selector"], s["metadata"]["labels"])
+        ]
         assert matched, monitor["metadata"]["name"]
         for endpoint in monitor["spec"]["endpoints"]:
             assert set(endpoint) <= {"port", "path", "interval"} and endpoint["path"] == "/metrics"
@@ -636,9 +838,12 @@ def test_hpa_scales_the_encoders_on_a_metric_they_export(rendered):
     assert "replicas" not in encode["spec"], "the HPA owns the replica count"
     (metric,) = hpa["spec"]["metrics"]
     assert f'"{metric["pods"]["metric"]["name"]}"' in Path(worker.__file__).read_text()
-    (container,) = [c for c in containers(encode["spec"]["template"]) if parsed(c)[0] == "epd-encode-worker"]
-    assert int(metric["pods"]["target"]["averageValue"]) < parsed(container)[1].queue_items, \
+    (container,) = [
+        c for c in containers(encode["spec"]["template"]) if parsed(c)[0] == "epd-encode-worker"
+    ]
+    assert int(metric["pods"]["target"]["averageValue"]) < parsed(container)[1].queue_items, (
         "scale before intake refuses"
+    )
     (pdb,) = of_kind(objects, "PodDisruptionBudget")
     assert selects(pdb["spec"]["selector"], encode["spec"]["template"]["metadata"]["labels"])
     assert hpa["spec"]["minReplicas"] > pdb["spec"]["maxUnavailable"]
@@ -649,13 +854,20 @@ def test_workload_selectors_match_their_own_pods(rendered, variant):
     for deployment in of_kind(rendered[variant], "Deployment"):
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert selects(deployment["spec"]["selector"], labels)
-        for constraint in deployment["spec"]["template"]["spec"].get("topologySpreadConstraints", []):
+        for constraint in deployment["spec"]["template"]["spec"].get(
+            "topologySpreadConstraints", []
+        ):
             assert selects(constraint["labelSelector"], labels)
-    (encode,) = [d for d in of_kind(rendered[variant], "Deployment") if d["metadata"]["name"] == "epd-encode-worker"]
+    (encode,) = [
+        d
+        for d in of_kind(rendered[variant], "Deployment")
+        if d["metadata"]["name"] == "epd-encode-worker"
+    ]
     assert len(encode["spec"]["template"]["spec"]["topologySpreadConstraints"]) == 2
 
 
 # ---- the image ---------------------------------------------------------------------------------------------
+
 
 def _commands_by_image(rendered) -> dict[str, set[str]]:
     """The commands the manifests run in each image (as the manifests name them)."""
@@ -681,7 +893,10 @@ def test_dockerfile_builds_what_the_manifests_run(rendered):
     (base,) = re.findall(r"^FROM (\S+)", text, re.M)
     assert re.search(r":[\w.-]+$", base) and not base.endswith(":latest")
     assert re.search(r"pip install [^\n]*\[gpu\]", text)
-    assert "gpu" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert (
+        "gpu"
+        in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
     for package in ("libibverbs1", "ibverbs-providers", "librdmacm1"):
         assert re.search(rf"\b{package}\b", text)
     _dockerfile_user(text, rendered)
@@ -692,11 +907,14 @@ def test_dockerfile_builds_what_the_manifests_run(rendered):
 
 def test_vllm_dockerfile_adds_the_project_to_vllms_own_image(rendered):
     text = (ROOT / "Dockerfile.vllm").read_text()
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     (pin,) = extras["vllm"]
     (base,) = re.findall(r"^FROM (\S+)", text, re.M)
-    assert pin == "vllm==0.32.0" and base == f"vllm/vllm-openai:v{pin.split('==')[1]}", \
+    assert pin == "vllm==0.32.0" and base == f"vllm/vllm-openai:v{pin.split('==')[1]}", (
         "the image's vLLM is the one the connector is written (and tested) against"
+    )
     # the project and Mooncake's GPU wheel, every package of vLLM's image held at its version
     (install,) = re.findall(r"pip install [^\n]*", text)
     assert '"/src[gpu]"' in install and "-c " in install
@@ -708,11 +926,14 @@ def test_vllm_dockerfile_adds_the_project_to_vllms_own_image(rendered):
     _dockerfile_user(text, rendered)
     assert re.search(r'^ENTRYPOINT \["vllm"\]', text, re.M)
     assert _commands_by_image(rendered)[VLLM_IMAGE] == {VLLM}
-    assert "docker build -f Dockerfile.vllm" in text and "docker build -f Dockerfile.vllm" in \
-        (ROOT / "docs" / "deploy.md").read_text()
+    assert (
+        "docker build -f Dockerfile.vllm" in text
+        and "docker build -f Dockerfile.vllm" in (ROOT / "docs" / "deploy.md").read_text()
+    )
 
 
 # ---- the flag the manifests needed -------------------------------------------------------------------------
+
 
 def test_prefill_offers_mooncake_at_its_mooncake_host(tmp_path):
     """epd-prefill advertises --mooncake-host in its offers (the manifests pass the pod IP)."""
@@ -725,20 +946,59 @@ def test_prefill_offers_mooncake_at_its_mooncake_host(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MC_LOG_LEVEL="ERROR", EPD_PREFILL_MOONCAKE_HOST="127.0.0.2")
-    process = subprocess.Popen([sys.executable, "-m", "prefill_side.server", "--host", "127.0.0.1", "--port", str(port),
-                                "--width", "8", "--transports", "mooncake", "--pool-bytes", str(1 << 20),
-                                "--slot-bytes", str(1 << 16)], env=env, stderr=subprocess.DEVNULL)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        MC_LOG_LEVEL="ERROR",
+        EPD_PREFILL_MOONCAKE_HOST="127.0.0.2",
+    )
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefill_side.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--width",
+            "8",
+            "--transports",
+            "mooncake",
+            "--pool-bytes",
+            str(1 << 20),
+            "--slot-bytes",
+            str(1 << 16),
+        ],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         (room,) = table.mint(1, 30)
-        body = json.dumps({"request_id": "r", "timeout_s": 3, "items": [{"offsets": [[0, 3]], "encode_handshake": {
-            "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": rooms.port}}]}).encode()
+        body = json.dumps(
+            {
+                "request_id": "r",
+                "timeout_s": 3,
+                "items": [
+                    {
+                        "offsets": [[0, 3]],
+                        "encode_handshake": {
+                            "bootstrap_room": room,
+                            "bootstrap_host": "127.0.0.1",
+                            "bootstrap_port": rooms.port,
+                        },
+                    }
+                ],
+            }
+        ).encode()
         sender = concurrent.futures.ThreadPoolExecutor(1)
         sent = sender.submit(_post_when_up, f"http://127.0.0.1:{port}", body)
         sender.shutdown(wait=False)
         end = time.monotonic() + 60
         while table.view(room).registration is None:
-            assert time.monotonic() < end and process.poll() is None, "epd-prefill never registered the room"
+            assert time.monotonic() < end and process.poll() is None, (
+                "epd-prefill never registered the room"
+            )
             time.sleep(0.05)
         (offer,) = table.view(room).registration.offers
         assert offer.kind == "mooncake" and offer.session.startswith("127.0.0.2:")
@@ -762,6 +1022,8 @@ def _post_when_up(url: str, body: bytes) -> tuple[int, dict]:
             if time.monotonic() >= end:
                 raise
             time.sleep(0.1)
-    request = urllib.request.Request(f"{url}/v1/prefill", data=body, headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/v1/prefill", data=body, headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return response.status, json.loads(response.read())

@@ -55,8 +55,11 @@ class Gate:
 @pytest.fixture
 def gate(monkeypatch):
     held = Gate()
-    monkeypatch.setattr(data_plane.loopback, "threading",
-                        SimpleNamespace(Timer=held.timer, Event=threading.Event, Lock=threading.Lock))
+    monkeypatch.setattr(
+        data_plane.loopback,
+        "threading",
+        SimpleNamespace(Timer=held.timer, Event=threading.Event, Lock=threading.Lock),
+    )
     return held
 
 
@@ -67,7 +70,9 @@ def slot_rows(pool, offset: int, like: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["loopback-late-fault", "shm-write-issued-late"])
-def test_late_bytes_land_in_the_quarantined_slot_and_never_reach_the_next_tenant(kind, gate, no_new_segments):
+def test_late_bytes_land_in_the_quarantined_slot_and_never_reach_the_next_tenant(
+    kind, gate, no_new_segments
+):
     """One slot: the next tenant can only get the very memory the late bytes landed in."""
     clock = FakeClock()
     pool = SlotPool(MemoryRegion.shared(SLOT), SLOT, quarantine_s=QUARANTINE_S, clock=clock)
@@ -81,24 +86,35 @@ def test_late_bytes_land_in_the_quarantined_slot_and_never_reach_the_next_tenant
         if kind.startswith("loopback"):
             transport.inject(LoopbackFault("late", 0.0))
             failed = transport.submit(late, offer, time.monotonic() + 5)
-            assert failed.poll() is TransferState.FAILED and not failed.settled  # failed, bytes still to come
+            assert (
+                failed.poll() is TransferState.FAILED and not failed.settled
+            )  # failed, bytes still to come
         pool.quarantine(lease)  # the receiver gives up on the slot: held, not freed
         assert not torch.equal(slot_rows(pool, lease.offset, late), late)  # nothing has landed yet
         if kind.startswith("loopback"):
             gate.land()
         else:  # a writer that never heard of the failure writes through its own mapping of the pool
             assert transport.submit(late, offer, time.monotonic() + 5).wait() is TransferState.DONE
-        assert torch.equal(slot_rows(pool, lease.offset, late), late)  # the late bytes are in the slot
+        assert torch.equal(
+            slot_rows(pool, lease.offset, late), late
+        )  # the late bytes are in the slot
         assert pool.stats()["quarantined_slots"] == 1 and pool.stats()["leased_slots"] == 0
         with pytest.raises(NoCapacity):
             pool.lease(layout.nbytes)  # no one gets the slot while it is held
         with pytest.raises(ContractError):
-            accept_commit(pool, lease, layout, make_commit(late, lease.generation))  # nor publishes it
+            accept_commit(
+                pool, lease, layout, make_commit(late, lease.generation)
+            )  # nor publishes it
         clock.now += QUARANTINE_S
         tenant = pool.lease(layout.nbytes)
-        assert tenant.offset == lease.offset and tenant.generation > lease.generation  # the same memory
+        assert (
+            tenant.offset == lease.offset and tenant.generation > lease.generation
+        )  # the same memory
         own = torch.randn(8, 64)
-        assert transport.submit(own, transport.offer(pool, tenant), time.monotonic() + 5).wait() is TransferState.DONE
+        assert (
+            transport.submit(own, transport.offer(pool, tenant), time.monotonic() + 5).wait()
+            is TransferState.DONE
+        )
         published = accept_commit(pool, tenant, layout, make_commit(own, tenant.generation))
         assert torch.equal(published, own) and not torch.equal(published, late)
         assert published.data_ptr() == slot_rows(pool, lease.offset, late).data_ptr()
@@ -120,7 +136,8 @@ def tower(tmp_path_factory):
 
 
 def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_request_gets_its_own_rows(
-        tower, gate, no_new_segments):
+    tower, gate, no_new_segments
+):
     """A real encode worker writes over loopback into a real ``PrefillReceiver`` whose pool is one
     slot (zero-copy: a published item is a view of the slot itself). The worker's write fails and
     its bytes land later: the receiver fails the item and quarantines the slot; the late bytes land
@@ -138,23 +155,50 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
         return tower.encode_items(inputs["pixel_values"], inputs["image_grid_thw"])[0]
 
     with loopback_stack(tower, worker=dict(cache_bytes=0)) as (worker, _, loopback):
-        receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=SLOT,
-                                                  slot_bytes=SLOT, item_timeout_s=10, zero_copy=True,
-                                                  quarantine_s=QUARANTINE_S), transports={"loopback": loopback})
-        clock = FakeClock()  # the receiver's own pool, on a clock the test moves (same region, same offers)
+        receiver = PrefillReceiver(
+            ReceiverConfig(
+                width=tower.info.wire_width,
+                dtype="float32",
+                pool_bytes=SLOT,
+                slot_bytes=SLOT,
+                item_timeout_s=10,
+                zero_copy=True,
+                quarantine_s=QUARANTINE_S,
+            ),
+            transports={"loopback": loopback},
+        )
+        clock = (
+            FakeClock()
+        )  # the receiver's own pool, on a clock the test moves (same region, same offers)
         receiver.pool = SlotPool(receiver.pool.region, SLOT, quarantine_s=QUARANTINE_S, clock=clock)
         intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
 
         def request(image, tag):
             (room,) = worker.table.mint(1, 60)
-            item = MultimodalDataItem(Modality.IMAGE, offsets=[[0, rows_of(image).shape[0] - 1]], encode_handshake={
-                "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port})
+            item = MultimodalDataItem(
+                Modality.IMAGE,
+                offsets=[[0, rows_of(image).shape[0] - 1]],
+                encode_handshake={
+                    "bootstrap_room": room,
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": worker.bootstrap_port,
+                },
+            )
             return receiver.start(tag, MultimodalInputs([item])), item, room
 
         def send(image, room, tag):
-            assert intake.send({"request_id": tag, "source": "bytes", "encode_handshake": {
-                "bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": worker.bootstrap_port}}, image).ok
+            assert intake.send(
+                {
+                    "request_id": tag,
+                    "source": "bytes",
+                    "encode_handshake": {
+                        "bootstrap_room": room,
+                        "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": worker.bootstrap_port,
+                    },
+                },
+                image,
+            ).ok
 
         try:
             first, second = png(64, 64, 1), png(64, 64, 2)
@@ -165,24 +209,46 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
             send(first, room, "late")
             assert job.wait(20) is JobState.FAILED and "write failed" in job.reasons[0], job.reasons
             view = worker.table.view(room)
-            assert view.state is RoomState.FAILED and not view.writer_settled  # bytes may still land
-            assert receiver.pool.stats()["quarantined_slots"] == 1 and receiver.pool.stats()["leased_slots"] == 0
-            assert not torch.equal(slot_rows(receiver.pool, 0, late), late)  # held by the gate: not yet
+            assert (
+                view.state is RoomState.FAILED and not view.writer_settled
+            )  # bytes may still land
+            assert (
+                receiver.pool.stats()["quarantined_slots"] == 1
+                and receiver.pool.stats()["leased_slots"] == 0
+            )
+            assert not torch.equal(
+                slot_rows(receiver.pool, 0, late), late
+            )  # held by the gate: not yet
             gate.land()
-            assert torch.equal(slot_rows(receiver.pool, 0, late), late)  # the worker's bytes, in the held slot
+            assert torch.equal(
+                slot_rows(receiver.pool, 0, late), late
+            )  # the worker's bytes, in the held slot
             during, _, during_room = request(second, "during")
-            assert during.wait(10) is JobState.FAILED and "cannot reserve" in during.reasons[0], during.reasons
+            assert during.wait(10) is JobState.FAILED and "cannot reserve" in during.reasons[0], (
+                during.reasons
+            )
             # its worker is told to stop (the cancel follows the item's failure: not at the same instant)
-            eventually(lambda: worker.table.view(during_room).state is RoomState.CANCELLED, "the room cancelled")
-            assert receiver.pool.stats()["quarantined_slots"] == 1 and receiver.pool.stats()["leased_slots"] == 0
+            eventually(
+                lambda: worker.table.view(during_room).state is RoomState.CANCELLED,
+                "the room cancelled",
+            )
+            assert (
+                receiver.pool.stats()["quarantined_slots"] == 1
+                and receiver.pool.stats()["leased_slots"] == 0
+            )
             clock.now += QUARANTINE_S
             job, item, room = request(second, "next")
             send(second, room, "next")
             assert job.wait(20) is JobState.DONE, job.reasons
-            assert item.encoded.data_ptr() == slot_rows(receiver.pool, 0, late).data_ptr()  # the same memory
+            assert (
+                item.encoded.data_ptr() == slot_rows(receiver.pool, 0, late).data_ptr()
+            )  # the same memory
             assert torch.equal(item.encoded, own) and not torch.equal(item.encoded, late)
             job.release()
-            assert receiver.pool.stats()["leased_slots"] == 0 and receiver.pool.stats()["quarantined_slots"] == 0
+            assert (
+                receiver.pool.stats()["leased_slots"] == 0
+                and receiver.pool.stats()["quarantined_slots"] == 0
+            )
         finally:
             intake.close()
             receiver.close()

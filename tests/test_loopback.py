@@ -48,8 +48,11 @@ def test_oversize_and_foreign_offers_are_refused_before_any_write(setup):
     with pytest.raises(TransferRefused):
         transport.submit(torch.ones(2, 64, dtype=torch.bfloat16).t(), offer, time.monotonic() + 1)
     with pytest.raises(TransferRefused):
-        transport.submit(torch.ones(2, 64), MooncakeOffer(kind="mooncake", session="h:1", address=1, capacity=1 << 20),
-                         time.monotonic() + 1)
+        transport.submit(
+            torch.ones(2, 64),
+            MooncakeOffer(kind="mooncake", session="h:1", address=1, capacity=1 << 20),
+            time.monotonic() + 1,
+        )
     assert torch.equal(pool.region.tensor, before)
 
 
@@ -68,7 +71,9 @@ def test_error_fault_fails_and_writes_nothing(setup):
     transport, pool = setup
     layout, lease, offer = _reserve(transport, pool, 4)
     transport.inject(LoopbackFault("error"))
-    transfer = transport.submit(torch.ones(4, 64, dtype=torch.bfloat16), offer, time.monotonic() + 1)
+    transfer = transport.submit(
+        torch.ones(4, 64, dtype=torch.bfloat16), offer, time.monotonic() + 1
+    )
     assert transfer.poll() is TransferState.FAILED and transfer.settled
     assert int(pool.view(lease).sum()) == 0
 
@@ -77,7 +82,9 @@ def test_drop_fault_fails_at_the_deadline(setup):
     transport, pool = setup
     layout, lease, offer = _reserve(transport, pool, 4)
     transport.inject(LoopbackFault("drop"))
-    transfer = transport.submit(torch.ones(4, 64, dtype=torch.bfloat16), offer, time.monotonic() + 0.05)
+    transfer = transport.submit(
+        torch.ones(4, 64, dtype=torch.bfloat16), offer, time.monotonic() + 0.05
+    )
     assert transfer.poll() is TransferState.PENDING
     assert transfer.wait() is TransferState.FAILED and transfer.error == "deadline exceeded"
 
@@ -88,10 +95,12 @@ def test_commit_contract_is_checked(setup):
     layout, lease, offer = _reserve(transport, pool, 4)
     transport.submit(payload, offer, time.monotonic() + 1).wait()
     good = make_commit(payload, lease.generation)
-    for bad in (good.model_copy(update={"generation": lease.generation + 1}),
-                good.model_copy(update={"rows": 2, "width": 128}),
-                good.model_copy(update={"dtype": "float16"}),
-                good.model_copy(update={"checksum": (good.checksum + 1) % (1 << 64)})):
+    for bad in (
+        good.model_copy(update={"generation": lease.generation + 1}),
+        good.model_copy(update={"rows": 2, "width": 128}),
+        good.model_copy(update={"dtype": "float16"}),
+        good.model_copy(update={"checksum": (good.checksum + 1) % (1 << 64)}),
+    ):
         with pytest.raises(ContractError):
             accept_commit(pool, lease, layout, bad)
     assert torch.equal(accept_commit(pool, lease, layout, good), payload)

@@ -18,7 +18,9 @@ class PoolMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.clock = FakeClock()
-        self.pool = SlotPool(MemoryRegion.anonymous(SLOT * SLOTS), SLOT, quarantine_s=5.0, clock=self.clock)
+        self.pool = SlotPool(
+            MemoryRegion.anonymous(SLOT * SLOTS), SLOT, quarantine_s=5.0, clock=self.clock
+        )
         self.live = {}  # first_slot -> lease
         self.held = {}  # first_slot -> (lease, until)
         self.last_generation = 0
@@ -33,10 +35,15 @@ class PoolMachine(RuleBasedStateMachine):
         except NoCapacity:
             # refused only if no free run fits: check against our own model of the pool
             self._expire()
-            taken = set().union(*(self._slots(lease) for lease in self.live.values()),
-                                *(self._slots(lease) for lease, _ in self.held.values()))
+            taken = set().union(
+                *(self._slots(lease) for lease in self.live.values()),
+                *(self._slots(lease) for lease, _ in self.held.values()),
+            )
             need = -(-nbytes // SLOT)
-            runs = [all(s not in taken for s in range(start, start + need)) for start in range(SLOTS - need + 1)]
+            runs = [
+                all(s not in taken for s in range(start, start + need))
+                for start in range(SLOTS - need + 1)
+            ]
             assert not any(runs), "NoCapacity although a free run fitted"
             return None
         assert lease.generation > self.last_generation  # generations only grow
@@ -44,7 +51,9 @@ class PoolMachine(RuleBasedStateMachine):
         assert lease.nbytes == nbytes and lease.slot_count * SLOT >= nbytes
         self._expire()
         for other in list(self.live.values()) + [held for held, _ in self.held.values()]:
-            assert not (self._slots(other) & self._slots(lease)), "lease overlaps a live or quarantined lease"
+            assert not (self._slots(other) & self._slots(lease)), (
+                "lease overlaps a live or quarantined lease"
+            )
         self.live[lease.first_slot] = lease
         return lease
 
@@ -77,7 +86,9 @@ class PoolMachine(RuleBasedStateMachine):
         self._expire()
         stats = self.pool.stats()  # reclaims ended quarantines first
         assert stats["leased_slots"] == sum(lease.slot_count for lease in self.live.values())
-        assert stats["quarantined_slots"] == sum(lease.slot_count for lease, _ in self.held.values())
+        assert stats["quarantined_slots"] == sum(
+            lease.slot_count for lease, _ in self.held.values()
+        )
         assert stats["free_slots"] + stats["leased_slots"] + stats["quarantined_slots"] == SLOTS
 
     def teardown(self):
@@ -86,7 +97,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.clock.now += 10
         stats = self.pool.stats()
         assert stats["free_slots"] == SLOTS and stats["leases"] == 0  # nothing leaks
-        self.pool.release(self.pool.lease(SLOT * SLOTS))  # and the free runs coalesced back into one
+        self.pool.release(
+            self.pool.lease(SLOT * SLOTS)
+        )  # and the free runs coalesced back into one
 
 
 TestPoolMachine = PoolMachine.TestCase
@@ -119,6 +132,9 @@ def test_quarantine_holds_until_deadline():
 def test_views_are_slices_of_the_one_region():
     pool = SlotPool(MemoryRegion.anonymous(4 * SLOT), SLOT, quarantine_s=1.0)
     a, b = pool.lease(SLOT + 1), pool.lease(5)
-    assert pool.view(a).numel() == SLOT + 1 and pool.view(b).data_ptr() == pool.region.address + 2 * SLOT
+    assert (
+        pool.view(a).numel() == SLOT + 1
+        and pool.view(b).data_ptr() == pool.region.address + 2 * SLOT
+    )
     with pytest.raises(ValueError):
         pool.lease(0)

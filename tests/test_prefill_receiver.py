@@ -23,8 +23,12 @@ def tower(tmp_path_factory):
 
 @pytest.fixture
 def stack(tower):
-    with loopback_stack(tower, local_tower=tower, worker=dict(cache_bytes=0, write_timeout_s=2),
-                        receiver=dict(quarantine_s=1.0, fallback="local_tower")) as (worker, receiver, loopback):
+    with loopback_stack(
+        tower,
+        local_tower=tower,
+        worker=dict(cache_bytes=0, write_timeout_s=2),
+        receiver=dict(quarantine_s=1.0, fallback="local_tower"),
+    ) as (worker, receiver, loopback):
         intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
         yield worker, receiver, intake, loopback
         intake.close()
@@ -52,17 +56,34 @@ def make_request(worker, tower, images, keep_pixels=False):
     items = []
     for room, image in zip(rooms, images):
         rows = expected_rows(tower, image).shape[0]
-        items.append(MultimodalDataItem(
-            Modality.IMAGE, offsets=[[10, 10 + rows - 1]], feature=image if keep_pixels else None,
-            encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                              "bootstrap_port": worker.bootstrap_port}))
+        items.append(
+            MultimodalDataItem(
+                Modality.IMAGE,
+                offsets=[[10, 10 + rows - 1]],
+                feature=image if keep_pixels else None,
+                encode_handshake={
+                    "bootstrap_room": room,
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": worker.bootstrap_port,
+                },
+            )
+        )
     return MultimodalInputs(items), rooms
 
 
 def send(intake, worker, room, image, tag):
-    reply = intake.send({"request_id": tag, "source": "bytes",
-                         "encode_handshake": {"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                              "bootstrap_port": worker.bootstrap_port}}, image)
+    reply = intake.send(
+        {
+            "request_id": tag,
+            "source": "bytes",
+            "encode_handshake": {
+                "bootstrap_room": room,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": worker.bootstrap_port,
+            },
+        },
+        image,
+    )
     assert reply.ok, reply
 
 
@@ -72,22 +93,36 @@ def test_multi_item_request_is_byte_exact_in_either_order(stack, tower, receiver
     images = [png(64, 64, 1), png(300, 200, 2), png(128, 96, 3)]
     inputs, rooms = make_request(worker, tower, images)
     skipped_text = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 3]])  # no handshake: left alone
-    already = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 3]], encoded=torch.ones(4, 2),
-                                 encode_handshake={"bootstrap_room": 1, "bootstrap_host": "127.0.0.1",
-                                                   "bootstrap_port": worker.bootstrap_port})
+    already = MultimodalDataItem(
+        Modality.IMAGE,
+        offsets=[[0, 3]],
+        encoded=torch.ones(4, 2),
+        encode_handshake={
+            "bootstrap_room": 1,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": worker.bootstrap_port,
+        },
+    )
     inputs.mm_items += [skipped_text, already]
     if receiver_first:
         job = receiver.start("req", inputs)
-        eventually(lambda: all(worker.table.view(r).state.value == "REGISTERED" for r in rooms), "rooms registered")
+        eventually(
+            lambda: all(worker.table.view(r).state.value == "REGISTERED" for r in rooms),
+            "rooms registered",
+        )
     for index, (room, image) in enumerate(zip(rooms, images)):
         send(intake, worker, room, image, f"r{index}")
     if not receiver_first:  # the rows of all three wait in the send ring
-        eventually(lambda: worker.ring.stats()["leases"] == len(images), "rows staged in the send ring")
+        eventually(
+            lambda: worker.ring.stats()["leases"] == len(images), "rows staged in the send ring"
+        )
         job = receiver.start("req", inputs)
     assert job.wait(20) is JobState.DONE, job.reasons
     for item, image in zip(inputs.mm_items, images):
         assert torch.equal(item.encoded, expected_rows(tower, image))
-        grid = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")["image_grid_thw"]
+        grid = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")[
+            "image_grid_thw"
+        ]
         assert torch.equal(item.image_grid_thw, grid)  # the commit carries the encoder's patch grid
     assert [o.state for o in job.outcomes] == ["DONE"] * 3 + ["SKIPPED"] * 2
     assert all(o.transport == "loopback" for o in job.outcomes[:3])
@@ -97,9 +132,17 @@ def test_multi_item_request_is_byte_exact_in_either_order(stack, tower, receiver
 
 def test_zero_copy_encoded_is_the_slot_until_release(stack, tower):
     worker, _, intake, loopback = stack
-    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=4 << 20,
-                                              slot_bytes=1 << 16, item_timeout_s=10, zero_copy=True),
-                               transports={"loopback": loopback})
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=tower.info.wire_width,
+            dtype="float32",
+            pool_bytes=4 << 20,
+            slot_bytes=1 << 16,
+            item_timeout_s=10,
+            zero_copy=True,
+        ),
+        transports={"loopback": loopback},
+    )
     try:
         images = [png(64, 64, 5), png(128, 96, 6)]
         inputs, rooms = make_request(worker, tower, images)
@@ -111,7 +154,9 @@ def test_zero_copy_encoded_is_the_slot_until_release(stack, tower):
         pool_end = pool_start + receiver.pool.region.tensor.numel()
         for item, image in zip(inputs.mm_items, images):
             assert torch.equal(item.encoded, expected_rows(tower, image))
-            assert pool_start <= item.encoded.data_ptr() < pool_end  # a view of the slot, not a copy
+            assert (
+                pool_start <= item.encoded.data_ptr() < pool_end
+            )  # a view of the slot, not a copy
         leased = receiver.pool.stats()["leased_slots"]
         assert leased > 0  # held for the engine
         job.release()
@@ -139,9 +184,15 @@ def test_poll_never_blocks_and_cancel_fails_fast(stack, tower):
 def test_request_larger_than_the_pool_is_refused_at_once(stack, tower):
     worker, receiver, _, _ = stack
     (room,) = worker.table.mint(1, 60)
-    huge = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 100_000]],
-                              encode_handshake={"bootstrap_room": room, "bootstrap_host": "127.0.0.1",
-                                                "bootstrap_port": worker.bootstrap_port})
+    huge = MultimodalDataItem(
+        Modality.IMAGE,
+        offsets=[[0, 100_000]],
+        encode_handshake={
+            "bootstrap_room": room,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": worker.bootstrap_port,
+        },
+    )
     job = receiver.start("big", MultimodalInputs([huge]))
     assert job.wait(2) is JobState.FAILED and "cannot reserve" in job.reasons[0]
     assert receiver.pool.stats()["leased_slots"] == 0
@@ -156,7 +207,9 @@ def test_failed_write_that_lands_late_is_quarantined_and_falls_back(stack, tower
     send(intake, worker, rooms[0], image, "late")
     assert job.wait(10) is JobState.DONE
     outcome = job.outcomes[0]
-    assert outcome.fallback and outcome.transport == "local_tower" and "write failed" in outcome.reason
+    assert (
+        outcome.fallback and outcome.transport == "local_tower" and "write failed" in outcome.reason
+    )
     assert torch.equal(inputs.mm_items[0].encoded, expected_rows(tower, image))
     assert receiver.pool.stats()["quarantined_slots"] > 0  # the slot waits out the late write
     # the next tenant gets other slots, and its bytes are intact after the late write lands
@@ -170,17 +223,32 @@ def test_failed_write_that_lands_late_is_quarantined_and_falls_back(stack, tower
 
 
 def test_unreachable_endpoint_fails_within_a_second(tower):
-    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=4 << 20,
-                                              slot_bytes=1 << 16, transports=("loopback",)))
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=tower.info.wire_width,
+            dtype="float32",
+            pool_bytes=4 << 20,
+            slot_bytes=1 << 16,
+            transports=("loopback",),
+        )
+    )
     try:
-        item = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 15]],
-                                  encode_handshake={"bootstrap_room": 5, "bootstrap_host": "127.0.0.1",
-                                                    "bootstrap_port": 1})
+        item = MultimodalDataItem(
+            Modality.IMAGE,
+            offsets=[[0, 15]],
+            encode_handshake={
+                "bootstrap_room": 5,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": 1,
+            },
+        )
         started = time.monotonic()
         job = receiver.start("dead", MultimodalInputs([item]))
         assert job.wait(5) is JobState.FAILED
         assert time.monotonic() - started < 1.5 and "unreachable" in job.reasons[0]
-        assert receiver.pool.stats()["quarantined_slots"] > 0  # the register may have landed: slot held
+        assert (
+            receiver.pool.stats()["quarantined_slots"] > 0
+        )  # the register may have landed: slot held
     finally:
         receiver.close()
 
@@ -196,18 +264,25 @@ def test_cancel_during_a_write_waits_for_the_writer_then_frees_the_slot(stack, t
     job.cancel("user went away")
     time.sleep(0.2)
     view = worker.table.view(rooms[0])
-    assert view.state.value == "WRITING" and view.cancel_requested  # the cancel waits for the writer
+    assert (
+        view.state.value == "WRITING" and view.cancel_requested
+    )  # the cancel waits for the writer
     assert job.wait(10) is JobState.FAILED and "CANCELLED" in job.reasons[0]
     view = worker.table.view(rooms[0])
     assert view.state.value == "CANCELLED" and view.writer_settled
-    assert receiver.pool.stats()["leased_slots"] == 0 and receiver.pool.stats()["quarantined_slots"] == 0
+    assert (
+        receiver.pool.stats()["leased_slots"] == 0
+        and receiver.pool.stats()["quarantined_slots"] == 0
+    )
 
 
 def test_a_patch_grid_that_disagrees_with_the_request_fails_the_item(stack, tower):
     worker, receiver, intake, _ = stack
     image = png(64, 64, 8)
     inputs, rooms = make_request(worker, tower, [image])
-    inputs.mm_items[0].model_specific_data["image_grid_thw"] = torch.tensor([[1, 2, 8]])  # same rows (4), other grid
+    inputs.mm_items[0].model_specific_data["image_grid_thw"] = torch.tensor(
+        [[1, 2, 8]]
+    )  # same rows (4), other grid
     job = receiver.start("grid", inputs)
     send(intake, worker, rooms[0], image, "grid")
     assert job.wait(10) is JobState.FAILED and "image_grid_thw" in job.reasons[0]
@@ -215,9 +290,14 @@ def test_a_patch_grid_that_disagrees_with_the_request_fails_the_item(stack, towe
 
 
 @pytest.mark.parametrize("require_checksum", [True, False])
-def test_a_commit_without_a_checksum_is_published_only_when_the_receiver_allows_it(tower, require_checksum):
-    with loopback_stack(tower, worker=dict(cache_bytes=0, checksum=False),
-                        receiver=dict(require_checksum=require_checksum)) as (worker, receiver, _):
+def test_a_commit_without_a_checksum_is_published_only_when_the_receiver_allows_it(
+    tower, require_checksum
+):
+    with loopback_stack(
+        tower,
+        worker=dict(cache_bytes=0, checksum=False),
+        receiver=dict(require_checksum=require_checksum),
+    ) as (worker, receiver, _):
         intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
         try:
             image = png(64, 64, 41)
@@ -226,7 +306,9 @@ def test_a_commit_without_a_checksum_is_published_only_when_the_receiver_allows_
             send(intake, worker, room, image, "no-checksum")
             if require_checksum:
                 assert job.wait(20) is JobState.FAILED
-                assert "carries no checksum" in job.reasons[0] and inputs.mm_items[0].encoded is None
+                assert (
+                    "carries no checksum" in job.reasons[0] and inputs.mm_items[0].encoded is None
+                )
             else:
                 assert job.wait(20) is JobState.DONE, job.reasons
                 assert torch.equal(inputs.mm_items[0].encoded, expected_rows(tower, image))
@@ -249,17 +331,25 @@ def test_the_worker_reports_the_wait_for_the_receiver_apart_from_the_write(stack
     registry = worker.metrics.registry
     assert registry.get_sample_value("epd_encoder_receiver_wait_seconds_count") == 1
     assert registry.get_sample_value("epd_encoder_receiver_wait_seconds_sum") == timings.wait_s
-    assert registry.get_sample_value("epd_encoder_transfer_seconds_sum", {"transport": "loopback"}) == timings.transfer_s
+    assert (
+        registry.get_sample_value("epd_encoder_transfer_seconds_sum", {"transport": "loopback"})
+        == timings.transfer_s
+    )
 
 
-@pytest.mark.parametrize("address, why", [
-    ({"bootstrap_room": 0}, "bootstrap_room"),
-    ({"bootstrap_host": "["}, "Host '[' cannot contain '['"),
-    ({"bootstrap_host": "a]b"}, "cannot contain ']'"),
-    ({"bootstrap_port": 0}, "bootstrap_port"),
-    ({"bogus": 1}, "bogus"),
-])
-def test_an_item_whose_room_address_cannot_exist_fails_alone_and_reserves_nothing(stack, tower, address, why):
+@pytest.mark.parametrize(
+    "address, why",
+    [
+        ({"bootstrap_room": 0}, "bootstrap_room"),
+        ({"bootstrap_host": "["}, "Host '[' cannot contain '['"),
+        ({"bootstrap_host": "a]b"}, "cannot contain ']'"),
+        ({"bootstrap_port": 0}, "bootstrap_port"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_an_item_whose_room_address_cannot_exist_fails_alone_and_reserves_nothing(
+    stack, tower, address, why
+):
     """Room 0 passed the wire schema and failed the registration's, and a host that makes no URL
     failed the client: either crashed the job (a 500 in epd-prefill) with its slots leased for
     good, so a dozen such requests exhausted the pool. Now the item fails at once with why, nothing
@@ -268,15 +358,31 @@ def test_an_item_whose_room_address_cannot_exist_fails_alone_and_reserves_nothin
     image = png(64, 64, 50)
     for attempt in range(12):
         inputs, (room,) = make_request(worker, tower, [image])
-        bad = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 3]], encode_handshake={
-            **inputs.mm_items[0].encode_handshake, "bootstrap_room": room + 1, **address})
+        bad = MultimodalDataItem(
+            Modality.IMAGE,
+            offsets=[[0, 3]],
+            encode_handshake={
+                **inputs.mm_items[0].encode_handshake,
+                "bootstrap_room": room + 1,
+                **address,
+            },
+        )
         inputs.mm_items.insert(0, bad)
         job = receiver.start(f"bad-{attempt}", inputs)
         send(intake, worker, room, image, f"bad-{attempt}")
         assert job.wait(20) is JobState.FAILED, job.outcomes
-        assert list(job.reasons) == [0] and "invalid encode_handshake" in job.reasons[0] and why in job.reasons[0]
-        assert job.outcomes[1].state == "DONE" and torch.equal(inputs.mm_items[1].encoded, expected_rows(tower, image))
-        assert receiver.pool.stats()["leased_slots"] == 0 and receiver.pool.stats()["quarantined_slots"] == 0
+        assert (
+            list(job.reasons) == [0]
+            and "invalid encode_handshake" in job.reasons[0]
+            and why in job.reasons[0]
+        )
+        assert job.outcomes[1].state == "DONE" and torch.equal(
+            inputs.mm_items[1].encoded, expected_rows(tower, image)
+        )
+        assert (
+            receiver.pool.stats()["leased_slots"] == 0
+            and receiver.pool.stats()["quarantined_slots"] == 0
+        )
 
 
 def test_a_fallback_whose_rows_do_not_match_the_placeholders_is_refused(stack, tower):
@@ -289,16 +395,31 @@ def test_a_fallback_whose_rows_do_not_match_the_placeholders_is_refused(stack, t
     for room in rooms:
         worker.table.cancel(room, "dropped by the gateway")  # every item falls back
     handshake = {"bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port}
-    short = MultimodalDataItem(Modality.IMAGE, offsets=[[10, 13]], feature=image,
-                               encode_handshake={**handshake, "bootstrap_room": rooms[0]})
-    other_grid = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 255]], feature=image,
-                                    model_specific_data={"image_grid_thw": torch.tensor([[1, 16, 64]])},
-                                    encode_handshake={**handshake, "bootstrap_room": rooms[1]})
-    right = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 99], [200, 355]], feature=image,
-                               encode_handshake={**handshake, "bootstrap_room": rooms[2]})
+    short = MultimodalDataItem(
+        Modality.IMAGE,
+        offsets=[[10, 13]],
+        feature=image,
+        encode_handshake={**handshake, "bootstrap_room": rooms[0]},
+    )
+    other_grid = MultimodalDataItem(
+        Modality.IMAGE,
+        offsets=[[0, 255]],
+        feature=image,
+        model_specific_data={"image_grid_thw": torch.tensor([[1, 16, 64]])},
+        encode_handshake={**handshake, "bootstrap_room": rooms[1]},
+    )
+    right = MultimodalDataItem(
+        Modality.IMAGE,
+        offsets=[[0, 99], [200, 355]],
+        feature=image,
+        encode_handshake={**handshake, "bootstrap_room": rooms[2]},
+    )
     job = receiver.start("fallback-rows", MultimodalInputs([short, other_grid, right]))
     assert job.wait(20) is JobState.FAILED
-    assert "the image makes 256 rows (grid [1, 32, 32]) but the item's placeholders hold 4" in job.reasons[0]
+    assert (
+        "the image makes 256 rows (grid [1, 32, 32]) but the item's placeholders hold 4"
+        in job.reasons[0]
+    )
     assert "local tower also failed" in job.reasons[0] and "CANCELLED" in job.reasons[0]
     assert "differs from the item's image_grid_thw [1, 16, 64]" in job.reasons[1]
     assert short.encoded is None and other_grid.encoded is None
@@ -319,14 +440,18 @@ def test_abort_settles_every_item_now_and_the_slots_still_come_back(stack, tower
     eventually(lambda: worker.table.view(room).state.value == "WRITING", "the write began")
     job.abort("timed out: caller gave up")
     assert job.wait(2) is JobState.FAILED and job.reasons == {0: "timed out: caller gave up"}
-    assert worker.table.view(room).state.value == "WRITING"  # the answer did not wait for the writer
+    assert (
+        worker.table.view(room).state.value == "WRITING"
+    )  # the answer did not wait for the writer
     eventually(lambda: worker.table.view(room).state.value == "CANCELLED", "the writer reported")
     eventually(lambda: receiver.pool.stats()["leased_slots"] == 0, "slot released")
     assert receiver.pool.stats()["quarantined_slots"] == 0  # the writer settled: freed, not held
     assert inputs.mm_items[0].encoded is None and job.outcomes[0].state == "FAILED"
 
 
-def test_a_receive_pool_whose_segment_is_unlinked_stops_offering_shm_and_says_so(tower, caplog, no_segments_of_ours):
+def test_a_receive_pool_whose_segment_is_unlinked_stops_offering_shm_and_says_so(
+    tower, caplog, no_segments_of_ours
+):
     """Someone unlinked /dev/shm/epd-pool-...: SHM delivery to this receiver then failed for good
     ("segment ... is gone"), with no fallback and a healthy look. Now the receiver notices, logs it
     once, reports it in health(), and receives over its other transport."""
@@ -338,15 +463,35 @@ def test_a_receive_pool_whose_segment_is_unlinked_stops_offering_shm_and_says_so
     from encode_worker.worker import EncodeWorker
 
     loopback = LoopbackTransport()
-    worker = EncodeWorker(WorkerConfig(model=tower.model_id, transports=("shm", "loopback"), bootstrap_port=0,
-                                       intake_port=0, bind="127.0.0.1", ring_bytes=8 << 20, ring_slot_bytes=1 << 16,
-                                       receiver_wait_s=10, cache_bytes=0),
-                          tower=tower, transports={"shm": ShmTransport(), "loopback": loopback}).start()
-    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=4 << 20,
-                                              slot_bytes=1 << 16, item_timeout_s=10, transports=("shm", "loopback")),
-                               transports={"shm": ShmTransport(), "loopback": loopback})
+    worker = EncodeWorker(
+        WorkerConfig(
+            model=tower.model_id,
+            transports=("shm", "loopback"),
+            bootstrap_port=0,
+            intake_port=0,
+            bind="127.0.0.1",
+            ring_bytes=8 << 20,
+            ring_slot_bytes=1 << 16,
+            receiver_wait_s=10,
+            cache_bytes=0,
+        ),
+        tower=tower,
+        transports={"shm": ShmTransport(), "loopback": loopback},
+    ).start()
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=tower.info.wire_width,
+            dtype="float32",
+            pool_bytes=4 << 20,
+            slot_bytes=1 << 16,
+            item_timeout_s=10,
+            transports=("shm", "loopback"),
+        ),
+        transports={"shm": ShmTransport(), "loopback": loopback},
+    )
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
     try:
+
         def receive(tag, seed):
             image = png(64, 64, seed)
             inputs, (room,) = make_request(worker, tower, [image])
@@ -357,7 +502,10 @@ def test_a_receive_pool_whose_segment_is_unlinked_stops_offering_shm_and_says_so
             return job.outcomes[0].transport
 
         assert receive("before", 53) == "shm"
-        assert receiver.health()["transports"] == ["shm", "loopback"] and receiver.health()["lost"] == {}
+        assert (
+            receiver.health()["transports"] == ["shm", "loopback"]
+            and receiver.health()["lost"] == {}
+        )
         os.unlink(f"/dev/shm/{receiver.pool.region.shm.name}")
         with caplog.at_level("WARNING", logger="prefill_side.receiver"):
             assert receive("after", 54) == "loopback"
@@ -365,33 +513,60 @@ def test_a_receive_pool_whose_segment_is_unlinked_stops_offering_shm_and_says_so
             health = receiver.health()
         assert health["transports"] == ["loopback"] and health["cannot_receive"] is None
         assert "is gone from /dev/shm" in health["lost"]["shm"]
-        warnings = [r.getMessage() for r in caplog.records if "is gone from /dev/shm" in r.getMessage()]
+        warnings = [
+            r.getMessage() for r in caplog.records if "is gone from /dev/shm" in r.getMessage()
+        ]
         assert len(warnings) == 1 and "receiving over loopback" in warnings[0]
-        assert receiver.registry.get_sample_value("epd_prefill_transport_offered", {"transport": "shm"}) == 0
+        assert (
+            receiver.registry.get_sample_value(
+                "epd_prefill_transport_offered", {"transport": "shm"}
+            )
+            == 0
+        )
     finally:
         intake.close()
         receiver.close()
         worker.stop()
 
 
-def test_an_shm_only_receiver_whose_segment_is_unlinked_says_it_cannot_receive(tower, no_segments_of_ours):
+def test_an_shm_only_receiver_whose_segment_is_unlinked_says_it_cannot_receive(
+    tower, no_segments_of_ours
+):
     import os
 
     from data_plane.shm_transport import ShmTransport
 
-    receiver = PrefillReceiver(ReceiverConfig(width=tower.info.wire_width, dtype="float32", pool_bytes=1 << 20,
-                                              slot_bytes=1 << 16, transports=("shm",)),
-                               transports={"shm": ShmTransport()})
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=tower.info.wire_width,
+            dtype="float32",
+            pool_bytes=1 << 20,
+            slot_bytes=1 << 16,
+            transports=("shm",),
+        ),
+        transports={"shm": ShmTransport()},
+    )
     try:
         assert receiver.health()["cannot_receive"] is None
         os.unlink(f"/dev/shm/{receiver.pool.region.shm.name}")
         health = receiver.health()
-        assert health["transports"] == [] and "no transport left to offer" in health["cannot_receive"]
+        assert (
+            health["transports"] == [] and "no transport left to offer" in health["cannot_receive"]
+        )
         assert health["not_ready"] == health["cannot_receive"]
-        item = MultimodalDataItem(Modality.IMAGE, offsets=[[0, 3]], encode_handshake={
-            "bootstrap_room": 7, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1})
+        item = MultimodalDataItem(
+            Modality.IMAGE,
+            offsets=[[0, 3]],
+            encode_handshake={
+                "bootstrap_room": 7,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": 1,
+            },
+        )
         job = receiver.start("shm-gone", MultimodalInputs([item]))
-        assert job.wait(5) is JobState.FAILED and "cannot reserve: no transport left" in job.reasons[0]
+        assert (
+            job.wait(5) is JobState.FAILED and "cannot reserve: no transport left" in job.reasons[0]
+        )
         assert receiver.pool.stats()["leased_slots"] == 0
     finally:
         receiver.close()
@@ -403,8 +578,13 @@ def test_offsets_that_are_not_numbers_fail_their_item_and_reserve_nothing(stack,
     worker, receiver, intake, _ = stack
     image = png(64, 64, 56)
     inputs, (room,) = make_request(worker, tower, [image])
-    inputs.mm_items.append(MultimodalDataItem(Modality.IMAGE, offsets=[[0, None]], encode_handshake={
-        **inputs.mm_items[0].encode_handshake, "bootstrap_room": room + 1}))
+    inputs.mm_items.append(
+        MultimodalDataItem(
+            Modality.IMAGE,
+            offsets=[[0, None]],
+            encode_handshake={**inputs.mm_items[0].encode_handshake, "bootstrap_room": room + 1},
+        )
+    )
     job = receiver.start("none-offsets", inputs)
     send(intake, worker, room, image, "none-offsets")
     assert job.wait(20) is JobState.FAILED
@@ -418,36 +598,63 @@ def test_a_request_of_more_rooms_than_one_call_holds_is_split_not_crashed(tower,
     """300 items at one endpoint made one register (or cancel) call of 300, over the API's 256 per
     call: the call's own validation crashed the job, leaving every slot leased (or, for items it
     could not reserve, their rooms never cancelled, so their workers waited for nobody)."""
-    with loopback_stack(tower, receiver=dict(pool_bytes=2 << 20, slot_bytes=4096)) as (worker, receiver, _):
+    with loopback_stack(tower, receiver=dict(pool_bytes=2 << 20, slot_bytes=4096)) as (
+        worker,
+        receiver,
+        _,
+    ):
         rooms = worker.table.mint(300, 60)
         if reservable:
             for room in rooms:
                 worker.table.cancel(room, "dropped by the gateway")
         rows = 4 if reservable else 10_000  # 10,000 rows are more than the whole pool
-        items = [MultimodalDataItem(Modality.IMAGE, offsets=[[0, rows - 1]], encode_handshake={
-            "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port})
-            for room in rooms]
+        items = [
+            MultimodalDataItem(
+                Modality.IMAGE,
+                offsets=[[0, rows - 1]],
+                encode_handshake={
+                    "bootstrap_room": room,
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": worker.bootstrap_port,
+                },
+            )
+            for room in rooms
+        ]
         job = receiver.start("many", MultimodalInputs(items))
         assert job.wait(20) is JobState.FAILED
-        expected = "ended CANCELLED before this receiver registered" if reservable else "cannot reserve"
-        assert len(job.reasons) == 300 and all(expected in reason for reason in job.reasons.values())
-        assert receiver.pool.stats()["leased_slots"] == 0 and receiver.pool.stats()["quarantined_slots"] == 0
-        eventually(lambda: all(worker.table.view(room).state.value == "CANCELLED" for room in rooms),
-                   "every room cancelled")
+        expected = (
+            "ended CANCELLED before this receiver registered" if reservable else "cannot reserve"
+        )
+        assert len(job.reasons) == 300 and all(
+            expected in reason for reason in job.reasons.values()
+        )
+        assert (
+            receiver.pool.stats()["leased_slots"] == 0
+            and receiver.pool.stats()["quarantined_slots"] == 0
+        )
+        eventually(
+            lambda: all(worker.table.view(room).state.value == "CANCELLED" for room in rooms),
+            "every room cancelled",
+        )
 
 
-@pytest.mark.parametrize("field, value, why", [
-    ("item_timeout_s", 7200, "item_timeout_s 7200 is not in (0, 3600.0]"),
-    ("poll_s", 60, "poll_s 60 is not in (0, 30.0]"),
-    ("width", 0, "width 0 is not in"),
-    ("dtype", "float64", "dtype 'float64' is not one of"),
-    ("deepstack_width", 96, "deepstack_width 96 is not in"),
-    ("fallback", "local", "fallback 'local' is not"),
-    ("transports", (), "no transport given"),
-])
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("item_timeout_s", 7200, "item_timeout_s 7200 is not in (0, 3600.0]"),
+        ("poll_s", 60, "poll_s 60 is not in (0, 30.0]"),
+        ("width", 0, "width 0 is not in"),
+        ("dtype", "float64", "dtype 'float64' is not one of"),
+        ("deepstack_width", 96, "deepstack_width 96 is not in"),
+        ("fallback", "local", "fallback 'local' is not"),
+        ("transports", (), "no transport given"),
+    ],
+)
 def test_a_receiver_config_that_would_fail_every_item_is_refused_at_once(field, value, why):
     """An item_timeout_s over a registration's deadline bound (3600 s) or a poll_s over a long-poll's
     (30 s) was accepted, and every item then failed at its first registration or watch."""
-    with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(
+        ValueError, match=why.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ):
         ReceiverConfig(**{"width": 96, field: value})
     ReceiverConfig(width=96)

@@ -34,8 +34,12 @@ def tower(tmp_path_factory):
 def served(tower):
     """An encode worker, and epd-prefill's app (with the local tower) around a receiver with a
     four-slot pool, on loopback."""
-    with loopback_stack(tower, local_tower=tower, worker=dict(cache_bytes=0, write_timeout_s=5),
-                        receiver=dict(pool_bytes=4 * SLOT, slot_bytes=SLOT, quarantine_s=1.0)) as stack:
+    with loopback_stack(
+        tower,
+        local_tower=tower,
+        worker=dict(cache_bytes=0, write_timeout_s=5),
+        receiver=dict(pool_bytes=4 * SLOT, slot_bytes=SLOT, quarantine_s=1.0),
+    ) as stack:
         worker, receiver, loopback = stack
         server = ThreadedServer(create_app(receiver, tower)).start()
         intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
@@ -49,8 +53,11 @@ def served(tower):
 
 
 def post(url, body):
-    request = urllib.request.Request(url + "/v1/prefill", data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/prefill",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -59,18 +66,37 @@ def post(url, body):
 
 
 def rows_of(tower, image):
-    (rows,) = tower.rows_per_item(tower.processor(images=[image_from_bytes(image)], return_tensors="pt")["image_grid_thw"])
+    (rows,) = tower.rows_per_item(
+        tower.processor(images=[image_from_bytes(image)], return_tensors="pt")["image_grid_thw"]
+    )
     return rows
 
 
 def room_item(worker, room, rows, **handshake):
-    return {"offsets": [[0, rows - 1]], "encode_handshake": {
-        "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port, **handshake}}
+    return {
+        "offsets": [[0, rows - 1]],
+        "encode_handshake": {
+            "bootstrap_room": room,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": worker.bootstrap_port,
+            **handshake,
+        },
+    }
 
 
 def send(intake, worker, room, image):
-    reply = intake.send({"request_id": f"r{room}", "source": "bytes", "encode_handshake": {
-        "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port}}, image)
+    reply = intake.send(
+        {
+            "request_id": f"r{room}",
+            "source": "bytes",
+            "encode_handshake": {
+                "bootstrap_room": room,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": worker.bootstrap_port,
+            },
+        },
+        image,
+    )
     assert reply.ok, reply
 
 
@@ -84,14 +110,24 @@ def test_room_zero_is_refused_by_the_schema(served, tower):
     slot: twelve such requests exhausted the pool for good while /healthz said 200."""
     worker, receiver, _, url, intake = served
     for attempt in range(12):
-        status, body = post(url, {"request_id": f"zero-{attempt}", "items": [room_item(worker, 0, 4)]})
+        status, body = post(
+            url, {"request_id": f"zero-{attempt}", "items": [room_item(worker, 0, 4)]}
+        )
         assert status == 422 and "greater than or equal to 1" in body["detail"][0]["msg"]
-        assert body["detail"][0]["loc"][:5] == ["body", "items", 0, "encode_handshake", "bootstrap_room"]
+        assert body["detail"][0]["loc"][:5] == [
+            "body",
+            "items",
+            0,
+            "encode_handshake",
+            "bootstrap_room",
+        ]
     assert no_slot_held(receiver) and get_json(url + "/readyz")[0] == 200
     image = png(64, 64, 60)
     (room,) = worker.table.mint(1, 60)
     send(intake, worker, room, image)
-    status, body = post(url, {"request_id": "after", "items": [room_item(worker, room, rows_of(tower, image))]})
+    status, body = post(
+        url, {"request_id": "after", "items": [room_item(worker, room, rows_of(tower, image))]}
+    )
     assert status == 200 and body["state"] == "DONE", body
 
 
@@ -104,8 +140,16 @@ def test_a_host_that_makes_no_url_fails_its_item_not_the_request(served, tower):
         (room,) = worker.table.mint(1, 60)
         send(intake, worker, room, image)
         rows = rows_of(tower, image)
-        status, body = post(url, {"request_id": f"host-{attempt}", "items": [
-            room_item(worker, room + 1, 4, bootstrap_host="["), room_item(worker, room, rows)]})
+        status, body = post(
+            url,
+            {
+                "request_id": f"host-{attempt}",
+                "items": [
+                    room_item(worker, room + 1, 4, bootstrap_host="["),
+                    room_item(worker, room, rows),
+                ],
+            },
+        )
         assert status == 200, body
         bad, good = body["items"]
         assert bad["state"] == "FAILED" and "invalid encode_handshake" in bad["reason"]
@@ -121,17 +165,40 @@ def test_a_timeout_answers_at_once_with_each_items_outcome_and_frees_the_slots(s
     slow_image, local_image = png(64, 64, 62), png(64, 64, 63)
     (slow_room,) = worker.table.mint(1, 60)
     send(intake, worker, slow_room, slow_image)
-    eventually(lambda: worker.ring.stats()["leased_slots"] > 0, "the rows staged, waiting for the receiver")
-    loopback.inject(LoopbackFault("delay", 4.0))  # the write is in flight for 4 s (its deadline: 5 s)
-    status, body = post(url, {"request_id": "slow", "timeout_s": 1.5, "items": [
-        room_item(worker, slow_room, rows_of(tower, slow_image)),
-        {"offsets": [[0, rows_of(tower, local_image) - 1]], "image_b64": base64.b64encode(local_image).decode()}]})
+    eventually(
+        lambda: worker.ring.stats()["leased_slots"] > 0, "the rows staged, waiting for the receiver"
+    )
+    loopback.inject(
+        LoopbackFault("delay", 4.0)
+    )  # the write is in flight for 4 s (its deadline: 5 s)
+    status, body = post(
+        url,
+        {
+            "request_id": "slow",
+            "timeout_s": 1.5,
+            "items": [
+                room_item(worker, slow_room, rows_of(tower, slow_image)),
+                {
+                    "offsets": [[0, rows_of(tower, local_image) - 1]],
+                    "image_b64": base64.b64encode(local_image).decode(),
+                },
+            ],
+        },
+    )
     assert status == 200 and body["state"] == "FAILED", body
     slow, local = body["items"]
-    assert slow["state"] == "FAILED" and slow["reason"].startswith("timed out") and slow["rows"] is None
+    assert (
+        slow["state"] == "FAILED"
+        and slow["reason"].startswith("timed out")
+        and slow["rows"] is None
+    )
     assert local["state"] == "DONE" and local["transport"] == "local"
-    assert worker.table.view(slow_room).state.value == "WRITING"  # answered before the writer reported
-    eventually(lambda: worker.table.view(slow_room).state.value == "CANCELLED", "the writer reported")
+    assert (
+        worker.table.view(slow_room).state.value == "WRITING"
+    )  # answered before the writer reported
+    eventually(
+        lambda: worker.table.view(slow_room).state.value == "CANCELLED", "the writer reported"
+    )
     eventually(lambda: no_slot_held(receiver), "the slow item's slot back")
 
 
@@ -142,15 +209,28 @@ def test_a_colocated_item_must_fill_its_placeholders(served, tower):
     image = png(448, 448, 64)
     assert rows_of(tower, image) == 256
     encoded = base64.b64encode(image).decode()
-    status, body = post(url, {"request_id": "colocated", "items": [
-        {"offsets": [[5, 8]], "image_b64": encoded},
-        {"offsets": [[0, 255]], "image_b64": encoded, "grid_thw": [1, 16, 64]},
-        {"offsets": [[0, 127], [300, 427]], "image_b64": encoded, "grid_thw": [1, 32, 32]}]})
+    status, body = post(
+        url,
+        {
+            "request_id": "colocated",
+            "items": [
+                {"offsets": [[5, 8]], "image_b64": encoded},
+                {"offsets": [[0, 255]], "image_b64": encoded, "grid_thw": [1, 16, 64]},
+                {"offsets": [[0, 127], [300, 427]], "image_b64": encoded, "grid_thw": [1, 32, 32]},
+            ],
+        },
+    )
     assert status == 200, body
     short, other_grid, right = body["items"]
     assert short["state"] == "FAILED" and short["rows"] is None
-    assert "the image makes 256 rows (grid [1, 32, 32]) but the item's placeholders hold 4" in short["reason"]
-    assert other_grid["state"] == "FAILED" and "differs from the item's image_grid_thw" in other_grid["reason"]
+    assert (
+        "the image makes 256 rows (grid [1, 32, 32]) but the item's placeholders hold 4"
+        in short["reason"]
+    )
+    assert (
+        other_grid["state"] == "FAILED"
+        and "differs from the item's image_grid_thw" in other_grid["reason"]
+    )
     assert right["state"] == "DONE" and right["rows"] == 256 and right["transport"] == "local"
 
 
@@ -159,15 +239,33 @@ def test_readiness_follows_the_receive_pool(served, tower):
     reason while no slot is free, and 200 again once slots come back."""
     worker, receiver, _, url, _ = served
     status, body = get_json(url + "/readyz")
-    assert status == 200 and body["ready"] and body["pool"]["free_slots"] == 4 and body["transports"] == ["loopback"]
+    assert (
+        status == 200
+        and body["ready"]
+        and body["pool"]["free_slots"] == 4
+        and body["transports"] == ["loopback"]
+    )
     rooms = worker.table.mint(4, 60)  # registered, never written: each holds its slot
     result = {}
-    request = threading.Thread(target=lambda: result.update(answer=post(url, {
-        "request_id": "hold", "timeout_s": 60, "items": [room_item(worker, room, 4) for room in rooms]})))
+    request = threading.Thread(
+        target=lambda: result.update(
+            answer=post(
+                url,
+                {
+                    "request_id": "hold",
+                    "timeout_s": 60,
+                    "items": [room_item(worker, room, 4) for room in rooms],
+                },
+            )
+        )
+    )
     request.start()
     eventually(lambda: receiver.pool.stats()["free_slots"] == 0, "the pool full")
     status, body = get_json(url + "/readyz")
-    assert status == 503 and body["reason"] == "receive pool exhausted: 0 of 4 slots free (4 leased, 0 quarantined)"
+    assert (
+        status == 503
+        and body["reason"] == "receive pool exhausted: 0 of 4 slots free (4 leased, 0 quarantined)"
+    )
     assert get_json(url + "/healthz")[0] == 200  # alive: slots come back
     for room in rooms:
         worker.table.cancel(room, "gateway gave up")

@@ -21,10 +21,28 @@ from tests.encode_helpers import Receiver, png
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT = ("multimodal", "data_plane", "handshake", "encode_worker", "prefill_side", "dispatcher")
 # modules that turn bytes into arbitrary objects (or code)
-UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib", "jsonpickle",
-                  "yaml"}
-UNSAFE_CALLS = {("torch", "load"), ("numpy", "load"), ("np", "load"), ("multiprocessing", "Pipe"),
-                ("multiprocessing", "Queue"), ("builtins", "eval"), (None, "eval"), (None, "exec")}
+UNSAFE_MODULES = {
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "marshal",
+    "shelve",
+    "dill",
+    "cloudpickle",
+    "joblib",
+    "jsonpickle",
+    "yaml",
+}
+UNSAFE_CALLS = {
+    ("torch", "load"),
+    ("numpy", "load"),
+    ("np", "load"),
+    ("multiprocessing", "Pipe"),
+    ("multiprocessing", "Queue"),
+    ("builtins", "eval"),
+    (None, "eval"),
+    (None, "exec"),
+}
 
 
 def _product_files():
@@ -41,8 +59,16 @@ def test_no_pickle_or_code_on_any_wire():
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                found += [(path, alias.name) for alias in node.names if alias.name.split(".")[0] in UNSAFE_MODULES]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in UNSAFE_MODULES:
+                found += [
+                    (path, alias.name)
+                    for alias in node.names
+                    if alias.name.split(".")[0] in UNSAFE_MODULES
+                ]
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.split(".")[0] in UNSAFE_MODULES
+            ):
                 found.append((path, node.module))
             elif isinstance(node, ast.Call):
                 func = node.func
@@ -61,9 +87,20 @@ def locked_worker(tmp_path_factory):
     bearer token, with a 256 KiB payload limit."""
     model = build_vision_only("qwen2_5_vl", str(tmp_path_factory.mktemp("tower")))
     loopback = LoopbackTransport()
-    config = WorkerConfig(model=model, transports=("loopback",), bootstrap_port=0, intake_port=0, bind="127.0.0.1",
-                          ring_bytes=4 << 20, ring_slot_bytes=1 << 16, cache_bytes=0, receiver_wait_s=10,
-                          intake_token="intake-s3cret", handshake_token="rooms-s3cret", max_payload_bytes=256 << 10)
+    config = WorkerConfig(
+        model=model,
+        transports=("loopback",),
+        bootstrap_port=0,
+        intake_port=0,
+        bind="127.0.0.1",
+        ring_bytes=4 << 20,
+        ring_slot_bytes=1 << 16,
+        cache_bytes=0,
+        receiver_wait_s=10,
+        intake_token="intake-s3cret",
+        handshake_token="rooms-s3cret",
+        max_payload_bytes=256 << 10,
+    )
     worker = EncodeWorker(config, transports={"loopback": loopback}).start()
     receiver = Receiver(worker.table, {"loopback": loopback})
     yield worker, receiver
@@ -72,8 +109,15 @@ def locked_worker(tmp_path_factory):
 
 
 def _request(worker, room, token=None):
-    body = {"request_id": f"sec-{room}", "source": "bytes", "encode_handshake": {
-        "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port}}
+    body = {
+        "request_id": f"sec-{room}",
+        "source": "bytes",
+        "encode_handshake": {
+            "bootstrap_room": room,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": worker.bootstrap_port,
+        },
+    }
     if token is not None:
         body["token"] = token
     return body
@@ -87,8 +131,12 @@ def test_intake_requires_its_token(locked_worker):
         (room,) = worker.table.mint(1, 60)
         for token in (None, "wrong", "intake-s3cret-but-longer", ""):
             reply = intake.send(_request(worker, room, token), image)
-            assert reply == IntakeReply(status=IntakeStatus.REFUSED, room=room, reason="missing or wrong intake token")
-        assert worker.table.view(room).state is RoomState.PENDING  # a refused message touches nothing
+            assert reply == IntakeReply(
+                status=IntakeStatus.REFUSED, room=room, reason="missing or wrong intake token"
+            )
+        assert (
+            worker.table.view(room).state is RoomState.PENDING
+        )  # a refused message touches nothing
         assert intake.send(_request(worker, room, "intake-s3cret"), image).ok
         tower = worker.tower
         inputs = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
@@ -125,7 +173,9 @@ def test_frames_over_the_size_bounds_are_dropped_or_refused(locked_worker):
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}", timeout_s=2)
     try:
         (room,) = worker.table.mint(1, 60)
-        reply = intake.send(_request(worker, room, "intake-s3cret"), b"\x89PNG" + b"\x00" * (256 << 10))
+        reply = intake.send(
+            _request(worker, room, "intake-s3cret"), b"\x89PNG" + b"\x00" * (256 << 10)
+        )
         assert reply.ok is False and "exceeds" in reply.reason
         with pytest.raises(TimeoutError):
             intake.send_raw([b"{}", b"\x00" * (2 << 20)])  # over MAXMSGSIZE: dropped unread

@@ -40,7 +40,9 @@ def encode_side(no_new_segments):
     server = ThreadedServer(create_app(table), loop=loop).start()
     shm = RecordingShm()
     ring = SlotPool(MemoryRegion.anonymous(16 << 20), 1 << 16, quarantine_s=5)
-    sender = Sender(ring, {"shm": shm}, lambda handshake: LocalRooms(table), loop, inline_write_bytes=1 << 20)
+    sender = Sender(
+        ring, {"shm": shm}, lambda handshake: LocalRooms(table), loop, inline_write_bytes=1 << 20
+    )
     client = SyncHandshakeClient(server.url)
     receive_pool = SlotPool(MemoryRegion.shared(16 << 20), 1 << 16, quarantine_s=5)
     yield table, server, shm, ring, sender, client, receive_pool
@@ -53,18 +55,37 @@ def encode_side(no_new_segments):
     receive_pool.region.close()
 
 
-@pytest.mark.parametrize("rows, runs_on", [(64, "handshake"), (1024, "sender")])  # 256 KiB / 4 MiB of float32
-def test_small_shm_writes_run_on_the_handshake_loop_and_large_ones_on_a_sender_thread(encode_side, rows, runs_on):
+@pytest.mark.parametrize(
+    "rows, runs_on", [(64, "handshake"), (1024, "sender")]
+)  # 256 KiB / 4 MiB of float32
+def test_small_shm_writes_run_on_the_handshake_loop_and_large_ones_on_a_sender_thread(
+    encode_side, rows, runs_on
+):
     table, server, shm, ring, sender, client, receive_pool = encode_side
     embedding = torch.randn(rows, 1024)
     layout = EmbeddingLayout.of(embedding)
     (room,) = table.mint(1, 60)
     lease = stage(ring, embedding)
-    handshake = EncodeHandshake(bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port)
-    sender.submit(StagedItem("r", handshake, lease, layout, checksum(embedding), {}))  # staged before the receiver
+    handshake = EncodeHandshake(
+        bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
+    )
+    sender.submit(
+        StagedItem("r", handshake, lease, layout, checksum(embedding), {})
+    )  # staged before the receiver
     slot = receive_pool.lease(layout.nbytes)
-    (answer,) = client.register([Registration(room=room, generation=slot.generation, rows=rows, width=1024,
-                                              dtype="float32", offers=[shm.offer(receive_pool, slot)])], wait_s=5)
+    (answer,) = client.register(
+        [
+            Registration(
+                room=room,
+                generation=slot.generation,
+                rows=rows,
+                width=1024,
+                dtype="float32",
+                offers=[shm.offer(receive_pool, slot)],
+            )
+        ],
+        wait_s=5,
+    )
     view = answer.view
     while not view.state.terminal:
         (answer,) = client.watch({room: view.version}, 5)
@@ -83,11 +104,26 @@ def test_a_small_write_is_committed_within_the_receivers_register_round_trip(enc
     layout = EmbeddingLayout.of(embedding)
     for _ in range(5):
         (room,) = table.mint(1, 60)
-        handshake = EncodeHandshake(bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port)
-        sender.submit(StagedItem("r", handshake, stage(ring, embedding), layout, checksum(embedding), {}))
+        handshake = EncodeHandshake(
+            bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
+        )
+        sender.submit(
+            StagedItem("r", handshake, stage(ring, embedding), layout, checksum(embedding), {})
+        )
         slot = receive_pool.lease(layout.nbytes)
-        (answer,) = client.register([Registration(room=room, generation=slot.generation, rows=16, width=256,
-                                                  dtype="float32", offers=[shm.offer(receive_pool, slot)])], wait_s=5)
+        (answer,) = client.register(
+            [
+                Registration(
+                    room=room,
+                    generation=slot.generation,
+                    rows=16,
+                    width=256,
+                    dtype="float32",
+                    offers=[shm.offer(receive_pool, slot)],
+                )
+            ],
+            wait_s=5,
+        )
         assert answer.view.state is RoomState.SUCCESS, answer.view
         assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
         receive_pool.release(slot)

@@ -13,9 +13,13 @@ from prefill_side.server import PrefillSettings
 from process_settings import ProcessSettings, SettingError
 
 PROCESSES = [WorkerConfig, PrefillSettings, DispatchSettings, GatewaySettings, HandshakeSettings]
-REQUIRED = {WorkerConfig: ["--model", "m"], PrefillSettings: [], HandshakeSettings: [],
-            DispatchSettings: ["--model", "m", "--workers", "h", "a.png"],
-            GatewaySettings: ["--model", "m", "--workers", "h", "--vllm-url", "http://v:8000"]}
+REQUIRED = {
+    WorkerConfig: ["--model", "m"],
+    PrefillSettings: [],
+    HandshakeSettings: [],
+    DispatchSettings: ["--model", "m", "--workers", "h", "a.png"],
+    GatewaySettings: ["--model", "m", "--workers", "h", "--vllm-url", "http://v:8000"],
+}
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +36,9 @@ def no_epd_environment(monkeypatch, tmp_path):
 def test_every_field_is_a_described_flag_with_its_own_variable(settings, capsys):
     assert issubclass(settings, ProcessSettings)
     fields = settings.model_fields
-    assert all(field.description for name, field in fields.items() if not name.endswith("_token")), settings
+    assert all(
+        field.description for name, field in fields.items() if not name.endswith("_token")
+    ), settings
     assert len({settings.env_name(name) for name in fields}) == len(fields)
     with pytest.raises(SystemExit) as exit_:
         settings.from_command_line(["--help"])
@@ -58,8 +64,15 @@ def test_a_flag_beats_the_variable_which_beats_a_secret_file(monkeypatch, tmp_pa
     (tmp_path / "EPD_INTAKE_TOKEN").write_text("from-a-file")
     monkeypatch.setenv("EPD_RING_BYTES", "128M")
     settings = WorkerConfig.from_command_line(["--model", "m"])
-    assert (settings.ring_bytes, settings.queue_items, settings.intake_token) == (128 << 20, 7, "from-a-file")
-    assert WorkerConfig.from_command_line(["--model", "m", "--ring-bytes", "32M"]).ring_bytes == 32 << 20
+    assert (settings.ring_bytes, settings.queue_items, settings.intake_token) == (
+        128 << 20,
+        7,
+        "from-a-file",
+    )
+    assert (
+        WorkerConfig.from_command_line(["--model", "m", "--ring-bytes", "32M"]).ring_bytes
+        == 32 << 20
+    )
     assert "from-a-file" not in repr(settings)  # a token never shows in a log line
 
 
@@ -74,13 +87,22 @@ def test_booleans_are_negatable_flags_and_read_true_false_from_the_environment(m
         WorkerConfig.from_command_line(["--model", "m"])
 
 
-@pytest.mark.parametrize("args, line", [
-    (["--ring-bytes", "lots"], "--ring-bytes (or EPD_RING_BYTES): 'lots' is not a size"),
-    (["--transports", "shm,carrier-pigeon"], "unknown: carrier-pigeon"),
-    (["--bootstrap-port", "9000", "--intake-port", "9000"], "--bootstrap-port and --intake-port are both 9000"),
-    (["--max-live-rooms", "0"], "--max-live-rooms (or EPD_MAX_LIVE_ROOMS): 0 must be above 0"),
-    (["--tombstone-ttl-s", "nan"], "--tombstone-ttl-s (or EPD_TOMBSTONE_TTL_S): nan is not finite"),
-])
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--ring-bytes", "lots"], "--ring-bytes (or EPD_RING_BYTES): 'lots' is not a size"),
+        (["--transports", "shm,carrier-pigeon"], "unknown: carrier-pigeon"),
+        (
+            ["--bootstrap-port", "9000", "--intake-port", "9000"],
+            "--bootstrap-port and --intake-port are both 9000",
+        ),
+        (["--max-live-rooms", "0"], "--max-live-rooms (or EPD_MAX_LIVE_ROOMS): 0 must be above 0"),
+        (
+            ["--tombstone-ttl-s", "nan"],
+            "--tombstone-ttl-s (or EPD_TOMBSTONE_TTL_S): nan is not finite",
+        ),
+    ],
+)
 def test_a_bad_worker_setting_is_one_line_naming_flag_and_variable(args, line):
     with pytest.raises(SettingError) as refused:
         WorkerConfig.from_command_line(["--model", "m", *args])
@@ -89,19 +111,40 @@ def test_a_bad_worker_setting_is_one_line_naming_flag_and_variable(args, line):
 
 def test_the_worker_room_table_limits_are_settings(monkeypatch):
     monkeypatch.setenv("EPD_MAX_TOMBSTONES", "11")
-    limits = WorkerConfig.from_command_line(["--model", "m", "--max-live-rooms", "5", "--tombstone-ttl-s", "2.5",
-                                            "--max-room-ttl-s", "60"]).room_limits()
-    assert (limits.max_live_rooms, limits.max_tombstones, limits.tombstone_ttl_s, limits.max_ttl_s) == (5, 11, 2.5, 60)
+    limits = WorkerConfig.from_command_line(
+        [
+            "--model",
+            "m",
+            "--max-live-rooms",
+            "5",
+            "--tombstone-ttl-s",
+            "2.5",
+            "--max-room-ttl-s",
+            "60",
+        ]
+    ).room_limits()
+    assert (
+        limits.max_live_rooms,
+        limits.max_tombstones,
+        limits.tombstone_ttl_s,
+        limits.max_ttl_s,
+    ) == (5, 11, 2.5, 60)
 
 
 def test_shared_groups_read_each_process_prefix(monkeypatch):
     monkeypatch.setenv("EPD_GATEWAY_WORKERS", "10.0.0.5,[fd00::6]:9000:9001")
     monkeypatch.setenv("EPD_DISPATCH_DNS", "epd-encode-workers")
-    gateway = GatewaySettings.from_command_line(["--model", "/models/Qwen2.5-VL-7B-Instruct", "--vllm-url",
-                                                 "http://v:8000/"])
+    gateway = GatewaySettings.from_command_line(
+        ["--model", "/models/Qwen2.5-VL-7B-Instruct", "--vllm-url", "http://v:8000/"]
+    )
     assert [(w.host, w.bootstrap_port, w.intake_port) for w in gateway.workers] == [
-        ("10.0.0.5", 8998, 8999), ("fd00::6", 9000, 9001)]
-    assert gateway.vllm_url == "http://v:8000" and gateway.served_model_name == "Qwen2.5-VL-7B-Instruct"
+        ("10.0.0.5", 8998, 8999),
+        ("fd00::6", 9000, 9001),
+    ]
+    assert (
+        gateway.vllm_url == "http://v:8000"
+        and gateway.served_model_name == "Qwen2.5-VL-7B-Instruct"
+    )
     dispatch = DispatchSettings.from_command_line(["--model", "m", "a.png"])
     assert dispatch.dns == "epd-encode-workers" and dispatch.workers == ()
     with pytest.raises(SettingError, match="give the encode workers"):

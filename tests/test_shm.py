@@ -18,8 +18,21 @@ from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle, namespace_id, 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name", ["", "epd-", "psm_1234", "epd-../../etc/passwd", "epd-a/b", "/epd-a",
-                                  "epd-a b", "epd-" + "x" * 101, "EPD-a", "epd-\x00"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "epd-",
+        "psm_1234",
+        "epd-../../etc/passwd",
+        "epd-a/b",
+        "/epd-a",
+        "epd-a b",
+        "epd-" + "x" * 101,
+        "EPD-a",
+        "epd-\x00",
+    ],
+)
 def test_bad_names_are_refused(name):
     with pytest.raises(ValueError):
         validate_name(name)
@@ -97,7 +110,9 @@ def test_handle_refuses_bad_wire_fields():
 
 def _python(code: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_WAIT_POLICY="PASSIVE")
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True, env=env
+    )
 
 
 def _gone_within(path: str, seconds: float) -> bool:
@@ -164,9 +179,13 @@ def test_a_writer_lets_go_of_the_pools_of_receivers_that_are_gone(no_new_segment
     try:
         offers = [transport.offer(pool, pool.lease(4096)) for pool in pools]
         source = torch.ones(4096, dtype=torch.uint8)
-        assert transport.submit(source, offers[0], time.monotonic() + 5).wait() is TransferState.DONE
+        assert (
+            transport.submit(source, offers[0], time.monotonic() + 5).wait() is TransferState.DONE
+        )
         pools[0].region.close()  # the first receiver goes
-        assert transport.submit(source, offers[1], time.monotonic() + 5).wait() is TransferState.DONE
+        assert (
+            transport.submit(source, offers[1], time.monotonic() + 5).wait() is TransferState.DONE
+        )
         assert list(transport._attached) == [offers[1].segment]
         with pytest.raises(TransferRefused, match="cannot map"):
             transport.submit(source, offers[0], time.monotonic() + 5)

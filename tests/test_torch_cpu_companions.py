@@ -15,21 +15,44 @@ def _package(root, name: str, version_py: str) -> None:
     (root / name / "version.py").write_text(version_py)
 
 
-@pytest.mark.parametrize(("torch_version", "companion_version", "acts"), [
-    ("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n", "0.28.0+cu130", True),
-    ("__version__ = '2.13.0'\ncuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n", "0.28.0+cu130", False),
-    ("__version__ = '2.13.0'\ncuda: Optional[str] = None\nhip: Optional[str] = '7.0'\n", "0.28.0+rocm7.0", False),
-    ("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n", "0.28.0+cpu", False),
-    (None, "0.28.0+cu130", False),
-])
-def test_plan_reads_the_version_files(tmp_path, monkeypatch, torch_version, companion_version, acts):
+@pytest.mark.parametrize(
+    ("torch_version", "companion_version", "acts"),
+    [
+        (
+            "__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n",
+            "0.28.0+cu130",
+            True,
+        ),
+        (
+            "__version__ = '2.13.0'\ncuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n",
+            "0.28.0+cu130",
+            False,
+        ),
+        (
+            "__version__ = '2.13.0'\ncuda: Optional[str] = None\nhip: Optional[str] = '7.0'\n",
+            "0.28.0+rocm7.0",
+            False,
+        ),
+        (
+            "__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n",
+            "0.28.0+cpu",
+            False,
+        ),
+        (None, "0.28.0+cu130", False),
+    ],
+)
+def test_plan_reads_the_version_files(
+    tmp_path, monkeypatch, torch_version, companion_version, acts
+):
     """Only a CPU build of torch beside ``+cu`` builds of the companions is acted on; a CUDA or
     ROCm torch (a GPU host), CPU-built companions, or no torch at all: nothing."""
     if torch_version is not None:
         _package(tmp_path, "torch", torch_version)
     for name in torch_cpu_companions.COMPANIONS:
         _package(tmp_path, name, f"__version__ = '{companion_version}'\ngit_version = 'abc'\n")
-    monkeypatch.setattr(sys, "path", [str(tmp_path)])  # these packages alone, not this environment's
+    monkeypatch.setattr(
+        sys, "path", [str(tmp_path)]
+    )  # these packages alone, not this environment's
     assert torch_cpu_companions.plan() == (list(torch_cpu_companions.COMPANIONS) if acts else [])
 
 
@@ -47,12 +70,16 @@ from transformers.models.qwen2_vl import processing_qwen2_vl  # noqa: F401
 if importlib.util.find_spec("torchvision") is not None:
     import torchvision.transforms.v2  # noqa: F401
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     import json
 
     report = json.loads(result.stdout.splitlines()[0])
-    assert report["acted"] is not None, "the .pth is not installed here: python -m torch_cpu_companions install"
+    assert report["acted"] is not None, (
+        "the .pth is not installed here: python -m torch_cpu_companions install"
+    )
     assert report["acted"] == report["plan"]
     for name in ("torchaudio", "torchcodec"):
         assert (name in report["absent"]) or name not in report["plan"]
@@ -62,12 +89,16 @@ def test_torchvision_schemas_defined_elsewhere_are_kept():
     """A process that defined torchvision's two schemas itself (another shim, a sitecustomize)
     still imports torchvision: the schemas are defined only where missing."""
     if "torchvision" not in torch_cpu_companions.plan():
-        pytest.skip("torchvision here is not a CUDA build beside CPU torch: nothing for the shim to define")
+        pytest.skip(
+            "torchvision here is not a CUDA build beside CPU torch: nothing for the shim to define"
+        )
     code = """
 import torch
 library = torch.library.Library("torchvision", "FRAGMENT")
 library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 import torchvision.transforms.v2  # noqa: F401
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr

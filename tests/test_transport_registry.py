@@ -26,13 +26,21 @@ def test_handshake_models_read_the_registry():
         assert typing.get_args(model.model_fields["transport"].annotation) == TRANSPORT_NAMES
     with pytest.raises(ValidationError):
         BeginWrite(room=1, generation=1, transport="carrier-pigeon")
-    offers = [{"kind": "shm", "namespace": "n", "segment": "epd-pool-x", "offset": 0, "capacity": 64},
-              {"kind": "mooncake", "session": "127.0.0.1:15000", "address": 4096, "capacity": 64},
-              {"kind": "loopback", "region": 1, "offset": 0, "capacity": 64}]
+    offers = [
+        {"kind": "shm", "namespace": "n", "segment": "epd-pool-x", "offset": 0, "capacity": 64},
+        {"kind": "mooncake", "session": "127.0.0.1:15000", "address": 4096, "capacity": 64},
+        {"kind": "loopback", "region": 1, "offset": 0, "capacity": 64},
+    ]
     assert len(offers) == MAX_OFFERS
     body = {"room": 1, "generation": 1, "rows": 2, "width": 4, "dtype": "float32"}
-    assert [o.kind for o in Registration(**body, offers=offers).offers] == ["shm", "mooncake", "loopback"]
-    with pytest.raises(ValidationError, match="runs past"):  # an offer's span: Mooncake's is its address
+    assert [o.kind for o in Registration(**body, offers=offers).offers] == [
+        "shm",
+        "mooncake",
+        "loopback",
+    ]
+    with pytest.raises(
+        ValidationError, match="runs past"
+    ):  # an offer's span: Mooncake's is its address
         Registration(**body, offers=[{**offers[1], "address": (1 << 64) - 32}])
 
 
@@ -47,8 +55,12 @@ def test_cli_transports_flag_reads_the_registry():
 
 def test_registry_and_handshake_models_load_without_torch():
     code = "import sys, data_plane.offers, handshake.models, process_settings, encode_worker.config; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        == "False"
+    )
 
 
 def test_build_transports_builds_registered_classes():

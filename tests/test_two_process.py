@@ -22,7 +22,9 @@ SIZES = {  # bf16 rows x 2048 = 4 KiB per row
 
 @pytest.fixture(scope="module")
 def peer():
-    process, conn = start_peer(PeerConfig(transports=("shm", "mooncake"), pool_bytes=160 << 20, slot_bytes=1 << 20))
+    process, conn = start_peer(
+        PeerConfig(transports=("shm", "mooncake"), pool_bytes=160 << 20, slot_bytes=1 << 20)
+    )
     yield conn
     stats = stop_peer(process, conn)
     assert stats["leased_slots"] == 0
@@ -47,7 +49,9 @@ def _send(peer, transports, region, name, rows, seed):
     peer.send(("reserve", rows, WIDTH, "bfloat16"))
     kind, generation, offers = peer.recv()
     offer_type = {"mooncake": MooncakeOffer, "shm": ShmOffer}[name]
-    transfer = transports[name].submit(src, offer_type.model_validate(offers[name]), time.monotonic() + 30)
+    transfer = transports[name].submit(
+        src, offer_type.model_validate(offers[name]), time.monotonic() + 30
+    )
     assert transfer.wait() is TransferState.DONE, transfer.error
     peer.send(("commit", make_commit(payload, generation).model_dump(), seed))
     return peer.recv()
@@ -57,7 +61,10 @@ def _send(peer, transports, region, name, rows, seed):
 @pytest.mark.parametrize("name", ["mooncake", "shm"])
 def test_bf16_byte_exact(peer, sender, name, size):
     transports, region = sender
-    assert _send(peer, transports, region, name, SIZES[size], seed=len(size) * 7 + len(name)) == ("accepted", True)
+    assert _send(peer, transports, region, name, SIZES[size], seed=len(size) * 7 + len(name)) == (
+        "accepted",
+        True,
+    )
 
 
 def test_receiver_rejects_bytes_that_do_not_match_the_commit(peer, sender):
@@ -68,7 +75,9 @@ def test_receiver_rejects_bytes_that_do_not_match_the_commit(peer, sender):
     src = region.tensor[: payload.numel() * 2]
     src.copy_(payload.view(-1).view(torch.uint8))
     src[100] ^= 0xFF  # one flipped byte in flight
-    transfer = transports["shm"].submit(src, ShmOffer.model_validate(offers["shm"]), time.monotonic() + 5)
+    transfer = transports["shm"].submit(
+        src, ShmOffer.model_validate(offers["shm"]), time.monotonic() + 5
+    )
     assert transfer.wait() is TransferState.DONE
     peer.send(("commit", make_commit(payload, generation).model_dump(), None))
     kind, reason = peer.recv()
@@ -91,7 +100,10 @@ def test_mooncake_liveness_probe_and_source_registration(peer, sender):
         mooncake.submit(torch.ones(WIDTH, dtype=torch.bfloat16), offer, time.monotonic() + 5)
     payload = pattern(1, WIDTH, "bfloat16", 3)
     region.tensor[: WIDTH * 2].copy_(payload.view(-1).view(torch.uint8))
-    assert mooncake.submit(region.tensor[: WIDTH * 2], offer, time.monotonic() + 5).wait() is TransferState.DONE
+    assert (
+        mooncake.submit(region.tensor[: WIDTH * 2], offer, time.monotonic() + 5).wait()
+        is TransferState.DONE
+    )
     peer.send(("commit", make_commit(payload, generation).model_dump(), 3))
     assert peer.recv() == ("accepted", True)
 
@@ -103,7 +115,9 @@ def test_first_contact_with_a_stalled_peer_is_refused_not_hung(sender):
     from data_plane.transport import TransferRefused
 
     transports, region = sender
-    process, conn = start_peer(PeerConfig(transports=("mooncake",), pool_bytes=8 << 20, slot_bytes=1 << 20))
+    process, conn = start_peer(
+        PeerConfig(transports=("mooncake",), pool_bytes=8 << 20, slot_bytes=1 << 20)
+    )
     try:
         conn.send(("reserve", 1, WIDTH, "bfloat16"))
         _, generation, offers = conn.recv()
@@ -112,14 +126,20 @@ def test_first_contact_with_a_stalled_peer_is_refused_not_hung(sender):
         started = time.monotonic()
         try:
             with pytest.raises(TransferRefused, match="did not answer"):
-                transports["mooncake"].submit(region.tensor[: WIDTH * 2], offer, time.monotonic() + 1.0)
+                transports["mooncake"].submit(
+                    region.tensor[: WIDTH * 2], offer, time.monotonic() + 1.0
+                )
             assert time.monotonic() - started < 2.0
         finally:
             os.kill(process.pid, signal.SIGCONT)
         payload = pattern(1, WIDTH, "bfloat16", 71)  # once it answers, writes go through
         region.tensor[: WIDTH * 2].copy_(payload.view(-1).view(torch.uint8))
-        assert transports["mooncake"].submit(region.tensor[: WIDTH * 2], offer,
-                                             time.monotonic() + 10).wait() is TransferState.DONE
+        assert (
+            transports["mooncake"]
+            .submit(region.tensor[: WIDTH * 2], offer, time.monotonic() + 10)
+            .wait()
+            is TransferState.DONE
+        )
         conn.send(("commit", make_commit(payload, generation).model_dump(), 71))
         assert conn.recv() == ("accepted", True)
     finally:
@@ -134,7 +154,9 @@ def test_paused_mooncake_receiver_late_write_never_reaches_the_next_tenant(sende
     import signal
 
     transports, region = sender
-    process, conn = start_peer(PeerConfig(transports=("mooncake",), pool_bytes=160 << 20, slot_bytes=1 << 20))
+    process, conn = start_peer(
+        PeerConfig(transports=("mooncake",), pool_bytes=160 << 20, slot_bytes=1 << 20)
+    )
     try:
         rows = 16384  # 64 MiB
         stale = pattern(rows, WIDTH, "bfloat16", 61)
@@ -144,7 +166,10 @@ def test_paused_mooncake_receiver_late_write_never_reaches_the_next_tenant(sende
         src = region.tensor[: stale.numel() * 2]
         src.copy_(stale.view(-1).view(torch.uint8))
         # connect first, so the stall hits a write in flight (a stalled first contact is refused)
-        assert transports["mooncake"].submit(src[:4096], first, time.monotonic() + 10).wait() is TransferState.DONE
+        assert (
+            transports["mooncake"].submit(src[:4096], first, time.monotonic() + 10).wait()
+            is TransferState.DONE
+        )
         os.kill(process.pid, signal.SIGSTOP)
         try:
             transfer = transports["mooncake"].submit(src, first, time.monotonic() + 1.0)
@@ -159,10 +184,16 @@ def test_paused_mooncake_receiver_late_write_never_reaches_the_next_tenant(sende
         _, generation2, offers2 = conn.recv()
         second = MooncakeOffer.model_validate(offers2["mooncake"])
         assert generation2 > generation
-        assert second.address >= first.address + first.capacity or second.address + second.capacity <= first.address
+        assert (
+            second.address >= first.address + first.capacity
+            or second.address + second.capacity <= first.address
+        )
         time.sleep(0.5)  # let the late write finish landing in the quarantined slot
         src.copy_(fresh.view(-1).view(torch.uint8))
-        assert transports["mooncake"].submit(src, second, time.monotonic() + 30).wait() is TransferState.DONE
+        assert (
+            transports["mooncake"].submit(src, second, time.monotonic() + 30).wait()
+            is TransferState.DONE
+        )
         conn.send(("commit", make_commit(fresh, generation2).model_dump(), 62))
         assert conn.recv() == ("accepted", True)
         conn.send(("stats",))

@@ -31,15 +31,32 @@ from tests.waiting import eventually  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
 MAX_TOKENS = 8
-SETTINGS = {"pool_bytes": 32 << 20, "slot_bytes": 1 << 16, "transports": ["shm", "mooncake"],
-            "item_timeout_s": 20, "quarantine_s": 2}
+SETTINGS = {
+    "pool_bytes": 32 << 20,
+    "slot_bytes": 1 << 16,
+    "transports": ["shm", "mooncake"],
+    "item_timeout_s": 20,
+    "quarantine_s": 2,
+}
 
 
 def engine_args(model: str, settings: dict | None = None, **extra) -> dict:
-    config = {"ec_connector": "EPDConnector", "ec_connector_module_path": "prefill_side.vllm_connector",
-              "ec_role": "ec_consumer", "ec_connector_extra_config": {**SETTINGS, **(settings or {})}}
-    return dict(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=8,
-                limit_mm_per_prompt={"image": 4}, ec_transfer_config=config, **extra)
+    config = {
+        "ec_connector": "EPDConnector",
+        "ec_connector_module_path": "prefill_side.vllm_connector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {**SETTINGS, **(settings or {})},
+    }
+    return dict(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=8,
+        limit_mm_per_prompt={"image": 4},
+        ec_transfer_config=config,
+        **extra,
+    )
 
 
 def dispatch(model: str, worker, images: list[bytes], request_id: str) -> list:
@@ -67,17 +84,25 @@ class Stack:
     scheduler and the model runner run here (``connector`` is the scheduler side); multiprocess:
     vLLM's EngineCore (scheduler) and worker (model runner) are processes of their own."""
 
-    def __init__(self, family: str, log_dir: str, transports=("shm", "mooncake"), multiprocess: bool = False):
+    def __init__(
+        self, family: str, log_dir: str, transports=("shm", "mooncake"), multiprocess: bool = False
+    ):
         self.family = family
         self.model = cached_vlm(family)
         self.cluster = LocalCluster(self.model, log_dir=log_dir)
-        self.workers = {name: self.cluster.start_encode_worker(f"worker-{name}", transports=name)
-                        for name in transports}
+        self.workers = {
+            name: self.cluster.start_encode_worker(f"worker-{name}", transports=name)
+            for name in transports
+        }
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-        self.llm = LLM(**engine_args(self.model), distributed_executor_backend="mp" if multiprocess else "uni")
+        self.llm = LLM(
+            **engine_args(self.model), distributed_executor_backend="mp" if multiprocess else "uni"
+        )
         self.cluster.wait_ready()
         self.engine = self.llm.llm_engine
-        self.connector = None if multiprocess else self.engine.engine_core.engine_core.scheduler.ec_connector
+        self.connector = (
+            None if multiprocess else self.engine.engine_core.engine_core.scheduler.ec_connector
+        )
         self.ids = iter(range(1 << 30))
 
     def close(self) -> None:
@@ -89,8 +114,11 @@ class Stack:
 
     def run(self, request: dict, ec_transfer_params: dict | None = None, on_first_step=None):
         """One request through the engine, step by step; returns its final RequestOutput."""
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                extra_args={"ec_transfer_params": ec_transfer_params} if ec_transfer_params else None)
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            extra_args={"ec_transfer_params": ec_transfer_params} if ec_transfer_params else None,
+        )
         request_id = f"req-{next(self.ids)}"
         internal_id = self.engine.add_request(request_id, request, params)  # the id plus a suffix
         first = True
@@ -112,7 +140,8 @@ class Stack:
 
     def items(self, outcome: str, transport: str) -> float:
         value = self.connector.receiver.registry.get_sample_value(
-            "epd_prefill_items_total", {"transport": transport, "outcome": outcome})
+            "epd_prefill_items_total", {"transport": transport, "outcome": outcome}
+        )
         return value or 0.0
 
     def pool_idle(self) -> bool:
@@ -135,7 +164,9 @@ def stack(request, tmp_path_factory):
         pids = [os.getpid(), *(role.process.pid for role in running.cluster.roles)]
         pool = running.connector.receiver.pool.region.shm.name
         running.close()
-    assert not os.path.exists(f"/dev/shm/{pool}"), "the connector's receive pool was left in /dev/shm"
+    assert not os.path.exists(f"/dev/shm/{pool}"), (
+        "the connector's receive pool was left in /dev/shm"
+    )
     assert segments_of(pids) == []
 
 
@@ -174,7 +205,9 @@ def test_multi_image_with_a_repeat(stack):
     items = stack.dispatch([a, b], stack.workers["shm"])
     before = stack.items("done", "shm")
     request, params = vllm_request(prompt_for(3), items, order=[0, 1, 0])
-    assert request["multi_modal_uuids"]["image"] == [identifier(items[i].content_hash) for i in (0, 1, 0)]
+    assert request["multi_modal_uuids"]["image"] == [
+        identifier(items[i].content_hash) for i in (0, 1, 0)
+    ]
     output = stack.run(request, params)
     assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(3), [a, b, a])
     assert stack.items("done", "shm") == before + 2
@@ -196,11 +229,15 @@ def test_bad_transfer_params_fail_that_request_only(stack):
     image = synthetic_image(84, 56, seed=51)
     items = stack.dispatch([image], stack.workers["shm"])
     request, params = vllm_request(prompt_for(1), items)
-    output = stack.run(request, {"rooms": {"not-an-item": params["rooms"][identifier(items[0].content_hash)]}})
+    output = stack.run(
+        request, {"rooms": {"not-an-item": params["rooms"][identifier(items[0].content_hash)]}}
+    )
     assert output.outputs[0].finish_reason == "error"
     output = stack.run(request, {"room": "typo"})
     assert output.outputs[0].finish_reason == "error"
-    assert list(stack.run(request, params).outputs[0].token_ids) == stack.colocated(prompt_for(1), [image])
+    assert list(stack.run(request, params).outputs[0].token_ids) == stack.colocated(
+        prompt_for(1), [image]
+    )
 
 
 def test_wrong_row_count_is_refused_before_vllm(stack):
@@ -208,12 +245,24 @@ def test_wrong_row_count_is_refused_before_vllm(stack):
     fails on the contract, vLLM never sees the rows, and the request fails alone when it carries
     no image, or is encoded by vLLM's own tower when it does."""
     small = synthetic_image(84, 56, seed=61)
-    for carries_image in (False, True):  # a large image of its own each time: identifiers are not reused
-        items = stack.dispatch([synthetic_image(112, 112, seed=62 + carries_image)], stack.workers["shm"])
+    for carries_image in (
+        False,
+        True,
+    ):  # a large image of its own each time: identifiers are not reused
+        items = stack.dispatch(
+            [synthetic_image(112, 112, seed=62 + carries_image)], stack.workers["shm"]
+        )
         key = identifier(items[0].content_hash)
-        data = ([Image.open(io.BytesIO(small)).convert("RGB")] if carries_image
-                else {"image_grid_thw": torch.tensor([[1, 4, 6]])})
-        request = {"prompt": prompt_for(1), "multi_modal_data": {"image": data}, "multi_modal_uuids": {"image": [key]}}
+        data = (
+            [Image.open(io.BytesIO(small)).convert("RGB")]
+            if carries_image
+            else {"image_grid_thw": torch.tensor([[1, 4, 6]])}
+        )
+        request = {
+            "prompt": prompt_for(1),
+            "multi_modal_data": {"image": data},
+            "multi_modal_uuids": {"image": [key]},
+        }
         failed = stack.items("failed", "none")
         output = stack.run(request, {"rooms": {key: items[0].encode_handshake.model_dump()}})
         assert stack.items("failed", "none") == failed + 1
@@ -228,16 +277,23 @@ def test_worker_killed_mid_request(stack):
     """Encode workers are stopped before they can deliver and killed once the engine started
     receiving: the request with its image falls back to vLLM's tower (same tokens), the one with
     its grid alone fails alone, and the next request is served."""
-    doomed = {carries_image: stack.cluster.start_encode_worker(f"worker-doomed-{carries_image}", transports="shm")
-              for carries_image in (True, False)}
+    doomed = {
+        carries_image: stack.cluster.start_encode_worker(
+            f"worker-doomed-{carries_image}", transports="shm"
+        )
+        for carries_image in (True, False)
+    }
     stack.cluster.wait_ready()
     for carries_image, worker in doomed.items():
         image = synthetic_image(112, 84, seed=71 + carries_image)  # identifiers are not reused
         colocated = stack.colocated(prompt_for(1), [image])
         items = stack.dispatch([image], worker)
         worker.process.send_signal(signal.SIGSTOP)
-        request, params = vllm_request(prompt_for(1), items, images=[Image.open(io.BytesIO(image)).convert("RGB")]
-                                       if carries_image else None)
+        request, params = vllm_request(
+            prompt_for(1),
+            items,
+            images=[Image.open(io.BytesIO(image)).convert("RGB")] if carries_image else None,
+        )
         failed = stack.items("failed", "none")
         output = stack.run(request, params, on_first_step=lambda: stack.cluster.kill(worker))
         assert stack.items("failed", "none") == failed + 1
@@ -276,12 +332,17 @@ def test_rows_of_another_count_are_never_offered(no_new_segments):
     from multimodal.items import MultimodalInputs
     from prefill_side.vllm_connector import ConnectorSettings, _Received, _SchedulerSide
 
-    side = _SchedulerSide(ConnectorSettings(pool_bytes=1 << 20, slot_bytes=1 << 12, transports=["shm"]),
-                          width=128, dtype="float32")
+    side = _SchedulerSide(
+        ConnectorSettings(pool_bytes=1 << 20, slot_bytes=1 << 12, transports=["shm"]),
+        width=128,
+        dtype="float32",
+    )
     try:
         lease = side.receiver.pool.lease(6 * 128 * 4)
         rows = side.receiver.pool.view(lease).view(torch.float32).view(6, 128)
-        source = _Received("holder", side.receiver.start("holder", MultimodalInputs([])), {"x": 0}, {"x": rows})
+        source = _Received(
+            "holder", side.receiver.start("holder", MultimodalInputs([])), {"x": 0}, {"x": rows}
+        )
         source.settled = True
         side.requests["holder"] = source
         sixteen, six = _Request("b", "x", 16), _Request("c", "x", 6)
@@ -293,7 +354,12 @@ def test_rows_of_another_count_are_never_offered(no_new_segments):
         side.alloc(six, 0)
         (load,) = side.take_loads()
         assert (load.identifier, load.segment, load.offset, load.rows, load.expected_rows) == (
-            "x", side.segment, lease.offset, 6, 6)
+            "x",
+            side.segment,
+            lease.offset,
+            6,
+            6,
+        )
         assert source.pins == 1
         side.loaded([load.load_id])
         assert source.pins == 0
@@ -312,13 +378,17 @@ def test_worker_side_checks_before_writing(no_new_segments):
     segment = ShmSegment.create(1 << 16, kind="test")
     try:
         rows = torch.randn(6, 128)
-        segment.tensor[4096: 4096 + rows.numel() * 4].copy_(rows.view(-1).view(torch.uint8))
+        segment.tensor[4096 : 4096 + rows.numel() * 4].copy_(rows.view(-1).view(torch.uint8))
         worker = _WorkerSide(128, torch.float32)
         good = Load(1, "x", segment.name, 4096, 6, 128, "float32", expected_rows=6)
-        bad = {"rows": Load(2, "y", segment.name, 4096, 6, 128, "float32", expected_rows=5),
-               "dtype": Load(3, "y", segment.name, 4096, 6, 128, "bfloat16", expected_rows=6),
-               "width": Load(4, "y", segment.name, 4096, 6, 64, "float32", expected_rows=6),
-               "bounds": Load(5, "y", segment.name, (1 << 16) - 1024, 6, 128, "float32", expected_rows=6)}
+        bad = {
+            "rows": Load(2, "y", segment.name, 4096, 6, 128, "float32", expected_rows=5),
+            "dtype": Load(3, "y", segment.name, 4096, 6, 128, "bfloat16", expected_rows=6),
+            "width": Load(4, "y", segment.name, 4096, 6, 64, "float32", expected_rows=6),
+            "bounds": Load(
+                5, "y", segment.name, (1 << 16) - 1024, 6, 128, "float32", expected_rows=6
+            ),
+        }
         cache = {}
         for what, load in bad.items():
             with pytest.raises(ConnectorContractError):
@@ -326,7 +396,9 @@ def test_worker_side_checks_before_writing(no_new_segments):
             assert cache == {}, what
         worker.load([good], cache)
         assert torch.equal(cache["x"], rows)
-        segment.tensor[4096: 4104].fill_(0)  # the slot's next tenant: the cache holds a copy of its own
+        segment.tensor[4096:4104].fill_(
+            0
+        )  # the slot's next tenant: the cache holds a copy of its own
         assert torch.equal(cache["x"], rows)
         assert worker.take_loaded().load_ids == [1] and worker.take_loaded() is None
         worker.close()
@@ -342,10 +414,26 @@ def test_vllm_request_from_dispatched_items():
     from multimodal.wire import EncodeHandshake
 
     room = EncodeHandshake(bootstrap_room=7, bootstrap_host="10.0.0.5", bootstrap_port=8998)
-    placed = DispatchedItem(index=0, image=b"a", content_hash=0xABC, width=84, height=56, grid_thw=(1, 4, 6), rows=6,
-                            encode_handshake=room)
-    unplaced = DispatchedItem(index=1, image=b"b", content_hash=0xDEF, width=56, height=56, grid_thw=(1, 4, 4),
-                              rows=4, error="no healthy encode worker")
+    placed = DispatchedItem(
+        index=0,
+        image=b"a",
+        content_hash=0xABC,
+        width=84,
+        height=56,
+        grid_thw=(1, 4, 6),
+        rows=6,
+        encode_handshake=room,
+    )
+    unplaced = DispatchedItem(
+        index=1,
+        image=b"b",
+        content_hash=0xDEF,
+        width=56,
+        height=56,
+        grid_thw=(1, 4, 4),
+        rows=4,
+        error="no healthy encode worker",
+    )
     request, params = vllm_request(prompt_for(2), [placed], order=[0, 0])
     assert request["multi_modal_uuids"] == {"image": [identifier(0xABC)] * 2}
     assert request["multi_modal_data"]["image"]["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 6]]

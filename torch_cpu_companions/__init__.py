@@ -56,7 +56,11 @@ def _version_file(package: str) -> dict[str, str]:
 def plan() -> list[str]:
     """The companions that are CUDA builds beside a CPU-only torch (what ``apply`` acts on)."""
     torch_version = _version_file("torch")
-    if not torch_version or torch_version.get("cuda", "None") != "None" or torch_version.get("hip", "None") != "None":
+    if (
+        not torch_version
+        or torch_version.get("cuda", "None") != "None"
+        or torch_version.get("hip", "None") != "None"
+    ):
         return []  # no torch, or a GPU build of it: its companions match it
     return [name for name in COMPANIONS if "+cu" in str(_version_file(name).get("__version__", ""))]
 
@@ -71,8 +75,10 @@ class _TorchvisionSchemas:
             import torch
 
             library = torch.library.Library("torchvision", "FRAGMENT")
-            for schema in ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-                           "qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor"):
+            for schema in (
+                "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+                "qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor",
+            ):
                 if not _defined(torch, schema.split("(")[0]):  # another shim may have defined it
                     library.define(schema)
             _libraries.append(library)

@@ -7,17 +7,27 @@ import torch_cpu_companions as companions
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_cpu_companions", description=companions.__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_cpu_companions", description=companions.__doc__.split("\n")[0]
+    )
     parser.add_argument("command", choices=("install", "uninstall", "status"))
-    parser.add_argument("--site-dir", default=None, help="where the .pth file goes (default: this interpreter's purelib)")
+    parser.add_argument(
+        "--site-dir",
+        default=None,
+        help="where the .pth file goes (default: this interpreter's purelib)",
+    )
     args = parser.parse_args(argv)
     if args.command == "install":
-        print(f"wrote {companions.install(args.site_dir)}; acts on: {', '.join(companions.plan()) or 'nothing here'}")
+        print(
+            f"wrote {companions.install(args.site_dir)}; acts on: {', '.join(companions.plan()) or 'nothing here'}"
+        )
     elif args.command == "uninstall":
         path = companions.uninstall(args.site_dir)
         print(f"removed {path}" if path else "no .pth file was installed")
     else:
-        print(f"acts on: {', '.join(companions.plan()) or 'nothing (torch is a GPU build, or no CUDA-built companion)'}")
+        print(
+            f"acts on: {', '.join(companions.plan()) or 'nothing (torch is a GPU build, or no CUDA-built companion)'}"
+        )
     return 0
 
 
