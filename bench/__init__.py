@@ -1,1 +1,2 @@
-"""Benchmarks and demos (`epd-bench`, `make demo`); measured side by side, never asserted in tests."""
+"""Benchmarks and demos (`epd-bench`, `make demo`); measured side by side, never asserted in
+tests."""

@@ -1,8 +1,8 @@
 """Every EPD role as its own process on this machine: what `make demo`, `epd-bench e2e` and the
 integration tests run. Each process is the real command (`epd-handshake`, `epd-encode-worker`,
-`epd-prefill`, `epd-gateway`) on 127.0.0.1 with free ports, its output in a log file. ``start_*`` spawn (they
-start in parallel); ``wait_ready()`` waits until each answers its readiness URL; ``stop()``
-sends SIGTERM (then SIGKILL after a grace period) and reports each exit code.
+`epd-prefill`, `epd-gateway`) on 127.0.0.1 with free ports, its output in a log file. ``start_*``
+spawn (they start in parallel); ``wait_ready()`` waits until each answers its readiness URL;
+``stop()`` sends SIGTERM (then SIGKILL after a grace period) and reports each exit code.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ class LocalCluster:
         extra: tuple[str, ...] = (),
         **launch,
     ) -> Role:
-        """``epd-gateway`` in front of ``vllm_url`` (ready once it serves: vLLM may still be starting)."""
+        """``epd-gateway`` in front of ``vllm_url`` (ready once it serves: vLLM may still be
+        starting)."""
         port = free_port()
         return self._start(
             name,

@@ -91,20 +91,24 @@ def _requests(model: str, gateways: dict, vllm_url: str) -> bool:
             all_equal &= equal
             report, metrics = answer.model_extra["epd"], answer.model_extra.get("metrics") or {}
             print(
-                f"\n{title} ({len(urls)} image parts) -> gateway-{path}: answered in {elapsed * 1e3:.0f} ms"
+                f"\n{title} ({len(urls)} image parts) -> gateway-{path}: answered in "
+                f"{elapsed * 1e3:.0f} ms"
             )
             print(f"  text:   {answer.choices[0].message.content!r}")
             print(f"  tokens: {tokens}")
             print(
-                f"  equal to vLLM's colocated run (its own tower on the same images): {'yes' if equal else 'NO'}"
+                "  equal to vLLM's colocated run (its own tower on the same images): "
+                f"{'yes' if equal else 'NO'}"
             )
             print(
-                f"  dispatch {report['dispatch_ms']:.1f} ms (load, hash, rooms, intake: every image placed); "
+                f"  dispatch {report['dispatch_ms']:.1f} ms (load, hash, rooms, intake: every "
+                "image placed); "
                 f"vLLM: waited {metrics.get('queue_time_ms') or 0:.1f} ms for rows, "
                 f"prefill to first token {metrics.get('time_to_first_token_ms') or 0:.1f} ms"
             )
             print(
-                f"  {'image':>12s} {'rows':>5s} {'encoder':>13s} {'transport':>9s} {'queue':>6s} {'encode':>6s} "
+                f"  {'image':>12s} {'rows':>5s} {'encoder':>13s} {'transport':>9s} {'queue':>6s} "
+                f"{'encode':>6s} "
                 f"{'wait':>6s} {'xfer':>6s} {'received':>8s} (ms)"
             )
             distinct = list(dict.fromkeys(specs))  # the report has one entry per distinct image
@@ -140,7 +144,8 @@ def _row(label: str, image: dict) -> str:
     encode_text = "cache" if timings.get("cache_hit") else f"{encode:.1f}"
     return (
         f"{label:>12s} {image['rows']:>5d} {image['encoder']:>13s} "
-        f"{delivery.get('transport') or '-':>9s} {queue:6.1f} {encode_text:>6s} {wait:6.1f} {transfer:6.1f} "
+        f"{delivery.get('transport') or '-':>9s} {queue:6.1f} {encode_text:>6s} {wait:6.1f} "
+        f"{transfer:6.1f} "
         f"{delivery.get('receive_s', 0.0) * 1e3:8.1f}"
     )
 
@@ -155,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         default=None,
         help="checkpoint directory of a Qwen2-VL / Qwen2.5-VL model "
-        "(default: a tiny Qwen2-VL-architecture model with a tokenizer, built on first run and cached)",
+        "(default: a tiny Qwen2-VL-architecture model with a tokenizer, built on first run and "
+        "cached)",
     )
     parser.add_argument("--dtype", default="float32", help="vLLM's and the encode workers' dtype")
     args = parser.parse_args(argv)
@@ -165,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     print(INTRO)
     if args.model is None:
         print(
-            "The default model is tiny, with random weights: its text is noise. What counts is that its tokens "
-            "equal\nvLLM's own colocated answer to the same images. --model DIR serves a real checkpoint.\n"
+            "The default model is tiny, with random weights: its text is noise. What counts is "
+            "that its tokens "
+            "equal\nvLLM's own colocated answer to the same images. --model DIR serves a real "
+            "checkpoint.\n"
         )
     model = args.model or default_model()
     before = set(glob.glob("/dev/shm/epd-*"))
@@ -182,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     equal = False
     try:
         print(
-            f"Starting every role as its own process on 127.0.0.1 (model {model}, {args.dtype}; logs in {log_dir}):"
+            f"Starting every role as its own process on 127.0.0.1 (model {model}, {args.dtype}; "
+            f"logs in {log_dir}):"
         )
         workers = {
             "shm": cluster.start_encode_worker("worker-shm", transports="shm"),
@@ -220,10 +229,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:16s} pid {role.process.pid:<7d} {role.url:24s} {what}")
         equal = _requests(model, {path: role.url for path, role in gateways.items()}, vllm.url)
         print(
-            "\nms: dispatch = the gateway's work before vLLM gets the request; queue = worker intake until the "
-            "tower took\nthe image's batch; encode = the tower's time for that batch (cache = served from the "
-            "worker's cache);\nwait = rows ready until vLLM's receiver registered; xfer = the write into vLLM's "
-            "memory; received =\nvLLM's scheduler first saw the request until the rows were in its pool."
+            "\nms: dispatch = the gateway's work before vLLM gets the request; queue = worker "
+            "intake until the "
+            "tower took\nthe image's batch; encode = the tower's time for that batch (cache = "
+            "served from the "
+            "worker's cache);\nwait = rows ready until vLLM's receiver registered; xfer = the "
+            "write into vLLM's "
+            "memory; received =\nvLLM's scheduler first saw the request until the rows were in "
+            "its pool."
         )
     finally:
         print("\nStopping every process (SIGTERM)...")

@@ -324,7 +324,8 @@ def plot(report: dict, path: str) -> None:
     right.set_title("Where an item's time goes")
     right.legend(fontsize=8)
     figure.suptitle(
-        f"epd-bench e2e: {report['size']}x{report['size']} images, {report['concurrency']} clients, "
+        f"epd-bench e2e: {report['size']}x{report['size']} images, {report['concurrency']} "
+        "clients, "
         f"{report['transport']}, cache {'on' if report['cache'] else 'off'} (2-core CPU host)"
     )
     figure.tight_layout()
@@ -341,8 +342,10 @@ def _write_json(report: dict, path: str) -> None:
 def main(args) -> int:
     counts = tuple(int(n) for n in args.images_per_request.split(","))
     print(
-        f"epd-bench e2e: {counts} images per request, {args.size}x{args.size}, {args.concurrency} clients, "
-        f"{args.rounds} rounds of {args.seconds:g} s per configuration, transport {args.transport}, "
+        f"epd-bench e2e: {counts} images per request, {args.size}x{args.size}, {args.concurrency} "
+        "clients, "
+        f"{args.rounds} rounds of {args.seconds:g} s per configuration, transport "
+        f"{args.transport}, "
         f"cache {'on' if args.cache else 'off'}"
     )
     report = run(
@@ -357,13 +360,15 @@ def main(args) -> int:
         args.dtype,
     )
     print(
-        f"\n{'mode':10s} {'img/req':>7s} {'req/s':>7s} {'img/s':>7s} {'p50 ms':>8s} {'p99 ms':>8s}   "
+        f"\n{'mode':10s} {'img/req':>7s} {'req/s':>7s} {'img/s':>7s} {'p50 ms':>8s} "
+        f"{'p99 ms':>8s}   "
         + " ".join(f"{side:>9s}" for side in SIDES)
         + "  (ms per item; medians of the rounds)  img/s per round"
     )
     for r in report["configs"]:
         print(
-            f"{r['mode']:10s} {r['images_per_request']:7d} {r['requests_per_s']:7.1f} {r['images_per_s']:7.1f} "
+            f"{r['mode']:10s} {r['images_per_request']:7d} {r['requests_per_s']:7.1f} "
+            f"{r['images_per_s']:7.1f} "
             f"{r['p50_ms']:8.1f} {r['p99_ms']:8.1f}   "
             + " ".join(f"{r['split_ms'][s]:9.1f}" for s in SIDES)
             + "  "
@@ -373,7 +378,8 @@ def main(args) -> int:
     for name, ratio in report["ratios"].items():
         rounds = " ".join(f"{v:.2f}" for v in ratio["throughput_epd_over_colocated_rounds"])
         print(
-            f"{name}: EPD / colocated throughput {ratio['throughput_epd_over_colocated']:.2f} (per round: {rounds}), "
+            f"{name}: EPD / colocated throughput {ratio['throughput_epd_over_colocated']:.2f} "
+            f"(per round: {rounds}), "
             f"p50 latency {ratio['p50_latency_epd_over_colocated']:.2f}"
         )
     if args.json:

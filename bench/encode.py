@@ -355,8 +355,10 @@ def _mean_batch(batches: Counter, items: int) -> float | None:
 
 def main(args) -> int:
     print(
-        f"epd-bench encode: {args.items} images of {args.size}x{args.size}, tower depth {args.depth} hidden "
-        f"{args.hidden} out width {args.width} ({args.dtype}), transport {args.transport}, {args.rounds} rounds"
+        f"epd-bench encode: {args.items} images of {args.size}x{args.size}, tower depth "
+        f"{args.depth} hidden "
+        f"{args.hidden} out width {args.width} ({args.dtype}), transport {args.transport}, "
+        f"{args.rounds} rounds"
     )
     report = run(
         args.items,
@@ -369,7 +371,8 @@ def main(args) -> int:
         args.dtype,
     )
     print(
-        f"\n{'configuration':18s} {'items/s':>8s}  {'per round':24s} batches formed (items: count), mean"
+        f"\n{'configuration':18s} {'items/s':>8s}  {'per round':24s} batches formed (items: "
+        "count), mean"
     )
     for name, row in report["configs"].items():
         rounds = " ".join(f"{v:.1f}" for v in row["items_per_s_rounds"])

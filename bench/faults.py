@@ -249,7 +249,8 @@ class FaultLab:
         return self
 
     def restart(self, name: str) -> Role:
-        """A fresh process for a role that was killed (new ports, as a replacement pod would have)."""
+        """A fresh process for a role that was killed (new ports, as a replacement pod would
+        have)."""
         old = self.roles[name]
         if old.alive():
             self.cluster.kill(old)
@@ -365,7 +366,8 @@ class Conn:
     # ---- the steps of a request ------------------------------------------------------------
 
     async def mint(self, items, rooms_url: str) -> None:
-        """One room per item at ``rooms_url`` (a worker's bootstrap URL or the standalone handshake)."""
+        """One room per item at ``rooms_url`` (a worker's bootstrap URL or the standalone
+        handshake)."""
         from multimodal.wire import EncodeHandshake
 
         host, port = rooms_url.rsplit("/", 1)[-1].rsplit(":", 1)
@@ -561,7 +563,8 @@ async def worker_paused_past_deadline(
 
 
 def _one_request(*groups) -> list:
-    """The items of several ``describe`` calls (each numbered from 0) as one request, numbered in order."""
+    """The items of several ``describe`` calls (each numbered from 0) as one request, numbered in
+    order."""
     items = [item for group in groups for item in group]
     for index, item in enumerate(items):
         item.index = index
@@ -662,8 +665,8 @@ async def prefill_killed_after_registering(
     lab: FaultLab, conn: Conn, rng: random.Random
 ) -> FaultOutcome:
     """The prefill process ``pv`` registers its slots for items on workers ``a`` (SHM) and ``v``
-    (Mooncake), then is SIGKILLed before the workers write. Each worker must end those rooms and free
-    its send-ring slots within its write deadline, and keep serving."""
+    (Mooncake), then is SIGKILLed before the workers write. Each worker must end those rooms and
+    free its send-ring slots within its write deadline, and keep serving."""
     outcome = FaultOutcome("prefill_killed_after_registering")
     # both workers have written into pv before (the Mooncake peer is known, not a first contact)
     outcome.notes["served_before"] = [
@@ -728,7 +731,8 @@ async def prefill_killed_after_registering(
         e["ring_occupancy"] == 0 and e["ring_free_after_s"] <= e["deadline_s"] + FAST_S
         for e in ends.values()
     )
-    # rooms end without a receiver: SUCCESS would mean bytes were written into a dead process's memory
+    # rooms end without a receiver: SUCCESS would mean bytes were written into a dead process's
+    # memory
     outcome.notes["room_states"] = sorted(a["state"] for a in outcome.affected)
     for entry in outcome.affected:
         entry["state"] = "FAILED" if entry["state"] != "SUCCESS" else "DONE"
@@ -780,7 +784,8 @@ async def cancel_during_write(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     """A room is cancelled (REST, as a gateway or an engine's ``job.cancel`` does) while worker
     ``v`` writes into ``pv`` over Mooncake. To hold the write open, ``pv`` is paused (SIGSTOP)
     before the write begins and resumed after the cancel: the room must stay WRITING with the
-    cancel recorded, then end CANCELLED once the writer reports, and the slot be freed, not leased."""
+    cancel recorded, then end CANCELLED once the writer reports, and the slot be freed, not
+    leased."""
     from handshake.models import RoomState
 
     outcome = FaultOutcome("cancel_during_write")
@@ -1162,7 +1167,8 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
                 outcome.affected.append(
                     {"state": f"HTTP {status}", "reason": path, "ttf_s": time.monotonic() - started}
                 )
-    # a well-formed intake SHM handle naming no segment: accepted, then its room fails with the reason
+    # a well-formed intake SHM handle naming no segment: accepted, then its room fails with the
+    # reason
     (bad_shm,) = lab.describe(small_images(rng, 1))
     await conn.mint([bad_shm], a.url)
     from encode_worker.intake import IntakeRequest
@@ -1322,7 +1328,8 @@ def _log(role: Role) -> str:
 
 
 async def _wait_exit(lab: FaultLab, role: Role, timeout_s: float = 90) -> int | None:
-    """Until a role that should fail at start-up exits; None (and the process killed) if it did not."""
+    """Until a role that should fail at start-up exits; None (and the process killed) if it did
+    not."""
     end = time.monotonic() + timeout_s
     while role.alive() and time.monotonic() < end:
         await asyncio.sleep(0.1)

@@ -10,10 +10,10 @@ inline). Paths, each the same streaming chat request with one fresh image (no ca
   ``direct``'s;
 * ``gateway-epd``: through the gateway with the encode worker (dispatch, rows over SHM).
 
-TTFT: from the client's request to the first streamed event (vLLM sends it with the first token); medians over rounds of each batch's
-median. Gateway CPU per image: the gateway process's CPU seconds (user + system, /proc) over every
-batch of a path and size, divided by their images. Rounds are interleaved (path order reversed
-every other round).
+TTFT: from the client's request to the first streamed event (vLLM sends it with the first token);
+medians over rounds of each batch's median. Gateway CPU per image: the gateway process's CPU seconds
+(user + system, /proc) over every batch of a path and size, divided by their images. Rounds are
+interleaved (path order reversed every other round).
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def run(args) -> dict:
     raw = []
     try:
         print(
-            f"epd-bench gateway: starting vLLM, an encode worker and two gateways (logs in {log_dir})",
+            "epd-bench gateway: starting vLLM, an encode worker and two gateways (logs in "
+            f"{log_dir})",
             flush=True,
         )
         worker = cluster.start_encode_worker("worker", transports="shm")
@@ -228,9 +229,11 @@ def main(args) -> int:
     )
     for row in report["summary"]:
         print(
-            f"{row['size']:>5d} {row['direct_ttft_ms']:>10.1f}ms {row['gateway-colocated_ttft_ms']:>22.1f}ms "
+            f"{row['size']:>5d} {row['direct_ttft_ms']:>10.1f}ms "
+            f"{row['gateway-colocated_ttft_ms']:>22.1f}ms "
             f"{row['gateway-colocated_added_ms']:>+5.1f}ms {row['gateway-epd_ttft_ms']:>16.1f}ms "
-            f"{row['gateway-colocated_cpu_ms_per_image']:>20.2f} / {row['gateway-epd_cpu_ms_per_image']:.2f}"
+            f"{row['gateway-colocated_cpu_ms_per_image']:>20.2f} / "
+            f"{row['gateway-epd_cpu_ms_per_image']:.2f}"
         )
     if args.json:
         with open(args.json, "w") as f:

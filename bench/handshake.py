@@ -40,7 +40,8 @@ CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 8)
 POLL_S = 0.5  # the long-poll slice of both sides (ReceiverConfig.poll_s, Sender's wait)
 WRITER = "epd-bench-sender"
-# goals (docs/performance.md): lifecycles/s at p99 <= 20 ms one room at a time; rooms/s in 8-room batches
+# goals (docs/performance.md): lifecycles/s at p99 <= 20 ms one room at a time; rooms/s in 8-room
+# batches
 GOAL_LIFECYCLES_PER_S, GOAL_P99_MS, GOAL_ROOMS_PER_S = 1000, 20.0, 5000
 
 
@@ -243,24 +244,33 @@ def run(seconds: float = 1.0, rounds: int = 3, concurrency=CONCURRENCY, progress
 
 def main(args) -> int:
     print(
-        f"epd-bench handshake: {args.seconds:g} s per level and round, {args.rounds} rounds; server in its own "
+        f"epd-bench handshake: {args.seconds:g} s per level and round, {args.rounds} rounds; "
+        "server in its own "
         "process on loopback, default limits"
     )
     report = run(args.seconds, args.rounds)
     print(
-        f"\n{'batch':>5s} {'conc':>5s} {'lifecycles/s':>13s} {'rooms/s':>8s} {'p50 ms':>7s} {'p99 ms':>7s} "
+        f"\n{'batch':>5s} {'conc':>5s} {'lifecycles/s':>13s} {'rooms/s':>8s} {'p50 ms':>7s} "
+        f"{'p99 ms':>7s} "
         f"{'calls recv/send':>16s}  goal  per round"
     )
     for row in report["levels"]:
         rounds = " ".join(f"{v:.0f}" for v in row["lifecycles_per_s_rounds"])
         print(
-            f"{row['batch']:5d} {row['concurrency']:5d} {row['lifecycles_per_s']:13.0f} {row['rooms_per_s']:8.0f} "
+            f"{row['batch']:5d} {row['concurrency']:5d} {row['lifecycles_per_s']:13.0f} "
+            f"{row['rooms_per_s']:8.0f} "
             f"{row['p50_ms']:7.1f} {row['p99_ms']:7.1f} {row['receiver_calls_per_lifecycle']:8.2f}/"
-            f"{row['sender_calls_per_lifecycle']:<7.2f}  {'met ' if row['meets_goal'] else '-   '}  {rounds}"
+            f"{row['sender_calls_per_lifecycle']:<7.2f}  "
+            f"{'met ' if row['meets_goal'] else '-   '}  {rounds}"
         )
     for goal, levels in report["goals"].items():
         print(
-            f"{goal}: {'met at concurrency ' + ', '.join(map(str, levels)) if levels else 'not met at any level'}"
+            f"{goal}: "
+            + (
+                "met at concurrency " + ", ".join(map(str, levels))
+                if levels
+                else "not met at any level"
+            )
         )
     if args.json:
         with open(args.json, "w") as f:

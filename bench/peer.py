@@ -4,7 +4,8 @@ Used by the transfer benchmark, the demo and the two-process tests. It speaks ov
 ``multiprocessing`` pipe (control only; bytes move through the transport under test):
 
     ("reserve", rows, width, dtype)            -> ("reserved", generation, {transport: offer JSON})
-    ("commit", commit JSON, seed | None)       -> ("accepted", byte_exact | None) or ("rejected", reason)
+    ("commit", commit JSON, seed | None)       -> ("accepted", byte_exact | None)
+                                                  or ("rejected", reason)
     ("stats",)                                 -> ("stats", pool stats)
     ("raw_done", seed | None)                  -> ("ok", byte_exact | None)  # bare-engine path
     ("stop",)                                  -> ("stopped", pool stats)

@@ -130,7 +130,8 @@ def run(jobs: int = 60, progress=print) -> dict:
                     job = receiver.start(f"{mode}{index}", MultimodalInputs(items))
                     state = job.wait(30)
                     elapsed = time.perf_counter() - started
-                    job.release()  # zero-copy: the engine is done with the views (a no-op for copies)
+                    # zero-copy: the engine is done with the views (a no-op for copies)
+                    job.release()
                     if state is not JobState.DONE:
                         raise RuntimeError(f"job failed: {job.reasons}")
                     # the writes run one after another on the sender's loop: their sum is their span
@@ -150,14 +151,16 @@ def run(jobs: int = 60, progress=print) -> dict:
                     "jobs": jobs,
                 }
                 progress(
-                    f"  {mode:9s} {images}-image requests: overhead per item p50 {report[key]['p50_ms']:.2f} ms, "
+                    f"  {mode:9s} {images}-image requests: overhead per item p50 "
+                    f"{report[key]['p50_ms']:.2f} ms, "
                     f"p99 {report[key]['p99_ms']:.2f} ms (until wait() returned: p50 "
                     f"{report[key]['p50_until_wait_returned_ms']:.2f} ms)"
                 )
         report["empty_round_trip_ms"] = {"p50": _p(round_trips, 0.5), "p99": _p(round_trips, 0.99)}
         progress(
             f"  an empty HTTP round trip to the same server, from this thread: p50 "
-            f"{report['empty_round_trip_ms']['p50']:.2f} ms, p99 {report['empty_round_trip_ms']['p99']:.2f} ms"
+            f"{report['empty_round_trip_ms']['p50']:.2f} ms, p99 "
+            f"{report['empty_round_trip_ms']['p99']:.2f} ms"
         )
     finally:
         conn.send(None)
@@ -171,8 +174,10 @@ def run(jobs: int = 60, progress=print) -> dict:
 
 def main(args) -> int:
     print(
-        f"epd-bench receive: {ROWS}x{WIDTH} bf16 items over SHM from the encode worker's sender (another "
-        f"process), {args.jobs} jobs each; overhead = (job start -> last item published - the writes) / items"
+        f"epd-bench receive: {ROWS}x{WIDTH} bf16 items over SHM from the encode worker's sender "
+        "(another "
+        f"process), {args.jobs} jobs each; overhead = (job start -> last item published - the "
+        "writes) / items"
     )
     report = run(args.jobs)
     if args.json:

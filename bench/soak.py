@@ -194,7 +194,8 @@ class Soak:
             await asyncio.sleep(10)
             elapsed = time.monotonic() - started
             print(
-                f"  {elapsed:6.0f} s  items {self.counted}/{self.items}  faults {len(self.events)}  "
+                f"  {elapsed:6.0f} s  items {self.counted}/{self.items}  faults "
+                f"{len(self.events)}  "
                 f"normal delivered {self.normal['delivered']} failed {self.normal['failed']} "
                 f"corrupted {self.normal['corrupted']}",
                 flush=True,
@@ -467,37 +468,47 @@ def _goals(report: dict) -> list[Goal]:
 def main(args) -> int:
     kinds = args.kinds.split(",") if args.kinds else None
     print(
-        f"epd-bench soak: {args.items} items, fault rate {args.fault_rate}, {args.concurrency} clients, "
+        f"epd-bench soak: {args.items} items, fault rate {args.fault_rate}, {args.concurrency} "
+        "clients, "
         f"seed {args.seed}",
         flush=True,
     )
     soak = Soak(args.items, args.fault_rate, args.concurrency, args.seed, args.model, kinds)
     report = soak.run()
     print(
-        f"\nitems {report['items']} (faults: {report['fault_events']} events, {report['faulted_rooms']} rooms) "
+        f"\nitems {report['items']} (faults: {report['fault_events']} events, "
+        f"{report['faulted_rooms']} rooms) "
         f"in {report['wall_s']:.0f} s"
     )
     print(
         f"delivered {report['delivered']}  corrupted {report['corrupted']}  failed fast "
         f"{report['failed_fast']}/{report['faulted_rooms_failed']} faulted rooms that failed "
-        f"(slow {report['failed_slow']}); delivered anyway {report['faulted_rooms_delivered_anyway']}/"
-        f"{report['faulted_rooms']} (their fault came after their commit)  collateral {report['collateral_failures']}"
+        f"(slow {report['failed_slow']}); delivered anyway "
+        f"{report['faulted_rooms_delivered_anyway']}/"
+        f"{report['faulted_rooms']} (their fault came after their commit)  collateral "
+        f"{report['collateral_failures']}"
     )
     ttf = report["ttf_p99_s"]
     print(
-        f"time to failure p50 {report['ttf_p50_s'] or 0:.3f} s, p99 {ttf or 0:.3f} s, max {report['ttf_max_s'] or 0:.3f} s"
+        f"time to failure p50 {report['ttf_p50_s'] or 0:.3f} s, p99 {ttf or 0:.3f} s, max "
+        f"{report['ttf_max_s'] or 0:.3f} s"
     )
     print(
-        f"leaked slots {report['leaked_slots']['total']}, leaked SHM segments {report['leaked_shm_segments']['total']}"
+        f"leaked slots {report['leaked_slots']['total']}, leaked SHM segments "
+        f"{report['leaked_shm_segments']['total']}"
     )
     for key, row in report["rss"].items():
         print(
-            f"RSS {key:18s} {row['vmrss_kb_after_warmup'] / 1024:8.1f} -> {row['vmrss_kb_end'] / 1024:8.1f} MiB "
+            f"RSS {key:18s} {row['vmrss_kb_after_warmup'] / 1024:8.1f} -> "
+            f"{row['vmrss_kb_end'] / 1024:8.1f} MiB "
             f"({row['vmrss_growth_pct']:+.1f} %), anonymous {row['rss_anon_growth_pct']:+.1f} %"
         )
     for kind, row in sorted(report["by_kind"].items()):
         if kind in STARTUP:
-            what = f"processes that exited with a reason {row['affected']:4d}, start to exit max {row['ttf_max_s']:.1f} s"
+            what = (
+                f"processes that exited with a reason {row['affected']:4d}, start to exit max "
+                f"{row['ttf_max_s']:.1f} s"
+            )
         elif kind in REFUSALS:
             what = f"refusals {row['affected']:4d}, slowest {row['ttf_max_s']:.3f} s"
         else:
@@ -506,13 +517,15 @@ def main(args) -> int:
                 f"{row['ttf_p99_s'] if row['ttf_p99_s'] is not None else 0:.3f} s"
             )
         print(
-            f"  {kind:34s} events {row['events']:4d}  as expected {row['expected']:4d}  crashed {row['errors']:3d}  "
+            f"  {kind:34s} events {row['events']:4d}  as expected {row['expected']:4d}  crashed "
+            f"{row['errors']:3d}  "
             f"{what}"
         )
     print("goals:")
     for goal in report["goals"]:
         print(
-            f"  {'met   ' if goal['met'] else 'MISSED'} {goal['name']}: {goal['value']} (goal {goal['target']})"
+            f"  {'met   ' if goal['met'] else 'MISSED'} {goal['name']}: {goal['value']} (goal "
+            f"{goal['target']})"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -188,7 +188,8 @@ def run(sizes: list[int], paths=PATHS, rounds: int | None = None, progress=print
                     }
                 )
                 progress(
-                    f"  {path:18s} {size >> 20:5d} MiB  {size / median / 1e9:6.2f} GB/s  exact={exact}"
+                    f"  {path:18s} {size >> 20:5d} MiB  {size / median / 1e9:6.2f} GB/s  "
+                    f"exact={exact}"
                 )
     finally:
         receiver_pool = bench.close()

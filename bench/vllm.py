@@ -730,7 +730,8 @@ def plot(report: dict, path: str) -> None:
 
 def _print(report: dict) -> None:
     print(
-        f"\n{'path':>13s} {'size':>5s} {'delivery ms':>12s} {'TTFT ms':>8s} {'req/s':>6s} {'CPU ms/img':>11s}"
+        f"\n{'path':>13s} {'size':>5s} {'delivery ms':>12s} {'TTFT ms':>8s} {'req/s':>6s} "
+        f"{'CPU ms/img':>11s}"
     )
     for row in report["summary"]:
         delivery = f"{row['delivery_ms']:.2f}" if row["delivery_ms"] is not None else "-"

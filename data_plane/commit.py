@@ -35,7 +35,8 @@ class EmbeddingLayout:
     def __post_init__(self) -> None:
         if not (0 < self.rows <= MAX_ROWS and 0 < self.width <= MAX_WIDTH):
             raise ContractError(
-                f"rows {self.rows} and width {self.width} must be in (0, {MAX_ROWS}] x (0, {MAX_WIDTH}]"
+                f"rows {self.rows} and width {self.width} must be in (0, {MAX_ROWS}] x (0, "
+                f"{MAX_WIDTH}]"
             )
         dtype_from_wire(self.dtype)
 

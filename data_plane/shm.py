@@ -33,7 +33,8 @@ _NAME_RE = re.compile(r"^epd-[A-Za-z0-9_-]{1,100}$")
 # what each purpose's segments are named; the intake kind is reserved to publish(purpose="intake")
 PURPOSE_KINDS = {"handoff": "h", "intake": "in"}
 INTAKE_PREFIX = f"{NAME_PREFIX}{PURPOSE_KINDS['intake']}-"
-POOL_PREFIX = f"{NAME_PREFIX}pool-"  # receive pools (MemoryRegion.shared): the only segments a writer writes into
+# receive pools (MemoryRegion.shared): the only segments a writer writes into
+POOL_PREFIX = f"{NAME_PREFIX}pool-"
 
 
 class ShmError(OSError):
@@ -93,7 +94,8 @@ class ShmSegment:
     @classmethod
     def create(cls, size: int, kind: str = "seg", name: str | None = None) -> ShmSegment:
         """Create, reserve (ENOSPC now, not SIGBUS later) and map a new segment we own. Intake
-        names are refused here: only ``ShmTensorHandle.publish(..., purpose="intake")`` makes them."""
+        names are refused here: only ``ShmTensorHandle.publish(..., purpose="intake")`` makes
+        them."""
         name = validate_name(name) if name is not None else new_name(kind)
         if name.startswith(INTAKE_PREFIX):
             raise ValueError(f"{name}: {INTAKE_PREFIX}* names are reserved for intake handles")
@@ -230,7 +232,8 @@ class ShmTensorHandle:
         if not is_intake_name(shm_name):
             raise ValueError(
                 f"SHM segment {shm_name!r} is not an intake handle (intake reads only "
-                f"{INTAKE_PREFIX}* segments, made by ShmTensorHandle.publish(..., purpose='intake'))"
+                f"{INTAKE_PREFIX}* segments, made by ShmTensorHandle.publish(..., "
+                "purpose='intake'))"
             )
         handle = cls(shm_name=shm_name, shape=shape, dtype=dtype)
         handle._exact = True

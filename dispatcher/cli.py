@@ -2,7 +2,8 @@
 with ``--prefill``, what a reference prefill process received).
 
     epd-dispatch --model DIR --workers 10.0.0.5:8998:8999 a.png b.jpg
-    epd-dispatch --model DIR --dns epd-encode-workers.default.svc.cluster.local --prefill http://prefill:9100 a.png
+    epd-dispatch --model DIR --dns epd-encode-workers.default.svc.cluster.local \\
+        --prefill http://prefill:9100 a.png
 
 ``--model`` is read for its image processor config only (rows per image). Every flag also reads
 ``EPD_DISPATCH_<FLAG>`` from the environment. Exit status: 0 when every item was placed (and,

@@ -121,7 +121,8 @@ class Dispatcher:
                     image_format = probe.format
             except Exception as exc:  # PIL raises many types for bad data; its text names a BytesIO
                 raise DispatchError(
-                    f"{label}: not an image encode workers read ({', '.join(sorted(ALLOWED_FORMATS))}): "
+                    f"{label}: not an image encode workers read "
+                    f"({', '.join(sorted(ALLOWED_FORMATS))}): "
                     f"{type(exc).__name__}"
                 ) from None
             if image_format not in ALLOWED_FORMATS:

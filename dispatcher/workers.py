@@ -60,7 +60,8 @@ class WorkerAddress:
         return self.intake.url("tcp")
 
     def __str__(self) -> str:
-        """``host:bootstrap_port:intake_port`` (an IPv6 host bracketed): what ``parse`` reads back."""
+        """``host:bootstrap_port:intake_port`` (an IPv6 host bracketed): what ``parse`` reads
+        back."""
         return f"{self.rooms.authority}:{self.intake_port}"
 
     @classmethod

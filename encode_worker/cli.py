@@ -26,7 +26,8 @@ from process_settings import (
 
 
 def start(config: WorkerConfig):
-    """Check what needs the machine, load the tower, listen: the running worker, or ``SettingError``."""
+    """Check what needs the machine, load the tower, listen: the running worker, or
+    ``SettingError``."""
     check_checkpoint(config.model)
     check_listen(config.bind, config.bootstrap_port, "--bootstrap-port")
     check_listen(config.bind, config.intake_port, "--intake-port")

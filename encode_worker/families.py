@@ -38,7 +38,8 @@ class TowerFamily:
     tower: type  # the tower's transformers model class (loaded alone, out of the full checkpoint)
     vlm_config: type  # the full model's config and class (small test checkpoints)
     vlm: type
-    # A small test tower's vision config: real patch, temporal and merge sizes, shrunk depth and widths.
+    # A small test tower's vision config: real patch, temporal and merge sizes, shrunk depth and
+    # widths.
     small_vision_config: Callable[[int, int, int], dict]  # (out_width, depth, width) -> kwargs
     small_image_processor: Callable[[], Qwen2VLImageProcessorPil]
     vllm_connector: bool = (

@@ -2,8 +2,9 @@
 
 Three sources: encoded image bytes (PNG / JPEG / WebP / BMP, decoded with PIL, size-capped), raw
 ``uint8 [H, W, 3]`` pixels, or a same-node intake ``ShmTensorHandle`` holding such pixels
-(``ShmTensorHandle.publish(pixels, purpose="intake")``; the worker consumes and unlinks it). Anything
-else, or anything malformed, raises ``BadItem`` with a reason that ends up in the item's room.
+(``ShmTensorHandle.publish(pixels, purpose="intake")``; the worker consumes and unlinks it).
+Anything else, or anything malformed, raises ``BadItem`` with a reason that ends up in the item's
+room.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def image_from_pixels(pixels: torch.Tensor, max_pixels: int = MAX_PIXELS) -> Ima
 
 
 def pixels_from_shm(handle: ShmTensorHandle) -> torch.Tensor:
-    """Attach to and consume a same-node handle: ``uint8 [H, W, 3]`` pixels, the segment unlinked."""
+    """Attach to and consume a same-node handle: ``uint8 [H, W, 3]`` pixels, the segment
+    unlinked."""
     try:
         handle.attach()
         return handle.consume()

@@ -91,7 +91,8 @@ class IntakeReply(BaseModel):
 
 
 class IntakeRefused(ValueError):
-    """The message is refused; the reason goes back to the dispatcher (with the room, once known)."""
+    """The message is refused; the reason goes back to the dispatcher (with the room, once
+    known)."""
 
     def __init__(self, reason: str, room: int | None = None):
         super().__init__(reason)

@@ -80,7 +80,8 @@ class Handoff(Generic[T]):
         self._stopping = stopping
 
     def put(self, message: T) -> bool:
-        """Hand the message on; False when the worker stopped first (the message stays the caller's)."""
+        """Hand the message on; False when the worker stopped first (the message stays the
+        caller's)."""
         while not self._stopping.is_set():
             try:
                 self._queue.put(message, timeout=HANDOFF_POLL_S)

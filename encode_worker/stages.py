@@ -69,7 +69,8 @@ SHUTTING_DOWN = "encode worker shutting down"
 
 class Intake:
     """The intake socket and its loop. Never waits on the network or the tower: each message is
-    refused (room untouched), failed (a bad item: its room fails) or queued, and answered at once."""
+    refused (room untouched), failed (a bad item: its room fails) or queued, and answered at
+    once."""
 
     def __init__(
         self,
@@ -232,7 +233,8 @@ class Intake:
 
 
 class Prepare:
-    """Decode and preprocess one batch; look each item up in the cache. A bad item fails its room."""
+    """Decode and preprocess one batch; look each item up in the cache. A bad item fails its
+    room."""
 
     def __init__(
         self,
@@ -442,5 +444,6 @@ def check_claimed_hash(claimed: int | None, computed: int) -> None:
     """A client's content hash must be the xxh3-128 of the payload's bytes (file or raw pixels)."""
     if claimed is not None and claimed != computed:
         raise BadItem(
-            f"claimed content hash {claimed:032x} is not the hash of the item's bytes ({computed:032x})"
+            f"claimed content hash {claimed:032x} is not the hash of the item's bytes "
+            f"({computed:032x})"
         )

@@ -73,10 +73,12 @@ IMAGE_PROMPT = (
 # (image_url, or image_embeds: an EPD request's grid alone) as IMAGE_PROMPT.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
     "{% if part['type'] in ['image', 'image_url', 'image_embeds'] %}"
     + IMAGE_PROMPT
-    + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -159,7 +161,8 @@ def build_vlm(
     with (
         torch.no_grad()
     ):  # wide text weights: greedy tokens then follow the image (at transformers'
-        # 0.02 init the tiny LLM answers most images with one repeated token, so equal tokens prove little)
+        # 0.02 init the tiny LLM answers most images with one repeated token, so equal tokens prove
+        # little)
         for parameter in [*model.model.language_model.parameters(), model.lm_head.weight]:
             if parameter.dim() == 2:
                 parameter.normal_(0.0, TEXT_INIT_STD)

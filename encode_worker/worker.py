@@ -105,7 +105,12 @@ class EncodeWorker:
     ):
         self.config = config
         self.tower = tower or VisionTower.load(config.model, config.dtype, config.device)
-        self.preprocess_id = f"{zlib.crc32(json.dumps(self.tower.processor.to_dict(), sort_keys=True, default=str).encode()):08x}"
+        self.preprocess_id = format(
+            zlib.crc32(
+                json.dumps(self.tower.processor.to_dict(), sort_keys=True, default=str).encode()
+            ),
+            "08x",
+        )
         self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
         self.cache = EmbeddingCache(config.cache_bytes)
         self.queue = BatchQueue(

@@ -595,7 +595,8 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
 
 
 def _first_token_or_error(event: bytes) -> str | None:
-    """ "token" for an event with generated text or a finish, "error" for an error event, else None."""
+    """ "token" for an event with generated text or a finish, "error" for an error event, else
+    None."""
     if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
         return None
     try:

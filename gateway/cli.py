@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger(settings.PROG).info(
-        "%s ready: http://%s:%d (/v1/chat/completions, /v1/models, /health, /readyz, /metrics) in front of vLLM "
+        "%s ready: http://%s:%d (/v1/chat/completions, /v1/models, /health, /readyz, /metrics) in "
+        "front of vLLM "
         "at %s",
         settings.PROG,
         settings.host,

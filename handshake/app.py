@@ -1,4 +1,5 @@
-"""The handshake REST app (FastAPI): rooms under ``/v1``, plus ``/healthz``, ``/readyz``, ``/metrics``.
+"""The handshake REST app (FastAPI): rooms under ``/v1``, plus ``/healthz``, ``/readyz``,
+``/metrics``.
 
 Every body route takes a batch (an 8-image request costs one call per side) and answers per room:
 ``{"results": [{"room", "ok", "view" | "error", "status"}]}``. Bad bodies get 4xx with a reason and
@@ -245,7 +246,8 @@ async def _read_body(receive) -> bytes:
 
 
 def _json(model) -> Response:
-    """Serialize once (pydantic's Rust path); FastAPI would otherwise re-validate the return value."""
+    """Serialize once (pydantic's Rust path); FastAPI would otherwise re-validate the return
+    value."""
     return Response(model.model_dump_json(), media_type="application/json")
 
 
@@ -311,7 +313,8 @@ def create_app(
         version="1",
         lifespan=lifespan,
         telemetry=telemetry,
-        description="Bootstrap rooms: one per item, pairing an encode worker's write with its receiver.",
+        description="Bootstrap rooms: one per item, pairing an encode worker's write with its "
+        "receiver.",
     )
     app.state.table = table
     app.state.metrics = metrics
@@ -336,7 +339,8 @@ def create_app(
         },
     )
     async def mint(body: MintRequest):
-        """Mint ``count`` rooms with unique 63-bit ids, alive for ``ttl_s`` (at most the table's maximum)."""
+        """Mint ``count`` rooms with unique 63-bit ids, alive for ``ttl_s`` (at most the table's
+        maximum)."""
         try:
             rooms = table.mint(body.count, body.ttl_s)
         except RoomsFull as exc:
@@ -349,8 +353,8 @@ def create_app(
         "/v1/rooms/register", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
     )
     async def register(body: RegisterRequest):
-        """A receiver reserves its slot per room: generation, rows x width x dtype, transport offers.
-        With ``wait_s`` it then long-polls until one of the rooms changes again."""
+        """A receiver reserves its slot per room: generation, rows x width x dtype, transport
+        offers. With ``wait_s`` it then long-polls until one of the rooms changes again."""
         results = [_result(r.room, lambda r=r: table.register(r)) for r in body.receivers]
         if body.wait_s > 0:
             versions = {
@@ -366,21 +370,24 @@ def create_app(
         responses={**BODY_ERRORS, **AUTH_ERRORS},
     )
     async def begin_write(body: BeginWriteRequest):
-        """A sender starts writing (REGISTERED -> WRITING); a cancelled room answers CANCELLED instead."""
+        """A sender starts writing (REGISTERED -> WRITING); a cancelled room answers CANCELLED
+        instead."""
         return _answer([_result(w.room, lambda w=w: table.begin_write(w)) for w in body.writes])
 
     @body_route(
         "/v1/rooms/commit", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
     )
     async def commit(body: CommitRequest):
-        """A sender's write completed: generation, layout, checksum. Stale generations are refused."""
+        """A sender's write completed: generation, layout, checksum. Stale generations are
+        refused."""
         return _answer([_result(c.room, lambda c=c: table.commit(c)) for c in body.commits])
 
     @body_route(
         "/v1/rooms/fail", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
     )
     async def fail(body: FailRequest):
-        """Fail rooms with a reason the other side can read; ``settled`` if no byte can still land."""
+        """Fail rooms with a reason the other side can read; ``settled`` if no byte can still
+        land."""
         return _answer(
             [
                 _result(f.room, lambda f=f: table.fail(f.room, f.reason, f.settled, f.writer))
@@ -392,7 +399,8 @@ def create_app(
         "/v1/rooms/cancel", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
     )
     async def cancel(body: CancelRequest):
-        """Cancel rooms; one being written stays WRITING (cancel_requested) until the writer's outcome."""
+        """Cancel rooms; one being written stays WRITING (cancel_requested) until the writer's
+        outcome."""
         return _answer(
             [
                 _result(room, lambda room=room: table.cancel(room, body.reason))

@@ -61,9 +61,9 @@ class HandshakeError(Exception):
 
 
 class HandshakeClient:
-    """``timeout_s`` bounds each call beyond its long-poll wait. With ``retry_timeouts=False`` a call
-    that timed out is not retried: an endpoint that does not answer in time is stalled, and each
-    retry would add another timeout before the caller learns it (connection errors and 503s are
+    """``timeout_s`` bounds each call beyond its long-poll wait. With ``retry_timeouts=False`` a
+    call that timed out is not retried: an endpoint that does not answer in time is stalled, and
+    each retry would add another timeout before the caller learns it (connection errors and 503s are
     still retried)."""
 
     def __init__(
@@ -172,7 +172,8 @@ class HandshakeClient:
     async def register(
         self, registrations: Iterable[Registration], wait_s: float = 0.0
     ) -> list[RoomResult]:
-        """Register receivers; with ``wait_s``, also wait for the next change of any of the rooms."""
+        """Register receivers; with ``wait_s``, also wait for the next change of any of the
+        rooms."""
         return await self._batch(
             "/v1/rooms/register",
             RegisterRequest(receivers=list(registrations), wait_s=wait_s),

@@ -119,7 +119,8 @@ class BeginWriteRequest(_Body):
 
 
 class EncodeTimings(_Body):
-    """Where an item's time went on the encode worker (seconds); informational, for latency splits."""
+    """Where an item's time went on the encode worker (seconds); informational, for latency
+    splits."""
 
     queue_s: json_float(ge=0, le=86400) = (
         0.0  # intake -> the tower started its batch (or a cache hit)

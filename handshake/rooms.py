@@ -74,7 +74,8 @@ class _Room:
     waiters: list = field(default_factory=list)
 
     def tombstone(self, ended_at: float) -> tuple:
-        """The final state as a tuple the GC does not track (a terminal room never changes again)."""
+        """The final state as a tuple the GC does not track (a terminal room never changes
+        again)."""
         registration = self.registration.model_dump_json().encode() if self.registration else None
         commit = self.commit.model_dump_json().encode() if self.commit else None
         return (
@@ -126,7 +127,8 @@ class RoomLimits:
     max_live_rooms: int = 65536
     max_tombstones: int = 131072
     tombstone_ttl_s: float = 120.0
-    # the longest a minted room lives: a flood of rooms nobody uses holds the table at most this long
+    # the longest a minted room lives: a flood of rooms nobody uses holds the table at most this
+    # long
     max_ttl_s: float = 300.0
 
 
@@ -243,7 +245,8 @@ class RoomTable:
                 raise RoomConflict("no receiver has registered this room yet")
             if room.registration is not None and room.registration.generation != write.generation:
                 raise RoomConflict(
-                    f"stale generation {write.generation}; the slot holds {room.registration.generation}"
+                    f"stale generation {write.generation}; the slot holds "
+                    f"{room.registration.generation}"
                 )
             if room.state is RoomState.REGISTERED:
                 room.transport, room.writer = write.transport, write.writer
@@ -271,7 +274,8 @@ class RoomTable:
             registration = room.registration
             if commit.generation != registration.generation:
                 raise RoomConflict(
-                    f"stale generation {commit.generation}; the slot holds {registration.generation}"
+                    f"stale generation {commit.generation}; the slot holds "
+                    f"{registration.generation}"
                 )
             if (commit.rows, commit.width, commit.dtype) != (
                 registration.rows,
@@ -279,7 +283,8 @@ class RoomTable:
                 registration.dtype,
             ):
                 raise RoomConflict(
-                    f"commit [{commit.rows}, {commit.width}] {commit.dtype} does not match the reservation "
+                    f"commit [{commit.rows}, {commit.width}] {commit.dtype} does not match the "
+                    "reservation "
                     f"[{registration.rows}, {registration.width}] {registration.dtype}"
                 )
             if room.state is not RoomState.WRITING:

@@ -1,4 +1,5 @@
-"""Running the handshake app: ``epd-handshake`` (standalone) and an in-thread server for embedding."""
+"""Running the handshake app: ``epd-handshake`` (standalone) and an in-thread server for
+embedding."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def load_token(token_file: str | None) -> str | None:
-    """The bearer token from ``--token-file`` / ``$EPD_HANDSHAKE_TOKEN_FILE``, else ``$EPD_HANDSHAKE_TOKEN``."""
+    """The bearer token from ``--token-file`` / ``$EPD_HANDSHAKE_TOKEN_FILE``, else
+    ``$EPD_HANDSHAKE_TOKEN``."""
     path = token_file or os.environ.get(TOKEN_FILE_ENV)
     if path:
         with open(path) as f:
@@ -64,11 +66,15 @@ def open_listener_warning(app, host: str) -> str | None:
     if isinstance(app, HandshakeAPI) and app.token is not None:
         return None
     if isinstance(app, HandshakeAPI):
-        remedy = f"set a bearer token (--token-file, ${TOKEN_FILE_ENV} or ${TOKEN_ENV}) or keep the port private"
+        remedy = (
+            f"set a bearer token (--token-file, ${TOKEN_FILE_ENV} or ${TOKEN_ENV}) or keep "
+            "the port private"
+        )
     else:
         remedy = "it has no authentication of its own: keep the port private"
     return (
-        f"INSECURE: {app.title} listens on {host} and takes requests from anyone who reaches the port, "
+        f"INSECURE: {app.title} listens on {host} and takes requests from anyone who reaches the "
+        "port, "
         f"with no token; {remedy} (a NetworkPolicy, or bind 127.0.0.1)"
     )
 
@@ -130,7 +136,8 @@ class ThreadedServer:
 
     @property
     def url(self) -> str:
-        """This server over loopback: ``http://[::1]:port`` when it listens on IPv6, else 127.0.0.1."""
+        """This server over loopback: ``http://[::1]:port`` when it listens on IPv6, else
+        127.0.0.1."""
         return Endpoint("::1" if ":" in self.host else "127.0.0.1", self.port).url("http")
 
     def stop(self) -> None:
@@ -169,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         RoomTable(settings.room_limits()), token=token, max_body_bytes=settings.max_body_bytes
     )
     log.info(
-        "epd-handshake serving rooms on http://%s:%d (room API /v1/rooms, /healthz, /readyz, /metrics; "
+        "epd-handshake serving rooms on http://%s:%d (room API /v1/rooms, /healthz, /readyz, "
+        "/metrics; "
         "bearer token %s)",
         settings.host,
         settings.port,

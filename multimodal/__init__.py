@@ -1,4 +1,5 @@
-"""The multimodal item model both sides share: items, content hashes, pad ids and the row contract."""
+"""The multimodal item model both sides share: items, content hashes, pad ids and the row
+contract."""
 
 from multimodal.hashing import hash_feature
 from multimodal.items import (

@@ -53,7 +53,8 @@ def split_rows(packed: torch.Tensor, rows_per_item: Sequence[int]) -> list[torch
         raise RowContractError(f"every item needs a positive row count, got {counts}")
     if sum(counts) != packed.shape[0]:
         raise RowContractError(
-            f"packed output has {packed.shape[0]} rows but the items expect {sum(counts)} ({counts})"
+            f"packed output has {packed.shape[0]} rows but the items expect {sum(counts)} "
+            f"({counts})"
         )
     return list(torch.split(packed, counts, dim=0))
 

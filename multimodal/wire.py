@@ -40,7 +40,8 @@ def split_authority(text: str, max_ports: int) -> tuple[str, list[int]]:
         parts = text.split(":")
         if parts[0] and not HOST_NAME.fullmatch(parts[0]):
             raise ValueError(
-                f"{parts[0]!r} is not a host name or IPv4 address (an IPv6 address goes in brackets)"
+                f"{parts[0]!r} is not a host name or IPv4 address (an IPv6 address goes in "
+                "brackets)"
             )
     if not parts[0] or len(parts) > 1 + max_ports:
         raise ValueError(f"expected a host then at most {max_ports} :port fields")

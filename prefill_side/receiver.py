@@ -199,7 +199,8 @@ class ReceiveJob:
 
     @property
     def cancelled(self) -> bool:
-        """Whether ``cancel`` (or ``abort``) was asked: no item falls back to the local tower then."""
+        """Whether ``cancel`` (or ``abort``) was asked: no item falls back to the local tower
+        then."""
         return self._cancelled.is_set()
 
     def mark_cancelled(self) -> bool:
@@ -370,7 +371,8 @@ class PrefillReceiver:
             self._loop.submit(self._cancel(job, reason))
 
     def abort(self, job: ReceiveJob, reason: str) -> None:
-        """``cancel``, then fail ``job``'s unsettled items with ``reason`` on the loop (any thread)."""
+        """``cancel``, then fail ``job``'s unsettled items with ``reason`` on the loop (any
+        thread)."""
         self.cancel(job, reason)
         self._loop.submit(self._abort(job, reason))
 
@@ -389,7 +391,8 @@ class PrefillReceiver:
             None if offered else f"no transport left to offer: {'; '.join(self.lost.values())}"
         )
         not_ready = cannot_receive or (
-            f"receive pool exhausted: 0 of {stats['slots']} slots free ({stats['leased_slots']} leased, "
+            f"receive pool exhausted: 0 of {stats['slots']} slots free ({stats['leased_slots']} "
+            "leased, "
             f"{stats['quarantined_slots']} quarantined)"
             if stats["free_slots"] == 0
             else None

@@ -237,7 +237,8 @@ def create_app(
         "/readyz", responses={503: {"description": "Cannot take an item now, with the reason"}}
     )
     async def readyz():
-        """Readiness: 503 while no receive slot is free (or no transport is left), with the reason."""
+        """Readiness: 503 while no receive slot is free (or no transport is left), with the
+        reason."""
         health = receiver.health()
         return JSONResponse(
             {
@@ -409,7 +410,8 @@ def _start(settings: PrefillSettings):
 
     check_listen(settings.host, settings.port, "--port")
     check_memory(settings.pool_bytes, "--pool-bytes")
-    # with a transport that does not need it (Mooncake), a full /dev/shm falls back to process memory
+    # with a transport that does not need it (Mooncake), a full /dev/shm falls back to process
+    # memory
     if all(transport_spec(name).needs_shm_pool for name in settings.transports):
         check_shm_space(settings.pool_bytes, "--pool-bytes")
     tower = None
@@ -454,7 +456,8 @@ def _start(settings: PrefillSettings):
         handshake_token=settings.handshake_token,
         require_checksum=settings.require_checksum,
     )
-    # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback default.
+    # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback
+    # default.
     mooncake = MooncakeConfig(
         hostname=settings.mooncake_host,
         device_names=settings.mooncake_hca,
@@ -488,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(PrefillSettings.PROG, exc)
     config = receiver.config
     logging.getLogger("epd-prefill").info(
-        "epd-prefill ready: http://%s:%d (/v1/prefill, /healthz, /readyz, /metrics); rows of %d x %s; "
+        "epd-prefill ready: http://%s:%d (/v1/prefill, /healthz, /readyz, /metrics); rows of %d x "
+        "%s; "
         "transports %s (Mooncake host %s); local tower %s",
         settings.host,
         settings.port,

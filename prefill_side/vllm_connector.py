@@ -522,7 +522,8 @@ class _SchedulerSide:
     def _release_if_done(self, received: _Received) -> None:
         if received.finished and received.pins == 0:
             del self.requests[received.request_id]
-            received.job.release()  # the slots go back to the pool (late arrivals too, once they land)
+            # the slots go back to the pool (late arrivals too, once they land)
+            received.job.release()
 
 
 class _WorkerSide:

@@ -220,7 +220,8 @@ from encode_worker.worker import EncodeWorker
 from process_settings import SettingError
 taken = socket.socket(); taken.bind(("127.0.0.1", 0)); taken.listen()
 config = WorkerConfig(model={checkpoint!r}, dtype="float32", bind="127.0.0.1", bootstrap_port=0,
-                      intake_port=taken.getsockname()[1], transports=("shm", "mooncake"), ring_bytes=8 << 20)
+                      intake_port=taken.getsockname()[1], transports=("shm", "mooncake"),
+                      ring_bytes=8 << 20)
 try:
     EncodeWorker(config).start()
 except SettingError as exc:

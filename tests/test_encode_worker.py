@@ -385,7 +385,8 @@ def test_raw_pixels_and_shm_handles_encode_like_the_png(qwen25, no_new_segments)
         assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
         assert not os.path.exists(f"/dev/shm/{handle.shm_name}")  # the worker consumed the handle
     finally:
-        handle.release()  # a test that failed before the worker read it leaves no segment (else a no-op)
+        # a test that failed before the worker read it leaves no segment (else a no-op)
+        handle.release()
         intake.close()
         worker.stop()
         receiver.close()
@@ -431,7 +432,8 @@ def test_a_lying_content_hash_is_refused_and_cannot_poison_the_cache(qwen25, no_
             and worker.cache.hits == hits + 1
         )
     finally:
-        handle.release()  # a test that failed before the worker read it leaves no segment (else a no-op)
+        # a test that failed before the worker read it leaves no segment (else a no-op)
+        handle.release()
         intake.close()
         worker.stop()
         receiver.close()

@@ -103,7 +103,8 @@ def wait_terminal(table, room, seconds=30):
 
 
 def deliver(tower, worker, receiver, intake, image, request_id):
-    """Send one image to a room of the worker's own table with its receiver there: the room's view."""
+    """Send one image to a room of the worker's own table with its receiver there: the room's
+    view."""
     (room,) = worker.table.mint(1, 60)
     receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
     reply = intake.send(request(worker, room, request_id), image)
@@ -113,7 +114,7 @@ def deliver(tower, worker, receiver, intake, image, request_id):
     return view
 
 
-# ---- 1. intake SHM handles ------------------------------------------------------------------------
+# ---- 1. intake SHM handles -----------------------------------------------------------------------
 
 
 def test_intake_never_opens_a_segment_that_is_not_an_intake_handle(no_new_segments, tower, make):
@@ -182,7 +183,7 @@ def test_intake_handle_names_are_reserved_and_sizes_exact(no_new_segments):
     assert same.consume().shape == (8, 8, 3)
 
 
-# ---- 2. a receiver that never comes ----------------------------------------------------------------
+# ---- 2. a receiver that never comes --------------------------------------------------------------
 
 
 def test_a_receiver_that_never_comes_fails_the_room_when_the_worker_stops_waiting(tower, make):
@@ -200,7 +201,7 @@ def test_a_receiver_that_never_comes_fails_the_room_when_the_worker_stops_waitin
         receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
 
 
-# ---- 3. a room endpoint that never answers ----------------------------------------------------------
+# ---- 3. a room endpoint that never answers -------------------------------------------------------
 
 
 class SilentEndpoint:
@@ -339,7 +340,7 @@ def test_the_queue_holds_at_most_its_payload_bytes():
     )  # alone, a larger one (already received) is taken
 
 
-# ---- a receiver's offer naming a segment that is not a receive pool -----------------------------------
+# ---- a receiver's offer naming a segment that is not a receive pool ------------------------------
 
 
 def test_a_receiver_offer_naming_another_segment_is_not_written(no_new_segments, tower):

@@ -141,7 +141,8 @@ def test_delivery_across_processes(worker_process, transport):
             expected = tower.encode_items(**_inputs(tower, image))[0]
             if index == 0:  # receiver first
                 receiver.reserve(room, expected.shape[0], expected.shape[1], expected.dtype)
-            else:  # the ring is empty again (the first item's slot freed): a staged item shows in it
+            else:
+                # the ring is empty again (the first item's slot freed): a staged item shows in it
                 eventually(
                     lambda: ring_occupancy(url) == 0,
                     "the send ring empty after the first item",

@@ -225,7 +225,8 @@ def test_item_larger_than_the_send_ring(lab):
 
 def test_rows_mismatch_is_refused_before_any_byte_moves(lab):
     """One placeholder fewer than the encoder's rows: the worker checks the contract before writing
-    and fails the room with both layouts in the reason; the slot is released, the sibling arrives."""
+    and fails the room with both layouts in the reason; the slot is released, the sibling
+    arrives."""
     outcome = run(lab, faults.rows_mismatch, seed=6)
     assert outcome.expected, outcome.as_dict()
     assert_fast(outcome)
@@ -341,7 +342,8 @@ def test_malformed_frames_and_bodies_are_refused_and_every_listener_keeps_servin
     oversized metadata, a payload that is no image, pixels of the wrong size, a path-traversal SHM
     name) to worker a's intake, and malformed REST bodies to worker a's rooms, the standalone
     handshake and epd-prefill: each gets a refusal with a reason or a 4xx, never a 5xx; an SHM
-    handle naming no segment is accepted and its room fails with the reason; everything serves on."""
+    handle naming no segment is accepted and its room fails with the reason; everything serves
+    on."""
     outcome = run(lab, faults.malformed_input, seed=13)
     assert outcome.expected, {key: value for key, value in outcome.notes.items()}
     assert outcome.notes["intake_replies"] == len(faults.MALFORMED_FRAMES)
@@ -365,9 +367,9 @@ def test_malformed_frames_and_bodies_are_refused_and_every_listener_keeps_servin
 )
 def test_dev_shm_full_at_start_up(lab):
     """epd-prefill in a private mount namespace whose /dev/shm (an 8 MiB tmpfs) cannot hold its
-    32 MiB pool: creating the pool gets a real ENOSPC. Offered SHM and Mooncake, the process comes up
-    on a Mooncake-only pool, says why, and receives bit-exact over Mooncake; offered SHM alone, it
-    exits at once with a one-line error naming ENOSPC. The host's /dev/shm is untouched."""
+    32 MiB pool: creating the pool gets a real ENOSPC. Offered SHM and Mooncake, the process comes
+    up on a Mooncake-only pool, says why, and receives bit-exact over Mooncake; offered SHM alone,
+    it exits at once with a one-line error naming ENOSPC. The host's /dev/shm is untouched."""
     outcome = run(lab, faults.dev_shm_full, seed=14)
     assert outcome.expected, outcome.notes
     assert outcome.notes["shm_only_exit_code"] not in (None, 0)

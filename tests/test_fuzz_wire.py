@@ -35,7 +35,8 @@ from prefill_side.server import PrefillRequest, create_app
 FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=1000)
 SLOW = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=200)
 
-# JSON values with the numbers that break naive parsers: huge, negative, fractional, near 2**63/2**64
+# JSON values with the numbers that break naive parsers: huge, negative, fractional, near
+# 2**63/2**64
 numbers = st.one_of(
     st.integers(min_value=-(1 << 70), max_value=1 << 70),
     st.sampled_from(
@@ -383,7 +384,8 @@ def test_a_valid_body_of_each_kind_is_accepted():
     st.sampled_from(["/v1/rooms/register", "/v1/rooms/commit"]),
 )
 def test_truncated_handshake_bodies_get_4xx(cut, path):
-    """Any prefix of a valid body through the real app (front door, body routes): a 4xx, never a 5xx."""
+    """Any prefix of a valid body through the real app (front door, body routes): a 4xx, never a
+    5xx."""
     body = {
         "/v1/rooms/register": {
             "receivers": [
@@ -516,7 +518,8 @@ def test_prefill_app_never_answers_5xx(raw):
 
 
 def test_prefill_app_out_of_range_numbers_and_oversized_bodies():
-    """The two cases the fuzzing above found: 1e400 (inf after parsing) got a 500; bodies had no bound."""
+    """The two cases the fuzzing above found: 1e400 (inf after parsing) got a 500; bodies had no
+    bound."""
     with TestClient(PREFILL_APP, raise_server_exceptions=False) as client:
         assert (
             client.post(
@@ -558,7 +561,8 @@ def test_prefill_api_has_no_5xx(case):
 
 
 def _mostly(valid, junk, one_in: int = 8):
-    """``valid``, but one draw in ``one_in`` from ``junk`` (one junk field refuses the whole body)."""
+    """``valid``, but one draw in ``one_in`` from ``junk`` (one junk field refuses the whole
+    body)."""
     return st.integers(0, one_in - 1).flatmap(
         lambda n: junk if n == 1 else valid
     )  # the ends: drawn often
@@ -613,7 +617,8 @@ REAL_WIDTH = 8
 
 @pytest.fixture(scope="module")
 def real_prefill():
-    """(app, receiver, table, handshake server, loopback transport, a port where nothing listens)."""
+    """(app, receiver, table, handshake server, loopback transport, a port where nothing
+    listens)."""
     import socket
 
     from data_plane.loopback import LoopbackTransport
@@ -795,7 +800,8 @@ def test_prefill_app_with_the_real_receiver(real_prefill, case):
     kinds = {index: (room, room_kind) for index, room, room_kind in placed}
     for index, item in enumerate(report["items"]):
         event(
-            f"item {item['state']}: {re.sub(r'[0-9]+', 'N', (item['reason'] or '').split(':')[0])[:40]}"
+            f"item {item['state']}: "
+            f"{re.sub(r'[0-9]+', 'N', (item['reason'] or '').split(':')[0])[:40]}"
         )
         if (
             item["state"] == "DONE"
@@ -901,8 +907,8 @@ _commits = st.fixed_dictionaries(
     st.booleans(),
 )
 def test_commit_acceptance(fields, rows, width, release_first, flip):
-    """A commit is accepted only for the live lease's generation, the reserved layout and (when sent)
-    the slot's checksum; the view it returns is exactly the reservation. Anything else is a
+    """A commit is accepted only for the live lease's generation, the reserved layout and (when
+    sent) the slot's checksum; the view it returns is exactly the reservation. Anything else is a
     ContractError (or, for malformed fields, a ValidationError), never another exception."""
     layout = EmbeddingLayout(rows, width, "float32")
     lease = _POOL.lease(layout.nbytes)

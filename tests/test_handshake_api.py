@@ -433,11 +433,13 @@ class _CannedPeer:
     "answer, why",
     [
         (
-            b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1923\r\n\r\n{"res',
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            b'1923\r\n\r\n{"res',
             "ClientPayloadError",
         ),
         (
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 13\r\n\r\n<html></html>",
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: "
+            b"13\r\n\r\n<html></html>",
             "malformed answer",
         ),
     ],

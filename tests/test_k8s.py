@@ -410,7 +410,8 @@ def test_gateway_reaches_vllm_and_the_encoders_and_all_three_serve_one_checkpoin
         ]
         assert reached and len(reached) == len(local if colocated else engines), gateway.vllm_url
         assert bool(local) == colocated and ("127.0.0.1" in gateway.vllm_url) == colocated
-        # the encode workers: its own pod's only (SHM reaches no other pod), else the headless Service
+        # the encode workers: its own pod's only (SHM reaches no other pod), else the headless
+        # Service
         if colocated:
             assert (gateway.workers, gateway.dns) == ((WorkerAddress("127.0.0.1"),), None)
             (worker,) = [
@@ -432,8 +433,8 @@ def test_images_are_pinned_and_every_container_is_bounded_and_unprivileged(rende
     for name, template in pod_specs(rendered[variant]):
         spec = template["spec"]
         assert spec["automountServiceAccountToken"] is False
-        # Service links inject EPD_PREFILL_PORT=tcp://... and EPD_HANDSHAKE_PORT=tcp://..., which the
-        # programs read as their own --port defaults.
+        # Service links inject EPD_PREFILL_PORT=tcp://... and EPD_HANDSHAKE_PORT=tcp://..., which
+        # the programs read as their own --port defaults.
         assert spec["enableServiceLinks"] is False, name
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for container in containers(template):
@@ -569,7 +570,7 @@ def test_dispatcher_discovers_ready_encoders_through_a_headless_service(rendered
     )
 
 
-# ---- NetworkPolicies ---------------------------------------------------------------------------------
+# ---- NetworkPolicies -----------------------------------------------------------------------------
 
 SOURCES = {  # who may knock: (namespace labels, pod labels)
     "dispatcher": (
@@ -699,7 +700,7 @@ def test_mooncake_ports_are_pinned_to_the_range_the_policies_open(rendered, vari
     )
 
 
-# ---- storage, secrets, shutdown ------------------------------------------------------------------------
+# ---- storage, secrets, shutdown ------------------------------------------------------------------
 
 
 def mounts(template, container):
@@ -806,7 +807,7 @@ def test_graceful_termination_outlasts_in_flight_writes(rendered, variant):
             )
 
 
-# ---- components ------------------------------------------------------------------------------------------
+# ---- components ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.endswith("+components")])
@@ -866,7 +867,7 @@ def test_workload_selectors_match_their_own_pods(rendered, variant):
     assert len(encode["spec"]["template"]["spec"]["topologySpreadConstraints"]) == 2
 
 
-# ---- the image ---------------------------------------------------------------------------------------------
+# ---- the image -----------------------------------------------------------------------------------
 
 
 def _commands_by_image(rendered) -> dict[str, set[str]]:
@@ -932,7 +933,7 @@ def test_vllm_dockerfile_adds_the_project_to_vllms_own_image(rendered):
     )
 
 
-# ---- the flag the manifests needed -------------------------------------------------------------------------
+# ---- the flag the manifests needed ---------------------------------------------------------------
 
 
 def test_prefill_offers_mooncake_at_its_mooncake_host(tmp_path):

@@ -135,7 +135,7 @@ def tower(tmp_path_factory):
     return VisionTower.load(build_full("qwen2_5_vl", str(tmp_path_factory.mktemp("q25"))))
 
 
-def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_request_gets_its_own_rows(
+def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_request_gets_its_own_rows(  # noqa: E501
     tower, gate, no_new_segments
 ):
     """A real encode worker writes over loopback into a real ``PrefillReceiver`` whose pool is one
@@ -227,7 +227,8 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
             assert during.wait(10) is JobState.FAILED and "cannot reserve" in during.reasons[0], (
                 during.reasons
             )
-            # its worker is told to stop (the cancel follows the item's failure: not at the same instant)
+            # its worker is told to stop (the cancel follows the item's failure: not at the same
+            # instant)
             eventually(
                 lambda: worker.table.view(during_room).state is RoomState.CANCELLED,
                 "the room cancelled",

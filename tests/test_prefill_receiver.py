@@ -651,8 +651,9 @@ def test_a_request_of_more_rooms_than_one_call_holds_is_split_not_crashed(tower,
     ],
 )
 def test_a_receiver_config_that_would_fail_every_item_is_refused_at_once(field, value, why):
-    """An item_timeout_s over a registration's deadline bound (3600 s) or a poll_s over a long-poll's
-    (30 s) was accepted, and every item then failed at its first registration or watch."""
+    """An item_timeout_s over a registration's deadline bound (3600 s) or a poll_s over a
+    long-poll's (30 s) was accepted, and every item then failed at its first registration or
+    watch."""
     with pytest.raises(
         ValueError, match=why.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
     ):

@@ -1,5 +1,6 @@
-"""epd-prefill (prefill_side.server) on a real uvicorn server on loopback, over a real encode worker:
-hostile and careless requests get a clear answer, and every slot they reserved comes back."""
+"""epd-prefill (prefill_side.server) on a real uvicorn server on loopback, over a real encode
+worker: hostile and careless requests get a clear answer, and every slot they reserved comes
+back."""
 
 import base64
 import glob

@@ -64,7 +64,8 @@ def test_acts_in_every_interpreter():
 import importlib.util, json, sys
 import torch_cpu_companions as companions
 print(json.dumps({"acted": companions._acted, "plan": companions.plan(),
-                  "absent": [n for n in ("torchaudio", "torchcodec") if importlib.util.find_spec(n) is None]}))
+                  "absent": [n for n in ("torchaudio", "torchcodec")
+                             if importlib.util.find_spec(n) is None]}))
 from transformers import AutoProcessor  # noqa: F401
 from transformers.models.qwen2_vl import processing_qwen2_vl  # noqa: F401
 if importlib.util.find_spec("torchvision") is not None:

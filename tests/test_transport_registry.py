@@ -54,7 +54,10 @@ def test_cli_transports_flag_reads_the_registry():
 
 
 def test_registry_and_handshake_models_load_without_torch():
-    code = "import sys, data_plane.offers, handshake.models, process_settings, encode_worker.config; print('torch' in sys.modules)"
+    code = (
+        "import sys, data_plane.offers, handshake.models, process_settings, "
+        "encode_worker.config; print('torch' in sys.modules)"
+    )
     assert (
         subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -19,14 +19,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "install":
         print(
-            f"wrote {companions.install(args.site_dir)}; acts on: {', '.join(companions.plan()) or 'nothing here'}"
+            f"wrote {companions.install(args.site_dir)}; acts on: "
+            f"{', '.join(companions.plan()) or 'nothing here'}"
         )
     elif args.command == "uninstall":
         path = companions.uninstall(args.site_dir)
         print(f"removed {path}" if path else "no .pth file was installed")
     else:
         print(
-            f"acts on: {', '.join(companions.plan()) or 'nothing (torch is a GPU build, or no CUDA-built companion)'}"
+            "acts on: "
+            + (
+                ", ".join(companions.plan())
+                or "nothing (torch is a GPU build, or no CUDA-built companion)"
+            )
         )
     return 0
 
