@@ -52,12 +52,16 @@ class ReadyItem:
 
 @dataclass(frozen=True)
 class PreparedBatch:
-    """One batch taken from the queue, decoded: ``batch`` is every job taken (including those
-    whose rooms Prepare already failed), ``misses`` go to the tower, ``ready`` are cache hits."""
+    """One batch taken from the queue, decoded: ``misses`` go to the tower, ``ready`` are cache
+    hits. A job whose room Prepare failed (a bad item) is in neither: it is over."""
 
-    batch: list[EncodeJob]
     misses: list[Miss]
     ready: list[ReadyItem]
+
+    @property
+    def jobs(self) -> list[EncodeJob]:
+        """The jobs still to deliver (at shutdown: the rooms to fail)."""
+        return [miss.job for miss in self.misses] + [item.job for item in self.ready]
 
 
 @dataclass(frozen=True)

@@ -259,8 +259,11 @@ class Prepare:
     def loop(self) -> None:
         while not self._stopping.is_set():
             batch = self.queue.take_batch(TAKE_BATCH_S)
-            if batch and not self.out.put(self.run(batch)):
-                self.failer.fail_all(batch, SHUTTING_DOWN)
+            if not batch:
+                continue
+            prepared = self.run(batch)
+            if not self.out.put(prepared):
+                self.failer.fail_all(prepared.jobs, SHUTTING_DOWN)
 
     def run(self, batch: list[EncodeJob]) -> PreparedBatch:
         misses, ready = [], []
@@ -278,7 +281,7 @@ class Prepare:
                     )
             except BadItem as exc:
                 self.failer.fail(job.handshake, str(exc), job.modality)
-        return PreparedBatch(batch, misses, ready)
+        return PreparedBatch(misses, ready)
 
     def _image(self, job: EncodeJob) -> Image.Image:
         if job.source == "bytes":

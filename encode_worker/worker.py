@@ -304,7 +304,7 @@ class EncodeWorker:
         for thread in self._threads:
             thread.join(grace_s)
         for prepared in self._prepared.drain():
-            self.failer.fail_all(prepared.batch, SHUTTING_DOWN)
+            self.failer.fail_all(prepared.jobs, SHUTTING_DOWN)
         for encoded in self._encoded.drain():
             self.failer.fail_all(encoded.jobs, SHUTTING_DOWN)
         if not self._threads:  # the intake loop closes its socket otherwise
