@@ -7,19 +7,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from data_plane.shm import ShmTensorHandle
-from multimodal import (
+from multimodal.hashing import hash_feature
+from multimodal.items import (
     MM_PAD_BASE,
     MM_PAD_HASH_MASK,
     Modality,
     MultimodalDataItem,
     MultimodalInputs,
-    RowContractError,
-    hash_feature,
     is_mm_pad_value,
-    item_rows,
     maybe_substitute_mm_pad,
-    split_rows,
 )
+from multimodal.rows import RowContractError, item_rows, split_rows
 from multimodal.wire import EncodeHandshake
 
 

@@ -53,10 +53,11 @@ def test_cli_transports_flag_reads_the_registry():
         names.validate_python("carrier-pigeon")
 
 
-def test_registry_and_handshake_models_load_without_torch():
+def test_registry_handshake_and_settings_load_without_torch():
+    """The standalone handshake server and the room clients stay light: no torch in them."""
     code = (
-        "import sys, data_plane.offers, handshake.models, process_settings, "
-        "encode_worker.config; print('torch' in sys.modules)"
+        "import sys, data_plane.offers, handshake.models, handshake.server, handshake.client, "
+        "multimodal.wire, process_settings, encode_worker.config; print('torch' in sys.modules)"
     )
     assert (
         subprocess.run(
