@@ -66,3 +66,51 @@ class EmbeddingCache:
                 self.evictions += 1
             self._entries[key] = entry
             self._bytes += entry.nbytes
+
+
+class InFlightEncodes:
+    """Identical items in flight, encoded once. The first miss of a key leads: it goes to the
+    tower, and ``settle`` (rows cached) or ``abandon`` (the encode failed) ends it. A job of the
+    same key that arrives meanwhile waits for the leader's rows instead of encoding them again;
+    each waiter still has its own room, delivery and failure. One lock makes "cached, in flight,
+    or lead" one step against the leader's "cache, then hand the waiters over", so no job of a
+    key that is being settled becomes a second leader. Waiters are jobs already admitted by
+    intake: bounded by the worker's queue."""
+
+    def __init__(self, cache: EmbeddingCache):
+        self.cache = cache
+        self._waiters: dict[CacheKey, list] = {}  # key in flight -> jobs waiting for its rows
+        self._lock = threading.Lock()
+        self.coalesced = 0  # jobs that waited for an identical encode in flight
+
+    def claim(self, key: CacheKey, job) -> tuple[Encoded | None, bool]:
+        """``(rows, False)`` from the cache; ``(None, True)``: ``job`` leads (encode it, then
+        ``settle`` or ``abandon``); ``(None, False)``: it waits for the leader's rows."""
+        with self._lock:
+            cached = self.cache.get(key)
+            if cached is not None:
+                return cached, False
+            waiters = self._waiters.get(key)
+            if waiters is None:
+                self._waiters[key] = []
+                return None, True
+            waiters.append(job)
+            self.coalesced += 1
+            return None, False
+
+    def settle(self, key: CacheKey, encoded: Encoded) -> list:
+        """The leader's rows: cached, and the jobs that waited for them handed over."""
+        with self._lock:
+            self.cache.put(key, encoded)
+            return self._waiters.pop(key, [])
+
+    def abandon(self, key: CacheKey) -> list:
+        """The leader's encode failed (or never ran): the jobs that waited for it, to fail."""
+        with self._lock:
+            return self._waiters.pop(key, [])
+
+    def drain(self) -> list:
+        """Every waiting job (at shutdown, once the stages have stopped)."""
+        with self._lock:
+            waiters, self._waiters = self._waiters, {}
+        return [job for jobs in waiters.values() for job in jobs]

@@ -8,7 +8,8 @@ hands the job on, so no field is guarded by a lock. Who writes what:
 
 * ``EncodeJob``: every field is set by Intake and only read afterwards, except
   ``timings``: Prepare writes ``queue_s`` and ``cache_hit`` for a cache hit, TowerStage writes
-  ``queue_s`` and ``encode_s`` for a miss; StageAndSend reads it and hands a copy to the sender.
+  ``queue_s`` and ``encode_s`` for a miss and ``queue_s`` for a job that waited for an identical
+  miss; StageAndSend reads it and hands a copy to the sender.
   ``payload`` is read by Prepare only (decoded there).
 * ``Miss.inputs`` (the image processor's output) is made by Prepare and read by TowerStage.
 * ``Encoded`` (rows and grid) is made by TowerStage, or comes from the cache; it is never mutated,

@@ -4,9 +4,11 @@
 * ``Intake``: the ZMQ ROUTER loop; validates each message into an ``EncodeJob`` from what it can
   see without decoding, queues it, and answers at once with an ``IntakeReply``.
 * ``Prepare``: takes a batch from the ``BatchQueue``; decodes and preprocesses each image; cache
-  hits skip the tower.
-* ``TowerStage``: one tower call per batch, rows split per item, cached; a batch that fails is
-  retried item by item, so a bad item fails only its room.
+  hits skip the tower, and so does an item identical to one in flight (``InFlightEncodes``: it
+  waits for that item's rows).
+* ``TowerStage``: one tower call per batch, rows split per item, cached and handed to the items
+  that waited for them; a batch that fails is retried item by item, so a bad item fails only its
+  room (and those of the items waiting for it).
 * ``StageAndSend``: copies each item's rows into the send ring and hands it to the ``Sender``.
 
 Decoding the next batch and staging the last one overlap the tower. A full send ring blocks
@@ -29,7 +31,7 @@ from PIL import Image
 from data_plane.commit import EmbeddingLayout, checksum
 from data_plane.pool import NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmTensorHandle
-from encode_worker.cache import CacheKey, EmbeddingCache, Encoded
+from encode_worker.cache import CacheKey, Encoded, InFlightEncodes
 from encode_worker.inputs import (
     ALLOWED_FORMATS,
     MAX_SIDE,
@@ -241,7 +243,7 @@ class Prepare:
         queue: BatchQueue,
         tower: VisionTower,
         preprocess_id: str,
-        cache: EmbeddingCache,
+        encodes: InFlightEncodes,
         max_image_pixels: int,
         failer: RoomFailer,
         out: Handoff[PreparedBatch],
@@ -250,7 +252,7 @@ class Prepare:
         self.queue = queue
         self.tower = tower
         self.preprocess_id = preprocess_id
-        self.cache = cache
+        self.encodes = encodes
         self.max_image_pixels = max_image_pixels
         self.failer = failer
         self.out = out
@@ -271,17 +273,25 @@ class Prepare:
             try:
                 image = self._image(job)
                 key = CacheKey(job.content_hash, self.tower.model_id, self.preprocess_id)
-                cached = self.cache.get(key)
+                cached, leads = self.encodes.claim(key, job)
                 if cached is not None:
                     job.timings.update(queue_s=time.monotonic() - job.received_at, cache_hit=True)
                     ready.append(ReadyItem(job, cached))
-                else:
-                    misses.append(
-                        Miss(job, key, self.tower.processor(images=[image], return_tensors="pt"))
-                    )
+                elif leads:
+                    try:
+                        inputs = self.tower.processor(images=[image], return_tensors="pt")
+                    except BaseException:
+                        self._abandon(key, "encode worker error while preprocessing")
+                        raise
+                    misses.append(Miss(job, key, inputs))
+                # else: it waits for the identical item in flight (TowerStage hands it over)
             except BadItem as exc:
                 self.failer.fail(job.handshake, str(exc), job.modality)
         return PreparedBatch(misses, ready)
+
+    def _abandon(self, key: CacheKey, reason: str) -> None:
+        for waiter in self.encodes.abandon(key):
+            self.failer.fail(waiter.handshake, reason, waiter.modality)
 
     def _image(self, job: EncodeJob) -> Image.Image:
         if job.source == "bytes":
@@ -300,7 +310,7 @@ class TowerStage:
     def __init__(
         self,
         tower: VisionTower,
-        cache: EmbeddingCache,
+        encodes: InFlightEncodes,
         metrics: WorkerMetrics,
         health: Health,
         failer: RoomFailer,
@@ -309,7 +319,7 @@ class TowerStage:
         stopping: threading.Event,
     ):
         self.tower = tower
-        self.cache = cache
+        self.encodes = encodes
         self.metrics = metrics
         self.health = health
         self.failer = failer
@@ -333,22 +343,31 @@ class TowerStage:
             return EncodedBatch(prepared.ready + self.encode(prepared.misses))
         except Exception:
             log.exception("batch crashed")
-            self.failer.fail_all(
-                [miss.job for miss in prepared.misses], "encode worker error while encoding"
-            )
+            reason = "encode worker error while encoding"
+            for miss in prepared.misses:
+                self.failer.fail_all([miss.job, *self.encodes.abandon(miss.key)], reason)
             return EncodedBatch(prepared.ready)
         finally:
             self.health.busy = False
 
     def encode(self, misses: list[Miss]) -> list[ReadyItem]:
-        """Run the tower once over all misses; cache and return each encoded item's rows."""
+        """Run the tower once over all misses; cache and return each encoded item's rows, and
+        the same rows for every job that waited for that item (their rooms fail with it)."""
         ready = []
         if misses:
             for miss, rows in zip(misses, self._encode_misses(misses)):
-                if rows is not None:
-                    encoded = Encoded(rows, tuple(miss.inputs["image_grid_thw"][0].tolist()))
-                    self.cache.put(miss.key, encoded)
-                    ready.append(ReadyItem(miss.job, encoded))
+                if rows is None:
+                    self.failer.fail_all(
+                        self.encodes.abandon(miss.key),
+                        "vision tower failed on an identical item encoded for this one",
+                    )
+                    continue
+                encoded = Encoded(rows, tuple(miss.inputs["image_grid_thw"][0].tolist()))
+                ready.append(ReadyItem(miss.job, encoded))
+                for waiter in self.encodes.settle(miss.key, encoded):
+                    # its queue: from intake until the rows it waited for were there
+                    waiter.timings.update(queue_s=time.monotonic() - waiter.received_at)
+                    ready.append(ReadyItem(waiter, encoded))
         return ready
 
     def _encode_misses(self, misses: list[Miss]) -> list[torch.Tensor | None]:

@@ -25,7 +25,7 @@ from data_plane.mooncake import MooncakeConfig
 from data_plane.offers import transport_spec
 from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.transport import build_transports
-from encode_worker.cache import EmbeddingCache
+from encode_worker.cache import EmbeddingCache, InFlightEncodes
 from encode_worker.config import WorkerConfig
 from encode_worker.health import Health
 from encode_worker.intake import IntakeStatus
@@ -92,6 +92,11 @@ class WorkerMetrics:
             Gauge(
                 f"epd_encoder_cache_{name}", f"Embedding cache {name}", registry=registry
             ).set_function(lambda name=name: getattr(worker.cache, name))
+        Gauge(
+            "epd_encoder_coalesced_items",
+            "Items that waited for an identical item's encode in flight (cache hits apart)",
+            registry=registry,
+        ).set_function(lambda: worker.encodes.coalesced)
 
     def count(self, modality: str, status: IntakeStatus | RoomState) -> None:
         """One item's intake answer or room end in ``epd_encoder_requests``: the status label is the
@@ -113,6 +118,7 @@ class EncodeWorker:
         )
         self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
         self.cache = EmbeddingCache(config.cache_bytes)
+        self.encodes = InFlightEncodes(self.cache)
         self.queue = BatchQueue(
             config.queue_items,
             config.batch_patches,
@@ -216,7 +222,7 @@ class EncodeWorker:
             self.queue,
             self.tower,
             self.preprocess_id,
-            self.cache,
+            self.encodes,
             config.max_image_pixels,
             self.failer,
             self._prepared,
@@ -224,7 +230,7 @@ class EncodeWorker:
         )
         self.tower_stage = TowerStage(
             self.tower,
-            self.cache,
+            self.encodes,
             self.metrics,
             self.health,
             self.failer,
@@ -307,6 +313,7 @@ class EncodeWorker:
             self.failer.fail_all(prepared.jobs, SHUTTING_DOWN)
         for encoded in self._encoded.drain():
             self.failer.fail_all(encoded.jobs, SHUTTING_DOWN)
+        self.failer.fail_all(self.encodes.drain(), SHUTTING_DOWN)
         if not self._threads:  # the intake loop closes its socket otherwise
             self.intake.close()
         self.sender.close(wait=True)

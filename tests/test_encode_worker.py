@@ -525,3 +525,95 @@ def test_a_room_sent_to_two_workers_is_written_by_one_and_the_other_leaves_it_al
         for worker in workers:
             worker.stop()
         receiver.close()
+
+
+def _counting_tower_calls(monkeypatch, tower, fail=False):
+    """Images the tower encodes, per call; ``fail``: every call raises, as a tower that cannot."""
+    calls = []
+    encode = tower.encode
+
+    def counted(pixel_values, grid_thw):
+        calls.append(grid_thw.shape[0])
+        if fail:
+            raise RuntimeError("tower out of order")
+        return encode(pixel_values, grid_thw)
+
+    monkeypatch.setattr(tower, "encode", counted)
+    return calls
+
+
+def test_identical_items_in_flight_are_encoded_once_and_each_room_gets_the_rows(
+    qwen25, monkeypatch
+):
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower, cache_bytes=0)  # coalescing alone
+    try:
+        same, other = png(200, 160, 11), png(120, 96, 12)
+        images = [same, same, other, same, same]
+        rooms = worker.table.mint(len(images), 60)
+        for room, image in zip(rooms, images):
+            receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
+        jobs = [
+            worker.intake.job(_parse(request(worker, room, f"r{room}")), image)
+            for room, image in zip(rooms, images)
+        ]
+        calls = _counting_tower_calls(monkeypatch, tower)
+        first = worker.prepare.run(jobs[:3])  # same, same (waits), other
+        second = worker.prepare.run(jobs[3:])  # both wait for the first batch's encode
+        assert len(first.misses) == 2 and not second.misses and not second.ready
+        for item in worker.tower_stage.run(first).ready:
+            worker.stage_and_send.send(item)
+        assert calls == [2] and worker.encodes.coalesced == 3
+        got = {}
+        for room, image in zip(rooms, images):
+            state, rows, view = receiver.wait(room)
+            assert state is RoomState.SUCCESS, view.reason
+            got.setdefault(image, []).append(rows)
+        for image, delivered in got.items():
+            inputs = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
+            alone = tower.encode_items(inputs["pixel_values"], inputs["image_grid_thw"])[0]
+            assert all(torch.equal(rows, alone) for rows in delivered)
+        # settled: the next identical item is encoded again (the cache is off), not left waiting
+        (room,) = worker.table.mint(1, 60)
+        again = worker.prepare.run(
+            [worker.intake.job(_parse(request(worker, room, "again")), same)]
+        )
+        assert len(again.misses) == 1
+    finally:
+        worker.stop()
+        receiver.close()
+
+
+def test_a_shared_encode_that_fails_fails_every_waiting_room_at_once(qwen25, monkeypatch):
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower)
+    try:
+        image = png(200, 160, 13)
+        rooms = worker.table.mint(3, 60)
+        for room in rooms:
+            receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
+        jobs = [
+            worker.intake.job(_parse(request(worker, room, f"r{room}")), image) for room in rooms
+        ]
+        calls = _counting_tower_calls(monkeypatch, tower, fail=True)
+        prepared = worker.prepare.run(jobs)
+        assert len(prepared.misses) == 1
+        assert worker.tower_stage.run(prepared).ready == []
+        assert calls == [1]
+        reasons = []
+        for room in rooms:
+            state, _, view = receiver.wait(room)
+            assert state is RoomState.FAILED
+            reasons.append(view.reason)
+        assert "vision tower failed on this item" in reasons[0]
+        assert all("identical item" in reason for reason in reasons[1:]), reasons
+        # the key is free again: a later identical item leads its own encode
+        monkeypatch.undo()
+        (room,) = worker.table.mint(1, 60)
+        again = worker.prepare.run(
+            [worker.intake.job(_parse(request(worker, room, "again")), image)]
+        )
+        assert len(again.misses) == 1
+    finally:
+        worker.stop()
+        receiver.close()
