@@ -129,6 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway.add_argument("--max-tokens", type=int, default=4)
     gateway.add_argument("--json", default=None)
+    coalesce = sub.add_parser(
+        "coalesce",
+        help="Zipf-distributed images into two encode workers: tower items per distinct image",
+    )
+    coalesce.add_argument("--items", type=int, default=10_000, help="one-image requests")
+    coalesce.add_argument(
+        "--catalogue", type=int, default=2_000, help="distinct images to draw from"
+    )
+    coalesce.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent")
+    coalesce.add_argument("--concurrency", type=int, default=64, help="concurrent clients")
+    coalesce.add_argument("--size", type=int, default=112, help="square image side in pixels")
+    coalesce.add_argument("--seed", type=int, default=0)
+    coalesce.add_argument("--json", default=None)
     return parser
 
 
@@ -164,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import gateway
 
         return gateway.main(args)
+    if args.command == "coalesce":
+        from bench import coalesce
+
+        return coalesce.main(args)
     if args.command == "handshake":
         from bench import handshake
 
