@@ -386,7 +386,7 @@ class Conn:
             encode_handshake=item.encode_handshake,
             source="bytes",
         )
-        return await self.intake(worker).send(request, item.image)
+        return await self.intake(worker).send(request, item.data)
 
     def post(
         self, prefill: Role, request_id: str, items, timeout_s: float = 60.0, body_edit=None
@@ -452,7 +452,7 @@ class Conn:
         for index, item in enumerate(items):
             row = posted.row(index)
             if row["state"] == "DONE":
-                if row["checksum"] == self.lab.reference(item.image):
+                if row["checksum"] == self.lab.reference(item.data):
                     outcome.delivered += 1
                 else:
                     outcome.corrupted += 1
@@ -868,7 +868,7 @@ async def duplicate_room_in_one_request(
     request_id = _request_id("twins", rng)
     a, prefill = lab.roles["a"], lab.roles["prefill"]
     (first,) = lab.describe(small_images(rng, 1))
-    (second,) = lab.describe([first.image])
+    (second,) = lab.describe([first.data])
     first.index, second.index = 0, 1
     await conn.mint([first], a.url)
     second.encode_handshake = first.encode_handshake
@@ -1236,7 +1236,7 @@ async def serves(
     result = await posted
     ok = all(
         row["state"] == "DONE"
-        and row["checksum"] == lab.reference(item.image)
+        and row["checksum"] == lab.reference(item.data)
         and (transport is None or row["transport"] == transport)
         for row, item in zip(result.report["items"], items)
     )

@@ -133,7 +133,7 @@ class Soak:
                     self.failures.append(
                         f"{request_id}[{row['index']}]: {row['reason'] or item.error}"
                     )
-                elif row["checksum"] == lab.reference(item.image):
+                elif row["checksum"] == lab.reference(item.data):
                     self.normal["delivered"] += 1
                 else:
                     self.normal["corrupted"] += 1

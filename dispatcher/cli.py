@@ -1,14 +1,14 @@
-"""`epd-dispatch`: send a request's images to encode workers and print the prefill request (or,
-with ``--prefill``, what a reference prefill process received).
+"""`epd-dispatch`: send a request's images and videos to encode workers and print the prefill
+request (or, with ``--prefill``, what a reference prefill process received).
 
-    epd-dispatch --model DIR --workers 10.0.0.5:8998:8999 a.png b.jpg
+    epd-dispatch --model DIR --workers 10.0.0.5:8998:8999 a.png b.jpg clip.mp4
     epd-dispatch --model DIR --dns epd-encode-workers.default.svc.cluster.local \\
         --prefill http://prefill:9100 a.png
 
-``--model`` is read for its image processor config only (rows per image). Every flag also reads
-``EPD_DISPATCH_<FLAG>`` from the environment. Exit status: 0 when every item was placed (and,
-with ``--prefill``, the prefill process received every one); 1 otherwise, or for a mistake in
-the command line, which is one line on stderr.
+``--model`` is read for its image and video processor configs only (rows per item). Every flag
+also reads ``EPD_DISPATCH_<FLAG>`` from the environment. Exit status: 0 when every item was placed
+(and, with ``--prefill``, the prefill process received every one); 1 otherwise, or for a mistake
+in the command line, which is one line on stderr.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import sys
 from typing import ClassVar
 
@@ -24,6 +25,8 @@ from pydantic_settings import CliPositionalArg, SettingsConfigDict
 
 from dispatcher.settings import EncodeWorkerTargets, HttpUrl
 from process_settings import SettingError, refuse
+
+VIDEO_SUFFIXES = {".mp4", ".mov", ".m4v"}
 
 
 class DispatchSettings(EncodeWorkerTargets):
@@ -34,7 +37,7 @@ class DispatchSettings(EncodeWorkerTargets):
     PROG: ClassVar[str] = "epd-dispatch"
 
     images: CliPositionalArg[list[str]] = Field(
-        min_length=1, description="image files (PNG, JPEG, WebP, BMP)"
+        min_length=1, description="image files (PNG, JPEG, WebP, BMP) and videos (MP4, MOV)"
     )
     served_model: str | None = Field(
         None, description="model name to put in intake messages (workers refuse other models)"
@@ -54,28 +57,36 @@ def prefill_body(request_id: str, items, verify: bool) -> dict:
     for item in items:
         body.append(
             {
+                "modality": item.modality.name,
                 "offsets": [[start, start + item.rows - 1]],
                 "grid_thw": list(item.grid_thw),
                 "encode_handshake": item.encode_handshake.model_dump()
                 if item.encode_handshake
                 else None,
-                "image_b64": base64.b64encode(item.image).decode() if verify else None,
+                "image_b64": base64.b64encode(item.data).decode()
+                if verify and item.modality.name == "IMAGE"
+                else None,
             }
         )
         start += item.rows
     return {"request_id": request_id, "items": body, "verify": verify}
 
 
-def _read_images(settings: DispatchSettings) -> list[bytes]:
-    """Every image file the command line names, read."""
-    images = []
+def _read_media(settings: DispatchSettings) -> list:
+    """Every file the command line names, read: a video by its suffix (.mp4, .mov, .m4v)."""
+    from dispatcher.dispatch import Media
+    from multimodal.items import Modality
+
+    media = []
     for path in settings.images:
         try:
             with open(path, "rb") as f:
-                images.append(f.read())
+                data = f.read()
         except OSError as exc:
             raise SettingError(f"{path}: {exc.strerror}") from None
-    return images
+        video = os.path.splitext(path)[1].lower() in VIDEO_SUFFIXES
+        media.append(Media(data, Modality.VIDEO if video else Modality.IMAGE))
+    return media
 
 
 async def run(args: DispatchSettings) -> int:
@@ -84,11 +95,12 @@ async def run(args: DispatchSettings) -> int:
     from dispatcher.dispatch import Dispatcher, DispatchError
     from dispatcher.workers import WorkerSet
 
-    images = _read_images(args)
+    images = _read_media(args)
     workers = WorkerSet(list(args.workers), args.dns, args.bootstrap_port, args.intake_port)
     dispatcher = Dispatcher(
         workers,
         args.image_processor(),
+        args.video_processor(),
         rooms_url=args.rooms_url,
         served_model=args.served_model,
         handshake_token=args.handshake_token,

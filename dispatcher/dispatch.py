@@ -1,12 +1,14 @@
-"""Dispatching one request's images: hash, size, route, mint rooms, send, and hand back items.
+"""Dispatching one request's images and videos: hash, size, route, mint rooms, send, and hand
+back items.
 
-Per request: every image's content hash (xxh3-128 of its bytes, as the encode worker would
-compute it) and rows (from its size and the checkpoint's image processor config, read from the
-file header without decoding); one room per item, minted in one call per endpoint; each item's
-bytes to its worker's intake, all in flight at once. An item whose worker refuses it, times out
-or cannot be reached has its room cancelled at once and is placed on the next worker in the
-ring; when no worker takes it, its cancelled room is what the prefill side gets, so it fails
-fast (or falls back) with the reason instead of waiting.
+Per request: every item's content hash (xxh3-128 of its bytes, as the encode worker would
+compute it) and rows (an image's from its size and the checkpoint's image processor config, read
+from the file header; a video's from its container header's frame count, rate and size and the
+checkpoint's video processor config: nothing is decoded); one room per item, minted in one call
+per endpoint; each item's bytes to its worker's intake, all in flight at once. An item whose
+worker refuses it, times out or cannot be reached has its room cancelled at once and is placed on
+the next worker in the ring; when no worker takes it, its cancelled room is what the prefill side
+gets, so it fails fast (or falls back) with the reason instead of waiting.
 """
 
 from __future__ import annotations
@@ -27,26 +29,35 @@ from encode_worker.inputs import ALLOWED_FORMATS
 from encode_worker.intake import AsyncIntakeClient, IntakeRefused, IntakeRequest, IntakeStatus
 from handshake.client import HandshakeClient, HandshakeError
 from multimodal.hashing import hash_feature
-from multimodal.items import Modality, MultimodalDataItem
-from multimodal.rows import image_grid
+from multimodal.items import GRID_KEYS, Modality, MultimodalDataItem
+from multimodal.rows import grid_rows, image_grid
+from multimodal.video import BadVideo, read_header, sampled_indices, video_grid
 from multimodal.wire import EncodeHandshake, Endpoint
 
 log = logging.getLogger(__name__)
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
-MAX_IMAGES = 64
-MAX_IMAGE_BYTES = 64 << 20
+MAX_IMAGES = 64  # items (images and videos) per request
+MAX_IMAGE_BYTES = 64 << 20  # per item, a video's too
 
 
 class DispatchError(ValueError):
     """The request cannot be dispatched at all (bad input); nothing was minted or sent."""
 
 
+@dataclass(frozen=True)
+class Media:
+    """One item of a request as the client sent it: an image file, or a video file (MP4/MOV)."""
+
+    data: bytes
+    modality: Modality = Modality.IMAGE
+
+
 @dataclass
 class DispatchedItem:
     index: int
-    image: bytes
+    data: bytes  # the image or video file
     content_hash: int
-    width: int  # pixels
+    width: int  # pixels (a video's frames')
     height: int
     grid_thw: tuple[int, int, int]
     rows: int
@@ -55,16 +66,20 @@ class DispatchedItem:
     error: str | None = None  # why no worker took it (its room, if any, is cancelled)
     attempts: list[str] = field(default_factory=list)  # workers tried, in order
     dispatch_s: float = 0.0  # from the start of dispatch to the worker's acknowledgement
-    image_format: str = ""  # PIL's name for it (PNG, JPEG, ...)
+    image_format: str = ""  # PIL's name for an image (PNG, JPEG, ...); "MP4/MOV" for a video
+    modality: Modality = Modality.IMAGE
+    # a video's seconds per temporal patch (temporal patch size / the sampled frames' rate), as
+    # transformers' Qwen2.5-VL processor computes it (its positions, second_per_grid_ts)
+    seconds_per_grid_t: float | None = None
 
     def to_mm_item(self, start: int) -> MultimodalDataItem:
         """The item as a prefill engine holds it: placeholders at ``[start, start + rows)``,
         the content hash, the expected patch grid, and the room."""
         return MultimodalDataItem(
-            Modality.IMAGE,
+            self.modality,
             hash=self.content_hash,
             offsets=[[start, start + self.rows - 1]],
-            model_specific_data={"image_grid_thw": torch.tensor([list(self.grid_thw)])},
+            model_specific_data={GRID_KEYS[self.modality]: torch.tensor([list(self.grid_thw)])},
             encode_handshake=self.encode_handshake.model_dump() if self.encode_handshake else None,
         )
 
@@ -74,6 +89,7 @@ class Dispatcher:
         self,
         workers: WorkerSet,
         processor,
+        video_processor=None,
         rooms_url: str | None = None,
         served_model: str | None = None,
         handshake_token: str | None = None,
@@ -84,6 +100,7 @@ class Dispatcher:
     ):
         self.workers = workers
         self.processor = processor
+        self.video_processor = video_processor  # None: videos are refused
         self.rooms_url = rooms_url  # a standalone room authority; None: rooms at each item's worker
         self.served_model = served_model
         self.handshake_token = handshake_token
@@ -104,61 +121,89 @@ class Dispatcher:
 
     # ---- the request -----------------------------------------------------------------------
 
-    def describe(self, images: list[bytes], names: list[str] | None = None) -> list[DispatchedItem]:
-        """Hash and size every image (no decode); raises ``DispatchError`` for a bad one, naming it
-        by ``names`` (its file, say) or else by its index. A format encode workers refuse (GIF,
-        ...) is refused here, before anything is minted."""
-        if not 1 <= len(images) <= MAX_IMAGES:
-            raise DispatchError(f"a request carries 1..{MAX_IMAGES} images, got {len(images)}")
+    def describe(
+        self, media: list[bytes | Media], names: list[str] | None = None
+    ) -> list[DispatchedItem]:
+        """Hash and size every item (no decode); raises ``DispatchError`` for a bad one, naming it
+        by ``names`` (its file, say) or else by its index. Bare bytes are an image. A format
+        encode workers refuse (GIF, WebM, ...) is refused here, before anything is minted."""
+        if not 1 <= len(media) <= MAX_IMAGES:
+            raise DispatchError(f"a request carries 1..{MAX_IMAGES} items, got {len(media)}")
         items = []
-        for index, image in enumerate(images):
-            label = names[index] if names else f"image {index}"
-            if not image or len(image) > MAX_IMAGE_BYTES:
-                raise DispatchError(f"{label}: {len(image)} bytes (1..{MAX_IMAGE_BYTES} accepted)")
-            try:
-                with Image.open(io.BytesIO(image)) as probe:
-                    width, height = probe.size
-                    image_format = probe.format
-            except Exception as exc:  # PIL raises many types for bad data; its text names a BytesIO
-                raise DispatchError(
-                    f"{label}: not an image encode workers read "
-                    f"({', '.join(sorted(ALLOWED_FORMATS))}): "
-                    f"{type(exc).__name__}"
-                ) from None
-            if image_format not in ALLOWED_FORMATS:
-                raise DispatchError(
-                    f"{label}: {image_format} is not accepted by encode workers "
-                    f"({', '.join(sorted(ALLOWED_FORMATS))})"
-                )
-            try:
-                grid = image_grid(self.processor, height, width)
-            except ValueError as exc:
-                raise DispatchError(
-                    f"{label}: {width}x{height} cannot be resized for the tower: {exc}"
-                ) from None
-            rows = grid[0] * grid[1] * grid[2] // self.processor.merge_size**2
-            items.append(
-                DispatchedItem(
-                    index,
-                    image,
-                    hash_feature(image),
-                    width,
-                    height,
-                    grid,
-                    rows,
-                    image_format=image_format,
-                )
-            )
+        for index, entry in enumerate(media):
+            entry = entry if isinstance(entry, Media) else Media(entry)
+            kind = "video" if entry.modality is Modality.VIDEO else "image"
+            label = names[index] if names else f"{kind} {index}"
+            data = entry.data
+            if not data or len(data) > MAX_IMAGE_BYTES:
+                raise DispatchError(f"{label}: {len(data)} bytes (1..{MAX_IMAGE_BYTES} accepted)")
+            if entry.modality is Modality.VIDEO:
+                item = self._describe_video(index, data, label)
+            else:
+                item = self._describe_image(index, data, label)
+            item.rows = grid_rows(item.grid_thw, self.processor.merge_size)
+            items.append(item)
         return items
+
+    def _describe_image(self, index: int, image: bytes, label: str) -> DispatchedItem:
+        try:
+            with Image.open(io.BytesIO(image)) as probe:
+                width, height = probe.size
+                image_format = probe.format
+        except Exception as exc:  # PIL raises many types for bad data; its text names a BytesIO
+            raise DispatchError(
+                f"{label}: not an image encode workers read "
+                f"({', '.join(sorted(ALLOWED_FORMATS))}): "
+                f"{type(exc).__name__}"
+            ) from None
+        if image_format not in ALLOWED_FORMATS:
+            raise DispatchError(
+                f"{label}: {image_format} is not accepted by encode workers "
+                f"({', '.join(sorted(ALLOWED_FORMATS))})"
+            )
+        try:
+            grid = image_grid(self.processor, height, width)
+        except ValueError as exc:
+            raise DispatchError(
+                f"{label}: {width}x{height} cannot be resized for the tower: {exc}"
+            ) from None
+        return DispatchedItem(
+            index, image, hash_feature(image), width, height, grid, 0, image_format=image_format
+        )
+
+    def _describe_video(self, index: int, video: bytes, label: str) -> DispatchedItem:
+        """A video sized from its container header and the video processor (no decode)."""
+        processor = self.video_processor
+        if processor is None:
+            raise DispatchError(f"{label}: the model has no video processor: videos are refused")
+        try:
+            header = read_header(video)
+            frames = len(sampled_indices(processor, header.frames, header.fps))
+            grid = video_grid(processor, frames, header.height, header.width)
+        except BadVideo as exc:
+            raise DispatchError(f"{label}: {exc}") from None
+        sampled_fps = frames / header.frames * header.fps  # transformers' VideoMetadata's
+        return DispatchedItem(
+            index,
+            video,
+            hash_feature(video),
+            header.width,
+            header.height,
+            grid,
+            0,
+            image_format="MP4/MOV",
+            modality=Modality.VIDEO,
+            seconds_per_grid_t=processor.temporal_patch_size / sampled_fps,
+        )
 
     async def dispatch(
         self,
         request_id: str,
-        images: list[bytes],
+        images: list[bytes | Media],
         near: str | None = None,
         names: list[str] | None = None,
     ) -> list[DispatchedItem]:
-        """Place every image on an encode worker; each item comes back with its room (or with
+        """Place every item on an encode worker; each item comes back with its room (or with
         ``error`` and, where one was minted, a cancelled room). ``near``: the prefill engine's
         host, whose encode workers are preferred (they can write over SHM). ``names``: what
         errors call the images (their files)."""
@@ -264,16 +309,18 @@ class Dispatcher:
         request = IntakeRequest(
             request_id=f"{request_id}.{item.index}",
             model=self.served_model,
+            modality=item.modality.name,
             content_hash=item.content_hash,
             encode_handshake=item.encode_handshake,
             source="bytes",
+            grid_thw=list(item.grid_thw),  # the worker fails an item it sizes otherwise
             token=self.intake_token,
         )
         intake = self._intake(address)
         deadline = time.monotonic() + self.intake_timeout_s
         while True:
             try:
-                reply = await intake.send(request, item.image)
+                reply = await intake.send(request, item.data)
             except TimeoutError as exc:
                 self.workers.mark_down(address, str(exc))
                 return str(exc)

@@ -45,11 +45,12 @@ OptionalText = Annotated[str | None, BeforeValidator(_blank_is_none)]
 
 class EncodeWorkerTargets(HandshakeToken, IntakeToken):
     """The encode workers (a static list or a DNS name), their rooms, and the model whose image
-    processor config sizes each image (rows per image, as the workers compute them)."""
+    and video processor configs size each item (rows per item, as the workers compute them)."""
 
     model: str = Field(
         min_length=1,
-        description="checkpoint directory whose image processor config the encode workers use",
+        description="checkpoint directory whose image and video processor configs the encode "
+        "workers use",
     )
     workers: WorkerList = Field(
         (),
@@ -89,6 +90,13 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
             raise SettingError(
                 f"--model {self.model}: cannot read its image processor config: {exc}"
             ) from None
+
+    def video_processor(self):
+        """``--model``'s video processor; None (logged) when the checkpoint has none."""
+        from multimodal.video import load_video_processor
+
+        check_checkpoint(self.model)
+        return load_video_processor(self.model)
 
     @property
     def model_folder_name(self) -> str:

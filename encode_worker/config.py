@@ -80,6 +80,12 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
         MAX_PIXELS,
         description="largest image decoded, in pixels, refused at intake from its header or shape",
     )
+    max_video_seconds: PositiveSeconds = Field(
+        1800.0, description="longest video decoded (its header's frames / rate), refused at intake"
+    )
+    max_video_frames: PositiveInt = Field(
+        768, description="most frames of one video (after sampling) through the tower"
+    )
     batch_pixels: PositiveInt | None = Field(
         None, description="decoded pixels per batch (default: twice --max-image-pixels)"
     )

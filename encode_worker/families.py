@@ -18,6 +18,7 @@ from transformers import (
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
+    Qwen2VLVideoProcessor,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
@@ -29,6 +30,7 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
 
 @dataclass(frozen=True)
@@ -42,14 +44,30 @@ class TowerFamily:
     # widths.
     small_vision_config: Callable[[int, int, int], dict]  # (out_width, depth, width) -> kwargs
     small_image_processor: Callable[[], Qwen2VLImageProcessorPil]
+    # Its video processor: the real sizes and sampling (2 fps), a smaller pixel budget per frame.
+    small_video_processor: Callable[[], Qwen2VLVideoProcessor | Qwen3VLVideoProcessor]
     vllm_connector: bool = (
         True  # the EPD connector feeds vLLM its rows (Qwen3-VL's DeepStack rows: not yet)
     )
+    # the model's positions take each video's seconds per temporal patch (second_per_grid_ts)
+    video_seconds: bool = False
 
 
 def _qwen2_image_processor() -> Qwen2VLImageProcessorPil:
     return Qwen2VLImageProcessorPil(
         patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=3136, max_pixels=1003520
+    )
+
+
+def _qwen2_video_processor() -> Qwen2VLVideoProcessor:
+    return Qwen2VLVideoProcessor(
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=3136,
+        max_pixels=64 * 28 * 28,
+        fps=2.0,
+        cap_pixels_per_frame=False,
     )
 
 
@@ -66,6 +84,7 @@ FAMILIES: dict[str, TowerFamily] = {
                 depth=depth, embed_dim=width, hidden_size=out_width, num_heads=2, mlp_ratio=2
             ),
             _qwen2_image_processor,
+            _qwen2_video_processor,
         ),
         TowerFamily(
             "qwen2_5_vl",
@@ -83,6 +102,8 @@ FAMILIES: dict[str, TowerFamily] = {
                 window_size=112,
             ),
             _qwen2_image_processor,
+            _qwen2_video_processor,
+            video_seconds=True,
         ),
         TowerFamily(
             "qwen3_vl",
@@ -106,6 +127,16 @@ FAMILIES: dict[str, TowerFamily] = {
                 image_mean=[0.5] * 3,
                 image_std=[0.5] * 3,
                 size={"shortest_edge": 65536, "longest_edge": 16777216},
+            ),
+            lambda: Qwen3VLVideoProcessor(
+                patch_size=16,
+                temporal_patch_size=2,
+                merge_size=2,
+                image_mean=[0.5] * 3,
+                image_std=[0.5] * 3,
+                size={"shortest_edge": 4096, "longest_edge": 4 * 64 * 32 * 32},
+                fps=2.0,
+                cap_pixels_per_frame=False,
             ),
             vllm_connector=False,
         ),

@@ -1,21 +1,26 @@
-"""Turning what arrives at intake into pixels the tower's own image processor accepts.
+"""Turning what arrives at intake into pixels the tower's own image or video processor accepts.
 
-Three sources: encoded image bytes (PNG / JPEG / WebP / BMP, decoded with PIL, size-capped), raw
+Images: encoded image bytes (PNG / JPEG / WebP / BMP, decoded with PIL, size-capped), raw
 ``uint8 [H, W, 3]`` pixels, or a same-node intake ``ShmTensorHandle`` holding such pixels
 (``ShmTensorHandle.publish(pixels, purpose="intake")``; the worker consumes and unlinks it).
-Anything else, or anything malformed, raises ``BadItem`` with a reason that ends up in the item's
-room.
+Videos: an encoded video file (MP4 / MOV: sized from its header at intake, only the sampled frames
+decoded later, ``multimodal.video``), or frames already decoded and sampled, raw
+``uint8 [T, H, W, 3]``. Anything else, or anything malformed, raises ``BadItem`` with a reason that
+ends up in the item's room.
 """
 
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from PIL import Image
 
 from data_plane.shm import ShmError, ShmTensorHandle
 from encode_worker.config import MAX_PIXELS
+from multimodal.video import BadVideo, decode_frames, read_header, sampled_indices, video_grid
 
 MAX_SIDE = 16384
 ALLOWED_FORMATS = {"PNG", "JPEG", "WEBP", "BMP"}
@@ -66,3 +71,84 @@ def pixels_from_shm(handle: ShmTensorHandle) -> torch.Tensor:
         return handle.consume()
     except (ShmError, ValueError, RuntimeError) as exc:
         raise BadItem(f"cannot read pixels from SHM handle {handle.shm_name}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What a worker decodes of one video (``WorkerConfig``'s ``--max-video-*`` and
+    ``--max-image-pixels`` for a frame)."""
+
+    frame_pixels: int
+    seconds: float
+    frames: int  # sampled frames
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """A video as intake sizes it, before any decode: the frames to decode (None: the frames came
+    decoded and sampled), and the grid the video processor will make of them."""
+
+    frame_indices: tuple[int, ...] | None
+    grid_thw: tuple[int, int, int]
+    pixels: int  # decoded pixels of the frames the tower gets
+
+    @property
+    def patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+
+def plan_video_file(data: bytes, processor, limits: VideoLimits) -> VideoPlan:
+    """Size an encoded video from its container header (MP4/MOV) and the video processor's
+    sampling; ``BadItem`` for one out of limits or unreadable."""
+    try:
+        header = read_header(data)
+        if header.duration_s > limits.seconds:
+            raise BadItem(
+                f"video of {header.duration_s:.1f} s is longer than this worker decodes "
+                f"({limits.seconds:g} s)"
+            )
+        indices = sampled_indices(processor, header.frames, header.fps)
+    except BadVideo as exc:
+        raise BadItem(str(exc)) from None
+    return _plan(processor, indices, header.height, header.width, limits)
+
+
+def plan_video_frames(shape: list[int], processor, limits: VideoLimits) -> VideoPlan:
+    """Size already-decoded, already-sampled frames, uint8 ``[T, H, W, 3]``."""
+    frames, height, width = shape[0], shape[1], shape[2]
+    return _plan(processor, None, height, width, limits, frames)
+
+
+def _plan(
+    processor,
+    indices: list[int] | None,
+    height: int,
+    width: int,
+    limits: VideoLimits,
+    frames: int | None = None,
+) -> VideoPlan:
+    frames = len(indices) if indices is not None else frames
+    if frames > limits.frames:
+        raise BadItem(f"{frames} video frames are more than this worker encodes ({limits.frames})")
+    if height * width > limits.frame_pixels:
+        raise BadItem(
+            f"video frames of {width}x{height} are larger than this worker decodes "
+            f"({limits.frame_pixels} pixels)"
+        )
+    try:
+        grid = video_grid(processor, frames, height, width)
+    except BadVideo as exc:
+        raise BadItem(str(exc)) from None
+    return VideoPlan(tuple(indices) if indices is not None else None, grid, frames * height * width)
+
+
+def video_frames(payload: bytes | torch.Tensor, plan: VideoPlan) -> np.ndarray:
+    """The frames the tower gets, uint8 ``[T, H, W, 3]``: decoded (only the sampled ones) from a
+    video file, or the frames as they came."""
+    if plan.frame_indices is None:
+        return payload.numpy()
+    try:
+        return decode_frames(payload, list(plan.frame_indices))
+    except BadVideo as exc:
+        raise BadItem(str(exc)) from None

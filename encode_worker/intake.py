@@ -1,13 +1,13 @@
 """Intake over ZMQ (ROUTER): one item per message, acknowledged or refused at once with a reason.
 
 Request frames (after the ROUTER identity): ``[metadata JSON, payload]``; the payload frame is
-the encoded image file (``source="bytes"``), raw ``uint8 [H, W, 3]`` pixels
-(``source="pixels"``, with ``shape``), or absent (``source="shm"``, with the handle in
-``shm``). Nothing from the network is unpickled. Reply: one JSON frame, an ``IntakeReply``
-(``status``, ``room``, ``reason``, ``retry_after_s``, and ``ok`` for readers that predate
-``status``); ``room`` is set whenever the metadata named one, so a client with several messages
-in flight (``AsyncIntakeClient``) matches each reply to its item. Torch-free: the dispatcher
-imports it.
+the encoded image or video file (``source="bytes"``), raw ``uint8 [H, W, 3]`` pixels or
+``[T, H, W, 3]`` video frames (``source="pixels"``, with ``shape``), or absent (``source="shm"``,
+an image's pixels, with the handle in ``shm``). Nothing from the network is unpickled. Reply:
+one JSON frame, an ``IntakeReply`` (``status``, ``room``, ``reason``, ``retry_after_s``, and
+``ok`` for readers that predate ``status``); ``room`` is set whenever the metadata named one, so a
+client with several messages in flight (``AsyncIntakeClient``) matches each reply to its item.
+Torch-free: the dispatcher imports it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import hmac
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
@@ -38,14 +39,20 @@ class IntakeRequest(BaseModel):
     model: str | None = Field(
         default=None, max_length=256
     )  # refused unless it names this worker's model
-    modality: Literal["IMAGE"] = "IMAGE"
+    modality: Literal["IMAGE", "VIDEO"] = "IMAGE"
     # xxh3-128 of the payload's bytes (the image file, or the raw uint8 pixels); the worker computes
     # it itself and refuses an item whose claimed hash differs. Required for SHM-backed pixels.
     content_hash: json_int(ge=0, lt=1 << 128) | None = None
     encode_handshake: EncodeHandshake
     source: Literal["bytes", "pixels", "shm"]
-    shape: list[json_int(gt=0, le=16384)] | None = Field(default=None, min_length=3, max_length=3)
+    # source "pixels": [H, W, 3] (an image) or [T, H, W, 3] (a video's frames, already sampled)
+    shape: list[json_int(gt=0, le=16384)] | None = Field(default=None, min_length=3, max_length=4)
     shm: ShmPixels | None = None
+    # The (t, h, w) patch grid the sender sized the item to (a dispatcher, with its processor
+    # configs): the worker fails an item it sizes otherwise, before any encode.
+    grid_thw: list[json_int(gt=0, le=1 << 20)] | None = Field(
+        default=None, min_length=3, max_length=3
+    )
     token: str | None = Field(default=None, max_length=256)
 
 
@@ -122,6 +129,8 @@ def parse_request(
     if request.source == "shm":
         if request.shm is None or payload is not None:
             raise IntakeRefused("source 'shm' needs the 'shm' handle and no payload frame", room)
+        if request.modality != "IMAGE":
+            raise IntakeRefused("source 'shm' carries an image's pixels only", room)
     else:
         if payload is None or not payload:
             raise IntakeRefused(f"source {request.source!r} needs a payload frame", room)
@@ -130,9 +139,12 @@ def parse_request(
                 f"payload of {len(payload)} bytes exceeds {max_payload_bytes}", room
             )
         if request.source == "pixels":
-            if request.shape is None or request.shape[2] != 3:
-                raise IntakeRefused("source 'pixels' needs shape [H, W, 3]", room)
-            if request.shape[0] * request.shape[1] * 3 != len(payload):
+            layout = "[H, W, 3]" if request.modality == "IMAGE" else "[T, H, W, 3]"
+            if request.shape is None or len(request.shape) != len(layout.split(",")):
+                raise IntakeRefused(f"source 'pixels' needs shape {layout}", room)
+            if request.shape[-1] != 3:
+                raise IntakeRefused(f"source 'pixels' needs shape {layout}", room)
+            if math.prod(request.shape) != len(payload):
                 raise IntakeRefused(
                     f"payload of {len(payload)} bytes does not match shape {request.shape}", room
                 )

@@ -11,7 +11,7 @@ hands the job on, so no field is guarded by a lock. Who writes what:
   ``queue_s`` and ``encode_s`` for a miss and ``queue_s`` for a job that waited for an identical
   miss; StageAndSend reads it and hands a copy to the sender.
   ``payload`` is read by Prepare only (decoded there).
-* ``Miss.inputs`` (the image processor's output) is made by Prepare and read by TowerStage.
+* ``Miss.inputs`` (the image or video processor's output) is made by Prepare and read by TowerStage.
 * ``Encoded`` (rows and grid) is made by TowerStage, or comes from the cache; it is never mutated,
   so the cache and the send path share it.
 * A message's lists are built by the stage that sends it and not touched after the hand-off.
@@ -22,16 +22,28 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
+
+import torch
 
 from encode_worker.cache import CacheKey, Encoded
 from encode_worker.scheduler import EncodeJob
 
-if TYPE_CHECKING:
-    from transformers import BatchFeature
-
 T = TypeVar("T")
 HANDOFF_POLL_S = 0.2  # how often a blocked hand-off looks at the stop signal
+
+
+@dataclass(frozen=True)
+class TowerInputs:
+    """One item as the tower takes it: the processor's patches and its ``[1, 3]`` grid (an image's
+    ``image_grid_thw`` or a video's ``video_grid_thw``: the tower reads both alike)."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return tuple(self.grid_thw[0].tolist())
 
 
 @dataclass(frozen=True)
@@ -40,7 +52,7 @@ class Miss:
 
     job: EncodeJob
     key: CacheKey
-    inputs: BatchFeature  # pixel_values, image_grid_thw (one image)
+    inputs: TowerInputs
 
 
 @dataclass(frozen=True)

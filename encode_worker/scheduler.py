@@ -13,9 +13,12 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from multimodal.wire import EncodeHandshake
+
+if TYPE_CHECKING:
+    from encode_worker.inputs import VideoPlan
 
 
 @dataclass
@@ -24,11 +27,13 @@ class EncodeJob:
     handshake: EncodeHandshake
     content_hash: int
     source: str  # "bytes" | "pixels" | "shm"
-    payload: Any  # bytes, uint8 [H, W, 3] tensor, or ShmTensorHandle
-    patches: int  # estimated at intake from the image size, for batching
-    modality: str = "IMAGE"
-    pixels: int = 0  # the source image's pixels, decoded by the prepare stage
+    payload: Any  # bytes, uint8 [H, W, 3] or [T, H, W, 3] tensor, or ShmTensorHandle
+    patches: int  # from the grid intake sized the item to, for batching
+    modality: str = "IMAGE"  # "IMAGE" | "VIDEO"
+    pixels: int = 0  # the item's decoded pixels (a video's: all its sampled frames')
     nbytes: int = 0  # payload bytes this job holds in this process (an SHM handle's: none yet)
+    grid_thw: tuple[int, int, int] | None = None  # what the processor must make of it (checked)
+    video: VideoPlan | None = None  # a video's frames to decode
     received_at: float = field(default_factory=time.monotonic)
     timings: dict[str, float | bool] = field(
         default_factory=dict

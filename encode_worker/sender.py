@@ -60,6 +60,7 @@ class StagedItem:
     checksum: int | None
     timings: dict[str, float | bool]
     grid_thw: tuple[int, int, int] | None = None
+    modality: str = "IMAGE"
 
     @property
     def room(self) -> int:
@@ -76,6 +77,7 @@ class Outcome:
     timings: dict[
         str, float | bool
     ]  # EncodeTimings' fields: queue_s, encode_s, wait_s, transfer_s, cache_hit
+    modality: str = "IMAGE"
 
 
 class Sender:
@@ -309,13 +311,17 @@ class Sender:
             state, reason = RoomState.FAILED, f"{reason} (and the room could not be told: {exc})"
         if release:
             self._release(item.lease)
-        return Outcome(item.room, state, None, reason, item.layout.nbytes, item.timings)
+        return Outcome(
+            item.room, state, None, reason, item.layout.nbytes, item.timings, item.modality
+        )
 
     def _finish(
         self, item: StagedItem, state: RoomState, transport: str | None, reason: str | None
     ) -> Outcome:
         self._release(item.lease)
-        return Outcome(item.room, state, transport, reason, item.layout.nbytes, item.timings)
+        return Outcome(
+            item.room, state, transport, reason, item.layout.nbytes, item.timings, item.modality
+        )
 
     def _release(self, lease: Lease) -> None:
         self.ring.release(lease)

@@ -4,7 +4,7 @@ They keep the real patch, temporal and merge sizes, so pixel widths and rows per
 production ones; only depth and widths shrink. ``build_full`` writes a sharded hub-layout
 ``...ForConditionalGeneration`` checkpoint (the tower must be picked out of it with
 ``key_mapping``); ``build_vision_only`` writes just the tower. Both write the image processor
-config next to the weights, as a real checkpoint does.
+and video processor configs next to the weights, as a real checkpoint does.
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ def image_processor(name: str) -> Qwen2VLImageProcessorPil:
     return family(name).small_image_processor()
 
 
+def save_processors(name: str, directory: str) -> None:
+    """The family's image and video processor configs, beside the weights."""
+    image_processor(name).save_pretrained(directory)
+    family(name).small_video_processor().save_pretrained(directory)
+
+
 def build_full(name: str, directory: str, out_width: int = 96, seed: int = 0) -> str:
     """A full VLM checkpoint (tower + tiny LLM), saved in several safetensors shards."""
     torch.manual_seed(seed)
@@ -45,7 +51,7 @@ def build_full(name: str, directory: str, out_width: int = 96, seed: int = 0) ->
     model = model_class(config).eval()
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, max_shard_size="200KB")
-    image_processor(name).save_pretrained(directory)
+    save_processors(name, directory)
     return directory
 
 
@@ -58,5 +64,5 @@ def build_vision_only(
     tower = tower_class(config_class(**vision_config(name, out_width, depth, width))).eval()
     os.makedirs(directory, exist_ok=True)
     tower.save_pretrained(directory)
-    image_processor(name).save_pretrained(directory)
+    save_processors(name, directory)
     return directory

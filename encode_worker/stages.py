@@ -3,9 +3,10 @@
 
 * ``Intake``: the ZMQ ROUTER loop; validates each message into an ``EncodeJob`` from what it can
   see without decoding, queues it, and answers at once with an ``IntakeReply``.
-* ``Prepare``: takes a batch from the ``BatchQueue``; decodes and preprocesses each image; cache
-  hits skip the tower, and so does an item identical to one in flight (``InFlightEncodes``: it
-  waits for that item's rows).
+* ``Prepare``: takes a batch from the ``BatchQueue``; cache hits skip the tower, and so does an
+  item identical to one in flight (``InFlightEncodes``: it waits for that item's rows); the rest
+  are decoded (an image, or a video's sampled frames) and preprocessed by the checkpoint's image
+  or video processor. Images and videos share batches and tower calls.
 * ``TowerStage``: one tower call per batch, rows split per item, cached and handed to the items
   that waited for them; a batch that fails is retried item by item, so a bad item fails only its
   room (and those of the items waiting for it).
@@ -36,9 +37,13 @@ from encode_worker.inputs import (
     ALLOWED_FORMATS,
     MAX_SIDE,
     BadItem,
+    VideoLimits,
     image_from_bytes,
     image_from_pixels,
     pixels_from_shm,
+    plan_video_file,
+    plan_video_frames,
+    video_frames,
 )
 from encode_worker.intake import (
     IntakeRefused,
@@ -47,7 +52,14 @@ from encode_worker.intake import (
     IntakeStatus,
     parse_request,
 )
-from encode_worker.messages import EncodedBatch, Handoff, Miss, PreparedBatch, ReadyItem
+from encode_worker.messages import (
+    EncodedBatch,
+    Handoff,
+    Miss,
+    PreparedBatch,
+    ReadyItem,
+    TowerInputs,
+)
 from encode_worker.room_clients import InFlightRooms, RateLimitedLog, RoomFailer
 from encode_worker.scheduler import BatchQueue, EncodeJob
 from encode_worker.sender import Sender, StagedItem, stage
@@ -170,8 +182,45 @@ class Intake:
         return IntakeReply(status=IntakeStatus.ACCEPTED, room=room)
 
     def job(self, request: IntakeRequest, payload: bytes | None) -> EncodeJob:
-        """The item as a job, from what intake can see without decoding (the header, the shape,
-        the SHM name); ``BadItem`` for an item that must not go further."""
+        """The item as a job, from what intake can see without decoding (the image's header, the
+        video's container header, the shape, the SHM name); ``BadItem`` for an item that must not
+        go further."""
+        if request.modality == "VIDEO":
+            source_payload, grid, pixels, video = self._video(request, payload)
+        else:
+            source_payload, grid, pixels = self._image(request, payload)
+            video = None
+        if request.grid_thw is not None and tuple(request.grid_thw) != grid:
+            raise BadItem(
+                f"the sender sized this item to grid {list(request.grid_thw)}, this worker's "
+                f"processor config to {list(grid)}: the two disagree (same checkpoint and "
+                "processor settings on both sides?)"
+            )
+        # The cache key is the hash of the bytes this worker encodes, never the client's word for
+        # it: a wrong claimed hash would poison the cache entry of the image it names.
+        if request.source == "shm":
+            if request.content_hash is None:
+                raise BadItem("SHM-backed items must carry a content hash")
+            content_hash = request.content_hash  # checked against the pixels once read (Prepare)
+        else:
+            content_hash = hash_feature(payload)
+            check_claimed_hash(request.content_hash, content_hash)
+        return EncodeJob(
+            request.request_id,
+            request.encode_handshake,
+            content_hash,
+            request.source,
+            source_payload,
+            grid[0] * grid[1] * grid[2],
+            request.modality,
+            pixels=pixels,
+            nbytes=len(payload) if payload is not None else 0,
+            grid_thw=grid,
+            video=video,
+        )
+
+    def _image(self, request: IntakeRequest, payload: bytes | None):
+        """An image's payload as Prepare reads it, its grid and its pixels."""
         if request.source == "bytes":
             try:
                 with Image.open(io.BytesIO(payload)) as probe:
@@ -203,35 +252,33 @@ class Intake:
                 )
             except ValueError as exc:
                 raise BadItem(str(exc)) from None
-        # The cache key is the hash of the bytes this worker encodes, never the client's word for
-        # it: a wrong claimed hash would poison the cache entry of the image it names.
-        if request.source == "shm":
-            if request.content_hash is None:
-                raise BadItem("SHM-backed items must carry a content hash")
-            content_hash = request.content_hash  # checked against the pixels once read (Prepare)
-        else:
-            content_hash = hash_feature(payload)
-            check_claimed_hash(request.content_hash, content_hash)
-        return EncodeJob(
-            request.request_id,
-            request.encode_handshake,
-            content_hash,
-            request.source,
-            source_payload,
-            self._patches(height, width),
-            request.modality,
-            pixels=width * height,
-            nbytes=len(payload) if payload is not None else 0,
-        )
-
-    def _patches(self, height: int, width: int) -> int:
         try:
-            t, h, w = image_grid(self.tower.processor, height, width)
+            grid = image_grid(self.tower.processor, height, width)
         except ValueError as exc:
             raise BadItem(
                 f"image of {width}x{height} cannot be resized for the tower: {exc}"
             ) from None
-        return t * h * w
+        return source_payload, grid, width * height
+
+    def _video(self, request: IntakeRequest, payload: bytes):
+        """A video's payload as Prepare reads it, its grid, its decoded pixels and its plan."""
+        processor = self.tower.video_processor
+        if processor is None:
+            raise BadItem("this worker's checkpoint has no video processor: videos are refused")
+        limits = VideoLimits(
+            self.config.max_image_pixels,
+            self.config.max_video_seconds,
+            self.config.max_video_frames,
+        )
+        if request.source == "bytes":
+            plan = plan_video_file(payload, processor, limits)
+            source_payload = payload
+        else:
+            plan = plan_video_frames(request.shape, processor, limits)
+            source_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(
+                *request.shape
+            )
+        return source_payload, plan.grid_thw, plan.pixels, plan
 
 
 class Prepare:
@@ -271,7 +318,8 @@ class Prepare:
         misses, ready = [], []
         for job in batch:
             try:
-                image = self._image(job)
+                # SHM pixels are read first: their claimed hash is checked before it keys anything
+                shm_pixels = self._shm_pixels(job) if job.source == "shm" else None
                 key = CacheKey(job.content_hash, self.tower.model_id, self.preprocess_id)
                 cached, leads = self.encodes.claim(key, job)
                 if cached is not None:
@@ -279,7 +327,10 @@ class Prepare:
                     ready.append(ReadyItem(job, cached))
                 elif leads:
                     try:
-                        inputs = self.tower.processor(images=[image], return_tensors="pt")
+                        inputs = self._tower_inputs(job, shm_pixels)
+                    except BadItem as exc:
+                        self._abandon(key, f"an identical item failed: {exc}")
+                        raise
                     except BaseException:
                         self._abandon(key, "encode worker error while preprocessing")
                         raise
@@ -293,14 +344,34 @@ class Prepare:
         for waiter in self.encodes.abandon(key):
             self.failer.fail(waiter.handshake, reason, waiter.modality)
 
-    def _image(self, job: EncodeJob) -> Image.Image:
-        if job.source == "bytes":
-            return image_from_bytes(job.payload, self.max_image_pixels)
-        if job.source == "pixels":
-            return image_from_pixels(job.payload, self.max_image_pixels)
+    def _shm_pixels(self, job: EncodeJob) -> torch.Tensor:
         pixels = pixels_from_shm(job.payload)
         check_claimed_hash(job.content_hash, hash_feature(memoryview(pixels.numpy()).cast("B")))
-        return image_from_pixels(pixels, self.max_image_pixels)
+        return pixels
+
+    def _tower_inputs(self, job: EncodeJob, shm_pixels: torch.Tensor | None) -> TowerInputs:
+        """Decode and preprocess the item; ``BadItem`` when it cannot be, or when the processor
+        sizes it otherwise than intake did (its rows would not be the ones placed for it)."""
+        if job.video is not None:
+            frames = video_frames(job.payload, job.video)
+            out = self.tower.video_processor(
+                videos=[frames], do_sample_frames=False, return_tensors="pt"
+            )
+            inputs = TowerInputs(out["pixel_values_videos"], out["video_grid_thw"])
+        else:
+            if job.source == "bytes":
+                image = image_from_bytes(job.payload, self.max_image_pixels)
+            else:
+                pixels = shm_pixels if shm_pixels is not None else job.payload
+                image = image_from_pixels(pixels, self.max_image_pixels)
+            out = self.tower.processor(images=[image], return_tensors="pt")
+            inputs = TowerInputs(out["pixel_values"], out["image_grid_thw"])
+        if job.grid_thw is not None and inputs.grid != job.grid_thw:
+            raise BadItem(
+                f"the processor made grid {list(inputs.grid)} of this item, intake sized it "
+                f"{list(job.grid_thw)}"
+            )
+        return inputs
 
 
 class TowerStage:
@@ -362,7 +433,7 @@ class TowerStage:
                         "vision tower failed on an identical item encoded for this one",
                     )
                     continue
-                encoded = Encoded(rows, tuple(miss.inputs["image_grid_thw"][0].tolist()))
+                encoded = Encoded(rows, miss.inputs.grid)
                 ready.append(ReadyItem(miss.job, encoded))
                 for waiter in self.encodes.settle(miss.key, encoded):
                     # its queue: from intake until the rows it waited for were there
@@ -372,8 +443,8 @@ class TowerStage:
 
     def _encode_misses(self, misses: list[Miss]) -> list[torch.Tensor | None]:
         """Each miss's rows, or None for one whose room failed."""
-        pixel_values = torch.cat([miss.inputs["pixel_values"] for miss in misses])
-        grid_thw = torch.cat([miss.inputs["image_grid_thw"] for miss in misses])
+        pixel_values = torch.cat([miss.inputs.pixel_values for miss in misses])
+        grid_thw = torch.cat([miss.inputs.grid_thw for miss in misses])
         started = time.monotonic()
         try:
             rows = split_rows(
@@ -458,6 +529,7 @@ class StageAndSend:
                 digest,
                 dict(job.timings),
                 item.encoded.grid_thw,
+                job.modality,
             )
         )
 

@@ -2,8 +2,10 @@
 
 ``VisionTower.load(dir)`` reads a full VLM checkpoint (weights under ``visual.`` or
 ``model.visual.``) or a vision-only one, and refuses to start when any tower weight is missing
-(transformers would only warn and random-initialise it). The image processor comes from the same
-directory, so the encode worker and the prefill side agree on rows per image.
+(transformers would only warn and random-initialise it). The image and video processors come from
+the same directory, so the encode worker and the prefill side agree on rows per item. A video goes
+through the same tower (its frames as temporal patches, ``video_grid_thw``), so images and videos
+share a batch.
 
 Wire layout: one ``[rows, width]`` tensor per item. For Qwen3-VL the DeepStack levels travel in
 the same rows, concatenated on the hidden dimension (as vLLM does):
@@ -34,6 +36,7 @@ from transformers.utils import logging as hf_logging
 from data_plane.dtypes import dtype_from_wire
 from encode_worker.families import FAMILIES
 from multimodal.rows import split_rows
+from multimodal.video import load_video_processor
 
 # Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).
 KEY_MAPPING = {r"^model\.visual\.": "", r"^visual\.": ""}
@@ -92,10 +95,12 @@ class VisionTower:
         dtype: torch.dtype,
         device: str,
         model_id: str,
+        video_processor=None,
     ):
         self.model = model
         self.info = info
         self.processor = processor
+        self.video_processor = video_processor  # None: video items are refused
         self.dtype = dtype
         self.device = device
         self.model_id = model_id
@@ -123,13 +128,20 @@ class VisionTower:
             )
         model = model.to(device).eval()
         processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True)
+        video_processor = load_video_processor(directory)
         out_width = getattr(config, "out_hidden_size", None) or config.hidden_size
         levels = len(getattr(config, "deepstack_visual_indexes", None) or [])
         tower_info = TowerInfo(
             family, out_width, levels, config.spatial_merge_size, config.patch_size
         )
         return cls(
-            model, tower_info, processor, torch_dtype, device, model_id=os.path.abspath(directory)
+            model,
+            tower_info,
+            processor,
+            torch_dtype,
+            device,
+            model_id=os.path.abspath(directory),
+            video_processor=video_processor,
         )
 
     def rows_per_item(self, grid_thw: torch.Tensor) -> list[int]:

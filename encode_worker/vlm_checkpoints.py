@@ -1,7 +1,7 @@
 """Small full Qwen2-VL / Qwen2.5-VL checkpoints with a tokenizer, built offline, for running vLLM.
 
 A vLLM engine needs what a hub checkpoint holds: the model (``config.json`` + safetensors), the
-image processor config and a tokenizer whose special tokens (``<|vision_start|>``,
+image and video processor configs and a tokenizer whose special tokens (``<|vision_start|>``,
 ``<|image_pad|>``, ...) carry the ids the config names. ``build_vlm`` writes all of it with the
 real transformers classes (random weights; the tower is ``small_checkpoints.vision_config``'s, so
 rows per image are the production ones) and a byte-level BPE tokenizer trained in memory on a
@@ -24,12 +24,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from encode_worker.families import FAMILIES
-from encode_worker.small_checkpoints import image_processor, vision_config
+from encode_worker.small_checkpoints import save_processors, vision_config
 
 VLLM_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.vllm_connector)
 DEFAULT_CACHE = os.path.expanduser("~/.cache/epd-encode-worker")
 # Bump when what build_vlm writes changes, so cached directories of an older layout are not reused.
-BUILD_VERSION = 3
+BUILD_VERSION = 4
 TEXT_INIT_STD = 0.3
 # Qwen2-VL's special tokens, in its order; they take ids 0.. here (the config names them below).
 SPECIAL_TOKENS = [
@@ -66,17 +66,20 @@ _CORPUS = [
     "video",
     "number 0123456789",
 ]
-IMAGE_PROMPT = (
-    "<|vision_start|><|image_pad|><|vision_end|>"  # one image in a prompt (vLLM expands the pad)
-)
+# One image / video in a prompt (vLLM expands the pad to the item's rows).
+IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PROMPT = "<|vision_start|><|video_pad|><|vision_end|>"
 # Qwen2-VL's chat layout, for OpenAI chat requests: text parts as they are, each image part
-# (image_url, or image_embeds: an EPD request's grid alone) as IMAGE_PROMPT.
+# (image_url, or image_embeds: an EPD request's grid alone) as IMAGE_PROMPT, each video part as
+# VIDEO_PROMPT.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for part in message['content'] %}"
     "{% if part['type'] in ['image', 'image_url', 'image_embeds'] %}"
     + IMAGE_PROMPT
+    + "{% elif part['type'] in ['video', 'video_url', 'video_embeds'] %}"
+    + VIDEO_PROMPT
     + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
     "{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -120,9 +123,9 @@ def build_vlm(
     tower_width: int = 64,
     seed: int = 0,
 ) -> str:
-    """A full ``...ForConditionalGeneration`` checkpoint (float32) with tokenizer and image
-    processor in ``directory``. ``hidden``: the LLM's width = the tower's output width = the width
-    of every embedding row; heads of 32 (vLLM's CPU attention takes that head size)."""
+    """A full ``...ForConditionalGeneration`` checkpoint (float32) with tokenizer, image and
+    video processors in ``directory``. ``hidden``: the LLM's width = the tower's output width =
+    the width of every embedding row; heads of 32 (vLLM's CPU attention takes that head size)."""
     if family not in VLLM_FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {VLLM_FAMILIES}")
     if hidden % 64:
@@ -174,7 +177,7 @@ def build_vlm(
         pad_token_id=text["pad_token_id"],
         do_sample=False,
     ).save_pretrained(directory)
-    image_processor(family).save_pretrained(directory)
+    save_processors(family, directory)
     build_tokenizer(directory)
     return directory
 

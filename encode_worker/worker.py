@@ -110,11 +110,11 @@ class EncodeWorker:
     ):
         self.config = config
         self.tower = tower or VisionTower.load(config.model, config.dtype, config.device)
+        processors = [self.tower.processor.to_dict()]
+        if self.tower.video_processor is not None:
+            processors.append(self.tower.video_processor.to_dict())
         self.preprocess_id = format(
-            zlib.crc32(
-                json.dumps(self.tower.processor.to_dict(), sort_keys=True, default=str).encode()
-            ),
-            "08x",
+            zlib.crc32(json.dumps(processors, sort_keys=True, default=str).encode()), "08x"
         )
         self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
         self.cache = EmbeddingCache(config.cache_bytes)
@@ -335,7 +335,7 @@ class EncodeWorker:
     def _on_outcome(self, outcome: Outcome) -> None:
         """An item's room ended (the sender's report): the room is free here again, and counted."""
         self.in_flight.release(outcome.room)
-        self.metrics.count("IMAGE", outcome.state)
+        self.metrics.count(outcome.modality, outcome.state)
         if outcome.state is not RoomState.SUCCESS:
             self._item_log.warning(
                 "room %d %s: %s", outcome.room, outcome.state.value, outcome.reason

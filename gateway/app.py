@@ -189,7 +189,7 @@ class _Prepared:
                 images.append(EncodedImage(key, item.grid_thw))
                 rooms[key] = item.encode_handshake.model_dump()
             else:
-                images.append(InlineImage.of(ref, item.image, _media_type(item)))
+                images.append(InlineImage.of(ref, item.data, _media_type(item)))
         return rewrite(self.original, self.refs, images, rooms) if self.refs else self.original
 
     def report(self, delivery: DeliveryReport | None) -> GatewayReport:

@@ -49,6 +49,11 @@ class Modality(Enum):
     AUDIO = auto()
 
 
+# Where an item's ``model_specific_data`` holds its patch grid ``[[t, h, w]]``, by modality (the
+# names transformers' and vLLM's Qwen-VL processors give it).
+GRID_KEYS = {Modality.IMAGE: "image_grid_thw", Modality.VIDEO: "video_grid_thw"}
+
+
 def _skip_compute_hash() -> bool:
     return os.environ.get(SKIP_COMPUTE_HASH_ENV, "").strip().lower() in {"1", "true", "yes"}
 

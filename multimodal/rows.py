@@ -59,6 +59,12 @@ def split_rows(packed: torch.Tensor, rows_per_item: Sequence[int]) -> list[torch
     return list(torch.split(packed, counts, dim=0))
 
 
+def grid_rows(grid_thw: Sequence[int], merge_size: int) -> int:
+    """Rows of an item of patch grid ``(t, h, w)``: its patches over ``merge_size**2``."""
+    t, h, w = (int(v) for v in grid_thw)
+    return t * h * w // merge_size**2
+
+
 def image_grid(processor, height: int, width: int) -> tuple[int, int, int]:
     """The ``(t, h, w)`` patch grid a Qwen-VL image processor makes of a ``height x width`` image
     (its ``image_grid_thw``), from the size alone; rows = ``t * h * w // merge_size**2``.

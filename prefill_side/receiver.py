@@ -52,7 +52,7 @@ from handshake.models import (
     RoomState,
 )
 from loop_threads import LoopThread
-from multimodal.items import MultimodalDataItem, MultimodalInputs
+from multimodal.items import GRID_KEYS, MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError, item_rows
 from multimodal.wire import EncodeHandshake, Endpoint
 from prefill_side.states import ItemState, JobState
@@ -704,7 +704,8 @@ class PrefillReceiver:
             )
             return
         grid = view.commit.grid_thw
-        known = entry.item.model_specific_data.get("image_grid_thw")
+        grid_key = GRID_KEYS.get(entry.item.modality)
+        known = entry.item.model_specific_data.get(grid_key) if grid_key else None
         if (
             grid is not None
             and known is not None
@@ -714,7 +715,7 @@ class PrefillReceiver:
                 job,
                 entry.index,
                 entry.item,
-                f"encoder's image_grid_thw {list(grid)} differs from "
+                f"encoder's {grid_key} {list(grid)} differs from "
                 f"the request's {torch.as_tensor(known).reshape(-1).tolist()}",
                 entry,
                 quarantine=False,

@@ -38,7 +38,7 @@ from data_plane.json_fields import JsonBool, json_float, json_int
 from data_plane.offers import TRANSPORT_NAMES
 from handshake.app import BodyLimit
 from handshake.models import EncodeTimings
-from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from multimodal.items import GRID_KEYS, Modality, MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError
 from multimodal.wire import EncodeHandshake
 from prefill_side.receiver import PrefillReceiver, ReceiverConfig
@@ -62,13 +62,21 @@ MAX_BODY_BYTES = 256 << 20  # a request's whole body: items, and image bytes whe
 
 class PrefillItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    modality: Literal["IMAGE", "VIDEO"] = "IMAGE"
     offsets: list[tuple[json_int(ge=0), json_int(ge=0)]] = Field(min_length=1, max_length=64)
     encode_handshake: EncodeHandshake | None = None
+    # an image's file, for the local tower (fallback, verify); videos are received only
     image_b64: str | None = Field(default=None, max_length=MAX_IMAGE_B64)
     # the patch grid the request expects; a commit with another one fails the item
     grid_thw: (
         tuple[json_int(ge=1, le=65536), json_int(ge=1, le=65536), json_int(ge=1, le=65536)] | None
     ) = None
+
+    @model_validator(mode="after")
+    def _image_bytes_for_images(self) -> PrefillItem:
+        if self.image_b64 is not None and self.modality != "IMAGE":
+            raise ValueError("image_b64 is for image items: a video item's rows are received only")
+        return self
 
 
 class PrefillRequest(BaseModel):
@@ -153,10 +161,12 @@ def create_app(
                 )
             items.append(
                 MultimodalDataItem(
-                    Modality.IMAGE,
+                    Modality[entry.modality],
                     offsets=[list(span) for span in entry.offsets],
                     feature=feature,
-                    model_specific_data={"image_grid_thw": torch.tensor([list(entry.grid_thw)])}
+                    model_specific_data={
+                        GRID_KEYS[Modality[entry.modality]]: torch.tensor([list(entry.grid_thw)])
+                    }
                     if entry.grid_thw
                     else {},
                     encode_handshake=entry.encode_handshake.model_dump()

@@ -56,7 +56,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from data_plane.dtypes import dtype_from_wire, dtype_to_wire
 from data_plane.shm import ShmSegment
 from encode_worker.families import FAMILIES
-from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from multimodal.items import GRID_KEYS, Modality, MultimodalDataItem, MultimodalInputs
 from prefill_side.ec_params import (
     DeliveryReport,
     Identifier,
@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 # Architectures whose encoder rows are one [rows, text hidden size] tensor per item, as the encode
 # worker writes them, and that the tests run end to end.
 SUPPORTED_MODEL_TYPES = tuple(name for name, family in FAMILIES.items() if family.vllm_connector)
-MODALITIES = {"image": Modality.IMAGE}  # what the encode workers encode
+MODALITIES = {"image": Modality.IMAGE, "video": Modality.VIDEO}  # what encode workers encode
 # Keys of an item's processed data that only size its placeholders: an item with nothing else
 # carries no media, so vLLM's tower cannot encode it.
 PLACEHOLDER_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
@@ -606,14 +606,18 @@ def vllm_request(
     items: list[DispatchedItem],
     order: list[int] | None = None,
     images: list | None = None,
+    model_type: str = "qwen2_vl",
 ) -> tuple[dict, dict | None]:
     """``(prompt, ec_transfer_params)`` for ``LLM.generate`` from dispatched items: one item per
-    distinct image (a repeated image is dispatched once), ``order`` the item of each image
-    placeholder in the prompt (default: each item once, in order). ``images``: each item's decoded
-    image, sent along so that vLLM's tower encodes an item whose room fails; None sends the patch
-    grids alone (the prefill engine decodes and preprocesses nothing; a failed room fails the
-    request). ``ValueError`` when an item has no room (the dispatcher could not place it) and no
-    image is sent: nothing could encode it."""
+    distinct image or video (a repeated one is dispatched once), ``order`` the item of each
+    placeholder in the prompt, images and videos each in their own order (default: each item
+    once, in order). ``images``: each item's decoded media (a PIL image; a video's frames, with
+    its metadata where the model needs it), sent along so that vLLM's tower encodes an item whose
+    room fails; None sends the patch grids alone (the prefill engine decodes and preprocesses
+    nothing; a failed room fails the request). ``model_type``: the served model's
+    (``FAMILIES``: whether a video's seconds per temporal patch go along). ``ValueError`` when an
+    item has no room (the dispatcher could not place it) and no media is sent: nothing could
+    encode it."""
     order = list(range(len(items))) if order is None else order
     if images is None and any(item.encode_handshake is None or item.error for item in items):
         raise ValueError(
@@ -626,13 +630,19 @@ def vllm_request(
         for item in items
         if item.encode_handshake is not None and item.error is None
     }
-    if images is None:
-        data = {"image_grid_thw": torch.tensor([list(items[i].grid_thw) for i in order])}
-    else:
-        data = [images[i] for i in order]
-    request = {
-        "prompt": prompt,
-        "multi_modal_data": {"image": data},
-        "multi_modal_uuids": {"image": [identifier(items[i].content_hash) for i in order]},
-    }
+    data, uuids = {}, {}
+    for name, modality in MODALITIES.items():
+        placed = [i for i in order if items[i].modality is modality]
+        if not placed:
+            continue
+        uuids[name] = [identifier(items[i].content_hash) for i in placed]
+        if images is not None:
+            data[name] = [images[i] for i in placed]
+            continue
+        data[name] = {GRID_KEYS[modality]: torch.tensor([list(items[i].grid_thw) for i in placed])}
+        if modality is Modality.VIDEO and FAMILIES[model_type].video_seconds:
+            data[name]["second_per_grid_ts"] = torch.tensor(
+                [items[i].seconds_per_grid_t for i in placed]
+            )
+    request = {"prompt": prompt, "multi_modal_data": data, "multi_modal_uuids": uuids}
     return request, ({"rooms": rooms} if rooms else None)

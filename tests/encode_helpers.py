@@ -1,5 +1,6 @@
 """Test-side stand-ins for the peers of an encode worker: a receiver that reserves slots and
-checks commits, images to send, and an in-process worker + receiver stack over loopback."""
+checks commits, images and videos to send, and an in-process worker + receiver stack over
+loopback."""
 
 import asyncio
 import contextlib
@@ -20,6 +21,25 @@ def png(height: int, width: int, seed: int) -> bytes:
     pixels = np.random.RandomState(seed).randint(0, 255, (height, width, 3), dtype=np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def video_frames(frames: int, height: int, width: int, seed: int) -> np.ndarray:
+    """uint8 ``[frames, height, width, 3]``: noise that changes every frame."""
+    return np.random.RandomState(seed).randint(0, 255, (frames, height, width, 3), dtype=np.uint8)
+
+
+def mp4(frames: int, height: int, width: int, seed: int, fps: int = 10) -> bytes:
+    """An H.264 MP4 of ``video_frames(...)`` at ``fps`` (PyAV's own FFmpeg and libx264)."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for frame in video_frames(frames, height, width, seed):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
     return buffer.getvalue()
 
 

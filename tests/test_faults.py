@@ -208,14 +208,14 @@ def test_item_larger_than_the_send_ring(lab):
                         "bootstrap_port": worker.bootstrap_port,
                     },
                 },
-                item.image,
+                item.data,
             )
             assert reply.ok, reply
         state, _, view = receiver.wait(rooms[0])
         assert state is RoomState.FAILED and "larger than the send ring" in view.reason
         assert time.monotonic() - started < FAST_S + 1  # includes encoding both images
         state, rows, _ = receiver.wait(rooms[1])
-        assert state is RoomState.SUCCESS and checksum(rows) == lab.reference(small.image)
+        assert state is RoomState.SUCCESS and checksum(rows) == lab.reference(small.data)
         assert worker.ring.stats()["leased_slots"] == 0
     finally:
         intake.close()

@@ -25,8 +25,13 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from bench.cluster import LocalCluster  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
 from dispatcher import Dispatcher, WorkerSet  # noqa: E402
-from encode_worker.vlm_checkpoints import IMAGE_PROMPT, cached_vlm  # noqa: E402
+from dispatcher.dispatch import Media  # noqa: E402
+from encode_worker.vlm_checkpoints import IMAGE_PROMPT, VIDEO_PROMPT, cached_vlm  # noqa: E402
+from multimodal.items import Modality  # noqa: E402
+from multimodal.video import load_video_processor, sampled_indices  # noqa: E402
 from prefill_side.vllm_connector import identifier, vllm_request  # noqa: E402
+from tests.encode_helpers import mp4  # noqa: E402
+from tests.test_video import transformers_frames  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
@@ -53,20 +58,23 @@ def engine_args(model: str, settings: dict | None = None, **extra) -> dict:
         enforce_eager=True,
         max_model_len=1024,
         max_num_seqs=8,
-        limit_mm_per_prompt={"image": 4},
+        limit_mm_per_prompt={"image": 4, "video": 1},
         ec_transfer_config=config,
         **extra,
     )
 
 
-def dispatch(model: str, worker, images: list[bytes], request_id: str) -> list:
-    """The dispatcher's items for ``images``, all placed on ``worker`` (their rooms there)."""
+def dispatch(model: str, worker, images: list[bytes | Media], request_id: str) -> list:
+    """The dispatcher's items for ``images`` (and videos), all placed on ``worker`` (their rooms
+    there)."""
     from transformers import AutoImageProcessor
 
     async def run():
         worker_set = WorkerSet([worker.worker], check_timeout_s=2)
         await worker_set.refresh()
-        dispatcher = Dispatcher(worker_set, AutoImageProcessor.from_pretrained(model))
+        dispatcher = Dispatcher(
+            worker_set, AutoImageProcessor.from_pretrained(model), load_video_processor(model)
+        )
         try:
             return await dispatcher.dispatch(request_id, images)
         finally:
@@ -211,6 +219,49 @@ def test_multi_image_with_a_repeat(stack):
     output = stack.run(request, params)
     assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(3), [a, b, a])
     assert stack.items("done", "shm") == before + 2
+    assert stack.pool_idle()
+
+
+def test_a_video_and_an_image_in_one_request_equal_colocated(stack):
+    """An MP4 (sized by the dispatcher from its header, its sampled frames decoded by the worker)
+    and an image, their grids alone in the request: tokens equal vLLM's colocated run of the same
+    frames (transformers' PyAV reader, the checkpoint's sampling) and image; another video's rows
+    give other tokens."""
+    video, image = mp4(25, 64, 96, seed=71), synthetic_image(84, 84, seed=72)
+    items = stack.dispatch([Media(video, Modality.VIDEO), image], stack.workers["shm"])
+    # 4 of 25 frames (2 fps, rounded down to temporal pairs), 56x84 after resizing; sampled at
+    # 1.6 fps, so 1.25 s per temporal patch (Qwen2.5-VL's positions take it)
+    assert items[0].grid_thw == (2, 4, 6) and items[0].seconds_per_grid_t == 1.25
+    prompt = f"Describe {VIDEO_PROMPT} and {IMAGE_PROMPT}."
+    before = stack.items("done", "shm")
+    output = stack.run(*vllm_request(prompt, items, model_type=stack.family))
+    assert output.outputs[0].finish_reason == "length"
+    assert stack.items("done", "shm") == before + 2
+    processor = load_video_processor(stack.model)
+    frames = transformers_frames(processor, video)
+    metadata = {
+        "fps": 10.0,
+        "total_num_frames": 25,
+        "duration": 2.5,
+        "frames_indices": sampled_indices(processor, 25, 10.0),
+        "video_backend": "pyav",
+        "do_sample_frames": False,
+    }
+    colocated = stack.run(
+        {
+            "prompt": prompt,
+            "multi_modal_data": {
+                "video": [(frames, metadata) if stack.family == "qwen2_5_vl" else frames],
+                "image": [Image.open(io.BytesIO(image)).convert("RGB")],
+            },
+        }
+    )
+    assert list(output.outputs[0].token_ids) == list(colocated.outputs[0].token_ids)
+    other = stack.dispatch(
+        [Media(mp4(25, 64, 96, seed=73), Modality.VIDEO), image], stack.workers["shm"]
+    )
+    other_output = stack.run(*vllm_request(prompt, other, model_type=stack.family))
+    assert list(other_output.outputs[0].token_ids) != list(colocated.outputs[0].token_ids)
     assert stack.pool_idle()
 
 
