@@ -6,6 +6,8 @@
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04
 
 ARG TORCH_VERSION=2.13.0
+# transformers' video processors (video items) run on torchvision's transforms
+ARG TORCHVISION_VERSION=0.28.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 
 # Mooncake's engine links libibverbs, libnuma and libcurl; ibverbs-providers holds the HCA
@@ -21,7 +23,8 @@ ENV PATH=/opt/epd/bin:$PATH \
     HOME=/tmp
 RUN python3 -m venv /opt/epd \
  && pip install --no-cache-dir -U pip \
- && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+ && pip install --no-cache-dir "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" \
+      --index-url "${TORCH_INDEX_URL}"
 
 COPY . /src
 RUN pip install --no-cache-dir "/src[gpu]" && pip check

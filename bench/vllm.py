@@ -189,7 +189,7 @@ class Server:
             "--max-model-len",
             str(max_model_len),
             "--limit-mm-per-prompt",
-            json.dumps({"image": images_per_prompt}),
+            json.dumps({"image": images_per_prompt, "video": 1}),
             *extra,
         ]
         if ec_config is not None:

@@ -128,7 +128,9 @@ class Dispatcher:
         by ``names`` (its file, say) or else by its index. Bare bytes are an image. A format
         encode workers refuse (GIF, WebM, ...) is refused here, before anything is minted."""
         if not 1 <= len(media) <= MAX_IMAGES:
-            raise DispatchError(f"a request carries 1..{MAX_IMAGES} items, got {len(media)}")
+            raise DispatchError(
+                f"a request carries 1..{MAX_IMAGES} images and videos, got {len(media)}"
+            )
         items = []
         for index, entry in enumerate(media):
             entry = entry if isinstance(entry, Media) else Media(entry)

@@ -9,6 +9,8 @@ output width (``out_hidden_size`` or ``hidden_size``), the DeepStack levels (Qwe
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,3 +154,24 @@ def family(name: str) -> TowerFamily:
         raise ValueError(
             f"unknown family {name!r}; expected one of {', '.join(FAMILIES)}"
         ) from None
+
+
+class TowerLoadError(RuntimeError):
+    """The checkpoint cannot give a complete tower of a supported family."""
+
+
+def detect_family(directory: str) -> str:
+    """The family of the checkpoint in ``directory`` (its ``config.json``'s ``model_type``; a
+    vision-only checkpoint's ends in ``_vision``); ``TowerLoadError`` for another."""
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            model_type = json.load(f).get("model_type", "")
+    except (OSError, ValueError) as exc:
+        raise TowerLoadError(f"cannot read {path}: {exc}") from exc
+    name = model_type.removesuffix("_vision")
+    if name not in FAMILIES:
+        raise TowerLoadError(
+            f"model_type {model_type!r} is not a supported tower ({sorted(FAMILIES)})"
+        )
+    return name

@@ -23,7 +23,6 @@ not covered: see docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from transformers import AutoImageProcessor  # noqa: E402
 from transformers.utils import logging as hf_logging
 
 from data_plane.dtypes import dtype_from_wire
-from encode_worker.families import FAMILIES
+from encode_worker.families import FAMILIES, TowerLoadError, detect_family
 from multimodal.rows import split_rows
 from multimodal.video import load_video_processor
 
@@ -52,25 +51,6 @@ def _quiet_transformers():
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-
-
-class TowerLoadError(RuntimeError):
-    """The checkpoint cannot give a complete tower of a supported family."""
-
-
-def detect_family(directory: str) -> str:
-    path = os.path.join(directory, "config.json")
-    try:
-        with open(path) as f:
-            model_type = json.load(f).get("model_type", "")
-    except (OSError, ValueError) as exc:
-        raise TowerLoadError(f"cannot read {path}: {exc}") from exc
-    family = model_type.removesuffix("_vision")
-    if family not in FAMILIES:
-        raise TowerLoadError(
-            f"model_type {model_type!r} is not a supported tower ({sorted(FAMILIES)})"
-        )
-    return family
 
 
 @dataclass(frozen=True)

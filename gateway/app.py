@@ -1,12 +1,13 @@
 """The gateway's HTTP face: OpenAI's chat completions in front of encode workers and vLLM.
 
-Per request (``Gateway.chat``): read the body (bounded), find its images, load each (``media``),
-hash and size each distinct one and place it on an encode worker (``dispatcher``), rewrite the
-body so vLLM gets each placed image as its patch grid and identifier, with the rooms in
+Per request (``Gateway.chat``): read the body (bounded), find its images and videos, load each
+(``media``), hash and size each distinct one and place it on an encode worker (``dispatcher``),
+rewrite the body so vLLM gets each placed item as its patch grid and identifier, with the rooms in
 ``ec_transfer_params`` (``chat.rewrite``), forward it to vLLM and relay the answer, streamed or
-not. An image no worker took goes to vLLM inline (vLLM's own tower: colocated). A request whose
-delivery fails inside vLLM (vLLM answers 500, or its stream's first event is an error) is sent
-once more with every image inline when ``retry_colocated``. A client that leaves, or a vLLM
+not. An item no worker took goes to vLLM inline (vLLM's own tower: colocated; a video is then
+decoded and sampled by vLLM's own video loader). A request whose delivery fails inside vLLM (vLLM
+answers 500, or its stream's first event is an error) is sent once more with every item inline
+when ``retry_colocated``. A client that leaves, or a vLLM
 refusal, cancels the request's rooms at once (the workers drop those items).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``; vLLM's own
@@ -39,19 +40,21 @@ from prometheus_client import (
 )
 from pydantic import BaseModel, ValidationError
 
-from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError
+from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError, Media
 from dispatcher.workers import WorkerSet
+from encode_worker.families import FAMILIES, detect_family
 from gateway.chat import (
     ChatRequest,
     ChatRequestError,
-    EncodedImage,
-    ImageRef,
-    InlineImage,
-    image_refs,
+    EncodedMedia,
+    InlineMedia,
+    MediaRef,
+    media_refs,
     rewrite,
 )
 from gateway.media import MediaError, MediaFetcher
 from gateway.settings import GatewaySettings
+from multimodal.items import Modality
 from prefill_side.ec_params import DeliveryReport, ItemDelivery, identifier
 
 log = logging.getLogger(__name__)
@@ -90,7 +93,7 @@ class GatewayMetrics:
         )
         self.images = Counter(
             "epd_gateway_images",
-            "Images by who encoded them (encode_worker, colocated)",
+            "Images and videos by who encoded them (encode_worker, colocated)",
             labels + ["encoder"],
             registry=self.registry,
         )
@@ -163,15 +166,17 @@ class OpenAIError(Exception):
 
 @dataclass
 class _Prepared:
-    """A request ready for vLLM: the client's body, its images, and where each was placed."""
+    """A request ready for vLLM: the client's body, its images and videos, and where each was
+    placed."""
 
     request_id: str
     original: dict  # the client's body
     stream: bool
-    refs: list[ImageRef] = field(default_factory=list)
-    items: list[DispatchedItem] = field(default_factory=list)  # one per distinct image
-    of_ref: list[int] = field(default_factory=list)  # the item of each image part
+    refs: list[MediaRef] = field(default_factory=list)
+    items: list[DispatchedItem] = field(default_factory=list)  # one per distinct item
+    of_ref: list[int] = field(default_factory=list)  # the item of each image or video part
     dispatch_s: float = 0.0
+    video_seconds: bool = False  # the model's positions take a video's seconds per patch
 
     @property
     def placed(self) -> list[DispatchedItem]:
@@ -179,18 +184,19 @@ class _Prepared:
         return [item for item in self.items if item.worker is not None]
 
     def vllm_body(self) -> dict:
-        """The body for vLLM as the items stand: a placed image as its grid and identifier, with
+        """The body for vLLM as the items stand: a placed item as its grid and identifier, with
         its room in ``ec_transfer_params``; any other inline (vLLM encodes it)."""
-        images, rooms = [], {}
+        media, rooms = [], {}
         for ref, index in zip(self.refs, self.of_ref):
             item = self.items[index]
             if item.worker is not None:
                 key = identifier(item.content_hash)
-                images.append(EncodedImage(key, item.grid_thw))
+                seconds = item.seconds_per_grid_t if self.video_seconds else None
+                media.append(EncodedMedia(key, item.grid_thw, ref.kind, seconds))
                 rooms[key] = item.encode_handshake.model_dump()
             else:
-                images.append(InlineImage.of(ref, item.data, _media_type(item)))
-        return rewrite(self.original, self.refs, images, rooms) if self.refs else self.original
+                media.append(InlineMedia.of(ref, item.data, _media_type(item)))
+        return rewrite(self.original, self.refs, media, rooms) if self.refs else self.original
 
     def report(self, delivery: DeliveryReport | None) -> GatewayReport:
         images = []
@@ -234,15 +240,26 @@ class GatewayReport(BaseModel):
 
 class Gateway:
     def __init__(
-        self, settings: GatewaySettings, processor, registry: CollectorRegistry | None = None
+        self,
+        settings: GatewaySettings,
+        processor,
+        video_processor=None,
+        registry: CollectorRegistry | None = None,
     ):
+        """``processor`` / ``video_processor``: the checkpoint's (no video processor: videos are
+        refused, 400)."""
         self.settings = settings
+        # the model's positions take a video's seconds per temporal patch (Qwen2.5-VL)
+        self.video_seconds = (
+            video_processor is not None and FAMILIES[detect_family(settings.model)].video_seconds
+        )
         self.workers = WorkerSet(
             list(settings.workers), settings.dns, settings.bootstrap_port, settings.intake_port
         )
         self.dispatcher = Dispatcher(
             self.workers,
             processor,
+            video_processor,
             rooms_url=settings.rooms_url,
             served_model=settings.served_model_name,
             handshake_token=settings.handshake_token,
@@ -253,6 +270,7 @@ class Gateway:
             settings.fetch_timeout_s,
             settings.max_redirects,
             settings.allow_private_urls,
+            settings.max_video_bytes,
         )
         self.metrics = GatewayMetrics(settings.served_model_name, registry)
         self._session: aiohttp.ClientSession | None = None
@@ -327,23 +345,26 @@ class Gateway:
 
     async def _prepare(self, body: dict, chat: ChatRequest) -> _Prepared:
         try:
-            refs = image_refs(chat)
+            refs = media_refs(chat)
         except ChatRequestError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
-        prepared = _Prepared(f"gw-{uuid.uuid4().hex}", body, chat.stream, refs)
+        prepared = _Prepared(
+            f"gw-{uuid.uuid4().hex}", body, chat.stream, refs, video_seconds=self.video_seconds
+        )
         if not refs:
             return prepared
         started = time.monotonic()
         loaded = await asyncio.gather(
-            *(self.fetcher.load(ref.url) for ref in refs), return_exceptions=True
+            *(self.fetcher.load(ref.url, ref.kind) for ref in refs), return_exceptions=True
         )
-        distinct: dict[bytes, int] = {}
+        distinct: dict[Media, int] = {}
         for ref, data in zip(refs, loaded):
             if isinstance(data, MediaError):
                 raise OpenAIError(400, f"{ref.param}: {data}", param=ref.param)
             if isinstance(data, BaseException):
                 raise data
-            prepared.of_ref.append(distinct.setdefault(data, len(distinct)))
+            media = Media(data, Modality.VIDEO if ref.kind == "video" else Modality.IMAGE)
+            prepared.of_ref.append(distinct.setdefault(media, len(distinct)))
         try:
             prepared.items = self.dispatcher.describe(
                 list(distinct), [refs[prepared.of_ref.index(i)].param for i in range(len(distinct))]
@@ -612,6 +633,8 @@ def _first_token_or_error(event: bytes) -> str | None:
 
 
 def _media_type(item: DispatchedItem) -> str:
+    if item.modality is Modality.VIDEO:
+        return "video/mp4"
     return Image.MIME.get(item.image_format, "application/octet-stream")
 
 

@@ -1,10 +1,12 @@
-"""A chat completion request's images: found in the client's body, and the body rewritten for vLLM.
+"""A chat completion request's images and videos: found in the client's body, and the body
+rewritten for vLLM.
 
 The client's body is OpenAI's: ``messages[i].content`` a string or a list of parts; an image is a
-part ``{"type": "image_url", "image_url": {"url": ...}}``. Everything else in the body travels to
-vLLM as the client wrote it, except what only the gateway may set: ``ec_transfer_params``,
-``image_embeds`` parts and an item's ``uuid`` (an identifier names content; a client that chose
-one could make vLLM's caches serve another image's embedding).
+part ``{"type": "image_url", "image_url": {"url": ...}}``, a video (vLLM's extension) a part
+``{"type": "video_url", "video_url": {"url": ...}}``. Everything else in the body travels to vLLM
+as the client wrote it, except what only the gateway may set: ``ec_transfer_params``,
+``image_embeds`` / ``video_embeds`` parts and an item's ``uuid`` (an identifier names content; a
+client that chose one could make vLLM's caches serve another item's embedding).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_MESSAGES = 1024
-MAX_URL_CHARS = 64 << 20  # a data: URI of the largest image the gateway takes, with room to spare
+MAX_URL_CHARS = 128 << 20  # a data: URI of the largest item the gateway takes, with room to spare
+KINDS = ("image", "video")  # a part of type f"{kind}_url" carries one; f"{kind}_embeds" is ours
 
 
 class ChatRequestError(ValueError):
@@ -45,20 +48,22 @@ class ChatRequest(BaseModel):
 
 
 @dataclass(frozen=True)
-class ImageRef:
-    """One ``image_url`` part: where it sits, and its URL."""
+class MediaRef:
+    """One ``image_url`` or ``video_url`` part: where it sits, what it is, and its URL."""
 
     message: int
     part: int
     url: str
+    kind: str = "image"  # one of KINDS
 
     @property
     def param(self) -> str:
-        return f"messages[{self.message}].content[{self.part}].image_url"
+        return f"messages[{self.message}].content[{self.part}].{self.kind}_url"
 
 
-def image_refs(request: ChatRequest) -> list[ImageRef]:
-    """Every image part, in prompt order; ``ChatRequestError`` for what the gateway refuses."""
+def media_refs(request: ChatRequest) -> list[MediaRef]:
+    """Every image and video part, in prompt order; ``ChatRequestError`` for what the gateway
+    refuses."""
     if request.model_extra and "ec_transfer_params" in request.model_extra:
         raise ChatRequestError(
             "ec_transfer_params is set by the gateway, not by clients", "ec_transfer_params"
@@ -72,72 +77,85 @@ def image_refs(request: ChatRequest) -> list[ImageRef]:
             kind = part.get("type")
             if not isinstance(kind, str):
                 raise ChatRequestError("a content part needs a string 'type'", f"{where}.type")
-            if kind == "image_embeds":
+            media, _, form = kind.rpartition("_")
+            if media not in KINDS:
+                continue
+            if form == "embeds":
                 raise ChatRequestError(
-                    "image_embeds parts are set by the gateway; send the image as image_url", where
+                    f"{kind} parts are set by the gateway; send the {media} as {media}_url", where
                 )
-            if kind != "image_url":
+            if form != "url":
                 continue
             if "uuid" in part:
                 raise ChatRequestError(
-                    "an image's uuid is set by the gateway (its content hash)", f"{where}.uuid"
+                    f"a {media}'s uuid is set by the gateway (its content hash)", f"{where}.uuid"
                 )
-            image_url = part.get("image_url")
-            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            value = part.get(kind)
+            url = value.get("url") if isinstance(value, dict) else value
             if not isinstance(url, str) or not url:
-                raise ChatRequestError("image_url needs a 'url' string", f"{where}.image_url")
+                raise ChatRequestError(f"{kind} needs a 'url' string", f"{where}.{kind}")
             if len(url) > MAX_URL_CHARS:
                 raise ChatRequestError(
-                    f"image_url is longer than {MAX_URL_CHARS} characters", f"{where}.image_url"
+                    f"{kind} is longer than {MAX_URL_CHARS} characters", f"{where}.{kind}"
                 )
-            refs.append(ImageRef(m, p, url))
+            refs.append(MediaRef(m, p, url, media))
     return refs
 
 
 @dataclass(frozen=True)
-class EncodedImage:
-    """An image whose rows the encode workers deliver: the part vLLM gets names it by identifier."""
+class EncodedMedia:
+    """An item whose rows the encode workers deliver: the part vLLM gets names it by identifier
+    and carries its patch grid (a video's also its seconds per temporal patch, where the model's
+    positions take them)."""
 
     identifier: str
     grid_thw: tuple[int, int, int]
+    kind: str = "image"
+    seconds_per_grid_t: float | None = None
+
+    def part(self) -> dict:
+        embeds: dict = {f"{self.kind}_grid_thw": list(self.grid_thw)}
+        if self.seconds_per_grid_t is not None:
+            embeds["second_per_grid_ts"] = [self.seconds_per_grid_t]
+        return {
+            "type": f"{self.kind}_embeds",
+            f"{self.kind}_embeds": embeds,
+            "uuid": self.identifier,
+        }
 
 
 @dataclass(frozen=True)
-class InlineImage:
-    """An image vLLM encodes itself (colocated): the part carries it as a ``data:`` URI."""
+class InlineMedia:
+    """An item vLLM encodes itself (colocated): the part carries it as a ``data:`` URI."""
 
     url: str
+    kind: str = "image"
 
     @classmethod
-    def of(cls, ref: ImageRef, data: bytes, media_type: str) -> InlineImage:
+    def of(cls, ref: MediaRef, data: bytes, media_type: str) -> InlineMedia:
         """The client's own data URI, or the fetched bytes as one (vLLM need not fetch again)."""
         if ref.url.startswith("data:"):
-            return cls(ref.url)
-        return cls(f"data:{media_type};base64,{base64.b64encode(data).decode()}")
+            return cls(ref.url, ref.kind)
+        return cls(f"data:{media_type};base64,{base64.b64encode(data).decode()}", ref.kind)
+
+    def part(self) -> dict:
+        return {"type": f"{self.kind}_url", f"{self.kind}_url": {"url": self.url}}
 
 
 def rewrite(
     body: dict,
-    refs: list[ImageRef],
-    images: list[EncodedImage | InlineImage],
+    refs: list[MediaRef],
+    media: list[EncodedMedia | InlineMedia],
     rooms: dict[str, dict] | None,
 ) -> dict:
-    """The body for vLLM: each image part replaced by ``images[i]``'s part, and the rooms of the
-    encoded ones in ``ec_transfer_params``. ``body`` is left as it was."""
+    """The body for vLLM: each image or video part replaced by ``media[i]``'s part, and the rooms
+    of the encoded ones in ``ec_transfer_params``. ``body`` is left as it was."""
     out = copy.copy(body)
     out["messages"] = [dict(message) for message in body["messages"]]
     for m in {ref.message for ref in refs}:
         out["messages"][m]["content"] = list(out["messages"][m]["content"])
-    for ref, image in zip(refs, images, strict=True):
-        if isinstance(image, EncodedImage):
-            part = {
-                "type": "image_embeds",
-                "image_embeds": {"image_grid_thw": list(image.grid_thw)},
-                "uuid": image.identifier,
-            }
-        else:
-            part = {"type": "image_url", "image_url": {"url": image.url}}
-        out["messages"][ref.message]["content"][ref.part] = part
+    for ref, item in zip(refs, media, strict=True):
+        out["messages"][ref.message]["content"][ref.part] = item.part()
     if rooms:
         out["ec_transfer_params"] = {"rooms": rooms}
     return out

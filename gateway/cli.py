@@ -18,14 +18,16 @@ from process_settings import SettingError, check_listen, refuse
 
 
 def main(argv: list[str] | None = None) -> int:
+    from encode_worker.families import TowerLoadError
     from gateway.app import Gateway, build_app
     from handshake.server import serve
 
     try:
         settings = GatewaySettings.from_command_line(argv)
-        processor = settings.image_processor()
+        processor, video_processor = settings.image_processor(), settings.video_processor()
         check_listen(settings.host, settings.port, "--port")
-    except SettingError as exc:
+        gateway = Gateway(settings, processor, video_processor)
+    except (SettingError, TowerLoadError) as exc:
         return refuse(GatewaySettings.PROG, exc)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.port,
         settings.vllm_url,
     )
-    serve(build_app(Gateway(settings, processor)), settings.host, settings.port)
+    serve(build_app(gateway), settings.host, settings.port)
     return 0
 
 

@@ -1,7 +1,9 @@
-"""An OpenAI ``image_url`` to the image's bytes: ``data:`` URIs decoded, ``http(s)`` URLs fetched.
+"""An OpenAI ``image_url`` (or vLLM's ``video_url``) to the item's bytes: ``data:`` URIs decoded,
+``http(s)`` URLs fetched.
 
-Contract: every image is at most ``max_bytes``; a fetch gets ``timeout_s`` in all (redirects
-included), follows at most ``max_redirects`` redirects, and takes only an ``image/*`` answer.
+Contract: every image is at most ``max_bytes``, every video at most ``max_video_bytes``; a fetch
+gets ``timeout_s`` in all (redirects included), follows at most ``max_redirects`` redirects, and
+takes only an answer of the item's kind (``image/*``, ``video/*``).
 Unless ``allow_private`` is set, no hop may reach a loopback, private, link-local, multicast,
 reserved or unspecified address: a literal IP is checked before the hop, a name is checked on
 every address the resolver returns for the connection itself (so a name that resolves elsewhere
@@ -25,7 +27,7 @@ REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
 class MediaError(ValueError):
-    """This image cannot be used; the message says why, in terms the client understands."""
+    """This item cannot be used; the message says why, in terms the client understands."""
 
 
 def _public(address: str) -> bool:
@@ -60,8 +62,10 @@ class MediaFetcher:
         timeout_s: float = 10.0,
         max_redirects: int = 3,
         allow_private: bool = False,
+        max_video_bytes: int = 64 << 20,
     ):
-        self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self.timeout_s = timeout_s
+        self.limits = {"image": max_bytes, "video": max_video_bytes}
         self.max_redirects, self.allow_private = max_redirects, allow_private
         self._session: aiohttp.ClientSession | None = None
 
@@ -70,43 +74,45 @@ class MediaFetcher:
             await self._session.close()
             self._session = None
 
-    async def load(self, url: str) -> bytes:
-        """The image ``url`` names (``data:`` or ``http(s)://``)."""
+    async def load(self, url: str, kind: str = "image") -> bytes:
+        """The image (or video: ``kind``) ``url`` names (``data:`` or ``http(s)://``)."""
         if url.startswith("data:"):
-            return self.decode_data_uri(url)
+            return self.decode_data_uri(url, kind)
         if url.startswith(("http://", "https://")):
             try:
-                return await asyncio.wait_for(self._fetch(url), self.timeout_s)
+                return await asyncio.wait_for(self._fetch(url, kind), self.timeout_s)
             except TimeoutError:
                 raise MediaError(
                     f"fetching {_short(url)} took longer than {self.timeout_s:g} s"
                 ) from None
-        raise MediaError(f"image_url must be a data: URI or an http(s) URL, got {_short(url)}")
+        raise MediaError(f"{kind}_url must be a data: URI or an http(s) URL, got {_short(url)}")
 
-    def decode_data_uri(self, url: str) -> bytes:
+    def decode_data_uri(self, url: str, kind: str = "image") -> bytes:
+        limit = self.limits[kind]
         header, comma, payload = url[5:].partition(",")
         if not comma:
             raise MediaError("data URI without a ',' before its payload")
         media_type, *parameters = header.split(";")
-        if not media_type.lower().startswith("image/"):
+        if not media_type.lower().startswith(f"{kind}/"):
             raise MediaError(
-                f"data URI of type {media_type or '(none)'!r}: an image/* type is required"
+                f"data URI of type {media_type or '(none)'!r}: a {kind}/* type is required"
             )
         if "base64" not in (p.strip().lower() for p in parameters):
             raise MediaError("data URI is not base64 (';base64,' is required)")
-        if len(payload) > (self.max_bytes + 2) // 3 * 4 + 4:
-            raise MediaError(f"image larger than {self.max_bytes} bytes")
+        if len(payload) > (limit + 2) // 3 * 4 + 4:
+            raise MediaError(f"{kind} larger than {limit} bytes")
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise MediaError("data URI payload is not valid base64") from None
         if not data:
-            raise MediaError("data URI carries an empty image")
-        if len(data) > self.max_bytes:
-            raise MediaError(f"image larger than {self.max_bytes} bytes")
+            raise MediaError(f"data URI carries an empty {kind}")
+        if len(data) > limit:
+            raise MediaError(f"{kind} larger than {limit} bytes")
         return data
 
-    async def _fetch(self, url: str) -> bytes:
+    async def _fetch(self, url: str, kind: str) -> bytes:
+        limit = self.limits[kind]
         session = self._client()
         for _ in range(self.max_redirects + 1):
             target = self._checked(url)
@@ -122,20 +128,21 @@ class MediaFetcher:
                         continue
                     if response.status != 200:
                         raise MediaError(f"{_short(url)} answered HTTP {response.status}")
-                    kind = response.headers.get("Content-Type", "").split(";")[0].strip().lower()
-                    if not kind.startswith("image/"):
+                    answered = (
+                        response.headers.get("Content-Type", "").split(";")[0].strip().lower()
+                    )
+                    if not answered.startswith(f"{kind}/"):
                         raise MediaError(
-                            f"{_short(url)} is {kind or 'of no content type'}, not an image/* type"
+                            f"{_short(url)} is {answered or 'of no content type'}, "
+                            f"not a {kind}/* type"
                         )
-                    if (response.content_length or 0) > self.max_bytes:
-                        raise MediaError(f"{_short(url)}: image larger than {self.max_bytes} bytes")
+                    if (response.content_length or 0) > limit:
+                        raise MediaError(f"{_short(url)}: {kind} larger than {limit} bytes")
                     data = bytearray()
                     async for chunk in response.content.iter_chunked(1 << 16):
                         data += chunk
-                        if len(data) > self.max_bytes:
-                            raise MediaError(
-                                f"{_short(url)}: image larger than {self.max_bytes} bytes"
-                            )
+                        if len(data) > limit:
+                            raise MediaError(f"{_short(url)}: {kind} larger than {limit} bytes")
                     if not data:
                         raise MediaError(f"{_short(url)} answered an empty body")
                     return bytes(data)

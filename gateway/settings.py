@@ -41,8 +41,11 @@ class GatewaySettings(EncodeWorkerTargets):
     max_image_bytes: ByteSize = Field(
         20 << 20, description="largest image taken (data URI or fetched)"
     )
+    max_video_bytes: ByteSize = Field(
+        64 << 20, description="largest video taken (data URI or fetched)"
+    )
     fetch_timeout_s: PositiveSeconds = Field(
-        10.0, description="time to fetch one http(s) image, redirects included"
+        10.0, description="time to fetch one http(s) image or video, redirects included"
     )
     max_redirects: NonNegativeInt = Field(
         3, description="redirects followed when fetching an image"

@@ -19,6 +19,7 @@ from bench.cluster import HOST, LocalCluster, free_port  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
 from dispatcher.workers import WorkerAddress  # noqa: E402
 from encode_worker.vlm_checkpoints import cached_vlm  # noqa: E402
+from tests.encode_helpers import mp4  # noqa: E402
 from tests.image_server import serving  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
@@ -355,6 +356,42 @@ def test_failed_delivery_is_retried_colocated(stack):
         )
         == 2
     )
+
+
+def test_a_video_and_an_image_through_the_gateway(stack):
+    """A video_url (an MP4 data URI) beside an image: both encoded by the worker (the video sized
+    from its header by the gateway, its sampled frames decoded by the worker) and delivered over
+    SHM; another video gives another answer. (vLLM's own video loader decodes and samples
+    otherwise than transformers' PyAV reader, so there is no colocated answer to equal here:
+    tests/test_vllm_connector.py compares the same frames.)"""
+
+    def ask(video: bytes):
+        video_uri = "data:video/mp4;base64," + base64.b64encode(video).decode()
+        image_uri = data_uri(synthetic_image(84, 84, seed=81))
+        return stack.client.chat.completions.create(
+            model=stack.model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "video_url", "video_url": {"url": video_uri}},
+                        {"type": "image_url", "image_url": {"url": image_uri}},
+                        {"type": "text", "text": "Describe the video and the picture."},
+                    ],
+                }
+            ],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+        )
+
+    answer = ask(mp4(25, 64, 96, seed=82))
+    report = answer.model_extra["epd"]["images"]
+    assert [item["encoder"] for item in report] == ["encode_worker"] * 2
+    assert [item["delivery"]["state"] for item in report] == ["DONE"] * 2
+    assert report[0]["rows"] == 12  # (2, 4, 6) patches / 4
+    assert answer.usage.completion_tokens == MAX_TOKENS
+    other = ask(mp4(25, 64, 96, seed=83))
+    assert other.choices[0].message.content != answer.choices[0].message.content
 
 
 def test_models_health_and_text_only(stack):

@@ -17,9 +17,9 @@ from dispatcher.workers import WorkerAddress
 from gateway.chat import (
     ChatRequest,
     ChatRequestError,
-    EncodedImage,
-    InlineImage,
-    image_refs,
+    EncodedMedia,
+    InlineMedia,
+    media_refs,
     rewrite,
 )
 from gateway.media import MediaError, MediaFetcher
@@ -34,7 +34,7 @@ def image_server():
 
 def test_only_the_gateway_sets_rooms_embeds_and_identifiers():
     def refs(content, **extra):
-        return image_refs(
+        return media_refs(
             ChatRequest.model_validate(
                 {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
             )
@@ -48,12 +48,18 @@ def test_only_the_gateway_sets_rooms_embeds_and_identifiers():
     assert refused.value.param == "messages[0].content[0].uuid"
     with pytest.raises(ChatRequestError, match="image_embeds"):
         refs([{"type": "image_embeds", "image_embeds": {}}])
+    with pytest.raises(ChatRequestError, match="video_embeds"):
+        refs([{"type": "video_embeds", "video_embeds": {}}])
+    with pytest.raises(ChatRequestError, match="video's uuid") as refused:
+        refs(
+            [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}, "uuid": "x"}]
+        )
     with pytest.raises(ChatRequestError, match="'url'"):
         refs([{"type": "image_url", "image_url": {}}])
     assert refs("just text") == []
 
 
-def test_rewrite_replaces_each_image_part_and_keeps_the_rest():
+def test_rewrite_replaces_each_image_and_video_part_and_keeps_the_rest():
     body = {
         "model": "m",
         "temperature": 0,
@@ -65,16 +71,25 @@ def test_rewrite_replaces_each_image_part_and_keeps_the_rest():
                     {"type": "text", "text": "Two:"},
                     {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}},
                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    {"type": "video_url", "video_url": {"url": "http://example.com/v.mp4"}},
                 ],
             },
         ],
     }
-    refs = image_refs(ChatRequest.model_validate(body))
-    assert [(r.message, r.part) for r in refs] == [(1, 1), (1, 2)]
+    refs = media_refs(ChatRequest.model_validate(body))
+    assert [(r.message, r.part, r.kind) for r in refs] == [
+        (1, 1, "image"),
+        (1, 2, "image"),
+        (1, 3, "video"),
+    ]
     out = rewrite(
         body,
         refs,
-        [EncodedImage("ab" * 16, (1, 4, 6)), InlineImage("data:image/png;base64,AAAA")],
+        [
+            EncodedMedia("ab" * 16, (1, 4, 6)),
+            InlineMedia("data:image/png;base64,AAAA"),
+            EncodedMedia("cd" * 16, (2, 4, 6), "video", 1.25),
+        ],
         {"ab" * 16: {"bootstrap_room": 7, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998}},
     )
     assert out["messages"][1]["content"][1] == {
@@ -85,6 +100,11 @@ def test_rewrite_replaces_each_image_part_and_keeps_the_rest():
     assert out["messages"][1]["content"][2] == {
         "type": "image_url",
         "image_url": {"url": "data:image/png;base64,AAAA"},
+    }
+    assert out["messages"][1]["content"][3] == {
+        "type": "video_embeds",
+        "uuid": "cd" * 16,
+        "video_embeds": {"video_grid_thw": [2, 4, 6], "second_per_grid_ts": [1.25]},
     }
     assert out["ec_transfer_params"]["rooms"]["ab" * 16]["bootstrap_room"] == 7
     assert out["messages"][0] == body["messages"][0] and out["temperature"] == 0

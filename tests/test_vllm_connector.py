@@ -222,21 +222,23 @@ def test_multi_image_with_a_repeat(stack):
     assert stack.pool_idle()
 
 
-def test_a_video_and_an_image_in_one_request_equal_colocated(stack):
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_a_video_and_an_image_in_one_request_equal_colocated(stack, transport):
     """An MP4 (sized by the dispatcher from its header, its sampled frames decoded by the worker)
-    and an image, their grids alone in the request: tokens equal vLLM's colocated run of the same
-    frames (transformers' PyAV reader, the checkpoint's sampling) and image; another video's rows
-    give other tokens."""
-    video, image = mp4(25, 64, 96, seed=71), synthetic_image(84, 84, seed=72)
-    items = stack.dispatch([Media(video, Modality.VIDEO), image], stack.workers["shm"])
+    and an image, their grids alone in the request, delivered over ``transport``: tokens equal
+    vLLM's colocated run of the same frames (transformers' PyAV reader, the checkpoint's sampling)
+    and image; another video's rows give other tokens."""
+    seed = 71 if transport == "shm" else 75
+    video, image = mp4(25, 64, 96, seed=seed), synthetic_image(84, 84, seed=seed + 1)
+    items = stack.dispatch([Media(video, Modality.VIDEO), image], stack.workers[transport])
     # 4 of 25 frames (2 fps, rounded down to temporal pairs), 56x84 after resizing; sampled at
     # 1.6 fps, so 1.25 s per temporal patch (Qwen2.5-VL's positions take it)
     assert items[0].grid_thw == (2, 4, 6) and items[0].seconds_per_grid_t == 1.25
     prompt = f"Describe {VIDEO_PROMPT} and {IMAGE_PROMPT}."
-    before = stack.items("done", "shm")
+    before = stack.items("done", transport)
     output = stack.run(*vllm_request(prompt, items, model_type=stack.family))
     assert output.outputs[0].finish_reason == "length"
-    assert stack.items("done", "shm") == before + 2
+    assert stack.items("done", transport) == before + 2
     processor = load_video_processor(stack.model)
     frames = transformers_frames(processor, video)
     metadata = {
@@ -258,7 +260,7 @@ def test_a_video_and_an_image_in_one_request_equal_colocated(stack):
     )
     assert list(output.outputs[0].token_ids) == list(colocated.outputs[0].token_ids)
     other = stack.dispatch(
-        [Media(mp4(25, 64, 96, seed=73), Modality.VIDEO), image], stack.workers["shm"]
+        [Media(mp4(25, 64, 96, seed=seed + 2), Modality.VIDEO), image], stack.workers[transport]
     )
     other_output = stack.run(*vllm_request(prompt, other, model_type=stack.family))
     assert list(other_output.outputs[0].token_ids) != list(colocated.outputs[0].token_ids)
