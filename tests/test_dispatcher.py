@@ -12,15 +12,16 @@ from PIL import Image
 
 from bench.images import synthetic_image
 from dispatcher import Dispatcher, DispatchError, HashRing, WorkerAddress, WorkerSet
+from dispatcher.dispatch import Media
 from encode_worker.inputs import image_from_bytes
 from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
 from handshake.app import create_app
 from handshake.models import RoomState
 from handshake.server import ThreadedServer
-from multimodal.items import MultimodalInputs
+from multimodal.items import Modality, MultimodalInputs
 from prefill_side import JobState
-from tests.encode_helpers import loopback_stack
+from tests.encode_helpers import loopback_stack, mp4
 
 # ---- the ring ----------------------------------------------------------------------------------
 
@@ -172,6 +173,50 @@ def test_a_request_arrives_byte_exact_with_rows_from_the_image_header(stack, tow
         expected = tower.encode_items(processed["pixel_values"], processed["image_grid_thw"])[0]
         assert torch.equal(item.encoded, expected)  # rows, placement and bytes all agree
         assert item.image_grid_thw.tolist() == processed["image_grid_thw"].tolist()
+
+
+def test_images_and_a_video_in_one_request_arrive_with_rows_from_their_headers(stack, tower):
+    """The video's grid comes from its container header (frame count, rate, size) and the video
+    processor config; the worker decodes its sampled frames; every item arrives byte-exact."""
+    from tests.test_video import transformers_frames
+
+    worker, receiver = stack
+    video = mp4(30, 72, 120, seed=5)
+    media = [synthetic_image(224, 160, 6), Media(video, Modality.VIDEO), synthetic_image(96, 96, 7)]
+    items = _dispatch(worker, tower, media, video_processor=tower.video_processor)
+    assert all(item.error is None and item.worker for item in items)
+    assert items[1].modality is Modality.VIDEO and items[1].grid_thw[0] == 3  # 6 frames at 2 fps
+    job, state, inputs = _receive(receiver, items)
+    assert state is JobState.DONE, job.reasons
+    frames = transformers_frames(tower.video_processor, video)
+    processed = tower.video_processor(videos=[frames], return_tensors="pt")
+    expected = tower.encode_items(processed["pixel_values_videos"], processed["video_grid_thw"])[0]
+    assert torch.equal(inputs.mm_items[1].encoded, expected)
+    assert inputs.mm_items[1].video_grid_thw.tolist() == processed["video_grid_thw"].tolist()
+    for index in (0, 2):
+        processed = tower.processor(images=[image_from_bytes(media[index])], return_tensors="pt")
+        expected = tower.encode_items(processed["pixel_values"], processed["image_grid_thw"])[0]
+        assert torch.equal(inputs.mm_items[index].encoded, expected)
+
+
+def test_a_dispatcher_sizing_a_video_otherwise_is_refused_before_any_encode(stack, tower):
+    """Another sampling rate on the dispatcher's side: the worker sizes the video otherwise and
+    fails it at intake, before decoding or encoding it; the prefill side learns at once."""
+    import copy
+
+    worker, receiver = stack
+    elsewhere = copy.deepcopy(tower.video_processor)
+    elsewhere.fps = 1.0
+    calls = worker.metrics.batch_items._sum.get()
+    items = _dispatch(
+        worker, tower, [Media(mp4(30, 64, 64, seed=8), Modality.VIDEO)], video_processor=elsewhere
+    )
+    (item,) = items
+    assert item.worker is None and "disagree" in item.error
+    job, state, _ = _receive(receiver, items)
+    assert state is JobState.FAILED
+    assert worker.metrics.batch_items._sum.get() == calls  # no tower call
+    assert len(worker.queue) == 0
 
 
 def test_a_refused_item_gets_a_cancelled_room_so_the_prefill_side_fails_fast(stack, tower):
