@@ -73,6 +73,11 @@ def _qwen2_video_processor() -> Qwen2VLVideoProcessor:
     )
 
 
+# Qwen3-VL's patches and normalisation, as its image and video processors take them.
+QWEN3_PATCHES = dict(
+    patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3
+)
+
 FAMILIES: dict[str, TowerFamily] = {
     family.model_type: family
     for family in (
@@ -123,19 +128,10 @@ FAMILIES: dict[str, TowerFamily] = {
                 deepstack_visual_indexes=list(range(min(depth, 2))),
             ),
             lambda: Qwen2VLImageProcessorPil(
-                patch_size=16,
-                temporal_patch_size=2,
-                merge_size=2,
-                image_mean=[0.5] * 3,
-                image_std=[0.5] * 3,
-                size={"shortest_edge": 65536, "longest_edge": 16777216},
+                **QWEN3_PATCHES, size={"shortest_edge": 65536, "longest_edge": 16777216}
             ),
             lambda: Qwen3VLVideoProcessor(
-                patch_size=16,
-                temporal_patch_size=2,
-                merge_size=2,
-                image_mean=[0.5] * 3,
-                image_std=[0.5] * 3,
+                **QWEN3_PATCHES,
                 size={"shortest_edge": 4096, "longest_edge": 4 * 64 * 32 * 32},
                 fps=2.0,
                 cap_pixels_per_frame=False,

@@ -15,7 +15,7 @@ from data_plane.shm import ShmTensorHandle
 from encode_worker.config import WorkerConfig
 from encode_worker.inputs import image_from_bytes
 from encode_worker.intake import IntakeClient, IntakeReply, IntakeRequest, IntakeStatus
-from encode_worker.small_checkpoints import build_full, build_vision_only
+from encode_worker.small_checkpoints import build_vision_only
 from encode_worker.tower import TowerLoadError, VisionTower
 from encode_worker.worker import EncodeWorker
 from handshake.models import RoomState
@@ -30,13 +30,6 @@ FULL_CLASSES = {
     "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
 }
 SIZES = [(64, 64), (300, 200), (128, 96)]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {
-        family: build_full(family, str(tmp_path_factory.mktemp(family))) for family in FULL_CLASSES
-    }
 
 
 def reference_rows(full_model, tower, image_png: bytes) -> torch.Tensor:

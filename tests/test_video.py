@@ -12,7 +12,6 @@ from transformers.video_utils import read_video_pyav
 
 from encode_worker.families import FAMILIES
 from encode_worker.intake import IntakeRequest, IntakeStatus
-from encode_worker.small_checkpoints import build_full
 from handshake.models import RoomState
 from multimodal.video import DEFAULT_FPS, BadVideo, read_header, video_grid
 from tests.encode_helpers import mp4, png, video_frames
@@ -23,13 +22,6 @@ from tests.test_encode_worker import (
     make_worker,
     reference_rows,
 )
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {
-        family: build_full(family, str(tmp_path_factory.mktemp(family))) for family in FULL_CLASSES
-    }
 
 
 def wire_rows(out) -> torch.Tensor:
