@@ -24,6 +24,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+ARTICLE = {"image": "an", "video": "a"}  # "an image/* type", "a video/* type"
 
 
 class MediaError(ValueError):
@@ -95,7 +96,8 @@ class MediaFetcher:
         media_type, *parameters = header.split(";")
         if not media_type.lower().startswith(f"{kind}/"):
             raise MediaError(
-                f"data URI of type {media_type or '(none)'!r}: a {kind}/* type is required"
+                f"data URI of type {media_type or '(none)'!r}: {ARTICLE[kind]} {kind}/* type is "
+                "required"
             )
         if "base64" not in (p.strip().lower() for p in parameters):
             raise MediaError("data URI is not base64 (';base64,' is required)")
@@ -134,7 +136,7 @@ class MediaFetcher:
                     if not answered.startswith(f"{kind}/"):
                         raise MediaError(
                             f"{_short(url)} is {answered or 'of no content type'}, "
-                            f"not a {kind}/* type"
+                            f"not {ARTICLE[kind]} {kind}/* type"
                         )
                     if (response.content_length or 0) > limit:
                         raise MediaError(f"{_short(url)}: {kind} larger than {limit} bytes")

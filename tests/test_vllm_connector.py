@@ -469,7 +469,7 @@ def test_vllm_request_from_dispatched_items():
     room = EncodeHandshake(bootstrap_room=7, bootstrap_host="10.0.0.5", bootstrap_port=8998)
     placed = DispatchedItem(
         index=0,
-        image=b"a",
+        data=b"a",
         content_hash=0xABC,
         width=84,
         height=56,
@@ -479,7 +479,7 @@ def test_vllm_request_from_dispatched_items():
     )
     unplaced = DispatchedItem(
         index=1,
-        image=b"b",
+        data=b"b",
         content_hash=0xDEF,
         width=56,
         height=56,
@@ -496,3 +496,25 @@ def test_vllm_request_from_dispatched_items():
     request, params = vllm_request(prompt_for(2), [placed, unplaced], images=["A", "B"])
     assert request["multi_modal_data"]["image"] == ["A", "B"]
     assert params == {"rooms": {identifier(0xABC): room.model_dump()}}
+    video = DispatchedItem(
+        index=2,
+        data=b"v",
+        content_hash=0x123,
+        width=96,
+        height=64,
+        grid_thw=(2, 4, 6),
+        rows=12,
+        encode_handshake=room,
+        modality=Modality.VIDEO,
+        seconds_per_grid_t=1.25,
+    )
+    for model_type, seconds in (("qwen2_vl", None), ("qwen2_5_vl", [1.25])):
+        request, _ = vllm_request(prompt_for(1), [placed, video], model_type=model_type)
+        assert request["multi_modal_uuids"] == {
+            "image": [identifier(0xABC)],
+            "video": [identifier(0x123)],
+        }
+        data = request["multi_modal_data"]["video"]
+        assert data["video_grid_thw"].tolist() == [[2, 4, 6]]
+        assert (data["second_per_grid_ts"].tolist() if seconds else None) == seconds
+        assert ("second_per_grid_ts" in data) == (seconds is not None)
