@@ -15,6 +15,7 @@ from process_settings import (
     AnyPort,
     ByteSize,
     Dtype,
+    NonNegativeSeconds,
     PositiveByteSize,
     PositiveInt,
     PositiveSeconds,
@@ -28,6 +29,9 @@ from process_settings.secrets import HandshakeToken, IntakeToken
 # to its pixels. 4096 x 4096 is above a 12 MP photo and above what the Qwen2.5-VL and Qwen3-VL
 # processors resize to (12.8 and 16.8 M pixels).
 MAX_PIXELS = 16 << 20
+# The batching window's ceiling: it trades a lone item's latency for batches that form under load,
+# and a few milliseconds are enough to gather a burst's items (docs/performance.md).
+MAX_BATCH_WINDOW_S = 0.05
 
 
 class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
@@ -67,6 +71,12 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
     mooncake_force_tcp: bool = Field(False, description="Mooncake over TCP even where RDMA exists")
     batch_patches: PositiveInt = Field(16384, description="tower input patches per batch")
     batch_items: PositiveInt = Field(8, description="items per batch")
+    batch_window_s: NonNegativeSeconds = Field(
+        0.002,
+        le=MAX_BATCH_WINDOW_S,
+        description="how long a batch not yet full waits for more items, from its oldest item's "
+        "arrival (0: take what is queued)",
+    )
     queue_items: PositiveInt = Field(
         64, description="items waiting for the tower before intake refuses"
     )

@@ -5,6 +5,11 @@ The queue holds at most ``max_items`` jobs and ``max_bytes`` of their payloads (
 received: image files, raw pixels). A job whose patches (or pixels) alone exceed the budget runs
 in a batch of its own. ``put`` never blocks: a full queue is refused at once, so the dispatcher
 learns it (backpressure) instead of waiting.
+
+The batching window: a batch that is not full (its item cap, or a budget the next job would
+pass) waits for more jobs until ``window_s`` after its oldest job arrived, then goes as it is.
+So the items of a burst share a batch, a lone item waits at most ``window_s``, and a job that
+already waited in the queue behind a busy tower does not wait again.
 """
 
 from __future__ import annotations
@@ -52,12 +57,14 @@ class BatchQueue:
         batch_items: int,
         pixel_budget: int | None = None,
         max_bytes: int | None = None,
+        window_s: float = 0.0,
     ):
         self.max_items = max_items
         self.patch_budget = patch_budget
         self.batch_items = batch_items
         self.pixel_budget = pixel_budget
         self.max_bytes = max_bytes
+        self.window_s = window_s
         self.nbytes = 0
         self._jobs: collections.deque[EncodeJob] = collections.deque()
         self._ready = threading.Condition()
@@ -82,26 +89,42 @@ class BatchQueue:
             return True
 
     def take_batch(self, timeout: float) -> list[EncodeJob]:
-        """The next FIFO batch: at least one job, then more while within the budgets and cap."""
+        """The next FIFO batch: at least one job, then more while within the budgets and cap;
+        a batch that could take more waits for them within the window."""
         with self._ready:
             if not self._jobs and not self._ready.wait_for(
                 lambda: self._jobs or self.closed, timeout
             ):
                 return []
-            batch: list[EncodeJob] = []
-            patches = pixels = 0
-            while self._jobs and len(batch) < self.batch_items:
-                job = self._jobs[0]
-                if batch and (
-                    patches + job.patches > self.patch_budget
-                    or (self.pixel_budget is not None and pixels + job.pixels > self.pixel_budget)
-                ):
-                    break
-                batch.append(self._jobs.popleft())
+            if self.window_s and not self.closed:
+                until = self._jobs[0].received_at + self.window_s
+                self._ready.wait_for(
+                    lambda: self.closed or self._batch_size() < len(self._jobs) or self._at_cap(),
+                    max(0.0, until - time.monotonic()),
+                )
+            batch = [self._jobs.popleft() for _ in range(self._batch_size())]
+            for job in batch:
                 self.nbytes -= job.nbytes
-                patches += job.patches
-                pixels += job.pixels
             return batch
+
+    def _batch_size(self) -> int:
+        """How many jobs from the head make the next batch (at least one)."""
+        count = patches = pixels = 0
+        for job in self._jobs:
+            if count == self.batch_items:
+                break
+            if count and (
+                patches + job.patches > self.patch_budget
+                or (self.pixel_budget is not None and pixels + job.pixels > self.pixel_budget)
+            ):
+                break
+            count += 1
+            patches += job.patches
+            pixels += job.pixels
+        return count
+
+    def _at_cap(self) -> bool:
+        return self._batch_size() == self.batch_items
 
     def drain(self) -> list[EncodeJob]:
         with self._ready:

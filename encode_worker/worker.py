@@ -125,6 +125,7 @@ class EncodeWorker:
             config.batch_items,
             config.batch_pixels,
             config.queue_bytes,
+            config.batch_window_s,
         )
         self.ring = SlotPool(
             MemoryRegion.anonymous(config.ring_bytes),

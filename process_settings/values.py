@@ -102,6 +102,7 @@ AnyPort = Annotated[int, BeforeValidator(_port(0))]  # 0: any free port, the one
 PositiveInt = Annotated[int, BeforeValidator(_bounded(int, above_zero=True))]
 NonNegativeInt = Annotated[int, BeforeValidator(_bounded(int, above_zero=False))]
 PositiveSeconds = Annotated[float, BeforeValidator(_bounded(float, above_zero=True))]
+NonNegativeSeconds = Annotated[float, BeforeValidator(_bounded(float, above_zero=False))]
 ByteSize = Annotated[int, BeforeValidator(_byte_size(above_zero=False))]
 PositiveByteSize = Annotated[int, BeforeValidator(_byte_size(above_zero=True))]
 Dtype = Annotated[str, BeforeValidator(_dtype)]

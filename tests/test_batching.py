@@ -1,0 +1,96 @@
+"""The batch queue's window: a batch that is not full waits for more items, within the window from
+its oldest item's arrival; full, closed by a budget, or already old, it goes at once. Each wait
+here is bounded by a join that fails loudly; no test asserts a duration."""
+
+import threading
+import time
+
+import pytest
+
+from encode_worker.config import WorkerConfig
+from encode_worker.scheduler import BatchQueue, EncodeJob
+from multimodal.wire import EncodeHandshake
+from process_settings import SettingError
+
+LONG_S = 60.0  # a window no test waits out: a batch that went early did not wait for it
+
+
+def job(index: int, patches: int = 4, age_s: float = 0.0) -> EncodeJob:
+    handshake = EncodeHandshake(bootstrap_room=index + 1, bootstrap_host="h", bootstrap_port=1)
+    return EncodeJob(
+        f"r{index}",
+        handshake,
+        index,
+        "bytes",
+        b"",
+        patches=patches,
+        received_at=time.monotonic() - age_s,
+    )
+
+
+class Taker:
+    """``take_batch`` on a thread of its own, as the Prepare stage calls it."""
+
+    def __init__(self, queue: BatchQueue):
+        self.batch: list[EncodeJob] | None = None
+        self._thread = threading.Thread(target=self._take, args=(queue,), daemon=True)
+        self._thread.start()
+
+    def _take(self, queue: BatchQueue) -> None:
+        self.batch = queue.take_batch(LONG_S)
+
+    def result(self, seconds: float = 10.0) -> list[int]:
+        self._thread.join(seconds)
+        if self._thread.is_alive():
+            raise TimeoutError(f"take_batch still waiting after {seconds} s")
+        return [j.content_hash for j in self.batch]
+
+
+def test_a_burst_fills_one_batch_within_the_window():
+    queue = BatchQueue(max_items=16, patch_budget=10**6, batch_items=3, window_s=LONG_S)
+    assert queue.put(job(0))
+    taker = Taker(queue)
+    time.sleep(0.05)  # the taker holds a batch of one, waiting for more
+    assert taker.batch is None
+    assert queue.put(job(1)) and queue.put(job(2)) and queue.put(job(3))
+    assert taker.result() == [0, 1, 2]  # full: it went without waiting out the window
+    assert [j.content_hash for j in queue.take_batch(0)] == [3]
+
+
+def test_a_budget_the_next_item_would_pass_closes_the_batch_at_once():
+    queue = BatchQueue(max_items=16, patch_budget=10, batch_items=8, window_s=LONG_S)
+    assert queue.put(job(0, patches=6)) and queue.put(job(1, patches=6))
+    assert Taker(queue).result() == [0]
+
+
+def test_an_item_that_already_waited_its_window_does_not_wait_again():
+    queue = BatchQueue(max_items=16, patch_budget=10**6, batch_items=8, window_s=LONG_S)
+    assert queue.put(job(0, age_s=LONG_S + 1))  # queued behind a busy tower for longer
+    assert Taker(queue).result() == [0]
+
+
+def test_a_lone_item_goes_when_its_window_ends():
+    queue = BatchQueue(max_items=16, patch_budget=10**6, batch_items=8, window_s=0.05)
+    assert queue.put(job(0))
+    assert Taker(queue).result() == [0]
+
+
+def test_without_a_window_a_batch_takes_what_is_queued():
+    queue = BatchQueue(max_items=16, patch_budget=10**6, batch_items=8, window_s=0.0)
+    assert queue.put(job(0))
+    assert [j.content_hash for j in queue.take_batch(0)] == [0]
+
+
+def test_draining_the_queue_ends_a_waiting_batch():
+    queue = BatchQueue(max_items=16, patch_budget=10**6, batch_items=8, window_s=LONG_S)
+    assert queue.put(job(0))
+    taker = Taker(queue)
+    time.sleep(0.05)
+    queue.drain()
+    assert taker.result() in ([0], [])  # taken before the drain, or drained with the queue
+
+
+@pytest.mark.parametrize("window", ["-0.001", "0.5"])
+def test_the_window_is_bounded(window, tmp_path):
+    with pytest.raises((SettingError, ValueError)):
+        WorkerConfig(model=str(tmp_path), batch_window_s=window)
