@@ -142,6 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     coalesce.add_argument("--size", type=int, default=112, help="square image side in pixels")
     coalesce.add_argument("--seed", type=int, default=0)
     coalesce.add_argument("--json", default=None)
+    batching = sub.add_parser(
+        "batching", help="the batching window: batch sizes under bursts, a lone item's wait"
+    )
+    batching.add_argument(
+        "--windows", default="0,0.002,0.005", help="comma-separated windows in seconds"
+    )
+    batching.add_argument("--burst", type=int, default=8, help="items sent back to back")
+    batching.add_argument("--bursts", type=int, default=12, help="bursts per round")
+    batching.add_argument("--lone", type=int, default=20, help="lone items per round")
+    batching.add_argument("--size", type=int, default=224, help="square image side in pixels")
+    batching.add_argument("--rounds", type=int, default=3)
+    batching.add_argument("--json", default=None)
     return parser
 
 
@@ -181,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import coalesce
 
         return coalesce.main(args)
+    if args.command == "batching":
+        from bench import batching
+
+        return batching.main(args)
     if args.command == "handshake":
         from bench import handshake
 
