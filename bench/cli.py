@@ -142,6 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
     coalesce.add_argument("--size", type=int, default=112, help="square image side in pixels")
     coalesce.add_argument("--seed", type=int, default=0)
     coalesce.add_argument("--json", default=None)
+    overload = sub.add_parser(
+        "overload", help="thousands of items in flight through the dispatcher: none lost"
+    )
+    overload.add_argument("--requests", type=int, default=200, help="requests started at once")
+    overload.add_argument("--images-per-request", type=int, default=10)
+    overload.add_argument(
+        "--workers", default="1,2", help="comma-separated encode worker counts, one phase each"
+    )
+    overload.add_argument("--size", type=int, default=224, help="square image side in pixels")
+    overload.add_argument(
+        "--deadline-s", type=float, default=60.0, help="each request's receive deadline"
+    )
+    overload.add_argument("--json", default=None)
     batching = sub.add_parser(
         "batching", help="the batching window: batch sizes under bursts, a lone item's wait"
     )
@@ -193,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import coalesce
 
         return coalesce.main(args)
+    if args.command == "overload":
+        from bench import overload
+
+        return overload.main(args)
     if args.command == "batching":
         from bench import batching
 

@@ -1,0 +1,323 @@
+"""`epd-bench overload`: more items in flight than the towers can take, and nothing lost.
+
+Processes: one encode worker (then two: ``workers`` phases, each a fresh cluster) and two
+reference prefill processes (``epd-prefill``: receivers), started by ``bench.cluster``; the
+dispatcher, the clients and the probes run here. All ``requests`` requests of
+``images_per_request`` distinct images each start at once (so ``requests x images_per_request``
+items are in flight, far more than a worker's queue holds and arriving faster than its tower
+encodes them); each is dispatched (the real ``Dispatcher``: a worker refusing "queue full" says
+when to retry, and the dispatcher retries within its intake timeout, then fails the item and
+cancels its room), then posted to a prefill process (alternating) with ``deadline_s``.
+
+Per item, the outcome: DONE, or FAILED with the reason the prefill process reports (a room the
+dispatcher could not place is cancelled, so it fails at once with that reason). An item is
+**lost** when its request got no report (the prefill call did not answer within the deadline
+plus a margin: it hung) or its report has no reason for a failure. Also measured: intake
+refusals (the workers' ``epd_encoder_requests_total{status="refused"}``), the time from a
+request's start to its report, the handshake's latency under the load (a probe on a thread and
+event loop of its own mints and cancels one room at a worker's room API every
+``probe_interval_s``; p50 / p99 of the mint), and each process's resident memory (sampled from
+/proc with each probe; start, peak, end).
+Goals: 0 lost, every request's report within its deadline, handshake p99 <= 20 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import Counter
+
+from bench.images import synthetic_image
+
+HANDSHAKE_P99_GOAL_S = 0.020
+MARGIN_S = 15.0  # past its deadline, a prefill call that has not answered counts as hung
+
+
+def _rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _refused(session, url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(url + "/metrics") as response:
+        text = await response.text()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "epd_encoder_requests_total" and sample.labels.get("status") == (
+                "refused"
+            ):
+                total += sample.value
+    return total
+
+
+def phase(
+    model: str,
+    workers: int,
+    images: list[bytes],
+    requests: int,
+    images_per_request: int,
+    deadline_s: float,
+    probe_interval_s: float,
+    worker_extra: tuple[str, ...] = (),
+    progress=print,
+) -> dict:
+    import aiohttp
+    from transformers import AutoImageProcessor
+
+    from bench.cluster import LocalCluster
+    from dispatcher import Dispatcher, WorkerSet
+    from dispatcher.cli import prefill_body
+    from handshake.client import HandshakeClient
+
+    with LocalCluster(model, "float32") as cluster:
+        encode = [
+            cluster.start_encode_worker(
+                f"encode-worker-{i}", transports="shm", cache_bytes=0, extra=worker_extra
+            )
+            for i in range(workers)
+        ]
+        prefills = [cluster.start_prefill(f"prefill-{i}", transports="shm") for i in (0, 1)]
+        cluster.wait_ready()
+        roles = encode + prefills
+
+        async def load() -> dict:
+            worker_set = WorkerSet([role.worker for role in encode])
+            await worker_set.refresh()
+            dispatcher = Dispatcher(worker_set, AutoImageProcessor.from_pretrained(model))
+            rss = {role.name: [_rss_bytes(role.process.pid)] for role in roles}
+            probe_s: list[float] = []
+            stop = threading.Event()
+
+            async def probing() -> None:
+                probe = HandshakeClient(encode[0].url, None, timeout_s=5.0, retries=0)
+                try:
+                    while not stop.is_set():
+                        started = time.monotonic()
+                        (room,) = await probe.mint(1, 30)
+                        probe_s.append(time.monotonic() - started)
+                        await probe.cancel([room], "probe")
+                        for role in roles:
+                            rss[role.name].append(_rss_bytes(role.process.pid))
+                        await asyncio.sleep(probe_interval_s)
+                finally:
+                    await probe.close()
+
+            prober = threading.Thread(target=lambda: asyncio.run(probing()), daemon=True)
+
+            async def request(session, index: int) -> dict:
+                started = time.monotonic()
+                batch = images[index * images_per_request : (index + 1) * images_per_request]
+                placed = await dispatcher.dispatch(f"overload-{index}", batch)
+                body = prefill_body(f"overload-{index}", placed, verify=False)
+                body["timeout_s"] = deadline_s
+                url = prefills[index % 2].url + "/v1/prefill"
+                try:
+                    async with session.post(
+                        url, json=body, timeout=aiohttp.ClientTimeout(total=deadline_s + MARGIN_S)
+                    ) as response:
+                        report = await response.json()
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    report = {"hung": f"{type(exc).__name__}: {exc}"}
+                return {
+                    "seconds": time.monotonic() - started,
+                    "report": report,
+                    "dispatch_errors": [item.error for item in placed],
+                }
+
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                prober.start()
+                started = time.monotonic()
+                try:
+                    results = await asyncio.gather(
+                        *(request(session, index) for index in range(requests))
+                    )
+                finally:
+                    seconds = time.monotonic() - started
+                    stop.set()
+                    prober.join(30)
+                    refused = [await _refused(session, role.url) for role in encode]
+                    await dispatcher.close()
+                    await worker_set.close()
+            for role in roles:
+                rss[role.name].append(_rss_bytes(role.process.pid))
+            return {
+                "results": results,
+                "seconds": seconds,
+                "probe_s": probe_s,
+                "rss": rss,
+                "refused": refused,
+            }
+
+        measured = asyncio.run(load())
+    return _summary(measured, workers, requests, images_per_request, deadline_s)
+
+
+def _summary(measured: dict, workers: int, requests: int, per_request: int, deadline: float):
+    outcomes, reasons, lost, late = Counter(), Counter(), 0, 0
+    for result in measured["results"]:
+        report = result["report"]
+        items = report.get("items") if isinstance(report, dict) else None
+        if not items or len(items) != per_request:
+            lost += per_request
+            continue
+        late += result["seconds"] > deadline + MARGIN_S
+        for item in items:
+            state = item.get("state")
+            outcomes[state] += 1
+            if state != "DONE":
+                if not item.get("reason"):
+                    lost += 1
+                reasons[_reason_class(item.get("reason") or "")] += 1
+    request_s = [r["seconds"] for r in measured["results"]]
+    probe = measured["probe_s"]
+    return {
+        "workers": workers,
+        "requests": requests,
+        "images_per_request": per_request,
+        "items": requests * per_request,
+        "deadline_s": deadline,
+        "seconds": measured["seconds"],
+        "outcomes": dict(outcomes),
+        "failure_reasons": dict(reasons),
+        "lost": lost,
+        "reports_past_deadline": late,
+        "intake_refusals": sum(measured["refused"]),
+        "request_s": {
+            "p50": _percentile(request_s, 0.5),
+            "p99": _percentile(request_s, 0.99),
+            "max": max(request_s) if request_s else None,
+        },
+        "handshake_probe_ms": {
+            "count": len(probe),
+            "p50": (_percentile(probe, 0.5) or 0) * 1e3,
+            "p99": (_percentile(probe, 0.99) or 0) * 1e3,
+            "max": max(probe) * 1e3 if probe else None,
+        },
+        "rss_mib": {
+            name: {
+                "start": samples[0] / 2**20,
+                "peak": max(s for s in samples if s) / 2**20,
+                "end": samples[-1] / 2**20,
+            }
+            for name, samples in measured["rss"].items()
+            if samples and samples[0] and samples[-1]
+        },
+        "delivered_items_per_s": outcomes.get("DONE", 0) / measured["seconds"],
+    }
+
+
+def _reason_class(reason: str) -> str:
+    """A failure reason without its item-specific parts (rooms, addresses, numbers)."""
+    lowered = reason.lower()
+    for known in (
+        "queue full",
+        "no healthy encode worker",
+        "cancelled",
+        "expired",
+        "timed out",
+        "pool",
+    ):
+        if known in lowered:
+            return known
+    return reason[:80]
+
+
+def run(
+    requests: int = 200,
+    images_per_request: int = 10,
+    workers: tuple[int, ...] = (1, 2),
+    size: int = 224,
+    deadline_s: float = 60.0,
+    probe_interval_s: float = 0.02,
+    worker_extra: tuple[str, ...] = (),
+    progress=print,
+) -> dict:
+    from bench.encode import bench_tower
+
+    model = bench_tower(depth=2, hidden=64, width=1024)
+    images = [synthetic_image(size, size, seed) for seed in range(requests * images_per_request)]
+    phases = []
+    for count in workers:
+        progress(f"  {count} encode worker(s): {requests * images_per_request} items in flight")
+        result = phase(
+            model,
+            count,
+            images,
+            requests,
+            images_per_request,
+            deadline_s,
+            probe_interval_s,
+            worker_extra,
+            progress,
+        )
+        progress(
+            f"    {result['outcomes']}, lost {result['lost']}, refusals "
+            f"{result['intake_refusals']:.0f}, handshake p99 "
+            f"{result['handshake_probe_ms']['p99']:.1f} ms"
+        )
+        phases.append(result)
+    return {
+        "size": size,
+        "tower": {"depth": 2, "hidden": 64, "out_width": 1024, "dtype": "float32"},
+        "phases": phases,
+        "goals": {
+            "lost": "0 items lost",
+            "deadline": "every report within its deadline",
+            "handshake_p99_ms": HANDSHAKE_P99_GOAL_S * 1e3,
+        },
+        "met": all(
+            p["lost"] == 0
+            and p["reports_past_deadline"] == 0
+            and p["handshake_probe_ms"]["p99"] <= HANDSHAKE_P99_GOAL_S * 1e3
+            for p in phases
+        ),
+    }
+
+
+def main(args) -> int:
+    workers = tuple(int(n) for n in args.workers.split(","))
+    print(
+        f"epd-bench overload: {args.requests} requests x {args.images_per_request} images "
+        f"({args.size}x{args.size}) at once, encode workers {workers}, two prefill processes"
+    )
+    report = run(args.requests, args.images_per_request, workers, args.size, args.deadline_s)
+    for p in report["phases"]:
+        request_s = "/".join(f"{p['request_s'][q]:.2f}" for q in ("p50", "p99", "max"))
+        print(
+            f"\n{p['workers']} worker(s): {p['items']} items in {p['seconds']:.1f} s; outcomes "
+            f"{p['outcomes']}; failure reasons {p['failure_reasons']}; lost {p['lost']}; "
+            f"intake refusals {p['intake_refusals']:.0f}; request p50/p99/max "
+            f"{request_s} s;"
+            f" handshake probe p50/p99 {p['handshake_probe_ms']['p50']:.2f}/"
+            f"{p['handshake_probe_ms']['p99']:.2f} ms ({p['handshake_probe_ms']['count']} probes);"
+            f" delivered {p['delivered_items_per_s']:.0f} items/s"
+        )
+        for name, rss in p["rss_mib"].items():
+            print(
+                f"  {name}: RSS {rss['start']:.0f} -> peak {rss['peak']:.0f} -> end "
+                f"{rss['end']:.0f} MiB"
+            )
+    print(f"goals ({report['goals']}): {'met' if report['met'] else 'NOT met'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if report["met"] else 1
