@@ -172,6 +172,7 @@ def phase(
 
 def _summary(measured: dict, workers: int, requests: int, per_request: int, deadline: float):
     outcomes, reasons, lost, late = Counter(), Counter(), 0, 0
+    examples: dict[str, str] = {}  # one reason as reported, per class
     for result in measured["results"]:
         report = result["report"]
         items = report.get("items") if isinstance(report, dict) else None
@@ -185,7 +186,9 @@ def _summary(measured: dict, workers: int, requests: int, per_request: int, dead
             if state != "DONE":
                 if not item.get("reason"):
                     lost += 1
-                reasons[_reason_class(item.get("reason") or "")] += 1
+                kind = _reason_class(item.get("reason") or "")
+                reasons[kind] += 1
+                examples.setdefault(kind, item.get("reason") or "")
     request_s = [r["seconds"] for r in measured["results"]]
     probe = measured["probe_s"]
     return {
@@ -197,6 +200,7 @@ def _summary(measured: dict, workers: int, requests: int, per_request: int, dead
         "seconds": measured["seconds"],
         "outcomes": dict(outcomes),
         "failure_reasons": dict(reasons),
+        "failure_examples": examples,
         "lost": lost,
         "reports_past_deadline": late,
         "intake_refusals": sum(measured["refused"]),

@@ -7,8 +7,10 @@ from the file header; a video's from its container header's frame count, rate an
 checkpoint's video processor config: nothing is decoded); one room per item, minted in one call
 per endpoint; each item's bytes to its worker's intake, all in flight at once. An item whose
 worker refuses it, times out or cannot be reached has its room cancelled at once and is placed on
-the next worker in the ring; when no worker takes it, its cancelled room is what the prefill side
-gets, so it fails fast (or falls back) with the reason instead of waiting.
+the next worker in the ring. When every worker tried is busy (queue full, with a retry-after),
+the item backs off (doubling from the workers' retry-after up to ``MAX_BACKOFF_S``, jittered) and
+tries them again, within the intake timeout; when no worker takes it, its cancelled room is what
+the prefill side gets, so it fails fast (or falls back) with the reason instead of waiting.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import random
 import re
 import time
 from dataclasses import dataclass, field
@@ -38,6 +41,7 @@ log = logging.getLogger(__name__)
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
 MAX_IMAGES = 64  # items (images and videos) per request
 MAX_IMAGE_BYTES = 64 << 20  # per item, a video's too
+MAX_BACKOFF_S = 1.0  # the longest wait before trying busy workers again
 
 
 class DispatchError(ValueError):
@@ -66,6 +70,7 @@ class DispatchedItem:
     error: str | None = None  # why no worker took it (its room, if any, is cancelled)
     attempts: list[str] = field(default_factory=list)  # workers tried, in order
     dispatch_s: float = 0.0  # from the start of dispatch to the worker's acknowledgement
+    retry_after_s: float | None = None  # the last worker refused it busy: retry after this
     image_format: str = ""  # PIL's name for an image (PNG, JPEG, ...); "MP4/MOV" for a video
     modality: Modality = Modality.IMAGE
     # a video's seconds per temporal patch (temporal patch size / the sampled frames' rate), as
@@ -218,20 +223,33 @@ class Dispatcher:
         if not REQUEST_ID.match(request_id):
             raise DispatchError(f"request id {request_id!r}: 1..100 of [A-Za-z0-9._:-]")
         started = time.monotonic()
-        unplaced = items
-        for _ in range(self.max_attempts):
-            routes = self._route(unplaced, near)
-            if not routes:
-                break
-            await asyncio.gather(
-                *(
-                    self._place(request_id, address, batch, started)
-                    for address, batch in routes.items()
+        deadline = started + self.intake_timeout_s
+        unplaced, backoff = items, 0.0
+        while unplaced:
+            tried: dict[int, set[str]] = {id(item): set() for item in unplaced}
+            for _ in range(self.max_attempts):
+                routes = self._route(unplaced, near, tried)
+                if not routes:
+                    break
+                await asyncio.gather(
+                    *(
+                        self._place(request_id, address, batch, started)
+                        for address, batch in routes.items()
+                    )
                 )
-            )
-            unplaced = [item for item in items if item.worker is None]
-            if not unplaced:
+                unplaced = [item for item in unplaced if item.worker is None]
+                if not unplaced:
+                    break
+            # every worker tried was busy for these: back off, then try them all again
+            busy = [item for item in unplaced if item.retry_after_s is not None]
+            if not busy:
                 break
+            backoff = min(max(2 * backoff, max(item.retry_after_s for item in busy)), MAX_BACKOFF_S)
+            wait = backoff * random.uniform(0.5, 1.0)  # requests refused together spread out
+            if time.monotonic() + wait > deadline:
+                break
+            await asyncio.sleep(wait)
+            unplaced = busy
         for item in items:
             if item.worker is None and item.error is None:
                 item.error = "no healthy encode worker" + (
@@ -255,20 +273,22 @@ class Dispatcher:
                 log.warning("could not cancel %d rooms at %s: %s", len(rooms), url, exc)
 
     def _route(
-        self, items: list[DispatchedItem], near: str | None
+        self, items: list[DispatchedItem], near: str | None, tried: dict[int, set[str]]
     ) -> dict[WorkerAddress, list[DispatchedItem]]:
-        """The next untried healthy worker for each item, grouped by worker."""
+        """The next healthy worker not yet ``tried`` (this round) for each item, grouped by
+        worker."""
         routes: dict[WorkerAddress, list[DispatchedItem]] = {}
         for item in items:
             address = next(
                 (
                     a
                     for a in self.workers.candidates(item.content_hash, near)
-                    if a.name not in item.attempts
+                    if a.name not in tried[id(item)]
                 ),
                 None,
             )
             if address is not None:
+                tried[id(item)].add(address.name)
                 item.attempts.append(address.name)
                 routes.setdefault(address, []).append(item)
         return routes
@@ -289,25 +309,27 @@ class Dispatcher:
         for item, room in zip(items, rooms):
             item.encode_handshake = EncodeHandshake.at(endpoint, room)
         replies = await asyncio.gather(*(self._send(request_id, address, item) for item in items))
-        refused = []
-        for item, reason in zip(items, replies):
+        refused: dict[str, list[int]] = {}  # the reason -> the rooms refused for it
+        for item, (reason, retry_after_s) in zip(items, replies):
+            item.retry_after_s = retry_after_s
             if reason is None:
                 item.worker, item.error = address.name, None
                 item.dispatch_s = time.monotonic() - started
             else:
                 item.error = f"{address.name}: {reason}"
-                refused.append(item.encode_handshake.bootstrap_room)
-        if refused:
+                refused.setdefault(reason, []).append(item.encode_handshake.bootstrap_room)
+        for reason, rooms in refused.items():  # the prefill side reads why in the room
             try:
-                await rooms_client.cancel(refused, "encode dispatch failed")
+                await rooms_client.cancel(rooms, f"encode dispatch failed: {reason}"[:200])
             except HandshakeError as exc:
-                log.warning("could not cancel %d rooms at %s: %s", len(refused), endpoint, exc)
+                log.warning("could not cancel %d rooms at %s: %s", len(rooms), endpoint, exc)
 
     async def _send(
         self, request_id: str, address: WorkerAddress, item: DispatchedItem
-    ) -> str | None:
-        """None when the worker accepted the item, else why not. A worker that does not answer
-        leaves the ring; a full queue is retried until the intake timeout."""
+    ) -> tuple[str | None, float | None]:
+        """``(None, None)`` when the worker accepted the item, else why not and, for a busy
+        worker (queue full), when it says to retry. A worker that does not answer leaves the
+        ring."""
         request = IntakeRequest(
             request_id=f"{request_id}.{item.index}",
             model=self.served_model,
@@ -318,21 +340,16 @@ class Dispatcher:
             grid_thw=list(item.grid_thw),  # the worker fails an item it sizes otherwise
             token=self.intake_token,
         )
-        intake = self._intake(address)
-        deadline = time.monotonic() + self.intake_timeout_s
-        while True:
-            try:
-                reply = await intake.send(request, item.data)
-            except TimeoutError as exc:
-                self.workers.mark_down(address, str(exc))
-                return str(exc)
-            except IntakeRefused as exc:
-                return str(exc)
-            if reply.status is IntakeStatus.ACCEPTED:
-                return None
-            if reply.retry_after_s is None or time.monotonic() + reply.retry_after_s > deadline:
-                return f"refused: {reply.reason}"
-            await asyncio.sleep(reply.retry_after_s)
+        try:
+            reply = await self._intake(address).send(request, item.data)
+        except TimeoutError as exc:
+            self.workers.mark_down(address, str(exc))
+            return str(exc), None
+        except IntakeRefused as exc:
+            return str(exc), None
+        if reply.status is IntakeStatus.ACCEPTED:
+            return None, None
+        return f"refused: {reply.reason}", reply.retry_after_s
 
     # ---- connections -----------------------------------------------------------------------
 
