@@ -29,7 +29,13 @@ from PIL import Image
 
 from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
 from encode_worker.inputs import ALLOWED_FORMATS
-from encode_worker.intake import AsyncIntakeClient, IntakeRefused, IntakeRequest, IntakeStatus
+from encode_worker.intake import (
+    AsyncIntakeClient,
+    IntakeBusy,
+    IntakeRefused,
+    IntakeRequest,
+    IntakeStatus,
+)
 from handshake.client import HandshakeClient, HandshakeError
 from multimodal.hashing import hash_feature
 from multimodal.items import GRID_KEYS, Modality, MultimodalDataItem
@@ -115,6 +121,8 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self._rooms: dict[str, HandshakeClient] = {}
         self._intakes: dict[str, AsyncIntakeClient] = {}
+        # a worker that refused busy is not sent more until then (its answer would be the same)
+        self._busy_until: dict[str, float] = {}
 
     async def close(self) -> None:
         for client in self._rooms.values():
@@ -296,6 +304,12 @@ class Dispatcher:
     async def _place(
         self, request_id: str, address: WorkerAddress, items: list[DispatchedItem], started: float
     ) -> None:
+        busy_for = self._busy_until.get(address.name, 0.0) - time.monotonic()
+        if busy_for > 0:  # no rooms minted (and cancelled) for items it would refuse
+            for item in items:
+                item.error = f"{address.name}: refused: busy (queue full)"
+                item.retry_after_s = busy_for
+            return
         rooms_client, endpoint = self._room_endpoint(address)
         try:
             rooms = await rooms_client.mint(len(items), self.room_ttl_s)
@@ -340,16 +354,29 @@ class Dispatcher:
             grid_thw=list(item.grid_thw),  # the worker fails an item it sizes otherwise
             token=self.intake_token,
         )
+        busy_for = self._busy_until.get(address.name, 0.0) - time.monotonic()
+        if busy_for > 0:  # it refused another item of this batch meanwhile
+            return "refused: busy (queue full)", busy_for
         try:
             reply = await self._intake(address).send(request, item.data)
         except TimeoutError as exc:
             self.workers.mark_down(address, str(exc))
             return str(exc), None
+        except IntakeBusy as exc:
+            return str(exc), self._busy(address, exc.retry_after_s)
         except IntakeRefused as exc:
             return str(exc), None
         if reply.status is IntakeStatus.ACCEPTED:
             return None, None
+        if reply.retry_after_s is not None:
+            self._busy(address, reply.retry_after_s)
         return f"refused: {reply.reason}", reply.retry_after_s
+
+    def _busy(self, address: WorkerAddress, retry_after_s: float) -> float:
+        if len(self._busy_until) >= MAX_WORKERS:  # workers come and go (DNS)
+            self._busy_until.clear()
+        self._busy_until[address.name] = time.monotonic() + retry_after_s
+        return retry_after_s
 
     # ---- connections -----------------------------------------------------------------------
 

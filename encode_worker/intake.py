@@ -24,6 +24,7 @@ from data_plane.json_fields import json_int
 from multimodal.wire import EncodeHandshake
 
 MAX_METADATA_BYTES = 64 << 10
+QUEUE_FULL_RETRY_S = 0.1  # retry_after_s of a busy refusal: queue full, too many in flight
 
 
 class ShmPixels(BaseModel):
@@ -104,6 +105,13 @@ class IntakeRefused(ValueError):
     def __init__(self, reason: str, room: int | None = None):
         super().__init__(reason)
         self.room = room
+
+
+class IntakeBusy(IntakeRefused):
+    """Refused by the client itself: too many messages in flight to that worker already (as a
+    full queue there, worth retrying after ``retry_after_s``)."""
+
+    retry_after_s = QUEUE_FULL_RETRY_S
 
 
 def parse_request(
@@ -209,7 +217,7 @@ class AsyncIntakeClient:
         if room in self._waiting:
             raise IntakeRefused(f"room {room} already has a message in flight", room)
         if len(self._waiting) >= self.max_in_flight:
-            raise IntakeRefused(f"{self.max_in_flight} messages in flight to {self.endpoint}", room)
+            raise IntakeBusy(f"{self.max_in_flight} messages in flight to {self.endpoint}", room)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_replies())
         future = self._waiting[room] = asyncio.get_running_loop().create_future()

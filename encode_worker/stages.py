@@ -46,6 +46,7 @@ from encode_worker.inputs import (
     video_frames,
 )
 from encode_worker.intake import (
+    QUEUE_FULL_RETRY_S,
     IntakeRefused,
     IntakeReply,
     IntakeRequest,
@@ -77,7 +78,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INTAKE_POLL_MS = 100  # how often the intake loop looks at the stop signal
 TAKE_BATCH_S = 0.2  # how long Prepare waits for a batch before looking at the stop signal
-QUEUE_FULL_RETRY_S = 0.1  # the retry_after_s of a "queue full" refusal
 SHUTTING_DOWN = "encode worker shutting down"
 
 
