@@ -307,3 +307,119 @@ def test_workers_near_the_prefill_engine_come_first_and_the_rest_stay_as_fallbac
         assert [a for a in workers.candidates(key) if a.host == "127.0.0.1"] == near[
             :2
         ]  # ring order kept
+
+
+class BusyWorker:
+    """A worker whose rooms are real (a handshake server) and whose intake refuses every item
+    "queue full" with a retry-after, counting the messages it is sent."""
+
+    def __init__(self):
+        import threading
+
+        import zmq
+
+        from encode_worker.intake import (
+            QUEUE_FULL_RETRY_S,
+            IntakeReply,
+            IntakeRequest,
+            IntakeStatus,
+        )
+
+        self.server = ThreadedServer(create_app()).start()
+        self.messages = 0
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self.intake_port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self._stop = threading.Event()
+
+        def serve():
+            while not self._stop.is_set():
+                if not self._socket.poll(50):
+                    continue
+                identity, metadata, *_ = self._socket.recv_multipart()
+                self.messages += 1
+                room = IntakeRequest.model_validate_json(metadata).encode_handshake.bootstrap_room
+                reply = IntakeReply(
+                    status=IntakeStatus.REFUSED,
+                    room=room,
+                    reason="queue full",
+                    retry_after_s=QUEUE_FULL_RETRY_S,
+                )
+                self._socket.send_multipart([identity, reply.frame()])
+            self._socket.close(0)
+
+        self._thread = threading.Thread(target=serve, daemon=True)
+        self._thread.start()
+        self.address = WorkerAddress("127.0.0.1", self.server.port, self.intake_port)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.server.stop()
+
+
+def test_a_busy_worker_is_left_alone_and_its_items_go_elsewhere(stack, tower):
+    """Items whose first worker refuses "queue full" are placed on the other; the busy one is sent
+    nothing more during its retry-after (its first refusals answer for it)."""
+    worker, _ = stack
+    busy = BusyWorker()
+    images = [synthetic_image(64, 64, 100 + i) for i in range(8)]
+
+    async def run():
+        workers = WorkerSet(
+            [busy.address, WorkerAddress("127.0.0.1", worker.bootstrap_port, worker.intake_port)]
+        )
+        await workers.refresh()
+        dispatcher = Dispatcher(workers, tower.processor, intake_timeout_s=2.0)
+        try:
+            return await dispatcher.dispatch("req-busy", images)
+        finally:
+            await dispatcher.close()
+            await workers.close()
+
+    try:
+        items = asyncio.run(run())
+    finally:
+        busy.stop()
+    first_on_busy = [item for item in items if item.attempts[0] == busy.address.name]
+    assert first_on_busy, "the ring sent no item to the busy worker first: pick other images"
+    assert all(item.worker == f"127.0.0.1:{worker.bootstrap_port}" for item in items)
+    assert busy.messages == len(first_on_busy)  # one refusal each, sent together; then none
+
+
+def test_items_no_worker_takes_fail_with_the_reason_after_bounded_retries(tower):
+    busy = BusyWorker()
+
+    async def run():
+        workers = WorkerSet([busy.address])
+        await workers.refresh()
+        dispatcher = Dispatcher(workers, tower.processor, intake_timeout_s=1.0)
+        try:
+            return await dispatcher.dispatch(
+                "req-full", [synthetic_image(64, 64, 200 + i) for i in range(3)]
+            )
+        finally:
+            await dispatcher.close()
+            await workers.close()
+
+    try:
+        items = asyncio.run(run())
+        # the last room minted for each was cancelled, with the reason
+        views = [asyncio.run(_room(busy, item.encode_handshake.bootstrap_room)) for item in items]
+    finally:
+        busy.stop()
+    assert all(item.worker is None and "queue full" in item.error for item in items)
+    # backing off (0.1 s doubling to 1 s) within 1 s: a few rounds of 3 messages, not a retry
+    # every 0.1 s per item (30)
+    assert busy.messages <= 18
+    assert all(v.state is RoomState.CANCELLED and "queue full" in v.reason for v in views)
+
+
+async def _room(busy, room):
+    from handshake.client import HandshakeClient
+
+    client = HandshakeClient(f"http://127.0.0.1:{busy.server.port}")
+    try:
+        return await client.get(room)
+    finally:
+        await client.close()
