@@ -155,6 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--deadline-s", type=float, default=60.0, help="each request's receive deadline"
     )
     overload.add_argument("--json", default=None)
+    cost = sub.add_parser(
+        "cost",
+        help="CPU ms per item in each process outside the tower (dispatcher, worker, prefill)",
+    )
+    cost.add_argument("--images-per-request", default="1,8", help="comma-separated")
+    cost.add_argument("--transports", default="shm,mooncake", help="comma-separated")
+    cost.add_argument("--size", type=int, default=112, help="square image side in pixels")
+    cost.add_argument("--seconds", type=float, default=10.0, help="steady run per configuration")
+    cost.add_argument("--concurrency", type=int, default=4, help="closed-loop clients")
+    cost.add_argument("--json", default=None)
     batching = sub.add_parser(
         "batching", help="the batching window: batch sizes under bursts, a lone item's wait"
     )
@@ -210,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import overload
 
         return overload.main(args)
+    if args.command == "cost":
+        from bench import cost
+
+        return cost.main(args)
     if args.command == "batching":
         from bench import batching
 

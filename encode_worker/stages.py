@@ -445,12 +445,13 @@ class TowerStage:
         """Each miss's rows, or None for one whose room failed."""
         pixel_values = torch.cat([miss.inputs.pixel_values for miss in misses])
         grid_thw = torch.cat([miss.inputs.grid_thw for miss in misses])
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.thread_time()
         try:
             rows = split_rows(
                 self.tower.encode(pixel_values, grid_thw), self.tower.rows_per_item(grid_thw)
             )
             seconds = time.monotonic() - started
+            self.metrics.encode_cpu_seconds.inc(time.thread_time() - cpu_started)
             for miss in misses:
                 miss.job.timings.update(queue_s=started - miss.job.received_at, encode_s=seconds)
             self.metrics.encode_seconds.observe(seconds)

@@ -63,6 +63,12 @@ class WorkerMetrics:
         self.encode_seconds = Histogram(
             "epd_encoder_encode_seconds", "Tower time per batch", registry=registry
         )
+        self.encode_cpu_seconds = Counter(
+            "epd_encoder_encode_cpu_seconds",
+            "CPU time of the thread calling the tower (all of the tower's with one intra-op "
+            "thread; the rest of the process's CPU is the worker's own)",
+            registry=registry,
+        )
         self.queue_seconds = Histogram(
             "epd_encoder_queue_seconds",
             "Intake to the tower starting the item's batch",
