@@ -96,6 +96,10 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
     max_video_frames: PositiveInt = Field(
         768, description="most frames of one video (after sampling) through the tower"
     )
+    max_video_pixels: PositiveInt = Field(
+        1 << 28,
+        description="most decoded pixels of one video's sampled frames (3 bytes each in memory)",
+    )
     batch_pixels: PositiveInt | None = Field(
         None, description="decoded pixels per batch (default: twice --max-image-pixels)"
     )

@@ -76,11 +76,12 @@ def pixels_from_shm(handle: ShmTensorHandle) -> torch.Tensor:
 @dataclass(frozen=True)
 class VideoLimits:
     """What a worker decodes of one video (``WorkerConfig``'s ``--max-video-*`` and
-    ``--max-image-pixels`` for a frame)."""
+    ``--max-image-pixels`` for a frame): its memory is bounded before anything is decoded."""
 
     frame_pixels: int
     seconds: float
     frames: int  # sampled frames
+    pixels: int  # all the sampled frames' pixels
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,11 @@ def _plan(
         raise BadItem(
             f"video frames of {width}x{height} are larger than this worker decodes "
             f"({limits.frame_pixels} pixels)"
+        )
+    if frames * height * width > limits.pixels:
+        raise BadItem(
+            f"{frames} frames of {width}x{height} are more pixels than this worker decodes of "
+            f"one video ({limits.pixels})"
         )
     try:
         grid = video_grid(processor, frames, height, width)

@@ -147,11 +147,10 @@ def parse_request(
                 f"payload of {len(payload)} bytes exceeds {max_payload_bytes}", room
             )
         if request.source == "pixels":
-            layout = "[H, W, 3]" if request.modality == "IMAGE" else "[T, H, W, 3]"
-            if request.shape is None or len(request.shape) != len(layout.split(",")):
-                raise IntakeRefused(f"source 'pixels' needs shape {layout}", room)
-            if request.shape[-1] != 3:
-                raise IntakeRefused(f"source 'pixels' needs shape {layout}", room)
+            layout = ["H", "W", "3"] if request.modality == "IMAGE" else ["T", "H", "W", "3"]
+            shape = request.shape
+            if shape is None or len(shape) != len(layout) or shape[-1] != 3:
+                raise IntakeRefused(f"source 'pixels' needs shape [{', '.join(layout)}]", room)
             if math.prod(request.shape) != len(payload):
                 raise IntakeRefused(
                     f"payload of {len(payload)} bytes does not match shape {request.shape}", room

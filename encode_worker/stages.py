@@ -269,6 +269,7 @@ class Intake:
             self.config.max_image_pixels,
             self.config.max_video_seconds,
             self.config.max_video_frames,
+            self.config.max_video_pixels,
         )
         if request.source == "bytes":
             plan = plan_video_file(payload, processor, limits)

@@ -153,7 +153,9 @@ def webm(frames: int = 10) -> bytes:
 
 def test_bad_videos_fail_only_their_rooms(checkpoints):
     directory = checkpoints["qwen2_vl"]
-    worker, receiver = make_worker(directory, max_video_seconds=5, max_video_frames=16)
+    worker, receiver = make_worker(
+        directory, max_video_seconds=5, max_video_frames=16, max_video_pixels=40_000
+    )
     try:
         tower = worker.tower
         good = mp4(20, 64, 64, seed=6)
@@ -166,6 +168,7 @@ def test_bad_videos_fail_only_their_rooms(checkpoints):
             "garbage": (b"\x00" * 4096, "cannot read video"),
             "too long": (mp4(60, 32, 32, seed=8), "longer than this worker decodes"),
             "webm": (webm(), "is not accepted"),
+            "too many pixels": (mp4(20, 128, 128, seed=9), "more pixels than this worker"),
         }
         rooms = worker.table.mint(len(bad) + 2, 60)
         good_frames = transformers_frames(tower.video_processor, good)
