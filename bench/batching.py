@@ -18,7 +18,6 @@ round), medians:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -26,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from bench.encode import NullSink, _batch_buckets, _committed, _images, bench_tower
+from bench.results import write_json
 from bench.rounds import in_round
 
 WINDOWS_S = (0.0, 0.002, 0.005)
@@ -213,8 +213,5 @@ def main(args) -> int:
     print("burst items/s against the first level (same run):")
     for name, row in report["levels"].items():
         print(f"  {name:12s} {row['burst_items_per_s'] / base:5.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0

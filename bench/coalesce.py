@@ -17,12 +17,12 @@ that failed, and throughput. Exit status 1 when the goal is missed or any reques
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import numpy as np
 
 from bench.images import synthetic_image
+from bench.results import write_json
 
 GOAL = 1.01
 
@@ -151,8 +151,5 @@ def main(args) -> int:
     )
     met = ratio <= GOAL and not report["failed_requests"]
     print(f"{report['goal']}: {'met' if met else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0 if met else 1

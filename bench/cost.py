@@ -17,12 +17,12 @@ of CPU per item summed over all processes.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import resource
 import time
 
 from bench.images import synthetic_image
+from bench.results import write_json
 
 GOAL_MS = 0.3
 CONFIGS = ((1, "shm"), (8, "shm"), (1, "mooncake"), (8, "mooncake"))
@@ -206,8 +206,5 @@ def main(args) -> int:
         )
     met = all(row["outside_tower_ms_per_item"] <= GOAL_MS for row in report["configs"])
     print(f"goal <= {GOAL_MS} ms per item outside the tower: {'met' if met else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0 if met else 1

@@ -23,12 +23,12 @@ and the rest (dispatch, rooms, commit checks). Writes JSON (every round) and a P
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import time
 
 from bench.images import synthetic_image
+from bench.results import write_json
 from bench.rounds import in_round
 
 SIDES = ("queue", "encode", "transfer", "handshake")
@@ -333,12 +333,6 @@ def plot(report: dict, path: str) -> None:
     plt.close(figure)
 
 
-def _write_json(report: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {path}")
-
-
 def main(args) -> int:
     counts = tuple(int(n) for n in args.images_per_request.split(","))
     print(
@@ -382,12 +376,11 @@ def main(args) -> int:
             f"(per round: {rounds}), "
             f"p50 latency {ratio['p50_latency_epd_over_colocated']:.2f}"
         )
-    if args.json:
-        _write_json(report, args.json)
+    write_json(args.json, report)
     if args.plot:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
         beside = os.path.splitext(args.plot)[0] + ".json"
         if beside != args.json:
-            _write_json(report, beside)
+            write_json(beside, report)
     return 0 if not any(r["failed"] for r in report["configs"]) else 1

@@ -24,7 +24,6 @@ formed (the worker's ``epd_encoder_batch_items`` histogram over the timed rounds
 from __future__ import annotations
 
 import io
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from bench.results import write_json
 from bench.rounds import in_round
 from data_plane.offers import LoopbackOffer
 from data_plane.transport import CompletedTransfer, Transfer, Transport
@@ -384,8 +384,5 @@ def main(args) -> int:
         print(f"  {name:28s} {value:5.2f}")
     if report["failed_items"]:
         print(f"FAILED items: {report['failed_items']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0 if not report["failed_items"] else 1

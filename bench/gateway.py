@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from bench.results import write_json
 from bench.rounds import in_round
 
 PATHS = ("direct", "gateway-colocated", "gateway-epd")
@@ -235,7 +236,5 @@ def main(args) -> int:
             f"{row['gateway-colocated_cpu_ms_per_image']:>20.2f} / "
             f"{row['gateway-epd_cpu_ms_per_image']:.2f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     return 0 if all(code == 0 for code in report["exit_codes"].values()) else 1

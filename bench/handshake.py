@@ -21,7 +21,6 @@ all its lifecycles.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import statistics
@@ -30,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from bench.results import write_json
 from bench.rounds import in_round
 from data_plane.offers import LoopbackOffer
 from handshake.client import HandshakeClient
@@ -272,8 +272,5 @@ def main(args) -> int:
                 else "not met at any level"
             )
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0

@@ -24,12 +24,12 @@ Goals: 0 lost, every request's report within its deadline, handshake p99 <= 20 m
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections import Counter
 
 from bench.images import synthetic_image
+from bench.results import write_json
 
 HANDSHAKE_P99_GOAL_S = 0.020
 MARGIN_S = 15.0  # past its deadline, a prefill call that has not answered counts as hung
@@ -320,8 +320,5 @@ def main(args) -> int:
                 f"{rss['end']:.0f} MiB"
             )
     print(f"goals ({report['goals']}): {'met' if report['met'] else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0 if report["met"] else 1

@@ -12,10 +12,11 @@ publishing a view of the slot), verifying the checksum, release.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import time
+
+from bench.results import write_json
 
 ROWS, WIDTH = 256, 3584  # a 448x448 image for Qwen2.5-VL-7B, bf16: 1.8 MB
 
@@ -180,8 +181,5 @@ def main(args) -> int:
         "writes) / items"
     )
     report = run(args.jobs)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0

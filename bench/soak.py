@@ -23,7 +23,6 @@ unless every goal in the report's ``goals`` is met.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import tempfile
@@ -32,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 from bench import faults
 from bench.faults import FAST_S, FaultLab, LabConfig, lab_model
+from bench.results import write_json
 
 # (scenario, weight): faults that start processes cost seconds each, the rest a fraction of one
 WEIGHTS = {
@@ -527,8 +527,5 @@ def main(args) -> int:
             f"  {'met   ' if goal['met'] else 'MISSED'} {goal['name']}: {goal['value']} (goal "
             f"{goal['target']})"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0 if all(goal["met"] for goal in report["goals"]) else 1

@@ -14,13 +14,13 @@ the sender computes and the receiver verifies, to show what it costs.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import torch
 
 from bench.peer import PeerConfig, pattern, start_peer, stop_peer
+from bench.results import write_json
 
 PATHS = (
     "memcpy",
@@ -238,8 +238,5 @@ def main(args) -> int:
         f"  {'best bare engine path':32s}"
         + "".join(f"{row.get('best_bare', '-'):>18s}" for row in rows)
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0 if all(r["byte_exact"] for r in report["results"]) else 1

@@ -46,6 +46,7 @@ import tempfile
 import time
 import urllib.request
 
+from bench.results import write_json
 from bench.rounds import in_round
 
 TRACE_ENV = "EPD_BENCH_VLLM_TRACE"  # a server's connector appends its events here (JSON lines)
@@ -752,9 +753,7 @@ def main(args) -> int:
     args.sizes = [int(s) for s in args.sizes.split(",")]
     report = run(args)
     _print(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     if args.plot:
         plot(report, args.plot)
         print(f"plot: {args.plot}")
