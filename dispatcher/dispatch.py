@@ -40,7 +40,7 @@ from handshake.client import HandshakeClient, HandshakeError
 from multimodal.hashing import hash_feature
 from multimodal.items import GRID_KEYS, Modality, MultimodalDataItem
 from multimodal.rows import grid_rows, image_grid
-from multimodal.video import BadVideo, read_header, sampled_indices, video_grid
+from multimodal.video import BadVideo, read_header, sample_and_size
 from multimodal.wire import EncodeHandshake, Endpoint
 
 log = logging.getLogger(__name__)
@@ -153,11 +153,9 @@ class Dispatcher:
             if not data or len(data) > MAX_IMAGE_BYTES:
                 raise DispatchError(f"{label}: {len(data)} bytes (1..{MAX_IMAGE_BYTES} accepted)")
             if entry.modality is Modality.VIDEO:
-                item = self._describe_video(index, data, label)
+                items.append(self._describe_video(index, data, label))
             else:
-                item = self._describe_image(index, data, label)
-            item.rows = grid_rows(item.grid_thw, self.processor.merge_size)
-            items.append(item)
+                items.append(self._describe_image(index, data, label))
         return items
 
     def _describe_image(self, index: int, image: bytes, label: str) -> DispatchedItem:
@@ -183,7 +181,14 @@ class Dispatcher:
                 f"{label}: {width}x{height} cannot be resized for the tower: {exc}"
             ) from None
         return DispatchedItem(
-            index, image, hash_feature(image), width, height, grid, 0, image_format=image_format
+            index,
+            image,
+            hash_feature(image),
+            width,
+            height,
+            grid,
+            grid_rows(grid, self.processor.merge_size),
+            image_format=image_format,
         )
 
     def _describe_video(self, index: int, video: bytes, label: str) -> DispatchedItem:
@@ -193,11 +198,10 @@ class Dispatcher:
             raise DispatchError(f"{label}: the model has no video processor: videos are refused")
         try:
             header = read_header(video)
-            frames = len(sampled_indices(processor, header.frames, header.fps))
-            grid = video_grid(processor, frames, header.height, header.width)
+            indices, grid = sample_and_size(processor, header)
         except BadVideo as exc:
             raise DispatchError(f"{label}: {exc}") from None
-        sampled_fps = frames / header.frames * header.fps  # transformers' VideoMetadata's
+        sampled_fps = len(indices) / header.frames * header.fps  # transformers' VideoMetadata's
         return DispatchedItem(
             index,
             video,
@@ -205,7 +209,7 @@ class Dispatcher:
             header.width,
             header.height,
             grid,
-            0,
+            grid_rows(grid, processor.merge_size),
             image_format="MP4/MOV",
             modality=Modality.VIDEO,
             seconds_per_grid_t=processor.temporal_patch_size / sampled_fps,
@@ -304,7 +308,7 @@ class Dispatcher:
     async def _place(
         self, request_id: str, address: WorkerAddress, items: list[DispatchedItem], started: float
     ) -> None:
-        busy_for = self._busy_until.get(address.name, 0.0) - time.monotonic()
+        busy_for = self._busy_for(address)
         if busy_for > 0:  # no rooms minted (and cancelled) for items it would refuse
             for item in items:
                 item.error = f"{address.name}: refused: busy (queue full)"
@@ -354,7 +358,7 @@ class Dispatcher:
             grid_thw=list(item.grid_thw),  # the worker fails an item it sizes otherwise
             token=self.intake_token,
         )
-        busy_for = self._busy_until.get(address.name, 0.0) - time.monotonic()
+        busy_for = self._busy_for(address)
         if busy_for > 0:  # it refused another item of this batch meanwhile
             return "refused: busy (queue full)", busy_for
         try:
@@ -371,6 +375,10 @@ class Dispatcher:
         if reply.retry_after_s is not None:
             self._busy(address, reply.retry_after_s)
         return f"refused: {reply.reason}", reply.retry_after_s
+
+    def _busy_for(self, address: WorkerAddress) -> float:
+        """Seconds left of the retry-after ``address`` last refused with (<= 0: not busy)."""
+        return self._busy_until.get(address.name, 0.0) - time.monotonic()
 
     def _busy(self, address: WorkerAddress, retry_after_s: float) -> float:
         if len(self._busy_until) >= MAX_WORKERS:  # workers come and go (DNS)

@@ -20,7 +20,7 @@ from PIL import Image
 
 from data_plane.shm import ShmError, ShmTensorHandle
 from encode_worker.config import MAX_PIXELS
-from multimodal.video import BadVideo, decode_frames, read_header, sampled_indices, video_grid
+from multimodal.video import BadVideo, decode_frames, read_header, sample_and_size, video_grid
 
 MAX_SIDE = 16384
 ALLOWED_FORMATS = {"PNG", "JPEG", "WEBP", "BMP"}
@@ -93,11 +93,6 @@ class VideoPlan:
     grid_thw: tuple[int, int, int]
     pixels: int  # decoded pixels of the frames the tower gets
 
-    @property
-    def patches(self) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w
-
 
 def plan_video_file(data: bytes, processor, limits: VideoLimits) -> VideoPlan:
     """Size an encoded video from its container header (MP4/MOV) and the video processor's
@@ -109,27 +104,26 @@ def plan_video_file(data: bytes, processor, limits: VideoLimits) -> VideoPlan:
                 f"video of {header.duration_s:.1f} s is longer than this worker decodes "
                 f"({limits.seconds:g} s)"
             )
-        indices = sampled_indices(processor, header.frames, header.fps)
+        indices, grid = sample_and_size(processor, header)
     except BadVideo as exc:
         raise BadItem(str(exc)) from None
-    return _plan(processor, indices, header.height, header.width, limits)
+    pixels = _within(limits, len(indices), header.height, header.width)
+    return VideoPlan(tuple(indices), grid, pixels)
 
 
 def plan_video_frames(shape: list[int], processor, limits: VideoLimits) -> VideoPlan:
     """Size already-decoded, already-sampled frames, uint8 ``[T, H, W, 3]``."""
     frames, height, width = shape[0], shape[1], shape[2]
-    return _plan(processor, None, height, width, limits, frames)
+    pixels = _within(limits, frames, height, width)
+    try:
+        grid = video_grid(processor, frames, height, width)
+    except BadVideo as exc:
+        raise BadItem(str(exc)) from None
+    return VideoPlan(None, grid, pixels)
 
 
-def _plan(
-    processor,
-    indices: list[int] | None,
-    height: int,
-    width: int,
-    limits: VideoLimits,
-    frames: int | None = None,
-) -> VideoPlan:
-    frames = len(indices) if indices is not None else frames
+def _within(limits: VideoLimits, frames: int, height: int, width: int) -> int:
+    """The frames' decoded pixels; ``BadItem`` past any of ``limits``."""
     if frames > limits.frames:
         raise BadItem(f"{frames} video frames are more than this worker encodes ({limits.frames})")
     if height * width > limits.frame_pixels:
@@ -142,11 +136,7 @@ def _plan(
             f"{frames} frames of {width}x{height} are more pixels than this worker decodes of "
             f"one video ({limits.pixels})"
         )
-    try:
-        grid = video_grid(processor, frames, height, width)
-    except BadVideo as exc:
-        raise BadItem(str(exc)) from None
-    return VideoPlan(tuple(indices) if indices is not None else None, grid, frames * height * width)
+    return frames * height * width
 
 
 def video_frames(payload: bytes | torch.Tensor, plan: VideoPlan) -> np.ndarray:

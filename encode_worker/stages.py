@@ -106,6 +106,12 @@ class Intake:
         self.failer = failer
         self.metrics = metrics
         self.item_log = item_log
+        self.video_limits = VideoLimits(
+            config.max_image_pixels,
+            config.max_video_seconds,
+            config.max_video_frames,
+            config.max_video_pixels,
+        )
         self._stopping = stopping
         self._socket: zmq.Socket | None = None
         self.port: int | None = None
@@ -265,17 +271,11 @@ class Intake:
         processor = self.tower.video_processor
         if processor is None:
             raise BadItem("this worker's checkpoint has no video processor: videos are refused")
-        limits = VideoLimits(
-            self.config.max_image_pixels,
-            self.config.max_video_seconds,
-            self.config.max_video_frames,
-            self.config.max_video_pixels,
-        )
         if request.source == "bytes":
-            plan = plan_video_file(payload, processor, limits)
+            plan = plan_video_file(payload, processor, self.video_limits)
             source_payload = payload
         else:
-            plan = plan_video_frames(request.shape, processor, limits)
+            plan = plan_video_frames(request.shape, processor, self.video_limits)
             source_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(
                 *request.shape
             )

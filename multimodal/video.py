@@ -47,7 +47,6 @@ class VideoHeader:
     fps: float
     width: int
     height: int
-    codec: str
 
     @property
     def duration_s(self) -> float:
@@ -88,7 +87,6 @@ def read_header(data: bytes) -> VideoHeader:
                 float(rate) if rate else 0.0,
                 int(stream.codec_context.width),
                 int(stream.codec_context.height),
-                stream.codec_context.name,
             )
     except BadVideo:
         raise
@@ -118,6 +116,13 @@ def sampled_indices(processor, frames: int, fps: float) -> list[int]:
     if not indices:
         raise BadVideo(f"sampling {frames} frames at {fps} fps leaves none")
     return indices
+
+
+def sample_and_size(processor, header: VideoHeader) -> tuple[list[int], tuple[int, int, int]]:
+    """The frames ``processor`` samples from a video with this header, and the grid it makes of
+    them: a video file's size, as the dispatcher and the encode worker both take it."""
+    indices = sampled_indices(processor, header.frames, header.fps)
+    return indices, video_grid(processor, len(indices), header.height, header.width)
 
 
 def decode_frames(data: bytes, indices: list[int]) -> np.ndarray:
