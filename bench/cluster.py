@@ -24,6 +24,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"
 
 
+async def metric_total(session, url: str, name: str, **labels: str) -> float | None:
+    """The sum of a role's ``name`` samples (its ``/metrics`` at ``url``, read with the aiohttp
+    ``session``) whose labels include ``labels``; None when it has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(url + "/metrics") as response:
+        text = await response.text()
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    ]
+    return sum(values) if values else None
+
+
 def free_port(host: str = HOST) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))

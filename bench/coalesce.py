@@ -36,20 +36,18 @@ def zipf_draws(items: int, catalogue: int, alpha: float, seed: int) -> list[int]
 
 async def _worker_counts(session, url: str) -> dict[str, float]:
     """A worker's tower items, cache hits and coalesced items, from its /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from bench.cluster import metric_total
 
-    async with session.get(url + "/metrics") as response:
-        text = await response.text()
     wanted = {
         "epd_encoder_batch_items_sum": "tower_items",
         "epd_encoder_cache_hits": "cache_hits",
         "epd_encoder_coalesced_items": "coalesced",
     }
     counts = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                counts[wanted[sample.name]] = sample.value
+    for name, key in wanted.items():
+        value = await metric_total(session, url, name)
+        if value is not None:
+            counts[key] = value
     return counts
 
 

@@ -41,15 +41,13 @@ def _self_cpu_s() -> float:
 
 
 async def _tower_cpu_s(session, url: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
+    from bench.cluster import metric_total
 
-    async with session.get(url + "/metrics") as response:
-        text = await response.text()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "epd_encoder_encode_cpu_seconds_total":
-                return sample.value
-    raise RuntimeError(f"{url}/metrics has no epd_encoder_encode_cpu_seconds_total")
+    name = "epd_encoder_encode_cpu_seconds_total"
+    value = await metric_total(session, url, name)
+    if value is None:
+        raise RuntimeError(f"{url}/metrics has no {name}")
+    return value
 
 
 def measure(

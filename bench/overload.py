@@ -53,21 +53,6 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _refused(session, url: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    async with session.get(url + "/metrics") as response:
-        text = await response.text()
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "epd_encoder_requests_total" and sample.labels.get("status") == (
-                "refused"
-            ):
-                total += sample.value
-    return total
-
-
 def phase(
     model: str,
     workers: int,
@@ -82,7 +67,7 @@ def phase(
     import aiohttp
     from transformers import AutoImageProcessor
 
-    from bench.cluster import LocalCluster
+    from bench.cluster import LocalCluster, metric_total
     from dispatcher import Dispatcher, WorkerSet
     from dispatcher.cli import prefill_body
     from handshake.client import HandshakeClient
@@ -153,7 +138,13 @@ def phase(
                     seconds = time.monotonic() - started
                     stop.set()
                     prober.join(30)
-                    refused = [await _refused(session, role.url) for role in encode]
+                    refused = [
+                        await metric_total(
+                            session, role.url, "epd_encoder_requests_total", status="refused"
+                        )
+                        or 0.0
+                        for role in encode
+                    ]
                     await dispatcher.close()
                     await worker_set.close()
             for role in roles:

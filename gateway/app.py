@@ -363,7 +363,7 @@ class Gateway:
                 raise OpenAIError(400, f"{ref.param}: {data}", param=ref.param)
             if isinstance(data, BaseException):
                 raise data
-            media = Media(data, Modality.VIDEO if ref.kind == "video" else Modality.IMAGE)
+            media = Media(data, Modality[ref.kind.upper()])  # KINDS: the modalities in lower case
             prepared.of_ref.append(distinct.setdefault(media, len(distinct)))
         try:
             prepared.items = self.dispatcher.describe(
