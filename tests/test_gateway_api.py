@@ -3,6 +3,7 @@ where images may be fetched from, and the app's answers to any body (OpenAI's er
 a 500), with vLLM unreachable."""
 
 import asyncio
+import base64
 import io
 import json
 
@@ -111,6 +112,19 @@ def test_rewrite_replaces_each_image_and_video_part_and_keeps_the_rest():
     assert (
         body["messages"][1]["content"][1]["type"] == "image_url"
     )  # the client's body is untouched
+
+
+def test_data_uris_are_held_to_their_kinds_type_and_limit():
+    fetcher = MediaFetcher(max_bytes=64, max_video_bytes=16)
+    video = "data:video/mp4;base64," + base64.b64encode(b"v" * 12).decode()
+    assert fetcher.decode_data_uri(video, "video") == b"v" * 12
+    big = "data:video/mp4;base64," + base64.b64encode(b"v" * 32).decode()
+    with pytest.raises(MediaError, match="video larger than 16 bytes"):
+        fetcher.decode_data_uri(big, "video")  # within the image limit: the video one applies
+    with pytest.raises(MediaError, match=r"a video/\* type is required"):
+        fetcher.decode_data_uri("data:image/png;base64,AAAA", "video")
+    with pytest.raises(MediaError, match=r"an image/\* type is required"):
+        fetcher.decode_data_uri(video, "image")
 
 
 @pytest.mark.parametrize(
