@@ -7,10 +7,11 @@ dispatcher, the clients and the probes run here. All ``requests`` requests of
 items are in flight, far more than a worker's queue holds and arriving faster than its tower
 encodes them); each is dispatched (the real ``Dispatcher``: a worker refusing "queue full" says
 when to retry, and the dispatcher retries within its intake timeout, then fails the item and
-cancels its room), then posted to a prefill process (alternating) with ``deadline_s``.
+comes back without a room), then posted to a prefill process (alternating) with ``deadline_s``.
 
-Per item, the outcome: DONE, or FAILED with the reason the prefill process reports (a room the
-dispatcher could not place is cancelled, so it fails at once with that reason). An item is
+Per item, the outcome: DONE, or FAILED with the reason the prefill process reports, or, for an
+item the dispatcher could not place (no room: the prefill side skips it), with the dispatcher's
+reason (the gateway would send it to the engine inline). An item is
 **lost** when its request got no report (the prefill call did not answer within the deadline
 plus a margin: it hung) or its report has no reason for a failure. Also measured: intake
 refusals (the workers' ``epd_encoder_requests_total{status="refused"}``), the time from a
@@ -124,7 +125,10 @@ def phase(
                 return {
                     "seconds": time.monotonic() - started,
                     "report": report,
-                    "dispatch_errors": [item.error for item in placed],
+                    # an item no worker took comes back without a room: the dispatcher's reason
+                    "dispatch_errors": [
+                        item.error if item.worker is None else None for item in placed
+                    ],
                 }
 
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -171,15 +175,17 @@ def _summary(measured: dict, workers: int, requests: int, per_request: int, dead
             lost += per_request
             continue
         late += result["seconds"] > deadline + MARGIN_S
-        for item in items:
-            state = item.get("state")
+        for item, dispatch_error in zip(items, result["dispatch_errors"]):
+            state, reason = item.get("state"), item.get("reason")
+            if dispatch_error is not None:  # not placed: the prefill side skipped it (no room)
+                state, reason = "FAILED", dispatch_error
             outcomes[state] += 1
             if state != "DONE":
-                if not item.get("reason"):
+                if not reason:
                     lost += 1
-                kind = _reason_class(item.get("reason") or "")
+                kind = _reason_class(reason or "")
                 reasons[kind] += 1
-                examples.setdefault(kind, item.get("reason") or "")
+                examples.setdefault(kind, reason or "")
     request_s = [r["seconds"] for r in measured["results"]]
     probe = measured["probe_s"]
     return {

@@ -4,13 +4,16 @@ back items.
 Per request: every item's content hash (xxh3-128 of its bytes, as the encode worker would
 compute it) and rows (an image's from its size and the checkpoint's image processor config, read
 from the file header; a video's from its container header's frame count, rate and size and the
-checkpoint's video processor config: nothing is decoded); one room per item, minted in one call
-per endpoint; each item's bytes to its worker's intake, all in flight at once. An item whose
-worker refuses it, times out or cannot be reached has its room cancelled at once and is placed on
-the next worker in the ring. When every worker tried is busy (queue full, with a retry-after),
-the item backs off (doubling from the workers' retry-after up to ``MAX_BACKOFF_S``, jittered) and
-tries them again, within the intake timeout; when no worker takes it, its cancelled room is what
-the prefill side gets, so it fails fast (or falls back) with the reason instead of waiting.
+checkpoint's video processor config: nothing is decoded); one room per item: its id drawn here
+and the room opened by the worker's intake with the item (one message per item, no call of its
+own), or minted in one call per request at a standalone room authority (``rooms_url``); each
+item's bytes to its worker's intake, all in flight at once. An item whose worker refuses it, times
+out or cannot be reached leaves no live room behind (a minted one, or one a silent worker may have
+opened, is cancelled at once) and is placed on the next worker in the ring. When every worker
+tried is busy (queue full, with a retry-after), the item backs off (doubling from the workers'
+retry-after up to ``MAX_BACKOFF_S``, jittered) and tries them again, within the intake timeout;
+an item no worker takes comes back with the reason and without a room, so the caller falls back
+(the gateway sends it to the engine inline) or fails it at once instead of waiting.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ import io
 import logging
 import random
 import re
+import secrets
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import yarl
 from PIL import Image
 
+from data_plane.offers import MAX_ROOM_ID
 from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
 from encode_worker.inputs import ALLOWED_FORMATS
 from encode_worker.intake import (
@@ -73,7 +79,9 @@ class DispatchedItem:
     rows: int
     encode_handshake: EncodeHandshake | None = None  # the room the prefill side registers in
     worker: str | None = None  # the encode worker that accepted the item
-    error: str | None = None  # why no worker took it (its room, if any, is cancelled)
+    # why no worker took it; such an item comes back without a room (the caller encodes it
+    # itself, or fails it with this reason)
+    error: str | None = None
     attempts: list[str] = field(default_factory=list)  # workers tried, in order
     dispatch_s: float = 0.0  # from the start of dispatch to the worker's acknowledgement
     retry_after_s: float | None = None  # the last worker refused it busy: retry after this
@@ -93,6 +101,12 @@ class DispatchedItem:
             model_specific_data={GRID_KEYS[self.modality]: torch.tensor([list(self.grid_thw)])},
             encode_handshake=self.encode_handshake.model_dump() if self.encode_handshake else None,
         )
+
+
+class _IntakeOutcome(NamedTuple):
+    reason: str | None  # None: accepted
+    retry_after_s: float | None = None  # a busy worker's: try it again after this
+    unanswered: bool = False  # no answer came: the worker may have taken it (and its room)
 
 
 class Dispatcher:
@@ -222,8 +236,8 @@ class Dispatcher:
         near: str | None = None,
         names: list[str] | None = None,
     ) -> list[DispatchedItem]:
-        """Place every item on an encode worker; each item comes back with its room (or with
-        ``error`` and, where one was minted, a cancelled room). ``near``: the prefill engine's
+        """Place every item on an encode worker; each item comes back with its room, or with
+        ``error`` and no room. ``near``: the prefill engine's
         host, whose encode workers are preferred (they can write over SHM). ``names``: what
         errors call the images (their files)."""
         return await self.place(request_id, self.describe(images, names), near)
@@ -263,10 +277,12 @@ class Dispatcher:
             await asyncio.sleep(wait)
             unplaced = busy
         for item in items:
-            if item.worker is None and item.error is None:
-                item.error = "no healthy encode worker" + (
-                    f" (tried {', '.join(item.attempts)})" if item.attempts else ""
-                )
+            if item.worker is None:
+                item.encode_handshake = None  # its rooms were never opened, or are cancelled
+                if item.error is None:
+                    item.error = "no healthy encode worker" + (
+                        f" (tried {', '.join(item.attempts)})" if item.attempts else ""
+                    )
         return items
 
     async def cancel(self, items: list[DispatchedItem], reason: str) -> None:
@@ -315,28 +331,32 @@ class Dispatcher:
                 item.retry_after_s = busy_for
             return
         rooms_client, endpoint = self._room_endpoint(address)
-        try:
-            rooms = await rooms_client.mint(len(items), self.room_ttl_s)
-        except HandshakeError as exc:
-            reason = f"cannot mint rooms at {endpoint}: {exc}"
-            if self.rooms_url is None:
-                self.workers.mark_down(address, reason)
-            for item in items:
-                item.error = reason
-            return
+        if self.rooms_url is None:  # the worker's intake opens each room with the item
+            rooms = [secrets.randbelow(MAX_ROOM_ID) + 1 for _ in items]
+        else:
+            try:
+                rooms = await rooms_client.mint(len(items), self.room_ttl_s)
+            except HandshakeError as exc:
+                for item in items:
+                    item.error = f"cannot mint rooms at {endpoint}: {exc}"
+                return
         for item, room in zip(items, rooms):
             item.encode_handshake = EncodeHandshake.at(endpoint, room)
         replies = await asyncio.gather(*(self._send(request_id, address, item) for item in items))
-        refused: dict[str, list[int]] = {}  # the reason -> the rooms refused for it
-        for item, (reason, retry_after_s) in zip(items, replies):
-            item.retry_after_s = retry_after_s
-            if reason is None:
+        left_live: dict[str, list[int]] = {}  # the reason -> the rooms that may be live for it
+        for item, reply in zip(items, replies):
+            item.retry_after_s = reply.retry_after_s
+            if reply.reason is None:
                 item.worker, item.error = address.name, None
                 item.dispatch_s = time.monotonic() - started
-            else:
-                item.error = f"{address.name}: {reason}"
-                refused.setdefault(reason, []).append(item.encode_handshake.bootstrap_room)
-        for reason, rooms in refused.items():  # the prefill side reads why in the room
+                continue
+            item.error = f"{address.name}: {reply.reason}"
+            # a minted room outlives a refusal; a room intake opens is not left behind by one
+            # (nor by a failure, which fails the room itself), but one whose message got no
+            # answer may have been opened
+            if self.rooms_url is not None or reply.unanswered:
+                left_live.setdefault(reply.reason, []).append(item.encode_handshake.bootstrap_room)
+        for reason, rooms in left_live.items():  # the prefill side reads why in the room
             try:
                 await rooms_client.cancel(rooms, f"encode dispatch failed: {reason}"[:200])
             except HandshakeError as exc:
@@ -344,10 +364,8 @@ class Dispatcher:
 
     async def _send(
         self, request_id: str, address: WorkerAddress, item: DispatchedItem
-    ) -> tuple[str | None, float | None]:
-        """``(None, None)`` when the worker accepted the item, else why not and, for a busy
-        worker (queue full), when it says to retry. A worker that does not answer leaves the
-        ring."""
+    ) -> _IntakeOutcome:
+        """The worker's answer to one item. A worker that does not answer leaves the ring."""
         request = IntakeRequest(
             request_id=f"{request_id}.{item.index}",
             model=self.served_model,
@@ -357,24 +375,25 @@ class Dispatcher:
             source="bytes",
             grid_thw=list(item.grid_thw),  # the worker fails an item it sizes otherwise
             token=self.intake_token,
+            open_room_ttl_s=self.room_ttl_s if self.rooms_url is None else None,
         )
         busy_for = self._busy_for(address)
         if busy_for > 0:  # it refused another item of this batch meanwhile
-            return "refused: busy (queue full)", busy_for
+            return _IntakeOutcome("refused: busy (queue full)", busy_for)
         try:
             reply = await self._intake(address).send(request, item.data)
         except TimeoutError as exc:
             self.workers.mark_down(address, str(exc))
-            return str(exc), None
+            return _IntakeOutcome(str(exc), unanswered=True)
         except IntakeBusy as exc:
-            return str(exc), self._busy(address, exc.retry_after_s)
+            return _IntakeOutcome(str(exc), self._busy(address, exc.retry_after_s))
         except IntakeRefused as exc:
-            return str(exc), None
+            return _IntakeOutcome(str(exc))
         if reply.status is IntakeStatus.ACCEPTED:
-            return None, None
+            return _IntakeOutcome(None)
         if reply.retry_after_s is not None:
             self._busy(address, reply.retry_after_s)
-        return f"refused: {reply.reason}", reply.retry_after_s
+        return _IntakeOutcome(f"refused: {reply.reason}", reply.retry_after_s)
 
     def _busy_for(self, address: WorkerAddress) -> float:
         """Seconds left of the retry-after ``address`` last refused with (<= 0: not busy)."""

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
-from data_plane.json_fields import json_int
+from data_plane.json_fields import json_float, json_int
 from multimodal.wire import EncodeHandshake
 
 MAX_METADATA_BYTES = 64 << 10
@@ -55,6 +55,10 @@ class IntakeRequest(BaseModel):
         default=None, min_length=3, max_length=3
     )
     token: str | None = Field(default=None, max_length=256)
+    # Set: the room is not minted yet; intake opens it in this worker's own table (the handshake
+    # must name this worker's bootstrap port) with the id the sender chose and this TTL, so
+    # placing an item costs one message. A refused item's room is not left behind.
+    open_room_ttl_s: json_float(gt=0, le=3600) | None = None
 
 
 class IntakeStatus(enum.StrEnum):
@@ -62,7 +66,8 @@ class IntakeStatus(enum.StrEnum):
     item's ``epd_encoder_requests`` status label (the value in lower case)."""
 
     ACCEPTED = "ACCEPTED"  # queued for the tower; the room's outcome comes through the room
-    REFUSED = "REFUSED"  # never queued, room untouched: bad frames, duplicate room, queue full
+    REFUSED = "REFUSED"  # never queued, room untouched (or not opened): bad frames, duplicate
+    # room, queue full
     FAILED = "FAILED"  # the item is bad (header, size, hash): its room was failed with the reason
 
 

@@ -134,6 +134,10 @@ class RoomClients:
         self._remote: dict[Endpoint, RemoteRooms] = {}
         self._lock = threading.Lock()
 
+    @property
+    def bootstrap_port(self) -> int:
+        return self._local_port()
+
     def __call__(self, handshake: EncodeHandshake) -> LocalRooms | RemoteRooms:
         key = handshake.endpoint
         if key.port == self._local_port() and key.host in self._local_hosts:

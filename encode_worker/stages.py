@@ -65,6 +65,7 @@ from encode_worker.room_clients import InFlightRooms, RateLimitedLog, RoomFailer
 from encode_worker.scheduler import BatchQueue, EncodeJob
 from encode_worker.sender import Sender, StagedItem, stage
 from encode_worker.tower import VisionTower
+from handshake.rooms import RoomConflict, RoomError, RoomsFull
 from multimodal.hashing import hash_feature
 from multimodal.rows import RowContractError, image_grid, split_rows
 from multimodal.wire import endpoint_url
@@ -161,15 +162,14 @@ class Intake:
             return IntakeReply(status=IntakeStatus.REFUSED, room=exc.room, reason=str(exc))
         room = request.encode_handshake.bootstrap_room
         if not self.in_flight.claim(room):
-            self.metrics.count(request.modality, IntakeStatus.REFUSED)
-            self.item_log.warning(
-                "intake refused room %d: an item for it is already in flight here", room
+            return self._refuse(
+                request, f"room {room} already has an item in flight here", log_it=True
             )
-            return IntakeReply(
-                status=IntakeStatus.REFUSED,
-                room=room,
-                reason=f"room {room} already has an item in flight here",
-            )
+        if request.open_room_ttl_s is not None:
+            refusal = self._open_room(request)
+            if refusal is not None:
+                self.in_flight.release(room)
+                return refusal
         try:
             job = self.job(request, payload)
         except BadItem as exc:
@@ -177,15 +177,58 @@ class Intake:
             return IntakeReply(status=IntakeStatus.FAILED, room=room, reason=str(exc))
         if not self.queue.put(job):
             self.in_flight.release(room)
-            self.metrics.count(request.modality, IntakeStatus.REFUSED)
-            return IntakeReply(
-                status=IntakeStatus.REFUSED,
-                room=room,
-                reason="queue full",
-                retry_after_s=QUEUE_FULL_RETRY_S,
-            )
+            if request.open_room_ttl_s is not None:
+                self._close_opened_room(room)
+            return self._refuse(request, "queue full", retry_after_s=QUEUE_FULL_RETRY_S)
         self.metrics.count(request.modality, IntakeStatus.ACCEPTED)
         return IntakeReply(status=IntakeStatus.ACCEPTED, room=room)
+
+    def _refuse(
+        self,
+        request: IntakeRequest,
+        reason: str,
+        retry_after_s: float | None = None,
+        log_it: bool = False,
+    ) -> IntakeReply:
+        room = request.encode_handshake.bootstrap_room
+        self.metrics.count(request.modality, IntakeStatus.REFUSED)
+        if log_it:
+            self.item_log.warning("intake refused room %d: %s", room, reason)
+        return IntakeReply(
+            status=IntakeStatus.REFUSED, room=room, reason=reason, retry_after_s=retry_after_s
+        )
+
+    def _open_room(self, request: IntakeRequest) -> IntakeReply | None:
+        """Open the room the sender named in this worker's table; the refusal, if it cannot be."""
+        handshake = request.encode_handshake
+        # The port must be this worker's bootstrap port; the host is the sender's name for this
+        # worker, which it reached the intake by (a worker does not know every DNS name it has).
+        if handshake.endpoint.port != self.failer.rooms.bootstrap_port:
+            return self._refuse(
+                request,
+                f"open_room_ttl_s names a room at {handshake.endpoint}, not at this worker's "
+                f"bootstrap port {self.failer.rooms.bootstrap_port}",
+                log_it=True,
+            )
+        try:
+            self.failer.rooms.table.open(handshake.bootstrap_room, request.open_room_ttl_s)
+        except RoomsFull as exc:
+            return self._refuse(request, f"room table full: {exc}", QUEUE_FULL_RETRY_S)
+        except RoomError as exc:  # the id is in use here, or the TTL is over this table's maximum
+            return self._refuse(request, f"cannot open the room: {exc}", log_it=True)
+        return None
+
+    def _close_opened_room(self, room: int) -> None:
+        """The room intake opened for an item it then refused: gone without a trace, or (touched
+        meanwhile by someone who guessed the id) cancelled."""
+        table = self.failer.rooms.table
+        try:
+            table.discard(room)
+        except RoomConflict:
+            try:
+                table.cancel(room, "encode worker refused the item: queue full")
+            except RoomError as exc:
+                log.info("room %d not cancelled: %s", room, exc)
 
     def job(self, request: IntakeRequest, payload: bytes | None) -> EncodeJob:
         """The item as a job, from what intake can see without decoding (the image's header, the

@@ -196,25 +196,60 @@ class RoomTable:
     # ---- transitions -----------------------------------------------------------------------
 
     def mint(self, count: int, ttl_s: float) -> list[int]:
-        if not 0 < ttl_s <= self.limits.max_ttl_s:
-            raise RoomError(
-                f"ttl_s {ttl_s} is outside (0, {self.limits.max_ttl_s}], this table's room lifetime"
-            )
+        """``count`` new rooms with unique random ids."""
+        deadline = self._deadline(ttl_s)
         with self._lock:
-            self._sweep_locked()
-            if len(self._rooms) + count > self.limits.max_live_rooms:
-                raise RoomsFull(f"{self.limits.max_live_rooms} live rooms already; retry shortly")
-            deadline = self._clock() + ttl_s
+            self._make_room_for(count)
             minted = []
             while len(minted) < count:
                 room_id = secrets.randbelow(MAX_ROOM_ID) + 1
                 if room_id not in self._rooms and room_id not in self._tombstones:  # never reused
-                    self._rooms[room_id] = _Room(room_id, deadline)
-                    heapq.heappush(self._due, (deadline, room_id))
-                    self._counts[RoomState.PENDING] += 1
-                    self._entered[RoomState.PENDING] += 1
+                    self._add(room_id, deadline)
                     minted.append(room_id)
             return minted
+
+    def open(self, room_id: int, ttl_s: float) -> None:
+        """A room with the id its sender chose (an encode worker's intake opens the room a
+        dispatcher named, so that minting costs no call of its own). ``RoomConflict`` when the id
+        is or was in use here: ids are never reused."""
+        if not 1 <= room_id <= MAX_ROOM_ID:
+            raise RoomError(f"room id {room_id} is outside [1, {MAX_ROOM_ID}]")
+        deadline = self._deadline(ttl_s)
+        with self._lock:
+            if room_id in self._rooms or room_id in self._tombstones:
+                raise RoomConflict(f"room {room_id} exists already")
+            self._make_room_for(1)
+            self._add(room_id, deadline)
+
+    def discard(self, room_id: int) -> None:
+        """Forget a room ``open`` made that nobody has touched since (still PENDING at its first
+        version), leaving no tombstone: its opener refused the item after all, and the id was
+        never handed out. ``RoomConflict`` for any other room."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            untouched = room is not None and room.version == MINTED_VERSION
+            if not untouched or room.state is not RoomState.PENDING:
+                raise RoomConflict(f"room {room_id} is not an untouched pending room")
+            del self._rooms[room_id]  # its entry in _due is skipped when it comes up
+            self._counts[RoomState.PENDING] -= 1
+
+    def _deadline(self, ttl_s: float) -> float:
+        if not 0 < ttl_s <= self.limits.max_ttl_s:
+            raise RoomError(
+                f"ttl_s {ttl_s} is outside (0, {self.limits.max_ttl_s}], this table's room lifetime"
+            )
+        return self._clock() + ttl_s
+
+    def _make_room_for(self, count: int) -> None:
+        self._sweep_locked()
+        if len(self._rooms) + count > self.limits.max_live_rooms:
+            raise RoomsFull(f"{self.limits.max_live_rooms} live rooms already; retry shortly")
+
+    def _add(self, room_id: int, deadline: float) -> None:
+        self._rooms[room_id] = _Room(room_id, deadline)
+        heapq.heappush(self._due, (deadline, room_id))
+        self._counts[RoomState.PENDING] += 1
+        self._entered[RoomState.PENDING] += 1
 
     def register(self, registration: Registration) -> RoomView:
         with self._lock:

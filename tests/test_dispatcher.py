@@ -18,9 +18,10 @@ from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
 from handshake.app import create_app
 from handshake.models import RoomState
+from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from multimodal.items import Modality, MultimodalInputs
-from prefill_side import JobState
+from prefill_side import ItemState, JobState
 from tests.encode_helpers import loopback_stack, mp4
 
 # ---- the ring ----------------------------------------------------------------------------------
@@ -201,33 +202,37 @@ def test_images_and_a_video_in_one_request_arrive_with_rows_from_their_headers(s
 
 def test_a_dispatcher_sizing_a_video_otherwise_is_refused_before_any_encode(stack, tower):
     """Another sampling rate on the dispatcher's side: the worker sizes the video otherwise and
-    fails it at intake, before decoding or encoding it; the prefill side learns at once."""
+    fails it at intake, before decoding or encoding it."""
     import copy
 
     worker, receiver = stack
     elsewhere = copy.deepcopy(tower.video_processor)
     elsewhere.fps = 1.0
     calls = worker.metrics.batch_items._sum.get()
+    failed = worker.table.counts()[RoomState.FAILED]
     items = _dispatch(
         worker, tower, [Media(mp4(30, 64, 64, seed=8), Modality.VIDEO)], video_processor=elsewhere
     )
     (item,) = items
-    assert item.worker is None and "disagree" in item.error
-    job, state, _ = _receive(receiver, items)
-    assert state is JobState.FAILED
+    # the dispatcher learns at once, and the item comes back without a room (the caller falls
+    # back); the room intake opened with it failed with the reason
+    assert item.worker is None and "disagree" in item.error and item.encode_handshake is None
+    assert worker.table.counts()[RoomState.FAILED] == failed + 1
     assert worker.metrics.batch_items._sum.get() == calls  # no tower call
     assert len(worker.queue) == 0
 
 
-def test_a_refused_item_gets_a_cancelled_room_so_the_prefill_side_fails_fast(stack, tower):
+def test_a_refused_item_comes_back_without_a_room_and_leaves_none_behind(stack, tower):
     worker, receiver = stack
+    live = worker.table.live_rooms
+    counts = worker.table.counts()
     items = _dispatch(worker, tower, [synthetic_image(224, 224, 4)], served_model="another-model")
     (item,) = items
     assert item.worker is None and "unknown model" in item.error
-    assert worker.table.view(item.encode_handshake.bootstrap_room).state is RoomState.CANCELLED
-    job, state, _ = _receive(receiver, items)
-    assert state is JobState.FAILED and "CANCELLED" in job.reasons[0]
-    assert job.outcomes[0].seconds < 2
+    assert item.encode_handshake is None
+    assert worker.table.live_rooms == live and worker.table.counts() == counts  # none opened
+    job, state, _ = _receive(receiver, items)  # the prefill side has no room to wait for
+    assert state is JobState.DONE and job.outcomes[0].state is ItemState.SKIPPED
 
 
 def test_no_healthy_worker_leaves_items_without_a_room(tower):
@@ -325,7 +330,8 @@ class BusyWorker:
             IntakeStatus,
         )
 
-        self.server = ThreadedServer(create_app()).start()
+        self.table = RoomTable()
+        self.server = ThreadedServer(create_app(self.table)).start()
         self.messages = 0
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -404,22 +410,11 @@ def test_items_no_worker_takes_fail_with_the_reason_after_bounded_retries(tower)
 
     try:
         items = asyncio.run(run())
-        # the last room minted for each was cancelled, with the reason
-        views = [asyncio.run(_room(busy, item.encode_handshake.bootstrap_room)) for item in items]
     finally:
         busy.stop()
     assert all(item.worker is None and "queue full" in item.error for item in items)
+    assert all(item.encode_handshake is None for item in items)  # the caller falls back
     # backing off (0.1 s doubling to 1 s) within 1 s: a few rounds of 3 messages, not a retry
     # every 0.1 s per item (30)
     assert busy.messages <= 18
-    assert all(v.state is RoomState.CANCELLED and "queue full" in v.reason for v in views)
-
-
-async def _room(busy, room):
-    from handshake.client import HandshakeClient
-
-    client = HandshakeClient(f"http://127.0.0.1:{busy.server.port}")
-    try:
-        return await client.get(room)
-    finally:
-        await client.close()
+    assert busy.table.counts() == RoomTable().counts()  # no room minted there, none left

@@ -19,6 +19,7 @@ from encode_worker.small_checkpoints import build_vision_only
 from encode_worker.tower import TowerLoadError, VisionTower
 from encode_worker.worker import EncodeWorker
 from handshake.models import RoomState
+from handshake.rooms import RoomNotFound
 from multimodal.hashing import hash_feature
 from multimodal.wire import EncodeHandshake
 from tests.encode_helpers import Receiver, png
@@ -228,6 +229,68 @@ def test_full_send_ring_stops_intake_instead_of_growing(qwen25):
         eventually(
             lambda: worker.ring.stats()["leased_slots"] == 0, "the send ring drained", seconds=20
         )
+    finally:
+        intake.close()
+        worker.stop()
+        receiver.close()
+
+
+def test_intake_opens_the_room_the_sender_names_and_leaves_none_behind_when_it_refuses(qwen25):
+    """``open_room_ttl_s``: intake opens the named room in the worker's table with the item (no
+    mint call). A refusal leaves no room behind; a bad item's room is opened and failed, so the
+    other side reads why."""
+    directory, tower = qwen25
+    image = png(448, 448, 4)
+    worker, receiver = make_worker(
+        directory, tower=tower, ring_bytes=3 << 16, queue_items=2, batch_items=1
+    )
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    next_room = iter(range(1000, 2000))
+
+    def send(room, data=None, ttl_s=30.0, port=None):
+        body = request(worker, room, f"r{room}")
+        body["open_room_ttl_s"] = ttl_s
+        if port is not None:
+            body["encode_handshake"]["bootstrap_port"] = port
+        return intake.send(body, data or png(448, 448, room % (1 << 31)))
+
+    try:
+        room = next(next_room)
+        assert send(room).status is IntakeStatus.ACCEPTED
+        assert worker.table.view(room).state is RoomState.PENDING  # opened, waiting for a receiver
+        again = send(room)
+        assert again.status is IntakeStatus.REFUSED and "in flight" in again.reason
+        (minted,) = worker.table.mint(1, 60)
+        taken = send(minted)
+        assert taken.status is IntakeStatus.REFUSED and "exists already" in taken.reason
+        elsewhere = send(next(next_room), port=worker.bootstrap_port + 1)
+        assert elsewhere.status is IntakeStatus.REFUSED and "bootstrap port" in elsewhere.reason
+        too_long = send(next(next_room), ttl_s=3600)  # the wire allows it, the table does not
+        assert too_long.status is IntakeStatus.REFUSED and "ttl_s" in too_long.reason
+        for reply in (elsewhere, too_long):
+            with pytest.raises(RoomNotFound):
+                worker.table.view(reply.room)
+        bad = next(next_room)
+        failed = send(bad, data=b"\x89PNG\r\n\x1a\n not an image")
+        assert failed.status is IntakeStatus.FAILED
+        view = worker.table.view(bad)
+        assert view.state is RoomState.FAILED and view.reason == failed.reason
+        # no receiver: the pipeline fills and intake refuses "queue full", leaving no room behind
+        accepted, refusal = [room], None
+        while refusal is None:
+            candidate = next(next_room)
+            reply = send(candidate)
+            if reply.ok:
+                accepted.append(candidate)
+            else:
+                refusal = reply
+        assert refusal.reason == "queue full" and refusal.retry_after_s == 0.1
+        with pytest.raises(RoomNotFound):
+            worker.table.view(refusal.room)
+        for room in accepted:  # receivers arrive: everything accepted is delivered
+            receiver.reserve(room, rows_for(tower, image), tower.info.wire_width, tower.dtype)
+        for room in accepted:
+            assert receiver.wait(room)[0] is RoomState.SUCCESS
     finally:
         intake.close()
         worker.stop()

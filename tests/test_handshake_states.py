@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
 
 from handshake.models import Registration, RoomState
-from handshake.rooms import RoomError, RoomLimits, RoomTable
+from handshake.rooms import RoomConflict, RoomError, RoomLimits, RoomNotFound, RoomsFull, RoomTable
 from tests.handshake_helpers import begin, commit, registration
 
 RANK = {RoomState.PENDING: 0, RoomState.REGISTERED: 1, RoomState.WRITING: 2}
@@ -312,3 +312,37 @@ def test_room_lifetimes_are_bounded_and_a_full_table_says_so():
     assert table.full()
     clock.now += 30
     assert not table.full() and table.live_rooms == 0  # past their deadline: expired, room again
+
+
+def test_a_room_opened_by_its_id_is_never_a_reused_id_and_discard_leaves_no_trace():
+    """``open`` (an encode worker's intake, with the dispatcher's id) takes only an id never used
+    here; ``discard`` forgets an untouched room only, without a tombstone."""
+    clock = Clock()
+    table = RoomTable(RoomLimits(max_live_rooms=2, max_ttl_s=30), clock=clock)
+    table.open(7, 30)
+    assert table.view(7).state is RoomState.PENDING
+    with pytest.raises(RoomConflict, match="exists already"):
+        table.open(7, 30)
+    table.cancel(7, "gone")
+    with pytest.raises(RoomConflict):  # a tombstone's id is not reused either
+        table.open(7, 30)
+    with pytest.raises(RoomError, match="outside"):
+        table.open(8, 3600)
+    with pytest.raises(RoomError, match="outside"):
+        table.open(0, 30)
+    table.open(8, 30)
+    table.open(9, 30)
+    with pytest.raises(RoomsFull):
+        table.open(10, 30)
+    table.discard(8)
+    with pytest.raises(RoomNotFound):
+        table.view(8)
+    assert table.live_rooms == 1 and table.counts()[RoomState.PENDING] == 1
+    table.register(registration(9))
+    with pytest.raises(RoomConflict, match="untouched"):  # a receiver came: it stays
+        table.discard(9)
+    with pytest.raises(RoomConflict, match="untouched"):
+        table.discard(7)
+    clock.now += 30
+    table.sweep()  # the discarded room's deadline passes without a trace
+    assert table.counts()[RoomState.EXPIRED] == 1 and table.live_rooms == 0
