@@ -42,7 +42,7 @@ from data_plane.transport import Transfer, TransferRefused, TransferState, Trans
 from handshake.client import HandshakeError
 from handshake.models import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
 from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound
-from loop_threads import LoopThread
+from loop_threads import LoopThread, name_os_thread
 from multimodal.wire import EncodeHandshake
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,9 @@ class Sender:
         self.inline_write_bytes = inline_write_bytes
         # names this worker in begin_write, so a room sent to two workers is written by one only
         self.writer_id = f"{socket.gethostname()[:64]}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sender")
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="sender", initializer=name_os_thread
+        )
         self._loop = loop  # the handshake server's: its owner stops it
         self._items: set[concurrent.futures.Future] = set()  # one per item until its outcome
         self._unsettled: list[tuple[Transfer, Lease]] = []

@@ -337,6 +337,7 @@ class Prepare:
         encodes: InFlightEncodes,
         max_image_pixels: int,
         failer: RoomFailer,
+        metrics: WorkerMetrics,
         out: Handoff[PreparedBatch],
         stopping: threading.Event,
     ):
@@ -346,6 +347,7 @@ class Prepare:
         self.encodes = encodes
         self.max_image_pixels = max_image_pixels
         self.failer = failer
+        self.metrics = metrics
         self.out = out
         self._stopping = stopping
 
@@ -370,6 +372,7 @@ class Prepare:
                     job.timings.update(queue_s=time.monotonic() - job.received_at, cache_hit=True)
                     ready.append(ReadyItem(job, cached))
                 elif leads:
+                    cpu_started = time.thread_time()
                     try:
                         inputs = self._tower_inputs(job, shm_pixels)
                     except BadItem as exc:
@@ -378,6 +381,8 @@ class Prepare:
                     except BaseException:
                         self._abandon(key, "encode worker error while preprocessing")
                         raise
+                    finally:
+                        self.metrics.preprocess_cpu_seconds.inc(time.thread_time() - cpu_started)
                     misses.append(Miss(job, key, inputs))
                 # else: it waits for the identical item in flight (TowerStage hands it over)
             except BadItem as exc:

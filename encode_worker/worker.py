@@ -39,7 +39,7 @@ from handshake.app import create_app
 from handshake.models import RoomState
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
-from loop_threads import LoopThread
+from loop_threads import LoopThread, named_thread
 from process_settings import SettingError, check_listen
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,11 @@ class WorkerMetrics:
             "epd_encoder_encode_cpu_seconds",
             "CPU time of the thread calling the tower (all of the tower's with one intra-op "
             "thread; the rest of the process's CPU is the worker's own)",
+            registry=registry,
+        )
+        self.preprocess_cpu_seconds = Counter(
+            "epd_encoder_preprocess_cpu_seconds",
+            "CPU time decoding and preprocessing items (image or video processor) for the tower",
             registry=registry,
         )
         self.queue_seconds = Histogram(
@@ -232,6 +237,7 @@ class EncodeWorker:
             self.encodes,
             config.max_image_pixels,
             self.failer,
+            self.metrics,
             self._prepared,
             self._stopping,
         )
@@ -274,7 +280,7 @@ class EncodeWorker:
             (self.stage_and_send.loop, "stage"),
             (self.health.loop, "housekeeping"),
         ):
-            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread = named_thread(target, name)
             thread.start()
             self._threads.append(thread)
         return self

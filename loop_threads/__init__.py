@@ -1,15 +1,38 @@
-"""Event loops on threads of their own, for the packages that run asyncio work beside threads:
-the handshake server's and clients', the encode worker's sender, the prefill receiver's. Every
-loop is uvloop's (uvicorn[standard] brings it; why: docs/performance.md, "Event loops")."""
+"""Threads of our own: event loops on threads, for the packages that run asyncio work beside
+threads (the handshake server's and clients', the encode worker's sender, the prefill
+receiver's), and threads named where the OS shows them. Every loop is uvloop's (uvicorn[standard]
+brings it; why: docs/performance.md, "Event loops")."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 
 import uvloop
+
+PR_SET_NAME = 15  # prctl(2): the calling thread's name, 15 bytes and a NUL
+_prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux's C library has it
+
+
+def name_os_thread(name: str | None = None) -> None:
+    """Name the calling thread as the OS sees it (``top -H``, ``/proc/<pid>/task/<tid>/comm``,
+    perf; ``epd-bench cost`` reads each thread's CPU by it): ``name``, or else its Python name,
+    cut to 15 bytes. Python's own thread names stay inside the interpreter."""
+    if _prctl is not None:
+        _prctl(PR_SET_NAME, (name or threading.current_thread().name).encode()[:15])
+
+
+def named_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """A daemon thread (not started) running ``target``, named ``name`` in Python and the OS."""
+
+    def run() -> None:
+        name_os_thread(name)
+        target()
+
+    return threading.Thread(target=run, name=name, daemon=True)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -21,7 +44,7 @@ class LoopThread:
 
     def __init__(self, name: str):
         self.loop = new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread = named_thread(self.loop.run_forever, name)
         self.thread.start()
 
     def submit(self, coroutine: Coroutine) -> concurrent.futures.Future:

@@ -673,3 +673,18 @@ def test_a_shared_encode_that_fails_fails_every_waiting_room_at_once(qwen25, mon
     finally:
         worker.stop()
         receiver.close()
+
+
+def test_the_worker_threads_carry_their_names_where_the_os_shows_them(qwen25):
+    """``top -H``, perf and ``epd-bench cost`` (CPU per thread) see each stage by its name."""
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower)
+    try:
+        names = set()
+        for task in os.listdir(f"/proc/{os.getpid()}/task"):
+            with open(f"/proc/{os.getpid()}/task/{task}/comm") as f:
+                names.add(f.read().strip())
+        assert {"intake", "prepare", "encode", "stage", "handshake"} <= names
+    finally:
+        worker.stop()
+        receiver.close()

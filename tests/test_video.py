@@ -103,6 +103,7 @@ def test_videos_and_images_in_one_batch_are_bit_identical_to_transformers(checkp
         encode_in_this_thread(worker, jobs)  # one batch, one tower call: two videos, one image
         assert worker.metrics.batch_items._sum.get() == 3
         assert worker.metrics.encode_cpu_seconds._value.get() > 0  # the tower thread's CPU
+        assert worker.metrics.preprocess_cpu_seconds._value.get() > 0  # decode + processors
         for room, rows in zip(rooms, expected):
             state, got, view = receiver.wait(room)
             assert state is RoomState.SUCCESS, view.reason
