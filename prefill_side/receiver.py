@@ -731,8 +731,8 @@ class PrefillReceiver:
         else:
             self.pool.release(entry.lease)
             self.set_encoded(entry.item, rows)
-        if grid is not None and known is None:
-            entry.item.model_specific_data["image_grid_thw"] = torch.tensor([list(grid)])
+        if grid is not None and known is None and grid_key:
+            entry.item.model_specific_data[grid_key] = torch.tensor([list(grid)])
         outcome = job.outcomes[entry.index]
         outcome.state, outcome.transport, outcome.encoder = (
             ItemState.DONE,

@@ -12,7 +12,7 @@ from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from prefill_side import JobState, PrefillReceiver, ReceiverConfig
-from tests.encode_helpers import loopback_stack, png
+from tests.encode_helpers import loopback_stack, mp4, png
 from tests.waiting import eventually
 
 
@@ -128,6 +128,30 @@ def test_multi_item_request_is_byte_exact_in_either_order(stack, tower, receiver
     assert all(o.transport == "loopback" for o in job.outcomes[:3])
     assert torch.equal(already.encoded, torch.ones(4, 2)) and skipped_text.encoded is None
     assert receiver.pool.stats()["leased_slots"] == 0  # encoded is a copy: slots are free again
+
+
+def test_a_video_without_a_grid_in_the_request_gets_the_encoders_video_grid(stack, tower):
+    """The commit's grid is stored under the item's own modality's key."""
+    from multimodal.rows import grid_rows
+    from multimodal.video import read_header, sample_and_size
+
+    worker, receiver, intake, _ = stack
+    video = mp4(30, 64, 64, seed=3)
+    _, grid = sample_and_size(tower.video_processor, read_header(video))
+    rows = grid_rows(grid, tower.video_processor.merge_size)
+    (room,) = worker.table.mint(1, 60)
+    handshake = {
+        "bootstrap_room": room,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": worker.bootstrap_port,
+    }
+    item = MultimodalDataItem(Modality.VIDEO, offsets=[[0, rows - 1]], encode_handshake=handshake)
+    job = receiver.start("video", MultimodalInputs([item]))
+    request = {"request_id": "v", "modality": "VIDEO", "source": "bytes"}
+    assert intake.send({**request, "encode_handshake": handshake}, video).ok
+    assert job.wait(20) is JobState.DONE, job.reasons
+    assert item.video_grid_thw.tolist() == [list(grid)] and item.encoded.shape[0] == rows
+    assert "image_grid_thw" not in item.model_specific_data
 
 
 def test_zero_copy_encoded_is_the_slot_until_release(stack, tower):
