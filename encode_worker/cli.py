@@ -31,8 +31,6 @@ def start(config: WorkerConfig):
     check_checkpoint(config.model)
     check_listen(config.bind, config.bootstrap_port, "--bootstrap-port")
     check_listen(config.bind, config.intake_port, "--intake-port")
-    if config.room_socket:
-        check_listen(config.bind, config.room_socket_port, "--room-socket-port")
     check_device(config.device)
     check_memory(config.ring_bytes, "--ring-bytes")
     from data_plane.mooncake import MooncakeUnavailable  # torch: after the quick checks
@@ -65,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     config = worker.config
     logging.info(
         "encode worker ready: model %s (served as %r, %s on %s); rooms, /readyz and /metrics on "
-        "http://%s:%d (bound to %s); intake on tcp://%s:%d; room socket %s; transports %s",
+        "http://%s:%d (bound to %s); intake on tcp://%s:%d; transports %s",
         config.model,
         worker.served_model,
         config.dtype,
@@ -75,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         config.bind,
         config.host,
         worker.intake_port,
-        f"on port {worker.room_socket.port}" if worker.room_socket else "off",
         ",".join(worker.transports),
     )
     stop = threading.Event()

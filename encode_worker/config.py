@@ -61,16 +61,6 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
         description="handshake (room) REST port; also /healthz /readyz /metrics (0: any free port)",
     )
     intake_port: AnyPort = Field(8999, description="ZMQ ROUTER port for items (0: any free port)")
-    room_socket: bool = Field(
-        True,
-        description="serve the room calls over ZMQ beside REST too (receivers' register and "
-        "watch: less CPU per call); clients find it through the bootstrap port",
-    )
-    room_socket_port: AnyPort = Field(
-        0,
-        description="ZMQ ROUTER port of the room socket (0: any free port; clients learn it "
-        "from GET /v1/rooms/socket, so set it only where a firewall pins ports)",
-    )
     transports: TransportNames = Field(
         ("shm", "mooncake"),
         description=f"comma-separated, in order of preference: {', '.join(TRANSPORT_NAMES)}",
@@ -139,13 +129,8 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
     def _consistent(self) -> WorkerConfig:
         if self.batch_pixels is None:
             object.__setattr__(self, "batch_pixels", 2 * self.max_image_pixels)
-        ports = {"--bootstrap-port": self.bootstrap_port, "--intake-port": self.intake_port}
-        if self.room_socket:
-            ports["--room-socket-port"] = self.room_socket_port
-        for name, port in ports.items():
-            same = [other for other, value in ports.items() if value == port and other != name]
-            if port and same:
-                raise SettingError(f"{name} and {' and '.join(same)} are all {port}")
+        if self.bootstrap_port and self.bootstrap_port == self.intake_port:
+            raise SettingError(f"--bootstrap-port and --intake-port are both {self.intake_port}")
         if self.ring_slot_bytes > self.ring_bytes:
             raise SettingError(
                 f"--ring-slot-bytes {self.ring_slot_bytes} is larger than the ring "

@@ -13,14 +13,12 @@ table, metrics) and their lifecycle; each stage owns its thread's work and nothi
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import os
 import threading
 import zlib
 
-import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.mooncake import MooncakeConfig
@@ -37,10 +35,8 @@ from encode_worker.scheduler import BatchQueue
 from encode_worker.sender import Outcome, Sender
 from encode_worker.stages import SHUTTING_DOWN, Intake, Prepare, StageAndSend, TowerStage
 from encode_worker.tower import VisionTower
-from handshake.app import MAX_BODY_BYTES, create_app
-from handshake.calls import RoomCalls
+from handshake.app import create_app
 from handshake.models import RoomState
-from handshake.room_socket import RoomSocket
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from loop_threads import LoopThread, named_thread
@@ -176,23 +172,8 @@ class EncodeWorker:
         registry = CollectorRegistry()
         self.metrics = WorkerMetrics(registry, self)
         self.app = create_app(
-            self.table,
-            token=config.handshake_token,
-            ready=self.ready,
-            registry=registry,
-            room_socket_port=lambda: self.room_socket.port if self.room_socket else None,
+            self.table, token=config.handshake_token, ready=self.ready, registry=registry
         )
-        self.room_socket = (
-            RoomSocket(
-                RoomCalls(self.table),
-                config.handshake_token,
-                MAX_BODY_BYTES,
-                self.app.state.metrics,
-            )
-            if config.room_socket
-            else None
-        )
-        self._room_socket_serving: concurrent.futures.Future | None = None
         self.loop = LoopThread(
             "handshake"
         )  # the handshake server's and the sender's: room work without hand-offs
@@ -317,25 +298,7 @@ class EncodeWorker:
             raise SettingError(
                 f"bootstrap port: cannot serve on {config.bind}:{config.bootstrap_port}: {exc}"
             ) from None
-        if self.room_socket is not None:
-            self._serve_room_socket()
         self.intake.listen()
-
-    def _serve_room_socket(self) -> None:
-        """Bind the room socket on the handshake loop (its sockets are used there) and serve."""
-        config = self.config
-
-        async def bind() -> None:
-            self.room_socket.bind(config.bind, config.room_socket_port)
-
-        try:
-            self.loop.run(bind())
-        except zmq.ZMQError as exc:
-            raise SettingError(
-                f"room socket port: cannot listen on {config.bind}:{config.room_socket_port}: "
-                f"{exc.strerror}"
-            ) from None
-        self._room_socket_serving = self.loop.submit(self.room_socket.serve())
 
     @property
     def bootstrap_port(self) -> int:
@@ -369,9 +332,6 @@ class EncodeWorker:
         self.sender.close(wait=True)
         self.sender.reap()
         self.failer.wait()  # rooms failed at shutdown, told
-        if self._room_socket_serving is not None:
-            self._room_socket_serving.cancel()
-            concurrent.futures.wait([self._room_socket_serving], grace_s)
         if self.server is not None:
             self.server.stop()
         self.room_clients.close()

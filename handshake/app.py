@@ -30,7 +30,6 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
-from handshake.calls import RoomCalls
 from handshake.models import (
     MAX_ROOM_ID,
     MAX_WAIT_S,
@@ -256,17 +255,39 @@ def _answer(results: list[RoomResult]) -> Response:
     return _json(BatchResponse.model_construct(results=results))
 
 
+def _ok(room: int, view: RoomView) -> RoomResult:
+    return RoomResult.model_construct(room=room, ok=True, view=view, error=None, status=200)
+
+
+def _refused(room: int, error: RoomError) -> RoomResult:
+    return RoomResult.model_construct(
+        room=room, ok=False, view=None, error=str(error), status=error.status
+    )
+
+
+def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
+    try:
+        return _ok(room, call())
+    except RoomError as exc:
+        return _refused(room, exc)
+
+
+def _watch_results(versions: dict[int, int], views: list) -> list[RoomResult]:
+    return [
+        _refused(room, v) if isinstance(v, RoomError) else _ok(room, v)
+        for room, v in zip(versions, views)
+    ]
+
+
 def create_app(
     table: RoomTable | None = None,
     token: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     ready: Callable[[], bool] = lambda: True,
     registry: CollectorRegistry | None = None,
-    room_socket_port: Callable[[], int | None] = lambda: None,
 ) -> HandshakeAPI:
     """The handshake app over ``table``. An embedding process (the encode worker) gates ``/readyz``
-    with ``ready``, adds its own metrics to ``/metrics`` through ``registry`` and names its room
-    socket's port (``handshake.room_socket``; None: it serves none) with ``room_socket_port``."""
+    with ``ready`` and adds its own metrics to ``/metrics`` through ``registry``."""
     table = table or RoomTable()
     metrics = HandshakeMetrics(table, registry)
 
@@ -297,7 +318,6 @@ def create_app(
     )
     app.state.table = table
     app.state.metrics = metrics
-    calls = RoomCalls(table)
 
     def body_route(path: str, **kwargs):
         def add(endpoint):
@@ -335,7 +355,14 @@ def create_app(
     async def register(body: RegisterRequest):
         """A receiver reserves its slot per room: generation, rows x width x dtype, transport
         offers. With ``wait_s`` it then long-polls until one of the rooms changes again."""
-        return _answer(await calls.register(body))
+        results = [_result(r.room, lambda r=r: table.register(r)) for r in body.receivers]
+        if body.wait_s > 0:
+            versions = {
+                r.room: r.view.version for r in results if r.ok and not r.view.state.terminal
+            }
+            if len(versions) == len(results):
+                results = _watch_results(versions, await table.watch(versions, body.wait_s))
+        return _answer(results)
 
     @body_route(
         "/v1/rooms/begin-write",
@@ -345,7 +372,7 @@ def create_app(
     async def begin_write(body: BeginWriteRequest):
         """A sender starts writing (REGISTERED -> WRITING); a cancelled room answers CANCELLED
         instead."""
-        return _answer(await calls.begin_write(body))
+        return _answer([_result(w.room, lambda w=w: table.begin_write(w)) for w in body.writes])
 
     @body_route(
         "/v1/rooms/commit", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -353,7 +380,7 @@ def create_app(
     async def commit(body: CommitRequest):
         """A sender's write completed: generation, layout, checksum. Stale generations are
         refused."""
-        return _answer(await calls.commit(body))
+        return _answer([_result(c.room, lambda c=c: table.commit(c)) for c in body.commits])
 
     @body_route(
         "/v1/rooms/fail", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -361,7 +388,12 @@ def create_app(
     async def fail(body: FailRequest):
         """Fail rooms with a reason the other side can read; ``settled`` if no byte can still
         land."""
-        return _answer(await calls.fail(body))
+        return _answer(
+            [
+                _result(f.room, lambda f=f: table.fail(f.room, f.reason, f.settled, f.writer))
+                for f in body.failures
+            ]
+        )
 
     @body_route(
         "/v1/rooms/cancel", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -369,14 +401,20 @@ def create_app(
     async def cancel(body: CancelRequest):
         """Cancel rooms; one being written stays WRITING (cancel_requested) until the writer's
         outcome."""
-        return _answer(await calls.cancel(body))
+        return _answer(
+            [
+                _result(room, lambda room=room: table.cancel(room, body.reason))
+                for room in body.rooms
+            ]
+        )
 
     @body_route(
         "/v1/rooms/watch", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
     )
     async def watch(body: WatchRequest):
         """Long-poll: answers once any room is past its ``after_version`` or after ``wait_s``."""
-        return _answer(await calls.watch(body))
+        versions = {item.room: item.after_version for item in body.rooms}
+        return _answer(_watch_results(versions, await table.watch(versions, body.wait_s)))
 
     @app.get(
         "/v1/rooms/{room:int}",
@@ -393,18 +431,6 @@ def create_app(
         if isinstance(view, RoomError):
             return JSONResponse({"detail": str(view)}, status_code=view.status)
         return _json(view)
-
-    @app.get(
-        "/v1/rooms/socket",
-        responses={**AUTH_ERRORS, 404: {"description": "No room socket here: REST only"}},
-    )
-    async def room_socket():
-        """Where the batch calls are also served over ZMQ (``handshake.room_socket``): its port,
-        on this endpoint's host."""
-        port = room_socket_port()
-        if port is None:
-            return JSONResponse({"detail": "no room socket here: use REST"}, status_code=404)
-        return {"port": port}
 
     @app.get("/healthz")
     async def healthz():

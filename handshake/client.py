@@ -4,11 +4,6 @@ One session per client (connections are reused), a timeout on every call, and re
 exponential backoff only for idempotent calls (everything but ``mint``) on connection errors
 (a peer that dies mid-answer included), timeouts and 503s. Whatever the peer does, a call raises
 ``HandshakeError`` or returns a parsed answer.
-
-The batch calls (register, watch, begin-write, commit, fail, cancel) go over the endpoint's room
-socket (``handshake.room_socket``) when ``GET /v1/rooms/socket`` names one, with the same bodies,
-answers and retries; over REST when it names none, or when the socket never answers (looked up
-again after ``SOCKET_RECHECK_S``).
 """
 
 from __future__ import annotations
@@ -16,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import logging
-import time
 from collections.abc import Iterable
 
 import aiohttp
@@ -42,11 +35,8 @@ from handshake.models import (
     WatchItem,
     WatchRequest,
 )
-from handshake.room_socket import RoomSocketClient, SocketSilent
 from loop_threads import LoopThread
-from multimodal.wire import Endpoint
 
-log = logging.getLogger(__name__)
 JSON_HEADERS = {"Content-Type": "application/json"}
 # Idle pooled connections are dropped after this; the server keeps them longer (handshake.server),
 # so the client always lets go first and never sends on a connection the server is closing.
@@ -59,10 +49,8 @@ ROUTES = (
     "/v1/rooms/fail",
     "/v1/rooms/cancel",
     "/v1/rooms/watch",
-    "/v1/rooms/socket",
     "/healthz",
 )
-SOCKET_RECHECK_S = 60.0  # an endpoint without a usable room socket is asked again after this
 
 
 class HandshakeError(Exception):
@@ -86,7 +74,6 @@ class HandshakeClient:
         retries: int = 3,
         backoff_s: float = 0.05,
         retry_timeouts: bool = True,
-        room_socket: bool = True,
     ):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
@@ -98,10 +85,6 @@ class HandshakeClient:
         # Parsed once per client, not per call: URL and timeout objects are on every request's path.
         self._urls = {path: yarl.URL(self.base_url + path) for path in ROUTES}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
-        self._token = token
-        self._use_socket = room_socket
-        self._socket: RoomSocketClient | None = None
-        self._socket_checked_at = -SOCKET_RECHECK_S  # never
 
     async def __aenter__(self) -> HandshakeClient:
         return self
@@ -119,7 +102,6 @@ class HandshakeClient:
         return self._session
 
     async def close(self) -> None:
-        self._drop_socket()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -175,74 +157,11 @@ class HandshakeClient:
         return timeout
 
     async def _batch(self, path: str, request: BaseModel, wait_s: float = 0.0) -> list[RoomResult]:
-        """Send one batch body (serialized once by pydantic) over the room socket, or else POST
-        it, and parse the per-room results."""
+        """POST one batch body (serialized once by pydantic) and parse the per-room results."""
         body = request.model_dump_json().encode()
-        socket = await self._room_socket()
-        if socket is not None:
-            try:
-                answer = await self._socket_call(socket, path, body, wait_s)
-            except SocketSilent as exc:
-                log.warning("%s; the room calls to %s go over REST", exc, self.base_url)
-                self._drop_socket()
-            else:
-                return _parse(BatchResponse, answer).results
         return _parse(
             BatchResponse, await self._call("POST", path, body=body, extra_timeout=wait_s)
         ).results
-
-    async def _socket_call(
-        self, socket: RoomSocketClient, path: str, body: bytes, wait_s: float
-    ) -> bytes:
-        """One batch call over the room socket, retried as ``_call`` retries an idempotent one."""
-        route = path.removeprefix("/v1/rooms/")
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries
-            try:
-                status, answer = await socket.call(route, body, self.timeout_s + wait_s)
-            except TimeoutError as exc:
-                if last or not self.retry_timeouts:
-                    raise HandshakeError(0, f"TimeoutError: {exc}") from exc
-            except OverflowError as exc:
-                raise HandshakeError(503, str(exc)) from exc
-            else:
-                if status == 503 and not last:
-                    await asyncio.sleep(self.backoff_s * 2**attempt)
-                    continue
-                if status >= 400:
-                    raise HandshakeError(status, _detail(answer))
-                return answer
-            await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
-
-    async def _room_socket(self) -> RoomSocketClient | None:
-        """The endpoint's room socket, looked up once (again after ``SOCKET_RECHECK_S`` when it
-        had none); None: REST."""
-        if self._socket is not None or not self._use_socket:
-            return self._socket
-        now = time.monotonic()
-        if now - self._socket_checked_at < SOCKET_RECHECK_S:
-            return None
-        self._socket_checked_at = now
-        try:
-            answer = await self._call("GET", "/v1/rooms/socket", idempotent=False)
-        except HandshakeError:  # none here (404: an older server, a standalone one), or no answer
-            return None
-        try:
-            port = int(json.loads(answer)["port"])
-        except (ValueError, KeyError, TypeError):
-            log.warning(
-                "%s/v1/rooms/socket answered %r: room calls over REST", self.base_url, answer[:100]
-            )
-            return None
-        url = yarl.URL(self.base_url)
-        self._socket = RoomSocketClient(Endpoint(url.host, port), self._token)
-        return self._socket
-
-    def _drop_socket(self) -> None:
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
 
     async def mint(self, count: int = 1, ttl_s: float = 120.0) -> list[int]:
         body = MintRequest(count=count, ttl_s=ttl_s).model_dump_json().encode()
