@@ -73,16 +73,22 @@ class BatchQueue:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a job holding ``nbytes`` would be taken now. With one producer (intake) a yes
+        holds until its ``put``: only the consumer runs meanwhile, and it only makes room."""
+        with self._ready:
+            return self._has_room(nbytes)
+
+    def _has_room(self, nbytes: int) -> bool:
+        if self.closed or len(self._jobs) >= self.max_items:
+            return False
+        # one job alone may hold more than max_bytes: it was already received
+        return self.max_bytes is None or not self._jobs or self.nbytes + nbytes <= self.max_bytes
+
     def put(self, job: EncodeJob) -> bool:
         with self._ready:
-            if self.closed or len(self._jobs) >= self.max_items:
+            if not self._has_room(job.nbytes):
                 return False
-            if (
-                self.max_bytes is not None
-                and self._jobs
-                and self.nbytes + job.nbytes > self.max_bytes
-            ):
-                return False  # one job alone may hold more: it was already received
             self._jobs.append(job)
             self.nbytes += job.nbytes
             self._ready.notify()

@@ -161,6 +161,9 @@ class Intake:
             self.item_log.warning("intake refused an item (room %s): %s", exc.room, exc)
             return IntakeReply(status=IntakeStatus.REFUSED, room=exc.room, reason=str(exc))
         room = request.encode_handshake.bootstrap_room
+        if not self.queue.has_room(len(payload) if payload is not None else 0):
+            # before the header, the hash and the room: a busy worker refuses cheaply
+            return self._refuse(request, "queue full", retry_after_s=QUEUE_FULL_RETRY_S)
         if not self.in_flight.claim(room):
             return self._refuse(
                 request, f"room {room} already has an item in flight here", log_it=True
