@@ -15,9 +15,9 @@ reason (the gateway would send it to the engine inline). An item is
 **lost** when its request got no report (the prefill call did not answer within the deadline
 plus a margin: it hung) or its report has no reason for a failure. Also measured: intake
 refusals (the workers' ``epd_encoder_requests_total{status="refused"}``), the time from a
-request's start to its report, the handshake's latency under the load (a probe on a thread and
-event loop of its own mints and cancels one room at a worker's room API every
-``probe_interval_s``; p50 / p99 of the mint), and each process's resident memory (sampled from
+request's start to its report, the handshake's latency under the load (a probe in a process of
+its own mints and cancels one room at a worker's room API every ``probe_interval_s``; p50 / p99
+of the mint), and each process's resident memory (sampled from
 /proc with each probe; start, peak, end).
 Goals: 0 lost, every request's report within its deadline, handshake p99 <= 20 ms.
 """
@@ -25,6 +25,7 @@ Goals: 0 lost, every request's report within its deadline, handshake p99 <= 20 m
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import threading
 import time
 from collections import Counter
@@ -54,6 +55,30 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def probe_handshake(url: str, interval_s: float, stop, results) -> None:
+    """In a process of its own: mint and cancel one room at the room API at ``url`` every
+    ``interval_s`` until ``stop`` is set; puts ``"probing"`` on ``results`` once started, then the
+    mints' latencies (seconds)."""
+    from handshake.client import HandshakeClient
+
+    async def probing() -> list[float]:
+        probe = HandshakeClient(url, None, timeout_s=5.0, retries=0)
+        samples: list[float] = []
+        try:
+            results.put("probing")
+            while not stop.is_set():
+                started = time.monotonic()
+                (room,) = await probe.mint(1, 30)
+                samples.append(time.monotonic() - started)
+                await probe.cancel([room], "probe")
+                await asyncio.sleep(interval_s)
+        finally:
+            await probe.close()
+        return samples
+
+    results.put(asyncio.run(probing()))
+
+
 def phase(
     model: str,
     workers: int,
@@ -71,7 +96,6 @@ def phase(
     from bench.cluster import LocalCluster, metric_total
     from dispatcher import Dispatcher, WorkerSet
     from dispatcher.cli import prefill_body
-    from handshake.client import HandshakeClient
 
     with LocalCluster(model, "float32") as cluster:
         encode = [
@@ -89,24 +113,23 @@ def phase(
             await worker_set.refresh()
             dispatcher = Dispatcher(worker_set, AutoImageProcessor.from_pretrained(model))
             rss = {role.name: [_rss_bytes(role.process.pid)] for role in roles}
-            probe_s: list[float] = []
             stop = threading.Event()
 
-            async def probing() -> None:
-                probe = HandshakeClient(encode[0].url, None, timeout_s=5.0, retries=0)
-                try:
-                    while not stop.is_set():
-                        started = time.monotonic()
-                        (room,) = await probe.mint(1, 30)
-                        probe_s.append(time.monotonic() - started)
-                        await probe.cancel([room], "probe")
-                        for role in roles:
-                            rss[role.name].append(_rss_bytes(role.process.pid))
-                        await asyncio.sleep(probe_interval_s)
-                finally:
-                    await probe.close()
+            def sample_memory() -> None:
+                while not stop.wait(probe_interval_s):
+                    for role in roles:
+                        rss[role.name].append(_rss_bytes(role.process.pid))
 
-            prober = threading.Thread(target=lambda: asyncio.run(probing()), daemon=True)
+            sampler = threading.Thread(target=sample_memory, daemon=True)
+            # the probe in a process of its own: in this one it would wait for the interpreter
+            # lock behind the clients and the dispatcher, and time that instead of the handshake
+            spawn = multiprocessing.get_context("spawn")
+            probe_stop, probe_results = spawn.Event(), spawn.Queue()
+            prober = spawn.Process(
+                target=probe_handshake,
+                args=(encode[0].url, probe_interval_s, probe_stop, probe_results),
+                daemon=True,
+            )
 
             async def request(session, index: int) -> dict:
                 started = time.monotonic()
@@ -131,8 +154,11 @@ def phase(
                     ],
                 }
 
+            prober.start()
+            if probe_results.get(timeout=120) != "probing":  # it imports first: wait for it
+                raise RuntimeError("the handshake probe did not start")
+            sampler.start()
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-                prober.start()
                 started = time.monotonic()
                 try:
                     results = await asyncio.gather(
@@ -141,7 +167,10 @@ def phase(
                 finally:
                     seconds = time.monotonic() - started
                     stop.set()
+                    probe_stop.set()
+                    probe_s = probe_results.get(timeout=30)
                     prober.join(30)
+                    sampler.join(30)
                     refused = [
                         await metric_total(
                             session, role.url, "epd_encoder_requests_total", status="refused"
