@@ -54,6 +54,7 @@ class RoomsFull(RoomError):
     status = 503
 
 
+RECENT_ROOMS = 1024  # ended rooms kept as objects beside their tombstones
 MINTED_VERSION = 1  # a room's version when minted; every change adds one
 
 
@@ -162,6 +163,9 @@ class RoomTable:
         self._tombstones: collections.OrderedDict[int, tuple] = (
             collections.OrderedDict()
         )  # oldest first
+        # The rooms that ended last, as objects too: a view of a room that just ended (the
+        # receiver's long-poll answered by the commit) is not parsed back from its tombstone.
+        self._recent: collections.OrderedDict[int, _Room] = collections.OrderedDict()
         self._counts = collections.Counter()  # rooms now in each state
         self._entered = collections.Counter()  # transitions into each state, ever (a metric)
         self._due: list[tuple[float, int]] = []  # (deadline, room id) heap; stale entries skipped
@@ -448,7 +452,8 @@ class RoomTable:
             self._drop_oldest_tombstone()
 
     def _drop_oldest_tombstone(self) -> None:
-        _, record = self._tombstones.popitem(last=False)
+        room_id, record = self._tombstones.popitem(last=False)
+        self._recent.pop(room_id, None)
         self._counts[RoomState(record[3])] -= 1
 
     def _get(self, room_id: int) -> _Room:
@@ -456,6 +461,9 @@ class RoomTable:
         if room is not None:
             self._expire_if_due(room, self._clock())
             return room
+        recent = self._recent.get(room_id)  # ended rooms never change: the object is the tombstone
+        if recent is not None:
+            return recent
         record = self._tombstones.get(room_id)
         if record is None:
             raise RoomNotFound(
@@ -488,6 +496,9 @@ class RoomTable:
         if new.terminal:
             del self._rooms[room.room_id]
             self._tombstones[room.room_id] = room.tombstone(self._clock())
+            self._recent[room.room_id] = room
+            if len(self._recent) > RECENT_ROOMS:
+                self._recent.popitem(last=False)
             while len(self._tombstones) > self.limits.max_tombstones:
                 self._drop_oldest_tombstone()
 
