@@ -1,7 +1,7 @@
 """`epd-dispatch`: send a request's images and videos to encode workers and print the prefill
 request (or, with ``--prefill``, what a reference prefill process received).
 
-    epd-dispatch --model DIR --workers 10.0.0.5:8998:8999 a.png b.jpg clip.mp4
+    epd-dispatch --model DIR --workers 10.0.0.5:8990:8999 a.png b.jpg clip.mp4
     epd-dispatch --model DIR --dns epd-encode-workers.default.svc.cluster.local \\
         --prefill http://prefill:9100 a.png
 
@@ -39,8 +39,10 @@ class DispatchSettings(EncodeWorkerTargets):
     images: CliPositionalArg[list[str]] = Field(
         min_length=1, description="image files (PNG, JPEG, WebP, BMP) and videos (MP4, MOV)"
     )
-    served_model: str | None = Field(
-        None, description="model name to put in intake messages (workers refuse other models)"
+    served_model_name: str | None = Field(
+        None,
+        description="the model's name in intake messages, the encode workers' "
+        "--served-model-name (they refuse other models)",
     )
     prefill: HttpUrl = Field(
         None, description="reference prefill URL to post the request to (epd-prefill)"
@@ -102,7 +104,7 @@ async def run(args: DispatchSettings) -> int:
         args.image_processor(),
         args.video_processor(),
         rooms_url=args.rooms_url,
-        served_model=args.served_model,
+        served_model=args.served_model_name,
         handshake_token=args.handshake_token,
         intake_token=args.intake_token,
     )

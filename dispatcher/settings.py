@@ -11,6 +11,7 @@ from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import NoDecode
 
 from dispatcher.workers import WorkerAddress
+from multimodal.wire import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
 from process_settings import Port, SettingError, check_checkpoint
 from process_settings.secrets import HandshakeToken, IntakeToken
 
@@ -60,8 +61,10 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
     dns: OptionalText = Field(
         None, description="DNS name listing the encode workers (a Kubernetes headless Service)"
     )
-    bootstrap_port: Port = Field(8998, description="workers' bootstrap (rooms) port, with --dns")
-    intake_port: Port = Field(8999, description="workers' intake port, with --dns")
+    bootstrap_port: Port = Field(
+        DEFAULT_BOOTSTRAP_PORT, description="workers' bootstrap (rooms) port, with --dns"
+    )
+    intake_port: Port = Field(DEFAULT_INTAKE_PORT, description="workers' intake port, with --dns")
     rooms_url: HttpUrl = Field(
         None,
         description="standalone handshake endpoint for all rooms (default: each item's worker)",

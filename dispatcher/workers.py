@@ -16,12 +16,16 @@ from dataclasses import dataclass
 import aiohttp
 
 from dispatcher.ring import HashRing
-from multimodal.wire import Endpoint, canonical_host, split_authority
+from multimodal.wire import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_INTAKE_PORT,
+    Endpoint,
+    canonical_host,
+    split_authority,
+)
 
 log = logging.getLogger(__name__)
 MAX_WORKERS = 1024
-DEFAULT_BOOTSTRAP_PORT = 8998
-DEFAULT_INTAKE_PORT = 8999
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ class WorkerAddress:
     @classmethod
     def parse(cls, text: str) -> WorkerAddress:
         """``host``, ``host:bootstrap_port`` or ``host:bootstrap_port:intake_port``; an IPv6 host
-        in brackets (``[fd00::5]:8998:8999``)."""
+        in brackets (``[fd00::5]:8990:8999``)."""
         try:
             host, ports = split_authority(text, 2)
         except ValueError as exc:

@@ -11,7 +11,9 @@ from pydantic_settings import SettingsConfigDict
 
 from data_plane.offers import TRANSPORT_NAMES
 from handshake.settings import RoomTableSettings
+from multimodal.wire import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
 from process_settings import (
+    AdvertisedHost,
     AnyPort,
     ByteSize,
     Dtype,
@@ -42,31 +44,35 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
     PROG: ClassVar[str] = "epd-encode-worker"
 
     model: str = Field(min_length=1, description="checkpoint directory (full VLM or vision-only)")
-    served_model: str | None = Field(
+    served_model_name: str | None = Field(
         None,
-        description="model name intake requests may carry (default: the checkpoint folder name)",
+        description="the model's name, as vLLM's --served-model-name: what intake requests may "
+        "carry (default: the checkpoint folder name)",
     )
     dtype: Dtype = Field("bfloat16", description="tower dtype: bfloat16, float16, float32")
     device: str = Field("cpu", description="torch device for the tower, e.g. cuda:0")
-    host: str = Field(
+    host: AdvertisedHost = Field(
         "127.0.0.1",
-        min_length=1,
-        description="address peers use to reach this worker (rooms, Mooncake)",
+        description="address peers use to reach this worker (rooms, Mooncake); not 0.0.0.0",
     )
     bind: str = Field(
         "0.0.0.0", min_length=1, description="address the bootstrap and intake ports listen on"
     )
     bootstrap_port: AnyPort = Field(
-        8998,
+        DEFAULT_BOOTSTRAP_PORT,
         description="handshake (room) REST port; also /healthz /readyz /metrics (0: any free port)",
     )
-    intake_port: AnyPort = Field(8999, description="ZMQ ROUTER port for items (0: any free port)")
+    intake_port: AnyPort = Field(
+        DEFAULT_INTAKE_PORT, description="ZMQ ROUTER port for items (0: any free port)"
+    )
     transports: TransportNames = Field(
         ("shm", "mooncake"),
         description=f"comma-separated, in order of preference: {', '.join(TRANSPORT_NAMES)}",
     )
-    mooncake_hca: str = Field(
-        "", description="comma-separated RDMA HCA names for Mooncake ('' = all found)"
+    mooncake_ib_device: str = Field(
+        "",
+        description="comma-separated RDMA devices Mooncake may use, as SGLang's "
+        "--disaggregation-ib-device (mlx5_0,mlx5_1; '' = every one found)",
     )
     mooncake_force_tcp: bool = Field(False, description="Mooncake over TCP even where RDMA exists")
     batch_patches: PositiveInt = Field(16384, description="tower input patches per batch")

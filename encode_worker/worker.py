@@ -127,7 +127,9 @@ class EncodeWorker:
         self.preprocess_id = format(
             zlib.crc32(json.dumps(processors, sort_keys=True, default=str).encode()), "08x"
         )
-        self.served_model = config.served_model or os.path.basename(os.path.normpath(config.model))
+        self.served_model = config.served_model_name or os.path.basename(
+            os.path.normpath(config.model)
+        )
         self.cache = EmbeddingCache(config.cache_bytes)
         self.encodes = InFlightEncodes(self.cache)
         self.queue = BatchQueue(
@@ -153,7 +155,7 @@ class EncodeWorker:
                 {
                     "mooncake": MooncakeConfig(
                         hostname=config.host,
-                        device_names=config.mooncake_hca,
+                        device_names=config.mooncake_ib_device,
                         force_tcp=config.mooncake_force_tcp,
                         transfer_timeout_s=max(5, int(config.write_timeout_s)),
                     )

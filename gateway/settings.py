@@ -35,7 +35,7 @@ class GatewaySettings(EncodeWorkerTargets):
     served_model_name: str | None = Field(
         None,
         description="the model's name in metrics and intake messages, as "
-        "the encode workers' --served-model (default: --model's folder name, "
+        "the encode workers' --served-model-name (default: --model's folder name, "
         "theirs too)",
     )
     max_image_bytes: ByteSize = Field(

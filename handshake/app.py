@@ -1,5 +1,5 @@
-"""The handshake REST app (FastAPI): rooms under ``/v1``, plus ``/healthz``, ``/readyz``,
-``/metrics``.
+"""The handshake REST app (FastAPI): rooms under ``/v1``, plus ``/health`` (``/healthz``),
+``/readyz``, ``/metrics``.
 
 Every body route takes a batch (an 8-image request costs one call per side) and answers per room:
 ``{"results": [{"room", "ok", "view" | "error", "status"}]}``. Bad bodies get 4xx with a reason and
@@ -432,6 +432,7 @@ def create_app(
             return JSONResponse({"detail": str(view)}, status_code=view.status)
         return _json(view)
 
+    @app.get("/health")  # as vLLM and SGLang name it
     @app.get("/healthz")
     async def healthz():
         """Liveness: the process answers."""

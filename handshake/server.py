@@ -20,7 +20,7 @@ from handshake.app import MAX_BODY_BYTES, HandshakeAPI, create_app
 from handshake.rooms import RoomTable
 from handshake.settings import RoomTableSettings
 from loop_threads import LoopThread
-from multimodal.wire import Endpoint
+from multimodal.wire import DEFAULT_BOOTSTRAP_PORT, Endpoint
 from process_settings import Port, PositiveByteSize, SettingError, check_listen, refuse
 from process_settings.secrets import HandshakeToken
 
@@ -155,7 +155,9 @@ class HandshakeSettings(RoomTableSettings, HandshakeToken):
     PROG: ClassVar[str] = "epd-handshake"
 
     host: str = Field("0.0.0.0", min_length=1, description="address to listen on")
-    port: Port = Field(8998, description="port of the room API, /healthz, /readyz, /metrics")
+    port: Port = Field(
+        DEFAULT_BOOTSTRAP_PORT, description="port of the room API, /healthz, /readyz, /metrics"
+    )
     max_body_bytes: PositiveByteSize = Field(
         MAX_BODY_BYTES, description="largest accepted request body (bytes; K, M, G suffixes)"
     )

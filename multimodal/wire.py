@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from data_plane.json_fields import json_int
 from data_plane.offers import MAX_ROOM_ID
 
+# An encode worker's ports unless configured: the bootstrap (rooms) port avoids SGLang's PD
+# bootstrap port (8998), so the two can share a node.
+DEFAULT_BOOTSTRAP_PORT = 8990
+DEFAULT_INTAKE_PORT = 8999
 HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})")  # a DNS name or an IPv4 address
 
 

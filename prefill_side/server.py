@@ -44,6 +44,7 @@ from multimodal.wire import EncodeHandshake
 from prefill_side.receiver import PrefillReceiver, ReceiverConfig
 from prefill_side.states import ItemState
 from process_settings import (
+    AdvertisedHost,
     Dtype,
     NonNegativeInt,
     Port,
@@ -231,10 +232,10 @@ def create_app(
             media_type="application/json",
         )
 
-    @app.get(
-        "/healthz",
-        responses={503: {"description": "No transport left: this process cannot receive"}},
-    )
+    liveness_errors = {503: {"description": "No transport left: this process cannot receive"}}
+
+    @app.get("/health", responses=liveness_errors)  # as vLLM and SGLang name it
+    @app.get("/healthz", responses=liveness_errors)
     async def healthz():
         """Liveness: 503 once the process can never receive again (restart it)."""
         health = receiver.health()
@@ -389,14 +390,15 @@ class PrefillSettings(HandshakeToken):
         True,
         description="refuse commits without the rows' checksum (workers run with --no-checksum)",
     )
-    mooncake_host: str = Field(
+    mooncake_host: AdvertisedHost = Field(
         "127.0.0.1",
-        min_length=1,
         description="address encode workers use to reach this "
-        "process's Mooncake engine (the pod IP)",
+        "process's Mooncake engine (the pod IP; not 0.0.0.0)",
     )
-    mooncake_hca: str = Field(
-        "", description="comma-separated RDMA HCA names for Mooncake ('' = all found)"
+    mooncake_ib_device: str = Field(
+        "",
+        description="comma-separated RDMA devices Mooncake may use, as SGLang's "
+        "--disaggregation-ib-device (mlx5_0,mlx5_1; '' = every one found)",
     )
     mooncake_force_tcp: bool = Field(False, description="Mooncake over TCP even where RDMA exists")
 
@@ -470,7 +472,7 @@ def _start(settings: PrefillSettings):
     # default.
     mooncake = MooncakeConfig(
         hostname=settings.mooncake_host,
-        device_names=settings.mooncake_hca,
+        device_names=settings.mooncake_ib_device,
         force_tcp=settings.mooncake_force_tcp,
     )
     try:

@@ -65,6 +65,7 @@ from prefill_side.ec_params import (
     identifier,
 )
 from prefill_side.states import ItemState, JobState
+from process_settings.values import AdvertisedHost
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,8 +100,9 @@ class ConnectorSettings(BaseModel):
     quarantine_s: float = Field(40.0, gt=0)  # above the encode workers' Mooncake transfer timeout
     require_checksum: bool = True
     handshake_token_file: str | None = None  # else $EPD_HANDSHAKE_TOKEN_FILE / $EPD_HANDSHAKE_TOKEN
-    mooncake_host: str = "127.0.0.1"  # the address encode workers reach this engine's Mooncake at
-    mooncake_hca: str = ""  # comma-separated RDMA HCA names ("" = every one found)
+    # the address encode workers reach this engine's Mooncake at (not an unspecified one)
+    mooncake_host: AdvertisedHost = "127.0.0.1"
+    mooncake_ib_device: str = ""  # comma-separated RDMA HCA names ("" = every one found)
     mooncake_force_tcp: bool = False
 
 
@@ -278,7 +280,7 @@ class _SchedulerSide:
         )
         mooncake = MooncakeConfig(
             hostname=settings.mooncake_host,
-            device_names=settings.mooncake_hca,
+            device_names=settings.mooncake_ib_device,
             force_tcp=settings.mooncake_force_tcp,
         )
         self.receiver = PrefillReceiver(

@@ -15,6 +15,7 @@ from process_settings.checks import (
 )
 from process_settings.values import (
     DTYPES,
+    AdvertisedHost,
     AnyPort,
     ByteSize,
     Dtype,
@@ -28,6 +29,7 @@ from process_settings.values import (
 )
 
 __all__ = [
+    "AdvertisedHost",
     "DTYPES",
     "AnyPort",
     "ByteSize",

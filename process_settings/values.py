@@ -4,6 +4,7 @@ takes a Python value) and refuses a bad one with a message that names the value,
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from typing import Annotated
 
@@ -97,6 +98,24 @@ def _transports(value: object) -> tuple[str, ...]:
     return names
 
 
+def _advertised_host(value: object) -> str:
+    """An address peers use to reach this process: never an unspecified one (``0.0.0.0``, ``::``),
+    which names every interface to a listener and none to a peer."""
+    host = str(value).strip()
+    if not host or any(c.isspace() for c in host):
+        raise ValueError(f"{value!r} is not a host name or address")
+    try:
+        unspecified = ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:  # a DNS name
+        return host
+    if unspecified:
+        raise ValueError(
+            f"{host} is an unspecified address, which peers cannot reach: give the address they "
+            "use (the pod IP, a DNS name); the address to listen on is a setting of its own"
+        )
+    return host
+
+
 Port = Annotated[int, BeforeValidator(_port(1))]
 AnyPort = Annotated[int, BeforeValidator(_port(0))]  # 0: any free port, the one taken is logged
 PositiveInt = Annotated[int, BeforeValidator(_bounded(int, above_zero=True))]
@@ -107,4 +126,5 @@ ByteSize = Annotated[int, BeforeValidator(_byte_size(above_zero=False))]
 PositiveByteSize = Annotated[int, BeforeValidator(_byte_size(above_zero=True))]
 Dtype = Annotated[str, BeforeValidator(_dtype)]
 # NoDecode: the environment's value is the comma-separated text, not JSON
+AdvertisedHost = Annotated[str, BeforeValidator(_advertised_host)]
 TransportNames = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_transports)]

@@ -52,7 +52,7 @@ def test_walk_gives_every_member_once_owner_first():
 
 
 def test_worker_addresses_parse_or_refuse():
-    assert WorkerAddress.parse("10.0.0.5") == WorkerAddress("10.0.0.5", 8998, 8999)
+    assert WorkerAddress.parse("10.0.0.5") == WorkerAddress("10.0.0.5", 8990, 8999)
     assert WorkerAddress.parse("w-1:9000:9001").intake_endpoint == "tcp://w-1:9001"
     v6 = WorkerAddress.parse("[fd00::5]:9000:9001")
     assert v6 == WorkerAddress("fd00::5", 9000, 9001) and WorkerAddress.parse(
@@ -61,7 +61,7 @@ def test_worker_addresses_parse_or_refuse():
     assert (v6.url, v6.intake_endpoint) == ("http://[fd00::5]:9000", "tcp://[fd00::5]:9001")
     for bad in (
         "",
-        ":8998",
+        ":8990",
         "h:x",
         "h:1:2:3",
         "h:70000",

@@ -91,7 +91,7 @@ def test_rewrite_replaces_each_image_and_video_part_and_keeps_the_rest():
             InlineMedia("data:image/png;base64,AAAA"),
             EncodedMedia("cd" * 16, (2, 4, 6), "video", 1.25),
         ],
-        {"ab" * 16: {"bootstrap_room": 7, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998}},
+        {"ab" * 16: {"bootstrap_room": 7, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8990}},
     )
     assert out["messages"][1]["content"][1] == {
         "type": "image_embeds",

@@ -297,6 +297,8 @@ def test_a_full_room_table_is_not_ready_and_says_why():
             "ready": False,
             "reason": "room table full: 4 live rooms, no room can be minted",
         }
+        for liveness in ("/health", "/healthz"):  # alive meanwhile, under either name
+            assert get_json(server.url + liveness, timeout=5) == (200, {"ok": True})
         client.cancel(rooms[:1])
         assert get_json(server.url + "/readyz", timeout=5)[0] == 200
     finally:

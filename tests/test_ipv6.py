@@ -31,15 +31,15 @@ def _has_ipv6_loopback() -> bool:
 
 
 def test_an_endpoint_is_one_value_however_its_host_is_spelled():
-    v6 = Endpoint.parse("[::1]:8998")
-    assert v6 == Endpoint("::1", 8998) == Endpoint("[::1]", 8998) == Endpoint("0:0::1", 8998)
-    assert hash(v6) == hash(Endpoint("[::1]", 8998)) and v6.host == "::1"
+    v6 = Endpoint.parse("[::1]:8990")
+    assert v6 == Endpoint("::1", 8990) == Endpoint("[::1]", 8990) == Endpoint("0:0::1", 8990)
+    assert hash(v6) == hash(Endpoint("[::1]", 8990)) and v6.host == "::1"
     assert (v6.authority, v6.url("http"), v6.url("tcp")) == (
-        "[::1]:8998",
-        "http://[::1]:8998",
-        "tcp://[::1]:8998",
+        "[::1]:8990",
+        "http://[::1]:8990",
+        "tcp://[::1]:8990",
     )
-    assert Endpoint.parse(v6.authority) == v6 and str(v6) == "[::1]:8998"
+    assert Endpoint.parse(v6.authority) == v6 and str(v6) == "[::1]:8990"
     v4 = Endpoint.parse("10.0.0.5:9000")
     assert (v4.authority, v4.url("http")) == ("10.0.0.5:9000", "http://10.0.0.5:9000")
     assert Endpoint.parse("w-1:1").url("tcp") == "tcp://w-1:1"
@@ -52,7 +52,7 @@ def test_an_endpoint_is_one_value_however_its_host_is_spelled():
         "h:70000",
         "h:x",
         "h:1:2",
-        "::1:8998",
+        "::1:8990",
         "[not-v6]:1",
         "[::1]x:1",
     ):
@@ -63,10 +63,10 @@ def test_an_endpoint_is_one_value_however_its_host_is_spelled():
     handshake = EncodeHandshake.at(v6, 7)
     assert (handshake.bootstrap_host, handshake.bootstrap_port, handshake.url) == (
         "::1",
-        8998,
-        "http://[::1]:8998",
+        8990,
+        "http://[::1]:8990",
     )
-    bracketed = EncodeHandshake(bootstrap_room=7, bootstrap_host="[::1]", bootstrap_port=8998)
+    bracketed = EncodeHandshake(bootstrap_room=7, bootstrap_host="[::1]", bootstrap_port=8990)
     assert bracketed.endpoint == handshake.endpoint and bracketed.url == handshake.url
     worker = WorkerAddress.parse("[fd00::5]:9000:9001")
     assert (worker.name, str(worker), worker.rooms, worker.intake) == (

@@ -131,11 +131,11 @@ def test_inputs_publish_and_release_shm_features(no_new_segments):
 @pytest.mark.parametrize(
     "host, url",
     [
-        ("10.0.0.5", "http://10.0.0.5:8998"),
-        ("::1", "http://[::1]:8998"),
-        ("[::1]", "http://[::1]:8998"),
-        ("worker-0.epd", "http://worker-0.epd:8998"),
+        ("10.0.0.5", "http://10.0.0.5:8990"),
+        ("::1", "http://[::1]:8990"),
+        ("[::1]", "http://[::1]:8990"),
+        ("worker-0.epd", "http://worker-0.epd:8990"),
     ],
 )
 def test_encode_handshake_url_brackets_an_ipv6_host_once(host, url):
-    assert EncodeHandshake(bootstrap_room=1, bootstrap_host=host, bootstrap_port=8998).url == url
+    assert EncodeHandshake(bootstrap_room=1, bootstrap_host=host, bootstrap_port=8990).url == url

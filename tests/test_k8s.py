@@ -207,8 +207,8 @@ def transports(program, args) -> list[str]:
 def mooncake_choices(program, args) -> tuple[str, bool]:
     """(HCA list, forced TCP) of a program that runs Mooncake."""
     if program == VLLM:
-        return args.connector.mooncake_hca, args.connector.mooncake_force_tcp
-    return args.mooncake_hca, bool(args.mooncake_force_tcp)
+        return args.connector.mooncake_ib_device, args.connector.mooncake_force_tcp
+    return args.mooncake_ib_device, bool(args.mooncake_force_tcp)
 
 
 def token_files(program, args) -> list[str]:
@@ -387,7 +387,7 @@ def test_gateway_reaches_vllm_and_the_encoders_and_all_three_serve_one_checkpoin
         if program == VLLM
     ]
     (model,) = {w.model for w in workers}
-    (name,) = {w.served_model or os.path.basename(model) for w in workers}
+    (name,) = {w.served_model_name or os.path.basename(model) for w in workers}
     (dtype,) = {w.dtype for w in workers}
     for _, engine in engines:
         assert engine.model_tag == model and engine.dtype == dtype, (

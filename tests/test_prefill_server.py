@@ -268,6 +268,7 @@ def test_readiness_follows_the_receive_pool(served, tower):
         and body["reason"] == "receive pool exhausted: 0 of 4 slots free (4 leased, 0 quarantined)"
     )
     assert get_json(url + "/healthz")[0] == 200  # alive: slots come back
+    assert get_json(url + "/health") == get_json(url + "/healthz")  # the name vLLM and SGLang use
     for room in rooms:
         worker.table.cancel(room, "gateway gave up")
     request.join(30)

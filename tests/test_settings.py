@@ -109,6 +109,22 @@ def test_a_bad_worker_setting_is_one_line_naming_flag_and_variable(args, line):
     assert line in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("unspecified", ["0.0.0.0", "::", "[::]", "0:0::0"])
+def test_an_advertised_address_cannot_be_an_unspecified_one(unspecified):
+    """Peers are given ``--host`` (a worker) and ``--mooncake-host`` (a receiver) to reach the
+    process at: 0.0.0.0 names no machine to them, so it is refused at start, not at the first
+    write."""
+    from prefill_side.server import PrefillSettings
+
+    why = "is an unspecified address, which peers cannot reach"
+    with pytest.raises(SettingError, match=r"--host \(or EPD_HOST\): .*" + why):
+        WorkerConfig.from_command_line(["--model", "m", "--host", unspecified])
+    with pytest.raises(SettingError, match=r"--mooncake-host .*" + why):
+        PrefillSettings.from_command_line(["--mooncake-host", unspecified])
+    for reachable in ("10.0.0.7", "encoder-0.epd.svc", "fd00::7"):
+        assert WorkerConfig.from_command_line(["--model", "m", "--host", reachable]).host
+
+
 def test_the_worker_room_table_limits_are_settings(monkeypatch):
     monkeypatch.setenv("EPD_MAX_TOMBSTONES", "11")
     limits = WorkerConfig.from_command_line(
@@ -138,7 +154,7 @@ def test_shared_groups_read_each_process_prefix(monkeypatch):
         ["--model", "/models/Qwen2.5-VL-7B-Instruct", "--vllm-url", "http://v:8000/"]
     )
     assert [(w.host, w.bootstrap_port, w.intake_port) for w in gateway.workers] == [
-        ("10.0.0.5", 8998, 8999),
+        ("10.0.0.5", 8990, 8999),
         ("fd00::6", 9000, 9001),
     ]
     assert (

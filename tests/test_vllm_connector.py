@@ -466,7 +466,7 @@ def test_vllm_request_from_dispatched_items():
     from dispatcher.dispatch import DispatchedItem
     from multimodal.wire import EncodeHandshake
 
-    room = EncodeHandshake(bootstrap_room=7, bootstrap_host="10.0.0.5", bootstrap_port=8998)
+    room = EncodeHandshake(bootstrap_room=7, bootstrap_host="10.0.0.5", bootstrap_port=8990)
     placed = DispatchedItem(
         index=0,
         data=b"a",
