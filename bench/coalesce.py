@@ -40,8 +40,8 @@ async def _worker_counts(session, url: str) -> dict[str, float]:
 
     wanted = {
         "epd_encoder_batch_items_sum": "tower_items",
-        "epd_encoder_cache_hits": "cache_hits",
-        "epd_encoder_coalesced_items": "coalesced",
+        "epd_encoder_cache_hits_total": "cache_hits",
+        "epd_encoder_coalesced_items_total": "coalesced",
     }
     counts = {}
     for name, key in wanted.items():

@@ -14,7 +14,7 @@ item the dispatcher could not place (no room: the prefill side skips it), with t
 reason (the gateway would send it to the engine inline). An item is
 **lost** when its request got no report (the prefill call did not answer within the deadline
 plus a margin: it hung) or its report has no reason for a failure. Also measured: intake
-refusals (the workers' ``epd_encoder_requests_total{status="refused"}``), the time from a
+refusals (the workers' ``epd_encoder_intake_total{result="refused"}``), the time from a
 request's start to its report, the handshake's latency under the load (a probe in a process of
 its own mints and cancels one room at a worker's room API every ``probe_interval_s``; p50 / p99
 of the mint), and each process's resident memory (sampled from
@@ -173,7 +173,7 @@ def phase(
                     sampler.join(30)
                     refused = [
                         await metric_total(
-                            session, role.url, "epd_encoder_requests_total", status="refused"
+                            session, role.url, "epd_encoder_intake_total", result="refused"
                         )
                         or 0.0
                         for role in encode

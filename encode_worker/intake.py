@@ -62,8 +62,8 @@ class IntakeRequest(BaseModel):
 
 
 class IntakeStatus(enum.StrEnum):
-    """What intake did with one message; with ``RoomState``'s terminal states, the vocabulary of an
-    item's ``epd_encoder_requests`` status label (the value in lower case)."""
+    """What intake did with one message: the ``result`` label of ``epd_encoder_intake_total`` (the
+    value in lower case)."""
 
     ACCEPTED = "ACCEPTED"  # queued for the tower; the room's outcome comes through the room
     REFUSED = "REFUSED"  # never queued, room untouched (or not opened): bad frames, duplicate

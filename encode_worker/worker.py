@@ -20,6 +20,7 @@ import threading
 import zlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from data_plane.mooncake import MooncakeConfig
 from data_plane.offers import transport_spec
@@ -40,18 +41,28 @@ from handshake.models import RoomState
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from loop_threads import LoopThread, named_thread
+from metrics import LATENCY_BUCKETS
 from process_settings import SettingError, check_listen
 
 log = logging.getLogger(__name__)
 
 
 class WorkerMetrics:
+    """The worker's families (``model_name`` is added to each where they are served). An item is
+    counted twice, in two families: once by intake's answer, once by its room's end."""
+
     def __init__(self, registry: CollectorRegistry, worker: EncodeWorker):
         self.registry = registry
-        self.requests = Counter(
-            "epd_encoder_requests",
-            "Items by modality and outcome",
-            ["modality", "status"],
+        self.intake = Counter(
+            "epd_encoder_intake",
+            "Intake's answer per item: accepted, refused (room untouched), failed (room failed)",
+            ["modality", "result"],
+            registry=registry,
+        )
+        self.outcomes = Counter(
+            "epd_encoder_items",
+            "Accepted items by how their room ended: success, failed, cancelled, expired",
+            ["modality", "outcome"],
             registry=registry,
         )
         self.batch_items = Histogram(
@@ -61,7 +72,10 @@ class WorkerMetrics:
             registry=registry,
         )
         self.encode_seconds = Histogram(
-            "epd_encoder_encode_seconds", "Tower time per batch", registry=registry
+            "epd_encoder_encode_seconds",
+            "Tower time per batch",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.encode_cpu_seconds = Counter(
             "epd_encoder_encode_cpu_seconds",
@@ -77,17 +91,20 @@ class WorkerMetrics:
         self.queue_seconds = Histogram(
             "epd_encoder_queue_seconds",
             "Intake to the tower starting the item's batch",
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.receiver_wait_seconds = Histogram(
             "epd_encoder_receiver_wait_seconds",
             "Rows staged to the receiver registered (or the wait ended)",
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.transfer_seconds = Histogram(
             "epd_encoder_transfer_seconds",
             "The write alone per delivered item: submit to the transport settled",
             ["transport"],
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.bytes = Counter(
@@ -99,20 +116,34 @@ class WorkerMetrics:
         Gauge(
             "epd_encoder_ring_occupancy", "Leased fraction of the send ring", registry=registry
         ).set_function(lambda: worker.ring.stats()["leased_slots"] / worker.ring.slot_count)
-        for name in ("hits", "misses", "evictions"):
-            Gauge(
-                f"epd_encoder_cache_{name}", f"Embedding cache {name}", registry=registry
-            ).set_function(lambda name=name: getattr(worker.cache, name))
-        Gauge(
-            "epd_encoder_coalesced_items",
-            "Items that waited for an identical item's encode in flight (cache hits apart)",
-            registry=registry,
-        ).set_function(lambda: worker.encodes.coalesced)
+        registry.register(_CacheCounters(worker))
 
     def count(self, modality: str, status: IntakeStatus | RoomState) -> None:
-        """One item's intake answer or room end in ``epd_encoder_requests``: the status label is the
-        enum's value in lower case (accepted, refused, failed; success, cancelled, expired)."""
-        self.requests.labels(modality, status.value.lower()).inc()
+        """One item's intake answer (``epd_encoder_intake_total{result}``) or room end
+        (``epd_encoder_items_total{outcome}``), as the enum's value in lower case."""
+        family = self.intake if isinstance(status, IntakeStatus) else self.outcomes
+        family.labels(modality, status.value.lower()).inc()
+
+
+class _CacheCounters:
+    """The embedding cache's and the coalescer's own running counts, as Prometheus counters."""
+
+    def __init__(self, worker: EncodeWorker):
+        self.worker = worker
+
+    def collect(self):
+        cache = self.worker.cache
+        for name, value, what in (
+            ("cache_hits", cache.hits, "Items answered from the embedding cache"),
+            ("cache_misses", cache.misses, "Items the cache did not hold"),
+            ("cache_evictions", cache.evictions, "Entries evicted from the embedding cache"),
+            (
+                "coalesced_items",
+                self.worker.encodes.coalesced,
+                "Items that waited for an identical item's encode in flight (cache hits apart)",
+            ),
+        ):
+            yield CounterMetricFamily(f"epd_encoder_{name}", what, value=value)
 
 
 class EncodeWorker:
@@ -174,7 +205,11 @@ class EncodeWorker:
         registry = CollectorRegistry()
         self.metrics = WorkerMetrics(registry, self)
         self.app = create_app(
-            self.table, token=config.handshake_token, ready=self.ready, registry=registry
+            self.table,
+            token=config.handshake_token,
+            ready=self.ready,
+            registry=registry,
+            model_name=self.served_model,
         )
         self.loop = LoopThread(
             "handshake"

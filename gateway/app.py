@@ -54,31 +54,11 @@ from gateway.chat import (
 )
 from gateway.media import MediaError, MediaFetcher
 from gateway.settings import GatewaySettings
+from metrics import LATENCY_BUCKETS
 from multimodal.items import Modality
 from prefill_side.ec_params import DeliveryReport, ItemDelivery, identifier
 
 log = logging.getLogger(__name__)
-# Latency buckets (seconds) from 100 us: a dispatch on one node takes well under a millisecond.
-BUCKETS = (
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    30,
-    60,
-)
 
 
 class GatewayMetrics:
@@ -107,14 +87,14 @@ class GatewayMetrics:
             "epd_gateway_dispatch_seconds",
             "Request start -> every image placed",
             labels,
-            buckets=BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.first_token = Histogram(
             "epd_gateway_time_to_first_token_seconds",
             "Request start -> first token relayed (streaming) or the answer",
             labels,
-            buckets=BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.in_flight = Gauge(

@@ -46,6 +46,7 @@ from handshake.models import (
     WatchRequest,
 )
 from handshake.rooms import RoomError, RoomsFull, RoomTable
+from metrics import LATENCY_BUCKETS, PROBE_PATHS, exposition_registry
 
 MAX_BODY_BYTES = 1 << 20
 SWEEP_INTERVAL_S = 0.1
@@ -60,7 +61,7 @@ class HandshakeMetrics:
             "epd_handshake_request_seconds",
             "Request latency by route",
             ["route", "method"],
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5, 30),
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         Gauge(
@@ -229,9 +230,10 @@ class HandshakeAPI(FastAPI):
             await _reply(send, 413, exc.detail)
         except _ClientGone:
             return
-        self.metrics.observe(
-            route.path if route else "unmatched", scope["method"], time.perf_counter() - started
-        )
+        if scope["path"] not in PROBE_PATHS:  # probes and scrapes are not room traffic
+            self.metrics.observe(
+                route.path if route else "unmatched", scope["method"], time.perf_counter() - started
+            )
 
 
 async def _read_body(receive) -> bytes:
@@ -285,11 +287,14 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     ready: Callable[[], bool] = lambda: True,
     registry: CollectorRegistry | None = None,
+    model_name: str | None = None,
 ) -> HandshakeAPI:
     """The handshake app over ``table``. An embedding process (the encode worker) gates ``/readyz``
-    with ``ready`` and adds its own metrics to ``/metrics`` through ``registry``."""
+    with ``ready``, adds its own metrics to ``/metrics`` through ``registry`` and names the model
+    every family is labelled with (``model_name``; a standalone room authority serves none)."""
     table = table or RoomTable()
     metrics = HandshakeMetrics(table, registry)
+    served = exposition_registry(metrics.registry, model_name) if model_name else metrics.registry
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -460,7 +465,7 @@ def create_app(
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
         """Prometheus metrics: rooms by state, transitions, long-poll waiters, latency by route."""
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(served), media_type=CONTENT_TYPE_LATEST)
 
     # The router tries routes in order: the room API first, FastAPI's /docs and /openapi.json last.
     app.router.routes.sort(key=lambda route: not getattr(route, "path", "").startswith("/v1/"))

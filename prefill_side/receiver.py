@@ -52,6 +52,7 @@ from handshake.models import (
     RoomState,
 )
 from loop_threads import LoopThread
+from metrics import LATENCY_BUCKETS
 from multimodal.items import GRID_KEYS, MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError, item_rows
 from multimodal.wire import EncodeHandshake, Endpoint
@@ -275,7 +276,10 @@ class ReceiverMetrics:
             registry=registry,
         )
         self.latency = Histogram(
-            "epd_prefill_receive_seconds", "Start of job to item published", registry=registry
+            "epd_prefill_receive_seconds",
+            "Start of job to item published",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.bytes = Counter(
             "epd_prefill_bytes", "Bytes received", ["transport"], registry=registry

@@ -38,6 +38,7 @@ from data_plane.json_fields import JsonBool, json_float, json_int
 from data_plane.offers import TRANSPORT_NAMES
 from handshake.app import BodyLimit
 from handshake.models import EncodeTimings
+from metrics import exposition_registry
 from multimodal.items import GRID_KEYS, Modality, MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError
 from multimodal.wire import EncodeHandshake
@@ -115,8 +116,13 @@ class PrefillResponse(BaseModel):
 
 
 def create_app(
-    receiver: PrefillReceiver, local_tower=None, max_body_bytes: int = MAX_BODY_BYTES
+    receiver: PrefillReceiver,
+    local_tower=None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    model_name: str | None = None,
 ) -> FastAPI:
+    """The reference prefill API over ``receiver``; ``model_name`` labels every metric family."""
+    served = exposition_registry(receiver.registry, model_name) if model_name else receiver.registry
     app = FastAPI(
         title="EPD reference prefill",
         version="1",
@@ -262,7 +268,7 @@ def create_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return Response(generate_latest(receiver.registry), media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(served), media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -352,6 +358,11 @@ class PrefillSettings(HandshakeToken):
         description="checkpoint for verification / fallback; also gives --width and "
         "--deepstack-width",
     )
+    served_model_name: str | None = Field(
+        None,
+        description="the model's name in every metric's model_name label, as vLLM's "
+        "--served-model-name (default: --model's folder name; none without --model)",
+    )
     width: NonNegativeInt = Field(
         0, description="wire width of one row (the encode workers' tower's; default: from --model)"
     )
@@ -408,6 +419,9 @@ class PrefillSettings(HandshakeToken):
             raise SettingError(
                 f"--slot-bytes {self.slot_bytes} is larger than --pool-bytes {self.pool_bytes}"
             )
+        if self.served_model_name is None and self.model:
+            name = os.path.basename(os.path.normpath(self.model))
+            object.__setattr__(self, "served_model_name", name)
         return self
 
 
@@ -515,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         settings.model or "none",
     )
     try:
-        serve(create_app(receiver, tower, settings.max_body_bytes), settings.host, settings.port)
+        app = create_app(receiver, tower, settings.max_body_bytes, settings.served_model_name)
+        serve(app, settings.host, settings.port)
     finally:
         receiver.close()
     return 0

@@ -64,10 +64,13 @@ def wait_room(client, room: int, state: RoomState, seconds: float = 30):
 
 def ring_occupancy(url: str) -> float:
     """The worker's ``epd_encoder_ring_occupancy`` gauge, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("epd_encoder_ring_occupancy "):
-                return float(line.split()[1])
+        for family in text_string_to_metric_families(response.read().decode()):
+            if family.name == "epd_encoder_ring_occupancy":
+                (sample,) = family.samples
+                return sample.value
     raise AssertionError("no epd_encoder_ring_occupancy in /metrics")
 
 
@@ -181,21 +184,45 @@ def _inputs(tower, image):
     return {"pixel_values": inputs["pixel_values"], "grid_thw": inputs["image_grid_thw"]}
 
 
-def test_probes_and_metrics(worker_process):
+def test_probes_and_metrics(worker_process, checkpoint):
+    """Dashboards written for vLLM's metrics work as they are: every family has ``model_name``,
+    counters are counters (``_total``), latency buckets start at 100 us, and probes and scrapes are
+    not counted as room traffic."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     process, url, _, _ = worker_process
-    with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
-        assert response.status == 200
+    for probe in ("/health", "/healthz", "/readyz", "/metrics"):
+        with urllib.request.urlopen(url + probe, timeout=5) as response:
+            assert response.status == 200
     with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
-        text = response.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    for name in ("epd_encoder_queue_depth", "epd_encoder_ring_occupancy", "epd_handshake_rooms"):
+        assert families[name].type == "gauge", name
     for name in (
-        "epd_encoder_requests_total",
-        "epd_encoder_queue_depth",
-        "epd_encoder_ring_occupancy",
+        "epd_encoder_intake",
+        "epd_encoder_items",
         "epd_encoder_cache_hits",
-        "epd_encoder_batch_items",
-        "epd_handshake_rooms",
+        "epd_encoder_cache_misses",
+        "epd_encoder_cache_evictions",
+        "epd_encoder_coalesced_items",
+        "epd_encoder_encode_cpu_seconds",
+        "epd_encoder_preprocess_cpu_seconds",
+        "epd_handshake_transitions",
     ):
-        assert name in text, name
+        assert families[name].type == "counter", name
+    for name in ("epd_encoder_transfer_seconds", "epd_handshake_request_seconds"):
+        assert families[name].type == "histogram", name
+    model_names = {
+        sample.labels.get("model_name")
+        for family in families.values()
+        if family.name.startswith("epd_")
+        for sample in family.samples
+    }
+    assert model_names == {os.path.basename(os.path.normpath(checkpoint))}
+    queue = families["epd_encoder_queue_seconds"].samples
+    assert min(float(s.labels["le"]) for s in queue if "le" in s.labels) == 0.0001
+    routes = {s.labels.get("route") for s in families["epd_handshake_request_seconds"].samples}
+    assert not routes & {"/health", "/healthz", "/readyz", "/metrics"}
 
 
 def test_every_flag_has_an_env_var_and_the_flag_wins():
