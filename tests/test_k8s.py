@@ -41,7 +41,12 @@ OVERLAYS = {
     "rdma": "overlays/rdma",
     "same-node": "overlays/same-node",
 }
-COMPONENTS = ["components/servicemonitor", "components/hpa", "components/handshake"]
+COMPONENTS = [
+    "components/servicemonitor",
+    "components/hpa",
+    "components/handshake",
+    "components/grafana-dashboard",
+]
 VARIANTS = [*OVERLAYS, *(f"{name}+components" for name in OVERLAYS if name != "base")]
 IMAGE = "ghcr.io/example-org/epd-encode-worker"  # ./Dockerfile: every EPD program
 VLLM_IMAGE = "ghcr.io/example-org/epd-vllm"  # ./Dockerfile.vllm: vLLM with the EPD connector
@@ -289,9 +294,15 @@ def test_one_images_entry_per_image_retags_every_container(rendered):
 
 def test_components_add_what_they_promise(rendered):
     kinds = {o["kind"] for o in rendered["tcp+components"]} - {o["kind"] for o in rendered["tcp"]}
-    assert kinds == {"ServiceMonitor", "HorizontalPodAutoscaler"}
+    assert kinds == {"ServiceMonitor", "HorizontalPodAutoscaler", "ConfigMap"}
     names = {o["metadata"]["name"] for o in of_kind(rendered["tcp+components"], "Deployment")}
     assert names == {"epd-encode-worker", "epd-prefill", "epd-gateway", "epd-handshake"}
+    (dashboard,) = [  # the Grafana sidecar finds it by its label; the JSON is the file as it is
+        o for o in of_kind(rendered["tcp+components"], "ConfigMap") if "grafana_dashboard" in str(o)
+    ]
+    assert dashboard["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    shipped = (K8S / "components" / "grafana-dashboard" / "epd-dashboard.json").read_text()
+    assert json.loads(dashboard["data"]["epd-dashboard.json"]) == json.loads(shipped)
 
 
 # ---- containers ----------------------------------------------------------------------------------
