@@ -1,12 +1,16 @@
 """Mooncake TransferEngine transport: one-sided writes into the receiver's registered pool.
 
 One engine per process, created lazily in the process that uses it (an engine inherited across
-``fork`` hangs) and kept for life (tearing one down holds the GIL for about a second).
-P2PHANDSHAKE, so no etcd. RDMA is used automatically when an HCA is present; ``force_tcp`` sets
-``MC_FORCE_TCP``. Writes are submitted and polled (the sync calls busy-spin a core), each has
-a deadline, and a failed write is reported unsettled until Mooncake itself gives up, because
-it may still land. The engine behaviours relied on here, and how they were found:
-docs/performance.md, "Mooncake engine behaviours".
+``fork`` hangs) and kept for life (tearing one down holds the GIL for about a second); or, inside
+an engine that already runs a TransferEngine (for its KV cache), that one, adopted
+(``MooncakeTransport.adopt``). P2PHANDSHAKE, so no etcd. RDMA is used automatically when an HCA is
+present. Mooncake takes ``force_tcp`` and its transfer timeout from ``MC_FORCE_TCP`` and
+``MC_TRANSFER_TIMEOUT`` (its log level from ``MC_LOG_LEVEL``, at import): they are set only while
+our engine is made and put back after, so no other engine in the process reads ours. (A Mooncake
+that reads them once per process applies them only if ours is its first engine.) Writes are
+submitted and polled (the sync calls busy-spin a core), each has a deadline, and a failed write is
+reported unsettled until Mooncake itself gives up, because it may still land. The engine behaviours
+relied on here, and how they were found: docs/performance.md, "Mooncake engine behaviours".
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from data_plane.pool import Lease, MemoryRegion, SlotPool
 from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
 
 INSTALL_HINT = (
-    "Mooncake is not usable here: {error}. On CPU hosts: pip install '.[cpu]' "
+    "Mooncake is not usable here: {error}. On CPU hosts: pip install '.[mooncake-cpu]' "
     "(mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1; on GPU hosts: "
-    "pip install '.[gpu]' with the NVIDIA driver present. Never install both wheels."
+    "pip install '.[mooncake-cuda12]' (or mooncake-cuda13) with the NVIDIA driver present. "
+    "Never install two of them."
 )
 # Mooncake's own timeout is clamped to >= 5 s and grows by 1 ns per byte.
 MIN_ENGINE_TIMEOUT_S = 5
@@ -68,10 +73,30 @@ def _quiet_stderr(enabled: bool):
         os.close(devnull)
 
 
+_ENVIRONMENT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _mooncake_environment(settings: dict[str, str]):
+    """``settings`` in the environment for the block only, then each variable as it was."""
+    with _ENVIRONMENT_LOCK:
+        saved = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 def _load_engine_class(config: MooncakeConfig):
-    os.environ.setdefault("MC_LOG_LEVEL", config.log_level)  # only read at import
+    # read at import only; an operator's own MC_LOG_LEVEL wins
+    level = {} if "MC_LOG_LEVEL" in os.environ else {"MC_LOG_LEVEL": config.log_level}
     try:
-        with _quiet_stderr(config.log_level == "ERROR"):
+        with _quiet_stderr(config.log_level == "ERROR"), _mooncake_environment(level):
             from mooncake.engine import TransferEngine
     except ImportError as exc:
         raise MooncakeUnavailable(INSTALL_HINT.format(error=exc)) from None
@@ -147,18 +172,31 @@ class MooncakeTransport(Transport):
     _instance: MooncakeTransport | None = None
     _instance_lock = threading.Lock()
 
-    def __init__(self, config: MooncakeConfig = MooncakeConfig()):
-        engine_class = _load_engine_class(config)
-        os.environ["MC_TRANSFER_TIMEOUT"] = str(
-            max(config.transfer_timeout_s, MIN_ENGINE_TIMEOUT_S)
-        )
-        if config.force_tcp:
-            os.environ["MC_FORCE_TCP"] = "1"
+    def __init__(self, config: MooncakeConfig = MooncakeConfig(), engine=None):
+        """A new engine for ``config``, or ``engine``: one the process already runs, initialised
+        (P2PHANDSHAKE) at ``config.hostname``, whose own settings stay as they are."""
         self.config = config
         self.pid = os.getpid()
-        with _quiet_stderr(config.log_level == "ERROR"):
-            self.engine = engine_class()
-            rc = self.engine.initialize(config.hostname, "P2PHANDSHAKE", "tcp", config.device_names)
+        self.adopted = engine is not None
+        if engine is None:
+            engine = self._new_engine(config)
+        self.engine = engine
+        self.session = f"{config.hostname}:{self.engine.get_rpc_port()}"
+        self._regions: list[MemoryRegion] = []
+        self._reached: set[str] = set()  # sessions a probe has answered
+        self._probing: dict[str, threading.Thread] = {}  # at most one hung first contact per peer
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _new_engine(config: MooncakeConfig):
+        engine_class = _load_engine_class(config)
+        timeout_s = max(config.transfer_timeout_s, MIN_ENGINE_TIMEOUT_S)
+        settings = {"MC_TRANSFER_TIMEOUT": str(timeout_s)}
+        if config.force_tcp:
+            settings["MC_FORCE_TCP"] = "1"
+        with _quiet_stderr(config.log_level == "ERROR"), _mooncake_environment(settings):
+            engine = engine_class()
+            rc = engine.initialize(config.hostname, "P2PHANDSHAKE", "tcp", config.device_names)
         if rc != 0:
             raise MooncakeUnavailable(
                 f"Mooncake TransferEngine.initialize({config.hostname!r}, P2PHANDSHAKE) "
@@ -166,18 +204,29 @@ class MooncakeTransport(Transport):
                 f"MC_MAX_RPC_PORT or 15000-17000, and is {config.hostname} an address of "
                 "this host?)"
             )
-        self.session = f"{config.hostname}:{self.engine.get_rpc_port()}"
-        self._regions: list[MemoryRegion] = []
-        self._reached: set[str] = set()  # sessions a probe has answered
-        self._probing: dict[str, threading.Thread] = {}  # at most one hung first contact per peer
-        self._lock = threading.Lock()
+        return engine
+
+    @classmethod
+    def adopt(cls, engine, config: MooncakeConfig) -> MooncakeTransport:
+        """Use the TransferEngine this process already runs (an engine's, for its KV cache),
+        initialised with P2PHANDSHAKE at ``config.hostname``, as this process's transport: no second
+        engine, no Mooncake setting changed (``config``'s ``force_tcp`` and timeout are the
+        engine's own business). ``for_process`` returns it from then on, whatever it is asked."""
+        with cls._instance_lock:
+            if cls._instance is not None and cls._instance.pid == os.getpid():
+                raise ValueError("this process already has its Mooncake transport")
+            cls._instance = cls(config, engine=engine)
+            return cls._instance
 
     @classmethod
     def for_process(cls, config: MooncakeConfig = MooncakeConfig()) -> MooncakeTransport:
-        """This process's engine, created on first use and kept for the life of the process."""
+        """This process's engine, created on first use and kept for the life of the process (or
+        the one ``adopt`` was given)."""
         with cls._instance_lock:
             if cls._instance is None or cls._instance.pid != os.getpid():
                 cls._instance = cls(config)
+            elif cls._instance.adopted:
+                return cls._instance
             elif cls._instance.config != config:
                 raise ValueError(
                     "the process's Mooncake engine was already created with another config"

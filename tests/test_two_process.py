@@ -203,3 +203,67 @@ def test_paused_mooncake_receiver_late_write_never_reaches_the_next_tenant(sende
         assert conn.recv()[1]["quarantined_slots"] == 64
     finally:
         stop_peer(process, conn)
+
+
+ENGINE_OWNER = """
+import os, sys, time
+os.environ["MC_TRANSFER_TIMEOUT"] = "40"  # the engine's own setting, before anything of ours runs
+from mooncake.engine import TransferEngine
+from bench.peer import PeerConfig, pattern, start_peer, stop_peer
+from data_plane.commit import make_commit
+from data_plane.mooncake import MooncakeConfig, MooncakeTransport
+from data_plane.offers import MooncakeOffer
+from data_plane.pool import MemoryRegion
+
+def main():
+    config = MooncakeConfig(hostname="127.0.0.1", force_tcp=True, transfer_timeout_s=7)
+    # an engine's own TransferEngine, which the receiver adopts instead of making a second
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    adopted = MooncakeTransport.adopt(engine, config)
+    assert MooncakeTransport.for_process(MooncakeConfig(hostname="127.0.0.1")) is adopted
+    assert adopted.engine is engine and adopted.session.endswith(str(engine.get_rpc_port()))
+    process, peer = start_peer(PeerConfig(("mooncake",), pool_bytes=2 << 20, slot_bytes=1 << 20))
+    try:
+        payload = pattern(64, 1024, "bfloat16", 7)
+        region = MemoryRegion.anonymous(payload.numel() * 2)
+        adopted.register(region)
+        region.tensor.copy_(payload.reshape(-1).view(region.tensor.dtype))
+        peer.send(("reserve", 64, 1024, "bfloat16"))
+        _, generation, offers = peer.recv()
+        offer = MooncakeOffer.model_validate(offers["mooncake"])
+        transfer = adopted.submit(region.tensor, offer, time.monotonic() + 30)
+        assert transfer.wait().value == "done", transfer.error
+        peer.send(("commit", make_commit(payload, generation, False).model_dump(), 7))
+        assert peer.recv() == ("accepted", True)
+    finally:
+        stop_peer(process, peer)
+    # a transport that makes its own engine leaves the process's Mooncake settings as they were
+    MooncakeTransport._instance = None
+    made = MooncakeTransport(config)
+    assert not made.adopted and made.engine is not engine
+    print("env", os.environ.get("MC_TRANSFER_TIMEOUT"), os.environ.get("MC_FORCE_TCP"))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_an_engines_own_transfer_engine_is_adopted_and_its_settings_left_alone(tmp_path):
+    """Inside an engine that runs Mooncake for its KV cache: the receiver writes through that
+    TransferEngine (adopted, no second one), and making our own engine sets Mooncake's variables
+    only while it is made (the engine's MC_TRANSFER_TIMEOUT=40 is 40 after, MC_FORCE_TCP unset)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine_owner.py"
+    script.write_text(ENGINE_OWNER)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "MC_LOG_LEVEL": "ERROR"}
+    env.pop("MC_FORCE_TCP", None)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "env 40 None" in result.stdout
