@@ -12,7 +12,7 @@ from pydantic_settings import NoDecode
 
 from dispatcher.workers import WorkerAddress
 from multimodal.wire import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
-from process_settings import Port, SettingError, check_checkpoint
+from process_settings import Port, ProcessorKwargs, SettingError, check_checkpoint
 from process_settings.secrets import HandshakeToken, IntakeToken
 
 
@@ -53,6 +53,11 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
         description="checkpoint directory whose image and video processor configs the encode "
         "workers use",
     )
+    mm_processor_kwargs: ProcessorKwargs = Field(
+        default_factory=dict,
+        description="JSON keyword arguments over the image and video processors' configs: the "
+        "encode workers' --mm-processor-kwargs, exactly (they refuse an item sized otherwise)",
+    )
     workers: WorkerList = Field(
         (),
         description="static encode workers: comma-separated "
@@ -88,7 +93,9 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
 
         check_checkpoint(self.model)
         try:
-            return AutoImageProcessor.from_pretrained(self.model, local_files_only=True)
+            return AutoImageProcessor.from_pretrained(
+                self.model, local_files_only=True, **self.mm_processor_kwargs
+            )
         except (OSError, ValueError) as exc:
             raise SettingError(
                 f"--model {self.model}: cannot read its image processor config: {exc}"
@@ -99,7 +106,7 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
         from multimodal.video import load_video_processor
 
         check_checkpoint(self.model)
-        return load_video_processor(self.model)
+        return load_video_processor(self.model, self.mm_processor_kwargs)
 
     @property
     def model_folder_name(self) -> str:

@@ -38,7 +38,9 @@ def start(config: WorkerConfig):
     from encode_worker.worker import EncodeWorker
 
     try:
-        tower = VisionTower.load(config.model, config.dtype, config.device)
+        tower = VisionTower.load(
+            config.model, config.dtype, config.device, config.mm_processor_kwargs
+        )
     except (
         TowerLoadError,
         OSError,

@@ -21,6 +21,7 @@ from process_settings import (
     PositiveByteSize,
     PositiveInt,
     PositiveSeconds,
+    ProcessorKwargs,
     SettingError,
     TransportNames,
 )
@@ -48,6 +49,12 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
         None,
         description="the model's name, as vLLM's --served-model-name: what intake requests may "
         "carry (default: the checkpoint folder name)",
+    )
+    mm_processor_kwargs: ProcessorKwargs = Field(
+        default_factory=dict,
+        description="JSON keyword arguments over the image and video processors' configs, as "
+        "vLLM's --mm-processor-kwargs (e.g. '{\"max_pixels\": 1003520}'); the dispatcher must "
+        "be given the same: an item it sized otherwise is refused at intake",
     )
     dtype: Dtype = Field("bfloat16", description="tower dtype: bfloat16, float16, float32")
     device: str = Field("cpu", description="torch device for the tower, e.g. cuda:0")

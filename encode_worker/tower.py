@@ -86,7 +86,15 @@ class VisionTower:
         self.model_id = model_id
 
     @classmethod
-    def load(cls, directory: str, dtype: str = "float32", device: str = "cpu") -> VisionTower:
+    def load(
+        cls,
+        directory: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        processor_kwargs: dict | None = None,
+    ) -> VisionTower:
+        """The tower of ``directory``'s checkpoint with its image and video processors, each
+        with ``processor_kwargs`` (``--mm-processor-kwargs``) over its config."""
         family = detect_family(directory)
         config_class, tower_class = FAMILIES[family].vision_config, FAMILIES[family].tower
         torch_dtype = dtype_from_wire(dtype)
@@ -107,8 +115,9 @@ class VisionTower:
                 "refusing to run a randomly initialised tower"
             )
         model = model.to(device).eval()
-        processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True)
-        video_processor = load_video_processor(directory)
+        kwargs = processor_kwargs or {}
+        processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True, **kwargs)
+        video_processor = load_video_processor(directory, kwargs)
         out_width = getattr(config, "out_hidden_size", None) or config.hidden_size
         levels = len(getattr(config, "deepstack_visual_indexes", None) or [])
         tower_info = TowerInfo(

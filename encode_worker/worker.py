@@ -151,7 +151,9 @@ class EncodeWorker:
         self, config: WorkerConfig, tower: VisionTower | None = None, transports: dict | None = None
     ):
         self.config = config
-        self.tower = tower or VisionTower.load(config.model, config.dtype, config.device)
+        self.tower = tower or VisionTower.load(
+            config.model, config.dtype, config.device, config.mm_processor_kwargs
+        )
         processors = [self.tower.processor.to_dict()]
         if self.tower.video_processor is not None:
             processors.append(self.tower.video_processor.to_dict())

@@ -53,14 +53,17 @@ class VideoHeader:
         return self.frames / self.fps
 
 
-def load_video_processor(directory: str):
+def load_video_processor(directory: str, processor_kwargs: dict | None = None):
     """The checkpoint's video processor (its ``video_preprocessor_config.json``, else one built
-    from the image processor's config, as transformers does); None, logged, when there is none:
-    video items are then refused with the reason."""
+    from the image processor's config, as transformers does), with ``processor_kwargs`` (the
+    ``--mm-processor-kwargs``) over its config; None, logged, when there is none: video items are
+    then refused with the reason."""
     from transformers import AutoVideoProcessor
 
     try:
-        return AutoVideoProcessor.from_pretrained(directory, local_files_only=True)
+        return AutoVideoProcessor.from_pretrained(
+            directory, local_files_only=True, **(processor_kwargs or {})
+        )
     except (OSError, ValueError, ImportError) as exc:
         log.warning("no video processor in %s (%s): video items will be refused", directory, exc)
         return None

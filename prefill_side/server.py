@@ -52,6 +52,7 @@ from process_settings import (
     PositiveByteSize,
     PositiveInt,
     PositiveSeconds,
+    ProcessorKwargs,
     SettingError,
     TransportNames,
     refuse,
@@ -358,6 +359,11 @@ class PrefillSettings(HandshakeToken):
         description="checkpoint for verification / fallback; also gives --width and "
         "--deepstack-width",
     )
+    mm_processor_kwargs: ProcessorKwargs = Field(
+        default_factory=dict,
+        description="JSON keyword arguments over the local tower's processors (fallback, "
+        "verification): the encode workers' --mm-processor-kwargs",
+    )
     served_model_name: str | None = Field(
         None,
         description="the model's name in every metric's model_name label, as vLLM's "
@@ -448,7 +454,10 @@ def _start(settings: PrefillSettings):
         check_checkpoint(settings.model)
         try:
             tower = TowerCalls(
-                VisionTower.load(settings.model, dtype=settings.dtype), settings.tower_calls
+                VisionTower.load(
+                    settings.model, settings.dtype, processor_kwargs=settings.mm_processor_kwargs
+                ),
+                settings.tower_calls,
             )
         except (TowerLoadError, OSError, ValueError) as exc:
             raise SettingError(

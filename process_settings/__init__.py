@@ -25,10 +25,12 @@ from process_settings.values import (
     PositiveByteSize,
     PositiveInt,
     PositiveSeconds,
+    ProcessorKwargs,
     TransportNames,
 )
 
 __all__ = [
+    "ProcessorKwargs",
     "AdvertisedHost",
     "DTYPES",
     "AnyPort",

@@ -5,6 +5,7 @@ takes a Python value) and refuses a bad one with a message that names the value,
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 from typing import Annotated
 
@@ -84,6 +85,21 @@ def _dtype(value: object) -> str:
     return value
 
 
+def _processor_kwargs(value: object) -> dict:
+    """A JSON object of keyword arguments for the checkpoint's image and video processors, as
+    vLLM's ``--mm-processor-kwargs`` (e.g. ``{"max_pixels": 1003520}``); from text it is JSON."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{value!r} is not JSON: {exc.msg}") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(key, str) and key.isidentifier() for key in value
+    ):
+        raise ValueError(f"{value!r} is not a JSON object of keyword arguments")
+    return dict(value)
+
+
 def _transports(value: object) -> tuple[str, ...]:
     """A non-empty list of known transports, in order, without blanks or repeats; from text it is
     comma-separated."""
@@ -126,5 +142,6 @@ ByteSize = Annotated[int, BeforeValidator(_byte_size(above_zero=False))]
 PositiveByteSize = Annotated[int, BeforeValidator(_byte_size(above_zero=True))]
 Dtype = Annotated[str, BeforeValidator(_dtype)]
 # NoDecode: the environment's value is the comma-separated text, not JSON
+ProcessorKwargs = Annotated[dict, NoDecode, BeforeValidator(_processor_kwargs)]
 AdvertisedHost = Annotated[str, BeforeValidator(_advertised_host)]
 TransportNames = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_transports)]

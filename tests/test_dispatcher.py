@@ -222,6 +222,48 @@ def test_a_dispatcher_sizing_a_video_otherwise_is_refused_before_any_encode(stac
     assert len(worker.queue) == 0
 
 
+def test_mm_processor_kwargs_size_items_alike_on_both_sides_or_the_item_is_refused(tower):
+    """``--mm-processor-kwargs`` (vLLM's name and meaning: keyword arguments over the processors'
+    configs) given to the worker and to the dispatcher: items are sized to the smaller grid and
+    delivered byte-exact; given to one side only, every item is refused at intake with the
+    reason, before any encode."""
+    from dispatcher.cli import DispatchSettings
+    from encode_worker.config import WorkerConfig
+
+    kwargs = '{"max_pixels": 50176}'  # 448x448 -> a 16x16 grid instead of 32x32
+    config = WorkerConfig.from_command_line(
+        ["--model", tower.model_id, "--mm-processor-kwargs", kwargs]
+    )
+    settings = DispatchSettings.from_command_line(
+        [
+            "--model",
+            tower.model_id,
+            "--workers",
+            "127.0.0.1",
+            "--mm-processor-kwargs",
+            kwargs,
+            "x.png",
+        ]
+    )
+    assert config.mm_processor_kwargs == settings.mm_processor_kwargs == {"max_pixels": 50176}
+    assert settings.image_processor().size["longest_edge"] == 50176  # what the gateway sizes by
+    assert settings.video_processor().size["longest_edge"] == 50176
+    small = VisionTower.load(tower.model_id, processor_kwargs=config.mm_processor_kwargs)
+    image = synthetic_image(448, 448, 21)
+    with loopback_stack(small) as (worker, receiver, _):
+        (item,) = _dispatch(worker, small, [image])
+        assert item.error is None and item.grid_thw == (1, 16, 16) and item.rows == 64
+        job, state, inputs = _receive(receiver, [item])
+        assert state is JobState.DONE, job.reasons
+        processed = small.processor(images=[image_from_bytes(image)], return_tensors="pt")
+        expected = small.encode_items(processed["pixel_values"], processed["image_grid_thw"])[0]
+        assert torch.equal(inputs.mm_items[0].encoded, expected)
+        calls = worker.metrics.batch_items._sum.get()
+        (other,) = _dispatch(worker, tower, [image])  # a dispatcher without the kwargs
+        assert other.worker is None and "disagree" in other.error
+        assert worker.metrics.batch_items._sum.get() == calls  # no tower call for it
+
+
 def test_a_refused_item_comes_back_without_a_room_and_leaves_none_behind(stack, tower):
     worker, receiver = stack
     live = worker.table.live_rooms

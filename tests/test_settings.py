@@ -98,6 +98,11 @@ def test_booleans_are_negatable_flags_and_read_true_false_from_the_environment(m
         ),
         (["--max-live-rooms", "0"], "--max-live-rooms (or EPD_MAX_LIVE_ROOMS): 0 must be above 0"),
         (
+            ["--mm-processor-kwargs", "{max_pixels: 1}"],
+            "--mm-processor-kwargs (or EPD_MM_PROCESSOR",
+        ),
+        (["--mm-processor-kwargs", "[1, 2]"], "is not a JSON object of keyword arguments"),
+        (
             ["--tombstone-ttl-s", "nan"],
             "--tombstone-ttl-s (or EPD_TOMBSTONE_TTL_S): nan is not finite",
         ),
