@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import yarl
@@ -91,10 +90,10 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
         """``--model``'s image processor (checked: a checkpoint directory with its config)."""
         from transformers import AutoImageProcessor
 
-        check_checkpoint(self.model)
+        directory = check_checkpoint(self.model)
         try:
             return AutoImageProcessor.from_pretrained(
-                self.model, local_files_only=True, **self.mm_processor_kwargs
+                directory, local_files_only=True, **self.mm_processor_kwargs
             )
         except (OSError, ValueError) as exc:
             raise SettingError(
@@ -105,10 +104,4 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
         """``--model``'s video processor; None (logged) when the checkpoint has none."""
         from multimodal.video import load_video_processor
 
-        check_checkpoint(self.model)
-        return load_video_processor(self.model, self.mm_processor_kwargs)
-
-    @property
-    def model_folder_name(self) -> str:
-        """The checkpoint folder's name: the model name encode workers serve by default."""
-        return os.path.basename(os.path.normpath(self.model))
+        return load_video_processor(check_checkpoint(self.model), self.mm_processor_kwargs)

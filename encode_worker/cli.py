@@ -28,7 +28,7 @@ from process_settings import (
 def start(config: WorkerConfig):
     """Check what needs the machine, load the tower, listen: the running worker, or
     ``SettingError``."""
-    check_checkpoint(config.model)
+    directory = check_checkpoint(config.model)
     check_listen(config.bind, config.bootstrap_port, "--bootstrap-port")
     check_listen(config.bind, config.intake_port, "--intake-port")
     check_device(config.device)
@@ -38,9 +38,7 @@ def start(config: WorkerConfig):
     from encode_worker.worker import EncodeWorker
 
     try:
-        tower = VisionTower.load(
-            config.model, config.dtype, config.device, config.mm_processor_kwargs
-        )
+        tower = VisionTower.load(directory, config.dtype, config.device, config.mm_processor_kwargs)
     except (
         TowerLoadError,
         OSError,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import zlib
 
@@ -42,7 +41,7 @@ from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from loop_threads import LoopThread, named_thread
 from metrics import LATENCY_BUCKETS
-from process_settings import SettingError, check_listen
+from process_settings import SettingError, check_checkpoint, check_listen, served_name
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +151,7 @@ class EncodeWorker:
     ):
         self.config = config
         self.tower = tower or VisionTower.load(
-            config.model, config.dtype, config.device, config.mm_processor_kwargs
+            check_checkpoint(config.model), config.dtype, config.device, config.mm_processor_kwargs
         )
         processors = [self.tower.processor.to_dict()]
         if self.tower.video_processor is not None:
@@ -160,9 +159,7 @@ class EncodeWorker:
         self.preprocess_id = format(
             zlib.crc32(json.dumps(processors, sort_keys=True, default=str).encode()), "08x"
         )
-        self.served_model = config.served_model_name or os.path.basename(
-            os.path.normpath(config.model)
-        )
+        self.served_model = config.served_model_name or served_name(config.model)
         self.cache = EmbeddingCache(config.cache_bytes)
         self.encodes = InFlightEncodes(self.cache)
         self.queue = BatchQueue(

@@ -16,6 +16,7 @@ from process_settings import (
     PositiveInt,
     PositiveSeconds,
     SettingError,
+    served_name,
 )
 
 
@@ -73,5 +74,5 @@ class GatewaySettings(EncodeWorkerTargets):
         if self.vllm_url is None:
             raise SettingError(f"--vllm-url (or {self.env_name('vllm_url')}) is required")
         if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", self.model_folder_name)
+            object.__setattr__(self, "served_model_name", served_name(self.model))
         return self

@@ -56,6 +56,7 @@ from process_settings import (
     SettingError,
     TransportNames,
     refuse,
+    served_name,
 )
 from process_settings.secrets import HandshakeToken
 
@@ -426,8 +427,7 @@ class PrefillSettings(HandshakeToken):
                 f"--slot-bytes {self.slot_bytes} is larger than --pool-bytes {self.pool_bytes}"
             )
         if self.served_model_name is None and self.model:
-            name = os.path.basename(os.path.normpath(self.model))
-            object.__setattr__(self, "served_model_name", name)
+            object.__setattr__(self, "served_model_name", served_name(self.model))
         return self
 
 
@@ -451,11 +451,11 @@ def _start(settings: PrefillSettings):
     if settings.model:
         from encode_worker.tower import TowerLoadError, VisionTower
 
-        check_checkpoint(settings.model)
+        directory = check_checkpoint(settings.model)
         try:
             tower = TowerCalls(
                 VisionTower.load(
-                    settings.model, settings.dtype, processor_kwargs=settings.mm_processor_kwargs
+                    directory, settings.dtype, processor_kwargs=settings.mm_processor_kwargs
                 ),
                 settings.tower_calls,
             )

@@ -12,6 +12,7 @@ from process_settings.checks import (
     check_shm_space,
     handshake_token,
     read_secret,
+    served_name,
 )
 from process_settings.values import (
     DTYPES,
@@ -46,6 +47,7 @@ __all__ = [
     "SettingError",
     "TransportNames",
     "check_checkpoint",
+    "served_name",
     "check_device",
     "check_listen",
     "check_memory",

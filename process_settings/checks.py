@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 
 from process_settings.base import SettingError
@@ -31,8 +32,27 @@ def check_listen(host: str, port_number: int, what: str) -> None:
             ) from None
 
 
+MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # a Hugging Face repo id: org/name
+
+
+def is_model_id(model: str) -> bool:
+    """``org/name`` and no such path here: a Hugging Face model id, as vLLM's ``--model`` takes."""
+    return bool(MODEL_ID.match(model)) and not os.path.exists(model)
+
+
+def served_name(model: str) -> str:
+    """The model's public name when none is given: a Hugging Face id as it is (vLLM's default),
+    a directory by its folder name."""
+    return model if is_model_id(model) else os.path.basename(os.path.normpath(model))
+
+
 def check_checkpoint(path: str, flag: str = "--model") -> str:
-    """A checkpoint directory: exists, is a directory, has a config.json."""
+    """The checkpoint's local directory: ``path`` itself (exists, is a directory, has a
+    config.json), or, for a Hugging Face model id, its snapshot in the Hugging Face cache (fetched
+    into it first where the hub can be reached; ``HF_HUB_OFFLINE=1``, ``HF_HUB_CACHE`` as
+    huggingface_hub reads them)."""
+    if is_model_id(path):
+        path = _hub_snapshot(path, flag)
     if not os.path.exists(path):
         raise SettingError(f"{flag} {path}: no such directory")
     if not os.path.isdir(path):
@@ -44,6 +64,20 @@ def check_checkpoint(path: str, flag: str = "--model") -> str:
             f"{flag} {path}: no config.json (not a Hugging Face checkpoint directory)"
         )
     return path
+
+
+def _hub_snapshot(model_id: str, flag: str) -> str:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(model_id)
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        raise SettingError(
+            f"{flag} {model_id}: not a directory here, and not in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) nor fetched from the hub ({type(exc).__name__}); "
+            "download it first (hf download " + model_id + ") or give its directory"
+        ) from None
 
 
 def check_device(text: str) -> str:

@@ -170,3 +170,55 @@ def test_shared_groups_read_each_process_prefix(monkeypatch):
     assert dispatch.dns == "epd-encode-workers" and dispatch.workers == ()
     with pytest.raises(SettingError, match="give the encode workers"):
         DispatchSettings.from_command_line(["--model", "m", "--dns", "", "a.png"])
+
+
+HUB_PROBE = """
+from encode_worker.tower import VisionTower
+from gateway.settings import GatewaySettings
+from process_settings import SettingError, check_checkpoint, served_name
+
+directory = check_checkpoint("epd-tests/tiny-qwen2_5-vl")
+print("dir", directory)
+print("family", VisionTower.load(directory).info.family)
+print("name", served_name("epd-tests/tiny-qwen2_5-vl"))
+gateway = GatewaySettings.from_command_line(
+    ["--model", "epd-tests/tiny-qwen2_5-vl", "--workers", "127.0.0.1", "--vllm-url", "http://v:1"]
+)
+print("gateway", gateway.served_model_name, gateway.image_processor().merge_size)
+try:
+    check_checkpoint("epd-tests/not-cached")
+except SettingError as exc:
+    print("absent", exc)
+"""
+
+
+def test_a_hugging_face_model_id_resolves_through_the_hub_cache(checkpoints, tmp_path):
+    """``--model org/name`` (vLLM's habit) takes the checkpoint from the Hugging Face cache, offline
+    here (``HF_HUB_OFFLINE=1``); its default public name is the id, as vLLM's; one not cached is one
+    clear line, not a traceback."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--epd-tests--tiny-qwen2_5-vl"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(checkpoints["qwen2_5_vl"], repo / "snapshots" / commit)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": root,
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", HUB_PROBE], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert lines["dir"] == str(repo / "snapshots" / commit)
+    assert lines["family"] == "qwen2_5_vl" and lines["name"] == "epd-tests/tiny-qwen2_5-vl"
+    assert lines["gateway"] == "epd-tests/tiny-qwen2_5-vl 2"
+    assert "not in the Hugging Face cache" in lines["absent"] and "\n" not in lines["absent"]
