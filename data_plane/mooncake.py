@@ -6,11 +6,12 @@ an engine that already runs a TransferEngine (for its KV cache), that one, adopt
 (``MooncakeTransport.adopt``). P2PHANDSHAKE, so no etcd. RDMA is used automatically when an HCA is
 present. Mooncake takes ``force_tcp`` and its transfer timeout from ``MC_FORCE_TCP`` and
 ``MC_TRANSFER_TIMEOUT`` (its log level from ``MC_LOG_LEVEL``, at import): they are set only while
-our engine is made and put back after, so no other engine in the process reads ours. (A Mooncake
-that reads them once per process applies them only if ours is its first engine.) Writes are
-submitted and polled (the sync calls busy-spin a core), each has a deadline, and a failed write is
-reported unsettled until Mooncake itself gives up, because it may still land. The engine behaviours
-relied on here, and how they were found: docs/performance.md, "Mooncake engine behaviours".
+our engine is made and put back after, so an engine made after ours does not find ours in the
+environment. (A Mooncake that reads them once per process still applies the first engine's to all.)
+Writes are submitted and polled (the sync calls busy-spin a core), each has a deadline, and a
+failed write is reported unsettled until Mooncake itself gives up, because it may still land. The
+engine behaviours relied on here, and how they were found: docs/performance.md, "Mooncake engine
+behaviours".
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The gateway's part of EPD: split a request into items, route each to an encode worker by
-content hash, mint its room, send its pixels, and hand back the prefill request's items."""
+content hash, name its room (the worker's intake opens it), send its bytes, and hand back the
+prefill request's items."""
 
 from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError
 from dispatcher.ring import HashRing

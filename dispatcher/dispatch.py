@@ -1,5 +1,5 @@
-"""Dispatching one request's images and videos: hash, size, route, mint rooms, send, and hand
-back items.
+"""Dispatching one request's images and videos: hash, size, route, name each item's room, send,
+and hand back items.
 
 Per request: every item's content hash (xxh3-128 of its bytes, as the encode worker would
 compute it) and rows (an image's from its size and the checkpoint's image processor config, read
@@ -57,7 +57,7 @@ MAX_BACKOFF_S = 1.0  # the longest wait before trying busy workers again
 
 
 class DispatchError(ValueError):
-    """The request cannot be dispatched at all (bad input); nothing was minted or sent."""
+    """The request cannot be dispatched at all (bad input); no room was named and nothing sent."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class Dispatcher:
     ) -> list[DispatchedItem]:
         """Hash and size every item (no decode); raises ``DispatchError`` for a bad one, naming it
         by ``names`` (its file, say) or else by its index. Bare bytes are an image. A format
-        encode workers refuse (GIF, WebM, ...) is refused here, before anything is minted."""
+        encode workers refuse (GIF, WebM, ...) is refused here, before anything is sent."""
         if not 1 <= len(media) <= MAX_IMAGES:
             raise DispatchError(
                 f"a request carries 1..{MAX_IMAGES} images and videos, got {len(media)}"
@@ -325,7 +325,7 @@ class Dispatcher:
         self, request_id: str, address: WorkerAddress, items: list[DispatchedItem], started: float
     ) -> None:
         busy_for = self._busy_for(address)
-        if busy_for > 0:  # no rooms minted (and cancelled) for items it would refuse
+        if busy_for > 0:  # nothing sent (nor rooms minted and cancelled) for items it would refuse
             for item in items:
                 item.error = f"{address.name}: refused: busy (queue full)"
                 item.retry_after_s = busy_for
@@ -408,7 +408,7 @@ class Dispatcher:
     # ---- connections -----------------------------------------------------------------------
 
     def _room_endpoint(self, address: WorkerAddress) -> tuple[HandshakeClient, Endpoint]:
-        """The client of the endpoint ``address``'s rooms are minted at, and that endpoint."""
+        """The client of the endpoint ``address``'s rooms live at, and that endpoint."""
         if self.rooms_url is None:
             return self._rooms_client(address.url), address.rooms
         parsed = yarl.URL(self.rooms_url)

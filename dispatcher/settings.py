@@ -90,7 +90,7 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
         """``--model``'s image processor (checked: a checkpoint directory with its config)."""
         from transformers import AutoImageProcessor
 
-        directory = check_checkpoint(self.model)
+        directory = check_checkpoint(self.model, weights=False)
         try:
             return AutoImageProcessor.from_pretrained(
                 directory, local_files_only=True, **self.mm_processor_kwargs
@@ -104,4 +104,6 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
         """``--model``'s video processor; None (logged) when the checkpoint has none."""
         from multimodal.video import load_video_processor
 
-        return load_video_processor(check_checkpoint(self.model), self.mm_processor_kwargs)
+        return load_video_processor(
+            check_checkpoint(self.model, weights=False), self.mm_processor_kwargs
+        )

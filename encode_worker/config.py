@@ -48,7 +48,7 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
     served_model_name: str | None = Field(
         None,
         description="the model's name, as vLLM's --served-model-name: what intake requests may "
-        "carry (default: the checkpoint folder name)",
+        "carry (default: a Hugging Face id as given, a directory's folder name)",
     )
     mm_processor_kwargs: ProcessorKwargs = Field(
         default_factory=dict,

@@ -189,10 +189,15 @@ class RoomFailer:
         with self._lock:
             return len(self._failing)
 
-    def fail(self, handshake: EncodeHandshake, reason: str, modality: str) -> None:
+    def fail(
+        self, handshake: EncodeHandshake, reason: str, modality: str, counted: bool = True
+    ) -> None:
+        """``counted=False``: intake's own refusal of a bad item, counted as intake's answer
+        rather than as an accepted item's end."""
         room = handshake.bootstrap_room
         self.in_flight.release(room)
-        self.on_failed(modality)
+        if counted:
+            self.on_failed(modality)
         self.item_log.warning("room %d failed: %s", room, reason)
         rooms = self.rooms(handshake)
         if rooms.in_process:

@@ -176,13 +176,14 @@ class Intake:
         try:
             job = self.job(request, payload)
         except BadItem as exc:
-            self.failer.fail(request.encode_handshake, str(exc), request.modality)
+            self.failer.fail(request.encode_handshake, str(exc), request.modality, counted=False)
+            self.metrics.count(request.modality, IntakeStatus.FAILED)
             return IntakeReply(status=IntakeStatus.FAILED, room=room, reason=str(exc))
-        if not self.queue.put(job):
+        if not self.queue.put(job):  # room was checked above: the queue closed meanwhile
             self.in_flight.release(room)
             if request.open_room_ttl_s is not None:
                 self._close_opened_room(room)
-            return self._refuse(request, "queue full", retry_after_s=QUEUE_FULL_RETRY_S)
+            return self._refuse(request, SHUTTING_DOWN)
         self.metrics.count(request.modality, IntakeStatus.ACCEPTED)
         return IntakeReply(status=IntakeStatus.ACCEPTED, room=room)
 
@@ -229,7 +230,7 @@ class Intake:
             table.discard(room)
         except RoomConflict:
             try:
-                table.cancel(room, "encode worker refused the item: queue full")
+                table.cancel(room, f"encode worker refused the item: {SHUTTING_DOWN}")
             except RoomError as exc:
                 log.info("room %d not cancelled: %s", room, exc)
 

@@ -57,6 +57,7 @@ from gateway.settings import GatewaySettings
 from metrics import LATENCY_BUCKETS
 from multimodal.items import Modality
 from prefill_side.ec_params import DeliveryReport, ItemDelivery, identifier
+from process_settings import check_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +231,8 @@ class Gateway:
         refused, 400)."""
         self.settings = settings
         # the model's positions take a video's seconds per temporal patch (Qwen2.5-VL)
-        self.video_seconds = (
-            video_processor is not None and FAMILIES[detect_family(settings.model)].video_seconds
+        self.video_seconds = video_processor is not None and (
+            FAMILIES[detect_family(check_checkpoint(settings.model, weights=False))].video_seconds
         )
         self.workers = WorkerSet(
             list(settings.workers), settings.dns, settings.bootstrap_port, settings.intake_port

@@ -36,8 +36,8 @@ class GatewaySettings(EncodeWorkerTargets):
     served_model_name: str | None = Field(
         None,
         description="the model's name in metrics and intake messages, as "
-        "the encode workers' --served-model-name (default: --model's folder name, "
-        "theirs too)",
+        "the encode workers' --served-model-name (default, theirs too: a Hugging Face id as "
+        "given, a directory's folder name)",
     )
     max_image_bytes: ByteSize = Field(
         20 << 20, description="largest image taken (data URI or fetched)"

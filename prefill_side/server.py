@@ -368,7 +368,8 @@ class PrefillSettings(HandshakeToken):
     served_model_name: str | None = Field(
         None,
         description="the model's name in every metric's model_name label, as vLLM's "
-        "--served-model-name (default: --model's folder name; none without --model)",
+        "--served-model-name (default: --model, a Hugging Face id as given, a directory's "
+        "folder name; none without --model)",
     )
     width: NonNegativeInt = Field(
         0, description="wire width of one row (the encode workers' tower's; default: from --model)"

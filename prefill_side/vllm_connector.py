@@ -104,6 +104,10 @@ class ConnectorSettings(BaseModel):
     mooncake_host: AdvertisedHost = "127.0.0.1"
     mooncake_ib_device: str = ""  # comma-separated RDMA HCA names ("" = every one found)
     mooncake_force_tcp: bool = False
+    # The receiver's metrics (Prometheus, each family labelled model_name) on this port of the
+    # process the scheduler runs in: vLLM's own /metrics is served by its API server process,
+    # which does not see this one's registries. None: not served.
+    metrics_port: int | None = Field(None, ge=1, le=65535)
 
 
 class ConnectorContractError(RuntimeError):
@@ -198,7 +202,9 @@ class EPDConnector(ECConnectorBase):
         except ValidationError as exc:
             raise ValueError(f"EPDConnector: bad ec_connector_extra_config: {exc}") from None
         if role is ECConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(self.settings, self.width, self.dtype)
+            self._scheduler = _SchedulerSide(
+                self.settings, self.width, self.dtype, vllm_config.model_config.served_model_name
+            )
         else:
             self._worker = _WorkerSide(self.width, dtype)
 
@@ -259,7 +265,9 @@ class _SchedulerSide:
     """The scheduler half's state. Every method runs on vLLM's scheduler thread; the receive jobs
     progress on the receiver's own loop thread and are only polled here."""
 
-    def __init__(self, settings: ConnectorSettings, width: int, dtype: str):
+    def __init__(
+        self, settings: ConnectorSettings, width: int, dtype: str, model_name: str = "unnamed"
+    ):
         from data_plane.mooncake import MooncakeConfig
         from data_plane.transport import build_transports
         from handshake.server import load_token
@@ -293,6 +301,22 @@ class _SchedulerSide:
                 f"no room there for {settings.pool_bytes} bytes"
             )
         self.segment = self.receiver.pool.region.shm.name
+        self.metrics_server = None
+        if settings.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            from metrics import exposition_registry
+
+            try:
+                self.metrics_server, _ = start_http_server(
+                    settings.metrics_port,
+                    registry=exposition_registry(self.receiver.registry, model_name),
+                )
+            except OSError as exc:
+                self.receiver.close()
+                raise ValueError(
+                    f"EPDConnector: cannot serve metrics on port {settings.metrics_port}: {exc}"
+                ) from None
         self.width, self.dtype = width, dtype
         self.requests: dict[str, _Received] = {}
         self.unavailable: dict[str, str] = {}  # request id -> why it cannot get its embeddings
@@ -309,6 +333,9 @@ class _SchedulerSide:
             received.job.cancel("the engine is shutting down")
             received.job.release()
         self.requests.clear()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         self.receiver.close()
 
     def ensure(self, request: Request) -> bool:

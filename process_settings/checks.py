@@ -32,7 +32,9 @@ def check_listen(host: str, port_number: int, what: str) -> None:
             ) from None
 
 
-MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # a Hugging Face repo id: org/name
+# a Hugging Face repo id, org/name (no "--" or "..", which the hub refuses)
+MODEL_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+PROCESSOR_FILES = ["*.json", "*.txt", "*.model", "*.jinja"]  # configs, tokenizer, chat template
 
 
 def is_model_id(model: str) -> bool:
@@ -46,13 +48,14 @@ def served_name(model: str) -> str:
     return model if is_model_id(model) else os.path.basename(os.path.normpath(model))
 
 
-def check_checkpoint(path: str, flag: str = "--model") -> str:
+def check_checkpoint(path: str, flag: str = "--model", weights: bool = True) -> str:
     """The checkpoint's local directory: ``path`` itself (exists, is a directory, has a
     config.json), or, for a Hugging Face model id, its snapshot in the Hugging Face cache (fetched
     into it first where the hub can be reached; ``HF_HUB_OFFLINE=1``, ``HF_HUB_CACHE`` as
-    huggingface_hub reads them)."""
+    huggingface_hub reads them). ``weights=False``: a caller that reads configs only (the
+    dispatcher, the gateway) fetches no weights."""
     if is_model_id(path):
-        path = _hub_snapshot(path, flag)
+        path = _hub_snapshot(path, flag, None if weights else PROCESSOR_FILES)
     if not os.path.exists(path):
         raise SettingError(f"{flag} {path}: no such directory")
     if not os.path.isdir(path):
@@ -66,13 +69,13 @@ def check_checkpoint(path: str, flag: str = "--model") -> str:
     return path
 
 
-def _hub_snapshot(model_id: str, flag: str) -> str:
+def _hub_snapshot(model_id: str, flag: str, files: list[str] | None) -> str:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return snapshot_download(model_id)
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        return snapshot_download(model_id, allow_patterns=files)
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
         raise SettingError(
             f"{flag} {model_id}: not a directory here, and not in the Hugging Face cache "
             f"({constants.HF_HUB_CACHE}) nor fetched from the hub ({type(exc).__name__}); "

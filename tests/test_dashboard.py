@@ -133,8 +133,13 @@ def test_every_query_names_metrics_and_labels_the_processes_serve(served):
                 assert name in served, f"{panel['title']}: no process serves {name}"
                 assert "model_name" in served[name], f"{name} has no model_name label"
             labels = set().union(*(served[name] for name in names)) | SCRAPE_LABELS
-            for group in re.findall(r"by \(([^)]*)\)", expr):
-                for label in (part.strip() for part in group.split(",")):
-                    assert label in labels, f"{panel['title']}: {names} have no label {label}"
+            grouped = [
+                part.strip()
+                for group in re.findall(r"by \(([^)]*)\)", expr)
+                for part in group.split(",")
+            ]
+            selected = re.findall(r"(\w+)=~?\"", expr)  # label matchers in {...}
+            for label in grouped + selected:
+                assert label in labels, f"{panel['title']}: {names} have no label {label}"
             queried |= names
     assert REQUIRED <= queried, REQUIRED - queried

@@ -275,6 +275,9 @@ def test_intake_opens_the_room_the_sender_names_and_leaves_none_behind_when_it_r
         assert failed.status is IntakeStatus.FAILED
         view = worker.table.view(bad)
         assert view.state is RoomState.FAILED and view.reason == failed.reason
+        # counted as intake's answer, not as an accepted item's end
+        assert worker.metrics.intake.labels("IMAGE", "failed")._value.get() == 1
+        assert worker.metrics.outcomes.labels("IMAGE", "failed")._value.get() == 0
         # no receiver: the pipeline fills and intake refuses "queue full", leaving no room behind
         accepted, refusal = [room], None
         while refusal is None:

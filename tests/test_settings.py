@@ -185,6 +185,9 @@ gateway = GatewaySettings.from_command_line(
     ["--model", "epd-tests/tiny-qwen2_5-vl", "--workers", "127.0.0.1", "--vllm-url", "http://v:1"]
 )
 print("gateway", gateway.served_model_name, gateway.image_processor().merge_size)
+from gateway.app import Gateway
+served = Gateway(gateway, gateway.image_processor(), gateway.video_processor())
+print("video_seconds", served.video_seconds)  # Qwen2.5-VL's, found by its family through the id
 try:
     check_checkpoint("epd-tests/not-cached")
 except SettingError as exc:
@@ -220,5 +223,5 @@ def test_a_hugging_face_model_id_resolves_through_the_hub_cache(checkpoints, tmp
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
     assert lines["dir"] == str(repo / "snapshots" / commit)
     assert lines["family"] == "qwen2_5_vl" and lines["name"] == "epd-tests/tiny-qwen2_5-vl"
-    assert lines["gateway"] == "epd-tests/tiny-qwen2_5-vl 2"
+    assert lines["gateway"] == "epd-tests/tiny-qwen2_5-vl 2" and lines["video_seconds"] == "True"
     assert "not in the Hugging Face cache" in lines["absent"] and "\n" not in lines["absent"]

