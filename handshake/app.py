@@ -294,7 +294,7 @@ def create_app(
     every family is labelled with (``model_name``; a standalone room authority serves none)."""
     table = table or RoomTable()
     metrics = HandshakeMetrics(table, registry)
-    served = exposition_registry(metrics.registry, model_name) if model_name else metrics.registry
+    served = exposition_registry(metrics.registry, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

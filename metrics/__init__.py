@@ -50,8 +50,11 @@ class WithModelName:
             yield family
 
 
-def exposition_registry(registry: CollectorRegistry, model_name: str) -> CollectorRegistry:
-    """A registry to serve on ``/metrics``: ``registry``'s families, each with ``model_name``."""
+def exposition_registry(registry: CollectorRegistry, model_name: str | None) -> CollectorRegistry:
+    """A registry to serve on ``/metrics``: ``registry``'s families, each with ``model_name``
+    (``registry`` itself when there is no model to name: a standalone room authority)."""
+    if not model_name:
+        return registry
     served = CollectorRegistry(auto_describe=False)
     served.register(WithModelName(registry, model_name))
     return served

@@ -124,7 +124,7 @@ def create_app(
     model_name: str | None = None,
 ) -> FastAPI:
     """The reference prefill API over ``receiver``; ``model_name`` labels every metric family."""
-    served = exposition_registry(receiver.registry, model_name) if model_name else receiver.registry
+    served = exposition_registry(receiver.registry, model_name)
     app = FastAPI(
         title="EPD reference prefill",
         version="1",

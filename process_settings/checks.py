@@ -4,6 +4,7 @@ device, memory, a token file): each raises ``SettingError`` with the one line th
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import re
 import socket
@@ -34,7 +35,7 @@ def check_listen(host: str, port_number: int, what: str) -> None:
 
 # a Hugging Face repo id, org/name (no "--" or "..", which the hub refuses)
 MODEL_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-PROCESSOR_FILES = ["*.json", "*.txt", "*.model", "*.jinja"]  # configs, tokenizer, chat template
+PROCESSOR_FILES = ("*.json", "*.txt", "*.model", "*.jinja")  # configs, tokenizer, chat template
 
 
 def is_model_id(model: str) -> bool:
@@ -69,12 +70,13 @@ def check_checkpoint(path: str, flag: str = "--model", weights: bool = True) -> 
     return path
 
 
-def _hub_snapshot(model_id: str, flag: str, files: list[str] | None) -> str:
+@functools.cache  # once per process: the gateway asks for its image and video processors and family
+def _hub_snapshot(model_id: str, flag: str, files: tuple[str, ...] | None) -> str:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return snapshot_download(model_id, allow_patterns=files)
+        return snapshot_download(model_id, allow_patterns=list(files) if files else None)
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
         raise SettingError(
             f"{flag} {model_id}: not a directory here, and not in the Hugging Face cache "

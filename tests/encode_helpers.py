@@ -120,6 +120,24 @@ class RestReceiver(Receiver):
         return result.view
 
 
+def dispatch_to(worker, processor, media, request_id="req-1", **options) -> list:
+    """The real ``Dispatcher`` (``options``: its own) placing ``media`` on the in-process encode
+    ``worker``, from this thread: the dispatched items."""
+    from dispatcher import Dispatcher, WorkerAddress, WorkerSet
+
+    async def run():
+        workers = WorkerSet([WorkerAddress("127.0.0.1", worker.bootstrap_port, worker.intake_port)])
+        await workers.refresh()
+        dispatcher = Dispatcher(workers, processor, **options)
+        try:
+            return await dispatcher.dispatch(request_id, media)
+        finally:
+            await dispatcher.close()
+            await workers.close()
+
+    return asyncio.run(run())
+
+
 @contextlib.contextmanager
 def loopback_stack(tower, local_tower=None, worker=None, receiver=None):
     """A real encode worker and a real ``PrefillReceiver`` in this process, joined by one loopback

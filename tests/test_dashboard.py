@@ -12,13 +12,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.images import synthetic_image
-from dispatcher.dispatch import Dispatcher
-from dispatcher.workers import WorkerAddress, WorkerSet
 from encode_worker.tower import VisionTower
 from metrics import exposition_registry
 from multimodal.items import MultimodalInputs
 from prefill_side import JobState
-from tests.encode_helpers import loopback_stack
+from tests.encode_helpers import dispatch_to, loopback_stack
 
 DASHBOARD = (
     Path(__file__).resolve().parent.parent
@@ -67,26 +65,12 @@ def _series(text: str) -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def served(checkpoints) -> dict[str, set[str]]:
-    import asyncio
 
     from gateway.app import GatewayMetrics
 
     tower = VisionTower.load(checkpoints["qwen2_5_vl"])
     with loopback_stack(tower) as (worker, receiver, _):
-
-        async def dispatch():
-            workers = WorkerSet(
-                [WorkerAddress("127.0.0.1", worker.bootstrap_port, worker.intake_port)]
-            )
-            await workers.refresh()
-            dispatcher = Dispatcher(workers, tower.processor)
-            try:
-                return await dispatcher.dispatch("dash", [synthetic_image(64, 64, 1)])
-            finally:
-                await dispatcher.close()
-                await workers.close()
-
-        items = asyncio.run(dispatch())
+        items = dispatch_to(worker, tower.processor, [synthetic_image(64, 64, 1)], "dash")
         job = receiver.start("dash", MultimodalInputs([items[0].to_mm_item(0)]))
         assert job.wait(20) is JobState.DONE, job.reasons
         _touch_labels(worker.metrics)

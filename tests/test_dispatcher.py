@@ -22,7 +22,7 @@ from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from multimodal.items import Modality, MultimodalInputs
 from prefill_side import ItemState, JobState
-from tests.encode_helpers import loopback_stack, mp4
+from tests.encode_helpers import dispatch_to, loopback_stack, mp4
 
 # ---- the ring ----------------------------------------------------------------------------------
 
@@ -137,17 +137,7 @@ def stack(tower):
 
 
 def _dispatch(worker, tower, images, **options):
-    async def run():
-        workers = WorkerSet([WorkerAddress("127.0.0.1", worker.bootstrap_port, worker.intake_port)])
-        await workers.refresh()
-        dispatcher = Dispatcher(workers, tower.processor, **options)
-        try:
-            return await dispatcher.dispatch("req-1", images)
-        finally:
-            await dispatcher.close()
-            await workers.close()
-
-    return asyncio.run(run())
+    return dispatch_to(worker, tower.processor, images, **options)
 
 
 def _receive(receiver, items):
