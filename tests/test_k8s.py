@@ -227,9 +227,16 @@ def token_files(program, args) -> list[str]:
 def listening_ports(program, args) -> dict[str, int]:
     if program == "epd-encode-worker":
         return {"bootstrap": args.bootstrap_port, "intake": args.intake_port}
-    if program == VLLM:
-        return {"vllm": args.port}
+    if program == VLLM:  # vLLM's API, and the receiver's metrics in vLLM's EngineCore
+        return {"vllm": args.port, "epd-metrics": args.connector.metrics_port}
     return {"http": args.port}
+
+
+def metrics_port_names(program) -> set[str]:
+    """The container ports, by name, that serve ``program``'s /metrics."""
+    return {"epd-encode-worker": {"bootstrap"}, VLLM: {"vllm", "epd-metrics"}}.get(
+        program, {"http"}
+    )
 
 
 def mooncake_range(container) -> tuple[int, int]:
@@ -513,9 +520,7 @@ def test_ports_agree_between_args_container_ports_probes_and_annotations(rendere
             declared = {p["name"]: p["containerPort"] for p in container["ports"]}
             assert declared == listening_ports(program, args), (name, container["name"])
             pod_ports += declared.values()
-            metrics_ports.add(
-                declared[{"epd-encode-worker": "bootstrap", VLLM: "vllm"}.get(program, "http")]
-            )
+            metrics_ports |= {declared[port] for port in metrics_port_names(program)}
             paths = served_paths(program, args)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if probe in container:
@@ -671,6 +676,7 @@ def test_network_policies_open_each_port_to_its_peers_only(rendered, variant):
             elif program == VLLM:  # same-node: the pod's own gateway calls it over loopback
                 expected = {"monitoring"} if colocated else {"dispatcher", "monitoring"}
                 assert admitted(policies, template, args.port) == expected
+                assert admitted(policies, template, args.connector.metrics_port) == {"monitoring"}
             elif program == "epd-gateway":  # the front door: clients from anywhere
                 assert admitted(policies, template, args.port) == set(SOURCES)
                 assert admitted(policies, template, args.port + 1) == set()
@@ -827,7 +833,7 @@ def test_service_monitors_scrape_real_ports(rendered, variant):
     monitors = of_kind(objects, "ServiceMonitor")
     assert {m["apiVersion"] for m in monitors} == {"monitoring.coreos.com/v1"} and len(
         monitors
-    ) == 3
+    ) == 4
     services = of_kind(objects, "Service")
     for monitor in monitors:
         matched = [
@@ -838,6 +844,21 @@ def test_service_monitors_scrape_real_ports(rendered, variant):
             assert set(endpoint) <= {"port", "path", "interval"} and endpoint["path"] == "/metrics"
             for service in matched:
                 assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    scraped = {  # (pod template, container port name) each ServiceMonitor endpoint reaches
+        (id(template), port["targetPort"])
+        for monitor in monitors
+        for service in services
+        if selects(monitor["spec"]["selector"], service["metadata"]["labels"])
+        for port in service["spec"]["ports"]
+        if port["name"] in {endpoint["port"] for endpoint in monitor["spec"]["endpoints"]}
+        for _, template in pod_specs(objects)
+        if selects({"matchLabels": service["spec"]["selector"]}, template["metadata"]["labels"])
+    }
+    for name, template in pod_specs(objects):
+        for container in containers(template):
+            program, _ = parsed(container)
+            for port in metrics_port_names(program):
+                assert (id(template), port) in scraped, f"{name}: {program}'s {port} not scraped"
 
 
 def test_hpa_scales_the_encoders_on_a_metric_they_export(rendered):
