@@ -42,10 +42,10 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
     ECConnectorMetadata,
@@ -104,10 +104,48 @@ class ConnectorSettings(BaseModel):
     mooncake_host: AdvertisedHost = "127.0.0.1"
     mooncake_ib_device: str = ""  # comma-separated RDMA HCA names ("" = every one found)
     mooncake_force_tcp: bool = False
+    # "own": the connector makes its own TransferEngine. "kv_connector": it uses the one vLLM's
+    # MooncakeConnector (kv_transfer_config) runs in this process for the KV cache, so the
+    # process has one engine, whose host (VLLM_HOST_IP), devices and protocol are that
+    # connector's; the three mooncake_* settings above are then refused.
+    mooncake_engine: Literal["own", "kv_connector"] = "own"
     # The receiver's metrics (Prometheus, each family labelled model_name) on this port of the
     # process the scheduler runs in: vLLM's own /metrics is served by its API server process,
     # which does not see this one's registries. None: not served.
     metrics_port: int | None = Field(None, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _one_owner_of_the_engines_settings(self) -> ConnectorSettings:
+        own = {"mooncake_host", "mooncake_ib_device", "mooncake_force_tcp"} & self.model_fields_set
+        if self.mooncake_engine == "kv_connector" and own:
+            raise ValueError(
+                f"mooncake_engine='kv_connector' uses vLLM's KV connector's TransferEngine, whose "
+                f"host, devices and protocol are its own: drop {', '.join(sorted(own))}"
+            )
+        return self
+
+
+def kv_connector_transfer_engine():
+    """(TransferEngine, its host) of vLLM's MooncakeConnector in this process: the KV connector's
+    worker side, which runs here when vLLM runs its model in the engine core process (one GPU,
+    the default `uni` executor)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        raise ValueError(
+            "EPDConnector: mooncake_engine='kv_connector', but no KV connector runs in this "
+            "process (kv_transfer_config must name MooncakeConnector, and the model must run in "
+            "vLLM's engine core process: one GPU, not the multiprocess executor)"
+        )
+    group = get_kv_transfer_group()
+    worker = getattr(group, "connector_worker", None)
+    engine = getattr(worker, "engine", None)
+    if engine is None or not hasattr(engine, "transfer_submit_write"):
+        raise ValueError(
+            "EPDConnector: mooncake_engine='kv_connector' needs vLLM's MooncakeConnector as the KV "
+            f"connector; this process runs {type(group).__name__}"
+        )
+    return engine, worker.hostname
 
 
 class ConnectorContractError(RuntimeError):
@@ -291,6 +329,12 @@ class _SchedulerSide:
             device_names=settings.mooncake_ib_device,
             force_tcp=settings.mooncake_force_tcp,
         )
+        if settings.mooncake_engine == "kv_connector" and "mooncake" in settings.transports:
+            from data_plane.mooncake import MooncakeTransport
+
+            engine, host = kv_connector_transfer_engine()
+            mooncake = MooncakeConfig(hostname=host)
+            MooncakeTransport.adopt(engine, mooncake)  # build_transports finds it
         self.receiver = PrefillReceiver(
             config, build_transports(config.transports, {"mooncake": mooncake}, optional=True)
         )

@@ -94,7 +94,13 @@ class Stack:
     vLLM's EngineCore (scheduler) and worker (model runner) are processes of their own."""
 
     def __init__(
-        self, family: str, log_dir: str, transports=("shm", "mooncake"), multiprocess: bool = False
+        self,
+        family: str,
+        log_dir: str,
+        transports=("shm", "mooncake"),
+        multiprocess: bool = False,
+        settings: dict | None = None,
+        **engine_extra,
     ):
         self.family = family
         self.model = cached_vlm(family)
@@ -106,8 +112,9 @@ class Stack:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         self.metrics_port = free_port()
         self.llm = LLM(
-            **engine_args(self.model, {"metrics_port": self.metrics_port}),
+            **engine_args(self.model, {"metrics_port": self.metrics_port, **(settings or {})}),
             distributed_executor_backend="mp" if multiprocess else "uni",
+            **engine_extra,
         )
         self.cluster.wait_ready()
         self.engine = self.llm.llm_engine
@@ -214,6 +221,76 @@ def test_tokens_equal_colocated(stack, transport):
     assert stack.items("done", transport) == before + 1
     assert stack.served_items("done", transport) == served + 1  # on the connector's own port
     assert stack.pool_idle()
+
+
+def _through_the_kv_connectors_engine(log_dir: str) -> dict:
+    """In a process of its own (one Mooncake transport per process): vLLM with Mooncake's KV
+    connector (TCP) and the EPD connector set to use that connector's TransferEngine; one image's
+    rows written over Mooncake by an encode worker."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.platforms import current_platform
+
+    # vLLM's MooncakeConnector asks for the accelerator's device index, which a CPU host lacks
+    torch.accelerator.current_device_index = lambda: 0
+    type(current_platform).set_device = classmethod(lambda cls, device: None)
+    os.environ["VLLM_HOST_IP"] = "127.0.0.1"  # the KV connector's engine's host
+    os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(free_port())
+    kv = {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+    }
+    stack = Stack(
+        "qwen2_vl",
+        log_dir,
+        transports=("mooncake",),
+        settings={"transports": ["mooncake"], "mooncake_engine": "kv_connector"},
+        kv_transfer_config=kv,
+    )
+    try:
+        kv_engine = get_kv_transfer_group().connector_worker.engine
+        ours = stack.connector.receiver.transports["mooncake"]
+        image = synthetic_image(112, 84, seed=41)
+        output = stack.run(
+            *vllm_request(prompt_for(1), stack.dispatch([image], stack.workers["mooncake"]))
+        )
+        return {
+            "one engine": ours.engine is kv_engine,
+            "session": ours.session,
+            "kv engine's session": f"127.0.0.1:{kv_engine.get_rpc_port()}",
+            "tokens": list(output.outputs[0].token_ids),
+            "colocated": stack.colocated(prompt_for(1), [image]),
+            "delivered over mooncake": stack.items("done", "mooncake"),
+            "pool idle": stack.pool_idle(),
+        }
+    finally:
+        stack.close()
+
+
+def test_the_receiver_uses_the_kv_connectors_transfer_engine(tmp_path):
+    """mooncake_engine='kv_connector': the process has one TransferEngine, vLLM's KV connector's;
+    the encode worker writes into the receive pool registered with it; tokens equal colocated."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        seen = child.submit(_through_the_kv_connectors_engine, str(tmp_path)).result(timeout=600)
+    assert seen["one engine"] and seen["session"] == seen["kv engine's session"]
+    assert seen["tokens"] == seen["colocated"] and len(seen["tokens"]) == MAX_TOKENS
+    assert seen["delivered over mooncake"] == 1 and seen["pool idle"]
+
+
+def test_the_kv_connectors_engine_is_asked_for_only_where_it_can_be():
+    """The engine's settings belong to the KV connector; without one in the process, a clear
+    refusal."""
+    from prefill_side.vllm_connector import ConnectorSettings, kv_connector_transfer_engine
+
+    with pytest.raises(ValueError, match="drop mooncake_force_tcp, mooncake_host"):
+        ConnectorSettings(
+            mooncake_engine="kv_connector", mooncake_host="10.0.0.2", mooncake_force_tcp=True
+        )
+    with pytest.raises(ValueError, match="no KV connector runs in this process"):
+        kv_connector_transfer_engine()
 
 
 def test_embeddings_are_used(stack):
