@@ -88,12 +88,12 @@ def _serve(conn, config: PeerConfig) -> None:
                 conn.send(("accepted", exact))
             elif kind == "stats":
                 conn.send(("stats", pool.stats()))
-            elif kind == "raw_done":
+            elif kind == "raw_done":  # no commit to check; the rows are held as a commit's are
                 _, seed = message
                 lease, layout = current
+                rows = pool.view(lease).view(layout.torch_dtype).view(layout.rows, layout.width)
                 exact = None
                 if seed is not None:
-                    rows = pool.view(lease).view(layout.torch_dtype).view(layout.rows, layout.width)
                     exact = bool(
                         torch.equal(rows, pattern(layout.rows, layout.width, layout.dtype, seed))
                     )
