@@ -84,8 +84,8 @@ class NullSink(Transport):
     def reachable(self, offer) -> bool:
         return True
 
-    def _submit(self, src: torch.Tensor, offer, deadline: float) -> Transfer:
-        return CompletedTransfer(src.numel(), deadline)
+    def _submit(self, src: torch.Tensor, nbytes: int, offer, deadline: float) -> Transfer:
+        return CompletedTransfer(nbytes, deadline)
 
 
 def _receiver_main(conn, pool_bytes: int, width: int, dtype: str, transport: str) -> None:

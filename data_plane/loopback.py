@@ -25,6 +25,7 @@ from data_plane.transport import (
     TransferRefused,
     TransferState,
     Transport,
+    as_bytes,
 )
 
 
@@ -98,9 +99,11 @@ class LoopbackTransport(Transport):
     def reachable(self, offer: LoopbackOffer) -> bool:
         return offer.region in self._regions
 
-    def _submit(self, src: torch.Tensor, offer: LoopbackOffer, deadline: float) -> Transfer:
+    def _submit(
+        self, src: torch.Tensor, nbytes: int, offer: LoopbackOffer, deadline: float
+    ) -> Transfer:
         region = self._regions[offer.region]
-        nbytes = src.numel()
+        src = as_bytes(src)
         if offer.offset + nbytes > region.nbytes:
             raise TransferRefused(
                 f"write [{offer.offset}, +{nbytes}) is outside the receiver's region"

@@ -325,10 +325,12 @@ class MooncakeTransport(Transport):
             raise TransferRefused(f"Mooncake peer {session} is not reachable")
         self._reached.add(session)
 
-    def _submit(self, src: torch.Tensor, offer: MooncakeOffer, deadline: float) -> Transfer:
+    def _submit(
+        self, src: torch.Tensor, nbytes: int, offer: MooncakeOffer, deadline: float
+    ) -> Transfer:
         self._check_process()
         self._first_contact(offer.session, max(0.1, min(2.0, deadline - time.monotonic())))
-        address, nbytes = src.data_ptr(), src.numel()
+        address = src.data_ptr()
         # TCP accepts unregistered sources but RDMA needs an lkey: enforce it everywhere.
         if not any(region.contains(address, nbytes) for region in self._regions):
             raise TransferRefused("source bytes are not in a region registered with Mooncake")

@@ -15,7 +15,13 @@ import torch
 from data_plane.offers import ShmOffer
 from data_plane.pool import Lease, MemoryRegion, SlotPool
 from data_plane.shm import POOL_PREFIX, SHM_DIR, ShmError, ShmSegment, is_pool_name, namespace_id
-from data_plane.transport import CompletedTransfer, Transfer, TransferRefused, Transport
+from data_plane.transport import (
+    CompletedTransfer,
+    Transfer,
+    TransferRefused,
+    Transport,
+    as_bytes,
+)
 
 
 class ShmTransport(Transport):
@@ -96,14 +102,13 @@ class ShmTransport(Transport):
             ]:
                 self._attached.pop(name)[0].close()
 
-    def _submit(self, src: torch.Tensor, offer: ShmOffer, deadline: float) -> Transfer:
+    def _submit(self, src: torch.Tensor, nbytes: int, offer: ShmOffer, deadline: float) -> Transfer:
         segment = self._segment(offer.segment)
-        nbytes = src.numel()
         if offer.offset + nbytes > segment.size:
             raise TransferRefused(
                 f"write [{offer.offset}, +{nbytes}) is outside segment {offer.segment}"
             )
-        segment.tensor[offer.offset : offer.offset + nbytes].copy_(src)
+        segment.tensor[offer.offset : offer.offset + nbytes].copy_(as_bytes(src))
         return CompletedTransfer(nbytes, deadline)
 
     def close(self) -> None:

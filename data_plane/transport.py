@@ -66,6 +66,11 @@ class Transfer(abc.ABC):
         self.settled = self.settled or settled
 
 
+def as_bytes(src: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``src`` as flat uint8 (itself when it already is)."""
+    return src if src.dtype == torch.uint8 and src.dim() == 1 else src.reshape(-1).view(torch.uint8)
+
+
 class CompletedTransfer(Transfer):
     """A write that finished (or failed cleanly) inside ``submit``."""
 
@@ -118,10 +123,11 @@ class Transport(abc.ABC):
             )
         if not self.reachable(offer):
             raise TransferRefused(f"{self.name} offer is not reachable from this process")
-        return self._submit(src.reshape(-1).view(torch.uint8), offer, deadline)
+        return self._submit(src, nbytes, offer, deadline)
 
     @abc.abstractmethod
-    def _submit(self, src: torch.Tensor, offer: Offer, deadline: float) -> Transfer: ...
+    def _submit(self, src: torch.Tensor, nbytes: int, offer: Offer, deadline: float) -> Transfer:
+        """``src``: contiguous, any shape and dtype, ``nbytes`` long, checked to fit ``offer``."""
 
     def close(self) -> None:
         """Release what the transport holds (engines, mappings)."""

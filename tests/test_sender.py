@@ -28,9 +28,9 @@ class RecordingShm(ShmTransport):
         super().__init__()
         self.threads = []
 
-    def _submit(self, src, offer, deadline):
+    def _submit(self, src, nbytes, offer, deadline):
         self.threads.append(threading.current_thread().name)
-        return super()._submit(src, offer, deadline)
+        return super()._submit(src, nbytes, offer, deadline)
 
 
 @pytest.fixture
