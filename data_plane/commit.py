@@ -46,7 +46,7 @@ class EmbeddingLayout:
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.width * torch.empty(0, dtype=self.torch_dtype).element_size()
+        return self.rows * self.width * self.torch_dtype.itemsize
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> EmbeddingLayout:
@@ -110,7 +110,7 @@ def accept_commit(
             f"commit for generation {commit.generation} but the slot holds {lease.generation}"
             + ("" if pool.is_current(lease) else " (lease no longer live)")
         )
-    if commit.layout != reserved:
+    if (commit.rows, commit.width, commit.dtype) != (reserved.rows, reserved.width, reserved.dtype):
         raise ContractError(
             f"committed [{commit.rows}, {commit.width}] {commit.dtype} but reserved "
             f"[{reserved.rows}, {reserved.width}] {reserved.dtype}"

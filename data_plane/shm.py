@@ -201,7 +201,7 @@ class ShmTensorHandle:
         count = 1
         for dim in self.shape:
             count *= int(dim)
-        return count * torch.empty(0, dtype=self.dtype).element_size()
+        return count * self.dtype.itemsize
 
     @classmethod
     def publish(cls, tensor: torch.Tensor, purpose: str = "handoff") -> ShmTensorHandle:
