@@ -366,7 +366,9 @@ def create_app(
                 r.room: r.view.version for r in results if r.ok and not r.view.state.terminal
             }
             if len(versions) == len(results):
-                results = _watch_results(versions, await table.watch(versions, body.wait_s))
+                results = _watch_results(
+                    versions, await table.watch(versions, body.wait_s, body.until_ended)
+                )
         return _answer(results)
 
     @body_route(
@@ -417,9 +419,12 @@ def create_app(
         "/v1/rooms/watch", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
     )
     async def watch(body: WatchRequest):
-        """Long-poll: answers once any room is past its ``after_version`` or after ``wait_s``."""
+        """Long-poll: answers once any room is past its ``after_version`` (``until_ended``: once
+        any has ended) or after ``wait_s``."""
         versions = {item.room: item.after_version for item in body.rooms}
-        return _answer(_watch_results(versions, await table.watch(versions, body.wait_s)))
+        return _answer(
+            _watch_results(versions, await table.watch(versions, body.wait_s, body.until_ended))
+        )
 
     @app.get(
         "/v1/rooms/{room:int}",

@@ -170,13 +170,13 @@ class HandshakeClient:
         ).rooms
 
     async def register(
-        self, registrations: Iterable[Registration], wait_s: float = 0.0
+        self, registrations: Iterable[Registration], wait_s: float = 0.0, until_ended: bool = False
     ) -> list[RoomResult]:
         """Register receivers; with ``wait_s``, also wait for the next change of any of the
-        rooms."""
+        rooms (``until_ended``: for the end of any)."""
         return await self._batch(
             "/v1/rooms/register",
-            RegisterRequest(receivers=list(registrations), wait_s=wait_s),
+            RegisterRequest(receivers=list(registrations), wait_s=wait_s, until_ended=until_ended),
             wait_s,
         )
 
@@ -196,10 +196,14 @@ class HandshakeClient:
             "/v1/rooms/cancel", CancelRequest(rooms=list(rooms), reason=reason)
         )
 
-    async def watch(self, versions: dict[int, int], wait_s: float = 0.0) -> list[RoomResult]:
+    async def watch(
+        self, versions: dict[int, int], wait_s: float = 0.0, until_ended: bool = False
+    ) -> list[RoomResult]:
         items = [WatchItem(room=room, after_version=version) for room, version in versions.items()]
         return await self._batch(
-            "/v1/rooms/watch", WatchRequest(rooms=items, wait_s=wait_s), wait_s
+            "/v1/rooms/watch",
+            WatchRequest(rooms=items, wait_s=wait_s, until_ended=until_ended),
+            wait_s,
         )
 
     async def get(self, room: int, after_version: int = 0, wait_s: float = 0.0) -> RoomView:

@@ -102,6 +102,7 @@ class RegisterRequest(_Body):
     # > 0: after registering, long-poll (as /watch) until one of these rooms changes again, so
     # a receiver whose rows are already staged learns of the commit in the same round trip.
     wait_s: json_float(ge=0, le=MAX_WAIT_S) = 0.0
+    until_ended: JsonBool = False  # as /watch's
 
 
 class BeginWrite(_Body):
@@ -182,6 +183,9 @@ class WatchItem(_Body):
 class WatchRequest(_Body):
     rooms: list[WatchItem] = Field(min_length=1, max_length=MAX_BATCH)
     wait_s: json_float(ge=0, le=MAX_WAIT_S) = 0.0
+    # True: answer when one of the rooms ends (or wait_s passes), not at every change: a receiver
+    # has nothing to do when a write begins, and would spend a round trip on it.
+    until_ended: JsonBool = False
 
 
 class RoomView(BaseModel):

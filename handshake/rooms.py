@@ -134,10 +134,12 @@ class RoomLimits:
 
 
 class _Waiter:
-    """Woken when any room it watches changes, from any thread; armed on its event loop's thread."""
+    """Woken when any room it watches changes (``until_ended``: ends), from any thread; armed on
+    its event loop's thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, until_ended: bool = False):
         self.loop = loop
+        self.until_ended = until_ended
         self.future = loop.create_future()
         self.thread = threading.get_ident()
 
@@ -383,9 +385,14 @@ class RoomTable:
 
     # ---- waiting ---------------------------------------------------------------------------
 
-    async def watch(self, versions: dict[int, int], wait_s: float) -> list[RoomView | RoomError]:
-        """Views of the rooms, returned as soon as any is past its version (or after ``wait_s``)."""
-        waiter = self._arm(versions, asyncio.get_running_loop()) if wait_s > 0 else None
+    async def watch(
+        self, versions: dict[int, int], wait_s: float, until_ended: bool = False
+    ) -> list[RoomView | RoomError]:
+        """Views of the rooms, returned as soon as any is past its version (``until_ended``: as
+        soon as any has ended), or after ``wait_s``."""
+        waiter = (
+            self._arm(versions, asyncio.get_running_loop(), until_ended) if wait_s > 0 else None
+        )
         if waiter is not None:
             timer = waiter.loop.call_later(
                 wait_s, waiter._resolve
@@ -397,8 +404,9 @@ class RoomTable:
                 self._disarm(waiter, versions)
         return self._views(versions)
 
-    def _arm(self, versions: dict[int, int], loop) -> _Waiter | None:
-        """Register a waiter on every room, unless one already has news (changed or unknown)."""
+    def _arm(self, versions: dict[int, int], loop, until_ended: bool) -> _Waiter | None:
+        """Register a waiter on every room, unless one already has news (ended or unknown, or,
+        unless ``until_ended``, changed)."""
         with self._lock:
             rooms = []
             for room_id, after in versions.items():
@@ -406,10 +414,10 @@ class RoomTable:
                 if room is None:  # terminal (it will not change again) or unknown: news either way
                     return None
                 self._expire_if_due(room, self._clock())
-                if room.version > after or room.state.terminal:
+                if room.state.terminal or (room.version > after and not until_ended):
                     return None
                 rooms.append(room)
-            waiter = _Waiter(loop)
+            waiter = _Waiter(loop, until_ended)
             for room in rooms:
                 room.waiters.append(waiter)
             self.waiters += 1
@@ -504,9 +512,13 @@ class RoomTable:
 
     def _touch(self, room: _Room) -> None:
         room.version += 1
+        ended = room.state.terminal
         waiters, room.waiters = room.waiters, []
         for waiter in waiters:
-            waiter.wake()
+            if waiter.until_ended and not ended:
+                room.waiters.append(waiter)
+            else:
+                waiter.wake()
 
     def _view(self, room: _Room) -> RoomView:
         # Built from fields the table already validated: model_construct skips re-validation,

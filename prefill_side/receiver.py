@@ -581,12 +581,18 @@ class PrefillReceiver:
         first = True
         while live:
             try:
-                if first:  # register, and in the same round trip wait for the first change
-                    results = await client.register(registrations, wait_s=self.config.poll_s)
+                # Each answer comes when a room ends or after poll_s (the deadlines are checked
+                # then): a write that begins is nothing to act on here.
+                if first:  # register, and in the same round trip wait
+                    results = await client.register(
+                        registrations, wait_s=self.config.poll_s, until_ended=True
+                    )
                     first = False
                 else:
                     results = await client.watch(
-                        {room: e.version for room, e in live.items()}, self.config.poll_s
+                        {room: e.version for room, e in live.items()},
+                        self.config.poll_s,
+                        until_ended=True,
                     )
             except HandshakeError as exc:
                 # a register that timed out may still have reached the room, so a writer may come:

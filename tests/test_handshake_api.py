@@ -101,6 +101,24 @@ def test_receiver_first_then_sender_learns_by_long_poll(served):
     assert result.view.state is RoomState.REGISTERED and time.monotonic() - started < 2
 
 
+def test_a_receivers_register_and_wait_until_ended_answers_with_the_commit(served):
+    """Over REST: the register that waits ``until_ended`` is not answered when the write begins
+    (no second round trip for the receiver), and is answered by the commit."""
+    _, client, _ = served
+    (room,) = client.mint()
+    writer = SyncHandshakeClient(client.client.base_url)
+
+    def write():
+        writer.begin_write([begin(room)])
+        time.sleep(0.3)  # a write in flight; the watch must not answer meanwhile
+        writer.commit([commit(room)])
+
+    threading.Timer(0.2, write).start()
+    (result,) = client.register([registration(room)], wait_s=10, until_ended=True)
+    assert result.view.state is RoomState.SUCCESS
+    writer.close()
+
+
 def test_encoder_fails_before_receiver_registers(served):
     _, client, _ = served
     (room,) = client.mint()

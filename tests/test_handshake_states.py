@@ -217,6 +217,44 @@ def test_a_long_poll_answers_on_a_change_made_on_its_own_loop_and_after_its_wait
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("end", ["commit", "fail", "cancel"])
+def test_a_watch_until_ended_sleeps_through_the_write_and_wakes_at_the_end(end):
+    """``until_ended`` (the receiver's long-poll): a write that begins, or a cancel requested
+    during it, answers nothing; the room's end answers at once. A room that changed before the
+    watch was armed does not answer it either, unless it has ended."""
+    import asyncio
+
+    table = RoomTable()
+
+    async def scenario():
+        (room,) = table.mint(1, 60)
+        version = table.register(registration(room)).version
+        watcher = asyncio.ensure_future(table.watch({room: version}, 5.0, until_ended=True))
+        await asyncio.sleep(0)
+        table.begin_write(begin(room))
+        if end == "cancel":  # a cancel during the write wakes the writer only
+            table.cancel(room, "the client left")
+        await asyncio.sleep(0.05)
+        assert not watcher.done() and table.waiters == 1
+        late = asyncio.ensure_future(table.watch({room: version}, 5.0, until_ended=True))
+        await asyncio.sleep(0.05)
+        assert not late.done()  # past its version, but not ended: armed
+        if end == "commit":
+            table.commit(commit(room))
+        else:
+            table.fail(room, "tower error", settled=True)
+        for waiting in (watcher, late):
+            (view,) = await asyncio.wait_for(waiting, 1.0)
+            assert view.state.terminal
+        assert table.waiters == 0
+        (view,) = await asyncio.wait_for(
+            table.watch({room: version}, 5.0, until_ended=True), 1.0
+        )  # ended before the watch: answered at once
+        assert view.state.terminal
+
+    asyncio.run(scenario())
+
+
 def test_a_commit_needs_a_begun_write_and_its_writer():
     """A commit on a REGISTERED room skipped WRITING, and with it the one-writer rule: refused,
     and the room is unchanged. A commit or a failure naming another writer than the one that
