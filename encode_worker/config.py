@@ -132,6 +132,13 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
         "must run with require_checksum off)",
     )
     send_workers: PositiveInt = Field(8, description="sender threads")
+    media_niceness: int = Field(
+        2,
+        ge=0,
+        le=19,
+        description="added to the nice value of the media threads (decode + preprocessing, "
+        "tower), so the room API, intake and sends are scheduled first on a busy CPU (0: off)",
+    )
     probe_interval_s: PositiveSeconds = Field(
         10.0,
         description="idle tower health probe interval; /readyz "

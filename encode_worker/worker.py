@@ -309,14 +309,15 @@ class EncodeWorker:
         except BaseException:
             self.stop()
             raise
-        for target, name in (
-            (self.intake.loop, "intake"),
-            (self.prepare.loop, "prepare"),
-            (self.tower_stage.loop, "encode"),
-            (self.stage_and_send.loop, "stage"),
-            (self.health.loop, "housekeeping"),
+        media = self.config.media_niceness  # media work yields to the control plane's threads
+        for target, name, niceness in (
+            (self.intake.loop, "intake", 0),
+            (self.prepare.loop, "prepare", media),
+            (self.tower_stage.loop, "encode", media),
+            (self.stage_and_send.loop, "stage", 0),
+            (self.health.loop, "housekeeping", 0),
         ):
-            thread = named_thread(target, name)
+            thread = named_thread(target, name, niceness)
             thread.start()
             self._threads.append(thread)
         return self

@@ -691,3 +691,19 @@ def test_the_worker_threads_carry_their_names_where_the_os_shows_them(qwen25):
     finally:
         worker.stop()
         receiver.close()
+
+
+def test_media_threads_yield_the_cpu_to_the_control_plane(qwen25):
+    """--media-niceness: decode + preprocessing and the tower run at a higher nice value than
+    intake, the sends and the room API (Linux schedules each thread by its own)."""
+    directory, tower = qwen25
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    worker, receiver = make_worker(directory, tower=tower, media_niceness=3)
+    try:
+        nice = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in worker._threads}
+        assert nice["prepare"] == nice["encode"] == min(19, base + 3)
+        assert nice["intake"] == nice["stage"] == base
+        assert os.getpriority(os.PRIO_PROCESS, worker.server.loop.thread.native_id) == base
+    finally:
+        worker.stop()
+        receiver.close()
