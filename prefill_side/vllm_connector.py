@@ -324,17 +324,18 @@ class _SchedulerSide:
             require_checksum=settings.require_checksum,
             zero_copy=True,
         )
-        mooncake = MooncakeConfig(
-            hostname=settings.mooncake_host,
-            device_names=settings.mooncake_ib_device,
-            force_tcp=settings.mooncake_force_tcp,
-        )
         if settings.mooncake_engine == "kv_connector" and "mooncake" in settings.transports:
             from data_plane.mooncake import MooncakeTransport
 
             engine, host = kv_connector_transfer_engine()
             mooncake = MooncakeConfig(hostname=host)
             MooncakeTransport.adopt(engine, mooncake)  # build_transports finds it
+        else:
+            mooncake = MooncakeConfig(
+                hostname=settings.mooncake_host,
+                device_names=settings.mooncake_ib_device,
+                force_tcp=settings.mooncake_force_tcp,
+            )
         self.receiver = PrefillReceiver(
             config, build_transports(config.transports, {"mooncake": mooncake}, optional=True)
         )
