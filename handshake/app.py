@@ -275,9 +275,11 @@ def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
 
 
 def _watch_results(versions: dict[int, int], views: list) -> list[RoomResult]:
+    """Per room, in ``versions``' order; a room without news (None: ``changed_only``) left out."""
     return [
         _refused(room, v) if isinstance(v, RoomError) else _ok(room, v)
         for room, v in zip(versions, views)
+        if v is not None
     ]
 
 
@@ -359,7 +361,8 @@ def create_app(
     )
     async def register(body: RegisterRequest):
         """A receiver reserves its slot per room: generation, rows x width x dtype, transport
-        offers. With ``wait_s`` it then long-polls until one of the rooms changes again."""
+        offers. With ``wait_s`` it then long-polls until one of the rooms changes again (as
+        ``/v1/rooms/watch``, ``until_ended`` and ``changed_only`` included)."""
         results = [_result(r.room, lambda r=r: table.register(r)) for r in body.receivers]
         if body.wait_s > 0:
             versions = {
@@ -367,7 +370,8 @@ def create_app(
             }
             if len(versions) == len(results):
                 results = _watch_results(
-                    versions, await table.watch(versions, body.wait_s, body.until_ended)
+                    versions,
+                    await table.watch(versions, body.wait_s, body.until_ended, body.changed_only),
                 )
         return _answer(results)
 
@@ -420,10 +424,13 @@ def create_app(
     )
     async def watch(body: WatchRequest):
         """Long-poll: answers once any room is past its ``after_version`` (``until_ended``: once
-        any has ended) or after ``wait_s``."""
+        any has ended) or after ``wait_s``; ``changed_only``: with the rooms past it only."""
         versions = {item.room: item.after_version for item in body.rooms}
         return _answer(
-            _watch_results(versions, await table.watch(versions, body.wait_s, body.until_ended))
+            _watch_results(
+                versions,
+                await table.watch(versions, body.wait_s, body.until_ended, body.changed_only),
+            )
         )
 
     @app.get(

@@ -170,13 +170,24 @@ class HandshakeClient:
         ).rooms
 
     async def register(
-        self, registrations: Iterable[Registration], wait_s: float = 0.0, until_ended: bool = False
+        self,
+        registrations: Iterable[Registration],
+        wait_s: float = 0.0,
+        until_ended: bool = False,
+        changed_only: bool = False,
     ) -> list[RoomResult]:
         """Register receivers; with ``wait_s``, also wait for the next change of any of the
-        rooms (``until_ended``: for the end of any)."""
+        rooms (``until_ended``: for the end of any; ``changed_only``: answered with those past
+        their registered version only, unless a registration was refused or found its room
+        ended)."""
         return await self._batch(
             "/v1/rooms/register",
-            RegisterRequest(receivers=list(registrations), wait_s=wait_s, until_ended=until_ended),
+            RegisterRequest(
+                receivers=list(registrations),
+                wait_s=wait_s,
+                until_ended=until_ended,
+                changed_only=changed_only,
+            ),
             wait_s,
         )
 
@@ -197,12 +208,18 @@ class HandshakeClient:
         )
 
     async def watch(
-        self, versions: dict[int, int], wait_s: float = 0.0, until_ended: bool = False
+        self,
+        versions: dict[int, int],
+        wait_s: float = 0.0,
+        until_ended: bool = False,
+        changed_only: bool = False,
     ) -> list[RoomResult]:
         items = [WatchItem(room=room, after_version=version) for room, version in versions.items()]
         return await self._batch(
             "/v1/rooms/watch",
-            WatchRequest(rooms=items, wait_s=wait_s, until_ended=until_ended),
+            WatchRequest(
+                rooms=items, wait_s=wait_s, until_ended=until_ended, changed_only=changed_only
+            ),
             wait_s,
         )
 

@@ -103,6 +103,7 @@ class RegisterRequest(_Body):
     # a receiver whose rows are already staged learns of the commit in the same round trip.
     wait_s: json_float(ge=0, le=MAX_WAIT_S) = 0.0
     until_ended: JsonBool = False  # as /watch's
+    changed_only: JsonBool = False  # as /watch's
 
 
 class BeginWrite(_Body):
@@ -186,6 +187,10 @@ class WatchRequest(_Body):
     # True: answer when one of the rooms ends (or wait_s passes), not at every change: a receiver
     # has nothing to do when a write begins, and would spend a round trip on it.
     until_ended: JsonBool = False
+    # True: the answer holds only the rooms past their after_version (or unknown); the others are
+    # as the caller last saw them. A receiver watching a request's N rooms parses each view once
+    # instead of N at every answer.
+    changed_only: JsonBool = False
 
 
 class RoomView(BaseModel):

@@ -386,10 +386,15 @@ class RoomTable:
     # ---- waiting ---------------------------------------------------------------------------
 
     async def watch(
-        self, versions: dict[int, int], wait_s: float, until_ended: bool = False
-    ) -> list[RoomView | RoomError]:
-        """Views of the rooms, returned as soon as any is past its version (``until_ended``: as
-        soon as any has ended), or after ``wait_s``."""
+        self,
+        versions: dict[int, int],
+        wait_s: float,
+        until_ended: bool = False,
+        changed_only: bool = False,
+    ) -> list[RoomView | RoomError | None]:
+        """Views of the rooms, in ``versions``' order, returned as soon as any is past its version
+        (``until_ended``: as soon as any has ended), or after ``wait_s``. ``changed_only``: None
+        for each room still at its version (no view built for it)."""
         waiter = (
             self._arm(versions, asyncio.get_running_loop(), until_ended) if wait_s > 0 else None
         )
@@ -402,7 +407,7 @@ class RoomTable:
             finally:
                 timer.cancel()
                 self._disarm(waiter, versions)
-        return self._views(versions)
+        return self._views(versions, changed_only)
 
     def _arm(self, versions: dict[int, int], loop, until_ended: bool) -> _Waiter | None:
         """Register a waiter on every room, unless one already has news (ended or unknown, or,
@@ -431,14 +436,18 @@ class RoomTable:
                 if room is not None and waiter in room.waiters:
                     room.waiters.remove(waiter)
 
-    def _views(self, versions: dict[int, int]) -> list[RoomView | RoomError]:
+    def _views(
+        self, versions: dict[int, int], changed_only: bool
+    ) -> list[RoomView | RoomError | None]:
         with self._lock:
             views = []
-            for room_id in versions:
+            for room_id, after in versions.items():
                 try:
-                    views.append(self._view(self._get(room_id)))
+                    room = self._get(room_id)
                 except RoomNotFound as exc:
                     views.append(exc)
+                    continue
+                views.append(None if changed_only and room.version <= after else self._view(room))
             return views
 
     # ---- housekeeping ----------------------------------------------------------------------

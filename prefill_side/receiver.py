@@ -585,7 +585,10 @@ class PrefillReceiver:
                 # then): a write that begins is nothing to act on here.
                 if first:  # register, and in the same round trip wait
                     results = await client.register(
-                        registrations, wait_s=self.config.poll_s, until_ended=True
+                        registrations,
+                        wait_s=self.config.poll_s,
+                        until_ended=True,
+                        changed_only=True,
                     )
                     first = False
                 else:
@@ -593,6 +596,7 @@ class PrefillReceiver:
                         {room: e.version for room, e in live.items()},
                         self.config.poll_s,
                         until_ended=True,
+                        changed_only=True,
                     )
             except HandshakeError as exc:
                 # a register that timed out may still have reached the room, so a writer may come:
@@ -607,7 +611,7 @@ class PrefillReceiver:
                         quarantine=True,
                     )
                 return
-            await self._handle(job, client, live, results)
+            await self._handle(job, live, results)
 
     async def _cancel(self, job: ReceiveJob, reason: str) -> None:
         by_endpoint: dict[Endpoint, list[int]] = {}
@@ -646,9 +650,7 @@ class PrefillReceiver:
                     exc,
                 )
 
-    async def _handle(
-        self, job: ReceiveJob, client: HandshakeClient, live: dict[int, _Pending], results
-    ) -> None:
+    async def _handle(self, job: ReceiveJob, live: dict[int, _Pending], results) -> None:
         now = time.monotonic()
         for result in results:
             entry = live.get(result.room)
@@ -680,19 +682,20 @@ class PrefillReceiver:
                     entry,
                     quarantine=not view.writer_settled,
                 )
-            elif now >= entry.deadline:
-                del live[result.room]
-                await self._cancel_rooms(
-                    entry.handshake.endpoint, [result.room], "receiver timed out"
-                )
-                await self._give_up(
-                    job,
-                    entry.index,
-                    entry.item,
-                    "timed out waiting for the encode worker",
-                    entry,
-                    quarantine=True,
-                )
+        # the answer holds the rooms with news only: every other one is checked against its deadline
+        late = [room for room, entry in live.items() if now >= entry.deadline]
+        if late:
+            await self._cancel_rooms(live[late[0]].handshake.endpoint, late, "receiver timed out")
+        for room in late:
+            entry = live.pop(room)
+            await self._give_up(
+                job,
+                entry.index,
+                entry.item,
+                "timed out waiting for the encode worker",
+                entry,
+                quarantine=True,
+            )
 
     async def _publish(self, job: ReceiveJob, entry: _Pending, view) -> None:
         if (

@@ -255,6 +255,23 @@ def test_a_watch_until_ended_sleeps_through_the_write_and_wakes_at_the_end(end):
     asyncio.run(scenario())
 
 
+def test_a_changed_only_watch_builds_views_of_the_rooms_with_news_only():
+    """``changed_only``: None for each room still at its version, a view for one past it, the
+    refusal for one unknown, in the order asked."""
+    import asyncio
+
+    table = RoomTable()
+    quiet, moved = table.mint(2, 60)
+    versions = {room: table.register(registration(room)).version for room in (quiet, moved)}
+    table.begin_write(begin(moved))
+    versions[12345] = 0
+    quiet_view, moved_view, unknown = asyncio.run(
+        table.watch(versions, 0.0, changed_only=True)
+    )
+    assert quiet_view is None and moved_view.state is RoomState.WRITING
+    assert isinstance(unknown, RoomNotFound)
+
+
 def test_a_commit_needs_a_begun_write_and_its_writer():
     """A commit on a REGISTERED room skipped WRITING, and with it the one-writer rule: refused,
     and the room is unchanged. A commit or a failure naming another writer than the one that

@@ -191,6 +191,41 @@ def test_zero_copy_encoded_is_the_slot_until_release(stack, tower):
         receiver.close()
 
 
+def test_an_item_whose_writer_never_comes_fails_at_its_deadline_beside_a_delivered_one(
+    stack, tower
+):
+    """The receiver's long-poll answers with the rooms that ended only, so the deadline of a room
+    that never moves is checked on every answer: the item nobody writes fails at its deadline (its
+    room ended, its slot held back), while the other item of the request is delivered."""
+    worker, _, intake, loopback = stack
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=tower.info.wire_width,
+            dtype="float32",
+            pool_bytes=4 << 20,
+            slot_bytes=1 << 16,
+            item_timeout_s=1.5,
+            poll_s=0.1,
+            quarantine_s=60,
+        ),
+        transports={"loopback": loopback},
+    )
+    try:
+        images = [png(64, 64, 7), png(96, 64, 8)]
+        inputs, rooms = make_request(worker, tower, images)
+        job = receiver.start("late", inputs)
+        send(intake, worker, rooms[0], images[0], "late0")
+        assert job.wait(10) is JobState.FAILED
+        assert torch.equal(inputs.mm_items[0].encoded, expected_rows(tower, images[0]))
+        reason = job.reasons[1]
+        assert 0 not in job.reasons
+        assert "timed out waiting for the encode worker" in reason or "EXPIRED" in reason, reason
+        assert worker.table.view(rooms[1]).state.value in ("CANCELLED", "EXPIRED")
+        assert receiver.pool.stats()["leased_slots"] == 0, reason  # none held for a late item
+    finally:
+        receiver.close()
+
+
 def test_poll_never_blocks_and_cancel_fails_fast(stack, tower):
     worker, receiver, intake, _ = stack
     images = [png(64, 64, 4)]
