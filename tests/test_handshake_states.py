@@ -265,9 +265,7 @@ def test_a_changed_only_watch_builds_views_of_the_rooms_with_news_only():
     versions = {room: table.register(registration(room)).version for room in (quiet, moved)}
     table.begin_write(begin(moved))
     versions[12345] = 0
-    quiet_view, moved_view, unknown = asyncio.run(
-        table.watch(versions, 0.0, changed_only=True)
-    )
+    quiet_view, moved_view, unknown = asyncio.run(table.watch(versions, 0.0, changed_only=True))
     assert quiet_view is None and moved_view.state is RoomState.WRITING
     assert isinstance(unknown, RoomNotFound)
 
