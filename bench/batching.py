@@ -64,7 +64,7 @@ class Worker:
         )
         self.tower = tower
         self.worker = EncodeWorker(
-            config, tower=tower, transports={"loopback": NullSink(inline=True)}
+            config, tower=tower, transports={"loopback": NullSink(copies_in_submit=True)}
         ).start()
         self.sent = 0
 

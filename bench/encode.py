@@ -11,8 +11,8 @@ write and commit in the worker's own room table); only the sink differs:
 * ``delivered``: a ``PrefillReceiver`` in another process registers every room over HTTP,
   long-polls, and verifies and copies out each item written over ``--transport``;
 * ``null``: the bench registers every room in the worker's table in-process, offering a sink
-  that completes each write without moving a byte (on the same thread as the measured transport:
-  on the handshake loop for SHM, on a sender thread for Mooncake).
+  that completes each write without moving a byte, started as the measured transport is (on the
+  handshake loop, as a copy for SHM, in the background for Mooncake).
 
 The clock runs from minting the rooms (registration included) until the last item is published
 by the receiver (``delivered``) or committed (``null``). Each configuration, at batches of up to 8
@@ -67,13 +67,19 @@ def bench_tower(depth: int, hidden: int, width: int) -> str:
 
 
 class NullSink(Transport):
-    """A transport whose writes complete inside ``submit`` without touching a byte. ``inline``:
-    whether the sender may run it on its loop, as it runs the transport it stands in for."""
+    """A transport whose writes complete inside ``submit`` without touching a byte, started by the
+    sender from where it starts the transport it stands in for: on its loop as a copy
+    (``copies_in_submit``: SHM) or as a write in the background (``in_background``: Mooncake to a
+    peer already reached)."""
 
     name = "loopback"  # the sender picks transports by offer kind; the bench offers LoopbackOffers
 
-    def __init__(self, inline: bool):
-        self.copies_in_submit = inline
+    def __init__(self, copies_in_submit: bool, in_background: bool = False):
+        self.copies_in_submit = copies_in_submit
+        self.in_background = in_background
+
+    def submits_in_background(self, offer) -> bool:
+        return self.in_background
 
     def register(self, region) -> None:
         pass
@@ -190,7 +196,11 @@ class EncodeBench:
                 transports = None  # the worker builds the real ones
                 if sink == "null":
                     measured = self.workers[("delivered", batch)].transports[transport]
-                    transports = {"loopback": NullSink(inline=measured.copies_in_submit)}
+                    transports = {
+                        "loopback": NullSink(
+                            measured.copies_in_submit, in_background=not measured.copies_in_submit
+                        )
+                    }
                 self.workers[(sink, batch)] = EncodeWorker(
                     config, tower=tower, transports=transports
                 ).start()

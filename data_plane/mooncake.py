@@ -270,6 +270,11 @@ class MooncakeTransport(Transport):
     def reachable(self, offer: MooncakeOffer) -> bool:
         return True  # liveness is `alive(session)`; routability is the fabric's
 
+    def submits_in_background(self, offer: MooncakeOffer) -> bool:
+        """A peer already reached: ``transfer_submit_write`` queues the write on the engine's
+        threads (a first contact probes the peer first, which may wait up to 2 s)."""
+        return offer.session in self._reached
+
     def alive(self, session: str) -> bool:
         """Liveness probe of a peer engine: a live one answers and a dead one refuses at once (a
         stalled one blocks: see ``_probe``)."""

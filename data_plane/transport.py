@@ -3,15 +3,18 @@
 Receiver side: ``register(region)`` once per pool, then ``offer(pool, lease)`` per room: a JSON-able
 description of where the sender may write. Sender side: ``reachable(offer)`` says whether this
 process can write there; ``submit(src, offer, deadline)`` starts the write and returns a
-``Transfer`` to poll. Polling never blocks; ``wait`` sleeps between polls instead of spinning.
+``Transfer`` to poll. Polling never blocks; ``wait`` sleeps between polls instead of spinning, and
+a ``CompletionPoller`` does the same for every write an event loop awaits, on one thread.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 import importlib
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -55,15 +58,86 @@ class Transfer(abc.ABC):
         """Sleep-poll until DONE or FAILED (bounded by the deadline), never spinning: the sleep
         grows with the time already waited (50 us to 1 ms), so overshoot stays under ~6 %."""
         while self.poll() is TransferState.PENDING:
-            waited = time.monotonic() - self.started
-            time.sleep(min(1e-3, max(5e-5, waited / 16)))
+            time.sleep(self.poll_interval(time.monotonic()))
         return self.state
+
+    def poll_interval(self, now: float) -> float:
+        """How long to sleep before the next poll: 1/16 of the time waited, 50 us to 1 ms."""
+        return min(1e-3, max(5e-5, (now - self.started) / 16))
 
     def _finish(self, state: TransferState, error: str | None = None, settled: bool = True) -> None:
         if self.state is TransferState.PENDING:
             self.state = state
             self.error = error
         self.settled = self.settled or settled
+
+
+class CompletionPoller:
+    """One thread that polls every write an event loop awaits, on ``Transfer.wait``'s schedule
+    (the soonest poll any of them is due), and resolves each one's future on its loop when it is
+    DONE or FAILED. An item's write then costs its loop one wake-up, not a thread of its own
+    sleep-polling and two hand-offs; the thread sleeps on a condition while nothing is in flight.
+    """
+
+    def __init__(self, name: str = "transfer-poller"):
+        self._pending: list[tuple[Transfer, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def completion(self, transfer: Transfer) -> asyncio.Future:
+        """On an event loop: a future resolved with ``transfer``'s final state."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if transfer.poll() is not TransferState.PENDING:
+            future.set_result(transfer.state)
+            return future
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the completion poller is closed")
+            self._pending.append((transfer, loop, future))
+            self._wake.notify()
+        return future
+
+    def close(self) -> None:
+        """Stop polling: writes still awaited resolve with their state at that moment."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        from loop_threads import name_os_thread
+
+        name_os_thread()
+        while True:
+            with self._wake:
+                while not self._pending and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    pending, self._pending = self._pending, []
+                    for transfer, loop, future in pending:
+                        loop.call_soon_threadsafe(_resolve, future, transfer.state)
+                    return
+                pending = list(self._pending)
+            now = time.monotonic()
+            finished, still = [], []
+            for entry in pending:
+                (still if entry[0].poll() is TransferState.PENDING else finished).append(entry)
+            if finished:
+                ended = {id(future) for _, _, future in finished}
+                with self._wake:
+                    self._pending = [e for e in self._pending if id(e[2]) not in ended]
+                for transfer, loop, future in finished:
+                    loop.call_soon_threadsafe(_resolve, future, transfer.state)
+            if still:
+                time.sleep(min(transfer.poll_interval(now) for transfer, _, _ in still))
+
+
+def _resolve(future: asyncio.Future, state: TransferState) -> None:
+    if not future.done():  # its awaiter may have been cancelled
+        future.set_result(state)
 
 
 def as_bytes(src: torch.Tensor) -> torch.Tensor:
@@ -109,6 +183,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def reachable(self, offer: Offer) -> bool:
         """Whether this process can write into ``offer`` with this transport."""
+
+    def submits_in_background(self, offer: Offer) -> bool:
+        """True when ``submit`` to ``offer`` only hands the write to the transport's own threads
+        and returns at once (it can run on an event loop, the write awaited through a
+        ``CompletionPoller``)."""
+        return False
 
     def submit(self, src: torch.Tensor, offer: Offer, deadline: float) -> Transfer:
         """Start writing ``src`` (contiguous bytes) to ``offer``; refuse before moving any byte."""

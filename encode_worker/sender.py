@@ -12,11 +12,14 @@ keeps it leased).
 Waiting for a receiver holds no thread: every waiting item is a coroutine on the handshake
 server's own event loop, so items whose receivers come late never hold up items whose receivers
 are there (with a thread per waiting item, eight slow receivers stalled every delivery behind
-them), and a registration wakes its item without a thread hand-off. The write and the room calls
-around it run on the pool of sender threads, except one that cannot block: an SHM copy of at most
-``inline_write_bytes`` into a room of this process's own table runs right on the loop, so the
-receiver's long-poll answers without a thread hand-off either (each hand-off cost ~50-100 us on
-these machines; the copy of a 1.8 MB item ~0.2 ms, which other requests on the loop wait for).
+them), and a registration wakes its item without a thread hand-off. Into a room of this
+process's own table, the write and the room calls around it run on the loop too when they cannot
+block it: an SHM copy of at most ``inline_write_bytes`` (one memcpy; the copy of a 1.8 MB item
+~0.2 ms, which other requests on the loop wait for), or a Mooncake write to a peer already
+reached (submitted on the loop, run by the engine's threads, its completion polled for every
+item by one ``CompletionPoller`` thread). The receiver's long-poll then answers without a thread
+hand-off either (each cost ~50-100 us on these machines). Other writes, and room calls to another
+process's table, run on the pool of sender threads.
 """
 
 from __future__ import annotations
@@ -38,7 +41,13 @@ import torch
 from data_plane.commit import EmbeddingLayout
 from data_plane.offers import TRANSPORT_NAMES
 from data_plane.pool import Lease, SlotPool
-from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
+from data_plane.transport import (
+    CompletionPoller,
+    Transfer,
+    TransferRefused,
+    TransferState,
+    Transport,
+)
 from handshake.client import HandshakeError
 from handshake.models import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
 from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound
@@ -65,6 +74,17 @@ class StagedItem:
     @property
     def room(self) -> int:
         return self.handshake.bootstrap_room
+
+
+@dataclass
+class _Write:
+    """A write begun in its room and submitted: what its commit needs."""
+
+    transport: Transport
+    offer: object
+    generation: int
+    transfer: Transfer
+    started: float
 
 
 @dataclass
@@ -106,6 +126,7 @@ class Sender:
             max_workers=workers, thread_name_prefix="sender", initializer=name_os_thread
         )
         self._loop = loop  # the handshake server's: its owner stops it
+        self._poller = CompletionPoller("sender-poller")
         self._items: set[concurrent.futures.Future] = set()  # one per item until its outcome
         self._unsettled: list[tuple[Transfer, Lease]] = []
         self._lock = threading.Lock()
@@ -130,6 +151,7 @@ class Sender:
                 items = list(self._items)
             concurrent.futures.wait(items)
         self._pool.shutdown(wait=wait)
+        self._poller.close()
 
     # ---- one item --------------------------------------------------------------------------
 
@@ -143,8 +165,8 @@ class Sender:
                 if view.state is RoomState.REGISTERED
                 else None
             )
-            if self._writes_inline(rooms, item, chosen):
-                outcome = self._deliver(item, rooms, view, chosen)
+            if self._on_loop(rooms, item, chosen):
+                outcome = await self._deliver_on_loop(item, rooms, view, chosen)
             else:
                 outcome = await loop.run_in_executor(
                     self._pool, self._deliver, item, rooms, view, chosen
@@ -170,8 +192,31 @@ class Sender:
     def _deliver(
         self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None
     ) -> Outcome:
-        """On a sender thread (or, see ``_writes_inline``, the loop), once the wait for the receiver
-        is over; ``chosen``: the transport and offer picked from the registration."""
+        """On a sender thread, once the wait for the receiver is over; ``chosen``: the transport
+        and offer picked from the registration."""
+        write = self._start_write(item, rooms, view, chosen)
+        if isinstance(write, Outcome):
+            return write
+        write.transfer.wait()
+        return self._end_write(item, rooms, write)
+
+    async def _deliver_on_loop(
+        self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None
+    ) -> Outcome:
+        """``_deliver`` on the loop (see ``_on_loop``): the write is awaited through the
+        completion poller, not slept on."""
+        write = self._start_write(item, rooms, view, chosen)
+        if isinstance(write, Outcome):
+            return write
+        if write.transfer.state is TransferState.PENDING:
+            await self._poller.completion(write.transfer)
+        return self._end_write(item, rooms, write)
+
+    def _start_write(
+        self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None
+    ) -> Outcome | _Write:
+        """Check the registration against the item, begin the write in the room and submit it:
+        the write in flight, or the item's outcome when it ends here."""
         if view.state is RoomState.PENDING:  # no receiver came: the room fails now, not at its TTL
             return self._fail(
                 item,
@@ -234,32 +279,36 @@ class Sender:
             )
         except TransferRefused as exc:
             return self._fail(item, f"{transport.name} refused the write: {exc}", settled=True)
-        state = transfer.wait()
-        item.timings["transfer_s"] = time.monotonic() - started
-        if state is not TransferState.DONE:
+        return _Write(transport, offer, registration.generation, transfer, started)
+
+    def _end_write(self, item: StagedItem, rooms, write: _Write) -> Outcome:
+        """Once the write is DONE or FAILED: commit it, or fail the room."""
+        item.timings["transfer_s"] = time.monotonic() - write.started
+        transfer, name = write.transfer, write.transport.name
+        if transfer.state is not TransferState.DONE:
             self._hold_until_settled(transfer, item.lease)
             return self._fail(
                 item,
-                f"{transport.name} write failed: {transfer.error}",
+                f"{name} write failed: {transfer.error}",
                 settled=transfer.settled,
                 release=False,
             )
         view = rooms.commit(
             CommitBody(
                 room=item.room,
-                generation=registration.generation,
-                transport=transport.name,
+                generation=write.generation,
+                transport=name,
                 rows=item.layout.rows,
                 width=item.layout.width,
                 dtype=item.layout.dtype,
                 checksum=item.checksum,
                 grid_thw=item.grid_thw,
-                shm_segment=getattr(offer, "segment", None),
+                shm_segment=getattr(write.offer, "segment", None),
                 writer=self.writer_id,
                 timings=EncodeTimings(**item.timings),
             )
         )
-        return self._finish(item, view.state, transport.name, view.reason)
+        return self._finish(item, view.state, name, view.reason)
 
     async def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView:
         waiting = time.monotonic()
@@ -280,16 +329,18 @@ class Sender:
                 return view
             version = view.version
 
-    def _writes_inline(
-        self, rooms, item: StagedItem, chosen: tuple[Transport, object] | None
-    ) -> bool:
+    def _on_loop(self, rooms, item: StagedItem, chosen: tuple[Transport, object] | None) -> bool:
         """Whether the delivery cannot block the loop: room calls on this process's table and no
-        write, or a small one that is a memcpy inside ``submit`` (SHM)."""
-        return (
-            rooms.in_process
-            and item.layout.nbytes <= self.inline_write_bytes
-            and (chosen is None or chosen[0].copies_in_submit)
-        )
+        write, a small one that is a memcpy inside ``submit`` (SHM), or one the transport runs on
+        its own threads (Mooncake to a peer it has reached)."""
+        if not rooms.in_process:
+            return False
+        if chosen is None:
+            return True
+        transport, offer = chosen
+        if transport.copies_in_submit:
+            return item.layout.nbytes <= self.inline_write_bytes
+        return transport.submits_in_background(offer)
 
     def _choose(self, offers) -> tuple[Transport, object] | None:
         """The first transport, in the registry's preference order, both sides have and this

@@ -89,6 +89,64 @@ def test_drop_fault_fails_at_the_deadline(setup):
     assert transfer.wait() is TransferState.FAILED and transfer.error == "deadline exceeded"
 
 
+def test_one_completion_poller_resolves_each_awaited_write_with_its_end(setup):
+    """Writes awaited on an event loop through one ``CompletionPoller``: each future resolves with
+    its own transfer's end (delayed ones after their bytes landed, a dropped one FAILED at its
+    deadline), whatever order they finish in; a write already over resolves at once."""
+    import asyncio
+
+    from data_plane.transport import CompletionPoller
+
+    transport, pool = setup
+    poller = CompletionPoller()
+    try:
+
+        async def scenario():
+            faults = [
+                LoopbackFault("delay", 0.2),
+                LoopbackFault("delay", 0.05),
+                LoopbackFault("drop"),
+                LoopbackFault("error"),
+            ]
+            payloads, leases, transfers = [], [], []
+            for index, fault in enumerate(faults):
+                transport.inject(fault)
+                layout, lease, offer = _reserve(transport, pool, 4)
+                payload = torch.full((4, 64), float(index + 1), dtype=torch.bfloat16)
+                deadline = time.monotonic() + (0.1 if fault.kind == "drop" else 5)
+                transfers.append(transport.submit(payload, offer, deadline))
+                payloads.append(payload)
+                leases.append(lease)
+            states = await asyncio.wait_for(
+                asyncio.gather(*(poller.completion(t) for t in transfers)), 5
+            )
+            return payloads, leases, transfers, states
+
+        payloads, leases, transfers, states = asyncio.run(scenario())
+        assert states == [
+            TransferState.DONE,
+            TransferState.DONE,
+            TransferState.FAILED,
+            TransferState.FAILED,
+        ]
+        assert transfers[2].error == "deadline exceeded"
+        for payload, lease in zip(payloads[:2], leases[:2]):
+            assert torch.equal(pool.view(lease).view(torch.bfloat16).view(4, 64), payload)
+    finally:
+        poller.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        transport.inject(LoopbackFault("delay", 1.0))
+        _, _, offer = _reserve(transport, pool, 4)
+        pending = transport.submit(
+            torch.ones(4, 64, dtype=torch.bfloat16), offer, time.monotonic() + 5
+        )
+
+        async def after_close():
+            return await poller.completion(pending)
+
+        asyncio.run(after_close())
+
+
 def test_commit_contract_is_checked(setup):
     transport, pool = setup
     payload = torch.randn(4, 64).to(torch.bfloat16)
