@@ -25,7 +25,6 @@ process's table, run on the pool of sender threads.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import secrets
@@ -127,29 +126,49 @@ class Sender:
         )
         self._loop = loop  # the handshake server's: its owner stops it
         self._poller = CompletionPoller("sender-poller")
-        self._items: set[concurrent.futures.Future] = set()  # one per item until its outcome
         self._unsettled: list[tuple[Transfer, Lease]] = []
         self._lock = threading.Lock()
+        # Items submitted and not yet on the loop: one loop wake-up takes all that came meanwhile
+        # (a batch's items, or items of several requests under load), not one hand-off each.
+        self._inbox: list[StagedItem] = []
+        self._drain_due = False  # a wake-up is scheduled and has not run yet
+        self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+        self._delivering = 0  # submitted until their outcome
+        self._all_delivered = threading.Condition(self._lock)
         self._closing = threading.Event()
         self.slot_freed = threading.Condition()
 
     def submit(self, item: StagedItem) -> None:
-        future = self._loop.submit(self._deliver_safely(item))
+        """Deliver ``item`` on the loop (from any thread); its outcome goes to ``on_outcome``."""
         with self._lock:
-            self._items.add(future)
-        future.add_done_callback(self._forget)
+            self._inbox.append(item)
+            self._delivering += 1
+            if self._drain_due:
+                return
+            self._drain_due = True
+        self._loop.loop.call_soon_threadsafe(self._drain)
 
-    def _forget(self, future: concurrent.futures.Future) -> None:
+    def _drain(self) -> None:
         with self._lock:
-            self._items.discard(future)
+            items, self._inbox, self._drain_due = self._inbox, [], False
+        for item in items:
+            task = self._loop.loop.create_task(self._deliver_safely(item))
+            self._tasks.add(task)
+            task.add_done_callback(self._delivered)
+
+    def _delivered(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        with self._all_delivered:
+            self._delivering -= 1
+            if not self._delivering:
+                self._all_delivered.notify_all()
 
     def close(self, wait: bool = True) -> None:
         """Stop: items still waiting for a receiver fail at once; writes in flight finish."""
         self._closing.set()
         if wait:
-            with self._lock:
-                items = list(self._items)
-            concurrent.futures.wait(items)
+            with self._all_delivered:
+                self._all_delivered.wait_for(lambda: self._delivering == 0)
         self._pool.shutdown(wait=wait)
         self._poller.close()
 
