@@ -9,6 +9,7 @@ join and leave without a restart.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from dataclasses import dataclass
@@ -41,25 +42,26 @@ class WorkerAddress:
             self, "host", self.rooms.host
         )  # bare and canonical, as Endpoint keeps it
 
-    @property
+    # Computed once (each item's routing reads them): an Endpoint parses its host.
+    @functools.cached_property
     def rooms(self) -> Endpoint:
         """The handshake endpoint its rooms live at."""
         return Endpoint(self.host, self.bootstrap_port)
 
-    @property
+    @functools.cached_property
     def intake(self) -> Endpoint:
         return Endpoint(self.host, self.intake_port)
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         """The worker in the ring, in reports and in logs: its rooms' ``host:port``."""
         return self.rooms.authority
 
-    @property
+    @functools.cached_property
     def url(self) -> str:
         return self.rooms.url("http")
 
-    @property
+    @functools.cached_property
     def intake_endpoint(self) -> str:
         return self.intake.url("tcp")
 
