@@ -70,7 +70,8 @@ class NullSink(Transport):
     """A transport whose writes complete inside ``submit`` without touching a byte, started by the
     sender from where it starts the transport it stands in for: on its loop as a copy
     (``copies_in_submit``: SHM) or as a write in the background (``in_background``: Mooncake to a
-    peer already reached)."""
+    peer already reached). Its writes are over inside ``submit``, so the completion poller that
+    awaits a Mooncake write is not part of the null sink's path."""
 
     name = "loopback"  # the sender picks transports by offer kind; the bench offers LoopbackOffers
 

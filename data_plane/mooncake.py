@@ -117,6 +117,7 @@ class _MooncakeTransfer(Transfer):
         self._transport = transport
         self._args = (offer.session, src_addr, offer.address, nbytes)
         self._retried = False
+        self._failed_status: int | None = None  # seen by poll_quick, handled by poll
         self._settle_by = time.monotonic() + transport.config.engine_timeout_s(nbytes) + 1.0
         self._batch_id = self._start()
 
@@ -131,10 +132,29 @@ class _MooncakeTransfer(Transfer):
             return None
         return batch_id
 
+    def poll_quick(self) -> TransferState | None:
+        """The engine's status only: a failed status (whose handling may probe the peer or
+        resubmit) is kept for ``poll`` and answered None."""
+        if self._failed_status is not None:
+            return None
+        if self._batch_id is None:
+            return self.poll()  # the deadlines only
+        status = self._transport.engine.transfer_check_status(self._batch_id)
+        if status < 0:
+            self._failed_status = status
+            return None
+        if status == 1:
+            self._batch_id = None  # the engine freed the id: never poll it again
+            self._finish(TransferState.DONE)
+        return self._check_deadlines(time.monotonic())
+
     def poll(self) -> TransferState:
         now = time.monotonic()
         if self._batch_id is not None:
-            status = self._transport.engine.transfer_check_status(self._batch_id)
+            status = self._failed_status
+            if status is None:
+                status = self._transport.engine.transfer_check_status(self._batch_id)
+            self._failed_status = None
             if status == 1:
                 self._batch_id = None  # the engine freed the id: never poll it again
                 self._finish(TransferState.DONE)  # also settles a transfer we had given up on
@@ -161,6 +181,9 @@ class _MooncakeTransfer(Transfer):
                         else "mooncake transfer failed"
                     )
                     self._finish(TransferState.FAILED, reason, settled=False)  # it may still land
+        return self._check_deadlines(now)
+
+    def _check_deadlines(self, now: float) -> TransferState:
         if self.state is TransferState.PENDING and now >= self.deadline:
             self._finish(TransferState.FAILED, "deadline exceeded", settled=False)
         if not self.settled and now >= self._settle_by:

@@ -61,6 +61,11 @@ class Transfer(abc.ABC):
             time.sleep(self.poll_interval(time.monotonic()))
         return self.state
 
+    def poll_quick(self) -> TransferState | None:
+        """``poll`` without any call that may wait (a probe of the peer, a resubmit): None when
+        only ``poll`` on a thread can take the write further."""
+        return self.poll()
+
     def poll_interval(self, now: float) -> float:
         """How long to sleep before the next poll: 1/16 of the time waited, 50 us to 1 ms."""
         return min(1e-3, max(5e-5, (now - self.started) / 16))
@@ -73,35 +78,41 @@ class Transfer(abc.ABC):
 
 
 class CompletionPoller:
-    """One thread that polls every write an event loop awaits, on ``Transfer.wait``'s schedule
-    (the soonest poll any of them is due), and resolves each one's future on its loop when it is
-    DONE or FAILED. An item's write then costs its loop one wake-up, not a thread of its own
-    sleep-polling and two hand-offs; the thread sleeps on a condition while nothing is in flight.
+    """One thread that polls every write an event loop awaits, each on ``Transfer.wait``'s
+    schedule, and resolves each one's future on its loop: with the final state once DONE or
+    FAILED, or with None when only a thread can take the write further (``poll_quick``: the
+    transport must probe its peer or resubmit, which may wait), or when the poller closed. An
+    item's write then costs its loop one wake-up, not a thread of its own sleep-polling and two
+    hand-offs; the thread sleeps on a condition while nothing is in flight, and never makes a call
+    that may wait. A poll that raises resolves its future with the exception.
     """
 
     def __init__(self, name: str = "transfer-poller"):
-        self._pending: list[tuple[Transfer, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._pending: list[_Awaited] = []
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def completion(self, transfer: Transfer) -> asyncio.Future:
-        """On an event loop: a future resolved with ``transfer``'s final state."""
+        """On an event loop: a future resolved with ``transfer``'s final state, or None when the
+        caller must go on with ``transfer.wait()`` on a thread of its own."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        if transfer.poll() is not TransferState.PENDING:
-            future.set_result(transfer.state)
+        state = transfer.poll_quick()
+        if state is not TransferState.PENDING:
+            future.set_result(state)
             return future
         with self._wake:
             if self._closed:
-                raise RuntimeError("the completion poller is closed")
-            self._pending.append((transfer, loop, future))
+                future.set_result(None)
+                return future
+            self._pending.append(_Awaited(transfer, loop, future))
             self._wake.notify()
         return future
 
     def close(self) -> None:
-        """Stop polling: writes still awaited resolve with their state at that moment."""
+        """Stop polling: writes still awaited resolve with None (a thread of theirs goes on)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
@@ -111,33 +122,78 @@ class CompletionPoller:
         from loop_threads import name_os_thread
 
         name_os_thread()
-        while True:
+        try:
+            while self._round():
+                pass
+        finally:  # closed, or this thread failed: nothing awaited is left waiting
             with self._wake:
-                while not self._pending and not self._closed:
-                    self._wake.wait()
-                if self._closed:
-                    pending, self._pending = self._pending, []
-                    for transfer, loop, future in pending:
-                        loop.call_soon_threadsafe(_resolve, future, transfer.state)
-                    return
-                pending = list(self._pending)
-            now = time.monotonic()
-            finished, still = [], []
-            for entry in pending:
-                (still if entry[0].poll() is TransferState.PENDING else finished).append(entry)
-            if finished:
-                ended = {id(future) for _, _, future in finished}
-                with self._wake:
-                    self._pending = [e for e in self._pending if id(e[2]) not in ended]
-                for transfer, loop, future in finished:
-                    loop.call_soon_threadsafe(_resolve, future, transfer.state)
-            if still:
-                time.sleep(min(transfer.poll_interval(now) for transfer, _, _ in still))
+                self._closed = True
+                left, self._pending = self._pending, []
+            for awaited in left:
+                awaited.resolve(None)
+
+    def _round(self) -> bool:
+        """Poll the writes that are due; False once closed."""
+        with self._wake:
+            while not self._pending and not self._closed:
+                self._wake.wait()
+            if self._closed:
+                return False
+            pending = list(self._pending)
+        now = time.monotonic()
+        ended = []
+        for awaited in pending:
+            if awaited.due > now:
+                continue
+            try:
+                state = awaited.transfer.poll_quick()
+            except Exception as exc:  # the awaiter's to handle, with its item
+                awaited.fail(exc)
+                ended.append(awaited)
+                continue
+            if state is TransferState.PENDING:
+                awaited.due = now + awaited.transfer.poll_interval(now)
+            else:
+                awaited.resolve(state)
+                ended.append(awaited)
+        with self._wake:
+            if ended:
+                self._pending = [a for a in self._pending if a not in ended]
+            due = min((a.due for a in self._pending), default=None)
+        if due is not None:
+            time.sleep(max(0.0, due - time.monotonic()))
+        return True
 
 
-def _resolve(future: asyncio.Future, state: TransferState) -> None:
+class _Awaited:
+    """A write awaited on an event loop, and when the poller looks at it next."""
+
+    def __init__(self, transfer: Transfer, loop: asyncio.AbstractEventLoop, future):
+        self.transfer, self.loop, self.future = transfer, loop, future
+        self.due = 0.0
+
+    def resolve(self, state: TransferState | None) -> None:
+        self._call(_set_result, state)
+
+    def fail(self, exc: BaseException) -> None:
+        self._call(_set_exception, exc)
+
+    def _call(self, setter, value) -> None:
+        try:
+            self.loop.call_soon_threadsafe(setter, self.future, value)
+        except RuntimeError:
+            if not self.loop.is_closed():
+                raise  # a closed loop has no awaiter left; anything else is a fault
+
+
+def _set_result(future: asyncio.Future, value) -> None:
     if not future.done():  # its awaiter may have been cancelled
-        future.set_result(state)
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
 
 
 def as_bytes(src: torch.Tensor) -> torch.Tensor:

@@ -146,7 +146,14 @@ class Sender:
             if self._drain_due:
                 return
             self._drain_due = True
-        self._loop.loop.call_soon_threadsafe(self._drain)
+        try:
+            self._loop.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nothing submitted from now on is delivered
+            with self._lock:
+                self._inbox.remove(item)
+                self._delivering -= 1
+                self._drain_due = False
+            raise
 
     def _drain(self) -> None:
         with self._lock:
@@ -227,8 +234,13 @@ class Sender:
         write = self._start_write(item, rooms, view, chosen)
         if isinstance(write, Outcome):
             return write
-        if write.transfer.state is TransferState.PENDING:
-            await self._poller.completion(write.transfer)
+        try:
+            state = await self._poller.completion(write.transfer)
+        except Exception:  # a poll raised: the write's end is unknown, a thread finds it out
+            log.exception("polling the write of room %d failed", item.room)
+            state = None
+        if state is None:  # the transport must probe or resubmit (it may wait): on a thread
+            await asyncio.get_running_loop().run_in_executor(self._pool, write.transfer.wait)
         return self._end_write(item, rooms, write)
 
     def _start_write(

@@ -1,7 +1,8 @@
 """The encode worker process: the assembly of its stages (``encode_worker.stages``), health
 (``encode_worker.health``) and room clients (``encode_worker.room_clients``).
 
-Threads: the ZMQ intake loop, Prepare, TowerStage, StageAndSend, a pool of sender threads, and
+Threads: the ZMQ intake loop, Prepare, TowerStage, StageAndSend, a pool of sender threads, the
+sender's completion poller (the Mooncake writes its loop awaits), and
 housekeeping (reap settled transfers, trim the heap, idle health probe). The handshake app is
 served on the bootstrap port by uvicorn in the same process, on the event loop where the
 sender's items wait for their receivers; this worker reaches its own rooms in-process, and every

@@ -362,7 +362,8 @@ def create_app(
     async def register(body: RegisterRequest):
         """A receiver reserves its slot per room: generation, rows x width x dtype, transport
         offers. With ``wait_s`` it then long-polls until one of the rooms changes again (as
-        ``/v1/rooms/watch``, ``until_ended`` and ``changed_only`` included)."""
+        ``/v1/rooms/watch``, ``until_ended`` included), answered with every room: the caller
+        learns each one's version."""
         results = [_result(r.room, lambda r=r: table.register(r)) for r in body.receivers]
         if body.wait_s > 0:
             versions = {
@@ -371,7 +372,7 @@ def create_app(
             if len(versions) == len(results):
                 results = _watch_results(
                     versions,
-                    await table.watch(versions, body.wait_s, body.until_ended, body.changed_only),
+                    await table.watch(versions, body.wait_s, body.until_ended),
                 )
         return _answer(results)
 

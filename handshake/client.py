@@ -158,7 +158,8 @@ class HandshakeClient:
 
     async def _batch(self, path: str, request: BaseModel, wait_s: float = 0.0) -> list[RoomResult]:
         """POST one batch body (serialized once by pydantic) and parse the per-room results."""
-        body = request.model_dump_json().encode()
+        # fields at their defaults stay out: a server that predates one still reads the body
+        body = request.model_dump_json(exclude_defaults=True).encode()
         return _parse(
             BatchResponse, await self._call("POST", path, body=body, extra_timeout=wait_s)
         ).results
@@ -170,24 +171,13 @@ class HandshakeClient:
         ).rooms
 
     async def register(
-        self,
-        registrations: Iterable[Registration],
-        wait_s: float = 0.0,
-        until_ended: bool = False,
-        changed_only: bool = False,
+        self, registrations: Iterable[Registration], wait_s: float = 0.0, until_ended: bool = False
     ) -> list[RoomResult]:
         """Register receivers; with ``wait_s``, also wait for the next change of any of the
-        rooms (``until_ended``: for the end of any; ``changed_only``: answered with those past
-        their registered version only, unless a registration was refused or found its room
-        ended)."""
+        rooms (``until_ended``: for the end of any)."""
         return await self._batch(
             "/v1/rooms/register",
-            RegisterRequest(
-                receivers=list(registrations),
-                wait_s=wait_s,
-                until_ended=until_ended,
-                changed_only=changed_only,
-            ),
+            RegisterRequest(receivers=list(registrations), wait_s=wait_s, until_ended=until_ended),
             wait_s,
         )
 

@@ -103,7 +103,6 @@ class RegisterRequest(_Body):
     # a receiver whose rows are already staged learns of the commit in the same round trip.
     wait_s: json_float(ge=0, le=MAX_WAIT_S) = 0.0
     until_ended: JsonBool = False  # as /watch's
-    changed_only: JsonBool = False  # as /watch's
 
 
 class BeginWrite(_Body):

@@ -585,10 +585,9 @@ class PrefillReceiver:
                 # then): a write that begins is nothing to act on here.
                 if first:  # register, and in the same round trip wait
                     results = await client.register(
-                        registrations,
+                        registrations,  # answered with every room: each one's version
                         wait_s=self.config.poll_s,
                         until_ended=True,
-                        changed_only=True,
                     )
                     first = False
                 else:

@@ -149,6 +149,46 @@ def test_first_contact_with_a_stalled_peer_is_refused_not_hung(sender):
         stop_peer(process, conn)
 
 
+def test_an_awaited_write_to_a_peer_that_died_goes_to_a_thread_and_fails_with_the_reason(sender):
+    """A Mooncake write awaited through the ``CompletionPoller`` (as the encode worker awaits a
+    write to a peer it has reached) whose peer died: the poller makes no call that may wait (a
+    failed status is followed by a probe and maybe a resubmit), so it hands the write back (None)
+    and ``wait`` on a thread of the caller's finds out: FAILED, the peer gone."""
+    import asyncio
+
+    from data_plane.transport import CompletionPoller
+
+    transports, region = sender
+    process, conn = start_peer(
+        PeerConfig(transports=("mooncake",), pool_bytes=16 << 20, slot_bytes=1 << 20)
+    )
+    poller = CompletionPoller()
+    try:
+        rows = 1024  # 4 MiB
+        conn.send(("reserve", rows, WIDTH, "bfloat16"))
+        _, _, offers = conn.recv()
+        offer = MooncakeOffer.model_validate(offers["mooncake"])
+        src = region.tensor[: rows * WIDTH * 2]
+        reached = transports["mooncake"].submit(src[:4096], offer, time.monotonic() + 10)
+        assert reached.wait() is TransferState.DONE
+        assert transports["mooncake"].submits_in_background(offer)
+        process.kill()
+        process.join(10)
+        transfer = transports["mooncake"].submit(src, offer, time.monotonic() + 10)
+
+        async def awaited():
+            return await asyncio.wait_for(poller.completion(transfer), 10)
+
+        assert asyncio.run(awaited()) is None
+        assert transfer.state is TransferState.PENDING
+        assert transfer.wait() is TransferState.FAILED
+        assert "gone" in transfer.error, transfer.error
+        assert not transports["mooncake"].submits_in_background(offer)  # a new first contact
+    finally:
+        poller.close()
+        conn.close()
+
+
 def test_paused_mooncake_receiver_late_write_never_reaches_the_next_tenant(sender):
     """Notes P4 for real: the receiving process is SIGSTOPped during a write, the write misses
     its deadline (unsettled), the process resumes and the bytes land late. The receiver refuses
