@@ -71,6 +71,20 @@ def make_request(worker, tower, images, keep_pixels=False):
     return MultimodalInputs(items), rooms
 
 
+def small_receiver(tower, loopback, **config):
+    """A receiver of its own beside the stack's: a 4 MiB pool of 64 KiB slots over loopback."""
+    return PrefillReceiver(
+        ReceiverConfig(
+            width=tower.info.wire_width,
+            dtype="float32",
+            pool_bytes=4 << 20,
+            slot_bytes=1 << 16,
+            **config,
+        ),
+        transports={"loopback": loopback},
+    )
+
+
 def send(intake, worker, room, image, tag):
     reply = intake.send(
         {
@@ -156,17 +170,7 @@ def test_a_video_without_a_grid_in_the_request_gets_the_encoders_video_grid(stac
 
 def test_zero_copy_encoded_is_the_slot_until_release(stack, tower):
     worker, _, intake, loopback = stack
-    receiver = PrefillReceiver(
-        ReceiverConfig(
-            width=tower.info.wire_width,
-            dtype="float32",
-            pool_bytes=4 << 20,
-            slot_bytes=1 << 16,
-            item_timeout_s=10,
-            zero_copy=True,
-        ),
-        transports={"loopback": loopback},
-    )
+    receiver = small_receiver(tower, loopback, item_timeout_s=10, zero_copy=True)
     try:
         images = [png(64, 64, 5), png(128, 96, 6)]
         inputs, rooms = make_request(worker, tower, images)
@@ -198,18 +202,7 @@ def test_an_item_whose_writer_never_comes_fails_at_its_deadline_beside_a_deliver
     that never moves is checked on every answer: the item nobody writes fails at its deadline (its
     room ended, its slot held back), while the other item of the request is delivered."""
     worker, _, intake, loopback = stack
-    receiver = PrefillReceiver(
-        ReceiverConfig(
-            width=tower.info.wire_width,
-            dtype="float32",
-            pool_bytes=4 << 20,
-            slot_bytes=1 << 16,
-            item_timeout_s=1.5,
-            poll_s=0.1,
-            quarantine_s=60,
-        ),
-        transports={"loopback": loopback},
-    )
+    receiver = small_receiver(tower, loopback, item_timeout_s=1.5, poll_s=0.1, quarantine_s=60)
     try:
         images = [png(64, 64, 7), png(96, 64, 8)]
         inputs, rooms = make_request(worker, tower, images)
