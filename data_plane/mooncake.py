@@ -137,50 +137,38 @@ class _MooncakeTransfer(Transfer):
         resubmit) is kept for ``poll`` and answered None."""
         if self._failed_status is not None:
             return None
-        if self._batch_id is None:
-            return self.poll()  # the deadlines only
-        status = self._transport.engine.transfer_check_status(self._batch_id)
-        if status < 0:
-            self._failed_status = status
-            return None
-        if status == 1:
-            self._batch_id = None  # the engine freed the id: never poll it again
-            self._finish(TransferState.DONE)
+        if self._batch_id is not None:
+            status = self._transport.engine.transfer_check_status(self._batch_id)
+            if status < 0:
+                self._failed_status = status
+                return None
+            return self._advance(status, time.monotonic())
         return self._check_deadlines(time.monotonic())
 
     def poll(self) -> TransferState:
-        now = time.monotonic()
-        if self._batch_id is not None:
-            status = self._failed_status
-            if status is None:
-                status = self._transport.engine.transfer_check_status(self._batch_id)
-            self._failed_status = None
-            if status == 1:
-                self._batch_id = None  # the engine freed the id: never poll it again
-                self._finish(TransferState.DONE)  # also settles a transfer we had given up on
-            elif status < 0:
-                self._batch_id = None
-                if self.state is TransferState.PENDING and self._transport.refuses(self._args[0]):
-                    # no process listens there any more: nothing can land, and the engine has no
-                    # connection left to read our source for (a retry would wait out its connect)
-                    self._finish(
-                        TransferState.FAILED, "mooncake peer is gone (it refuses connections)"
-                    )
-                elif (
-                    not self._retried
-                    and self.state is TransferState.PENDING
-                    and now < self.deadline
-                ):
-                    # a rejected request tears down a TCP lane; one retry rides over it
-                    self._retried = True
-                    self._batch_id = self._start()
-                else:
-                    reason = (
-                        "mooncake transfer timed out"
-                        if status == -2
-                        else "mooncake transfer failed"
-                    )
-                    self._finish(TransferState.FAILED, reason, settled=False)  # it may still land
+        status, self._failed_status = self._failed_status, None
+        if status is None and self._batch_id is not None:
+            status = self._transport.engine.transfer_check_status(self._batch_id)
+        return self._advance(status, time.monotonic())
+
+    def _advance(self, status: int | None, now: float) -> TransferState:
+        """Act on the engine's status of the write in flight (None: none is)."""
+        if status == 1:
+            self._batch_id = None  # the engine freed the id: never poll it again
+            self._finish(TransferState.DONE)  # also settles a transfer we had given up on
+        elif status is not None and status < 0:
+            self._batch_id = None
+            if self.state is TransferState.PENDING and self._transport.refuses(self._args[0]):
+                # no process listens there any more: nothing can land, and the engine has no
+                # connection left to read our source for (a retry would wait out its connect)
+                self._finish(TransferState.FAILED, "mooncake peer is gone (it refuses connections)")
+            elif not self._retried and self.state is TransferState.PENDING and now < self.deadline:
+                # a rejected request tears down a TCP lane; one retry rides over it
+                self._retried = True
+                self._batch_id = self._start()
+            else:
+                reason = "mooncake transfer " + ("timed out" if status == -2 else "failed")
+                self._finish(TransferState.FAILED, reason, settled=False)  # it may still land
         return self._check_deadlines(now)
 
     def _check_deadlines(self, now: float) -> TransferState:

@@ -22,6 +22,7 @@ import torch
 
 from data_plane.offers import Offer, TransportUnavailable, transport_spec
 from data_plane.pool import Lease, MemoryRegion, SlotPool
+from loop_threads import named_thread
 
 
 class TransferRefused(ValueError):
@@ -91,7 +92,7 @@ class CompletionPoller:
         self._pending: list[_Awaited] = []
         self._wake = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = named_thread(self._run, name)
         self._thread.start()
 
     def completion(self, transfer: Transfer) -> asyncio.Future:
@@ -119,9 +120,6 @@ class CompletionPoller:
         self._thread.join()
 
     def _run(self) -> None:
-        from loop_threads import name_os_thread
-
-        name_os_thread()
         try:
             while self._round():
                 pass
