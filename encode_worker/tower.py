@@ -33,9 +33,11 @@ from transformers import AutoImageProcessor  # noqa: E402
 from transformers.utils import logging as hf_logging
 
 from data_plane.dtypes import dtype_from_wire
+from encode_worker import attention
 from encode_worker.families import FAMILIES, TowerLoadError, detect_family
 from multimodal.rows import split_rows
 from multimodal.video import load_video_processor
+from process_settings import VisionAttention
 
 # Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).
 KEY_MAPPING = {r"^model\.visual\.": "", r"^visual\.": ""}
@@ -76,6 +78,7 @@ class VisionTower:
         device: str,
         model_id: str,
         video_processor=None,
+        attention_path: attention.AttentionPath = "reference",
     ):
         self.model = model
         self.info = info
@@ -84,6 +87,10 @@ class VisionTower:
         self.dtype = dtype
         self.device = device
         self.model_id = model_id
+        self.attention_path = attention_path
+        self.attention_kernel = attention.kernel(device, dtype, attention_path)
+        self._grid_inputs = FAMILIES[info.family].grid_inputs
+        attention.use(model, attention_path)
 
     @classmethod
     def load(
@@ -92,9 +99,11 @@ class VisionTower:
         dtype: str = "float32",
         device: str = "cpu",
         processor_kwargs: dict | None = None,
+        vision_attention: VisionAttention = "auto",
     ) -> VisionTower:
         """The tower of ``directory``'s checkpoint with its image and video processors, each
-        with ``processor_kwargs`` (``--mm-processor-kwargs``) over its config."""
+        with ``processor_kwargs`` (``--mm-processor-kwargs``) over its config; its attention
+        as ``vision_attention`` says (``encode_worker.attention``)."""
         family = detect_family(directory)
         config_class, tower_class = FAMILIES[family].vision_config, FAMILIES[family].tower
         torch_dtype = dtype_from_wire(dtype)
@@ -131,6 +140,7 @@ class VisionTower:
             device,
             model_id=os.path.abspath(directory),
             video_processor=video_processor,
+            attention_path=attention.resolve(vision_attention, device),
         )
 
     def rows_per_item(self, grid_thw: torch.Tensor) -> list[int]:
@@ -139,10 +149,15 @@ class VisionTower:
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Packed wire rows ``[sum rows, wire_width]`` for a batch of items, in item order."""
-        out = self.model(
-            pixel_values.to(self.device, self.dtype), grid_thw=grid_thw.to(self.device)
-        )
+        """Packed wire rows ``[sum rows, wire_width]`` for a batch of items, in item order, on the
+        tower's device. What the forward derives from the grid is computed here on the CPU, so
+        on a GPU the call only queues kernels: it returns before they have run."""
+        grid = grid_thw.cpu()
+        derived = {
+            name: value.to(self.device, non_blocking=True) if torch.is_tensor(value) else value
+            for name, value in self._grid_inputs(self.model, grid).items()
+        }
+        out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid, **derived)
         if isinstance(out, torch.Tensor):
             return out
         merged = out.pooler_output

@@ -28,6 +28,7 @@ from process_settings.values import (
     PositiveSeconds,
     ProcessorKwargs,
     TransportNames,
+    VisionAttention,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "ProcessSettings",
     "SettingError",
     "TransportNames",
+    "VisionAttention",
     "check_checkpoint",
     "served_name",
     "check_device",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator
 from pydantic_settings import NoDecode
@@ -145,3 +145,6 @@ Dtype = Annotated[str, BeforeValidator(_dtype)]
 ProcessorKwargs = Annotated[dict, NoDecode, BeforeValidator(_processor_kwargs)]
 AdvertisedHost = Annotated[str, BeforeValidator(_advertised_host)]
 TransportNames = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_transports)]
+# The vision tower's attention (encode_worker.attention): one call per layer, transformers' loop,
+# or the first on CUDA only.
+VisionAttention = Literal["auto", "varlen", "reference"]
