@@ -13,17 +13,27 @@ from dataclasses import dataclass
 
 import torch
 
+from encode_worker.device import QueuedBatch
+
 
 @dataclass(frozen=True)
 class Encoded:
-    """One item's wire rows and the ``image_grid_thw`` they came from."""
+    """One item's wire rows and the ``image_grid_thw`` they came from. On a GPU the rows are
+    host memory that the batch's copies are still filling: read them through ``host_rows``."""
 
     rows: torch.Tensor
     grid_thw: tuple[int, int, int]
+    batch: QueuedBatch | None = None  # None: the rows are there
 
     @property
     def nbytes(self) -> int:
         return self.rows.numel() * self.rows.element_size()
+
+    def host_rows(self) -> torch.Tensor:
+        """The rows, once their batch's copies are done (``DeviceLost`` if the device failed)."""
+        if self.batch is not None:
+            self.batch.wait()
+        return self.rows
 
 
 @dataclass(frozen=True)
@@ -54,8 +64,12 @@ class EmbeddingCache:
     def put(self, key: CacheKey, encoded: Encoded) -> None:
         if encoded.nbytes > self.capacity_bytes:
             return
-        # own the bytes: the batch output they came from is reused
-        entry = Encoded(encoded.rows.detach().clone(), encoded.grid_thw)
+        # own the bytes: rows that are a view of a batch's packed output would keep all of it;
+        # a GPU batch's rows are copies of their own already (and may still be arriving)
+        rows = encoded.rows
+        if rows.untyped_storage().nbytes() != rows.nbytes:
+            rows = rows.detach().clone()
+        entry = Encoded(rows, encoded.grid_thw, encoded.batch)
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:

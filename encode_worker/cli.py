@@ -38,7 +38,13 @@ def start(config: WorkerConfig):
     from encode_worker.worker import EncodeWorker
 
     try:
-        tower = VisionTower.load(directory, config.dtype, config.device, config.mm_processor_kwargs)
+        tower = VisionTower.load(
+            directory,
+            config.dtype,
+            config.device,
+            config.mm_processor_kwargs,
+            config.vision_attention,
+        )
     except (
         TowerLoadError,
         OSError,
@@ -62,12 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(WorkerConfig.PROG, exc)
     config = worker.config
     logging.info(
-        "encode worker ready: model %s (served as %r, %s on %s); rooms, /readyz and /metrics on "
+        "encode worker ready: model %s (served as %r, %s on %s, attention: %s); rooms, /readyz "
+        "and /metrics on "
         "http://%s:%d (bound to %s); intake on tcp://%s:%d; transports %s",
         config.model,
         worker.served_model,
         config.dtype,
         config.device,
+        worker.tower.attention_kernel,
         config.host,
         worker.bootstrap_port,
         config.bind,

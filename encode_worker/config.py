@@ -4,7 +4,9 @@ fields; a program embedding a worker constructs one directly, validated the same
 
 from __future__ import annotations
 
-from typing import ClassVar
+import os
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -24,6 +26,7 @@ from process_settings import (
     ProcessorKwargs,
     SettingError,
     TransportNames,
+    VisionAttention,
 )
 from process_settings.secrets import HandshakeToken, IntakeToken
 
@@ -35,6 +38,32 @@ MAX_PIXELS = 16 << 20
 # The batching window's ceiling: it trades a lone item's latency for batches that form under load,
 # and a few milliseconds are enough to gather a burst's items (docs/performance.md).
 MAX_BATCH_WINDOW_S = 0.05
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """The batch budget and the preprocessing threads a worker takes unless told otherwise, by
+    the type of its tower's device."""
+
+    batch_patches: int
+    batch_items: int
+    queue_items: int  # room for a few batches behind the one in the tower
+    preprocess_workers: int
+
+
+DEVICE_DEFAULTS = {
+    # The CPU: the tower takes the cores; small batches keep a lone item's latency down.
+    "cpu": DeviceDefaults(batch_patches=16384, batch_items=8, queue_items=64, preprocess_workers=1),
+    # A GPU: batches that fill the card (an H100 ran the Qwen2.5-VL-7B tower faster up to batch
+    # 32 at 224x224, docs/performance.md): 64 images of 224x224, 32 of 448x448, 8 of 896x896;
+    # decode and preprocessing on half the cores, so the CPU keeps up with the tower.
+    "cuda": DeviceDefaults(
+        batch_patches=32768,
+        batch_items=64,
+        queue_items=256,
+        preprocess_workers=max(1, min(8, (os.cpu_count() or 2) // 2)),
+    ),
+}
 
 
 class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
@@ -58,6 +87,22 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
     )
     dtype: Dtype = Field("bfloat16", description="tower dtype: bfloat16, float16, float32")
     device: str = Field("cpu", description="torch device for the tower, e.g. cuda:0")
+    vision_attention: VisionAttention = Field(
+        "auto",
+        description="the tower's attention: varlen (one call per layer over the whole batch: "
+        "Flash varlen on CUDA in bf16/fp16, padded SDPA elsewhere), reference (transformers' "
+        "per-sequence loop; bit-exact batch invariance on the CPU), auto (varlen on CUDA)",
+    )
+    preprocess_workers: PositiveInt | None = Field(
+        None,
+        description="threads decoding and preprocessing a batch's items in parallel, one torch "
+        "thread each (default: 1 on the CPU, half the cores up to 8 on CUDA)",
+    )
+    preprocess_device: Literal["cpu", "tower"] = Field(
+        "cpu",
+        description="where an image's resize, rescale and normalisation run: cpu, or the "
+        "tower's device (its uint8 pixels are uploaded instead of float patches)",
+    )
     host: AdvertisedHost = Field(
         "127.0.0.1",
         description="address peers use to reach this worker (rooms, Mooncake); not 0.0.0.0",
@@ -82,16 +127,22 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
         "--disaggregation-ib-device (mlx5_0,mlx5_1; '' = every one found)",
     )
     mooncake_force_tcp: bool = Field(False, description="Mooncake over TCP even where RDMA exists")
-    batch_patches: PositiveInt = Field(16384, description="tower input patches per batch")
-    batch_items: PositiveInt = Field(8, description="items per batch")
+    batch_patches: PositiveInt | None = Field(
+        None, description="tower input patches per batch (default: 16384 on the CPU, 32768 on CUDA)"
+    )
+    batch_items: PositiveInt | None = Field(
+        None, description="items per batch (default: 8 on the CPU, 64 on CUDA)"
+    )
     batch_window_s: NonNegativeSeconds = Field(
         0.002,
         le=MAX_BATCH_WINDOW_S,
         description="how long a batch not yet full waits for more items, from its oldest item's "
         "arrival (0: take what is queued)",
     )
-    queue_items: PositiveInt = Field(
-        64, description="items waiting for the tower before intake refuses"
+    queue_items: PositiveInt | None = Field(
+        None,
+        description="items waiting for the tower before intake refuses (default: 64 on the "
+        "CPU, 256 on CUDA)",
     )
     queue_bytes: PositiveByteSize = Field(
         1 << 30, description="payload bytes waiting for the tower before intake refuses"
@@ -147,6 +198,10 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
 
     @model_validator(mode="after")
     def _consistent(self) -> WorkerConfig:
+        defaults = DEVICE_DEFAULTS.get(self.device.partition(":")[0], DEVICE_DEFAULTS["cpu"])
+        for name in ("batch_patches", "batch_items", "queue_items", "preprocess_workers"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(defaults, name))
         if self.batch_pixels is None:
             object.__setattr__(self, "batch_pixels", 2 * self.max_image_pixels)
         if self.bootstrap_port and self.bootstrap_port == self.intake_port:

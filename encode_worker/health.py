@@ -39,12 +39,14 @@ def _malloc_trim():
 
 
 class Health:
-    """Whether the tower works. Ready: the last probe passed, and the tower is encoding or
-    encoded something (a batch or a probe) within three probe intervals.
+    """Whether the tower works. Ready: its device has not failed, the last probe passed, and the
+    tower is encoding or encoded something (a batch or a probe) within three probe intervals.
 
-    Fields: ``busy`` is written by TowerStage only (a batch is in the tower); ``last_ok`` by
-    TowerStage (a batch encoded) and ``probe``; ``healthy`` by ``probe`` only. Readers take them
-    unlocked: each is one assignment, and readiness tolerates a value one batch old."""
+    Fields: ``busy`` is written by TowerStage only (a batch is in the tower); ``last_ok`` where a
+    batch ends (TowerStage on the CPU, StageAndSend on a GPU) and by ``probe``; ``healthy`` by
+    ``probe`` only; ``device_failure`` once, by whoever finds the device failed (it never
+    clears: a lost GPU needs a new process). Readers take them unlocked: each is one assignment,
+    and readiness tolerates a value one batch old."""
 
     def __init__(
         self,
@@ -62,17 +64,31 @@ class Health:
         self.busy = False
         self.healthy = False
         self.last_ok = 0.0
+        self.device_failure: str | None = None
 
-    def ready(self) -> bool:
-        return self.healthy and (
-            self.busy or time.monotonic() - self.last_ok < 3 * self.probe_interval_s
-        )
+    def not_ready(self) -> str | None:
+        """Why the worker should get no items now, or None when it is ready."""
+        if self.device_failure is not None:
+            return self.device_failure
+        if not self.healthy:
+            return "the vision tower's health probe fails"
+        if not self.busy and time.monotonic() - self.last_ok >= 3 * self.probe_interval_s:
+            return f"the vision tower encoded nothing for {3 * self.probe_interval_s:g} s"
+        return None
+
+    def device_lost(self, reason: str) -> None:
+        """The tower's device no longer runs work: every item fails with ``reason`` from now on,
+        intake refuses, and readiness fails (a new process is needed)."""
+        if self.device_failure is None:
+            self.device_failure = f"the encode worker's device failed: {reason}"
+            log.error("%s; failing items and readiness until restarted", self.device_failure)
 
     def probe(self) -> None:
-        """A tiny dummy encode; runs only when the tower is idle (or before the stages start)."""
+        """A tiny dummy encode, waited for; runs only when the tower is idle (or before the
+        stages start)."""
         try:
             pixels = self.tower.processor(images=[Image.new("RGB", (56, 56))], return_tensors="pt")
-            self.tower.encode(pixels["pixel_values"], pixels["image_grid_thw"])
+            self.tower.encode(pixels["pixel_values"], pixels["image_grid_thw"]).cpu()
             self.healthy, self.last_ok = True, time.monotonic()
         except Exception:
             log.exception("tower health probe failed")

@@ -23,8 +23,10 @@ import io
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import zmq
 from PIL import Image
@@ -33,6 +35,7 @@ from data_plane.commit import EmbeddingLayout, checksum
 from data_plane.pool import NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmTensorHandle
 from encode_worker.cache import CacheKey, Encoded, InFlightEncodes
+from encode_worker.device import DeviceLost, TowerDevice, out_of_memory
 from encode_worker.inputs import (
     ALLOWED_FORMATS,
     MAX_SIDE,
@@ -66,6 +69,7 @@ from encode_worker.scheduler import BatchQueue, EncodeJob
 from encode_worker.sender import Sender, StagedItem, stage
 from encode_worker.tower import VisionTower
 from handshake.rooms import RoomConflict, RoomError, RoomsFull
+from loop_threads import name_os_thread, nice_this_thread
 from multimodal.hashing import hash_feature
 from multimodal.rows import RowContractError, image_grid, split_rows
 from multimodal.wire import endpoint_url
@@ -95,6 +99,7 @@ class Intake:
         queue: BatchQueue,
         in_flight: InFlightRooms,
         failer: RoomFailer,
+        health: Health,
         metrics: WorkerMetrics,
         item_log: RateLimitedLog,
         stopping: threading.Event,
@@ -105,6 +110,7 @@ class Intake:
         self.queue = queue
         self.in_flight = in_flight
         self.failer = failer
+        self.health = health
         self.metrics = metrics
         self.item_log = item_log
         self.video_limits = VideoLimits(
@@ -161,6 +167,8 @@ class Intake:
             self.item_log.warning("intake refused an item (room %s): %s", exc.room, exc)
             return IntakeReply(status=IntakeStatus.REFUSED, room=exc.room, reason=str(exc))
         room = request.encode_handshake.bootstrap_room
+        if self.health.device_failure is not None:  # another worker can encode it
+            return self._refuse(request, self.health.device_failure)
         if not self.queue.has_room(len(payload) if payload is not None else 0):
             # before the header, the hash and the room: a busy worker refuses cheaply
             return self._refuse(request, "queue full", retry_after_s=QUEUE_FULL_RETRY_S)
@@ -331,12 +339,17 @@ class Intake:
 
 class Prepare:
     """Decode and preprocess one batch; look each item up in the cache. A bad item fails its
-    room."""
+    room. With ``workers`` above one, the batch's items are decoded and preprocessed in parallel
+    by that many threads (bounded: at most one batch is in their hands), each with one torch
+    thread; with one, in this stage's own thread. Each item's tower inputs end on the tower's
+    device (``TowerDevice.preparing``: uploads overlap the tower's work); with
+    ``on_device``, an image's resize and normalisation run there too."""
 
     def __init__(
         self,
         queue: BatchQueue,
         tower: VisionTower,
+        device: TowerDevice,
         preprocess_id: str,
         encodes: InFlightEncodes,
         max_image_pixels: int,
@@ -344,18 +357,34 @@ class Prepare:
         metrics: WorkerMetrics,
         out: Handoff[PreparedBatch],
         stopping: threading.Event,
+        workers: int = 1,
+        niceness: int = 0,
+        on_device: bool = False,
     ):
         self.queue = queue
         self.tower = tower
+        self.device = device
         self.preprocess_id = preprocess_id
         self.encodes = encodes
         self.max_image_pixels = max_image_pixels
         self.failer = failer
         self.metrics = metrics
         self.out = out
+        self.on_device = on_device
         self._stopping = stopping
+        self._pool = (
+            ThreadPoolExecutor(
+                max_workers=workers,
+                thread_name_prefix="preprocess",
+                initializer=_media_thread,
+                initargs=("preprocess", niceness),
+            )
+            if workers > 1
+            else None
+        )
 
     def loop(self) -> None:
+        torch.set_num_threads(1)  # the preprocessing of one item at a time, as each pool thread
         while not self._stopping.is_set():
             batch = self.queue.take_batch(TAKE_BATCH_S)
             if not batch:
@@ -364,8 +393,13 @@ class Prepare:
             if not self.out.put(prepared):
                 self.failer.fail_all(prepared.jobs, SHUTTING_DOWN)
 
+    def close(self) -> None:
+        """Stop the preprocessing threads (once this stage's thread has stopped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
     def run(self, batch: list[EncodeJob]) -> PreparedBatch:
-        misses, ready = [], []
+        misses, ready, leaders = [], [], []
         for job in batch:
             try:
                 # SHM pixels are read first: their claimed hash is checked before it keys anything
@@ -376,22 +410,38 @@ class Prepare:
                     job.timings.update(queue_s=time.monotonic() - job.received_at, cache_hit=True)
                     ready.append(ReadyItem(job, cached))
                 elif leads:
-                    cpu_started = time.thread_time()
-                    try:
-                        inputs = self._tower_inputs(job, shm_pixels)
-                    except BadItem as exc:
-                        self._abandon(key, f"an identical item failed: {exc}")
-                        raise
-                    except BaseException:
-                        self._abandon(key, "encode worker error while preprocessing")
-                        raise
-                    finally:
-                        self.metrics.preprocess_cpu_seconds.inc(time.thread_time() - cpu_started)
-                    misses.append(Miss(job, key, inputs))
+                    if self._pool is None:
+                        leaders.append((job, key, self._prepared(job, shm_pixels)))
+                    else:
+                        leaders.append(
+                            (job, key, self._pool.submit(self._prepared, job, shm_pixels))
+                        )
                 # else: it waits for the identical item in flight (TowerStage hands it over)
             except BadItem as exc:
                 self.failer.fail(job.handshake, str(exc), job.modality)
+        for job, key, outcome in leaders:
+            inputs = outcome.result() if isinstance(outcome, Future) else outcome
+            if isinstance(inputs, TowerInputs):
+                misses.append(Miss(job, key, inputs))
+                continue
+            self.failer.fail(job.handshake, inputs, job.modality)
+            self._abandon(key, f"an identical item failed: {inputs}")
         return PreparedBatch(misses, ready)
+
+    def _prepared(self, job: EncodeJob, shm_pixels: torch.Tensor | None) -> TowerInputs | str:
+        """The item's tower inputs, or why it has none (its room fails with that reason): never
+        raises, so one item's failure, expected or not, stays its own."""
+        cpu_started = time.thread_time()
+        try:
+            with self.device.preparing():
+                return self._tower_inputs(job, shm_pixels)
+        except BadItem as exc:
+            return str(exc)
+        except Exception as exc:
+            log.exception("preprocessing room %d failed", job.room)
+            return f"encode worker error while preprocessing: {type(exc).__name__}: {exc}"
+        finally:
+            self.metrics.preprocess_cpu_seconds.inc(time.thread_time() - cpu_started)
 
     def _abandon(self, key: CacheKey, reason: str) -> None:
         for waiter in self.encodes.abandon(key):
@@ -405,20 +455,28 @@ class Prepare:
     def _tower_inputs(self, job: EncodeJob, shm_pixels: torch.Tensor | None) -> TowerInputs:
         """Decode and preprocess the item; ``BadItem`` when it cannot be, or when the processor
         sizes it otherwise than intake did (its rows would not be the ones placed for it)."""
+        device = self.device
         if job.video is not None:
             frames = video_frames(job.payload, job.video)
             out = self.tower.video_processor(
                 videos=[frames], do_sample_frames=False, return_tensors="pt"
             )
-            inputs = TowerInputs(out["pixel_values_videos"], out["video_grid_thw"])
+            pixel_values, grid_thw = out["pixel_values_videos"], out["video_grid_thw"]
         else:
             if job.source == "bytes":
                 image = image_from_bytes(job.payload, self.max_image_pixels)
             else:
                 pixels = shm_pixels if shm_pixels is not None else job.payload
                 image = image_from_pixels(pixels, self.max_image_pixels)
-            out = self.tower.processor(images=[image], return_tensors="pt")
-            inputs = TowerInputs(out["pixel_values"], out["image_grid_thw"])
+            if self.on_device:  # the uint8 pixels go up (a quarter of the float patches' bytes)
+                pixels = device.upload(torch.from_numpy(np.array(image)).permute(2, 0, 1))
+                out = self.tower.processor(
+                    images=[pixels], device=device.device, return_tensors="pt"
+                )
+            else:
+                out = self.tower.processor(images=[image], return_tensors="pt")
+            pixel_values, grid_thw = out["pixel_values"], out["image_grid_thw"]
+        inputs = TowerInputs(device.upload(pixel_values), grid_thw.cpu())
         if job.grid_thw is not None and inputs.grid != job.grid_thw:
             raise BadItem(
                 f"the processor made grid {list(inputs.grid)} of this item, intake sized it "
@@ -427,13 +485,25 @@ class Prepare:
         return inputs
 
 
+def _media_thread(name: str, niceness: int) -> None:
+    """A pool thread of the media stages: named, niced as they are, one torch thread."""
+    name_os_thread(name)
+    nice_this_thread(niceness)
+    torch.set_num_threads(1)
+
+
 class TowerStage:
-    """One batch's misses through the tower in one call; rows split per item and cached. A batch
-    the tower refuses is retried item by item, and an item that fails alone fails its room."""
+    """One batch's misses through the tower in one call; rows split per item and cached. On a
+    GPU the call only queues the batch (and the copies of its rows to host memory): this thread
+    goes on to the next batch while the GPU runs it. A batch that runs the GPU out of memory is
+    split in two and each half tried again; a batch the tower refuses otherwise is retried item
+    by item, and an item that fails alone fails its room. A device that no longer runs anything
+    fails its batch, and the worker's readiness, with the reason."""
 
     def __init__(
         self,
         tower: VisionTower,
+        device: TowerDevice,
         encodes: InFlightEncodes,
         metrics: WorkerMetrics,
         health: Health,
@@ -443,6 +513,7 @@ class TowerStage:
         stopping: threading.Event,
     ):
         self.tower = tower
+        self.device = device
         self.encodes = encodes
         self.metrics = metrics
         self.health = health
@@ -452,6 +523,8 @@ class TowerStage:
         self._stopping = stopping
 
     def loop(self) -> None:
+        if self.device.is_cuda:
+            torch.set_num_threads(1)  # this thread only queues GPU work
         while not self._stopping.is_set():
             prepared = self.inbox.get()
             if prepared is None:
@@ -479,14 +552,13 @@ class TowerStage:
         the same rows for every job that waited for that item (their rooms fail with it)."""
         ready = []
         if misses:
-            for miss, rows in zip(misses, self._encode_misses(misses)):
-                if rows is None:
+            for miss, encoded in zip(misses, self._encode_misses(misses)):
+                if encoded is None:
                     self.failer.fail_all(
                         self.encodes.abandon(miss.key),
                         "vision tower failed on an identical item encoded for this one",
                     )
                     continue
-                encoded = Encoded(rows, miss.inputs.grid)
                 ready.append(ReadyItem(miss.job, encoded))
                 for waiter in self.encodes.settle(miss.key, encoded):
                     # its queue: from intake until the rows it waited for were there
@@ -494,37 +566,77 @@ class TowerStage:
                     ready.append(ReadyItem(waiter, encoded))
         return ready
 
-    def _encode_misses(self, misses: list[Miss]) -> list[torch.Tensor | None]:
+    def _encode_misses(self, misses: list[Miss]) -> list[Encoded | None]:
         """Each miss's rows, or None for one whose room failed."""
-        pixel_values = torch.cat([miss.inputs.pixel_values for miss in misses])
-        grid_thw = torch.cat([miss.inputs.grid_thw for miss in misses])
+        if self.health.device_failure is not None:
+            return self._fail(misses, self.health.device_failure)
         started, cpu_started = time.monotonic(), time.thread_time()
+        grid_thw = torch.cat([miss.inputs.grid_thw for miss in misses])
         try:
-            rows = split_rows(
-                self.tower.encode(pixel_values, grid_thw), self.tower.rows_per_item(grid_thw)
-            )
-            seconds = time.monotonic() - started
-            self.metrics.encode_cpu_seconds.inc(time.thread_time() - cpu_started)
-            for miss in misses:
-                miss.job.timings.update(queue_s=started - miss.job.received_at, encode_s=seconds)
-            self.metrics.encode_seconds.observe(seconds)
-            self.metrics.batch_items.observe(len(misses))
-            self.health.last_ok = time.monotonic()
-            return rows
-        except (RuntimeError, ValueError, RowContractError) as exc:
-            if len(misses) == 1:
-                job = misses[0].job
-                self.failer.fail(
-                    job.handshake, f"vision tower failed on this item: {exc}", job.modality
+            with self.device.computing():
+                parts = [miss.inputs.pixel_values for miss in misses]
+                self.device.adopt(parts)
+                begun = self.device.started()
+                rows = split_rows(
+                    self.tower.encode(torch.cat(parts), grid_thw),
+                    self.tower.rows_per_item(grid_thw),
                 )
-                return [None]
-            log.warning("batch of %d failed (%s); encoding items one by one", len(misses), exc)
-            return [self._encode_misses([miss])[0] for miss in misses]
+                rows, batch = self.device.download(
+                    rows, begun, time.monotonic() - started, self._done(misses)
+                )
+        except (RuntimeError, ValueError, RowContractError) as exc:
+            return self._refused(misses, exc)
+        self.metrics.encode_cpu_seconds.inc(time.thread_time() - cpu_started)
+        self.metrics.batch_items.observe(len(misses))
+        for miss in misses:
+            miss.job.timings.update(queue_s=started - miss.job.received_at)
+        return [Encoded(r, miss.inputs.grid, batch) for r, miss in zip(rows, misses)]
+
+    def _done(self, misses: list[Miss]):
+        """What a batch's end records: its device time, per job and in the metrics."""
+
+        def done(seconds: float) -> None:
+            for miss in misses:
+                miss.job.timings.update(encode_s=seconds)
+            self.metrics.encode_seconds.observe(seconds)
+            self.health.last_ok = time.monotonic()
+
+        return done
+
+    def _refused(self, misses: list[Miss], exc: Exception) -> list[Encoded | None]:
+        """A batch the tower raised on: split on out of memory, fail all on a lost device, else
+        item by item."""
+        if out_of_memory(exc):
+            self.device.release_cached()
+            if len(misses) > 1:
+                half = len(misses) // 2
+                self.metrics.oom_splits.inc()
+                log.warning(
+                    "out of device memory on a batch of %d items (%d patches): split in two",
+                    len(misses),
+                    sum(miss.job.patches for miss in misses),
+                )
+                return self._encode_misses(misses[:half]) + self._encode_misses(misses[half:])
+        else:
+            failure = self.device.failure()
+            if failure is not None:
+                self.health.device_lost(failure)
+                return self._fail(misses, self.health.device_failure)
+        if len(misses) == 1:
+            return self._fail(misses, f"vision tower failed on this item: {exc}")
+        log.warning("batch of %d failed (%s); encoding items one by one", len(misses), exc)
+        return [self._encode_misses([miss])[0] for miss in misses]
+
+    def _fail(self, misses: list[Miss], reason: str) -> list[None]:
+        for miss in misses:
+            self.failer.fail(miss.job.handshake, reason, miss.job.modality)
+        return [None] * len(misses)
 
 
 class StageAndSend:
-    """Copy each item's rows into a send-ring slot and submit it to the sender. A full ring blocks
-    this stage (backpressure) up to ``receiver_wait_s``; then the item's room fails."""
+    """Copy each item's rows into a send-ring slot and submit it to the sender. On a GPU this
+    thread is the one that waits for a batch's rows to reach host memory (once per batch). A full
+    ring blocks this stage (backpressure) up to ``receiver_wait_s``; then the item's room fails."""
 
     def __init__(
         self,
@@ -533,6 +645,7 @@ class StageAndSend:
         receiver_wait_s: float,
         with_checksum: bool,
         failer: RoomFailer,
+        health: Health,
         inbox: Handoff[EncodedBatch],
         stopping: threading.Event,
     ):
@@ -541,6 +654,7 @@ class StageAndSend:
         self.receiver_wait_s = receiver_wait_s
         self.with_checksum = with_checksum
         self.failer = failer
+        self.health = health
         self.inbox = inbox
         self._stopping = stopping
 
@@ -551,7 +665,13 @@ class StageAndSend:
                 self.send(item)
 
     def send(self, item: ReadyItem) -> None:
-        job, rows = item.job, item.encoded.rows
+        job = item.job
+        try:
+            rows = item.encoded.host_rows()
+        except DeviceLost as exc:
+            self.health.device_lost(str(exc))
+            self.failer.fail(job.handshake, str(exc), job.modality)
+            return
         layout = EmbeddingLayout.of(rows)
         deadline = time.monotonic() + self.receiver_wait_s
         while True:

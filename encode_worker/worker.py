@@ -28,6 +28,7 @@ from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.transport import build_transports
 from encode_worker.cache import EmbeddingCache, InFlightEncodes
 from encode_worker.config import WorkerConfig
+from encode_worker.device import TowerDevice
 from encode_worker.health import Health
 from encode_worker.intake import IntakeStatus
 from encode_worker.messages import EncodedBatch, Handoff, PreparedBatch
@@ -68,13 +69,18 @@ class WorkerMetrics:
         self.batch_items = Histogram(
             "epd_encoder_batch_items",
             "Items per tower batch",
-            buckets=(1, 2, 4, 8, 16, 32),
+            buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=registry,
         )
         self.encode_seconds = Histogram(
             "epd_encoder_encode_seconds",
             "Tower time per batch",
             buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.oom_splits = Counter(
+            "epd_encoder_oom_splits",
+            "Batches split in two after running the tower's device out of memory",
             registry=registry,
         )
         self.encode_cpu_seconds = Counter(
@@ -152,8 +158,13 @@ class EncodeWorker:
     ):
         self.config = config
         self.tower = tower or VisionTower.load(
-            check_checkpoint(config.model), config.dtype, config.device, config.mm_processor_kwargs
+            check_checkpoint(config.model),
+            config.dtype,
+            config.device,
+            config.mm_processor_kwargs,
+            config.vision_attention,
         )
+        self.device = TowerDevice(self.tower.device)
         processors = [self.tower.processor.to_dict()]
         if self.tower.video_processor is not None:
             processors.append(self.tower.video_processor.to_dict())
@@ -207,7 +218,7 @@ class EncodeWorker:
         self.app = create_app(
             self.table,
             token=config.handshake_token,
-            ready=self.ready,
+            not_ready=self.not_ready,
             registry=registry,
             model_name=self.served_model,
         )
@@ -263,6 +274,7 @@ class EncodeWorker:
             self.queue,
             self.in_flight,
             self.failer,
+            self.health,
             self.metrics,
             item_log,
             self._stopping,
@@ -270,6 +282,7 @@ class EncodeWorker:
         self.prepare = Prepare(
             self.queue,
             self.tower,
+            self.device,
             self.preprocess_id,
             self.encodes,
             config.max_image_pixels,
@@ -277,9 +290,13 @@ class EncodeWorker:
             self.metrics,
             self._prepared,
             self._stopping,
+            workers=config.preprocess_workers,
+            niceness=config.media_niceness,
+            on_device=config.preprocess_device == "tower",
         )
         self.tower_stage = TowerStage(
             self.tower,
+            self.device,
             self.encodes,
             self.metrics,
             self.health,
@@ -294,6 +311,7 @@ class EncodeWorker:
             config.receiver_wait_s,
             config.checksum,
             self.failer,
+            self.health,
             self._encoded,
             self._stopping,
         )
@@ -351,8 +369,9 @@ class EncodeWorker:
         """Calls failing rooms at other endpoints, still in flight."""
         return self.failer.pending
 
-    def ready(self) -> bool:
-        return self.health.ready()
+    def not_ready(self) -> str | None:
+        """Why this worker should get no items now (``/readyz``), or None when it is ready."""
+        return self.health.not_ready()
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop intake, fail what is queued, let in-flight deliveries end, release memory."""
@@ -360,6 +379,7 @@ class EncodeWorker:
         self.failer.fail_all(self.queue.drain(), SHUTTING_DOWN)
         for thread in self._threads:
             thread.join(grace_s)
+        self.prepare.close()
         for prepared in self._prepared.drain():
             self.failer.fail_all(prepared.jobs, SHUTTING_DOWN)
         for encoded in self._encoded.drain():

@@ -287,13 +287,14 @@ def create_app(
     table: RoomTable | None = None,
     token: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
-    ready: Callable[[], bool] = lambda: True,
+    not_ready: Callable[[], str | None] = lambda: None,
     registry: CollectorRegistry | None = None,
     model_name: str | None = None,
 ) -> HandshakeAPI:
     """The handshake app over ``table``. An embedding process (the encode worker) gates ``/readyz``
-    with ``ready``, adds its own metrics to ``/metrics`` through ``registry`` and names the model
-    every family is labelled with (``model_name``; a standalone room authority serves none)."""
+    with ``not_ready`` (why it is not ready, or None), adds its own metrics to ``/metrics``
+    through ``registry`` and names the model every family is labelled with (``model_name``; a
+    standalone room authority serves none)."""
     table = table or RoomTable()
     metrics = HandshakeMetrics(table, registry)
     served = exposition_registry(metrics.registry, model_name)
@@ -459,11 +460,9 @@ def create_app(
     @app.get("/readyz", responses={503: {"description": "Not ready, with the reason"}})
     async def readyz():
         """Readiness: the embedding process's own check, and a room table with room for one more."""
-        if not ready():
-            return JSONResponse(
-                {"ready": False, "reason": "the process's own readiness check fails"},
-                status_code=503,
-            )
+        reason = not_ready()
+        if reason is not None:
+            return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         if table.full():
             return JSONResponse(
                 {

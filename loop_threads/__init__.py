@@ -26,17 +26,23 @@ def name_os_thread(name: str | None = None) -> None:
         _prctl(PR_SET_NAME, (name or threading.current_thread().name).encode()[:15])
 
 
+def nice_this_thread(niceness: int) -> None:
+    """Add ``niceness`` to the calling thread's nice value (Linux schedules threads apart: a
+    bulk-work thread yields the CPU to the latency-bound ones of its process; raising it needs no
+    privilege)."""
+    if niceness:
+        thread = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, current + niceness))
+
+
 def named_thread(target: Callable[[], object], name: str, niceness: int = 0) -> threading.Thread:
-    """A daemon thread (not started) running ``target``, named ``name`` in Python and the OS;
-    ``niceness`` is added to its nice value (Linux schedules threads apart: a bulk-work thread
-    yields the CPU to the latency-bound ones of its process; raising it needs no privilege)."""
+    """A daemon thread (not started) running ``target``, named ``name`` in Python and the OS,
+    ``niceness`` added to its nice value (``nice_this_thread``)."""
 
     def run() -> None:
         name_os_thread(name)
-        if niceness:
-            thread = threading.get_native_id()
-            current = os.getpriority(os.PRIO_PROCESS, thread)
-            os.setpriority(os.PRIO_PROCESS, thread, min(19, current + niceness))
+        nice_this_thread(niceness)
         target()
 
     return threading.Thread(target=run, name=name, daemon=True)

@@ -83,7 +83,8 @@ def test_worker_addresses_parse_or_refuse():
 
 def test_a_worker_leaves_the_ring_when_not_ready_and_rejoins_when_ready():
     ready = {"now": True}
-    server = ThreadedServer(create_app(ready=lambda: ready["now"])).start()
+    app = create_app(not_ready=lambda: None if ready["now"] else "not ready")
+    server = ThreadedServer(app).start()
     address = WorkerAddress("127.0.0.1", server.port, 1)
     dead = WorkerAddress("127.0.0.1", 1, 1)  # nothing listens on port 1
     workers = WorkerSet([address, dead], check_timeout_s=0.5)
