@@ -7,7 +7,7 @@ TORCH_PIN := torch==2.13.0
 # Quiet, no OpenMP spin-wait between co-located processes (notes P1).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup demo test bench clean sysdeps
+.PHONY: setup demo test bench clean sysdeps gpu-wheels gpu-check
 
 setup: sysdeps $(STAMP)
 
@@ -57,5 +57,28 @@ bench: setup
 	-$(VENV)/bin/epd-bench overload --json bench-results/overload.json
 	-$(VENV)/bin/epd-bench cost --json bench-results/cost.json
 
+# The lent GPU machine (docs/performance.md, "On a GPU") has torch, torchvision, transformers' own
+# dependencies and numpy, but no network and none of the packages below: `make gpu-wheels` (here,
+# where PyPI is reachable) puts them in .whl/ (about 16 MB), which travels with the checkout;
+# `make gpu-check` (there) installs them beside the machine's own packages and runs the check,
+# under five minutes, writing docs/results/gpu/gpu-check.json. Its dry run on a CPU machine, with
+# small towers: `.venv/bin/python -m bench.gpu_check OUT_DIR --small`.
+GPU_WHEELS := pydantic pydantic-core pydantic-settings annotated-types typing-inspection \
+	python-dotenv pyzmq fastapi starlette uvicorn annotated-doc transformers
+# the GPU machine's own interpreter, with its CUDA torch
+GPU_PYTHON ?= python3
+
+gpu-wheels: setup
+	rm -rf .whl
+	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+	  $$($(VPY) -m pip freeze | grep -iE '^($(shell echo $(GPU_WHEELS) | tr ' -' '|.'))==')
+
+gpu-check:
+	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "error: no wheels in .whl/: run 'make gpu-wheels' where PyPI is reachable, and carry .whl/ along" >&2; exit 1; }
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
+	@mkdir -p docs/results/gpu
+	PYTHONPATH=$(CURDIR)/.site:$(CURDIR) $(GPU_PYTHON) -m bench.gpu_check docs/results/gpu
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .whl .site

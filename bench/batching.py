@@ -24,9 +24,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.encode import NullSink, _batch_buckets, _committed, _images, bench_tower
+from bench.encode import NullSink, _batch_buckets, _committed
 from bench.results import write_json
 from bench.rounds import in_round
+from bench.towers import bench_tower, noise_images
 
 WINDOWS_S = (0.0, 0.002, 0.005)
 
@@ -139,7 +140,7 @@ def run(
     from encode_worker.tower import VisionTower
 
     tower = VisionTower.load(bench_tower(2, 64, 3584), dtype="float32")
-    images = _images(burst, size)
+    images = noise_images(burst, size, size)
     grid = tower.processor(images=[image_from_bytes(images[0])], return_tensors="pt")
     rows = tower.rows_per_item(grid["image_grid_thw"])[0]
     levels = [Level(window) for window in windows]

@@ -29,17 +29,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     handshake.add_argument("--json", default=None, help="write the results to this file")
     encode = sub.add_parser(
-        "encode", help="encode worker items/s: delivery vs a null sink, batched vs single"
+        "encode",
+        help="encode worker items/s: its tower alone, delivery vs a null sink, batched vs single",
     )
-    encode.add_argument("--items", type=int, default=48)
-    encode.add_argument("--size", type=int, default=448, help="square image side in pixels")
-    encode.add_argument("--depth", type=int, default=2, help="tower layers")
-    encode.add_argument("--hidden", type=int, default=64, help="tower (ViT) width")
+    encode.add_argument("--items", type=int, default=48, help="images per round and size")
+    encode.add_argument(
+        "--sizes",
+        "--size",
+        default="448",
+        help="comma-separated image sizes: a side (448) or width x height (1280x720)",
+    )
+    encode.add_argument("--device", default="cpu", help="the tower's device (cpu, cuda, cuda:N)")
+    encode.add_argument(
+        "--full-size",
+        action="store_true",
+        help="--family's released vision config (random weights) instead of the small tower",
+    )
+    encode.add_argument(
+        "--family", default="qwen2_5_vl", help="with --full-size: qwen2_vl, qwen2_5_vl, qwen3_vl"
+    )
+    encode.add_argument("--depth", type=int, default=2, help="small tower: layers")
+    encode.add_argument("--hidden", type=int, default=64, help="small tower: ViT width")
+    encode.add_argument(
+        "--width", type=int, default=3584, help="small tower: output width (Qwen2.5-VL-7B: 3584)"
+    )
     encode.add_argument(
         "--dtype", default="float32", help="tower dtype (bfloat16 is ~5x slower on this CPU)"
     )
     encode.add_argument(
-        "--width", type=int, default=3584, help="output width (Qwen2.5-VL-7B: 3584)"
+        "--vision-attention",
+        choices=("auto", "varlen", "reference"),
+        default="auto",
+        help="the worker's tower attention (auto: varlen on CUDA)",
+    )
+    encode.add_argument(
+        "--tower-batches",
+        default="",
+        help="comma-separated batch sizes: also time the tower alone, varlen against reference",
+    )
+    encode.add_argument(
+        "--no-single", action="store_true", help="the pipeline at the batch budget only"
     )
     encode.add_argument("--transport", choices=("shm", "mooncake"), default="shm")
     encode.add_argument("--rounds", type=int, default=3)

@@ -64,7 +64,7 @@ def run(
     from transformers import AutoImageProcessor
 
     from bench.cluster import LocalCluster
-    from bench.encode import bench_tower
+    from bench.towers import bench_tower
     from dispatcher import Dispatcher, WorkerSet
     from dispatcher.cli import prefill_body
 

@@ -214,7 +214,7 @@ def run(
     configs=CONFIGS,
     progress=print,
 ) -> dict:
-    from bench.encode import bench_tower
+    from bench.towers import bench_tower
 
     model = bench_tower(depth=2, hidden=64, width=1024)
     pool = [synthetic_image(size, size, seed) for seed in range(POOL)]  # made before the clocks

@@ -157,7 +157,7 @@ def run(
     from transformers import AutoImageProcessor
 
     from bench.cluster import LocalCluster
-    from bench.encode import bench_tower
+    from bench.towers import bench_tower
     from dispatcher import Dispatcher, WorkerSet
 
     model = model or bench_tower(depth=2, hidden=64, width=3584)  # Qwen2.5-VL-7B's row width

@@ -280,7 +280,7 @@ def run(
     worker_extra: tuple[str, ...] = (),
     progress=print,
 ) -> dict:
-    from bench.encode import bench_tower
+    from bench.towers import bench_tower
 
     model = bench_tower(depth=2, hidden=64, width=1024)
     images = [synthetic_image(size, size, seed) for seed in range(requests * images_per_request)]
