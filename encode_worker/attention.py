@@ -51,8 +51,8 @@ def use(model: torch.nn.Module, path: AttentionPath) -> None:
     """Set ``model``'s vision attention to ``path``. The config's setter, not
     ``set_attn_implementation``: that one would look for a Flash Attention package or hub kernel
     for any name containing "flash"."""
-    if path == "varlen" and VARLEN not in AttentionInterface._global_mapping:
-        AttentionInterface.register(VARLEN, varlen_attention)
+    if path == "varlen":
+        AttentionInterface.register(VARLEN, varlen_attention)  # a dict entry: idempotent
     model.config._attn_implementation = VARLEN if path == "varlen" else REFERENCE
 
 

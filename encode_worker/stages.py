@@ -341,9 +341,9 @@ class Prepare:
     """Decode and preprocess one batch; look each item up in the cache. A bad item fails its
     room. With ``workers`` above one, the batch's items are decoded and preprocessed in parallel
     by that many threads (bounded: at most one batch is in their hands), each with one torch
-    thread; with one, in this stage's own thread. Each item's tower inputs end on the tower's
-    device (``TowerDevice.preparing``: uploads overlap the tower's work); with
-    ``on_device``, an image's resize and normalisation run there too."""
+    thread; with one, in this stage's own thread, with ``torch_threads`` (None: the process's).
+    Each item's tower inputs end on the tower's device (``TowerDevice.preparing``: uploads overlap
+    the tower's work); with ``on_device``, an image's resize and normalisation run there too."""
 
     def __init__(
         self,
@@ -360,6 +360,7 @@ class Prepare:
         workers: int = 1,
         niceness: int = 0,
         on_device: bool = False,
+        torch_threads: int | None = None,
     ):
         self.queue = queue
         self.tower = tower
@@ -371,6 +372,7 @@ class Prepare:
         self.metrics = metrics
         self.out = out
         self.on_device = on_device
+        self.torch_threads = torch_threads
         self._stopping = stopping
         self._pool = (
             ThreadPoolExecutor(
@@ -384,7 +386,8 @@ class Prepare:
         )
 
     def loop(self) -> None:
-        torch.set_num_threads(1)  # the preprocessing of one item at a time, as each pool thread
+        if self.torch_threads is not None:
+            torch.set_num_threads(self.torch_threads)
         while not self._stopping.is_set():
             batch = self.queue.take_batch(TAKE_BATCH_S)
             if not batch:

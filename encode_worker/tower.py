@@ -90,6 +90,7 @@ class VisionTower:
         self.attention_path = attention_path
         self.attention_kernel = attention.kernel(device, dtype, attention_path)
         self._grid_inputs = FAMILIES[info.family].grid_inputs
+        self._on_gpu = torch.device(device).type == "cuda"
         attention.use(model, attention_path)
 
     @classmethod
@@ -154,7 +155,7 @@ class VisionTower:
         on a GPU the call only queues kernels: it returns before they have run."""
         grid = grid_thw.cpu()
         derived = {
-            name: value.to(self.device, non_blocking=True) if torch.is_tensor(value) else value
+            name: self._to_device(value) if torch.is_tensor(value) else value
             for name, value in self._grid_inputs(self.model, grid).items()
         }
         out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid, **derived)
@@ -164,6 +165,13 @@ class VisionTower:
         if self.info.deepstack_levels:
             merged = torch.cat([merged, *out.deepstack_features], dim=1)
         return merged
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor on the tower's device. To a GPU through pinned memory: a copy from
+        pageable memory would wait for the work already queued on the stream."""
+        if self._on_gpu:
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
 
     def encode_items(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor

@@ -293,6 +293,11 @@ class EncodeWorker:
             workers=config.preprocess_workers,
             niceness=config.media_niceness,
             on_device=config.preprocess_device == "tower",
+            # Preprocessing in this stage's thread beside a CPU tower shares the cores with it (one
+            # torch thread there cost 20 % of batched items/s on 2 cores, docs/performance.md);
+            # beside a GPU tower it takes one, as each pool thread does: an H100 host's 16
+            # intra-op threads around 5 ms of preprocessing burned 30 ms of CPU per image.
+            torch_threads=1 if self.device.is_cuda else None,
         )
         self.tower_stage = TowerStage(
             self.tower,
