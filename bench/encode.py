@@ -472,10 +472,13 @@ def load_towers(args) -> dict:
 
 
 def main(args) -> int:
+    from encode_worker import attention
+
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    args.paths = ["varlen", "reference"] if args.tower_batches else [args.vision_attention]
+    worker_path = attention.resolve(args.vision_attention, args.device)
+    args.paths = ["varlen", "reference"] if args.tower_batches else [worker_path]
     towers = load_towers(args)
-    worker_tower = towers.get(args.vision_attention) or next(iter(towers.values()))
+    worker_tower = towers[worker_path]
     print(
         f"epd-bench encode: tower {worker_tower.info.family} "
         f"({'full size' if args.full_size else f'depth {args.depth} hidden {args.hidden}'}, out "
