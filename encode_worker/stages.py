@@ -78,7 +78,7 @@ from process_settings import SettingError
 if TYPE_CHECKING:
     from encode_worker.config import WorkerConfig
     from encode_worker.health import Health
-    from encode_worker.worker import WorkerMetrics
+    from encode_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 INTAKE_POLL_MS = 100  # how often the intake loop looks at the stop signal

@@ -19,8 +19,7 @@ import logging
 import threading
 import zlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry
 
 from data_plane.mooncake import MooncakeConfig
 from data_plane.offers import transport_spec
@@ -30,8 +29,8 @@ from encode_worker.cache import EmbeddingCache, InFlightEncodes
 from encode_worker.config import WorkerConfig
 from encode_worker.device import TowerDevice
 from encode_worker.health import Health
-from encode_worker.intake import IntakeStatus
 from encode_worker.messages import EncodedBatch, Handoff, PreparedBatch
+from encode_worker.metrics import WorkerMetrics
 from encode_worker.room_clients import InFlightRooms, RateLimitedLog, RoomClients, RoomFailer
 from encode_worker.scheduler import BatchQueue
 from encode_worker.sender import Outcome, Sender
@@ -42,114 +41,9 @@ from handshake.models import RoomState
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from loop_threads import LoopThread, named_thread
-from metrics import LATENCY_BUCKETS
 from process_settings import SettingError, check_checkpoint, check_listen, served_name
 
 log = logging.getLogger(__name__)
-
-
-class WorkerMetrics:
-    """The worker's families (``model_name`` is added to each where they are served). An item is
-    counted twice, in two families: once by intake's answer, once by its room's end."""
-
-    def __init__(self, registry: CollectorRegistry, worker: EncodeWorker):
-        self.registry = registry
-        self.intake = Counter(
-            "epd_encoder_intake",
-            "Intake's answer per item: accepted, refused (room untouched), failed (room failed)",
-            ["modality", "result"],
-            registry=registry,
-        )
-        self.outcomes = Counter(
-            "epd_encoder_items",
-            "Accepted items by how their room ended: success, failed, cancelled, expired",
-            ["modality", "outcome"],
-            registry=registry,
-        )
-        self.batch_items = Histogram(
-            "epd_encoder_batch_items",
-            "Items per tower batch",
-            buckets=(1, 2, 4, 8, 16, 32, 64),
-            registry=registry,
-        )
-        self.encode_seconds = Histogram(
-            "epd_encoder_encode_seconds",
-            "Tower time per batch",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.oom_splits = Counter(
-            "epd_encoder_oom_splits",
-            "Batches split in two after running the tower's device out of memory",
-            registry=registry,
-        )
-        self.encode_cpu_seconds = Counter(
-            "epd_encoder_encode_cpu_seconds",
-            "CPU time of the thread calling the tower (all of the tower's with one intra-op "
-            "thread; the rest of the process's CPU is the worker's own)",
-            registry=registry,
-        )
-        self.preprocess_cpu_seconds = Counter(
-            "epd_encoder_preprocess_cpu_seconds",
-            "CPU time decoding and preprocessing items (image or video processor) for the tower",
-            registry=registry,
-        )
-        self.queue_seconds = Histogram(
-            "epd_encoder_queue_seconds",
-            "Intake to the tower starting the item's batch",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.receiver_wait_seconds = Histogram(
-            "epd_encoder_receiver_wait_seconds",
-            "Rows staged to the receiver registered (or the wait ended)",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.transfer_seconds = Histogram(
-            "epd_encoder_transfer_seconds",
-            "The write alone per delivered item: submit to the transport settled",
-            ["transport"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.bytes = Counter(
-            "epd_encoder_bytes", "Bytes delivered", ["transport"], registry=registry
-        )
-        Gauge(
-            "epd_encoder_queue_depth", "Items waiting for the tower", registry=registry
-        ).set_function(lambda: len(worker.queue))
-        Gauge(
-            "epd_encoder_ring_occupancy", "Leased fraction of the send ring", registry=registry
-        ).set_function(lambda: worker.ring.stats()["leased_slots"] / worker.ring.slot_count)
-        registry.register(_CacheCounters(worker))
-
-    def count(self, modality: str, status: IntakeStatus | RoomState) -> None:
-        """One item's intake answer (``epd_encoder_intake_total{result}``) or room end
-        (``epd_encoder_items_total{outcome}``), as the enum's value in lower case."""
-        family = self.intake if isinstance(status, IntakeStatus) else self.outcomes
-        family.labels(modality, status.value.lower()).inc()
-
-
-class _CacheCounters:
-    """The embedding cache's and the coalescer's own running counts, as Prometheus counters."""
-
-    def __init__(self, worker: EncodeWorker):
-        self.worker = worker
-
-    def collect(self):
-        cache = self.worker.cache
-        for name, value, what in (
-            ("cache_hits", cache.hits, "Items answered from the embedding cache"),
-            ("cache_misses", cache.misses, "Items the cache did not hold"),
-            ("cache_evictions", cache.evictions, "Entries evicted from the embedding cache"),
-            (
-                "coalesced_items",
-                self.worker.encodes.coalesced,
-                "Items that waited for an identical item's encode in flight (cache hits apart)",
-            ),
-        ):
-            yield CounterMetricFamily(f"epd_encoder_{name}", what, value=value)
 
 
 class EncodeWorker:
@@ -214,7 +108,7 @@ class EncodeWorker:
             raise
         self.table = RoomTable(config.room_limits())
         registry = CollectorRegistry()
-        self.metrics = WorkerMetrics(registry, self)
+        self.metrics = WorkerMetrics(registry, self.queue, self.ring, self.cache, self.encodes)
         self.app = create_app(
             self.table,
             token=config.handshake_token,

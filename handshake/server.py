@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import ipaddress
 import logging
-import os
 import signal
 import sys
 import time
@@ -22,25 +21,13 @@ from handshake.settings import RoomTableSettings
 from loop_threads import LoopThread
 from multimodal.wire import DEFAULT_BOOTSTRAP_PORT, Endpoint
 from process_settings import Port, PositiveByteSize, SettingError, check_listen, refuse
-from process_settings.secrets import HandshakeToken
-
-TOKEN_ENV = "EPD_HANDSHAKE_TOKEN"
-TOKEN_FILE_ENV = "EPD_HANDSHAKE_TOKEN_FILE"
+from process_settings.secrets import (
+    HANDSHAKE_TOKEN_ENV,
+    HANDSHAKE_TOKEN_FILE_ENV,
+    HandshakeToken,
+)
 
 log = logging.getLogger(__name__)
-
-
-def load_token(token_file: str | None) -> str | None:
-    """The bearer token from ``--token-file`` / ``$EPD_HANDSHAKE_TOKEN_FILE``, else
-    ``$EPD_HANDSHAKE_TOKEN``."""
-    path = token_file or os.environ.get(TOKEN_FILE_ENV)
-    if path:
-        with open(path) as f:
-            token = f.read().strip()
-        if not token:
-            raise ValueError(f"token file {path} is empty")
-        return token
-    return os.environ.get(TOKEN_ENV) or None
 
 
 # No access log, no Server/Date headers, no X-Forwarded-* rewriting: per-request work we do not use.
@@ -67,7 +54,8 @@ def open_listener_warning(app, host: str) -> str | None:
         return None
     if isinstance(app, HandshakeAPI):
         remedy = (
-            f"set a bearer token (--token-file, ${TOKEN_FILE_ENV} or ${TOKEN_ENV}) or keep "
+            f"set a bearer token (--token-file, ${HANDSHAKE_TOKEN_FILE_ENV} or "
+            f"${HANDSHAKE_TOKEN_ENV}) or keep "
             "the port private"
         )
     else:

@@ -308,8 +308,8 @@ class _SchedulerSide:
     ):
         from data_plane.mooncake import MooncakeConfig
         from data_plane.transport import build_transports
-        from handshake.server import load_token
         from prefill_side.receiver import PrefillReceiver, ReceiverConfig
+        from process_settings.secrets import handshake_token
 
         config = ReceiverConfig(
             width=width,
@@ -320,7 +320,7 @@ class _SchedulerSide:
             transports=tuple(settings.transports),
             item_timeout_s=settings.item_timeout_s,
             endpoint_timeout_s=settings.endpoint_timeout_s,
-            handshake_token=load_token(settings.handshake_token_file),
+            handshake_token=handshake_token(settings.handshake_token_file),
             require_checksum=settings.require_checksum,
             zero_copy=True,
         )

@@ -10,8 +10,6 @@ from process_settings.checks import (
     check_listen,
     check_memory,
     check_shm_space,
-    handshake_token,
-    read_secret,
     served_name,
 )
 from process_settings.values import (
@@ -54,8 +52,6 @@ __all__ = [
     "check_listen",
     "check_memory",
     "check_shm_space",
-    "handshake_token",
     "one_line",
-    "read_secret",
     "refuse",
 ]

@@ -130,33 +130,6 @@ def check_shm_space(nbytes: int, what: str) -> None:
         )
 
 
-def handshake_token(token_file: str | None) -> str | None:
-    """``handshake.server.load_token`` (``--token-file``, else the environment), its failures as
-    one line."""
-    from handshake.server import load_token
-
-    try:
-        return load_token(token_file)
-    except OSError as exc:
-        raise SettingError(f"token file {exc.filename}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise SettingError(f"token file: {exc}") from None
-
-
-def read_secret(path: str, flag: str) -> str:
-    """A token file's content (stripped): it must exist, be readable and not be empty."""
-    try:
-        with open(path) as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise SettingError(f"{flag} {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise SettingError(f"{flag} {path}: not a text file") from None
-    if not token:
-        raise SettingError(f"{flag} {path}: the file is empty")
-    return token
-
-
 def _meminfo(field: str) -> int | None:
     try:
         with open("/proc/meminfo") as f:

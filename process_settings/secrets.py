@@ -9,10 +9,34 @@ import os
 from pydantic import Field, model_validator
 from pydantic_settings import CliSuppress
 
-from process_settings.base import ProcessSettings
-from process_settings.checks import handshake_token, read_secret
+from process_settings.base import ProcessSettings, SettingError
 
+HANDSHAKE_TOKEN_ENV = "EPD_HANDSHAKE_TOKEN"
+HANDSHAKE_TOKEN_FILE_ENV = "EPD_HANDSHAKE_TOKEN_FILE"
 INTAKE_TOKEN_ENV = "EPD_INTAKE_TOKEN"
+
+
+def read_secret(path: str, what: str) -> str:
+    """A token file's content (stripped): it must exist, be readable and not be empty;
+    ``SettingError`` (one line, starting with ``what`` and the path) otherwise."""
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise SettingError(f"{what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise SettingError(f"{what} {path}: not a text file") from None
+    if not token:
+        raise SettingError(f"{what} {path}: the file is empty")
+    return token
+
+
+def handshake_token(token_file: str | None) -> str | None:
+    """The room API's bearer token: from ``token_file`` (``--token-file``), else the file
+    ``$EPD_HANDSHAKE_TOKEN_FILE`` names, else ``$EPD_HANDSHAKE_TOKEN``; None without one."""
+    if path := token_file or os.environ.get(HANDSHAKE_TOKEN_FILE_ENV):
+        return read_secret(path, "token file")
+    return os.environ.get(HANDSHAKE_TOKEN_ENV) or None
 
 
 class HandshakeToken(ProcessSettings):
