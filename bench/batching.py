@@ -74,9 +74,9 @@ class Worker:
 
     def send(self, images: list[bytes], rows: int) -> tuple[float, list[int]]:
         """Send ``images`` all at once; when the last room committed, and the rooms."""
-        from data_plane.offers import LoopbackOffer
-        from encode_worker.intake import AsyncIntakeClient, IntakeRequest
-        from handshake.models import Registration
+        from wire.intake import AsyncIntakeClient, IntakeRequest
+        from wire.offers import LoopbackOffer
+        from wire.rooms import Registration
 
         worker = self.worker
         wire = self.tower.info.wire_width

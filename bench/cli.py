@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--vision-attention",
         choices=("auto", "varlen", "reference"),
         default="auto",
-        help="the worker's tower attention (auto: varlen on CUDA)",
+        help="the worker's tower attention (auto: varlen where Flash runs)",
     )
     encode.add_argument(
         "--tower-batches",

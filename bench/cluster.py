@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from dispatcher.workers import WorkerAddress
-from multimodal.wire import Endpoint
+from wire.addresses import Endpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"

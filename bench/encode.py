@@ -51,9 +51,9 @@ from bench.towers import (
     noise_images,
     parse_size,
 )
-from data_plane.offers import LoopbackOffer
 from data_plane.transport import CompletedTransfer, Transfer, Transport
-from handshake.models import Registration, RoomState
+from wire.offers import LoopbackOffer
+from wire.rooms import Registration, RoomState
 
 SINKS = ("delivered", "null")
 TOWER_BATCHES = (1, 8, 32)
@@ -91,8 +91,9 @@ class NullSink(Transport):
 
 def _receiver_main(conn, pool_bytes: int, width: int, dtype: str, transport: str) -> None:
     """The prefill side: the project's receiver library, one job per round for all its items."""
-    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from multimodal.items import MultimodalDataItem, MultimodalInputs
     from prefill_side import PrefillReceiver, ReceiverConfig
+    from wire.modality import Modality
 
     receiver = PrefillReceiver(
         ReceiverConfig(
@@ -250,7 +251,7 @@ class EncodeBench:
 
     def round(self, config: Config, images: list[bytes]) -> tuple[float, int, Counter]:
         """One timed round: (items/s, items not delivered, batches the scheduler formed)."""
-        from encode_worker.intake import IntakeClient
+        from wire.intake import IntakeClient
 
         worker = self.workers[(config.sink, config.batch_items)]
         intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
@@ -472,10 +473,11 @@ def load_towers(args) -> dict:
 
 
 def main(args) -> int:
+    from data_plane.dtypes import dtype_from_wire
     from encode_worker import attention
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    worker_path = attention.resolve(args.vision_attention, args.device)
+    worker_path = attention.resolve(args.vision_attention, args.device, dtype_from_wire(args.dtype))
     args.paths = ["varlen", "reference"] if args.tower_batches else [worker_path]
     towers = load_towers(args)
     worker_tower = towers[worker_path]

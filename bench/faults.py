@@ -39,7 +39,7 @@ from bench.cluster import HOST, LocalCluster, Role, free_port
 from bench.images import synthetic_image
 
 if TYPE_CHECKING:
-    from encode_worker.intake import IntakeReply
+    from wire.intake import IntakeReply
 
 FAST_S = 2.0  # the issue's bound: an affected room fails within this of the fault being observable
 WIDTH = 2048  # the lab tower's output width: a 1M-pixel image is ~10 MB of fp32 rows
@@ -353,7 +353,7 @@ class Conn:
         return client
 
     def intake(self, role: Role):
-        from encode_worker.intake import AsyncIntakeClient
+        from wire.intake import AsyncIntakeClient
 
         key = (role.name, role.process.pid)
         intake = self._intakes.get(key)
@@ -368,7 +368,7 @@ class Conn:
     async def mint(self, items, rooms_url: str) -> None:
         """One room per item at ``rooms_url`` (a worker's bootstrap URL or the standalone
         handshake)."""
-        from multimodal.wire import EncodeHandshake
+        from wire.addresses import EncodeHandshake
 
         host, port = rooms_url.rsplit("/", 1)[-1].rsplit(":", 1)
         rooms = await self.rooms(rooms_url).mint(len(items), 120)
@@ -378,7 +378,7 @@ class Conn:
             )
 
     async def send(self, worker: Role, item, request_id: str) -> IntakeReply:
-        from encode_worker.intake import IntakeRequest
+        from wire.intake import IntakeRequest
 
         request = IntakeRequest(
             request_id=f"{request_id}.{item.index}",
@@ -413,7 +413,7 @@ class Conn:
     ) -> dict[int, object]:
         """Long-poll ``rooms`` at ``url`` until ``until(views)`` holds, or every room is terminal
         (views by room); the views. ``TimeoutError`` if neither happens within ``timeout_s``."""
-        from handshake.models import RoomState
+        from wire.rooms import RoomState
 
         client = self.rooms(url)
         versions = dict.fromkeys(rooms, 0)
@@ -492,7 +492,7 @@ def big_images(rng: random.Random, count: int) -> list[bytes]:
 
 async def _writing(conn: Conn, url: str, rooms: list[int], timeout_s: float = 30.0) -> dict:
     """Wait until any of ``rooms`` is WRITING (or all are past it); the views."""
-    from handshake.models import RoomState
+    from wire.rooms import RoomState
 
     return await conn.wait_rooms(
         url,
@@ -506,7 +506,7 @@ async def _writing(conn: Conn, url: str, rooms: list[int], timeout_s: float = 30
 
 
 async def _registered(conn: Conn, url: str, rooms: list[int], timeout_s: float = 30.0) -> dict:
-    from handshake.models import RoomState
+    from wire.rooms import RoomState
 
     return await conn.wait_rooms(
         url,
@@ -755,7 +755,7 @@ async def handshake_unreachable(lab: FaultLab, conn: Conn, rng: random.Random) -
     a, prefill, hs = lab.roles["a"], lab.roles["prefill"], lab.roles["handshake"]
     await conn.mint(siblings, a.url)
     await conn.mint(at_handshake, hs.url)
-    from multimodal.wire import EncodeHandshake
+    from wire.addresses import EncodeHandshake
 
     dead_port = free_port()  # nothing listens there
     nowhere[0].encode_handshake = EncodeHandshake(
@@ -786,7 +786,7 @@ async def cancel_during_write(lab: FaultLab, conn: Conn, rng: random.Random) -> 
     before the write begins and resumed after the cancel: the room must stay WRITING with the
     cancel recorded, then end CANCELLED once the writer reports, and the slot be freed, not
     leased."""
-    from handshake.models import RoomState
+    from wire.rooms import RoomState
 
     outcome = FaultOutcome("cancel_during_write")
     request_id = _request_id("cancel", rng)
@@ -940,7 +940,7 @@ async def item_too_large(lab: FaultLab, conn: Conn, rng: random.Random) -> Fault
         await conn.send(a, item, request_id)
     result = await posted
     conn.tally(outcome, result, items, {1: result.sent}, expect_reason="cannot reserve")
-    from handshake.models import RoomState
+    from wire.rooms import RoomState
 
     views = await conn.wait_rooms(
         a.url,
@@ -980,8 +980,9 @@ async def layout_mismatch(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
     """A receiver whose width or dtype differs from worker ``a``'s tower (the receiver library in
     this process, as an engine embeds it, over SHM): the worker refuses to write and the item fails
     fast with both layouts in the reason; the receiver's slot is released."""
-    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from multimodal.items import MultimodalDataItem, MultimodalInputs
     from prefill_side import PrefillReceiver, ReceiverConfig
+    from wire.modality import Modality
 
     width, dtype = rng.choice([(WIDTH - 8, "float32"), (WIDTH, "bfloat16"), (WIDTH * 2, "float32")])
     outcome = FaultOutcome("layout_mismatch", notes={"receiver": [width, dtype]})
@@ -1102,7 +1103,7 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
     import zmq
     import zmq.asyncio
 
-    from encode_worker.intake import IntakeReply
+    from wire.intake import IntakeReply
 
     outcome = FaultOutcome("malformed_input")
     a = lab.roles["a"]
@@ -1171,7 +1172,7 @@ async def malformed_input(lab: FaultLab, conn: Conn, rng: random.Random) -> Faul
     # reason
     (bad_shm,) = lab.describe(small_images(rng, 1))
     await conn.mint([bad_shm], a.url)
-    from encode_worker.intake import IntakeRequest
+    from wire.intake import IntakeRequest
 
     request = IntakeRequest(
         request_id="bad-shm",

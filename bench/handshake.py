@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 from bench.results import write_json
 from bench.rounds import in_round
-from data_plane.offers import LoopbackOffer
 from handshake.client import HandshakeClient
-from handshake.models import BeginWrite, CommitBody, Registration, RoomState
 from loop_threads import new_event_loop
+from wire.offers import LoopbackOffer
+from wire.rooms import BeginWrite, CommitBody, Registration, RoomState
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 8)

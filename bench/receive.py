@@ -33,7 +33,7 @@ def _encode_side(conn) -> None:
     from handshake.rooms import RoomTable
     from handshake.server import ThreadedServer
     from loop_threads import LoopThread
-    from multimodal.wire import EncodeHandshake
+    from wire.addresses import EncodeHandshake
 
     table = RoomTable()
     loop = LoopThread("handshake")
@@ -73,8 +73,9 @@ def run(jobs: int = 60, progress=print) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from handshake.client import HandshakeClient
     from loop_threads import LoopThread
-    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from multimodal.items import MultimodalDataItem, MultimodalInputs
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
+    from wire.modality import Modality
 
     context = mp.get_context("spawn")
     conn, child = context.Pipe()

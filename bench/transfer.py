@@ -81,7 +81,7 @@ class TransferBench:
     def run(self, path: str, payload: torch.Tensor, seed: int | None) -> tuple[float, bool | None]:
         """One round of ``path``; returns (seconds, byte_exact or None when not checked)."""
         from data_plane.commit import EmbeddingLayout, accept_commit, make_commit
-        from data_plane.offers import MooncakeOffer, ShmOffer
+        from wire.offers import MooncakeOffer, ShmOffer
 
         nbytes = payload.numel() * 2
         src = self.send_region.tensor[:nbytes]

@@ -343,7 +343,7 @@ class Bench:
 
         from bench.cluster import LocalCluster
         from encode_worker.vlm_checkpoints import cached_vlm
-        from prefill_side.ec_params import identifier
+        from wire.ec_params import identifier
 
         self.args, self.log_dir, self.identifier = args, log_dir, identifier
         self.model = cached_vlm("qwen2_5_vl", hidden=args.hidden, layers=args.layers)

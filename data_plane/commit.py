@@ -17,9 +17,9 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 from data_plane.dtypes import WIRE_DTYPES, dtype_from_wire, dtype_to_wire
-from data_plane.json_fields import json_int
-from data_plane.offers import MAX_ROWS, MAX_WIDTH
 from data_plane.pool import Lease, SlotPool
+from wire.json_fields import json_int
+from wire.offers import MAX_ROWS, MAX_WIDTH
 
 
 class ContractError(ValueError):

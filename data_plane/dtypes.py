@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from data_plane.offers import DTYPE_NAMES
+from wire.offers import DTYPE_NAMES
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

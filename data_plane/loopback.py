@@ -17,7 +17,6 @@ from typing import Literal
 
 import torch
 
-from data_plane.offers import LoopbackOffer
 from data_plane.pool import Lease, MemoryRegion, SlotPool
 from data_plane.transport import (
     CompletedTransfer,
@@ -27,6 +26,7 @@ from data_plane.transport import (
     Transport,
     as_bytes,
 )
+from wire.offers import LoopbackOffer
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane.offers import MooncakeOffer, TransportUnavailable
 from data_plane.pool import Lease, MemoryRegion, SlotPool
-from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
+from data_plane.transport import (
+    Transfer,
+    TransferRefused,
+    TransferState,
+    Transport,
+    TransportUnavailable,
+)
+from wire.offers import MooncakeOffer
 
 INSTALL_HINT = (
     "Mooncake is not usable here: {error}. On CPU hosts: pip install '.[mooncake-cpu]' "

@@ -12,7 +12,6 @@ import threading
 
 import torch
 
-from data_plane.offers import ShmOffer
 from data_plane.pool import Lease, MemoryRegion, SlotPool
 from data_plane.shm import POOL_PREFIX, SHM_DIR, ShmError, ShmSegment, is_pool_name, namespace_id
 from data_plane.transport import (
@@ -22,6 +21,7 @@ from data_plane.transport import (
     Transport,
     as_bytes,
 )
+from wire.offers import ShmOffer
 
 
 class ShmTransport(Transport):

@@ -20,9 +20,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from data_plane.offers import Offer, TransportUnavailable, transport_spec
 from data_plane.pool import Lease, MemoryRegion, SlotPool
 from loop_threads import named_thread
+from wire.offers import Offer, transport_spec
+
+
+class TransportUnavailable(RuntimeError):
+    """A transport that cannot start in this process (its package, a library or its engine is
+    missing); a process offered others goes on without it (``build_transports(optional=True)``)."""
 
 
 class TransferRefused(ValueError):
@@ -270,7 +275,7 @@ class Transport(abc.ABC):
 def build_transports(
     names: Sequence[str], configs: Mapping[str, object] | None = None, optional: bool = False
 ) -> dict[str, Transport]:
-    """This process's transports by name (``data_plane.offers.TRANSPORTS``), each built by its
+    """This process's transports by name (``wire.offers.TRANSPORTS``), each built by its
     registered class from ``configs[name]`` (absent: its defaults). With ``optional``, a transport
     unavailable here (``TransportUnavailable``) leaves the others in service (logged) instead of
     failing, unless it was the only one asked for."""

@@ -55,6 +55,8 @@ class DispatchSettings(EncodeWorkerTargets):
 
 def prefill_body(request_id: str, items, verify: bool) -> dict:
     """The `POST /v1/prefill` body for dispatched items: consecutive placeholder spans."""
+    from wire.modality import Modality
+
     body, start = [], 0
     for item in items:
         body.append(
@@ -66,7 +68,7 @@ def prefill_body(request_id: str, items, verify: bool) -> dict:
                 if item.encode_handshake
                 else None,
                 "image_b64": base64.b64encode(item.data).decode()
-                if verify and item.modality.name == "IMAGE"
+                if verify and item.modality is Modality.IMAGE
                 else None,
             }
         )
@@ -77,7 +79,7 @@ def prefill_body(request_id: str, items, verify: bool) -> dict:
 def _read_media(settings: DispatchSettings) -> list:
     """Every file the command line names, read: a video by its suffix (.mp4, .mov, .m4v)."""
     from dispatcher.dispatch import Media
-    from multimodal.items import Modality
+    from wire.modality import Modality
 
     media = []
     for path in settings.images:

@@ -32,22 +32,23 @@ import torch
 import yarl
 from PIL import Image
 
-from data_plane.offers import MAX_ROOM_ID
 from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
 from encode_worker.inputs import ALLOWED_FORMATS
-from encode_worker.intake import (
+from handshake.client import HandshakeClient, HandshakeError
+from multimodal.hashing import hash_feature
+from multimodal.items import GRID_KEYS, MultimodalDataItem
+from multimodal.rows import grid_rows, image_grid
+from multimodal.video import BadVideo, read_header, sample_and_size
+from wire.addresses import EncodeHandshake, Endpoint
+from wire.intake import (
     AsyncIntakeClient,
     IntakeBusy,
     IntakeRefused,
     IntakeRequest,
     IntakeStatus,
 )
-from handshake.client import HandshakeClient, HandshakeError
-from multimodal.hashing import hash_feature
-from multimodal.items import GRID_KEYS, Modality, MultimodalDataItem
-from multimodal.rows import grid_rows, image_grid
-from multimodal.video import BadVideo, read_header, sample_and_size
-from multimodal.wire import EncodeHandshake, Endpoint
+from wire.modality import Modality
+from wire.offers import MAX_ROOM_ID
 
 log = logging.getLogger(__name__)
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
@@ -161,7 +162,7 @@ class Dispatcher:
         items = []
         for index, entry in enumerate(media):
             entry = entry if isinstance(entry, Media) else Media(entry)
-            kind = "video" if entry.modality is Modality.VIDEO else "image"
+            kind = entry.modality.vllm_name
             label = names[index] if names else f"{kind} {index}"
             data = entry.data
             if not data or len(data) > MAX_IMAGE_BYTES:
@@ -369,7 +370,7 @@ class Dispatcher:
         request = IntakeRequest(
             request_id=f"{request_id}.{item.index}",
             model=self.served_model,
-            modality=item.modality.name,
+            modality=item.modality,
             content_hash=item.content_hash,
             encode_handshake=item.encode_handshake,
             source="bytes",

@@ -10,9 +10,9 @@ from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import NoDecode
 
 from dispatcher.workers import WorkerAddress
-from multimodal.wire import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
 from process_settings import Port, ProcessorKwargs, SettingError, check_checkpoint
 from process_settings.secrets import HandshakeToken, IntakeToken
+from wire.addresses import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
 
 
 def _workers(value: object) -> tuple[WorkerAddress, ...]:

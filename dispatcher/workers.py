@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from dispatcher.ring import HashRing
-from multimodal.wire import (
+from wire.addresses import (
     DEFAULT_BOOTSTRAP_PORT,
     DEFAULT_INTAKE_PORT,
     Endpoint,

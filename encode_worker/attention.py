@@ -6,17 +6,18 @@ implementation's name says "flash": then it calls it once per layer with the pac
 boundaries (``cu_seqlens``). ``VARLEN`` is registered in transformers' ``AttentionInterface`` under
 such a name, so the model classes and checkpoints stay transformers' own:
 
-* on CUDA in bf16 / fp16, PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention,
-  inside the CUDA wheel since torch 2.10): one kernel over every sequence of the batch;
-* elsewhere (the CPU, float32, an older torch): one ``scaled_dot_product_attention`` call over the
-  sequences padded to the longest, a key-padding mask keeping each in its own (no mask when they
-  are all as long).
+* on CUDA in bf16 / fp16 (compute capability 8.0 on), PyTorch's
+  ``torch.nn.attention.varlen.varlen_attn`` (Flash Attention, inside the CUDA wheel since torch
+  2.10): one kernel over every sequence of the batch;
+* elsewhere (the CPU, float32, an older GPU or torch): one ``scaled_dot_product_attention`` call
+  over the sequences padded to the longest, a key-padding mask keeping each in its own (no mask
+  when they are all as long).
 
 Numerics: both compute what the reference computes, in another order of float operations: rows
 differ from the reference path's by rounding (tests hold them to cosine >= 0.9999 on the CPU), and
 an item in a batch is not bit-equal to the item alone (the padding, or Flash's tiling, follows the
 batch). The reference path (``reference``) keeps the worker's bit-exact batch invariance on the
-CPU; ``auto`` takes ``varlen`` on CUDA only.
+CPU; ``auto`` takes ``varlen`` only where the Flash kernel runs.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ AttentionPath = Literal["varlen", "reference"]  # what a VisionAttention choice 
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def resolve(choice: VisionAttention, device: str) -> AttentionPath:
-    """The path ``choice`` means on ``device``: ``auto`` is ``varlen`` on CUDA, else
-    ``reference``."""
+def resolve(choice: VisionAttention, device: str, dtype: torch.dtype) -> AttentionPath:
+    """The path ``choice`` means for a tower in ``dtype`` on ``device``: ``auto`` is ``varlen``
+    where PyTorch's Flash varlen kernel runs (CUDA, compute capability 8.0 or later, bf16 or
+    fp16), else ``reference``."""
     if choice == "auto":
-        return "varlen" if torch.device(device).type == "cuda" else "reference"
+        return "varlen" if flash_available(torch.device(device), dtype) else "reference"
     return choice
 
 
@@ -60,7 +62,7 @@ def kernel(device: str, dtype: torch.dtype, path: AttentionPath) -> str:
     """What runs each layer's attention, in words (start-up log, benchmark reports)."""
     if path == "reference":
         return "sdpa per sequence (transformers' reference loop)"
-    if _flash_varlen(torch.device(device), dtype):
+    if flash_available(torch.device(device), dtype):
         return "flash varlen (torch.nn.attention.varlen), one call per layer"
     return "sdpa over padded sequences, one call per layer"
 
@@ -84,15 +86,26 @@ def varlen_attention(
         raise ValueError(f"{VARLEN} needs cu_seqlens: call it through the Qwen-VL vision towers")
     if max_length_q is None:  # a Python int when the tower precomputed it (no device sync)
         max_length_q = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
-    if _flash_varlen(query.device, query.dtype):
+    if flash_available(query.device, query.dtype):
         out = _flash(query, key, value, cu_seq_lens_q, int(max_length_q), scaling)
     else:
         out = _padded_sdpa(query, key, value, cu_seq_lens_q, int(max_length_q), scaling)
     return out.unsqueeze(0), None
 
 
-def _flash_varlen(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cuda" and dtype in FLASH_DTYPES and _varlen_attn() is not None
+def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether PyTorch's Flash varlen kernel runs for ``dtype`` on ``device``."""
+    return (
+        device.type == "cuda"
+        and dtype in FLASH_DTYPES
+        and _varlen_attn() is not None
+        and _capability(device.index) >= (8, 0)  # PyTorch's Flash kernels: Ampere on
+    )
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache
@@ -121,17 +134,19 @@ def _flash(query, key, value, cu_seqlens, max_len, scaling):
 
 
 def _padded_sdpa(query, key, value, cu_seqlens, max_len, scaling):
-    tokens = query.shape[2]
+    """Every sequence padded to the longest, in one SDPA call; index arithmetic only (no
+    boolean-mask indexing, which would wait for a GPU)."""
+    tokens, device = query.shape[2], query.device
     cu = cu_seqlens.to(torch.int64)
     sequences = cu.numel() - 1
-    positions = torch.arange(max_len, device=query.device)
-    valid = positions < (cu[1:] - cu[:-1])[:, None]  # [B, L]
+    positions = torch.arange(max_len, device=device)
     index = (cu[:-1, None] + positions).clamp_(max=tokens - 1)  # padding reads a real token
 
     def pack(t: torch.Tensor) -> torch.Tensor:  # [1, H, N, D] -> [B, H, L, D]
         return t[0][:, index].transpose(0, 1)
 
     every_one_full = sequences * max_len == tokens
+    valid = positions < (cu[1:] - cu[:-1])[:, None]  # [B, L]
     out = F.scaled_dot_product_attention(
         pack(query),
         pack(key),
@@ -139,5 +154,10 @@ def _padded_sdpa(query, key, value, cu_seqlens, max_len, scaling):
         attn_mask=None if every_one_full else valid[:, None, None, :],
         scale=scaling,
     )
-    out = out.transpose(1, 2)  # [B, L, H, D]
-    return out.reshape(tokens, *out.shape[2:]) if every_one_full else out[valid]
+    heads, dim = out.shape[1], out.shape[3]
+    out = out.transpose(1, 2).reshape(sequences * max_len, heads, dim)
+    if every_one_full:
+        return out
+    token = torch.arange(tokens, device=device)
+    sequence = torch.searchsorted(cu[1:], token, right=True)  # the sequence each token is in
+    return out[sequence * max_len + token - cu[sequence]]

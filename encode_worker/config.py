@@ -11,9 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from data_plane.offers import TRANSPORT_NAMES
 from handshake.settings import RoomTableSettings
-from multimodal.wire import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
 from process_settings import (
     AdvertisedHost,
     AnyPort,
@@ -29,6 +27,8 @@ from process_settings import (
     VisionAttention,
 )
 from process_settings.secrets import HandshakeToken, IntakeToken
+from wire.addresses import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
+from wire.offers import TRANSPORT_NAMES
 
 # Decoded pixels of one image, checked from the header (or the shape) before decoding: a small
 # file may declare a huge image, and decoding and preprocessing cost memory and CPU in proportion
@@ -91,7 +91,8 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
         "auto",
         description="the tower's attention: varlen (one call per layer over the whole batch: "
         "Flash varlen on CUDA in bf16/fp16, padded SDPA elsewhere), reference (transformers' "
-        "per-sequence loop; bit-exact batch invariance on the CPU), auto (varlen on CUDA)",
+        "per-sequence loop; bit-exact batch invariance on the CPU), auto (varlen where Flash "
+        "runs: CUDA, compute capability 8.0 on, bf16/fp16)",
     )
     preprocess_workers: PositiveInt | None = Field(
         None,

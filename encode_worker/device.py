@@ -55,10 +55,11 @@ class QueuedBatch:
         self._done = events is None
         if self._done:
             on_done(seconds)
+            self._on_done = None  # it holds the batch's jobs: let them go with it
 
     def wait(self) -> float:
-        """Block until the batch's rows are in host memory; the device seconds it took.
-        ``DeviceLost`` when the device failed meanwhile."""
+        """Block (asleep: the event is a blocking one) until the batch's rows are in host memory;
+        the device seconds it took. ``DeviceLost`` when the device failed meanwhile."""
         with self._lock:
             if not self._done:
                 if self._events is not None:
@@ -70,6 +71,7 @@ class QueuedBatch:
                     self._seconds = started.elapsed_time(finished) / 1000
                 self._done = True
                 self._on_done(self._seconds)
+                self._on_done = self._events = None  # they hold the batch: let it go
             return self._seconds
 
 
@@ -133,7 +135,7 @@ class TowerDevice:
                 host.copy_(rows, non_blocking=True)
                 rows.record_stream(self._copy)
                 hosts.append(host)
-        finished = torch.cuda.Event(enable_timing=True)
+        finished = torch.cuda.Event(enable_timing=True, blocking=True)  # waited for asleep
         finished.record(self._copy)
         return hosts, QueuedBatch(events=(started, finished), on_done=on_done)
 
@@ -171,7 +173,9 @@ class TowerDevice:
             stream = self._local.stream = torch.cuda.Stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             yield
-        stream.synchronize()
+        done = torch.cuda.Event(blocking=True)  # waited for asleep, not spinning on a core
+        done.record(stream)
+        done.synchronize()
 
     def upload(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on the device (inside ``preparing``)."""

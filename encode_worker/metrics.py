@@ -10,10 +10,11 @@ from prometheus_client.core import CounterMetricFamily
 
 from data_plane.pool import SlotPool
 from encode_worker.cache import EmbeddingCache, InFlightEncodes
-from encode_worker.intake import IntakeStatus
 from encode_worker.scheduler import BatchQueue
-from handshake.models import RoomState
 from metrics import LATENCY_BUCKETS
+from wire.intake import IntakeStatus
+from wire.modality import Modality
+from wire.rooms import RoomState
 
 
 class WorkerMetrics:
@@ -99,11 +100,11 @@ class WorkerMetrics:
         ).set_function(lambda: ring.stats()["leased_slots"] / ring.slot_count)
         registry.register(_CacheCounters(cache, encodes))
 
-    def count(self, modality: str, status: IntakeStatus | RoomState) -> None:
+    def count(self, modality: Modality, status: IntakeStatus | RoomState) -> None:
         """One item's intake answer (``epd_encoder_intake_total{result}``) or room end
         (``epd_encoder_items_total{outcome}``), as the enum's value in lower case."""
         family = self.intake if isinstance(status, IntakeStatus) else self.outcomes
-        family.labels(modality, status.value.lower()).inc()
+        family.labels(modality.name, status.value.lower()).inc()
 
 
 class _CacheCounters:

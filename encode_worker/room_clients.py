@@ -20,10 +20,11 @@ from collections.abc import Callable, Iterable
 from encode_worker.scheduler import EncodeJob
 from handshake.access import LocalRooms, RemoteRooms
 from handshake.client import HandshakeClient
-from handshake.models import FailBody
 from handshake.rooms import RoomError, RoomTable
 from loop_threads import LoopThread
-from multimodal.wire import EncodeHandshake, Endpoint, canonical_host
+from wire.addresses import EncodeHandshake, Endpoint, canonical_host
+from wire.modality import Modality
+from wire.rooms import FailBody
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}
@@ -190,7 +191,7 @@ class RoomFailer:
             return len(self._failing)
 
     def fail(
-        self, handshake: EncodeHandshake, reason: str, modality: str, counted: bool = True
+        self, handshake: EncodeHandshake, reason: str, modality: Modality, counted: bool = True
     ) -> None:
         """``counted=False``: intake's own refusal of a bad item, counted as intake's answer
         rather than as an accepted item's end."""

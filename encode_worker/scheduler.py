@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from multimodal.wire import EncodeHandshake
+from wire.addresses import EncodeHandshake
+from wire.modality import Modality
 
 if TYPE_CHECKING:
     from encode_worker.inputs import VideoPlan
@@ -34,7 +35,7 @@ class EncodeJob:
     source: str  # "bytes" | "pixels" | "shm"
     payload: Any  # bytes, uint8 [H, W, 3] or [T, H, W, 3] tensor, or ShmTensorHandle
     patches: int  # from the grid intake sized the item to, for batching
-    modality: str = "IMAGE"  # "IMAGE" | "VIDEO"
+    modality: Modality = Modality.IMAGE
     pixels: int = 0  # the item's decoded pixels (a video's: all its sampled frames')
     nbytes: int = 0  # payload bytes this job holds in this process (an SHM handle's: none yet)
     grid_thw: tuple[int, int, int] | None = None  # what the processor must make of it (checked)

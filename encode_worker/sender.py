@@ -2,7 +2,7 @@
 
 Per item: wait (bounded, long-poll, no spinning) for the room's receiver, and fail the room
 when none came in time (its receiver, arriving later, learns it at once); pick the transport
-from what both sides offer, in the registry's preference order (``data_plane.offers.TRANSPORTS``:
+from what both sides offer, in the registry's preference order (``wire.offers.TRANSPORTS``:
 SHM on the same node, else Mooncake; loopback in tests); check rows x
 width x dtype and capacity before any byte moves; begin the write; write; commit with the slot
 generation and a checksum. Any failure fails only this room, with a reason the receiver can read.
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from data_plane.commit import EmbeddingLayout
-from data_plane.offers import TRANSPORT_NAMES
 from data_plane.pool import Lease, SlotPool
 from data_plane.transport import (
     CompletionPoller,
@@ -48,10 +47,12 @@ from data_plane.transport import (
     Transport,
 )
 from handshake.client import HandshakeError
-from handshake.models import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
 from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound
 from loop_threads import LoopThread, name_os_thread
-from multimodal.wire import EncodeHandshake
+from wire.addresses import EncodeHandshake
+from wire.modality import Modality
+from wire.offers import TRANSPORT_NAMES
+from wire.rooms import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
 
 log = logging.getLogger(__name__)
 INLINE_WRITE_BYTES = (
@@ -68,7 +69,7 @@ class StagedItem:
     checksum: int | None
     timings: dict[str, float | bool]
     grid_thw: tuple[int, int, int] | None = None
-    modality: str = "IMAGE"
+    modality: Modality = Modality.IMAGE
 
     @property
     def room(self) -> int:
@@ -96,7 +97,7 @@ class Outcome:
     timings: dict[
         str, float | bool
     ]  # EncodeTimings' fields: queue_s, encode_s, wait_s, transfer_s, cache_hit
-    modality: str = "IMAGE"
+    modality: Modality = Modality.IMAGE
 
 
 class Sender:

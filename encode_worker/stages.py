@@ -23,7 +23,7 @@ import io
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,14 +48,6 @@ from encode_worker.inputs import (
     plan_video_frames,
     video_frames,
 )
-from encode_worker.intake import (
-    QUEUE_FULL_RETRY_S,
-    IntakeRefused,
-    IntakeReply,
-    IntakeRequest,
-    IntakeStatus,
-    parse_request,
-)
 from encode_worker.messages import (
     EncodedBatch,
     Handoff,
@@ -72,8 +64,17 @@ from handshake.rooms import RoomConflict, RoomError, RoomsFull
 from loop_threads import name_os_thread, nice_this_thread
 from multimodal.hashing import hash_feature
 from multimodal.rows import RowContractError, image_grid, split_rows
-from multimodal.wire import endpoint_url
 from process_settings import SettingError
+from wire.addresses import endpoint_url
+from wire.intake import (
+    QUEUE_FULL_RETRY_S,
+    IntakeRefused,
+    IntakeReply,
+    IntakeRequest,
+    IntakeStatus,
+    parse_request,
+)
+from wire.modality import Modality
 
 if TYPE_CHECKING:
     from encode_worker.config import WorkerConfig
@@ -163,7 +164,7 @@ class Intake:
                 frames, self.config.max_payload_bytes, self.config.intake_token, self.served_model
             )
         except IntakeRefused as exc:
-            self.metrics.count("IMAGE", IntakeStatus.REFUSED)
+            self.metrics.count(Modality.IMAGE, IntakeStatus.REFUSED)
             self.item_log.warning("intake refused an item (room %s): %s", exc.room, exc)
             return IntakeReply(status=IntakeStatus.REFUSED, room=exc.room, reason=str(exc))
         room = request.encode_handshake.bootstrap_room
@@ -246,7 +247,7 @@ class Intake:
         """The item as a job, from what intake can see without decoding (the image's header, the
         video's container header, the shape, the SHM name); ``BadItem`` for an item that must not
         go further."""
-        if request.modality == "VIDEO":
+        if request.modality is Modality.VIDEO:
             source_payload, grid, pixels, video = self._video(request, payload)
         else:
             source_payload, grid, pixels = self._image(request, payload)
@@ -341,7 +342,7 @@ class Prepare:
     """Decode and preprocess one batch; look each item up in the cache. A bad item fails its
     room. With ``workers`` above one, the batch's items are decoded and preprocessed in parallel
     by that many threads (bounded: at most one batch is in their hands), each with one torch
-    thread; with one, in this stage's own thread, with ``torch_threads`` (None: the process's).
+    thread; with one, in this stage's own thread, with ``torch_threads``.
     Each item's tower inputs end on the tower's device (``TowerDevice.preparing``: uploads overlap
     the tower's work); with ``on_device``, an image's resize and normalisation run there too."""
 
@@ -360,7 +361,7 @@ class Prepare:
         workers: int = 1,
         niceness: int = 0,
         on_device: bool = False,
-        torch_threads: int | None = None,
+        torch_threads: int = 1,
     ):
         self.queue = queue
         self.tower = tower
@@ -386,8 +387,7 @@ class Prepare:
         )
 
     def loop(self) -> None:
-        if self.torch_threads is not None:
-            torch.set_num_threads(self.torch_threads)
+        torch.set_num_threads(self.torch_threads)
         while not self._stopping.is_set():
             batch = self.queue.take_batch(TAKE_BATCH_S)
             if not batch:
@@ -413,23 +413,30 @@ class Prepare:
                     job.timings.update(queue_s=time.monotonic() - job.received_at, cache_hit=True)
                     ready.append(ReadyItem(job, cached))
                 elif leads:
-                    if self._pool is None:
-                        leaders.append((job, key, self._prepared(job, shm_pixels)))
-                    else:
-                        leaders.append(
-                            (job, key, self._pool.submit(self._prepared, job, shm_pixels))
-                        )
+                    leaders.append((job, key, self._start(job, shm_pixels)))
                 # else: it waits for the identical item in flight (TowerStage hands it over)
             except BadItem as exc:
                 self.failer.fail(job.handshake, str(exc), job.modality)
         for job, key, outcome in leaders:
-            inputs = outcome.result() if isinstance(outcome, Future) else outcome
+            try:
+                inputs = outcome.result() if isinstance(outcome, Future) else outcome
+            except CancelledError:  # the worker stopped before a pool thread took it
+                inputs = SHUTTING_DOWN
             if isinstance(inputs, TowerInputs):
                 misses.append(Miss(job, key, inputs))
                 continue
             self.failer.fail(job.handshake, inputs, job.modality)
             self._abandon(key, f"an identical item failed: {inputs}")
         return PreparedBatch(misses, ready)
+
+    def _start(self, job: EncodeJob, shm_pixels: torch.Tensor | None) -> TowerInputs | str | Future:
+        """The item's preparation: done here, or handed to a pool thread."""
+        if self._pool is None:
+            return self._prepared(job, shm_pixels)
+        try:
+            return self._pool.submit(self._prepared, job, shm_pixels)
+        except RuntimeError:  # the pool is shut down: the worker is stopping
+            return SHUTTING_DOWN
 
     def _prepared(self, job: EncodeJob, shm_pixels: torch.Tensor | None) -> TowerInputs | str:
         """The item's tower inputs, or why it has none (its room fails with that reason): never
@@ -514,9 +521,11 @@ class TowerStage:
         inbox: Handoff[PreparedBatch],
         out: Handoff[EncodedBatch],
         stopping: threading.Event,
+        torch_threads: int = 1,
     ):
         self.tower = tower
         self.device = device
+        self.torch_threads = torch_threads
         self.encodes = encodes
         self.metrics = metrics
         self.health = health
@@ -526,8 +535,7 @@ class TowerStage:
         self._stopping = stopping
 
     def loop(self) -> None:
-        if self.device.is_cuda:
-            torch.set_num_threads(1)  # this thread only queues GPU work
+        torch.set_num_threads(self.torch_threads)
         while not self._stopping.is_set():
             prepared = self.inbox.get()
             if prepared is None:
@@ -575,6 +583,7 @@ class TowerStage:
             return self._fail(misses, self.health.device_failure)
         started, cpu_started = time.monotonic(), time.thread_time()
         grid_thw = torch.cat([miss.inputs.grid_thw for miss in misses])
+        refusal = None
         try:
             with self.device.computing():
                 parts = [miss.inputs.pixel_values for miss in misses]
@@ -588,7 +597,11 @@ class TowerStage:
                     rows, begun, time.monotonic() - started, self._done(misses)
                 )
         except (RuntimeError, ValueError, RowContractError) as exc:
-            return self._refused(misses, exc)
+            # without its traceback: the failed call's frames (its activations on the device)
+            # are freed before anything is tried again
+            refusal = exc.with_traceback(None)
+        if refusal is not None:
+            return self._refused(misses, refusal)
         self.metrics.encode_cpu_seconds.inc(time.thread_time() - cpu_started)
         self.metrics.batch_items.observe(len(misses))
         for miss in misses:
@@ -651,8 +664,10 @@ class StageAndSend:
         health: Health,
         inbox: Handoff[EncodedBatch],
         stopping: threading.Event,
+        torch_threads: int = 1,
     ):
         self.ring = ring
+        self.torch_threads = torch_threads
         self.sender = sender
         self.receiver_wait_s = receiver_wait_s
         self.with_checksum = with_checksum
@@ -662,6 +677,7 @@ class StageAndSend:
         self._stopping = stopping
 
     def loop(self) -> None:
+        torch.set_num_threads(self.torch_threads)
         while not self._stopping.is_set():
             encoded = self.inbox.get()
             for item in encoded.ready if encoded is not None else ():

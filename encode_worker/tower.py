@@ -141,7 +141,7 @@ class VisionTower:
             device,
             model_id=os.path.abspath(directory),
             video_processor=video_processor,
-            attention_path=attention.resolve(vision_attention, device),
+            attention_path=attention.resolve(vision_attention, device, torch_dtype),
         )
 
     def rows_per_item(self, grid_thw: torch.Tensor) -> list[int]:

@@ -18,11 +18,12 @@ import json
 import logging
 import threading
 import zlib
+from dataclasses import dataclass
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from data_plane.mooncake import MooncakeConfig
-from data_plane.offers import transport_spec
 from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.transport import build_transports
 from encode_worker.cache import EmbeddingCache, InFlightEncodes
@@ -37,13 +38,41 @@ from encode_worker.sender import Outcome, Sender
 from encode_worker.stages import SHUTTING_DOWN, Intake, Prepare, StageAndSend, TowerStage
 from encode_worker.tower import VisionTower
 from handshake.app import create_app
-from handshake.models import RoomState
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from loop_threads import LoopThread, named_thread
 from process_settings import SettingError, check_checkpoint, check_listen, served_name
+from wire.offers import transport_spec
+from wire.rooms import RoomState
 
 log = logging.getLogger(__name__)
+
+
+# The process's intra-op threads as the environment set them, read before any stage sets its own.
+PROCESS_TORCH_THREADS = torch.get_num_threads()
+
+
+@dataclass(frozen=True)
+class StageThreads:
+    """Torch's intra-op threads for each stage's thread, set by each stage at its start (torch's
+    count is one for the process: the last ``set_num_threads`` is what a thread's first op takes,
+    so each stage sets its own). The preprocessing pool's threads take one each."""
+
+    prepare: int
+    tower: int
+    stage: int
+
+    @classmethod
+    def for_device(cls, device: TowerDevice) -> StageThreads:
+        cores = PROCESS_TORCH_THREADS
+        if device.is_cuda:
+            # The tower thread only queues GPU work, and preprocessing in one thread takes one:
+            # an H100 host's 16 intra-op threads around ~5 ms of preprocessing burned ~30 ms of
+            # CPU per image (docs/performance.md).
+            return cls(prepare=1, tower=1, stage=cores)
+        # Beside a CPU tower, preprocessing shares the cores with it (one thread there cost a
+        # fifth of batched items/s on 2 cores, docs/performance.md).
+        return cls(prepare=cores, tower=cores, stage=cores)
 
 
 class EncodeWorker:
@@ -173,6 +202,7 @@ class EncodeWorker:
             item_log,
             self._stopping,
         )
+        threads = StageThreads.for_device(self.device)
         self.prepare = Prepare(
             self.queue,
             self.tower,
@@ -187,11 +217,7 @@ class EncodeWorker:
             workers=config.preprocess_workers,
             niceness=config.media_niceness,
             on_device=config.preprocess_device == "tower",
-            # Preprocessing in this stage's thread beside a CPU tower shares the cores with it (one
-            # torch thread there cost 20 % of batched items/s on 2 cores, docs/performance.md);
-            # beside a GPU tower it takes one, as each pool thread does: an H100 host's 16
-            # intra-op threads around 5 ms of preprocessing burned 30 ms of CPU per image.
-            torch_threads=1 if self.device.is_cuda else None,
+            torch_threads=threads.prepare,
         )
         self.tower_stage = TowerStage(
             self.tower,
@@ -203,6 +229,7 @@ class EncodeWorker:
             self._prepared,
             self._encoded,
             self._stopping,
+            torch_threads=threads.tower,
         )
         self.stage_and_send = StageAndSend(
             self.ring,
@@ -213,6 +240,7 @@ class EncodeWorker:
             self.health,
             self._encoded,
             self._stopping,
+            torch_threads=threads.stage,
         )
         self._threads: list[threading.Thread] = []
         self.server: ThreadedServer | None = None

@@ -55,9 +55,9 @@ from gateway.chat import (
 from gateway.media import MediaError, MediaFetcher
 from gateway.settings import GatewaySettings
 from metrics import LATENCY_BUCKETS
-from multimodal.items import Modality
-from prefill_side.ec_params import DeliveryReport, ItemDelivery, identifier
 from process_settings import check_checkpoint
+from wire.ec_params import DeliveryReport, ItemDelivery, identifier
+from wire.modality import Modality
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from wire.modality import BY_VLLM_NAME
+
 MAX_MESSAGES = 1024
 MAX_URL_CHARS = 128 << 20  # a data: URI of the largest item the gateway takes, with room to spare
-KINDS = ("image", "video")  # a part of type f"{kind}_url" carries one; f"{kind}_embeds" is ours
+KINDS = tuple(BY_VLLM_NAME)  # a part of type f"{kind}_url" carries one; f"{kind}_embeds" is ours
 
 
 class ChatRequestError(ValueError):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 
 from handshake.client import SyncHandshakeClient
-from handshake.models import BeginWrite, CommitBody, FailBody, RoomView
 from handshake.rooms import RoomError, RoomNotFound, RoomTable
+from wire.rooms import BeginWrite, CommitBody, FailBody, RoomView
 
 
 class LocalRooms:

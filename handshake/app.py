@@ -30,7 +30,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
-from handshake.models import (
+from handshake.rooms import RoomError, RoomsFull, RoomTable
+from metrics import LATENCY_BUCKETS, PROBE_PATHS, exposition_registry
+from wire.rooms import (
     MAX_ROOM_ID,
     MAX_WAIT_S,
     BatchResponse,
@@ -45,8 +47,6 @@ from handshake.models import (
     RoomView,
     WatchRequest,
 )
-from handshake.rooms import RoomError, RoomsFull, RoomTable
-from metrics import LATENCY_BUCKETS, PROBE_PATHS, exposition_registry
 
 MAX_BODY_BYTES = 1 << 20
 SWEEP_INTERVAL_S = 0.1

@@ -17,7 +17,8 @@ import aiohttp
 import yarl
 from pydantic import BaseModel, ValidationError
 
-from handshake.models import (
+from loop_threads import LoopThread
+from wire.rooms import (
     BatchResponse,
     BeginWrite,
     BeginWriteRequest,
@@ -35,7 +36,6 @@ from handshake.models import (
     WatchItem,
     WatchRequest,
 )
-from loop_threads import LoopThread
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 # Idle pooled connections are dropped after this; the server keeps them longer (handshake.server),

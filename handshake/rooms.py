@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from handshake.models import (
+from wire.rooms import (
     MAX_ROOM_ID,
     BeginWrite,
     CommitBody,

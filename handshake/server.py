@@ -19,13 +19,13 @@ from handshake.app import MAX_BODY_BYTES, HandshakeAPI, create_app
 from handshake.rooms import RoomTable
 from handshake.settings import RoomTableSettings
 from loop_threads import LoopThread
-from multimodal.wire import DEFAULT_BOOTSTRAP_PORT, Endpoint
 from process_settings import Port, PositiveByteSize, SettingError, check_listen, refuse
 from process_settings.secrets import (
     HANDSHAKE_TOKEN_ENV,
     HANDSHAKE_TOKEN_FILE_ENV,
     HandshakeToken,
 )
+from wire.addresses import DEFAULT_BOOTSTRAP_PORT, Endpoint
 
 log = logging.getLogger(__name__)
 

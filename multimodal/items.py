@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from enum import Enum, auto
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 
 from data_plane.shm import ShmTensorHandle
 from multimodal.hashing import hash_feature
+from wire.modality import Modality
 
 # A placeholder token's id is rewritten to ``MM_PAD_BASE + (hash & MM_PAD_HASH_MASK)`` so that
 # repeated features share a substitute id and prefix-match in a text-only prefix cache. The base
@@ -41,12 +41,6 @@ def maybe_substitute_mm_pad(input_ids: torch.Tensor, substitute_id: int | None) 
     if substitute_id is None:
         return input_ids
     return input_ids.masked_fill(is_mm_pad_value(input_ids), substitute_id)
-
-
-class Modality(Enum):
-    IMAGE = auto()
-    VIDEO = auto()
-    AUDIO = auto()
 
 
 # Where an item's ``model_specific_data`` holds its patch grid ``[[t, h, w]]``, by modality (the

@@ -2,7 +2,7 @@
 from encode workers (SHM on the same node, Mooncake otherwise), with fallback and fast failure."""
 
 from prefill_side.receiver import ItemOutcome, PrefillReceiver, ReceiveJob, ReceiverConfig
-from prefill_side.states import ItemState, JobState
+from wire.states import ItemState, JobState
 
 __all__ = [
     "ItemOutcome",

@@ -38,12 +38,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit, verify_rows
 from data_plane.dtypes import dtype_to_wire
-from data_plane.offers import DTYPE_NAMES, MAX_WIDTH, TransportUnavailable, transport_spec
 from data_plane.pool import Lease, MemoryRegion, NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmError
-from data_plane.transport import build_transports
+from data_plane.transport import TransportUnavailable, build_transports
 from handshake.client import HandshakeClient, HandshakeError
-from handshake.models import (
+from loop_threads import LoopThread
+from metrics import LATENCY_BUCKETS
+from multimodal.items import GRID_KEYS, MultimodalDataItem, MultimodalInputs
+from multimodal.rows import RowContractError, item_rows
+from wire.addresses import EncodeHandshake, Endpoint
+from wire.offers import DTYPE_NAMES, MAX_WIDTH, transport_spec
+from wire.rooms import (
     MAX_BATCH,
     MAX_DEADLINE_S,
     MAX_WAIT_S,
@@ -51,12 +56,7 @@ from handshake.models import (
     Registration,
     RoomState,
 )
-from loop_threads import LoopThread
-from metrics import LATENCY_BUCKETS
-from multimodal.items import GRID_KEYS, MultimodalDataItem, MultimodalInputs
-from multimodal.rows import RowContractError, item_rows
-from multimodal.wire import EncodeHandshake, Endpoint
-from prefill_side.states import ItemState, JobState
+from wire.states import ItemState, JobState
 
 log = logging.getLogger(__name__)
 

@@ -34,16 +34,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from data_plane.commit import checksum
-from data_plane.json_fields import JsonBool, json_float, json_int
-from data_plane.offers import TRANSPORT_NAMES
 from handshake.app import BodyLimit
-from handshake.models import EncodeTimings
 from metrics import exposition_registry
-from multimodal.items import GRID_KEYS, Modality, MultimodalDataItem, MultimodalInputs
+from multimodal.items import GRID_KEYS, MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError
-from multimodal.wire import EncodeHandshake
 from prefill_side.receiver import PrefillReceiver, ReceiverConfig
-from prefill_side.states import ItemState
 from process_settings import (
     AdvertisedHost,
     Dtype,
@@ -59,6 +54,12 @@ from process_settings import (
     served_name,
 )
 from process_settings.secrets import HandshakeToken
+from wire.addresses import EncodeHandshake
+from wire.json_fields import JsonBool, json_float, json_int
+from wire.modality import EncodedModality, Modality
+from wire.offers import TRANSPORT_NAMES
+from wire.rooms import EncodeTimings
+from wire.states import ItemState
 
 MAX_IMAGE_B64 = 48 << 20
 MAX_BODY_BYTES = 256 << 20  # a request's whole body: items, and image bytes when they travel
@@ -66,7 +67,7 @@ MAX_BODY_BYTES = 256 << 20  # a request's whole body: items, and image bytes whe
 
 class PrefillItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    modality: Literal["IMAGE", "VIDEO"] = "IMAGE"
+    modality: EncodedModality = Modality.IMAGE
     offsets: list[tuple[json_int(ge=0), json_int(ge=0)]] = Field(min_length=1, max_length=64)
     encode_handshake: EncodeHandshake | None = None
     # an image's file, for the local tower (fallback, verify); videos are received only
@@ -78,7 +79,7 @@ class PrefillItem(BaseModel):
 
     @model_validator(mode="after")
     def _image_bytes_for_images(self) -> PrefillItem:
-        if self.image_b64 is not None and self.modality != "IMAGE":
+        if self.image_b64 is not None and self.modality is not Modality.IMAGE:
             raise ValueError("image_b64 is for image items: a video item's rows are received only")
         return self
 
@@ -170,11 +171,11 @@ def create_app(
                 )
             items.append(
                 MultimodalDataItem(
-                    Modality[entry.modality],
+                    entry.modality,
                     offsets=[list(span) for span in entry.offsets],
                     feature=feature,
                     model_specific_data={
-                        GRID_KEYS[Modality[entry.modality]]: torch.tensor([list(entry.grid_thw)])
+                        GRID_KEYS[entry.modality]: torch.tensor([list(entry.grid_thw)])
                     }
                     if entry.grid_thw
                     else {},
@@ -436,10 +437,10 @@ def _start(settings: PrefillSettings):
     """Check every setting, load the tower, reserve the pool: ``(receiver, tower)``, or
     ``SettingError`` with the one line to print."""
     from data_plane.mooncake import MooncakeConfig
-    from data_plane.offers import TransportUnavailable, transport_spec
     from data_plane.shm import ShmError
-    from data_plane.transport import build_transports
+    from data_plane.transport import TransportUnavailable, build_transports
     from process_settings import check_checkpoint, check_listen, check_memory, check_shm_space
+    from wire.offers import transport_spec
 
     check_listen(settings.host, settings.port, "--port")
     check_memory(settings.pool_bytes, "--pool-bytes")

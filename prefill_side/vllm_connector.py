@@ -56,16 +56,17 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from data_plane.dtypes import dtype_from_wire, dtype_to_wire
 from data_plane.shm import ShmSegment
 from encode_worker.families import FAMILIES
-from multimodal.items import GRID_KEYS, Modality, MultimodalDataItem, MultimodalInputs
-from prefill_side.ec_params import (
+from multimodal.items import GRID_KEYS, MultimodalDataItem, MultimodalInputs
+from process_settings.values import AdvertisedHost
+from wire.ec_params import (
     DeliveryReport,
     Identifier,
     ItemDelivery,
     TransferParams,
     identifier,
 )
-from prefill_side.states import ItemState, JobState
-from process_settings.values import AdvertisedHost
+from wire.modality import BY_VLLM_NAME, Modality
+from wire.states import ItemState, JobState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,7 +82,6 @@ log = logging.getLogger(__name__)
 # Architectures whose encoder rows are one [rows, text hidden size] tensor per item, as the encode
 # worker writes them, and that the tests run end to end.
 SUPPORTED_MODEL_TYPES = tuple(name for name, family in FAMILIES.items() if family.vllm_connector)
-MODALITIES = {"image": Modality.IMAGE, "video": Modality.VIDEO}  # what encode workers encode
 # Keys of an item's processed data that only size its placeholders: an item with nothing else
 # carries no media, so vLLM's tower cannot encode it.
 PLACEHOLDER_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
@@ -419,11 +419,11 @@ class _SchedulerSide:
                 )
                 return None
             feature = request.mm_features[index]
-            if feature.modality not in MODALITIES:
+            if feature.modality not in BY_VLLM_NAME:
                 self._fail(
                     request.request_id,
                     f"item {key!r} is {feature.modality}: only "
-                    f"{', '.join(MODALITIES)} rows are received",
+                    f"{', '.join(BY_VLLM_NAME)} rows are received",
                 )
                 return None
             rows = request.get_num_encoder_embeds(index)
@@ -437,7 +437,7 @@ class _SchedulerSide:
             start = feature.mm_position.offset
             items.append(
                 MultimodalDataItem(
-                    MODALITIES[feature.modality],
+                    BY_VLLM_NAME[feature.modality],
                     offsets=[[start, start + rows - 1]],
                     model_specific_data=known,
                     encode_handshake=handshake.model_dump(),
@@ -705,7 +705,7 @@ def vllm_request(
         if item.encode_handshake is not None and item.error is None
     }
     data, uuids = {}, {}
-    for name, modality in MODALITIES.items():
+    for name, modality in BY_VLLM_NAME.items():
         placed = [i for i in order if items[i].modality is modality]
         if not placed:
             continue

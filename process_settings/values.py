@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator
 from pydantic_settings import NoDecode
 
-from data_plane.offers import TRANSPORT_NAMES
+from wire.offers import TRANSPORT_NAMES
 
 DTYPES = ("bfloat16", "float16", "float32")
 _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -14,7 +14,7 @@ from PIL import Image
 from data_plane.commit import Commit, EmbeddingLayout, accept_commit
 from data_plane.dtypes import dtype_to_wire
 from data_plane.pool import MemoryRegion, SlotPool
-from handshake.models import Registration, RoomState
+from wire.rooms import Registration, RoomState
 
 
 def png(height: int, width: int, seed: int) -> bytes:

@@ -4,8 +4,8 @@ import json
 import urllib.error
 import urllib.request
 
-from data_plane.offers import LoopbackOffer
-from handshake.models import BeginWrite, CommitBody, Registration
+from wire.offers import LoopbackOffer
+from wire.rooms import BeginWrite, CommitBody, Registration
 
 
 def registration(

@@ -9,8 +9,8 @@ import pytest
 
 from encode_worker.config import WorkerConfig
 from encode_worker.scheduler import BatchQueue, EncodeJob
-from multimodal.wire import EncodeHandshake
 from process_settings import SettingError
+from wire.addresses import EncodeHandshake
 
 LONG_S = 60.0  # a window no test waits out: a batch that went early did not wait for it
 

@@ -244,7 +244,7 @@ except SettingError as exc:
 
 
 def test_encode_worker_says_it_started_and_logs_item_failures_once(checkpoint, tmp_path):
-    from encode_worker.intake import IntakeClient
+    from wire.intake import IntakeClient
 
     bootstrap, intake_port = free_port(), free_port()
     log_path = tmp_path / "worker.log"

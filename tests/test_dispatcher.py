@@ -17,12 +17,12 @@ from encode_worker.inputs import image_from_bytes
 from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
 from handshake.app import create_app
-from handshake.models import RoomState
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from multimodal.items import Modality, MultimodalInputs
 from prefill_side import ItemState, JobState
 from tests.encode_helpers import dispatch_to, loopback_stack, mp4
+from wire.rooms import RoomState
 
 # ---- the ring ----------------------------------------------------------------------------------
 
@@ -356,7 +356,7 @@ class BusyWorker:
 
         import zmq
 
-        from encode_worker.intake import (
+        from wire.intake import (
             QUEUE_FULL_RETRY_S,
             IntakeReply,
             IntakeRequest,

@@ -19,7 +19,7 @@ from dispatcher import Dispatcher, WorkerSet
 from dispatcher.cli import prefill_body
 from encode_worker.small_checkpoints import build_vision_only
 from handshake.client import HandshakeClient
-from handshake.models import RoomState
+from wire.rooms import RoomState
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,17 @@ from data_plane.pool import MemoryRegion
 from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle
 from encode_worker.config import WorkerConfig
 from encode_worker.inputs import image_from_bytes
-from encode_worker.intake import IntakeClient
 from encode_worker.scheduler import BatchQueue, EncodeJob
 from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
 from encode_worker.worker import EncodeWorker
-from handshake.models import RoomState
 from handshake.rooms import RoomConflict
 from multimodal.hashing import hash_feature
-from multimodal.wire import EncodeHandshake
 from tests.encode_helpers import Receiver, png
 from tests.waiting import eventually
+from wire.addresses import EncodeHandshake
+from wire.intake import IntakeClient
+from wire.rooms import RoomState
 
 
 @pytest.fixture(scope="module")
@@ -347,10 +347,10 @@ def test_a_receiver_offer_naming_another_segment_is_not_written(no_new_segments,
     """A registration whose SHM offer names an intake handle (or any segment of ours that is not a
     receive pool) used to have the rows written into it: the write is refused, the room fails
     with the reason, and the segment's bytes stay as they were."""
-    from data_plane.offers import ShmOffer
     from data_plane.shm import namespace_id
     from data_plane.shm_transport import ShmTransport
-    from handshake.models import Registration
+    from wire.offers import ShmOffer
+    from wire.rooms import Registration
 
     settings = dict(
         transports=("shm",),

@@ -17,13 +17,13 @@ import torch
 from data_plane.mooncake import MooncakeTransport
 from data_plane.shm_transport import ShmTransport
 from encode_worker.inputs import image_from_bytes
-from encode_worker.intake import IntakeClient
 from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
 from handshake.client import SyncHandshakeClient
-from handshake.models import RoomState
 from tests.encode_helpers import RestReceiver, png
 from tests.waiting import eventually
+from wire.intake import IntakeClient
+from wire.rooms import RoomState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

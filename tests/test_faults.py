@@ -168,10 +168,10 @@ def test_item_larger_than_the_send_ring(lab):
     from data_plane.commit import checksum
     from data_plane.loopback import LoopbackTransport
     from encode_worker.config import WorkerConfig
-    from encode_worker.intake import IntakeClient
     from encode_worker.worker import EncodeWorker
-    from handshake.models import RoomState
     from tests.encode_helpers import Receiver
+    from wire.intake import IntakeClient
+    from wire.rooms import RoomState
 
     loopback = LoopbackTransport()
     config = WorkerConfig(

@@ -23,14 +23,14 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit, checksum
-from data_plane.offers import MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, ShmOffer
 from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle, validate_name
-from encode_worker.intake import MAX_METADATA_BYTES, IntakeRefused, IntakeRequest, parse_request
-from handshake import models
 from handshake.rooms import RoomLimits
 from prefill_side.receiver import ItemOutcome, JobState
 from prefill_side.server import PrefillRequest, create_app
+from wire import rooms as models
+from wire.intake import MAX_METADATA_BYTES, IntakeRefused, IntakeRequest, parse_request
+from wire.offers import MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, ShmOffer
 
 FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=1000)
 SLOW = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=200)
@@ -701,7 +701,7 @@ def _encode_side(
     checksum of the rows committed, by room (SUCCESS only)."""
     from data_plane.dtypes import dtype_from_wire
     from data_plane.transport import TransferState
-    from handshake.models import BeginWrite, CommitBody, RoomState
+    from wire.rooms import BeginWrite, CommitBody, RoomState
 
     committed, todo = {}, dict(plan)
     end = time.monotonic() + seconds

@@ -10,11 +10,11 @@ import pytest
 
 from handshake.app import create_app
 from handshake.client import HandshakeError, SyncHandshakeClient
-from handshake.models import FailBody, RoomState
 from handshake.rooms import RoomLimits, RoomTable
 from handshake.server import ThreadedServer
 from process_settings.secrets import handshake_token as load_token
 from tests.handshake_helpers import begin, commit, get_json, registration
+from wire.rooms import FailBody, RoomState
 
 
 def _serve(**limits_and_token):

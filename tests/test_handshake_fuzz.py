@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from handshake.app import create_app
-from handshake.models import MAX_ROOM_ID
+from wire.rooms import MAX_ROOM_ID
 
 schema = schemathesis.openapi.from_asgi("/openapi.json", create_app())
 

@@ -17,8 +17,8 @@ from dispatcher.cli import prefill_body
 from dispatcher.workers import WorkerAddress
 from encode_worker.small_checkpoints import build_vision_only
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
-from multimodal.wire import EncodeHandshake, Endpoint
 from prefill_side import JobState, PrefillReceiver, ReceiverConfig
+from wire.addresses import EncodeHandshake, Endpoint
 
 
 def _has_ipv6_loopback() -> bool:

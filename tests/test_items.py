@@ -18,7 +18,7 @@ from multimodal.items import (
     maybe_substitute_mm_pad,
 )
 from multimodal.rows import RowContractError, item_rows, split_rows
-from multimodal.wire import EncodeHandshake
+from wire.addresses import EncodeHandshake
 
 
 def test_pad_value_derives_from_hash_and_is_recognised():

@@ -144,11 +144,11 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
     in it; a request during the quarantine is refused (no slot), not given the slot; once the
     quarantine ends the next request gets the same slot, and its rows are its own, bit-exact."""
     from encode_worker.inputs import image_from_bytes
-    from encode_worker.intake import IntakeClient
-    from handshake.models import RoomState
     from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
     from tests.encode_helpers import loopback_stack, png
+    from wire.intake import IntakeClient
+    from wire.rooms import RoomState
 
     def rows_of(image):
         inputs = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")

@@ -10,9 +10,9 @@ import torch
 from data_plane.commit import ContractError, EmbeddingLayout, accept_commit, make_commit
 from data_plane.loopback import LoopbackFault, LoopbackTransport
 from data_plane.mooncake import MooncakeConfig, MooncakeUnavailable, _load_engine_class
-from data_plane.offers import MooncakeOffer
 from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.transport import TransferRefused, TransferState
+from wire.offers import MooncakeOffer
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ def test_the_plain_install_is_the_receiver_an_engine_embeds():
         sys.meta_path.insert(0, Refuse())
         from data_plane.shm_transport import ShmTransport
         from prefill_side import PrefillReceiver, ReceiverConfig
-        from prefill_side.ec_params import TransferParams
+        from wire.ec_params import TransferParams
         receiver = PrefillReceiver(
             ReceiverConfig(width=64, dtype="float32", pool_bytes=1 << 20, slot_bytes=1 << 16),
             transports={{"shm": ShmTransport()}},

@@ -7,13 +7,13 @@ import torch
 
 from data_plane.loopback import LoopbackFault
 from encode_worker.inputs import image_from_bytes
-from encode_worker.intake import IntakeClient
 from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 from tests.encode_helpers import loopback_stack, mp4, png
 from tests.waiting import eventually
+from wire.intake import IntakeClient
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import pytest
 
 from data_plane.loopback import LoopbackFault
 from encode_worker.inputs import image_from_bytes
-from encode_worker.intake import IntakeClient
 from encode_worker.small_checkpoints import build_full
 from encode_worker.tower import VisionTower
 from handshake.server import ThreadedServer, open_listener_warning
@@ -22,6 +21,7 @@ from prefill_side.server import create_app
 from tests.encode_helpers import loopback_stack, png
 from tests.handshake_helpers import get_json
 from tests.waiting import eventually
+from wire.intake import IntakeClient
 
 SLOT = 1 << 16
 

@@ -8,8 +8,6 @@ import pytest
 import torch
 
 from encode_worker.config import WorkerConfig
-from encode_worker.intake import IntakeClient
-from handshake.models import RoomState
 from tests.encode_helpers import png
 from tests.test_encode_worker import (
     FULL_CLASSES,
@@ -20,6 +18,8 @@ from tests.test_encode_worker import (
     request,
     rows_for,
 )
+from wire.intake import IntakeClient
+from wire.rooms import RoomState
 
 SIZES = [(64, 64), (300, 200), (128, 96), (448, 448), (77, 91)]
 

@@ -11,12 +11,12 @@ import pytest
 from data_plane.loopback import LoopbackTransport
 from encode_worker.config import WorkerConfig
 from encode_worker.inputs import image_from_bytes
-from encode_worker.intake import IntakeClient, IntakeReply, IntakeStatus
 from encode_worker.small_checkpoints import build_vision_only
 from encode_worker.worker import EncodeWorker
 from handshake.client import HandshakeError, SyncHandshakeClient
-from handshake.models import RoomState
 from tests.encode_helpers import Receiver, png
+from wire.intake import IntakeClient, IntakeReply, IntakeStatus
+from wire.rooms import RoomState
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT = ("multimodal", "data_plane", "handshake", "encode_worker", "prefill_side", "dispatcher")

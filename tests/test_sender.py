@@ -14,11 +14,11 @@ from encode_worker.sender import Sender, StagedItem, stage
 from handshake.access import LocalRooms
 from handshake.app import create_app
 from handshake.client import SyncHandshakeClient
-from handshake.models import Registration, RoomState
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from loop_threads import LoopThread
-from multimodal.wire import EncodeHandshake
+from wire.addresses import EncodeHandshake
+from wire.rooms import Registration, RoomState
 
 
 class RecordingShm(ShmTransport):

@@ -11,8 +11,6 @@ import urllib.request
 import pytest
 import torch
 
-from encode_worker.intake import IntakeClient, IntakeStatus
-from handshake.models import RoomState
 from tests.encode_helpers import png
 from tests.test_encode_worker import (
     FULL_CLASSES,
@@ -23,6 +21,8 @@ from tests.test_encode_worker import (
     request,
     rows_for,
 )
+from wire.intake import IntakeClient, IntakeStatus
+from wire.rooms import RoomState
 
 LOST = "CUDA error: an illegal memory access was encountered"
 

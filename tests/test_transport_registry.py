@@ -1,4 +1,4 @@
-"""The transport registry (``data_plane.offers.TRANSPORTS``) is what every reader uses: the
+"""The transport registry (``wire.offers.TRANSPORTS``) is what every reader uses: the
 handshake models' names and offers bound, ``--transports``, and ``build_transports``."""
 
 import subprocess
@@ -8,9 +8,9 @@ import typing
 import pytest
 from pydantic import ValidationError
 
-from data_plane.offers import MAX_OFFERS, TRANSPORT_NAMES, TRANSPORTS, transport_spec
-from handshake.models import BeginWrite, CommitBody, Registration
 from process_settings import TransportNames
+from wire.offers import MAX_OFFERS, TRANSPORT_NAMES, TRANSPORTS, transport_spec
+from wire.rooms import BeginWrite, CommitBody, Registration
 
 
 def test_registry_order_and_flags():
@@ -56,8 +56,8 @@ def test_cli_transports_flag_reads_the_registry():
 def test_registry_handshake_and_settings_load_without_torch():
     """The standalone handshake server and the room clients stay light: no torch in them."""
     code = (
-        "import sys, data_plane.offers, handshake.models, handshake.server, handshake.client, "
-        "multimodal.wire, process_settings, encode_worker.config; print('torch' in sys.modules)"
+        "import sys, wire.offers, wire.rooms, handshake.server, handshake.client, "
+        "wire.addresses, process_settings, encode_worker.config; print('torch' in sys.modules)"
     )
     assert (
         subprocess.run(

@@ -7,9 +7,9 @@ import torch
 
 from bench.peer import PeerConfig, pattern, start_peer, stop_peer
 from data_plane.commit import make_commit
-from data_plane.offers import MooncakeOffer, ShmOffer
 from data_plane.pool import MemoryRegion
 from data_plane.transport import TransferState
+from wire.offers import MooncakeOffer, ShmOffer
 
 WIDTH = 2048
 SIZES = {  # bf16 rows x 2048 = 4 KiB per row
@@ -252,7 +252,7 @@ from mooncake.engine import TransferEngine
 from bench.peer import PeerConfig, pattern, start_peer, stop_peer
 from data_plane.commit import make_commit
 from data_plane.mooncake import MooncakeConfig, MooncakeTransport
-from data_plane.offers import MooncakeOffer
+from wire.offers import MooncakeOffer
 from data_plane.pool import MemoryRegion
 
 def main():

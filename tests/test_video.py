@@ -11,8 +11,6 @@ import torch
 from transformers.video_utils import read_video_pyav
 
 from encode_worker.families import FAMILIES
-from encode_worker.intake import IntakeRequest, IntakeStatus
-from handshake.models import RoomState
 from multimodal.video import DEFAULT_FPS, BadVideo, read_header, video_grid
 from tests.encode_helpers import mp4, png, video_frames
 from tests.test_encode_worker import (
@@ -23,6 +21,8 @@ from tests.test_encode_worker import (
     reference_rows,
 )
 from tests.waiting import eventually
+from wire.intake import IntakeRequest, IntakeStatus
+from wire.rooms import RoomState
 
 
 def wire_rows(out) -> torch.Tensor:

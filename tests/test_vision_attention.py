@@ -10,7 +10,6 @@ from encode_worker import attention
 from encode_worker.families import FAMILIES
 from encode_worker.inputs import image_from_bytes
 from encode_worker.tower import VisionTower
-from handshake.models import RoomState
 from tests.encode_helpers import png
 from tests.test_encode_worker import (
     FULL_CLASSES,
@@ -20,6 +19,7 @@ from tests.test_encode_worker import (
     reference_rows,
     request,
 )
+from wire.rooms import RoomState
 
 # Images of several sizes: Qwen2.5-VL windows of several lengths, sequences of several lengths.
 SIZES = [(448, 448), (300, 500), (64, 64), (224, 168)]
@@ -103,12 +103,23 @@ def test_a_worker_on_the_varlen_path_delivers_transformers_rows_within_tolerance
         receiver.close()
 
 
-def test_auto_is_varlen_on_cuda_and_the_reference_elsewhere():
-    assert attention.resolve("auto", "cuda:0") == "varlen"
-    assert attention.resolve("auto", "cuda") == "varlen"
-    assert attention.resolve("auto", "cpu") == "reference"
-    assert attention.resolve("reference", "cuda") == "reference"
-    assert attention.resolve("varlen", "cpu") == "varlen"
+def test_auto_is_varlen_where_flash_runs_and_the_reference_elsewhere(monkeypatch):
+    bf16 = torch.bfloat16
+    assert attention.resolve("auto", "cpu", bf16) == "reference"
+    assert attention.resolve("varlen", "cpu", torch.float32) == "varlen"
+    assert not attention.flash_available(torch.device("cpu"), bf16)
+    # a GPU with Flash (no GPU here: its capability as an Ampere card would report it)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    attention._capability.cache_clear()
+    try:
+        assert attention.resolve("auto", "cuda:0", bf16) == "varlen"
+        assert attention.resolve("auto", "cuda", torch.float32) == "reference"  # Flash: 16 bits
+        assert attention.resolve("reference", "cuda", bf16) == "reference"
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 0))
+        attention._capability.cache_clear()
+        assert attention.resolve("auto", "cuda", bf16) == "reference"  # a V100: no Flash
+    finally:
+        attention._capability.cache_clear()
 
 
 def test_the_varlen_function_refuses_a_call_without_sequence_boundaries():

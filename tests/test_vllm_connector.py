@@ -561,7 +561,7 @@ def test_vllm_request_from_dispatched_items():
     """The gateway's request: one identifier per placeholder (a repeat reuses it), grids alone or
     the images, one room per distinct item; an unplaced item without its image is refused."""
     from dispatcher.dispatch import DispatchedItem
-    from multimodal.wire import EncodeHandshake
+    from wire.addresses import EncodeHandshake
 
     room = EncodeHandshake(bootstrap_room=7, bootstrap_host="10.0.0.5", bootstrap_port=8990)
     placed = DispatchedItem(

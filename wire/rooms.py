@@ -7,8 +7,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from data_plane.json_fields import JsonBool, json_float, json_int
-from data_plane.offers import (
+from wire.json_fields import JsonBool, json_float, json_int
+from wire.offers import (
     DTYPE_NAMES,
     MAX_OFFERS,
     MAX_ROOM_ID,

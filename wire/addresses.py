@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import yarl
 from pydantic import BaseModel, ConfigDict, Field
 
-from data_plane.json_fields import json_int
-from data_plane.offers import MAX_ROOM_ID
+from wire.json_fields import json_int
+from wire.offers import MAX_ROOM_ID
 
 # An encode worker's ports unless configured: the bootstrap (rooms) port avoids SGLang's PD
 # bootstrap port (8998), so the two can share a node.

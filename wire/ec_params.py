@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from handshake.models import EncodeTimings
-from multimodal.wire import EncodeHandshake
-from prefill_side.states import ItemState
+from wire.addresses import EncodeHandshake
+from wire.rooms import EncodeTimings
+from wire.states import ItemState
 
 Identifier = str  # vLLM's multimodal identifier of an item (its multi_modal_uuids value)
 

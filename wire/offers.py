@@ -17,18 +17,13 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from data_plane.json_fields import json_int
+from wire.json_fields import json_int
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "uint8", "int32", "int64")
 MAX_ROOM_ID = (1 << 63) - 1
 MAX_ROWS = 1 << 24
 MAX_WIDTH = 1 << 20
 MAX_BYTES = 1 << 40
-
-
-class TransportUnavailable(RuntimeError):
-    """A transport that cannot start in this process (its package, a library or its engine is
-    missing); a process offered others goes on without it (``build_transports(optional=True)``)."""
 
 
 class OfferModel(BaseModel):

@@ -20,8 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
-from data_plane.json_fields import json_float, json_int
-from multimodal.wire import EncodeHandshake
+from wire.addresses import EncodeHandshake
+from wire.json_fields import json_float, json_int
+from wire.modality import EncodedModality, Modality
 
 MAX_METADATA_BYTES = 64 << 10
 QUEUE_FULL_RETRY_S = 0.1  # retry_after_s of a busy refusal: queue full, too many in flight
@@ -40,7 +41,7 @@ class IntakeRequest(BaseModel):
     model: str | None = Field(
         default=None, max_length=256
     )  # refused unless it names this worker's model
-    modality: Literal["IMAGE", "VIDEO"] = "IMAGE"
+    modality: EncodedModality = Modality.IMAGE
     # xxh3-128 of the payload's bytes (the image file, or the raw uint8 pixels); the worker computes
     # it itself and refuses an item whose claimed hash differs. Required for SHM-backed pixels.
     content_hash: json_int(ge=0, lt=1 << 128) | None = None
@@ -142,7 +143,7 @@ def parse_request(
     if request.source == "shm":
         if request.shm is None or payload is not None:
             raise IntakeRefused("source 'shm' needs the 'shm' handle and no payload frame", room)
-        if request.modality != "IMAGE":
+        if request.modality is not Modality.IMAGE:
             raise IntakeRefused("source 'shm' carries an image's pixels only", room)
     else:
         if payload is None or not payload:
@@ -152,7 +153,7 @@ def parse_request(
                 f"payload of {len(payload)} bytes exceeds {max_payload_bytes}", room
             )
         if request.source == "pixels":
-            layout = ["H", "W", "3"] if request.modality == "IMAGE" else ["T", "H", "W", "3"]
+            layout = ["H", "W", "3"] if request.modality is Modality.IMAGE else ["T", "H", "W", "3"]
             shape = request.shape
             if shape is None or len(shape) != len(layout) or shape[-1] != 3:
                 raise IntakeRefused(f"source 'pixels' needs shape [{', '.join(layout)}]", room)
