@@ -136,8 +136,8 @@ def run(
     progress=print,
 ) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from encode_worker.inputs import image_from_bytes
-    from encode_worker.tower import VisionTower
+    from vision.images import image_from_bytes
+    from vision.tower import VisionTower
 
     tower = VisionTower.load(bench_tower(2, 64, 3584), dtype="float32")
     images = noise_images(burst, size, size)

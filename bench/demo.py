@@ -46,7 +46,7 @@ nodes); vLLM's model runner copies them into its encoder cache and prefills.
 
 
 def default_model() -> str:
-    from encode_worker.vlm_checkpoints import cached_vlm
+    from vision.vlm_checkpoints import cached_vlm
 
     return cached_vlm("qwen2_vl")
 

@@ -204,8 +204,8 @@ class EncodeBench:
         worker_settings: dict | None = None,
     ):
         from encode_worker.config import WorkerConfig
-        from encode_worker.inputs import image_from_bytes
         from encode_worker.worker import EncodeWorker
+        from vision.images import image_from_bytes
 
         self.tower = tower
         self.receiver = receiver_conn
@@ -420,7 +420,7 @@ def tower_alone(
     """Each tower of ``towers`` (name -> VisionTower: the same weights, another attention path)
     on the same prepared pixels, already on its device: images/s per batch size (median of
     ``reps`` calls, each waited for), the paths interleaved per batch size."""
-    from encode_worker.inputs import image_from_bytes
+    from vision.images import image_from_bytes
 
     out = {}
     for batch in batches:
@@ -458,7 +458,7 @@ def _timed_encode(tower, pixel_values, grid_thw) -> float:
 
 def load_towers(args) -> dict:
     """The benchmark's tower, once per attention path asked for (one set of weights on disk)."""
-    from encode_worker.tower import VisionTower
+    from vision.tower import VisionTower
 
     if args.full_size:
         directory = os.path.join(DEFAULT_CACHE, f"full-{args.family}-{args.dtype}")
@@ -474,7 +474,7 @@ def load_towers(args) -> dict:
 
 def main(args) -> int:
     from data_plane.dtypes import dtype_from_wire
-    from encode_worker import attention
+    from vision import attention
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     worker_path = attention.resolve(args.vision_attention, args.device, dtype_from_wire(args.dtype))

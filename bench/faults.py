@@ -47,7 +47,7 @@ WIDTH = 2048  # the lab tower's output width: a 1M-pixel image is ~10 MB of fp32
 
 def lab_model(directory: str) -> str:
     """The lab's checkpoint: a small real Qwen2.5-VL tower with 2048-wide rows."""
-    from encode_worker.small_checkpoints import build_vision_only
+    from vision.small_checkpoints import build_vision_only
 
     if not os.path.exists(os.path.join(directory, "config.json")):
         build_vision_only("qwen2_5_vl", directory, out_width=WIDTH)
@@ -234,7 +234,7 @@ class FaultLab:
     def start(self) -> FaultLab:
         from transformers import AutoImageProcessor
 
-        from encode_worker.tower import VisionTower
+        from vision.tower import VisionTower
 
         names = ["handshake", "a", "v", "prefill", "pv"] + (
             ["b"] if self.config.steady_mooncake_worker else []
@@ -305,7 +305,7 @@ class FaultLab:
 
         key = hash_feature(image)
         if key not in self._references:
-            from encode_worker.inputs import image_from_bytes
+            from vision.images import image_from_bytes
 
             inputs = self.tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
             (rows,) = self.tower.encode_items(inputs["pixel_values"], inputs["image_grid_thw"])

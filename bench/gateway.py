@@ -77,7 +77,7 @@ def run(args) -> dict:
     from bench.images import synthetic_image
     from bench.vllm import Server, _wait_healthy, cpu_seconds
     from dispatcher.workers import WorkerAddress
-    from encode_worker.vlm_checkpoints import cached_vlm
+    from vision.vlm_checkpoints import cached_vlm
 
     model = cached_vlm("qwen2_vl")
     log_dir = tempfile.mkdtemp(prefix="epd-bench-gateway-")

@@ -83,7 +83,7 @@ class Report:
 def environment() -> dict:
     import transformers
 
-    from encode_worker import attention
+    from vision import attention
 
     out = {
         "torch": torch.__version__,
@@ -99,7 +99,7 @@ def environment() -> dict:
 
 def build(family: str, directory: str) -> dict:
     from bench.towers import full_size_tower
-    from encode_worker.small_checkpoints import build_vision_only
+    from vision.small_checkpoints import build_vision_only
 
     started = time.monotonic()
     if SMALL:
@@ -113,7 +113,7 @@ def build(family: str, directory: str) -> dict:
 
 
 def load(directory: str) -> dict:
-    from encode_worker.tower import VisionTower
+    from vision.tower import VisionTower
 
     return {
         path: VisionTower.load(directory, DTYPE, DEVICE, vision_attention=path)
@@ -128,7 +128,7 @@ def exact(towers: dict) -> dict:
 
     from bench.images import synthetic_image
     from bench.towers import parse_size
-    from encode_worker.inputs import image_from_bytes
+    from vision.images import image_from_bytes
 
     varlen, reference = towers["varlen"], towers["reference"]
     datas = [synthetic_image(*parse_size(size), seed) for seed, size in enumerate(SIZES)]

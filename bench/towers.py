@@ -78,7 +78,7 @@ FULL_SIZE_PROCESSOR: dict[str, dict] = {
 
 def bench_tower(depth: int, hidden: int, width: int) -> str:
     """A small Qwen2.5-VL-architecture tower's checkpoint directory (built once, cached)."""
-    from encode_worker.small_checkpoints import build_vision_only
+    from vision.small_checkpoints import build_vision_only
 
     directory = os.path.join(DEFAULT_CACHE, f"bench-qwen2_5_vl-d{depth}-h{hidden}-w{width}")
     if not os.path.exists(os.path.join(directory, "model.safetensors")):
@@ -92,7 +92,7 @@ def full_size_tower(family: str, directory: str, device: str, dtype: str, seed: 
     from transformers import Qwen2VLImageProcessor
 
     from data_plane.dtypes import dtype_from_wire
-    from encode_worker.families import family as tower_family
+    from vision.families import family as tower_family
 
     spec = tower_family(family)
     torch.manual_seed(seed)

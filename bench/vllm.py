@@ -1,7 +1,7 @@
 """`epd-bench vllm`: the same vLLM model, images and request mix through every way of getting an
 image's embedding into vLLM's encoder cache, side by side, in interleaved rounds.
 
-Paths (each a real vLLM OpenAI server on this machine, built from `encode_worker.vlm_checkpoints`):
+Paths (each a real vLLM OpenAI server on this machine, built from `vision.vlm_checkpoints`):
 
 * ``epd-shm`` / ``epd-mooncake``: this project's connector (`EPDConnector`); an encode worker
   process offering only SHM, or only Mooncake (TCP), writes each image's rows into the engine's
@@ -342,7 +342,7 @@ class Bench:
         from transformers import AutoImageProcessor
 
         from bench.cluster import LocalCluster
-        from encode_worker.vlm_checkpoints import cached_vlm
+        from vision.vlm_checkpoints import cached_vlm
         from wire.ec_params import identifier
 
         self.args, self.log_dir, self.identifier = args, log_dir, identifier
@@ -431,7 +431,7 @@ class Bench:
     async def request(self, path: str, session, dispatcher, size: int) -> tuple[float, str | None]:
         """One request; returns (seconds to the answer, the image's identifier where delivered)."""
         from multimodal.hashing import hash_feature
-        from multimodal.rows import image_grid
+        from vision.sizing import image_grid
 
         image = self.image(size)
         url = "data:image/png;base64," + base64.b64encode(image).decode()

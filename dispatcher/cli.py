@@ -39,11 +39,6 @@ class DispatchSettings(EncodeWorkerTargets):
     images: CliPositionalArg[list[str]] = Field(
         min_length=1, description="image files (PNG, JPEG, WebP, BMP) and videos (MP4, MOV)"
     )
-    served_model_name: str | None = Field(
-        None,
-        description="the model's name in intake messages, the encode workers' "
-        "--served-model-name (they refuse other models)",
-    )
     prefill: HttpUrl = Field(
         None, description="reference prefill URL to post the request to (epd-prefill)"
     )
@@ -109,6 +104,7 @@ async def run(args: DispatchSettings) -> int:
         served_model=args.served_model_name,
         handshake_token=args.handshake_token,
         intake_token=args.intake_token,
+        sizing=args.family().sizing,
     )
     try:
         try:

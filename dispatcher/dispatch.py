@@ -33,12 +33,12 @@ import yarl
 from PIL import Image
 
 from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
-from encode_worker.inputs import ALLOWED_FORMATS
 from handshake.client import HandshakeClient, HandshakeError
 from multimodal.hashing import hash_feature
 from multimodal.items import GRID_KEYS, MultimodalDataItem
-from multimodal.rows import grid_rows, image_grid
-from multimodal.video import BadVideo, read_header, sample_and_size
+from vision.limits import IMAGE_FORMATS
+from vision.sizing import QWEN_VL, Sizing, sampled_indices
+from vision.video import BadVideo, read_header
 from wire.addresses import EncodeHandshake, Endpoint
 from wire.intake import (
     AsyncIntakeClient,
@@ -123,8 +123,10 @@ class Dispatcher:
         room_ttl_s: float = 120.0,
         intake_timeout_s: float = 5.0,
         max_attempts: int = 3,
+        sizing: Sizing = QWEN_VL,
     ):
         self.workers = workers
+        self.sizing = sizing  # the model family's: an item's grid from its sizes, its rows
         self.processor = processor
         self.video_processor = video_processor  # None: videos are refused
         self.rooms_url = rooms_url  # a standalone room authority; None: rooms at each item's worker
@@ -181,16 +183,16 @@ class Dispatcher:
         except Exception as exc:  # PIL raises many types for bad data; its text names a BytesIO
             raise DispatchError(
                 f"{label}: not an image encode workers read "
-                f"({', '.join(sorted(ALLOWED_FORMATS))}): "
+                f"({', '.join(sorted(IMAGE_FORMATS))}): "
                 f"{type(exc).__name__}"
             ) from None
-        if image_format not in ALLOWED_FORMATS:
+        if image_format not in IMAGE_FORMATS:
             raise DispatchError(
                 f"{label}: {image_format} is not accepted by encode workers "
-                f"({', '.join(sorted(ALLOWED_FORMATS))})"
+                f"({', '.join(sorted(IMAGE_FORMATS))})"
             )
         try:
-            grid = image_grid(self.processor, height, width)
+            grid = self.sizing.image_grid(self.processor, height, width)
         except ValueError as exc:
             raise DispatchError(
                 f"{label}: {width}x{height} cannot be resized for the tower: {exc}"
@@ -202,7 +204,7 @@ class Dispatcher:
             width,
             height,
             grid,
-            grid_rows(grid, self.processor.merge_size),
+            self.sizing.rows(grid, self.processor.merge_size),
             image_format=image_format,
         )
 
@@ -213,7 +215,8 @@ class Dispatcher:
             raise DispatchError(f"{label}: the model has no video processor: videos are refused")
         try:
             header = read_header(video)
-            indices, grid = sample_and_size(processor, header)
+            indices = sampled_indices(processor, header.frames, header.fps)
+            grid = self.sizing.video_grid(processor, len(indices), header.height, header.width)
         except BadVideo as exc:
             raise DispatchError(f"{label}: {exc}") from None
         sampled_fps = len(indices) / header.frames * header.fps  # transformers' VideoMetadata's
@@ -224,7 +227,7 @@ class Dispatcher:
             header.width,
             header.height,
             grid,
-            grid_rows(grid, processor.merge_size),
+            self.sizing.rows(grid, processor.merge_size),
             image_format="MP4/MOV",
             modality=Modality.VIDEO,
             seconds_per_grid_t=processor.temporal_patch_size / sampled_fps,

@@ -10,7 +10,8 @@ from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import NoDecode
 
 from dispatcher.workers import WorkerAddress
-from process_settings import Port, ProcessorKwargs, SettingError, check_checkpoint
+from process_settings import Port, SettingError, check_checkpoint
+from process_settings.groups import ModelNaming
 from process_settings.secrets import HandshakeToken, IntakeToken
 from wire.addresses import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
 
@@ -43,7 +44,7 @@ HttpUrl = Annotated[str | None, BeforeValidator(http_url)]
 OptionalText = Annotated[str | None, BeforeValidator(_blank_is_none)]
 
 
-class EncodeWorkerTargets(HandshakeToken, IntakeToken):
+class EncodeWorkerTargets(HandshakeToken, IntakeToken, ModelNaming):
     """The encode workers (a static list or a DNS name), their rooms, and the model whose image
     and video processor configs size each item (rows per item, as the workers compute them)."""
 
@@ -51,11 +52,6 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
         min_length=1,
         description="checkpoint directory whose image and video processor configs the encode "
         "workers use",
-    )
-    mm_processor_kwargs: ProcessorKwargs = Field(
-        default_factory=dict,
-        description="JSON keyword arguments over the image and video processors' configs: the "
-        "encode workers' --mm-processor-kwargs, exactly (they refuse an item sized otherwise)",
     )
     workers: WorkerList = Field(
         (),
@@ -86,6 +82,15 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
             )
         return self
 
+    def family(self):
+        """``--model``'s vision family (``vision.families``): its sizing rules and more."""
+        from vision.families import FAMILIES, TowerLoadError, detect_family
+
+        try:
+            return FAMILIES[detect_family(check_checkpoint(self.model, weights=False))]
+        except TowerLoadError as exc:
+            raise SettingError(f"--model {self.model}: {exc}") from None
+
     def image_processor(self):
         """``--model``'s image processor (checked: a checkpoint directory with its config)."""
         from transformers import AutoImageProcessor
@@ -102,7 +107,7 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken):
 
     def video_processor(self):
         """``--model``'s video processor; None (logged) when the checkpoint has none."""
-        from multimodal.video import load_video_processor
+        from vision.video import load_video_processor
 
         return load_video_processor(
             check_checkpoint(self.model, weights=False), self.mm_processor_kwargs

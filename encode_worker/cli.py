@@ -34,8 +34,8 @@ def start(config: WorkerConfig):
     check_device(config.device)
     check_memory(config.ring_bytes, "--ring-bytes")
     from data_plane.mooncake import MooncakeUnavailable  # torch: after the quick checks
-    from encode_worker.tower import TowerLoadError, VisionTower
     from encode_worker.worker import EncodeWorker
+    from vision.tower import TowerLoadError, VisionTower
 
     try:
         tower = VisionTower.load(

@@ -21,20 +21,16 @@ from process_settings import (
     PositiveByteSize,
     PositiveInt,
     PositiveSeconds,
-    ProcessorKwargs,
     SettingError,
     TransportNames,
     VisionAttention,
 )
+from process_settings.groups import ModelNaming, MooncakeDevices
 from process_settings.secrets import HandshakeToken, IntakeToken
+from vision.limits import MAX_PIXELS
 from wire.addresses import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
 from wire.offers import TRANSPORT_NAMES
 
-# Decoded pixels of one image, checked from the header (or the shape) before decoding: a small
-# file may declare a huge image, and decoding and preprocessing cost memory and CPU in proportion
-# to its pixels. 4096 x 4096 is above a 12 MP photo and above what the Qwen2.5-VL and Qwen3-VL
-# processors resize to (12.8 and 16.8 M pixels).
-MAX_PIXELS = 16 << 20
 # The batching window's ceiling: it trades a lone item's latency for batches that form under load,
 # and a few milliseconds are enough to gather a burst's items (docs/performance.md).
 MAX_BATCH_WINDOW_S = 0.05
@@ -66,7 +62,7 @@ DEVICE_DEFAULTS = {
 }
 
 
-class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
+class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken, ModelNaming, MooncakeDevices):
     """EPD encode worker: runs a vision tower over batches of items and delivers each item's rows
     to the prefill receiver that reserved memory for it."""
 
@@ -74,17 +70,6 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
     PROG: ClassVar[str] = "epd-encode-worker"
 
     model: str = Field(min_length=1, description="checkpoint directory (full VLM or vision-only)")
-    served_model_name: str | None = Field(
-        None,
-        description="the model's name, as vLLM's --served-model-name: what intake requests may "
-        "carry (default: a Hugging Face id as given, a directory's folder name)",
-    )
-    mm_processor_kwargs: ProcessorKwargs = Field(
-        default_factory=dict,
-        description="JSON keyword arguments over the image and video processors' configs, as "
-        "vLLM's --mm-processor-kwargs (e.g. '{\"max_pixels\": 1003520}'); the dispatcher must "
-        "be given the same: an item it sized otherwise is refused at intake",
-    )
     dtype: Dtype = Field("bfloat16", description="tower dtype: bfloat16, float16, float32")
     device: str = Field("cpu", description="torch device for the tower, e.g. cuda:0")
     vision_attention: VisionAttention = Field(
@@ -122,12 +107,6 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken):
         ("shm", "mooncake"),
         description=f"comma-separated, in order of preference: {', '.join(TRANSPORT_NAMES)}",
     )
-    mooncake_ib_device: str = Field(
-        "",
-        description="comma-separated RDMA devices Mooncake may use, as SGLang's "
-        "--disaggregation-ib-device (mlx5_0,mlx5_1; '' = every one found)",
-    )
-    mooncake_force_tcp: bool = Field(False, description="Mooncake over TCP even where RDMA exists")
     batch_patches: PositiveInt | None = Field(
         None, description="tower input patches per batch (default: 16384 on the CPU, 32768 on CUDA)"
     )

@@ -24,7 +24,7 @@ from wire.addresses import EncodeHandshake
 from wire.modality import Modality
 
 if TYPE_CHECKING:
-    from encode_worker.inputs import VideoPlan
+    from vision.video import VideoPlan
 
 
 @dataclass

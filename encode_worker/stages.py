@@ -36,18 +36,7 @@ from data_plane.pool import NoCapacity, SlotPool, TooLarge
 from data_plane.shm import ShmTensorHandle
 from encode_worker.cache import CacheKey, Encoded, InFlightEncodes
 from encode_worker.device import DeviceLost, TowerDevice, out_of_memory
-from encode_worker.inputs import (
-    ALLOWED_FORMATS,
-    MAX_SIDE,
-    BadItem,
-    VideoLimits,
-    image_from_bytes,
-    image_from_pixels,
-    pixels_from_shm,
-    plan_video_file,
-    plan_video_frames,
-    video_frames,
-)
+from encode_worker.inputs import pixels_from_shm
 from encode_worker.messages import (
     EncodedBatch,
     Handoff,
@@ -59,12 +48,16 @@ from encode_worker.messages import (
 from encode_worker.room_clients import InFlightRooms, RateLimitedLog, RoomFailer
 from encode_worker.scheduler import BatchQueue, EncodeJob
 from encode_worker.sender import Sender, StagedItem, stage
-from encode_worker.tower import VisionTower
 from handshake.rooms import RoomConflict, RoomError, RoomsFull
 from loop_threads import name_os_thread, nice_this_thread
 from multimodal.hashing import hash_feature
-from multimodal.rows import RowContractError, image_grid, split_rows
+from multimodal.rows import RowContractError, split_rows
 from process_settings import SettingError
+from vision.images import BadItem, image_from_bytes, image_from_pixels
+from vision.limits import IMAGE_FORMATS, MAX_SIDE
+from vision.sizing import VideoLimits, plan_video_file, plan_video_frames
+from vision.tower import VisionTower
+from vision.video import video_frames
 from wire.addresses import endpoint_url
 from wire.intake import (
     QUEUE_FULL_RETRY_S,
@@ -290,9 +283,9 @@ class Intake:
                     image_format = probe.format
             except Exception as exc:
                 raise BadItem(f"cannot read image header: {type(exc).__name__}") from None
-            if image_format not in ALLOWED_FORMATS:
+            if image_format not in IMAGE_FORMATS:
                 raise BadItem(
-                    f"image format {image_format!r} is not accepted ({sorted(ALLOWED_FORMATS)})"
+                    f"image format {image_format!r} is not accepted ({sorted(IMAGE_FORMATS)})"
                 )
         else:
             height, width = (request.shape if request.source == "pixels" else request.shm.shape)[:2]
@@ -315,7 +308,7 @@ class Intake:
             except ValueError as exc:
                 raise BadItem(str(exc)) from None
         try:
-            grid = image_grid(self.tower.processor, height, width)
+            grid = self.tower.sizing.image_grid(self.tower.processor, height, width)
         except ValueError as exc:
             raise BadItem(
                 f"image of {width}x{height} cannot be resized for the tower: {exc}"

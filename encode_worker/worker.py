@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry
 
-from data_plane.mooncake import MooncakeConfig
 from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.transport import build_transports
 from encode_worker.cache import EmbeddingCache, InFlightEncodes
@@ -36,12 +35,12 @@ from encode_worker.room_clients import InFlightRooms, RateLimitedLog, RoomClient
 from encode_worker.scheduler import BatchQueue
 from encode_worker.sender import Outcome, Sender
 from encode_worker.stages import SHUTTING_DOWN, Intake, Prepare, StageAndSend, TowerStage
-from encode_worker.tower import VisionTower
 from handshake.app import create_app
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from loop_threads import LoopThread, named_thread
-from process_settings import SettingError, check_checkpoint, check_listen, served_name
+from process_settings import SettingError, check_checkpoint, check_listen
+from vision.tower import VisionTower
 from wire.offers import transport_spec
 from wire.rooms import RoomState
 
@@ -94,7 +93,7 @@ class EncodeWorker:
         self.preprocess_id = format(
             zlib.crc32(json.dumps(processors, sort_keys=True, default=str).encode()), "08x"
         )
-        self.served_model = config.served_model_name or served_name(config.model)
+        self.served_model = config.served_model_name
         self.cache = EmbeddingCache(config.cache_bytes)
         self.encodes = InFlightEncodes(self.cache)
         self.queue = BatchQueue(
@@ -118,11 +117,8 @@ class EncodeWorker:
             else build_transports(
                 config.transports,
                 {
-                    "mooncake": MooncakeConfig(
-                        hostname=config.host,
-                        device_names=config.mooncake_ib_device,
-                        force_tcp=config.mooncake_force_tcp,
-                        transfer_timeout_s=max(5, int(config.write_timeout_s)),
+                    "mooncake": config.mooncake_config(
+                        config.host, transfer_timeout_s=max(5, int(config.write_timeout_s))
                     )
                 },
                 optional=True,

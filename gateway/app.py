@@ -42,7 +42,6 @@ from pydantic import BaseModel, ValidationError
 
 from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError, Media
 from dispatcher.workers import WorkerSet
-from encode_worker.families import FAMILIES, detect_family
 from gateway.chat import (
     ChatRequest,
     ChatRequestError,
@@ -55,7 +54,6 @@ from gateway.chat import (
 from gateway.media import MediaError, MediaFetcher
 from gateway.settings import GatewaySettings
 from metrics import LATENCY_BUCKETS
-from process_settings import check_checkpoint
 from wire.ec_params import DeliveryReport, ItemDelivery, identifier
 from wire.modality import Modality
 
@@ -230,10 +228,9 @@ class Gateway:
         """``processor`` / ``video_processor``: the checkpoint's (no video processor: videos are
         refused, 400)."""
         self.settings = settings
+        family = settings.family()
         # the model's positions take a video's seconds per temporal patch (Qwen2.5-VL)
-        self.video_seconds = video_processor is not None and (
-            FAMILIES[detect_family(check_checkpoint(settings.model, weights=False))].video_seconds
-        )
+        self.video_seconds = video_processor is not None and family.video_seconds
         self.workers = WorkerSet(
             list(settings.workers), settings.dns, settings.bootstrap_port, settings.intake_port
         )
@@ -245,6 +242,7 @@ class Gateway:
             served_model=settings.served_model_name,
             handshake_token=settings.handshake_token,
             intake_token=settings.intake_token,
+            sizing=family.sizing,
         )
         self.fetcher = MediaFetcher(
             settings.max_image_bytes,

@@ -18,9 +18,9 @@ from process_settings import SettingError, check_listen, refuse
 
 
 def main(argv: list[str] | None = None) -> int:
-    from encode_worker.families import TowerLoadError
     from gateway.app import Gateway, build_app
     from handshake.server import serve
+    from vision.families import TowerLoadError
 
     try:
         settings = GatewaySettings.from_command_line(argv)

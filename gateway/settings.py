@@ -16,7 +16,6 @@ from process_settings import (
     PositiveInt,
     PositiveSeconds,
     SettingError,
-    served_name,
 )
 
 
@@ -32,12 +31,6 @@ class GatewaySettings(EncodeWorkerTargets):
     port: Port = Field(8000, description="port to listen on")
     vllm_url: HttpUrl = Field(
         description="the vLLM OpenAI server with the EPD connector, http://host:port"
-    )
-    served_model_name: str | None = Field(
-        None,
-        description="the model's name in metrics and intake messages, as "
-        "the encode workers' --served-model-name (default, theirs too: a Hugging Face id as "
-        "given, a directory's folder name)",
     )
     max_image_bytes: ByteSize = Field(
         20 << 20, description="largest image taken (data URI or fetched)"
@@ -70,9 +63,7 @@ class GatewaySettings(EncodeWorkerTargets):
     )
 
     @model_validator(mode="after")
-    def _served_name(self) -> GatewaySettings:
+    def _vllm_url_given(self) -> GatewaySettings:
         if self.vllm_url is None:
             raise SettingError(f"--vllm-url (or {self.env_name('vllm_url')}) is required")
-        if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", served_name(self.model))
         return self

@@ -57,26 +57,3 @@ def split_rows(packed: torch.Tensor, rows_per_item: Sequence[int]) -> list[torch
             f"({counts})"
         )
     return list(torch.split(packed, counts, dim=0))
-
-
-def grid_rows(grid_thw: Sequence[int], merge_size: int) -> int:
-    """Rows of an item of patch grid ``(t, h, w)``: its patches over ``merge_size**2``."""
-    t, h, w = (int(v) for v in grid_thw)
-    return t * h * w // merge_size**2
-
-
-def image_grid(processor, height: int, width: int) -> tuple[int, int, int]:
-    """The ``(t, h, w)`` patch grid a Qwen-VL image processor makes of a ``height x width`` image
-    (its ``image_grid_thw``), from the size alone; rows = ``t * h * w // merge_size**2``.
-    Raises ``ValueError`` for an image the processor cannot resize (too small, extreme aspect)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    patch = processor.patch_size
-    resized_h, resized_w = smart_resize(
-        height,
-        width,
-        factor=patch * processor.merge_size,
-        min_pixels=processor.size["shortest_edge"],
-        max_pixels=processor.size["longest_edge"],
-    )
-    return 1, resized_h // patch, resized_w // patch

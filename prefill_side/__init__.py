@@ -1,7 +1,11 @@
 """The prefill side: the receiver library an engine embeds to fill each item's ``encoded`` rows
-from encode workers (SHM on the same node, Mooncake otherwise), with fallback and fast failure."""
+from encode workers (SHM on the same node, Mooncake otherwise), with fallback and fast failure.
+Importing it loads no encode worker, dispatcher, gateway or HTTP server; the local tower's vision
+stack only where the fallback runs."""
 
-from prefill_side.receiver import ItemOutcome, PrefillReceiver, ReceiveJob, ReceiverConfig
+from prefill_side.job import ItemOutcome, ReceiveJob
+from prefill_side.receiver import PrefillReceiver
+from prefill_side.settings import ReceiverConfig, ReceiverSettings
 from wire.states import ItemState, JobState
 
 __all__ = [
@@ -11,4 +15,5 @@ __all__ = [
     "PrefillReceiver",
     "ReceiveJob",
     "ReceiverConfig",
+    "ReceiverSettings",
 ]

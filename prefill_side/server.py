@@ -38,26 +38,22 @@ from handshake.app import BodyLimit
 from metrics import exposition_registry
 from multimodal.items import GRID_KEYS, MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError
-from prefill_side.receiver import PrefillReceiver, ReceiverConfig
+from prefill_side import PrefillReceiver, ReceiverConfig
+from prefill_side.settings import ReceiverSettings
 from process_settings import (
-    AdvertisedHost,
     Dtype,
     NonNegativeInt,
     Port,
     PositiveByteSize,
     PositiveInt,
-    PositiveSeconds,
-    ProcessorKwargs,
     SettingError,
-    TransportNames,
     refuse,
-    served_name,
 )
+from process_settings.groups import ModelNaming, MooncakeReceiver
 from process_settings.secrets import HandshakeToken
 from wire.addresses import EncodeHandshake
 from wire.json_fields import JsonBool, json_float, json_int
 from wire.modality import EncodedModality, Modality
-from wire.offers import TRANSPORT_NAMES
 from wire.rooms import EncodeTimings
 from wire.states import ItemState
 
@@ -346,7 +342,7 @@ class TowerCalls:
             return self.tower.encode_items(pixel_values, grid_thw)
 
 
-class PrefillSettings(HandshakeToken):
+class PrefillSettings(HandshakeToken, ReceiverSettings, MooncakeReceiver, ModelNaming):
     """Reference prefill process: receives each item's rows from the encode workers. Rows arrive in
     the encode workers' dtype: --dtype must be theirs, and --width their tower's row width (--model
     gives it). A mismatch fails every item."""
@@ -361,17 +357,6 @@ class PrefillSettings(HandshakeToken):
         description="checkpoint for verification / fallback; also gives --width and "
         "--deepstack-width",
     )
-    mm_processor_kwargs: ProcessorKwargs = Field(
-        default_factory=dict,
-        description="JSON keyword arguments over the local tower's processors (fallback, "
-        "verification): the encode workers' --mm-processor-kwargs",
-    )
-    served_model_name: str | None = Field(
-        None,
-        description="the model's name in every metric's model_name label, as vLLM's "
-        "--served-model-name (default: --model, a Hugging Face id as given, a directory's "
-        "folder name; none without --model)",
-    )
     width: NonNegativeInt = Field(
         0, description="wire width of one row (the encode workers' tower's; default: from --model)"
     )
@@ -381,19 +366,6 @@ class PrefillSettings(HandshakeToken):
     dtype: Dtype = Field(
         "bfloat16",
         description="dtype of the rows: the encode workers' --dtype (bfloat16, float16, float32)",
-    )
-    transports: TransportNames = Field(
-        ("shm", "mooncake"), description=f"comma-separated: {', '.join(TRANSPORT_NAMES)}"
-    )
-    pool_bytes: PositiveByteSize = Field(
-        1 << 30, description="receive pool (bytes; K, M, G suffixes)"
-    )
-    slot_bytes: PositiveByteSize = Field(1 << 20, description="receive pool slot size")
-    item_timeout_s: PositiveSeconds = Field(60.0, description="deadline of one item")
-    quarantine_s: PositiveSeconds = Field(
-        40.0,
-        description="hold a failed slot this long (above the encode "
-        "workers' Mooncake transfer timeout)",
     )
     fallback: Literal["fail", "local_tower"] = Field(
         "fail",
@@ -406,21 +378,6 @@ class PrefillSettings(HandshakeToken):
     max_body_bytes: PositiveByteSize = Field(
         MAX_BODY_BYTES, description="largest accepted request body"
     )
-    require_checksum: bool = Field(
-        True,
-        description="refuse commits without the rows' checksum (workers run with --no-checksum)",
-    )
-    mooncake_host: AdvertisedHost = Field(
-        "127.0.0.1",
-        description="address encode workers use to reach this "
-        "process's Mooncake engine (the pod IP; not 0.0.0.0)",
-    )
-    mooncake_ib_device: str = Field(
-        "",
-        description="comma-separated RDMA devices Mooncake may use, as SGLang's "
-        "--disaggregation-ib-device (mlx5_0,mlx5_1; '' = every one found)",
-    )
-    mooncake_force_tcp: bool = Field(False, description="Mooncake over TCP even where RDMA exists")
 
     @model_validator(mode="after")
     def _consistent(self) -> PrefillSettings:
@@ -428,15 +385,12 @@ class PrefillSettings(HandshakeToken):
             raise SettingError(
                 f"--slot-bytes {self.slot_bytes} is larger than --pool-bytes {self.pool_bytes}"
             )
-        if self.served_model_name is None and self.model:
-            object.__setattr__(self, "served_model_name", served_name(self.model))
         return self
 
 
 def _start(settings: PrefillSettings):
     """Check every setting, load the tower, reserve the pool: ``(receiver, tower)``, or
     ``SettingError`` with the one line to print."""
-    from data_plane.mooncake import MooncakeConfig
     from data_plane.shm import ShmError
     from data_plane.transport import TransportUnavailable, build_transports
     from process_settings import check_checkpoint, check_listen, check_memory, check_shm_space
@@ -451,7 +405,7 @@ def _start(settings: PrefillSettings):
     tower = None
     width, deepstack = settings.width, settings.deepstack_width
     if settings.model:
-        from encode_worker.tower import TowerLoadError, VisionTower
+        from vision.tower import TowerLoadError, VisionTower
 
         directory = check_checkpoint(settings.model)
         try:
@@ -480,27 +434,17 @@ def _start(settings: PrefillSettings):
         raise SettingError(
             f"--deepstack-width {deepstack} leaves no main embedding in rows of {width}"
         )
-    config = ReceiverConfig(
-        width=width,
-        dtype=settings.dtype,
-        deepstack_width=deepstack,
-        pool_bytes=settings.pool_bytes,
-        slot_bytes=settings.slot_bytes,
-        transports=settings.transports,
-        item_timeout_s=settings.item_timeout_s,
-        quarantine_s=settings.quarantine_s,
-        fallback=settings.fallback,
-        handshake_token=settings.handshake_token,
-        require_checksum=settings.require_checksum,
-    )
-    # Mooncake must advertise an address encode workers reach (the pod IP), not the loopback
-    # default.
-    mooncake = MooncakeConfig(
-        hostname=settings.mooncake_host,
-        device_names=settings.mooncake_ib_device,
-        force_tcp=settings.mooncake_force_tcp,
-    )
     try:
+        config = ReceiverConfig(
+            **settings.receiver_settings(),
+            width=width,
+            dtype=settings.dtype,
+            deepstack_width=deepstack,
+            fallback=settings.fallback,
+            handshake_token=settings.handshake_token,
+        )
+        # Mooncake advertises the address encode workers reach (the pod IP), not loopback.
+        mooncake = settings.mooncake_config(settings.mooncake_host)
         receiver = PrefillReceiver(
             config,
             build_transports(config.transports, {"mooncake": mooncake}, optional=True),

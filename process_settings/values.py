@@ -108,7 +108,8 @@ def _transports(value: object) -> tuple[str, ...]:
     unknown = [name for name in names if name not in TRANSPORT_NAMES]
     if unknown or not names:
         raise ValueError(
-            f"{value!r}: give one or more of {', '.join(TRANSPORT_NAMES)} (comma-separated)"
+            f"{value!r}: {'' if names else 'no transport given: '}give one or more of "
+            f"{', '.join(TRANSPORT_NAMES)} (comma-separated)"
             + (f"; unknown: {', '.join(unknown)}" if unknown else "")
         )
     return names
@@ -145,6 +146,6 @@ Dtype = Annotated[str, BeforeValidator(_dtype)]
 ProcessorKwargs = Annotated[dict, NoDecode, BeforeValidator(_processor_kwargs)]
 AdvertisedHost = Annotated[str, BeforeValidator(_advertised_host)]
 TransportNames = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_transports)]
-# The vision tower's attention (encode_worker.attention): one call per layer, transformers' loop,
+# The vision tower's attention (vision.attention): one call per layer, transformers' loop,
 # or the first on CUDA only.
 VisionAttention = Literal["auto", "varlen", "reference"]

@@ -17,8 +17,8 @@ import pytest
 import torch
 from PIL import Image
 
-from encode_worker.small_checkpoints import build_full
 from tests.encode_helpers import png
+from vision.small_checkpoints import build_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"PYTHONPATH": ROOT, "OMP_WAIT_POLICY": "PASSIVE", "MC_LOG_LEVEL": "ERROR"}
@@ -467,8 +467,8 @@ def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint
     the wrong width: the worker refuses the write): epd-dispatch used to exit 0."""
     from data_plane.shm_transport import ShmTransport
     from encode_worker.config import WorkerConfig
-    from encode_worker.tower import VisionTower
     from encode_worker.worker import EncodeWorker
+    from vision.tower import VisionTower
 
     worker = EncodeWorker(
         WorkerConfig(

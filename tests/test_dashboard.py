@@ -12,11 +12,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.images import synthetic_image
-from encode_worker.tower import VisionTower
 from metrics import exposition_registry
 from multimodal.items import MultimodalInputs
 from prefill_side import JobState
 from tests.encode_helpers import dispatch_to, loopback_stack
+from vision.tower import VisionTower
 
 DASHBOARD = (
     Path(__file__).resolve().parent.parent

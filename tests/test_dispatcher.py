@@ -13,15 +13,15 @@ from PIL import Image
 from bench.images import synthetic_image
 from dispatcher import Dispatcher, DispatchError, HashRing, WorkerAddress, WorkerSet
 from dispatcher.dispatch import Media
-from encode_worker.inputs import image_from_bytes
-from encode_worker.small_checkpoints import build_full
-from encode_worker.tower import VisionTower
 from handshake.app import create_app
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from multimodal.items import Modality, MultimodalInputs
 from prefill_side import ItemState, JobState
 from tests.encode_helpers import dispatch_to, loopback_stack, mp4
+from vision.images import image_from_bytes
+from vision.small_checkpoints import build_full
+from vision.tower import VisionTower
 from wire.rooms import RoomState
 
 # ---- the ring ----------------------------------------------------------------------------------

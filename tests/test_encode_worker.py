@@ -13,14 +13,14 @@ from safetensors.torch import load_file, save_file
 from data_plane.loopback import LoopbackFault, LoopbackTransport
 from data_plane.shm import ShmTensorHandle
 from encode_worker.config import WorkerConfig
-from encode_worker.inputs import image_from_bytes
-from encode_worker.small_checkpoints import build_vision_only
-from encode_worker.tower import TowerLoadError, VisionTower
 from encode_worker.worker import EncodeWorker
 from handshake.rooms import RoomNotFound
 from multimodal.hashing import hash_feature
 from tests.encode_helpers import Receiver, png
 from tests.waiting import eventually
+from vision.images import image_from_bytes
+from vision.small_checkpoints import build_vision_only
+from vision.tower import TowerLoadError, VisionTower
 from wire.addresses import EncodeHandshake
 from wire.intake import IntakeClient, IntakeReply, IntakeRequest, IntakeStatus
 from wire.rooms import RoomState

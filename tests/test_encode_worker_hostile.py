@@ -18,15 +18,15 @@ from data_plane.loopback import LoopbackTransport
 from data_plane.pool import MemoryRegion
 from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle
 from encode_worker.config import WorkerConfig
-from encode_worker.inputs import image_from_bytes
 from encode_worker.scheduler import BatchQueue, EncodeJob
-from encode_worker.small_checkpoints import build_full
-from encode_worker.tower import VisionTower
 from encode_worker.worker import EncodeWorker
 from handshake.rooms import RoomConflict
 from multimodal.hashing import hash_feature
 from tests.encode_helpers import Receiver, png
 from tests.waiting import eventually
+from vision.images import image_from_bytes
+from vision.small_checkpoints import build_full
+from vision.tower import VisionTower
 from wire.addresses import EncodeHandshake
 from wire.intake import IntakeClient
 from wire.rooms import RoomState

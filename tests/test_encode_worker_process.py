@@ -16,12 +16,12 @@ import torch
 
 from data_plane.mooncake import MooncakeTransport
 from data_plane.shm_transport import ShmTransport
-from encode_worker.inputs import image_from_bytes
-from encode_worker.small_checkpoints import build_full
-from encode_worker.tower import VisionTower
 from handshake.client import SyncHandshakeClient
 from tests.encode_helpers import RestReceiver, png
 from tests.waiting import eventually
+from vision.images import image_from_bytes
+from vision.small_checkpoints import build_full
+from vision.tower import VisionTower
 from wire.intake import IntakeClient
 from wire.rooms import RoomState
 

@@ -26,7 +26,7 @@ from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_com
 from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle, validate_name
 from handshake.rooms import RoomLimits
-from prefill_side.receiver import ItemOutcome, JobState
+from prefill_side import ItemOutcome, JobState
 from prefill_side.server import PrefillRequest, create_app
 from wire import rooms as models
 from wire.intake import MAX_METADATA_BYTES, IntakeRefused, IntakeRequest, parse_request
@@ -625,7 +625,7 @@ def real_prefill():
     from handshake.app import create_app as handshake_app
     from handshake.rooms import RoomTable
     from handshake.server import ThreadedServer
-    from prefill_side.receiver import PrefillReceiver, ReceiverConfig
+    from prefill_side import PrefillReceiver, ReceiverConfig
 
     table = RoomTable()
     server = ThreadedServer(handshake_app(table)).start()

@@ -18,10 +18,10 @@ import openai  # noqa: E402
 from bench.cluster import HOST, LocalCluster, free_port  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
 from dispatcher.workers import WorkerAddress  # noqa: E402
-from encode_worker.vlm_checkpoints import cached_vlm  # noqa: E402
 from tests.encode_helpers import mp4  # noqa: E402
 from tests.image_server import serving  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
+from vision.vlm_checkpoints import cached_vlm  # noqa: E402
 
 MAX_TOKENS = 8
 CONNECTOR = {

@@ -190,8 +190,8 @@ def app_without_vllm(tmp_path_factory):
     from fastapi.testclient import TestClient
     from transformers import AutoImageProcessor
 
-    from encode_worker.small_checkpoints import build_full
     from gateway.app import Gateway, GatewaySettings, build_app
+    from vision.small_checkpoints import build_full
 
     model = str(tmp_path_factory.mktemp("model"))
     build_full("qwen2_vl", model)
@@ -302,9 +302,9 @@ def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path):
     from fastapi.testclient import TestClient
     from transformers import AutoImageProcessor
 
-    from encode_worker.small_checkpoints import build_full
     from gateway.app import Gateway, GatewaySettings, build_app
     from tests.waiting import eventually
+    from vision.small_checkpoints import build_full
 
     build_full("qwen2_vl", str(tmp_path))
     silent = socket.socket()

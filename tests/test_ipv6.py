@@ -15,9 +15,9 @@ from bench.images import synthetic_image
 from dispatcher import Dispatcher, WorkerSet
 from dispatcher.cli import prefill_body
 from dispatcher.workers import WorkerAddress
-from encode_worker.small_checkpoints import build_vision_only
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from prefill_side import JobState, PrefillReceiver, ReceiverConfig
+from vision.small_checkpoints import build_vision_only
 from wire.addresses import EncodeHandshake, Endpoint
 
 

@@ -205,7 +205,7 @@ def vllm_serve(args: tuple[str, ...]):
 
 def transports(program, args) -> list[str]:
     if program == VLLM:
-        return args.connector.transports
+        return list(args.connector.transports)
     return list(getattr(args, "transports", ()))
 
 
@@ -352,7 +352,7 @@ def test_vllm_loads_the_epd_connector_as_a_consumer(rendered, variant):
         assert config.is_ec_consumer and not config.is_ec_producer
         assert config.ec_connector_module_path == EPDConnector.__module__
         assert ECConnectorFactory.get_connector_class(config) is EPDConnector
-        assert args.connector.transports == (
+        assert list(args.connector.transports) == (
             ["shm"] if variant.startswith("same-node") else ["mooncake"]
         )
         assert args.tensor_parallel_size == 1 and args.pipeline_parallel_size == 1, (
@@ -806,7 +806,7 @@ def test_same_node_containers_share_one_memory_backed_dev_shm_as_one_user(render
 def test_graceful_termination_outlasts_in_flight_writes(rendered, variant):
     from data_plane.mooncake import MooncakeConfig
     from encode_worker.worker import EncodeWorker
-    from prefill_side.receiver import ReceiverConfig
+    from prefill_side.settings import ReceiverConfig
 
     join_s = EncodeWorker.stop.__defaults__[0]  # the worker's thread joins
     for _, template in pod_specs(rendered[variant]):
@@ -862,7 +862,7 @@ def test_service_monitors_scrape_real_ports(rendered, variant):
 
 
 def test_hpa_scales_the_encoders_on_a_metric_they_export(rendered):
-    from encode_worker import worker
+    from encode_worker import metrics as worker  # where its families are declared
 
     objects = rendered["tcp+components"]
     (hpa,) = of_kind(objects, "HorizontalPodAutoscaler")

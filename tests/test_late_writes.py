@@ -129,8 +129,8 @@ def test_late_bytes_land_in_the_quarantined_slot_and_never_reach_the_next_tenant
 
 @pytest.fixture(scope="module")
 def tower(tmp_path_factory):
-    from encode_worker.small_checkpoints import build_full
-    from encode_worker.tower import VisionTower
+    from vision.small_checkpoints import build_full
+    from vision.tower import VisionTower
 
     return VisionTower.load(build_full("qwen2_5_vl", str(tmp_path_factory.mktemp("q25"))))
 
@@ -143,10 +143,10 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
     its bytes land later: the receiver fails the item and quarantines the slot; the late bytes land
     in it; a request during the quarantine is refused (no slot), not given the slot; once the
     quarantine ends the next request gets the same slot, and its rows are its own, bit-exact."""
-    from encode_worker.inputs import image_from_bytes
     from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
     from tests.encode_helpers import loopback_stack, png
+    from vision.images import image_from_bytes
     from wire.intake import IntakeClient
     from wire.rooms import RoomState
 
@@ -155,6 +155,7 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
         return tower.encode_items(inputs["pixel_values"], inputs["image_grid_thw"])[0]
 
     with loopback_stack(tower, worker=dict(cache_bytes=0)) as (worker, _, loopback):
+        clock = FakeClock()  # the receiver's pool's, a clock the test moves
         receiver = PrefillReceiver(
             ReceiverConfig(
                 width=tower.info.wire_width,
@@ -166,11 +167,8 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
                 quarantine_s=QUARANTINE_S,
             ),
             transports={"loopback": loopback},
+            clock=clock,
         )
-        clock = (
-            FakeClock()
-        )  # the receiver's own pool, on a clock the test moves (same region, same offers)
-        receiver.pool = SlotPool(receiver.pool.region, SLOT, quarantine_s=QUARANTINE_S, clock=clock)
         intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
 
         def request(image, tag):

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from data_plane.loopback import LoopbackFault
-from encode_worker.inputs import image_from_bytes
-from encode_worker.small_checkpoints import build_full
-from encode_worker.tower import VisionTower
 from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 from tests.encode_helpers import loopback_stack, mp4, png
 from tests.waiting import eventually
+from vision.images import image_from_bytes
+from vision.small_checkpoints import build_full
+from vision.tower import VisionTower
 from wire.intake import IntakeClient
 
 
@@ -146,8 +146,8 @@ def test_multi_item_request_is_byte_exact_in_either_order(stack, tower, receiver
 
 def test_a_video_without_a_grid_in_the_request_gets_the_encoders_video_grid(stack, tower):
     """The commit's grid is stored under the item's own modality's key."""
-    from multimodal.rows import grid_rows
-    from multimodal.video import read_header, sample_and_size
+    from vision.sizing import grid_rows, sample_and_size
+    from vision.video import read_header
 
     worker, receiver, intake, _ = stack
     video = mp4(30, 64, 64, seed=3)

@@ -13,14 +13,14 @@ import urllib.request
 import pytest
 
 from data_plane.loopback import LoopbackFault
-from encode_worker.inputs import image_from_bytes
-from encode_worker.small_checkpoints import build_full
-from encode_worker.tower import VisionTower
 from handshake.server import ThreadedServer, open_listener_warning
 from prefill_side.server import create_app
 from tests.encode_helpers import loopback_stack, png
 from tests.handshake_helpers import get_json
 from tests.waiting import eventually
+from vision.images import image_from_bytes
+from vision.small_checkpoints import build_full
+from vision.tower import VisionTower
 from wire.intake import IntakeClient
 
 SLOT = 1 << 16

@@ -10,11 +10,11 @@ import pytest
 
 from data_plane.loopback import LoopbackTransport
 from encode_worker.config import WorkerConfig
-from encode_worker.inputs import image_from_bytes
-from encode_worker.small_checkpoints import build_vision_only
 from encode_worker.worker import EncodeWorker
 from handshake.client import HandshakeError, SyncHandshakeClient
 from tests.encode_helpers import Receiver, png
+from vision.images import image_from_bytes
+from vision.small_checkpoints import build_vision_only
 from wire.intake import IntakeClient, IntakeReply, IntakeStatus
 from wire.rooms import RoomState
 

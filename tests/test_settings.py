@@ -173,7 +173,7 @@ def test_shared_groups_read_each_process_prefix(monkeypatch):
 
 
 HUB_PROBE = """
-from encode_worker.tower import VisionTower
+from vision.tower import VisionTower
 from gateway.settings import GatewaySettings
 from process_settings import SettingError, check_checkpoint, served_name
 

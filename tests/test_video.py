@@ -10,8 +10,6 @@ import pytest
 import torch
 from transformers.video_utils import read_video_pyav
 
-from encode_worker.families import FAMILIES
-from multimodal.video import DEFAULT_FPS, BadVideo, read_header, video_grid
 from tests.encode_helpers import mp4, png, video_frames
 from tests.test_encode_worker import (
     FULL_CLASSES,
@@ -21,6 +19,9 @@ from tests.test_encode_worker import (
     reference_rows,
 )
 from tests.waiting import eventually
+from vision.families import FAMILIES
+from vision.sizing import DEFAULT_FPS, video_grid
+from vision.video import BadVideo, read_header
 from wire.intake import IntakeRequest, IntakeStatus
 from wire.rooms import RoomState
 

@@ -6,10 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from encode_worker import attention
-from encode_worker.families import FAMILIES
-from encode_worker.inputs import image_from_bytes
-from encode_worker.tower import VisionTower
 from tests.encode_helpers import png
 from tests.test_encode_worker import (
     FULL_CLASSES,
@@ -19,6 +15,10 @@ from tests.test_encode_worker import (
     reference_rows,
     request,
 )
+from vision import attention
+from vision.families import FAMILIES
+from vision.images import image_from_bytes
+from vision.tower import VisionTower
 from wire.rooms import RoomState
 
 # Images of several sizes: Qwen2.5-VL windows of several lengths, sequences of several lengths.

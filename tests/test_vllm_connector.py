@@ -27,13 +27,15 @@ from bench.cluster import LocalCluster, free_port  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
 from dispatcher import Dispatcher, WorkerSet  # noqa: E402
 from dispatcher.dispatch import Media  # noqa: E402
-from encode_worker.vlm_checkpoints import IMAGE_PROMPT, VIDEO_PROMPT, cached_vlm  # noqa: E402
+from dispatcher.vllm_request import vllm_request  # noqa: E402
 from multimodal.items import Modality  # noqa: E402
-from multimodal.video import load_video_processor, sampled_indices  # noqa: E402
-from prefill_side.vllm_connector import identifier, vllm_request  # noqa: E402
 from tests.encode_helpers import mp4  # noqa: E402
 from tests.test_video import transformers_frames  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
+from vision.sizing import sampled_indices  # noqa: E402
+from vision.video import load_video_processor  # noqa: E402
+from vision.vlm_checkpoints import IMAGE_PROMPT, VIDEO_PROMPT, cached_vlm  # noqa: E402
+from wire.ec_params import identifier  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
 MAX_TOKENS = 8
@@ -480,7 +482,9 @@ def test_rows_of_another_count_are_never_offered(no_new_segments):
     for that request's item (a client reusing an identifier for another image must not get them:
     a wrong count kills vLLM's engine); the load handed to the worker side names the held slot."""
     from multimodal.items import MultimodalInputs
-    from prefill_side.vllm_connector import ConnectorSettings, _Received, _SchedulerSide
+    from prefill_side.vllm_connector.scheduler import Received as _Received
+    from prefill_side.vllm_connector.scheduler import SchedulerSide as _SchedulerSide
+    from prefill_side.vllm_connector.settings import ConnectorSettings
 
     side = _SchedulerSide(
         ConnectorSettings(pool_bytes=1 << 20, slot_bytes=1 << 12, transports=["shm"]),
@@ -523,7 +527,8 @@ def test_worker_side_checks_before_writing(no_new_segments):
     and dtype are what vLLM expects, and the bytes lie inside the segment; anything else raises
     with the reason and leaves the encoder cache untouched."""
     from data_plane.shm import ShmSegment
-    from prefill_side.vllm_connector import ConnectorContractError, Load, _WorkerSide
+    from prefill_side.vllm_connector.loads import ConnectorContractError, Load
+    from prefill_side.vllm_connector.worker import WorkerSide as _WorkerSide
 
     segment = ShmSegment.create(1 << 16, kind="test")
     try:

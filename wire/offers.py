@@ -91,6 +91,7 @@ TRANSPORTS: tuple[TransportSpec, ...] = (  # the sender's preference, first to l
     TransportSpec("loopback", LoopbackOffer, "data_plane.loopback:LoopbackTransport"),
 )
 TRANSPORT_NAMES = tuple(spec.name for spec in TRANSPORTS)
+DEFAULT_TRANSPORTS = ("shm", "mooncake")  # what a process offers or uses unless told otherwise
 _BY_NAME = {spec.name: spec for spec in TRANSPORTS}
 assert all(spec.offer.model_fields["kind"].annotation == Literal[spec.name] for spec in TRANSPORTS)
 

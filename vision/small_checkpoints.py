@@ -15,7 +15,7 @@ import torch
 from transformers import Qwen2VLImageProcessorPil
 from transformers.utils import logging as hf_logging
 
-from encode_worker.families import family
+from vision.families import family
 
 hf_logging.disable_progress_bar()  # no "Writing model shards" bars in test and demo output
 

@@ -1,5 +1,6 @@
 """The vision-language families the encode workers serve, one entry each: a new family is one
-``TowerFamily`` here (its transformers classes and the shape of a small test checkpoint).
+``TowerFamily`` here (its transformers classes, its sizing rules, what its forward derives from
+an item's grid, and the shape of a small test checkpoint).
 
 What a family's rows look like follows from its config at load time (``tower.TowerInfo``): the
 output width (``out_hidden_size`` or ``hidden_size``), the DeepStack levels (Qwen3-VL's
@@ -40,6 +41,8 @@ from transformers.vision_utils import (
     get_vision_position_ids,
     get_vision_window_index,
 )
+
+from vision.sizing import QWEN_VL, Sizing
 
 
 def _longest(cu_seqlens: torch.Tensor) -> int:
@@ -103,6 +106,8 @@ class TowerFamily:
     video_seconds: bool = False
     # (tower, CPU grid_thw) -> the forward's keyword arguments derived from the grid
     grid_inputs: Callable[[torch.nn.Module, torch.Tensor], dict] = _grid_inputs
+    # an item's patch grid from its sizes, and its rows (the processors' rules)
+    sizing: Sizing = QWEN_VL
 
 
 def _qwen2_image_processor() -> Qwen2VLImageProcessorPil:

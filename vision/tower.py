@@ -33,11 +33,11 @@ from transformers import AutoImageProcessor  # noqa: E402
 from transformers.utils import logging as hf_logging
 
 from data_plane.dtypes import dtype_from_wire
-from encode_worker import attention
-from encode_worker.families import FAMILIES, TowerLoadError, detect_family
 from multimodal.rows import split_rows
-from multimodal.video import load_video_processor
 from process_settings import VisionAttention
+from vision import attention
+from vision.families import FAMILIES, TowerLoadError, detect_family
+from vision.video import load_video_processor
 
 # Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).
 KEY_MAPPING = {r"^model\.visual\.": "", r"^visual\.": ""}
@@ -90,6 +90,7 @@ class VisionTower:
         self.attention_path = attention_path
         self.attention_kernel = attention.kernel(device, dtype, attention_path)
         self._grid_inputs = FAMILIES[info.family].grid_inputs
+        self.sizing = FAMILIES[info.family].sizing  # an item's grid from its sizes, its rows
         self._on_gpu = torch.device(device).type == "cuda"
         attention.use(model, attention_path)
 
@@ -104,7 +105,7 @@ class VisionTower:
     ) -> VisionTower:
         """The tower of ``directory``'s checkpoint with its image and video processors, each
         with ``processor_kwargs`` (``--mm-processor-kwargs``) over its config; its attention
-        as ``vision_attention`` says (``encode_worker.attention``)."""
+        as ``vision_attention`` says (``vision.attention``)."""
         family = detect_family(directory)
         config_class, tower_class = FAMILIES[family].vision_config, FAMILIES[family].tower
         torch_dtype = dtype_from_wire(dtype)
@@ -145,8 +146,7 @@ class VisionTower:
         )
 
     def rows_per_item(self, grid_thw: torch.Tensor) -> list[int]:
-        merge2 = self.info.merge**2
-        return [int(t * h * w) // merge2 for t, h, w in grid_thw.tolist()]
+        return [self.sizing.rows(grid, self.info.merge) for grid in grid_thw.tolist()]
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

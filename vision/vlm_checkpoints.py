@@ -23,8 +23,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-from encode_worker.families import FAMILIES
-from encode_worker.small_checkpoints import save_processors, vision_config
+from vision.families import FAMILIES
+from vision.small_checkpoints import save_processors, vision_config
 
 VLLM_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.vllm_connector)
 DEFAULT_CACHE = os.path.expanduser("~/.cache/epd-encode-worker")

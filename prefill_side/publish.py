@@ -1,0 +1,89 @@
+"""An item whose room succeeded: its commit checked (generation, layout, checksum, the encoder's
+grid against the request's), its rows published into ``encoded`` (a copy, or with ``zero_copy``
+a view of the slot held until the engine releases the job), its slot freed."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from data_plane.commit import Commit, ContractError, accept_commit, verify_rows
+from data_plane.pool import SlotPool
+from multimodal.items import GRID_KEYS
+from prefill_side.give_up import GiveUp
+from prefill_side.job import PendingItem, ReceiveJob, set_encoded
+from prefill_side.metrics import ReceiverMetrics
+from prefill_side.settings import ReceiverConfig
+from wire.rooms import RoomView
+from wire.states import ItemState
+
+
+class Publisher:
+    def __init__(
+        self, config: ReceiverConfig, pool: SlotPool, metrics: ReceiverMetrics, give_up: GiveUp
+    ):
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self.give_up = give_up
+
+    async def __call__(self, job: ReceiveJob, entry: PendingItem, view: RoomView) -> None:
+        if (
+            job.outcomes[entry.index].state != ItemState.PENDING
+        ):  # aborted: the writer is done, nobody reads the rows
+            self.pool.release(entry.lease)
+            return
+        commit = Commit.of(view.commit)
+        try:
+            rows = accept_commit(
+                self.pool, entry.lease, entry.layout, commit, verify_checksum=False
+            )
+            if not self.config.zero_copy:
+                rows = rows.clone()  # verified below: the bytes checked are the bytes published
+            verify_rows(rows, commit, self.config.require_checksum)
+        except ContractError as exc:
+            await self.give_up(
+                job, entry.index, entry.item, f"commit rejected: {exc}", entry, quarantine=True
+            )
+            return
+        grid = view.commit.grid_thw
+        grid_key = GRID_KEYS.get(entry.item.modality)
+        known = entry.item.model_specific_data.get(grid_key) if grid_key else None
+        if (
+            grid is not None
+            and known is not None
+            and [int(v) for v in torch.as_tensor(known).reshape(-1)] != list(grid)
+        ):
+            await self.give_up(
+                job,
+                entry.index,
+                entry.item,
+                f"encoder's {grid_key} {list(grid)} differs from "
+                f"the request's {torch.as_tensor(known).reshape(-1).tolist()}",
+                entry,
+                quarantine=False,
+            )
+            return
+        if self.config.zero_copy:
+            if not job.hold(
+                entry.item, entry.lease
+            ):  # the engine already let go: nobody reads the view
+                self.pool.release(entry.lease)
+                return
+        else:
+            self.pool.release(entry.lease)
+        set_encoded(entry.item, rows, self.config.deepstack_width)
+        if grid is not None and known is None and grid_key:
+            entry.item.model_specific_data[grid_key] = torch.tensor([list(grid)])
+        outcome = job.outcomes[entry.index]
+        outcome.state, outcome.transport, outcome.encoder = (
+            ItemState.DONE,
+            view.transport,
+            view.commit.timings,
+        )
+        outcome.seconds = time.monotonic() - job.started
+        self.metrics.items.labels(view.transport or "unknown", "done").inc()
+        self.metrics.bytes.labels(view.transport or "unknown").inc(entry.layout.nbytes)
+        self.metrics.latency.observe(outcome.seconds)
+        job.settle_if_done()

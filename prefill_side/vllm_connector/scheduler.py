@@ -1,0 +1,369 @@
+"""The connector's scheduler half (the EngineCore process): one zero-copy ``PrefillReceiver``; a
+request with rooms is deferred until its items settle, what arrived is offered to vLLM and turned
+into loads for the worker half, slots are held while a load or the request needs them."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import ValidationError
+
+from multimodal.items import MultimodalDataItem, MultimodalInputs
+from prefill_side.vllm_connector.loads import Load
+from prefill_side.vllm_connector.settings import ConnectorSettings
+from wire.ec_params import DeliveryReport, Identifier, ItemDelivery, TransferParams
+from wire.modality import BY_VLLM_NAME
+from wire.states import ItemState, JobState
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from prefill_side.job import ReceiveJob
+
+log = logging.getLogger(__name__)
+# Keys of an item's processed data that only size its placeholders: an item with nothing else
+# carries no media, so vLLM's tower cannot encode it.
+PLACEHOLDER_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
+
+
+def kv_connector_transfer_engine():
+    """(TransferEngine, its host) of vLLM's MooncakeConnector in this process: the KV connector's
+    worker side, which runs here when vLLM runs its model in the engine core process (one GPU,
+    the default `uni` executor)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        raise ValueError(
+            "EPDConnector: mooncake_engine='kv_connector', but no KV connector runs in this "
+            "process (kv_transfer_config must name MooncakeConnector, and the model must run in "
+            "vLLM's engine core process: one GPU, not the multiprocess executor)"
+        )
+    group = get_kv_transfer_group()
+    worker = getattr(group, "connector_worker", None)
+    engine = getattr(worker, "engine", None)
+    if engine is None or not hasattr(engine, "transfer_submit_write"):
+        raise ValueError(
+            "EPDConnector: mooncake_engine='kv_connector' needs vLLM's MooncakeConnector as the KV "
+            f"connector; this process runs {type(group).__name__}"
+        )
+    return engine, worker.hostname
+
+
+@dataclass
+class Received:
+    """One request's receive job, from its first sight by the scheduler to its end."""
+
+    request_id: str
+    job: ReceiveJob
+    slots: dict[Identifier, int]  # identifier -> its item's index in the job
+    arrived: dict[Identifier, torch.Tensor] = field(
+        default_factory=dict
+    )  # rows in the pool, once settled
+    settled: bool = False
+    pins: int = 0  # loads naming this job's slots not yet reported copied
+    finished: bool = False  # vLLM is done with the request
+
+
+class SchedulerSide:
+    """The scheduler half's state. Every method runs on vLLM's scheduler thread; the receive jobs
+    progress on the receiver's own loop thread and are only polled here."""
+
+    def __init__(
+        self, settings: ConnectorSettings, width: int, dtype: str, model_name: str = "unnamed"
+    ):
+        from data_plane.mooncake import MooncakeConfig
+        from data_plane.transport import build_transports
+        from prefill_side import PrefillReceiver, ReceiverConfig
+        from process_settings.secrets import handshake_token
+
+        config = ReceiverConfig(
+            **settings.receiver_settings(),
+            width=width,
+            dtype=dtype,
+            handshake_token=handshake_token(settings.handshake_token_file),
+            zero_copy=True,
+        )
+        if settings.mooncake_engine == "kv_connector" and "mooncake" in settings.transports:
+            from data_plane.mooncake import MooncakeTransport
+
+            engine, host = kv_connector_transfer_engine()
+            mooncake = MooncakeConfig(hostname=host)
+            MooncakeTransport.adopt(engine, mooncake)  # build_transports finds it
+        else:
+            mooncake = settings.mooncake_config(settings.mooncake_host)
+        self.receiver = PrefillReceiver(
+            config, build_transports(config.transports, {"mooncake": mooncake}, optional=True)
+        )
+        if self.receiver.pool.region.shm is None:
+            self.receiver.close()
+            raise ValueError(
+                "EPDConnector needs its receive pool in /dev/shm (the model runner maps it): "
+                f"no room there for {settings.pool_bytes} bytes"
+            )
+        self.segment = self.receiver.pool.region.shm.name
+        self.metrics_server = None
+        if settings.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            from metrics import exposition_registry
+
+            try:
+                self.metrics_server, _ = start_http_server(
+                    settings.metrics_port,
+                    registry=exposition_registry(self.receiver.registry, model_name),
+                )
+            except OSError as exc:
+                self.receiver.close()
+                raise ValueError(
+                    f"EPDConnector: cannot serve metrics on port {settings.metrics_port}: {exc}"
+                ) from None
+        self.width, self.dtype = width, dtype
+        self.requests: dict[str, Received] = {}
+        self.unavailable: dict[str, str] = {}  # request id -> why it cannot get its embeddings
+        # the request the scheduler is placing now: ensure_cache_available(request) runs right
+        # before has_cache_item for that request's items (vllm/v1/core/sched/scheduler.py)
+        self.current: Request | None = None
+        self.promised: dict[tuple[str, Identifier], Received] = {}  # has_cache_item said True
+        self.pending: list[Load] = []  # for the next build_connector_meta
+        self.in_flight: dict[int, Received] = {}  # load id -> the job whose slot it reads
+        self._ids = itertools.count(1)
+
+    def close(self) -> None:
+        for received in self.requests.values():
+            received.job.cancel("the engine is shutting down")
+            received.job.release()
+        self.requests.clear()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+        self.receiver.close()
+
+    def ensure(self, request: Request) -> bool:
+        self.current = request
+        if request.request_id in self.unavailable:
+            return False  # failed; vLLM finishes it after this step (take_unavailable)
+        received = self.requests.get(request.request_id)
+        if received is None:
+            if request.ec_transfer_params is None:
+                return True  # not ours: vLLM's own tower (or its own cache)
+            received = self._start(request)
+            if received is None:
+                return False
+        if not received.settled:
+            if received.job.poll() is JobState.PENDING:
+                return False
+            self._settle(request, received)
+        return request.request_id not in self.unavailable
+
+    def _start(self, request: Request) -> Received | None:
+        try:
+            params = TransferParams.model_validate(request.ec_transfer_params)
+        except ValidationError as exc:
+            self._fail(request.request_id, f"invalid ec_transfer_params: {exc}")
+            return None
+        items, slots = [], {}
+        for key, handshake in params.rooms.items():
+            index = next(
+                (i for i, f in enumerate(request.mm_features) if f.identifier == key), None
+            )
+            if index is None:
+                self._fail(
+                    request.request_id,
+                    f"ec_transfer_params names a room for {key!r}, which is "
+                    "no item of this request",
+                )
+                return None
+            feature = request.mm_features[index]
+            if feature.modality not in BY_VLLM_NAME:
+                self._fail(
+                    request.request_id,
+                    f"item {key!r} is {feature.modality}: only "
+                    f"{', '.join(BY_VLLM_NAME)} rows are received",
+                )
+                return None
+            rows = request.get_num_encoder_embeds(index)
+            known = {}
+            grid = _placeholder_data(feature).get(f"{feature.modality}_grid_thw")
+            if (
+                grid is not None
+            ):  # the receiver checks the encoder's grid against the one vLLM placed
+                known[f"{feature.modality}_grid_thw"] = grid.reshape(1, 3)
+            slots[key] = len(items)
+            start = feature.mm_position.offset
+            items.append(
+                MultimodalDataItem(
+                    BY_VLLM_NAME[feature.modality],
+                    offsets=[[start, start + rows - 1]],
+                    model_specific_data=known,
+                    encode_handshake=handshake.model_dump(),
+                )
+            )
+        bare = [
+            f.identifier
+            for f in request.mm_features
+            if f.identifier not in params.rooms and not _carries_media(f)
+        ]
+        if bare:
+            self._fail(
+                request.request_id, f"items {', '.join(bare)} carry neither their media nor a room"
+            )
+            return None
+        received = Received(
+            request.request_id,
+            self.receiver.start(request.request_id, MultimodalInputs(items)),
+            slots,
+        )
+        self.requests[request.request_id] = received
+        return received
+
+    def _settle(self, request: Request, received: Received) -> None:
+        """The job ended: offer what arrived; fall back or fail the request for what did not."""
+        received.settled = True
+        failed = []
+        for key, index in received.slots.items():
+            outcome = received.job.outcomes[index]
+            if outcome.state == ItemState.DONE:
+                received.arrived[key] = received.job.inputs.mm_items[index].encoded
+                continue
+            feature = next(f for f in request.mm_features if f.identifier == key)
+            if _carries_media(feature):
+                log.warning(
+                    "request %s: item %s falls back to vLLM's own encoder: %s",
+                    request.request_id,
+                    key,
+                    outcome.reason,
+                )
+            else:
+                failed.append(f"item {key}: {outcome.reason}")
+        if failed:
+            self._fail(
+                request.request_id,
+                "; ".join(failed) + " (and the request carries no image to encode locally)",
+            )
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        log.warning("request %s fails: %s", request_id, reason)
+        self.unavailable[request_id] = reason
+
+    def has(self, identifier: Identifier) -> bool:
+        request = self.current
+        if request is None:
+            return False
+        key = (request.request_id, identifier)
+        self.promised.pop(key, None)
+        expected = next(
+            (
+                request.get_num_encoder_embeds(i)
+                for i, f in enumerate(request.mm_features)
+                if f.identifier == identifier
+            ),
+            None,
+        )
+        if expected is None:
+            log.warning(
+                "has_cache_item(%s) while placing request %s, which has no such item: left to vLLM",
+                identifier,
+                request.request_id,
+            )
+            return False
+        own = self.requests.get(request.request_id)
+        sources = [own] if own is not None else []
+        sources += [r for r in self.requests.values() if r is not own]
+        for source in sources:
+            rows = source.arrived.get(identifier)
+            if rows is None:
+                continue
+            if rows.shape[0] != expected:  # never hand vLLM a wrong count: its engine would die
+                log.warning(
+                    "request %s: %s arrived with %d rows but vLLM placed %d: left to vLLM",
+                    request.request_id,
+                    identifier,
+                    rows.shape[0],
+                    expected,
+                )
+                continue
+            self.promised[key] = source
+            return True
+        return False
+
+    def alloc(self, request: Request, index: int) -> None:
+        identifier = request.mm_features[index].identifier
+        source = self.promised.pop((request.request_id, identifier), None)
+        if source is None:
+            return  # vLLM encodes this one itself
+        rows = source.arrived[identifier]
+        load = Load(
+            next(self._ids),
+            identifier,
+            self.segment,
+            rows.data_ptr() - self.receiver.pool.region.address,
+            rows.shape[0],
+            rows.shape[1],
+            self.dtype,
+            request.get_num_encoder_embeds(index),
+        )
+        source.pins += 1
+        self.in_flight[load.load_id] = source
+        self.pending.append(load)
+
+    def take_loads(self) -> list[Load]:
+        loads, self.pending = self.pending, []
+        self.current = None
+        return loads
+
+    def loaded(self, load_ids: list[int]) -> None:
+        for load_id in load_ids:
+            source = self.in_flight.pop(load_id)
+            source.pins -= 1
+            self._release_if_done(source)
+
+    def take_unavailable(self) -> set[str]:
+        failed = set(self.unavailable)
+        self.unavailable.clear()
+        return failed
+
+    def finished(self, request_id: str) -> DeliveryReport | None:
+        """Release what the request holds; how its items were delivered (None: it had no rooms)."""
+        received = self.requests.get(request_id)
+        self.unavailable.pop(request_id, None)
+        if received is None:
+            return None
+        received.finished = True
+        if not received.settled:
+            received.job.cancel("the request finished before its embeddings arrived")
+        report = DeliveryReport(
+            items={
+                key: ItemDelivery(
+                    state=outcome.state,
+                    transport=outcome.transport,
+                    reason=outcome.reason,
+                    receive_s=outcome.seconds,
+                    encoder=outcome.encoder,
+                )
+                for key, outcome in (
+                    (key, received.job.outcomes[index]) for key, index in received.slots.items()
+                )
+            }
+        )
+        self._release_if_done(received)
+        return report
+
+    def _release_if_done(self, received: Received) -> None:
+        if received.finished and received.pins == 0:
+            del self.requests[received.request_id]
+            # the slots go back to the pool (late arrivals too, once they land)
+            received.job.release()
+
+
+def _placeholder_data(feature) -> dict[str, torch.Tensor]:
+    """The tensors of an item's processed data ({} when vLLM holds none for it)."""
+    return feature.data.get_data() if feature.data is not None else {}
+
+
+def _carries_media(feature) -> bool:
+    """Whether the request sent the item itself (vLLM's tower can encode it), not just its grid."""
+    return bool(set(_placeholder_data(feature)) - PLACEHOLDER_KEYS)

@@ -1,0 +1,38 @@
+"""``ec_connector_extra_config``, validated: ``ConnectorSettings``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from prefill_side.settings import ReceiverSettings
+from process_settings.groups import MooncakeReceiver
+
+
+class ConnectorSettings(ReceiverSettings, MooncakeReceiver):
+    """``ec_connector_extra_config``: the receiver's settings and its Mooncake engine's (the same
+    groups, defaults and meanings as ``epd-prefill``'s flags), and the connector's own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    handshake_token_file: str | None = None  # else $EPD_HANDSHAKE_TOKEN_FILE / $EPD_HANDSHAKE_TOKEN
+    # "own": the connector makes its own TransferEngine. "kv_connector": it uses the one vLLM's
+    # MooncakeConnector (kv_transfer_config) runs in this process for the KV cache, so the
+    # process has one engine, whose host (VLLM_HOST_IP), devices and protocol are that
+    # connector's; the three mooncake_* settings above are then refused.
+    mooncake_engine: Literal["own", "kv_connector"] = "own"
+    # The receiver's metrics (Prometheus, each family labelled model_name) on this port of the
+    # process the scheduler runs in: vLLM's own /metrics is served by its API server process,
+    # which does not see this one's registries. None: not served.
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _one_owner_of_the_engines_settings(self) -> ConnectorSettings:
+        own = {"mooncake_host", "mooncake_ib_device", "mooncake_force_tcp"} & self.model_fields_set
+        if self.mooncake_engine == "kv_connector" and own:
+            raise ValueError(
+                f"mooncake_engine='kv_connector' uses vLLM's KV connector's TransferEngine, whose "
+                f"host, devices and protocol are its own: drop {', '.join(sorted(own))}"
+            )
+        return self
