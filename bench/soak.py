@@ -266,7 +266,7 @@ class Soak:
             leaks = {name: lab.pool_stats(name) for name in ("prefill", "pv")}
             rings = {name: lab.ring_occupancy(name) for name in ("a", "b", "v")}
             orphans_live = sorted(lab.orphan_segments())
-            rss = self._rss_growth()
+            rss = _rss_growth(self.rss)
         finally:
             codes = lab.stop()
         time.sleep(0.5)
@@ -274,32 +274,6 @@ class Soak:
         return self._summary(
             lab, start_s, leaks, rings, orphans_live, orphans_after_stop, rss, codes
         )
-
-    def _rss_growth(self) -> dict:
-        """Per steady process: resident memory at the end of the warm-up (10 % of the run) and at
-        the end, and the growth (VmRSS and its anonymous part)."""
-        growth = {}
-        for key, samples in self.rss.items():
-            if len(samples) < 3:
-                continue
-            first_t, last_t = samples[0][0], samples[-1][0]
-            warm = next(s for s in samples if s[0] >= first_t + 0.1 * (last_t - first_t))[1]
-            end = samples[-1][1]
-            growth[key] = {
-                "vmrss_kb_after_warmup": warm["VmRSS"],
-                "vmrss_kb_end": end["VmRSS"],
-                "vmrss_growth_pct": 100.0 * (end["VmRSS"] - warm["VmRSS"]) / warm["VmRSS"],
-                "rss_anon_kb_after_warmup": warm["RssAnon"],
-                "rss_anon_kb_end": end["RssAnon"],
-                "rss_anon_growth_pct": 100.0 * (end["RssAnon"] - warm["RssAnon"]) / warm["RssAnon"],
-                "vmrss_kb_max": max(s[1]["VmRSS"] for s in samples),
-                "samples": len(samples),
-                "trace": [
-                    (round(t - first_t), s["VmRSS"], s["RssAnon"], s["RssShmem"])
-                    for t, s in samples[:: max(1, len(samples) // 40)]
-                ],
-            }
-        return growth
 
     def _summary(
         self, lab, start_s, leaks, rings, orphans_live, orphans_after_stop, rss, codes
@@ -314,37 +288,7 @@ class Soak:
         failed = [a for a in affected if a["state"] != "DONE"]
         rooms_ttf = [a["ttf_s"] for a in failed if a.get("ttf_s") is not None]
         failed_fast = sum(1 for a in failed if a.get("ttf_s") is not None and a["ttf_s"] <= FAST_S)
-        by_kind = {}
-        for event in self.events:
-            entry = by_kind.setdefault(
-                event["kind"],
-                {
-                    "events": 0,
-                    "expected": 0,
-                    "errors": 0,
-                    "affected": 0,
-                    "delivered_anyway": 0,
-                    "ttf_s": [],
-                },
-            )
-            entry["events"] += 1
-            entry["expected"] += bool(event.get("expected"))
-            entry["errors"] += "error" in event
-            aimed = event["affected"] + event["delivered_anyway"]
-            entry["affected"] += len(aimed)
-            entry["delivered_anyway"] += sum(a["state"] == "DONE" for a in aimed)
-            entry["ttf_s"] += [
-                a["ttf_s"]
-                for a in event["affected"]
-                if a.get("ttf_s") is not None and a["state"] != "DONE"
-            ]
-        for entry in by_kind.values():
-            times = entry.pop("ttf_s")
-            entry["ttf_p50_s"], entry["ttf_p99_s"], entry["ttf_max_s"] = (
-                _p(times, 0.5),
-                _p(times, 0.99),
-                max(times) if times else None,
-            )
+        by_kind = _by_kind(self.events)
         delivered = self.normal["delivered"] + sum(e["delivered"] for e in self.events)
         corrupted = self.normal["corrupted"] + sum(e["corrupted"] for e in self.events)
         collateral = self.normal["failed"] + sum(e["collateral"] for e in self.events)
@@ -397,6 +341,71 @@ class Soak:
         }
         report["goals"] = [asdict(goal) for goal in _goals(report)]
         return report
+
+
+def _rss_growth(rss: dict[str, list[tuple[float, dict]]]) -> dict:
+    """Per steady process: resident memory at the end of the warm-up (10 % of the run) and at
+    the end, and the growth (VmRSS and its anonymous part)."""
+    growth = {}
+    for key, samples in rss.items():
+        if len(samples) < 3:
+            continue
+        first_t, last_t = samples[0][0], samples[-1][0]
+        warm = next(s for s in samples if s[0] >= first_t + 0.1 * (last_t - first_t))[1]
+        end = samples[-1][1]
+        growth[key] = {
+            "vmrss_kb_after_warmup": warm["VmRSS"],
+            "vmrss_kb_end": end["VmRSS"],
+            "vmrss_growth_pct": 100.0 * (end["VmRSS"] - warm["VmRSS"]) / warm["VmRSS"],
+            "rss_anon_kb_after_warmup": warm["RssAnon"],
+            "rss_anon_kb_end": end["RssAnon"],
+            "rss_anon_growth_pct": 100.0 * (end["RssAnon"] - warm["RssAnon"]) / warm["RssAnon"],
+            "vmrss_kb_max": max(s[1]["VmRSS"] for s in samples),
+            "samples": len(samples),
+            "trace": [
+                (round(t - first_t), s["VmRSS"], s["RssAnon"], s["RssShmem"])
+                for t, s in samples[:: max(1, len(samples) // 40)]
+            ],
+        }
+    return growth
+
+
+def _by_kind(events: list[dict]) -> dict:
+    """Per scenario: its events, those with the expected outcome, those that crashed, the rooms
+    it aimed at (and of those, delivered anyway) and the time to failure of those that failed
+    (p50, p99, max)."""
+    by_kind = {}
+    for event in events:
+        entry = by_kind.setdefault(
+            event["kind"],
+            {
+                "events": 0,
+                "expected": 0,
+                "errors": 0,
+                "affected": 0,
+                "delivered_anyway": 0,
+                "ttf_s": [],
+            },
+        )
+        entry["events"] += 1
+        entry["expected"] += bool(event.get("expected"))
+        entry["errors"] += "error" in event
+        aimed = event["affected"] + event["delivered_anyway"]
+        entry["affected"] += len(aimed)
+        entry["delivered_anyway"] += sum(a["state"] == "DONE" for a in aimed)
+        entry["ttf_s"] += [
+            a["ttf_s"]
+            for a in event["affected"]
+            if a.get("ttf_s") is not None and a["state"] != "DONE"
+        ]
+    for entry in by_kind.values():
+        times = entry.pop("ttf_s")
+        entry["ttf_p50_s"], entry["ttf_p99_s"], entry["ttf_max_s"] = (
+            _p(times, 0.5),
+            _p(times, 0.99),
+            max(times) if times else None,
+        )
+    return by_kind
 
 
 def _goals(report: dict) -> list[Goal]:

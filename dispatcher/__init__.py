@@ -2,7 +2,8 @@
 content hash, name its room (the worker's intake opens it), send its bytes, and hand back the
 prefill request's items."""
 
-from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError
+from dispatcher.dispatch import Dispatcher
+from dispatcher.media import DispatchedItem, DispatchError
 from dispatcher.ring import HashRing
 from dispatcher.workers import WorkerAddress, WorkerSet
 

@@ -73,7 +73,7 @@ def prefill_body(request_id: str, items, verify: bool) -> dict:
 
 def _read_media(settings: DispatchSettings) -> list:
     """Every file the command line names, read: a video by its suffix (.mp4, .mov, .m4v)."""
-    from dispatcher.dispatch import Media
+    from dispatcher.media import Media
     from wire.modality import Modality
 
     media = []
@@ -91,7 +91,8 @@ def _read_media(settings: DispatchSettings) -> list:
 async def run(args: DispatchSettings) -> int:
     import aiohttp
 
-    from dispatcher.dispatch import Dispatcher, DispatchError
+    from dispatcher.dispatch import Dispatcher
+    from dispatcher.media import DispatchError
     from dispatcher.workers import WorkerSet
 
     images = _read_media(args)

@@ -19,26 +19,19 @@ an item no worker takes comes back with the reason and without a room, so the ca
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import random
 import re
 import secrets
 import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
 import yarl
-from PIL import Image
 
+from dispatcher.media import DispatchedItem, DispatchError, Media, MediaSizer
 from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
 from handshake.client import HandshakeClient, HandshakeError
-from multimodal.hashing import hash_feature
-from multimodal.items import GRID_KEYS, MultimodalDataItem
-from vision.limits import IMAGE_FORMATS
-from vision.sizing import QWEN_VL, Sizing, sampled_indices
-from vision.video import BadVideo, read_header
+from vision.sizing import QWEN_VL, Sizing
 from wire.addresses import EncodeHandshake, Endpoint
 from wire.intake import (
     AsyncIntakeClient,
@@ -47,61 +40,11 @@ from wire.intake import (
     IntakeRequest,
     IntakeStatus,
 )
-from wire.modality import Modality
 from wire.offers import MAX_ROOM_ID
 
 log = logging.getLogger(__name__)
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
-MAX_IMAGES = 64  # items (images and videos) per request
-MAX_IMAGE_BYTES = 64 << 20  # per item, a video's too
 MAX_BACKOFF_S = 1.0  # the longest wait before trying busy workers again
-
-
-class DispatchError(ValueError):
-    """The request cannot be dispatched at all (bad input); no room was named and nothing sent."""
-
-
-@dataclass(frozen=True)
-class Media:
-    """One item of a request as the client sent it: an image file, or a video file (MP4/MOV)."""
-
-    data: bytes
-    modality: Modality = Modality.IMAGE
-
-
-@dataclass
-class DispatchedItem:
-    index: int
-    data: bytes  # the image or video file
-    content_hash: int
-    width: int  # pixels (a video's frames')
-    height: int
-    grid_thw: tuple[int, int, int]
-    rows: int
-    encode_handshake: EncodeHandshake | None = None  # the room the prefill side registers in
-    worker: str | None = None  # the encode worker that accepted the item
-    # why no worker took it; such an item comes back without a room (the caller encodes it
-    # itself, or fails it with this reason)
-    error: str | None = None
-    attempts: list[str] = field(default_factory=list)  # workers tried, in order
-    dispatch_s: float = 0.0  # from the start of dispatch to the worker's acknowledgement
-    retry_after_s: float | None = None  # the last worker refused it busy: retry after this
-    image_format: str = ""  # PIL's name for an image (PNG, JPEG, ...); "MP4/MOV" for a video
-    modality: Modality = Modality.IMAGE
-    # a video's seconds per temporal patch (temporal patch size / the sampled frames' rate), as
-    # transformers' Qwen2.5-VL processor computes it (its positions, second_per_grid_ts)
-    seconds_per_grid_t: float | None = None
-
-    def to_mm_item(self, start: int) -> MultimodalDataItem:
-        """The item as a prefill engine holds it: placeholders at ``[start, start + rows)``,
-        the content hash, the expected patch grid, and the room."""
-        return MultimodalDataItem(
-            self.modality,
-            hash=self.content_hash,
-            offsets=[[start, start + self.rows - 1]],
-            model_specific_data={GRID_KEYS[self.modality]: torch.tensor([list(self.grid_thw)])},
-            encode_handshake=self.encode_handshake.model_dump() if self.encode_handshake else None,
-        )
 
 
 class _IntakeOutcome(NamedTuple):
@@ -126,9 +69,7 @@ class Dispatcher:
         sizing: Sizing = QWEN_VL,
     ):
         self.workers = workers
-        self.sizing = sizing  # the model family's: an item's grid from its sizes, its rows
-        self.processor = processor
-        self.video_processor = video_processor  # None: videos are refused
+        self.sizer = MediaSizer(processor, video_processor, sizing)
         self.rooms_url = rooms_url  # a standalone room authority; None: rooms at each item's worker
         self.served_model = served_model
         self.handshake_token = handshake_token
@@ -154,84 +95,8 @@ class Dispatcher:
     def describe(
         self, media: list[bytes | Media], names: list[str] | None = None
     ) -> list[DispatchedItem]:
-        """Hash and size every item (no decode); raises ``DispatchError`` for a bad one, naming it
-        by ``names`` (its file, say) or else by its index. Bare bytes are an image. A format
-        encode workers refuse (GIF, WebM, ...) is refused here, before anything is sent."""
-        if not 1 <= len(media) <= MAX_IMAGES:
-            raise DispatchError(
-                f"a request carries 1..{MAX_IMAGES} images and videos, got {len(media)}"
-            )
-        items = []
-        for index, entry in enumerate(media):
-            entry = entry if isinstance(entry, Media) else Media(entry)
-            kind = entry.modality.vllm_name
-            label = names[index] if names else f"{kind} {index}"
-            data = entry.data
-            if not data or len(data) > MAX_IMAGE_BYTES:
-                raise DispatchError(f"{label}: {len(data)} bytes (1..{MAX_IMAGE_BYTES} accepted)")
-            if entry.modality is Modality.VIDEO:
-                items.append(self._describe_video(index, data, label))
-            else:
-                items.append(self._describe_image(index, data, label))
-        return items
-
-    def _describe_image(self, index: int, image: bytes, label: str) -> DispatchedItem:
-        try:
-            with Image.open(io.BytesIO(image)) as probe:
-                width, height = probe.size
-                image_format = probe.format
-        except Exception as exc:  # PIL raises many types for bad data; its text names a BytesIO
-            raise DispatchError(
-                f"{label}: not an image encode workers read "
-                f"({', '.join(sorted(IMAGE_FORMATS))}): "
-                f"{type(exc).__name__}"
-            ) from None
-        if image_format not in IMAGE_FORMATS:
-            raise DispatchError(
-                f"{label}: {image_format} is not accepted by encode workers "
-                f"({', '.join(sorted(IMAGE_FORMATS))})"
-            )
-        try:
-            grid = self.sizing.image_grid(self.processor, height, width)
-        except ValueError as exc:
-            raise DispatchError(
-                f"{label}: {width}x{height} cannot be resized for the tower: {exc}"
-            ) from None
-        return DispatchedItem(
-            index,
-            image,
-            hash_feature(image),
-            width,
-            height,
-            grid,
-            self.sizing.rows(grid, self.processor.merge_size),
-            image_format=image_format,
-        )
-
-    def _describe_video(self, index: int, video: bytes, label: str) -> DispatchedItem:
-        """A video sized from its container header and the video processor (no decode)."""
-        processor = self.video_processor
-        if processor is None:
-            raise DispatchError(f"{label}: the model has no video processor: videos are refused")
-        try:
-            header = read_header(video)
-            indices = sampled_indices(processor, header.frames, header.fps)
-            grid = self.sizing.video_grid(processor, len(indices), header.height, header.width)
-        except BadVideo as exc:
-            raise DispatchError(f"{label}: {exc}") from None
-        sampled_fps = len(indices) / header.frames * header.fps  # transformers' VideoMetadata's
-        return DispatchedItem(
-            index,
-            video,
-            hash_feature(video),
-            header.width,
-            header.height,
-            grid,
-            self.sizing.rows(grid, processor.merge_size),
-            image_format="MP4/MOV",
-            modality=Modality.VIDEO,
-            seconds_per_grid_t=processor.temporal_patch_size / sampled_fps,
-        )
+        """``MediaSizer.describe``: every item hashed and sized, or ``DispatchError``."""
+        return self.sizer.describe(media, names)
 
     async def dispatch(
         self,

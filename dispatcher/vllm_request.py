@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dispatcher.dispatch import DispatchedItem
+from dispatcher.media import DispatchedItem
 from multimodal.items import GRID_KEYS
 from vision.families import FAMILIES
 from wire.ec_params import identifier

@@ -26,78 +26,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-import torch
-
-from data_plane.commit import EmbeddingLayout
-from data_plane.pool import Lease, SlotPool
-from data_plane.transport import (
-    CompletionPoller,
-    Transfer,
-    TransferRefused,
-    TransferState,
-    Transport,
-)
+from data_plane.pool import SlotPool
+from data_plane.transport import CompletionPoller, Transport
+from encode_worker.writes import Outcome, StagedItem, Writer
 from handshake.client import HandshakeError
 from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound
 from loop_threads import LoopThread, name_os_thread
 from wire.addresses import EncodeHandshake
-from wire.modality import Modality
-from wire.offers import TRANSPORT_NAMES
-from wire.rooms import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
+from wire.rooms import RoomState, RoomView
 
 log = logging.getLogger(__name__)
 INLINE_WRITE_BYTES = (
     4 << 20
 )  # ~0.4 ms of memcpy here: the most a write may hold up the handshake loop
-
-
-@dataclass
-class StagedItem:
-    request_id: str
-    handshake: EncodeHandshake
-    lease: Lease  # in the send ring
-    layout: EmbeddingLayout
-    checksum: int | None
-    timings: dict[str, float | bool]
-    grid_thw: tuple[int, int, int] | None = None
-    modality: Modality = Modality.IMAGE
-
-    @property
-    def room(self) -> int:
-        return self.handshake.bootstrap_room
-
-
-@dataclass
-class _Write:
-    """A write begun in its room and submitted: what its commit needs."""
-
-    transport: Transport
-    offer: object
-    generation: int
-    transfer: Transfer
-    started: float
-
-
-@dataclass
-class Outcome:
-    room: int
-    state: RoomState  # the room's end: SUCCESS, or FAILED / CANCELLED / EXPIRED
-    transport: str | None
-    reason: str | None
-    nbytes: int
-    timings: dict[
-        str, float | bool
-    ]  # EncodeTimings' fields: queue_s, encode_s, wait_s, transfer_s, cache_hit
-    modality: Modality = Modality.IMAGE
 
 
 class Sender:
@@ -113,21 +59,26 @@ class Sender:
         on_outcome: Callable[[Outcome], None] = lambda outcome: None,
         inline_write_bytes: int = INLINE_WRITE_BYTES,
     ):
-        self.ring = ring
-        self.transports = transports
         self.rooms_for = rooms_for
         self.receiver_wait_s = receiver_wait_s
-        self.write_timeout_s = write_timeout_s
         self.on_outcome = on_outcome
-        self.inline_write_bytes = inline_write_bytes
-        # names this worker in begin_write, so a room sent to two workers is written by one only
-        self.writer_id = f"{socket.gethostname()[:64]}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._closing = threading.Event()
+        self.writer = Writer(
+            ring,
+            transports,
+            rooms_for,
+            receiver_wait_s,
+            write_timeout_s,
+            inline_write_bytes,
+            self._closing,
+        )
+        self.slot_freed = self.writer.slot_freed
+        self.reap = self.writer.reap
         self._pool = ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="sender", initializer=name_os_thread
         )
         self._loop = loop  # the handshake server's: its owner stops it
         self._poller = CompletionPoller("sender-poller")
-        self._unsettled: list[tuple[Transfer, Lease]] = []
         self._lock = threading.Lock()
         # Items submitted and not yet on the loop: one loop wake-up takes all that came meanwhile
         # (a batch's items, or items of several requests under load), not one hand-off each.
@@ -136,8 +87,6 @@ class Sender:
         self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
         self._delivering = 0  # submitted until their outcome
         self._all_delivered = threading.Condition(self._lock)
-        self._closing = threading.Event()
-        self.slot_freed = threading.Condition()
 
     def submit(self, item: StagedItem) -> None:
         """Deliver ``item`` on the loop (from any thread); its outcome goes to ``on_outcome``."""
@@ -188,31 +137,31 @@ class Sender:
             rooms = self.rooms_for(item.handshake)
             view = await self._wait_for_receiver(rooms, item)
             chosen = (
-                self._choose(view.registration.offers)
+                self.writer.choose(view.registration.offers)
                 if view.state is RoomState.REGISTERED
                 else None
             )
-            if self._on_loop(rooms, item, chosen):
+            if self.writer.fits_loop(rooms, item, chosen):
                 outcome = await self._deliver_on_loop(item, rooms, view, chosen)
             else:
                 outcome = await loop.run_in_executor(
                     self._pool, self._deliver, item, rooms, view, chosen
                 )
         except RoomNotFound as exc:  # nothing to tell: the room is unknown at its endpoint, or gone
-            outcome = self._finish(item, RoomState.FAILED, None, f"not delivered: {exc}")
+            outcome = self.writer.finish(item, RoomState.FAILED, None, f"not delivered: {exc}")
         except (
             RoomError,
             HandshakeError,
         ) as exc:  # expected (an endpoint down): a reason, no traceback
             reason = f"room unusable: {exc}"
             outcome = await loop.run_in_executor(
-                self._pool, lambda: self._fail(item, reason, settled=True)
+                self._pool, lambda: self.writer.fail(item, reason, settled=True)
             )
         except Exception as exc:  # never lose an item silently: fail its room
             log.exception("delivery of room %d crashed", item.room)
             reason = f"encode worker error: {type(exc).__name__}: {exc}"
             outcome = await loop.run_in_executor(
-                self._pool, lambda: self._fail(item, reason, settled=True)
+                self._pool, lambda: self.writer.fail(item, reason, settled=True)
             )
         self.on_outcome(outcome)
 
@@ -221,18 +170,18 @@ class Sender:
     ) -> Outcome:
         """On a sender thread, once the wait for the receiver is over; ``chosen``: the transport
         and offer picked from the registration."""
-        write = self._start_write(item, rooms, view, chosen)
+        write = self.writer.start(item, rooms, view, chosen)
         if isinstance(write, Outcome):
             return write
         write.transfer.wait()
-        return self._end_write(item, rooms, write)
+        return self.writer.end(item, rooms, write)
 
     async def _deliver_on_loop(
         self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None
     ) -> Outcome:
         """``_deliver`` on the loop (see ``_on_loop``): the write is awaited through the
         completion poller, not slept on."""
-        write = self._start_write(item, rooms, view, chosen)
+        write = self.writer.start(item, rooms, view, chosen)
         if isinstance(write, Outcome):
             return write
         try:
@@ -242,105 +191,7 @@ class Sender:
             state = None
         if state is None:  # the transport must probe or resubmit (it may wait): on a thread
             await asyncio.get_running_loop().run_in_executor(self._pool, write.transfer.wait)
-        return self._end_write(item, rooms, write)
-
-    def _start_write(
-        self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None
-    ) -> Outcome | _Write:
-        """Check the registration against the item, begin the write in the room and submit it:
-        the write in flight, or the item's outcome when it ends here."""
-        if view.state is RoomState.PENDING:  # no receiver came: the room fails now, not at its TTL
-            return self._fail(
-                item,
-                "encode worker shutting down"
-                if self._closing.is_set()
-                else f"no receiver registered within {self.receiver_wait_s:g} s",
-                settled=True,
-            )
-        if view.state is RoomState.WRITING:  # a room sent to two workers: the other one has it
-            return self._finish(
-                item, RoomState.FAILED, None, "not written: another writer is writing this room"
-            )
-        if view.state is not RoomState.REGISTERED:
-            return self._finish(
-                item, view.state, None, view.reason or "room ended before a receiver came"
-            )
-        registration = view.registration
-        reserved = EmbeddingLayout(registration.rows, registration.width, registration.dtype)
-        if reserved != item.layout:
-            return self._fail(
-                item,
-                f"contract mismatch: encoder has [{item.layout.rows}, {item.layout.width}] "
-                f"{item.layout.dtype}, receiver reserved [{reserved.rows}, {reserved.width}] "
-                f"{reserved.dtype}",
-                settled=True,
-            )
-        if chosen is None:
-            kinds = [offer.kind for offer in registration.offers]
-            return self._fail(
-                item,
-                f"no common transport: receiver offers {kinds}, "
-                f"encoder has {sorted(self.transports)}",
-                settled=True,
-            )
-        transport, offer = chosen
-        if offer.capacity < item.layout.nbytes:
-            return self._fail(
-                item,
-                f"receiver slot holds {offer.capacity} bytes, item needs {item.layout.nbytes}",
-                settled=True,
-            )
-        try:
-            view = rooms.begin_write(
-                BeginWrite(
-                    room=item.room,
-                    generation=registration.generation,
-                    transport=transport.name,
-                    write_timeout_s=self.write_timeout_s,
-                    writer=self.writer_id,
-                )
-            )
-        except RoomError as exc:  # the room is another writer's (or gone): leave it as it is
-            return self._finish(item, RoomState.FAILED, None, f"not written: {exc}")
-        if view.state is not RoomState.WRITING or view.cancel_requested:
-            return self._finish(item, view.state, None, view.reason or "cancelled before the write")
-        started = time.monotonic()
-        try:
-            transfer = transport.submit(
-                self.ring.view(item.lease), offer, started + self.write_timeout_s
-            )
-        except TransferRefused as exc:
-            return self._fail(item, f"{transport.name} refused the write: {exc}", settled=True)
-        return _Write(transport, offer, registration.generation, transfer, started)
-
-    def _end_write(self, item: StagedItem, rooms, write: _Write) -> Outcome:
-        """Once the write is DONE or FAILED: commit it, or fail the room."""
-        item.timings["transfer_s"] = time.monotonic() - write.started
-        transfer, name = write.transfer, write.transport.name
-        if transfer.state is not TransferState.DONE:
-            self._hold_until_settled(transfer, item.lease)
-            return self._fail(
-                item,
-                f"{name} write failed: {transfer.error}",
-                settled=transfer.settled,
-                release=False,
-            )
-        view = rooms.commit(
-            CommitBody(
-                room=item.room,
-                generation=write.generation,
-                transport=name,
-                rows=item.layout.rows,
-                width=item.layout.width,
-                dtype=item.layout.dtype,
-                checksum=item.checksum,
-                grid_thw=item.grid_thw,
-                shm_segment=getattr(write.offer, "segment", None),
-                writer=self.writer_id,
-                timings=EncodeTimings(**item.timings),
-            )
-        )
-        return self._finish(item, view.state, name, view.reason)
+        return self.writer.end(item, rooms, write)
 
     async def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView:
         waiting = time.monotonic()
@@ -360,83 +211,3 @@ class Sender:
                 item.timings["wait_s"] = time.monotonic() - waiting
                 return view
             version = view.version
-
-    def _on_loop(self, rooms, item: StagedItem, chosen: tuple[Transport, object] | None) -> bool:
-        """Whether the delivery cannot block the loop: room calls on this process's table and no
-        write, a small one that is a memcpy inside ``submit`` (SHM), or one the transport runs on
-        its own threads (Mooncake to a peer it has reached)."""
-        if not rooms.in_process:
-            return False
-        if chosen is None:
-            return True
-        transport, offer = chosen
-        if transport.copies_in_submit:
-            return item.layout.nbytes <= self.inline_write_bytes
-        return transport.submits_in_background(offer)
-
-    def _choose(self, offers) -> tuple[Transport, object] | None:
-        """The first transport, in the registry's preference order, both sides have and this
-        process can reach."""
-        for name in TRANSPORT_NAMES:
-            transport = self.transports.get(name)
-            if transport is None:
-                continue
-            for offer in offers:
-                if offer.kind == name and transport.reachable(offer):
-                    return transport, offer
-        return None
-
-    # ---- endings ---------------------------------------------------------------------------
-
-    def _fail(self, item: StagedItem, reason: str, settled: bool, release: bool = True) -> Outcome:
-        try:
-            view = self.rooms_for(item.handshake).fail(item.room, reason, settled, self.writer_id)
-            state = view.state
-        except (RoomError, HandshakeError) as exc:
-            state, reason = RoomState.FAILED, f"{reason} (and the room could not be told: {exc})"
-        if release:
-            self._release(item.lease)
-        return Outcome(
-            item.room, state, None, reason, item.layout.nbytes, item.timings, item.modality
-        )
-
-    def _finish(
-        self, item: StagedItem, state: RoomState, transport: str | None, reason: str | None
-    ) -> Outcome:
-        self._release(item.lease)
-        return Outcome(
-            item.room, state, transport, reason, item.layout.nbytes, item.timings, item.modality
-        )
-
-    def _release(self, lease: Lease) -> None:
-        self.ring.release(lease)
-        with self.slot_freed:
-            self.slot_freed.notify_all()
-
-    def _hold_until_settled(self, transfer: Transfer, lease: Lease) -> None:
-        if transfer.settled:
-            self._release(lease)
-            return
-        with self._lock:
-            self._unsettled.append((transfer, lease))
-
-    def reap(self) -> int:
-        """Release ring slots whose failed writes have settled; returns how many are still held."""
-        with self._lock:
-            still = []
-            for transfer, lease in self._unsettled:
-                transfer.poll()
-                if transfer.settled:
-                    self._release(lease)
-                else:
-                    still.append((transfer, lease))
-            self._unsettled = still
-            return len(still)
-
-
-def stage(ring: SlotPool, rows: torch.Tensor) -> Lease:
-    """Copy an item's rows into a send-ring lease (raises ``NoCapacity`` / ``TooLarge``)."""
-    flat = rows.contiguous().reshape(-1).view(torch.uint8)
-    lease = ring.lease(flat.numel())
-    ring.view(lease).copy_(flat)
-    return lease

@@ -18,9 +18,7 @@ import json
 import logging
 import threading
 import zlib
-from dataclasses import dataclass
 
-import torch
 from prometheus_client import CollectorRegistry
 
 from data_plane.pool import MemoryRegion, SlotPool
@@ -29,12 +27,17 @@ from encode_worker.cache import EmbeddingCache, InFlightEncodes
 from encode_worker.config import WorkerConfig
 from encode_worker.device import TowerDevice
 from encode_worker.health import Health
+from encode_worker.intake_stage import Intake
 from encode_worker.messages import EncodedBatch, Handoff, PreparedBatch
 from encode_worker.metrics import WorkerMetrics
+from encode_worker.prepare import Prepare
 from encode_worker.room_clients import InFlightRooms, RateLimitedLog, RoomClients, RoomFailer
 from encode_worker.scheduler import BatchQueue
-from encode_worker.sender import Outcome, Sender
-from encode_worker.stages import SHUTTING_DOWN, Intake, Prepare, StageAndSend, TowerStage
+from encode_worker.sender import Sender
+from encode_worker.stages import SHUTTING_DOWN, StageContext, StageThreads
+from encode_worker.staging import StageAndSend
+from encode_worker.tower_stage import TowerStage
+from encode_worker.writes import Outcome
 from handshake.app import create_app
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
@@ -45,33 +48,6 @@ from wire.offers import transport_spec
 from wire.rooms import RoomState
 
 log = logging.getLogger(__name__)
-
-
-# The process's intra-op threads as the environment set them, read before any stage sets its own.
-PROCESS_TORCH_THREADS = torch.get_num_threads()
-
-
-@dataclass(frozen=True)
-class StageThreads:
-    """Torch's intra-op threads for each stage's thread, set by each stage at its start (torch's
-    count is one for the process: the last ``set_num_threads`` is what a thread's first op takes,
-    so each stage sets its own). The preprocessing pool's threads take one each."""
-
-    prepare: int
-    tower: int
-    stage: int
-
-    @classmethod
-    def for_device(cls, device: TowerDevice) -> StageThreads:
-        cores = PROCESS_TORCH_THREADS
-        if device.is_cuda:
-            # The tower thread only queues GPU work, and preprocessing in one thread takes one:
-            # an H100 host's 16 intra-op threads around ~5 ms of preprocessing burned ~30 ms of
-            # CPU per image (docs/performance.md).
-            return cls(prepare=1, tower=1, stage=cores)
-        # Beside a CPU tower, preprocessing shares the cores with it (one thread there cost a
-        # fifth of batched items/s on 2 cores, docs/performance.md).
-        return cls(prepare=cores, tower=cores, stage=cores)
 
 
 class EncodeWorker:
@@ -186,58 +162,22 @@ class EncodeWorker:
             self._stopping,
             lambda: not len(self.queue) and self._prepared.empty(),
         )
-        self.intake = Intake(
+        context = StageContext(
             config,
-            self.served_model,
-            self.tower,
-            self.queue,
-            self.in_flight,
-            self.failer,
-            self.health,
-            self.metrics,
-            item_log,
-            self._stopping,
-        )
-        threads = StageThreads.for_device(self.device)
-        self.prepare = Prepare(
-            self.queue,
             self.tower,
             self.device,
-            self.preprocess_id,
+            self.queue,
             self.encodes,
-            config.max_image_pixels,
-            self.failer,
-            self.metrics,
-            self._prepared,
-            self._stopping,
-            workers=config.preprocess_workers,
-            niceness=config.media_niceness,
-            on_device=config.preprocess_device == "tower",
-            torch_threads=threads.prepare,
-        )
-        self.tower_stage = TowerStage(
-            self.tower,
-            self.device,
-            self.encodes,
-            self.metrics,
-            self.health,
-            self.failer,
-            self._prepared,
-            self._encoded,
-            self._stopping,
-            torch_threads=threads.tower,
-        )
-        self.stage_and_send = StageAndSend(
-            self.ring,
-            self.sender,
-            config.receiver_wait_s,
-            config.checksum,
             self.failer,
             self.health,
-            self._encoded,
+            self.metrics,
+            StageThreads.for_device(self.device),
             self._stopping,
-            torch_threads=threads.stage,
         )
+        self.intake = Intake(context, self.served_model, self.in_flight, item_log)
+        self.prepare = Prepare(context, self.preprocess_id, self._prepared)
+        self.tower_stage = TowerStage(context, self._prepared, self._encoded)
+        self.stage_and_send = StageAndSend(context, self.ring, self.sender, self._encoded)
         self._threads: list[threading.Thread] = []
         self.server: ThreadedServer | None = None
 

@@ -40,7 +40,8 @@ from prometheus_client import (
 )
 from pydantic import BaseModel, ValidationError
 
-from dispatcher.dispatch import DispatchedItem, Dispatcher, DispatchError, Media
+from dispatcher.dispatch import Dispatcher
+from dispatcher.media import DispatchedItem, DispatchError, Media
 from dispatcher.workers import WorkerSet
 from gateway.chat import (
     ChatRequest,

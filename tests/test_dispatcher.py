@@ -12,7 +12,7 @@ from PIL import Image
 
 from bench.images import synthetic_image
 from dispatcher import Dispatcher, DispatchError, HashRing, WorkerAddress, WorkerSet
-from dispatcher.dispatch import Media
+from dispatcher.media import Media
 from handshake.app import create_app
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer

@@ -10,7 +10,8 @@ import torch
 from data_plane.commit import EmbeddingLayout, checksum
 from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.shm_transport import ShmTransport
-from encode_worker.sender import Sender, StagedItem, stage
+from encode_worker.sender import Sender
+from encode_worker.writes import StagedItem, stage
 from handshake.access import LocalRooms
 from handshake.app import create_app
 from handshake.client import SyncHandshakeClient

@@ -26,7 +26,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from bench.cluster import LocalCluster, free_port  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
 from dispatcher import Dispatcher, WorkerSet  # noqa: E402
-from dispatcher.dispatch import Media  # noqa: E402
+from dispatcher.media import Media  # noqa: E402
 from dispatcher.vllm_request import vllm_request  # noqa: E402
 from multimodal.items import Modality  # noqa: E402
 from tests.encode_helpers import mp4  # noqa: E402
@@ -565,7 +565,7 @@ def test_worker_side_checks_before_writing(no_new_segments):
 def test_vllm_request_from_dispatched_items():
     """The gateway's request: one identifier per placeholder (a repeat reuses it), grids alone or
     the images, one room per distinct item; an unplaced item without its image is refused."""
-    from dispatcher.dispatch import DispatchedItem
+    from dispatcher.media import DispatchedItem
     from wire.addresses import EncodeHandshake
 
     room = EncodeHandshake(bootstrap_room=7, bootstrap_host="10.0.0.5", bootstrap_port=8990)

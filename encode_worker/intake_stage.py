@@ -1,0 +1,283 @@
+"""Intake, the encode worker's first stage: the ZMQ ROUTER loop. Each message is validated into an
+``EncodeJob`` from what can be seen without decoding (the image's header, the video's container
+header, the shape, the SHM name), queued, and answered at once with an ``IntakeReply``: refused
+(room untouched), failed (a bad item: its room fails) or accepted."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import torch
+import zmq
+from PIL import Image
+
+from data_plane.shm import ShmTensorHandle
+from encode_worker.inputs import check_claimed_hash
+from encode_worker.room_clients import InFlightRooms, RateLimitedLog
+from encode_worker.scheduler import EncodeJob
+from encode_worker.stages import SHUTTING_DOWN, StageContext
+from handshake.rooms import RoomConflict, RoomError, RoomsFull
+from multimodal.hashing import hash_feature
+from process_settings import SettingError
+from vision.images import BadItem
+from vision.limits import IMAGE_FORMATS, MAX_SIDE
+from vision.sizing import VideoLimits, plan_video_file, plan_video_frames
+from wire.addresses import endpoint_url
+from wire.intake import (
+    QUEUE_FULL_RETRY_S,
+    IntakeRefused,
+    IntakeReply,
+    IntakeRequest,
+    IntakeStatus,
+    parse_request,
+)
+from wire.modality import Modality
+
+log = logging.getLogger(__name__)
+INTAKE_POLL_MS = 100  # how often the intake loop looks at the stop signal
+
+
+class Intake:
+    """The intake socket and its loop. Never waits on the network or the tower: each message is
+    refused (room untouched), failed (a bad item: its room fails) or queued, and answered at
+    once."""
+
+    def __init__(
+        self,
+        context: StageContext,
+        served_model: str,
+        in_flight: InFlightRooms,
+        item_log: RateLimitedLog,
+    ):
+        config = self.config = context.config
+        self.served_model = served_model
+        self.tower = context.tower
+        self.queue = context.queue
+        self.in_flight = in_flight
+        self.failer = context.failer
+        self.health = context.health
+        self.metrics = context.metrics
+        self.item_log = item_log
+        self.video_limits = VideoLimits(
+            config.max_image_pixels,
+            config.max_video_seconds,
+            config.max_video_frames,
+            config.max_video_pixels,
+        )
+        self._stopping = context.stopping
+        self._socket: zmq.Socket | None = None
+        self.port: int | None = None
+
+    def listen(self) -> None:
+        """Bind the intake port (``SettingError``, one line, when it cannot be)."""
+        config = self.config
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_payload_bytes + (1 << 20))
+        self._socket.setsockopt(zmq.IPV6, 1)  # --bind may be an IPv6 address
+        try:
+            if config.intake_port:
+                self._socket.bind(endpoint_url("tcp", config.bind, config.intake_port))
+                self.port = config.intake_port
+            else:
+                self.port = self._socket.bind_to_random_port(endpoint_url("tcp", config.bind))
+        except zmq.ZMQError as exc:
+            raise SettingError(
+                f"intake port: cannot listen on {config.bind}:{config.intake_port}: {exc.strerror}"
+            ) from None
+
+    def loop(self) -> None:
+        """Answer messages until the worker stops; then close the socket (the loop's own)."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(INTAKE_POLL_MS):
+                continue
+            frames = self._socket.recv_multipart(copy=True)
+            identity, body = frames[0], frames[1:]
+            self._socket.send_multipart([identity, self.accept(body).frame()])
+        self.close()
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(0)
+
+    def accept(self, frames: list[bytes]) -> IntakeReply:
+        try:
+            request, payload = parse_request(
+                frames, self.config.max_payload_bytes, self.config.intake_token, self.served_model
+            )
+        except IntakeRefused as exc:
+            self.metrics.count(Modality.IMAGE, IntakeStatus.REFUSED)
+            self.item_log.warning("intake refused an item (room %s): %s", exc.room, exc)
+            return IntakeReply(status=IntakeStatus.REFUSED, room=exc.room, reason=str(exc))
+        room = request.encode_handshake.bootstrap_room
+        if self.health.device_failure is not None:  # another worker can encode it
+            return self._refuse(request, self.health.device_failure)
+        if not self.queue.has_room(len(payload) if payload is not None else 0):
+            # before the header, the hash and the room: a busy worker refuses cheaply
+            return self._refuse(request, "queue full", retry_after_s=QUEUE_FULL_RETRY_S)
+        if not self.in_flight.claim(room):
+            return self._refuse(
+                request, f"room {room} already has an item in flight here", log_it=True
+            )
+        if request.open_room_ttl_s is not None:
+            refusal = self._open_room(request)
+            if refusal is not None:
+                self.in_flight.release(room)
+                return refusal
+        try:
+            job = self.job(request, payload)
+        except BadItem as exc:
+            self.failer.fail(request.encode_handshake, str(exc), request.modality, counted=False)
+            self.metrics.count(request.modality, IntakeStatus.FAILED)
+            return IntakeReply(status=IntakeStatus.FAILED, room=room, reason=str(exc))
+        if not self.queue.put(job):  # room was checked above: the queue closed meanwhile
+            self.in_flight.release(room)
+            if request.open_room_ttl_s is not None:
+                self._close_opened_room(room)
+            return self._refuse(request, SHUTTING_DOWN)
+        self.metrics.count(request.modality, IntakeStatus.ACCEPTED)
+        return IntakeReply(status=IntakeStatus.ACCEPTED, room=room)
+
+    def _refuse(
+        self,
+        request: IntakeRequest,
+        reason: str,
+        retry_after_s: float | None = None,
+        log_it: bool = False,
+    ) -> IntakeReply:
+        room = request.encode_handshake.bootstrap_room
+        self.metrics.count(request.modality, IntakeStatus.REFUSED)
+        if log_it:
+            self.item_log.warning("intake refused room %d: %s", room, reason)
+        return IntakeReply(
+            status=IntakeStatus.REFUSED, room=room, reason=reason, retry_after_s=retry_after_s
+        )
+
+    def _open_room(self, request: IntakeRequest) -> IntakeReply | None:
+        """Open the room the sender named in this worker's table; the refusal, if it cannot be."""
+        handshake = request.encode_handshake
+        # The port must be this worker's bootstrap port; the host is the sender's name for this
+        # worker, which it reached the intake by (a worker does not know every DNS name it has).
+        if handshake.endpoint.port != self.failer.rooms.bootstrap_port:
+            return self._refuse(
+                request,
+                f"open_room_ttl_s names a room at {handshake.endpoint}, not at this worker's "
+                f"bootstrap port {self.failer.rooms.bootstrap_port}",
+                log_it=True,
+            )
+        try:
+            self.failer.rooms.table.open(handshake.bootstrap_room, request.open_room_ttl_s)
+        except RoomsFull as exc:
+            return self._refuse(request, f"room table full: {exc}", QUEUE_FULL_RETRY_S)
+        except RoomError as exc:  # the id is in use here, or the TTL is over this table's maximum
+            return self._refuse(request, f"cannot open the room: {exc}", log_it=True)
+        return None
+
+    def _close_opened_room(self, room: int) -> None:
+        """The room intake opened for an item it then refused: gone without a trace, or (touched
+        meanwhile by someone who guessed the id) cancelled."""
+        table = self.failer.rooms.table
+        try:
+            table.discard(room)
+        except RoomConflict:
+            try:
+                table.cancel(room, f"encode worker refused the item: {SHUTTING_DOWN}")
+            except RoomError as exc:
+                log.info("room %d not cancelled: %s", room, exc)
+
+    def job(self, request: IntakeRequest, payload: bytes | None) -> EncodeJob:
+        """The item as a job, from what intake can see without decoding (the image's header, the
+        video's container header, the shape, the SHM name); ``BadItem`` for an item that must not
+        go further."""
+        if request.modality is Modality.VIDEO:
+            source_payload, grid, pixels, video = self._video(request, payload)
+        else:
+            source_payload, grid, pixels = self._image(request, payload)
+            video = None
+        if request.grid_thw is not None and tuple(request.grid_thw) != grid:
+            raise BadItem(
+                f"the sender sized this item to grid {list(request.grid_thw)}, this worker's "
+                f"processor config to {list(grid)}: the two disagree (same checkpoint and "
+                "processor settings on both sides?)"
+            )
+        # The cache key is the hash of the bytes this worker encodes, never the client's word for
+        # it: a wrong claimed hash would poison the cache entry of the image it names.
+        if request.source == "shm":
+            if request.content_hash is None:
+                raise BadItem("SHM-backed items must carry a content hash")
+            content_hash = request.content_hash  # checked against the pixels once read (Prepare)
+        else:
+            content_hash = hash_feature(payload)
+            check_claimed_hash(request.content_hash, content_hash)
+        return EncodeJob(
+            request.request_id,
+            request.encode_handshake,
+            content_hash,
+            request.source,
+            source_payload,
+            grid[0] * grid[1] * grid[2],
+            request.modality,
+            pixels=pixels,
+            nbytes=len(payload) if payload is not None else 0,
+            grid_thw=grid,
+            video=video,
+        )
+
+    def _image(self, request: IntakeRequest, payload: bytes | None):
+        """An image's payload as Prepare reads it, its grid and its pixels."""
+        if request.source == "bytes":
+            try:
+                with Image.open(io.BytesIO(payload)) as probe:
+                    width, height = probe.size
+                    image_format = probe.format
+            except Exception as exc:
+                raise BadItem(f"cannot read image header: {type(exc).__name__}") from None
+            if image_format not in IMAGE_FORMATS:
+                raise BadItem(
+                    f"image format {image_format!r} is not accepted ({sorted(IMAGE_FORMATS)})"
+                )
+        else:
+            height, width = (request.shape if request.source == "pixels" else request.shm.shape)[:2]
+        if width > MAX_SIDE or height > MAX_SIDE or width * height > self.config.max_image_pixels:
+            raise BadItem(
+                f"image of {width}x{height} pixels is larger than this worker decodes "
+                f"({self.config.max_image_pixels} pixels, {MAX_SIDE} a side)"
+            )
+        if request.source == "bytes":
+            source_payload = payload
+        elif request.source == "pixels":
+            source_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(
+                height, width, 3
+            )
+        else:
+            try:  # the name alone decides: a segment that is not an intake handle is never opened
+                source_payload = ShmTensorHandle.for_intake(
+                    request.shm.shm_name, tuple(request.shm.shape), torch.uint8
+                )
+            except ValueError as exc:
+                raise BadItem(str(exc)) from None
+        try:
+            grid = self.tower.sizing.image_grid(self.tower.processor, height, width)
+        except ValueError as exc:
+            raise BadItem(
+                f"image of {width}x{height} cannot be resized for the tower: {exc}"
+            ) from None
+        return source_payload, grid, width * height
+
+    def _video(self, request: IntakeRequest, payload: bytes):
+        """A video's payload as Prepare reads it, its grid, its decoded pixels and its plan."""
+        processor = self.tower.video_processor
+        if processor is None:
+            raise BadItem("this worker's checkpoint has no video processor: videos are refused")
+        if request.source == "bytes":
+            plan = plan_video_file(payload, processor, self.video_limits)
+            source_payload = payload
+        else:
+            plan = plan_video_frames(request.shape, processor, self.video_limits)
+            source_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(
+                *request.shape
+            )
+        return source_payload, plan.grid_thw, plan.pixels, plan
