@@ -23,199 +23,30 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Literal
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from PIL import Image
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     generate_latest,
 )
-from pydantic import BaseModel, ValidationError
 
 from dispatcher.dispatch import Dispatcher
-from dispatcher.media import DispatchedItem, DispatchError, Media
+from dispatcher.media import DispatchError, Media
 from dispatcher.workers import WorkerSet
-from gateway.chat import (
-    ChatRequest,
-    ChatRequestError,
-    EncodedMedia,
-    InlineMedia,
-    MediaRef,
-    media_refs,
-    rewrite,
-)
+from gateway.chat import ChatRequest, ChatRequestError, media_refs, read_chat
+from gateway.errors import OpenAIError, UpstreamRefusal
 from gateway.media import MediaError, MediaFetcher
+from gateway.metrics import GatewayMetrics
+from gateway.prepared import PreparedChat
 from gateway.settings import GatewaySettings
-from metrics import LATENCY_BUCKETS
-from wire.ec_params import DeliveryReport, ItemDelivery, identifier
+from gateway.upstream import Upstream, chain_events, first_token_or_error, server_events
+from wire.ec_params import DeliveryReport
 from wire.modality import Modality
 
 log = logging.getLogger(__name__)
-
-
-class GatewayMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
-        labels = ["model_name"]
-        self.requests = Counter(
-            "epd_gateway_requests",
-            "Chat requests by outcome",
-            labels + ["outcome"],
-            registry=self.registry,
-        )
-        self.images = Counter(
-            "epd_gateway_images",
-            "Images and videos by who encoded them (encode_worker, colocated)",
-            labels + ["encoder"],
-            registry=self.registry,
-        )
-        self.colocated = Counter(
-            "epd_gateway_colocated_fallbacks",
-            "Images sent to vLLM inline instead of an encode worker, by reason",
-            labels + ["reason"],
-            registry=self.registry,
-        )
-        self.dispatch = Histogram(
-            "epd_gateway_dispatch_seconds",
-            "Request start -> every image placed",
-            labels,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.first_token = Histogram(
-            "epd_gateway_time_to_first_token_seconds",
-            "Request start -> first token relayed (streaming) or the answer",
-            labels,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "epd_gateway_requests_in_flight",
-            "Chat requests being served now",
-            labels,
-            registry=self.registry,
-        )
-        self.model_name = model_name
-
-    def count(self, outcome: str) -> None:
-        self.requests.labels(self.model_name, outcome).inc()
-
-
-class UpstreamRefusal(Exception):
-    """vLLM answered another status than 200: relayed to the client as vLLM sent it."""
-
-    def __init__(self, status: int, payload: bytes):
-        super().__init__(f"vLLM answered {status}")
-        self.status, self.payload = status, payload
-
-
-class OpenAIError(Exception):
-    """A refusal in OpenAI's error shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            {
-                "error": {
-                    "message": str(self),
-                    "type": self.kind,
-                    "param": self.param,
-                    "code": self.status,
-                }
-            },
-            status_code=self.status,
-        )
-
-
-@dataclass
-class _Prepared:
-    """A request ready for vLLM: the client's body, its images and videos, and where each was
-    placed."""
-
-    request_id: str
-    original: dict  # the client's body
-    stream: bool
-    refs: list[MediaRef] = field(default_factory=list)
-    items: list[DispatchedItem] = field(default_factory=list)  # one per distinct item
-    of_ref: list[int] = field(default_factory=list)  # the item of each image or video part
-    dispatch_s: float = 0.0
-    video_seconds: bool = False  # the model's positions take a video's seconds per patch
-
-    @property
-    def placed(self) -> list[DispatchedItem]:
-        """The items an encode worker delivers (they have a room)."""
-        return [item for item in self.items if item.worker is not None]
-
-    def vllm_body(self) -> dict:
-        """The body for vLLM as the items stand: a placed item as its grid and identifier, with
-        its room in ``ec_transfer_params``; any other inline (vLLM encodes it)."""
-        media, rooms = [], {}
-        for ref, index in zip(self.refs, self.of_ref):
-            item = self.items[index]
-            if item.worker is not None:
-                key = identifier(item.content_hash)
-                seconds = item.seconds_per_grid_t if self.video_seconds else None
-                media.append(EncodedMedia(key, item.grid_thw, ref.kind, seconds))
-                rooms[key] = item.encode_handshake.model_dump()
-            else:
-                media.append(InlineMedia.of(ref, item.data, _media_type(item)))
-        return rewrite(self.original, self.refs, media, rooms) if self.refs else self.original
-
-    def report(self, delivery: DeliveryReport | None) -> GatewayReport:
-        images = []
-        for item in self.items:
-            key = identifier(item.content_hash)
-            images.append(
-                ImageReport(
-                    identifier=key,
-                    encoder="encode_worker" if item.worker else "colocated",
-                    worker=item.worker,
-                    rows=item.rows,
-                    error=item.error,
-                    dispatch_ms=round(item.dispatch_s * 1e3, 3),
-                    delivery=delivery.items.get(key) if delivery is not None else None,
-                )
-            )
-        return GatewayReport(
-            request_id=self.request_id, dispatch_ms=round(self.dispatch_s * 1e3, 3), images=images
-        )
-
-
-class ImageReport(BaseModel):
-    """One distinct image of a request: who encoded it, and how its rows reached vLLM."""
-
-    identifier: str  # its content hash, vLLM's identifier of the item
-    encoder: Literal["encode_worker", "colocated"]
-    worker: str | None  # the encode worker that took it
-    rows: int
-    error: str | None  # why it went to vLLM inline instead
-    dispatch_ms: float  # request start -> the worker's acknowledgement
-    delivery: ItemDelivery | None = None  # the EPD connector's report (non-streaming answers)
-
-
-class GatewayReport(BaseModel):
-    """The ``epd`` field the gateway adds to a non-streaming answer."""
-
-    request_id: str  # the gateway's id (the encode workers' logs name items by it)
-    dispatch_ms: float  # request start -> every image placed (or not)
-    images: list[ImageReport]
 
 
 class Gateway:
@@ -253,14 +84,11 @@ class Gateway:
             settings.max_video_bytes,
         )
         self.metrics = GatewayMetrics(settings.served_model_name, registry)
-        self._session: aiohttp.ClientSession | None = None
+        self.upstream = Upstream(settings.vllm_url, settings.request_timeout_s)
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s),
-            connector=aiohttp.TCPConnector(limit=0),
-        )
+        await self.upstream.start()
         await self.workers.refresh()
         self._spawn(self.workers.run())
 
@@ -271,8 +99,7 @@ class Gateway:
         await self.dispatcher.close()
         await self.workers.close()
         await self.fetcher.close()
-        if self._session is not None:
-            await self._session.close()
+        await self.upstream.close()
 
     def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coroutine)
@@ -285,7 +112,7 @@ class Gateway:
     async def chat(self, request: Request) -> Response:
         started = time.monotonic()
         try:
-            body, chat = await self._read(request)
+            body, chat = await read_chat(request, self.settings.max_body_bytes)
             prepared = await self._prepare(body, chat)
         except OpenAIError as exc:
             self.metrics.count("refused")
@@ -302,33 +129,12 @@ class Gateway:
             return await self._stream(request, prepared, started)
         return await self._complete(request, prepared, started)
 
-    async def _read(self, request: Request) -> tuple[dict, ChatRequest]:
-        data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > self.settings.max_body_bytes:
-                raise OpenAIError(
-                    413, f"request body larger than {self.settings.max_body_bytes} bytes"
-                )
-        try:
-            body = json.loads(data)
-        except ValueError as exc:
-            raise OpenAIError(400, f"request body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "request body must be a JSON object")
-        try:
-            return body, ChatRequest.model_validate(body)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            where = ".".join(str(part) for part in error["loc"])
-            raise OpenAIError(400, f"{where}: {error['msg']}", param=where) from None
-
-    async def _prepare(self, body: dict, chat: ChatRequest) -> _Prepared:
+    async def _prepare(self, body: dict, chat: ChatRequest) -> PreparedChat:
         try:
             refs = media_refs(chat)
         except ChatRequestError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
-        prepared = _Prepared(
+        prepared = PreparedChat(
             f"gw-{uuid.uuid4().hex}", body, chat.stream, refs, video_seconds=self.video_seconds
         )
         if not refs:
@@ -365,26 +171,14 @@ class Gateway:
                 self.metrics.colocated.labels(self.metrics.model_name, reason).inc()
         return prepared
 
-    def _cancel(self, prepared: _Prepared, reason: str) -> None:
+    def _cancel(self, prepared: PreparedChat, reason: str) -> None:
         if prepared.placed:
             self._spawn(self.dispatcher.cancel(prepared.placed, reason))
-
-    async def _post(self, body: dict) -> aiohttp.ClientResponse:
-        try:
-            return await self._session.post(
-                self.settings.vllm_url + "/v1/chat/completions", json=body
-            )
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise OpenAIError(
-                502,
-                f"vLLM at {self.settings.vllm_url} cannot be reached: {type(exc).__name__}: {exc}",
-                kind="upstream_error",
-            ) from None
 
     # ---- non-streaming ------------------------------------------------------------------------
 
     async def _until_client_leaves(
-        self, request: Request, coroutine, prepared: _Prepared
+        self, request: Request, coroutine, prepared: PreparedChat
     ) -> asyncio.Task | None:
         """The finished task of ``coroutine``, or None when the client left first: then the
         coroutine is cancelled (dropping the vLLM call makes vLLM abort the request) and so are
@@ -404,7 +198,9 @@ class Gateway:
         self.metrics.count("client_disconnected")
         return None
 
-    def _upstream_failed(self, prepared: _Prepared, exc: OpenAIError | UpstreamRefusal) -> Response:
+    def _upstream_failed(
+        self, prepared: PreparedChat, exc: OpenAIError | UpstreamRefusal
+    ) -> Response:
         self._cancel(prepared, str(exc))
         self.metrics.count("upstream_error")
         if isinstance(exc, UpstreamRefusal):
@@ -413,7 +209,7 @@ class Gateway:
 
     # ---- non-streaming ------------------------------------------------------------------------
 
-    async def _complete(self, request: Request, prepared: _Prepared, started: float) -> Response:
+    async def _complete(self, request: Request, prepared: PreparedChat, started: float) -> Response:
         call = await self._until_client_leaves(request, self._call(prepared), prepared)
         if call is None:
             return Response(status_code=499)
@@ -425,15 +221,15 @@ class Gateway:
         self.metrics.count("ok")
         return Response(payload, media_type="application/json")
 
-    async def _call(self, prepared: _Prepared) -> bytes:
+    async def _call(self, prepared: PreparedChat) -> bytes:
         """vLLM's answer (``UpstreamRefusal`` for another status than 200); on a failed EPD
         delivery, once more with the images inline. The answer gets the ``epd`` report (where each
         image was encoded, and how it arrived)."""
-        async with await self._post(prepared.vllm_body()) as response:
+        async with await self.upstream.post(prepared.vllm_body()) as response:
             status, payload = response.status, await response.read()
         if status == 500 and prepared.placed and self.settings.retry_colocated:
             self._fall_back_inline(prepared)
-            async with await self._post(prepared.vllm_body()) as response:
+            async with await self.upstream.post(prepared.vllm_body()) as response:
                 status, payload = response.status, await response.read()
         if status != 200:
             raise UpstreamRefusal(status, payload)
@@ -451,7 +247,7 @@ class Gateway:
             return payload
         return json.dumps(answer).encode()
 
-    def _fall_back_inline(self, prepared: _Prepared) -> None:
+    def _fall_back_inline(self, prepared: PreparedChat) -> None:
         """The request failed in vLLM with encode-worker images: from now on vLLM encodes them."""
         log.warning(
             "request %s failed in vLLM with encode-worker images; retrying with them inline",
@@ -466,7 +262,7 @@ class Gateway:
 
     # ---- streaming ----------------------------------------------------------------------------
 
-    async def _stream(self, request: Request, prepared: _Prepared, started: float) -> Response:
+    async def _stream(self, request: Request, prepared: PreparedChat, started: float) -> Response:
         opened = await self._until_client_leaves(request, self._open(prepared), prepared)
         if opened is None:
             return Response(status_code=499)
@@ -479,30 +275,30 @@ class Gateway:
         )
 
     async def _open(
-        self, prepared: _Prepared
+        self, prepared: PreparedChat
     ) -> tuple[aiohttp.ClientResponse, list[bytes], AsyncIterator[bytes]]:
         """vLLM's stream, its events up to the first token held back when a failed delivery must
         be retried inline (it shows up there as an error event); ``UpstreamRefusal`` for another
         status than 200. The stream is closed if this is cancelled (the client left)."""
-        response = await self._post(prepared.vllm_body())
+        response = await self.upstream.post(prepared.vllm_body())
         try:
             if response.status != 200:
                 raise UpstreamRefusal(response.status, await response.read())
-            events, held = _events(response), []
+            events, held = server_events(response), []
             if not (prepared.placed and self.settings.retry_colocated):
                 return response, held, events
             async for event in events:
                 held.append(event)
-                if _first_token_or_error(event) is not None:
+                if first_token_or_error(event) is not None:
                     break
-            if not held or _first_token_or_error(held[-1]) != "error":
+            if not held or first_token_or_error(held[-1]) != "error":
                 return response, held, events
             response.close()
             self._fall_back_inline(prepared)
-            response = await self._post(prepared.vllm_body())
+            response = await self.upstream.post(prepared.vllm_body())
             if response.status != 200:
                 raise UpstreamRefusal(response.status, await response.read())
-            return response, [], _events(response)
+            return response, [], server_events(response)
         except BaseException:
             response.close()
             raise
@@ -512,13 +308,13 @@ class Gateway:
         response: aiohttp.ClientResponse,
         held: list[bytes],
         events: AsyncIterator[bytes],
-        prepared: _Prepared,
+        prepared: PreparedChat,
         started: float,
     ) -> AsyncIterator[bytes]:
         outcome, waiting_first = "client_disconnected", True
         try:
-            async for event in _chain(held, events):
-                if waiting_first and _first_token_or_error(event) == "token":
+            async for event in chain_events(held, events):
+                if waiting_first and first_token_or_error(event) == "token":
                     waiting_first = False
                     self.metrics.first_token.labels(self.metrics.model_name).observe(
                         time.monotonic() - started
@@ -543,79 +339,11 @@ class Gateway:
                 self._cancel(prepared, outcome.replace("_", " "))
             self.metrics.count(outcome)
 
-    # ---- the rest of the API ------------------------------------------------------------------
-
-    async def models(self) -> Response:
-        try:
-            async with self._session.get(self.settings.vllm_url + "/v1/models") as response:
-                return Response(
-                    await response.read(),
-                    status_code=response.status,
-                    media_type="application/json",
-                )
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return OpenAIError(
-                502,
-                f"vLLM at {self.settings.vllm_url} cannot be reached: {exc}",
-                kind="upstream_error",
-            ).response()
-
-    async def backend_ready(self) -> bool:
-        try:
-            async with self._session.get(
-                self.settings.vllm_url + "/health", timeout=aiohttp.ClientTimeout(total=2)
-            ) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
-
 
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (the body was read already: the next message is the end)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _chain(held: list[bytes], events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    for event in held:
-        yield event
-    async for event in events:
-        yield event
-
-
-async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """Server-sent events, each with its blank line, as vLLM wrote them."""
-    buffer = b""
-    async for chunk in response.content.iter_any():
-        buffer += chunk
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            yield event + b"\n\n"
-    if buffer.strip():
-        yield buffer
-
-
-def _first_token_or_error(event: bytes) -> str | None:
-    """ "token" for an event with generated text or a finish, "error" for an error event, else
-    None."""
-    if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
-        return None
-    try:
-        data = json.loads(event[6:])
-    except ValueError:
-        return None
-    if "error" in data:
-        return "error"
-    for choice in data.get("choices") or ():
-        if (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
-            return "token"
-    return None
-
-
-def _media_type(item: DispatchedItem) -> str:
-    if item.modality is Modality.VIDEO:
-        return "video/mp4"
-    return Image.MIME.get(item.image_format, "application/octet-stream")
 
 
 class InFlightLimit:
@@ -669,7 +397,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return await gateway.models()
+        return await gateway.upstream.models()
 
     @app.get("/health")
     @app.get("/healthz")
@@ -678,7 +406,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/readyz")
     async def ready() -> Response:
-        if await gateway.backend_ready():
+        if await gateway.upstream.ready():
             return JSONResponse({"status": "ready", "encode_workers": gateway.workers.status()})
         return JSONResponse(
             {"status": f"vLLM at {gateway.settings.vllm_url} is not healthy"}, status_code=503

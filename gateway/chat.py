@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.errors import OpenAIError
 from wire.modality import BY_VLLM_NAME
 
 MAX_MESSAGES = 1024
@@ -161,3 +164,25 @@ def rewrite(
     if rooms:
         out["ec_transfer_params"] = {"rooms": rooms}
     return out
+
+
+async def read_chat(request: Request, max_body_bytes: int) -> tuple[dict, ChatRequest]:
+    """The request's body (at most ``max_body_bytes``) as JSON and as a ``ChatRequest``;
+    ``OpenAIError`` (400, 413) otherwise."""
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > max_body_bytes:
+            raise OpenAIError(413, f"request body larger than {max_body_bytes} bytes")
+    try:
+        body = json.loads(data)
+    except ValueError as exc:
+        raise OpenAIError(400, f"request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "request body must be a JSON object")
+    try:
+        return body, ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise OpenAIError(400, f"{where}: {error['msg']}", param=where) from None

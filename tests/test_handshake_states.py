@@ -145,7 +145,7 @@ def test_tombstones_answer_like_the_room_and_are_not_tracked_by_the_gc():
     from the tombstone itself: the same view either way."""
     import gc
 
-    from handshake.rooms import RECENT_ROOMS
+    from handshake.room_store import RECENT_ROOMS
 
     table = RoomTable()
     (room,) = table.mint(1, 60)
@@ -163,7 +163,7 @@ def test_tombstones_answer_like_the_room_and_are_not_tracked_by_the_gc():
         table.commit(commit(room)).state is RoomState.SUCCESS
     )  # an idempotent retry against the tombstone
     gc.collect()
-    assert not any(gc.is_tracked(record) for record in table._tombstones.values())
+    assert not any(gc.is_tracked(record) for record in table._store.tombstones.values())
 
 
 def test_a_second_writer_is_refused_and_the_first_may_retry():

@@ -1,0 +1,41 @@
+"""How the gateway refuses: in OpenAI's error shape (``OpenAIError``), or with vLLM's own answer
+as vLLM sent it (``UpstreamRefusal``)."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+
+class UpstreamRefusal(Exception):
+    """vLLM answered another status than 200: relayed to the client as vLLM sent it."""
+
+    def __init__(self, status: int, payload: bytes):
+        super().__init__(f"vLLM answered {status}")
+        self.status, self.payload = status, payload
+
+
+class OpenAIError(Exception):
+    """A refusal in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            {
+                "error": {
+                    "message": str(self),
+                    "type": self.kind,
+                    "param": self.param,
+                    "code": self.status,
+                }
+            },
+            status_code=self.status,
+        )
