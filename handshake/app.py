@@ -178,6 +178,21 @@ class _BodyRoute(APIRoute):
 
         return handler
 
+    async def handle(self, scope, receive, send) -> None:
+        """Routed here by the app's router: the body read, answered by ``respond``, without the
+        per-route wrappers (a request object, FastAPI's handler and exception wrapping), whose CPU
+        per request rivals the room work itself. A body over the limit gets its 413 here, before
+        anything else could answer."""
+        if scope["method"] not in self.methods:  # a partial match: Starlette's 405
+            return await super().handle(scope, receive, send)
+        try:
+            response = await self.respond(await _read_body(receive))
+        except BodyTooLarge as exc:
+            return await _reply(send, 413, exc.detail)
+        except _ClientGone:
+            return
+        await response(scope, receive, send)
+
     async def respond(self, raw: bytes) -> Response:
         try:
             body = self.body_model.model_validate_json(raw)
@@ -191,9 +206,7 @@ class _BodyRoute(APIRoute):
 
 class HandshakeAPI(FastAPI):
     """FastAPI with a front door: bearer auth on ``/v1``, the body size limit and latency by route
-    for every request; a POST to a body route goes straight to it, skipping the rest of the stack
-    (routing, exception and exit-stack middleware, per-route wrappers), whose CPU per request
-    rivals the room work itself; everything else (GET routes, /docs, 404/405) is FastAPI's."""
+    for every request, then FastAPI's own stack and router (the room API's POST routes first)."""
 
     def configure_front_door(
         self, token: str | None, max_body_bytes: int, metrics: HandshakeMetrics
@@ -201,9 +214,6 @@ class HandshakeAPI(FastAPI):
         self.token = token.encode() if token else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
-        self.body_routes = {
-            route.path: route for route in self.router.routes if isinstance(route, _BodyRoute)
-        }
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -218,19 +228,14 @@ class HandshakeAPI(FastAPI):
                 )
         if declared_too_large(headers, self.max_body_bytes):
             return await _reply(send, 413, BodyTooLarge(self.max_body_bytes).detail)
-        limited_receive = limit_body(receive, self.max_body_bytes)
-        route = self.body_routes.get(scope["path"]) if scope["method"] == "POST" else None
         try:
-            if route is not None:
-                await (await route.respond(await _read_body(limited_receive)))(scope, receive, send)
-            else:
-                await super().__call__(scope, limited_receive, send)
-                route = scope.get("route")
+            await super().__call__(scope, limit_body(receive, self.max_body_bytes), send)
         except BodyTooLarge as exc:
             await _reply(send, 413, exc.detail)
         except _ClientGone:
             return
         if scope["path"] not in PROBE_PATHS:  # probes and scrapes are not room traffic
+            route = scope.get("route")
             self.metrics.observe(
                 route.path if route else "unmatched", scope["method"], time.perf_counter() - started
             )
