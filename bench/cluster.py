@@ -149,7 +149,7 @@ class LocalCluster:
         return self._start(
             name,
             [
-                "prefill_side.server",
+                "prefill_server.cli",
                 "--host",
                 HOST,
                 "--port",

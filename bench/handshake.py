@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 from bench.results import write_json
 from bench.rounds import in_round
-from handshake.client import HandshakeClient
 from loop_threads import new_event_loop
 from wire.offers import LoopbackOffer
+from wire.room_client import HandshakeClient
 from wire.rooms import BeginWrite, CommitBody, Registration, RoomState
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)

@@ -59,7 +59,7 @@ def probe_handshake(url: str, interval_s: float, stop, results) -> None:
     """In a process of its own: mint and cancel one room at the room API at ``url`` every
     ``interval_s`` until ``stop`` is set; puts ``"probing"`` on ``results`` once started, then the
     mints' latencies (seconds)."""
-    from handshake.client import HandshakeClient
+    from wire.room_client import HandshakeClient
 
     async def probing() -> list[float]:
         probe = HandshakeClient(url, None, timeout_s=5.0, retries=0)

@@ -72,11 +72,11 @@ def _p(samples: list[float], q: float) -> float:
 
 def run(jobs: int = 60, progress=print) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from handshake.client import HandshakeClient
     from loop_threads import LoopThread
     from multimodal.items import MultimodalDataItem, MultimodalInputs
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
     from wire.modality import Modality
+    from wire.room_client import HandshakeClient
 
     context = mp.get_context("spawn")
     conn, child = context.Pipe()

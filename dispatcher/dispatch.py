@@ -30,7 +30,6 @@ import yarl
 
 from dispatcher.media import DispatchedItem, DispatchError, Media, MediaSizer
 from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
-from handshake.client import HandshakeClient, HandshakeError
 from vision.sizing import QWEN_VL, Sizing
 from wire.addresses import EncodeHandshake, Endpoint
 from wire.intake import (
@@ -41,6 +40,7 @@ from wire.intake import (
     IntakeStatus,
 )
 from wire.offers import MAX_ROOM_ID
+from wire.room_client import HandshakeClient, HandshakeError
 
 log = logging.getLogger(__name__)
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")

@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterable
 
 from encode_worker.scheduler import EncodeJob
 from handshake.access import LocalRooms, RemoteRooms
-from handshake.client import HandshakeClient
 from handshake.rooms import RoomError, RoomTable
 from loop_threads import LoopThread
 from wire.addresses import EncodeHandshake, Endpoint, canonical_host
 from wire.modality import Modality
+from wire.room_client import HandshakeClient
 from wire.rooms import FailBody
 
 log = logging.getLogger(__name__)

@@ -34,10 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from data_plane.pool import SlotPool
 from data_plane.transport import CompletionPoller, Transport
 from encode_worker.writes import Outcome, StagedItem, Writer
-from handshake.client import HandshakeError
 from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound
 from loop_threads import LoopThread, name_os_thread
 from wire.addresses import EncodeHandshake
+from wire.room_client import HandshakeError
 from wire.rooms import RoomState, RoomView
 
 log = logging.getLogger(__name__)

@@ -19,11 +19,11 @@ import torch
 from data_plane.commit import EmbeddingLayout
 from data_plane.pool import Lease, SlotPool
 from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
-from handshake.client import HandshakeError
 from handshake.rooms import RoomError
 from wire.addresses import EncodeHandshake
 from wire.modality import Modality
 from wire.offers import TRANSPORT_NAMES
+from wire.room_client import HandshakeError
 from wire.rooms import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from handshake.client import SyncHandshakeClient
 from handshake.rooms import RoomError, RoomNotFound, RoomTable
+from wire.room_client import SyncHandshakeClient
 from wire.rooms import BeginWrite, CommitBody, FailBody, RoomView
 
 

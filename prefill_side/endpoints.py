@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from handshake.client import HandshakeClient, HandshakeError
 from prefill_side.settings import ReceiverConfig
 from wire.addresses import Endpoint
+from wire.room_client import HandshakeClient, HandshakeError
 from wire.rooms import MAX_BATCH
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """The local tower: rows for an item the encode workers did not deliver (``--fallback
 local_tower``), or for a colocated item an engine encodes itself, from the pixels or image bytes
-the item kept. ``vision`` is imported only here, and only when it runs."""
+the item kept. The tower is the embedding process's (a ``vision.tower.VisionTower``: its own
+image path too), so this library imports no vision stack."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from prefill_side.settings import ReceiverConfig
 
 class LocalTower:
     """A receiver's local tower (a ``vision.tower.VisionTower``, or anything with its
-    ``processor``, ``rows_per_item``, ``encode_items``, ``info`` and ``dtype``)."""
+    ``image_inputs``, ``rows_per_item``, ``encode_items``, ``info`` and ``dtype``)."""
 
     def __init__(self, config: ReceiverConfig, tower):
         self.config = config
@@ -39,8 +40,6 @@ class LocalTower:
         holds here as on the wire: ``RowContractError``, before the tower runs, for an item whose
         image makes other rows than its placeholders hold, or another patch grid than the one it
         carries, or for a tower whose rows are not this receiver's width and dtype."""
-        from vision.images import image_from_bytes, image_from_pixels
-
         tower = self.tower
         if (tower.info.wire_width, dtype_to_wire(tower.dtype)) != (
             self.config.width,
@@ -52,13 +51,7 @@ class LocalTower:
             )
         processed = []
         for item in items:
-            feature = item.feature
-            image = (
-                image_from_bytes(feature)
-                if isinstance(feature, (bytes, bytearray))
-                else image_from_pixels(feature)
-            )
-            inputs = tower.processor(images=[image], return_tensors="pt")
+            inputs = tower.image_inputs(item.feature)
             grid = inputs["image_grid_thw"]
             (rows,) = tower.rows_per_item(grid)
             placeholders = item_rows(item.offsets)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 import time
 
-from handshake.client import HandshakeError
 from prefill_side.endpoints import Endpoints
 from prefill_side.give_up import GiveUp
 from prefill_side.job import PendingItem, ReceiveJob
 from prefill_side.publish import Publisher
 from prefill_side.receive_pool import ReceivePool
 from prefill_side.settings import ReceiverConfig
+from wire.room_client import HandshakeError
 from wire.rooms import Registration, RoomState
 from wire.states import ItemState
 

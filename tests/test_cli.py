@@ -381,14 +381,14 @@ PREFILL_MISTAKES = [
 @pytest.mark.parametrize("args, expected", PREFILL_MISTAKES)
 def test_prefill_refuses_a_bad_setting_in_one_line(args, expected):
     assert_refused(
-        run("prefill_side.server", "--host", "127.0.0.1", "--port", free_port(), *args), *expected
+        run("prefill_server.cli", "--host", "127.0.0.1", "--port", free_port(), *args), *expected
     )
 
 
 def test_prefill_refuses_a_checkpoint_or_port_it_cannot_use(checkpoint, files, taken_port):
     assert_refused(
         run(
-            "prefill_side.server",
+            "prefill_server.cli",
             "--host",
             "127.0.0.1",
             "--port",
@@ -400,7 +400,7 @@ def test_prefill_refuses_a_checkpoint_or_port_it_cannot_use(checkpoint, files, t
     )
     assert_refused(
         run(
-            "prefill_side.server",
+            "prefill_server.cli",
             "--host",
             "127.0.0.1",
             "--port",
@@ -413,7 +413,7 @@ def test_prefill_refuses_a_checkpoint_or_port_it_cannot_use(checkpoint, files, t
         "--width 5 differs from the checkpoint's (96)",
     )
     assert_refused(
-        run("prefill_side.server", "--host", "127.0.0.1", "--port", taken_port, "--width", "96"),
+        run("prefill_server.cli", "--host", "127.0.0.1", "--port", taken_port, "--width", "96"),
         f"--port: cannot listen on 127.0.0.1:{taken_port}",
     )
 
@@ -486,7 +486,7 @@ def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint
     ).start()
     port = free_port()
     prefill = spawn(
-        "prefill_side.server",
+        "prefill_server.cli",
         [
             "--host",
             "127.0.0.1",

@@ -17,8 +17,8 @@ from bench.cluster import ROOT, LocalCluster
 from bench.images import synthetic_image
 from dispatcher import Dispatcher, WorkerSet
 from dispatcher.cli import prefill_body
-from handshake.client import HandshakeClient
 from vision.small_checkpoints import build_vision_only
+from wire.room_client import HandshakeClient
 from wire.rooms import RoomState
 
 

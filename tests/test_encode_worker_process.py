@@ -16,13 +16,13 @@ import torch
 
 from data_plane.mooncake import MooncakeTransport
 from data_plane.shm_transport import ShmTransport
-from handshake.client import SyncHandshakeClient
 from tests.encode_helpers import RestReceiver, png
 from tests.waiting import eventually
 from vision.images import image_from_bytes
 from vision.small_checkpoints import build_full
 from vision.tower import VisionTower
 from wire.intake import IntakeClient
+from wire.room_client import SyncHandshakeClient
 from wire.rooms import RoomState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -359,7 +359,7 @@ def test_reference_prefill_process_receives_and_verifies(worker_process, checkpo
         [
             sys.executable,
             "-m",
-            "prefill_side.server",
+            "prefill_server.cli",
             "--host",
             "127.0.0.1",
             "--port",

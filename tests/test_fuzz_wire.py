@@ -26,8 +26,8 @@ from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_com
 from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle, validate_name
 from handshake.rooms import RoomLimits
+from prefill_server.app import PrefillRequest, create_app
 from prefill_side import ItemOutcome, JobState
-from prefill_side.server import PrefillRequest, create_app
 from wire import rooms as models
 from wire.intake import MAX_METADATA_BYTES, IntakeRefused, IntakeRequest, parse_request
 from wire.offers import MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, ShmOffer

@@ -992,7 +992,7 @@ def test_prefill_offers_mooncake_at_its_mooncake_host(tmp_path):
         [
             sys.executable,
             "-m",
-            "prefill_side.server",
+            "prefill_server.cli",
             "--host",
             "127.0.0.1",
             "--port",

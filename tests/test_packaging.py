@@ -99,3 +99,38 @@ def test_mooncake_extras_are_one_version_for_each_cuda_and_the_build_backend_rea
     assert isinstance(PYPROJECT["project"]["license"], str)
     (backend,) = PYPROJECT["build-system"]["requires"]
     assert _name(backend) == "setuptools" and int(backend.split(">=")[1].split(".")[0]) >= 77
+
+
+def test_the_prefill_library_imports_only_downward():
+    """What an engine imports (the receiver and its settings) loads no encode worker, dispatcher,
+    gateway or HTTP server, and no vision stack; the vLLM connector, none of the project's
+    packages above the prefill wing (vLLM brings its own stack)."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import prefill_side
+        from prefill_side import PrefillReceiver, ReceiverConfig, ReceiverSettings
+        from prefill_side.job import ReceiveJob
+        from wire.ec_params import TransferParams
+        loaded = sorted(
+            name for name in sys.modules
+            if name.split(".")[0] in {
+                "encode_worker", "dispatcher", "gateway", "vision", "bench",
+                "fastapi", "starlette", "uvicorn", "transformers", "PIL", "zmq",
+            }
+        )
+        print("LOADED", loaded)
+        import prefill_side.vllm_connector  # inside vLLM: vLLM's own stack, none of ours above
+        ours = sorted(
+            name for name in sys.modules
+            if name.split(".")[0] in {"encode_worker", "dispatcher", "gateway", "vision", "bench"}
+        )
+        print("CONNECTOR", ours)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "LOADED []" in result.stdout, result.stdout
+    assert "CONNECTOR []" in result.stdout, result.stdout

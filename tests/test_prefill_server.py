@@ -1,4 +1,4 @@
-"""epd-prefill (prefill_side.server) on a real uvicorn server on loopback, over a real encode
+"""epd-prefill (prefill_server) on a real uvicorn server on loopback, over a real encode
 worker: hostile and careless requests get a clear answer, and every slot they reserved comes
 back."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from data_plane.loopback import LoopbackFault
 from handshake.server import ThreadedServer, open_listener_warning
-from prefill_side.server import create_app
+from prefill_server.app import create_app
 from tests.encode_helpers import loopback_stack, png
 from tests.handshake_helpers import get_json
 from tests.waiting import eventually

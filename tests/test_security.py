@@ -11,11 +11,11 @@ import pytest
 from data_plane.loopback import LoopbackTransport
 from encode_worker.config import WorkerConfig
 from encode_worker.worker import EncodeWorker
-from handshake.client import HandshakeError, SyncHandshakeClient
 from tests.encode_helpers import Receiver, png
 from vision.images import image_from_bytes
 from vision.small_checkpoints import build_vision_only
 from wire.intake import IntakeClient, IntakeReply, IntakeStatus
+from wire.room_client import HandshakeError, SyncHandshakeClient
 from wire.rooms import RoomState
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

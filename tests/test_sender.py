@@ -14,11 +14,11 @@ from encode_worker.sender import Sender
 from encode_worker.writes import StagedItem, stage
 from handshake.access import LocalRooms
 from handshake.app import create_app
-from handshake.client import SyncHandshakeClient
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from loop_threads import LoopThread
 from wire.addresses import EncodeHandshake
+from wire.room_client import SyncHandshakeClient
 from wire.rooms import Registration, RoomState
 
 

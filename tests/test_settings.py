@@ -9,7 +9,7 @@ from dispatcher.cli import DispatchSettings
 from encode_worker.config import WorkerConfig
 from gateway.settings import GatewaySettings
 from handshake.server import HandshakeSettings
-from prefill_side.server import PrefillSettings
+from prefill_server.settings import PrefillSettings
 from process_settings import ProcessSettings, SettingError
 
 PROCESSES = [WorkerConfig, PrefillSettings, DispatchSettings, GatewaySettings, HandshakeSettings]
@@ -119,7 +119,7 @@ def test_an_advertised_address_cannot_be_an_unspecified_one(unspecified):
     """Peers are given ``--host`` (a worker) and ``--mooncake-host`` (a receiver) to reach the
     process at: 0.0.0.0 names no machine to them, so it is refused at start, not at the first
     write."""
-    from prefill_side.server import PrefillSettings
+    from prefill_server.settings import PrefillSettings
 
     why = "is an unspecified address, which peers cannot reach"
     with pytest.raises(SettingError, match=r"--host \(or EPD_HOST\): .*" + why):

@@ -99,9 +99,6 @@ class TowerFamily:
     small_image_processor: Callable[[], Qwen2VLImageProcessorPil]
     # Its video processor: the real sizes and sampling (2 fps), a smaller pixel budget per frame.
     small_video_processor: Callable[[], Qwen2VLVideoProcessor | Qwen3VLVideoProcessor]
-    vllm_connector: bool = (
-        True  # the EPD connector feeds vLLM its rows (Qwen3-VL's DeepStack rows: not yet)
-    )
     # the model's positions take each video's seconds per temporal patch (second_per_grid_ts)
     video_seconds: bool = False
     # (tower, CPU grid_thw) -> the forward's keyword arguments derived from the grid
@@ -192,7 +189,6 @@ FAMILIES: dict[str, TowerFamily] = {
                 fps=2.0,
                 cap_pixels_per_frame=False,
             ),
-            vllm_connector=False,
             grid_inputs=_position_table_grid_inputs,
         ),
     )

@@ -37,6 +37,7 @@ from multimodal.rows import split_rows
 from process_settings import VisionAttention
 from vision import attention
 from vision.families import FAMILIES, TowerLoadError, detect_family
+from vision.images import image_from_bytes, image_from_pixels
 from vision.video import load_video_processor
 
 # Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).
@@ -172,6 +173,16 @@ class VisionTower:
         if self._on_gpu:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
+
+    def image_inputs(self, image: bytes | bytearray | torch.Tensor):
+        """The image processor's inputs (``pixel_values``, ``image_grid_thw``) for one image: an
+        encoded file, or raw uint8 ``[H, W, 3]`` pixels (``BadItem`` for one that is neither)."""
+        picture = (
+            image_from_bytes(image)
+            if isinstance(image, (bytes, bytearray))
+            else image_from_pixels(image)
+        )
+        return self.processor(images=[picture], return_tensors="pt")
 
     def encode_items(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor

@@ -25,8 +25,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from vision.families import FAMILIES
 from vision.small_checkpoints import save_processors, vision_config
+from wire.ec_params import MODEL_TYPES
 
-VLLM_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.vllm_connector)
 DEFAULT_CACHE = os.path.expanduser("~/.cache/epd-encode-worker")
 # Bump when what build_vlm writes changes, so cached directories of an older layout are not reused.
 BUILD_VERSION = 4
@@ -126,8 +126,8 @@ def build_vlm(
     """A full ``...ForConditionalGeneration`` checkpoint (float32) with tokenizer, image and
     video processors in ``directory``. ``hidden``: the LLM's width = the tower's output width =
     the width of every embedding row; heads of 32 (vLLM's CPU attention takes that head size)."""
-    if family not in VLLM_FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {VLLM_FAMILIES}")
+    if family not in MODEL_TYPES:
+        raise ValueError(f"unknown family {family!r}; expected one of {MODEL_TYPES}")
     if hidden % 64:
         raise ValueError(f"hidden {hidden} must be a multiple of 64 (heads of 32, two KV heads)")
     torch.manual_seed(seed)

@@ -11,6 +11,10 @@ from wire.rooms import EncodeTimings
 from wire.states import ItemState
 
 Identifier = str  # vLLM's multimodal identifier of an item (its multi_modal_uuids value)
+# The architectures whose encoder rows the EPD connector hands vLLM: one [rows, text hidden size]
+# tensor per item, as the encode workers write them, run end to end by the tests (Qwen3-VL's
+# DeepStack rows: not yet).
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def identifier(content_hash: int) -> Identifier:

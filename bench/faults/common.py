@@ -12,8 +12,7 @@ from bench.images import synthetic_image
 
 if TYPE_CHECKING:
     from bench.cluster import Role
-    from bench.faults.conn import Conn
-    from bench.faults.lab import FaultLab
+    from bench.faults.lab import Conn, FaultLab
 
 
 def small_images(rng: random.Random, count: int) -> list[bytes]:

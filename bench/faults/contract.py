@@ -16,8 +16,7 @@ from bench.faults.lab import WIDTH, FaultOutcome
 from bench.images import synthetic_image
 
 if TYPE_CHECKING:
-    from bench.faults.conn import Conn
-    from bench.faults.lab import FaultLab
+    from bench.faults.lab import Conn, FaultLab
 
 
 async def duplicate_room_at_intake(lab: FaultLab, conn: Conn, rng: random.Random) -> FaultOutcome:

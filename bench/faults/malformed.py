@@ -14,8 +14,7 @@ from bench.faults.common import serves, small_images
 from bench.faults.lab import FaultOutcome
 
 if TYPE_CHECKING:
-    from bench.faults.conn import Conn
-    from bench.faults.lab import FaultLab
+    from bench.faults.lab import Conn, FaultLab
 
 
 MALFORMED_FRAMES = [

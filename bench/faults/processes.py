@@ -27,8 +27,7 @@ from bench.faults.common import (
 from bench.faults.lab import FAST_S, FaultOutcome
 
 if TYPE_CHECKING:
-    from bench.faults.conn import Conn
-    from bench.faults.lab import FaultLab
+    from bench.faults.lab import Conn, FaultLab
 
 
 async def _until_caught(

@@ -19,8 +19,7 @@ from bench.faults.lab import FaultOutcome
 
 if TYPE_CHECKING:
     from bench.cluster import Role
-    from bench.faults.conn import Conn
-    from bench.faults.lab import FaultLab
+    from bench.faults.lab import Conn, FaultLab
 
 
 def start_with_small_dev_shm(

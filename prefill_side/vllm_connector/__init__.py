@@ -51,6 +51,7 @@ from prefill_side.vllm_connector.loads import LoadedMetadata, LoadMetadata
 from prefill_side.vllm_connector.scheduler import SchedulerSide, kv_connector_transfer_engine
 from prefill_side.vllm_connector.settings import ConnectorSettings
 from prefill_side.vllm_connector.worker import WorkerSide
+from wire.ec_params import MODEL_TYPES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,23 +62,15 @@ if TYPE_CHECKING:
 __all__ = ["ConnectorSettings", "EPDConnector", "kv_connector_transfer_engine"]
 
 
-def supported_model_types() -> tuple[str, ...]:
-    """The architectures whose encoder rows are one [rows, text hidden size] tensor per item, as
-    the encode worker writes them, and that the tests run end to end."""
-    from vision.families import FAMILIES
-
-    return tuple(name for name, family in FAMILIES.items() if family.vllm_connector)
-
-
 def model_row_width(vllm_config: VllmConfig) -> tuple[int, torch.dtype]:
     """Width and dtype of one encoder row of the served model (what vLLM's encoder cache holds);
     ``ValueError`` for a model this connector does not support."""
     model_config = vllm_config.model_config
     model_type = model_config.hf_config.model_type
-    if model_type not in supported_model_types():
+    if model_type not in MODEL_TYPES:
         raise ValueError(
             f"EPDConnector: model type {model_type!r} is not supported (supported: "
-            f"{', '.join(supported_model_types())})"
+            f"{', '.join(MODEL_TYPES)})"
         )
     return model_config.get_hidden_size(), model_config.dtype
 

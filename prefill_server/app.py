@@ -1,29 +1,12 @@
-"""`epd-prefill`: a reference prefill process around the receiver library (HTTP, FastAPI).
-
-``POST /v1/prefill`` takes a request's items (placeholder offsets + ``encode_handshake``, and
-optionally the image bytes for fallback or verification), receives every item's rows, and
-reports per item: rows x width, transport, latency (with the encode worker's own split from its
-commit), outcome, and whether the rows equal a local tower's (``verify``, needs ``--model``).
-An item with image bytes and no ``encode_handshake`` is encoded here by the local tower, as a
-colocated engine would (transport ``local``); its rows must match its placeholders, as on the wire.
-A request that reaches its ``timeout_s`` is answered 200 with its report: the items not yet settled
-are FAILED ("timed out ..."), their rooms cancelled, their slots freed or quarantined as their rooms
-end. ``/healthz`` is 503 once the process cannot receive at all (no transport left: restart it),
-``/readyz`` also while no receive slot is free; both report the transports offered and lost.
-It is what the demo, the integration tests and the Kubernetes example run, and it shows engine
-developers the few calls an engine makes: ``receiver.start(request_id, mm_inputs)``, then
-``job.poll()`` from the engine loop.
-"""
+"""``epd-prefill``'s HTTP API: ``POST /v1/prefill`` (a request's items received, each reported),
+``/healthz``, ``/readyz``, ``/metrics``; and the local tower it encodes colocated items with."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import os
-import sys
 import threading
 import time
-from typing import ClassVar, Literal
 
 import torch
 from fastapi import FastAPI
@@ -31,26 +14,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_settings import SettingsConfigDict
 
 from data_plane.commit import checksum
 from handshake.app import BodyLimit
 from metrics import exposition_registry
 from multimodal.items import GRID_KEYS, MultimodalDataItem, MultimodalInputs
 from multimodal.rows import RowContractError
-from prefill_side import PrefillReceiver, ReceiverConfig
-from prefill_side.settings import ReceiverSettings
-from process_settings import (
-    Dtype,
-    NonNegativeInt,
-    Port,
-    PositiveByteSize,
-    PositiveInt,
-    SettingError,
-    refuse,
-)
-from process_settings.groups import ModelNaming, MooncakeReceiver
-from process_settings.secrets import HandshakeToken
+from prefill_side import PrefillReceiver
 from wire.addresses import EncodeHandshake
 from wire.json_fields import JsonBool, json_float, json_int
 from wire.modality import EncodedModality, Modality
@@ -340,156 +310,3 @@ class TowerCalls:
     ) -> list[torch.Tensor]:
         with self._calls:
             return self.tower.encode_items(pixel_values, grid_thw)
-
-
-class PrefillSettings(HandshakeToken, ReceiverSettings, MooncakeReceiver, ModelNaming):
-    """Reference prefill process: receives each item's rows from the encode workers. Rows arrive in
-    the encode workers' dtype: --dtype must be theirs, and --width their tower's row width (--model
-    gives it). A mismatch fails every item."""
-
-    model_config = SettingsConfigDict(env_prefix="EPD_PREFILL_")
-    PROG: ClassVar[str] = "epd-prefill"
-
-    host: str = Field("0.0.0.0", min_length=1, description="address to listen on")
-    port: Port = Field(9100, description="port of /v1/prefill, /healthz, /readyz, /metrics")
-    model: str | None = Field(
-        None,
-        description="checkpoint for verification / fallback; also gives --width and "
-        "--deepstack-width",
-    )
-    width: NonNegativeInt = Field(
-        0, description="wire width of one row (the encode workers' tower's; default: from --model)"
-    )
-    deepstack_width: NonNegativeInt = Field(
-        0, description="the last columns of a row that are DeepStack levels (default: from --model)"
-    )
-    dtype: Dtype = Field(
-        "bfloat16",
-        description="dtype of the rows: the encode workers' --dtype (bfloat16, float16, float32)",
-    )
-    fallback: Literal["fail", "local_tower"] = Field(
-        "fail",
-        description="an item whose rows do not arrive: fail it, or encode it here (needs --model)",
-    )
-    tower_calls: PositiveInt = Field(
-        1,
-        description="local tower forward passes at once (colocated items, fallback, verification)",
-    )
-    max_body_bytes: PositiveByteSize = Field(
-        MAX_BODY_BYTES, description="largest accepted request body"
-    )
-
-    @model_validator(mode="after")
-    def _consistent(self) -> PrefillSettings:
-        if self.slot_bytes > self.pool_bytes:
-            raise SettingError(
-                f"--slot-bytes {self.slot_bytes} is larger than --pool-bytes {self.pool_bytes}"
-            )
-        return self
-
-
-def _start(settings: PrefillSettings):
-    """Check every setting, load the tower, reserve the pool: ``(receiver, tower)``, or
-    ``SettingError`` with the one line to print."""
-    from data_plane.shm import ShmError
-    from data_plane.transport import TransportUnavailable, build_transports
-    from process_settings import check_checkpoint, check_listen, check_memory, check_shm_space
-    from wire.offers import transport_spec
-
-    check_listen(settings.host, settings.port, "--port")
-    check_memory(settings.pool_bytes, "--pool-bytes")
-    # with a transport that does not need it (Mooncake), a full /dev/shm falls back to process
-    # memory
-    if all(transport_spec(name).needs_shm_pool for name in settings.transports):
-        check_shm_space(settings.pool_bytes, "--pool-bytes")
-    tower = None
-    width, deepstack = settings.width, settings.deepstack_width
-    if settings.model:
-        from vision.tower import TowerLoadError, VisionTower
-
-        directory = check_checkpoint(settings.model)
-        try:
-            tower = TowerCalls(
-                VisionTower.load(
-                    directory, settings.dtype, processor_kwargs=settings.mm_processor_kwargs
-                ),
-                settings.tower_calls,
-            )
-        except (TowerLoadError, OSError, ValueError) as exc:
-            raise SettingError(
-                f"--model {settings.model}: cannot load the vision tower: {exc}"
-            ) from None
-        for flag, given, own in (
-            ("--width", width, tower.info.wire_width),
-            ("--deepstack-width", deepstack, tower.info.out_width * tower.info.deepstack_levels),
-        ):
-            if given and given != own:
-                raise SettingError(
-                    f"{flag} {given} differs from the checkpoint's ({own}); leave it out"
-                )
-        width, deepstack = tower.info.wire_width, tower.info.out_width * tower.info.deepstack_levels
-    if width <= 0:
-        raise SettingError("give --width (or --model to read it from the checkpoint)")
-    if deepstack >= width:
-        raise SettingError(
-            f"--deepstack-width {deepstack} leaves no main embedding in rows of {width}"
-        )
-    try:
-        config = ReceiverConfig(
-            **settings.receiver_settings(),
-            width=width,
-            dtype=settings.dtype,
-            deepstack_width=deepstack,
-            fallback=settings.fallback,
-            handshake_token=settings.handshake_token,
-        )
-        # Mooncake advertises the address encode workers reach (the pod IP), not loopback.
-        mooncake = settings.mooncake_config(settings.mooncake_host)
-        receiver = PrefillReceiver(
-            config,
-            build_transports(config.transports, {"mooncake": mooncake}, optional=True),
-            local_tower=tower,
-        )
-    except (TransportUnavailable, ShmError, ValueError) as exc:  # no usable transport or pool
-        raise SettingError(f"cannot start: {exc}") from None
-    return receiver, tower
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Every setting is checked first: a mistake is one line on stderr and exit status 1."""
-    import logging
-
-    from handshake.server import serve
-
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        settings = PrefillSettings.from_command_line(argv)
-        receiver, tower = _start(settings)
-    except SettingError as exc:
-        return refuse(PrefillSettings.PROG, exc)
-    config = receiver.config
-    logging.getLogger("epd-prefill").info(
-        "epd-prefill ready: http://%s:%d (/v1/prefill, /healthz, /readyz, /metrics); rows of %d x "
-        "%s; "
-        "transports %s (Mooncake host %s); local tower %s",
-        settings.host,
-        settings.port,
-        config.width,
-        config.dtype,
-        ",".join(receiver.transports),
-        settings.mooncake_host,
-        settings.model or "none",
-    )
-    try:
-        app = create_app(receiver, tower, settings.max_body_bytes, settings.served_model_name)
-        serve(app, settings.host, settings.port)
-    finally:
-        receiver.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
