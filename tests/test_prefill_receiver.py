@@ -559,7 +559,7 @@ def test_a_receive_pool_whose_segment_is_unlinked_stops_offering_shm_and_says_so
             and receiver.health()["lost"] == {}
         )
         os.unlink(f"/dev/shm/{receiver.pool.region.shm.name}")
-        with caplog.at_level("WARNING", logger="prefill_side.receiver"):
+        with caplog.at_level("WARNING", logger="prefill_side.receive_pool"):
             assert receive("after", 54) == "loopback"
             assert receive("again", 55) == "loopback"
             health = receiver.health()
