@@ -25,7 +25,7 @@ from process_settings import (
     TransportNames,
     VisionAttention,
 )
-from process_settings.groups import ModelNaming, MooncakeDevices
+from process_settings.groups import ModelNaming, TransportSettings
 from process_settings.secrets import HandshakeToken, IntakeToken
 from vision.limits import MAX_PIXELS
 from wire.addresses import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
@@ -62,7 +62,7 @@ DEVICE_DEFAULTS = {
 }
 
 
-class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken, ModelNaming, MooncakeDevices):
+class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken, ModelNaming, TransportSettings):
     """EPD encode worker: runs a vision tower over batches of items and delivers each item's rows
     to the prefill receiver that reserved memory for it."""
 

@@ -92,11 +92,7 @@ class EncodeWorker:
             if transports is not None
             else build_transports(
                 config.transports,
-                {
-                    "mooncake": config.mooncake_config(
-                        config.host, transfer_timeout_s=max(5, int(config.write_timeout_s))
-                    )
-                },
+                config.transport_configs(config.host, config.write_timeout_s),
                 optional=True,
             )
         )

@@ -71,10 +71,10 @@ def _start(settings: PrefillSettings):
             handshake_token=settings.handshake_token,
         )
         # Mooncake advertises the address encode workers reach (the pod IP), not loopback.
-        mooncake = settings.mooncake_config(settings.mooncake_host)
+        configs = settings.transport_configs(settings.mooncake_host)
         receiver = PrefillReceiver(
             config,
-            build_transports(config.transports, {"mooncake": mooncake}, optional=True),
+            build_transports(config.transports, configs, optional=True),
             local_tower=tower,
         )
     except (TransportUnavailable, ShmError, ValueError) as exc:  # no usable transport or pool

@@ -19,11 +19,11 @@ from process_settings import (
     PositiveInt,
     SettingError,
 )
-from process_settings.groups import ModelNaming, MooncakeReceiver
+from process_settings.groups import ModelNaming, ReceiverTransportSettings
 from process_settings.secrets import HandshakeToken
 
 
-class PrefillSettings(HandshakeToken, ReceiverSettings, MooncakeReceiver, ModelNaming):
+class PrefillSettings(HandshakeToken, ReceiverSettings, ReceiverTransportSettings, ModelNaming):
     """Reference prefill process: receives each item's rows from the encode workers. Rows arrive in
     the encode workers' dtype: --dtype must be theirs, and --width their tower's row width (--model
     gives it). A mismatch fails every item."""

@@ -1,9 +1,9 @@
 """Settings that several processes take alike, each group declared once (its fields' types,
 defaults and descriptions) and mixed into each process's settings class: the model's public name
 and processor overrides (``ModelNaming``: the encode worker, the dispatcher, the gateway,
-``epd-prefill``), and Mooncake's devices (``MooncakeDevices``: every process that runs a Mooncake
-engine; ``MooncakeReceiver`` adds the address a receiver's engine is reached at). The receiver's
-own group is ``prefill_side.settings.ReceiverSettings``."""
+``epd-prefill``), and the transports' own settings (``TransportSettings``: every process that
+builds transports; ``ReceiverTransportSettings`` adds the address a receiver's Mooncake engine is
+reached at). The receiver's own group is ``prefill_side.settings.ReceiverSettings``."""
 
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ class ModelNaming(BaseModel):
         return self
 
 
-class MooncakeDevices(BaseModel):
-    """Which of the host's RDMA devices a Mooncake engine uses, and whether it keeps to TCP."""
+class TransportSettings(BaseModel):
+    """The transports' own settings, in one group for every process that builds transports (only
+    Mooncake has any: its RDMA devices and protocol); ``transport_configs`` hands each its config.
+    A transport with settings adds its fields and its config here, and every process has them."""
 
     mooncake_ib_device: str = Field(
         "",
@@ -49,21 +51,28 @@ class MooncakeDevices(BaseModel):
     )
     mooncake_force_tcp: bool = Field(False, description="Mooncake over TCP even where RDMA exists")
 
-    def mooncake_config(self, hostname: str, **engine):
-        """A ``data_plane.mooncake.MooncakeConfig`` with these devices, reached at ``hostname``
-        (``engine``: its other fields)."""
-        from data_plane.mooncake import MooncakeConfig
+    def transport_configs(self, hostname: str, write_timeout_s: float | None = None) -> dict:
+        """``{transport: its config}`` for ``data_plane.transport.build_transports``, for a process
+        reached at ``hostname`` whose writes have ``write_timeout_s`` (a writer's: Mooncake's own
+        per-transfer give-up time follows it)."""
+        from data_plane.mooncake import MIN_ENGINE_TIMEOUT_S, MooncakeConfig
 
-        return MooncakeConfig(
-            hostname=hostname,
-            device_names=self.mooncake_ib_device,
-            force_tcp=self.mooncake_force_tcp,
-            **engine,
-        )
+        engine = {}
+        if write_timeout_s is not None:
+            engine["transfer_timeout_s"] = max(MIN_ENGINE_TIMEOUT_S, int(write_timeout_s))
+        return {
+            "mooncake": MooncakeConfig(
+                hostname=hostname,
+                device_names=self.mooncake_ib_device,
+                force_tcp=self.mooncake_force_tcp,
+                **engine,
+            )
+        }
 
 
-class MooncakeReceiver(MooncakeDevices):
-    """A receiver's engine: its devices, and the address encode workers reach it at."""
+class ReceiverTransportSettings(TransportSettings):
+    """A receiver's: the transports' settings, and the address encode workers reach its Mooncake
+    engine at."""
 
     mooncake_host: AdvertisedHost = Field(
         "127.0.0.1",

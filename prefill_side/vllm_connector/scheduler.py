@@ -91,12 +91,12 @@ class SchedulerSide:
             from data_plane.mooncake import MooncakeTransport
 
             engine, host = kv_connector_transfer_engine()
-            mooncake = MooncakeConfig(hostname=host)
-            MooncakeTransport.adopt(engine, mooncake)  # build_transports finds it
+            configs = {"mooncake": MooncakeConfig(hostname=host)}
+            MooncakeTransport.adopt(engine, configs["mooncake"])  # build_transports finds it
         else:
-            mooncake = settings.mooncake_config(settings.mooncake_host)
+            configs = settings.transport_configs(settings.mooncake_host)
         self.receiver = PrefillReceiver(
-            config, build_transports(config.transports, {"mooncake": mooncake}, optional=True)
+            config, build_transports(config.transports, configs, optional=True)
         )
         if self.receiver.pool.region.shm is None:
             self.receiver.close()

@@ -7,10 +7,10 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from prefill_side.settings import ReceiverSettings
-from process_settings.groups import MooncakeReceiver
+from process_settings.groups import ReceiverTransportSettings
 
 
-class ConnectorSettings(ReceiverSettings, MooncakeReceiver):
+class ConnectorSettings(ReceiverSettings, ReceiverTransportSettings):
     """``ec_connector_extra_config``: the receiver's settings and its Mooncake engine's (the same
     groups, defaults and meanings as ``epd-prefill``'s flags), and the connector's own."""
 
