@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "ec_connector": "EPDConnector",
         "ec_connector_module_path": "prefill_side.vllm_connector",
         "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"pool_bytes": 256 << 20, "transports": ["shm", "mooncake"]},
+        "ec_connector_extra_config": {"pool_bytes": 256 << 20},
     }
     vllm = None
     equal = False

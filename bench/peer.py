@@ -18,12 +18,14 @@ import os
 import traceback
 from dataclasses import dataclass
 
+from wire.offers import DEFAULT_TRANSPORTS
+
 PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # no OpenMP spin-wait: it starves co-located processes
 
 
 @dataclass(frozen=True)
 class PeerConfig:
-    transports: tuple[str, ...] = ("shm", "mooncake")
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
     pool_bytes: int = 256 << 20
     slot_bytes: int = 1 << 20
     quarantine_s: float = 30.0

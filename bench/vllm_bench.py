@@ -80,10 +80,7 @@ class Bench:
             spawn["epd"] = _ec(
                 "TimedEPDConnector",
                 "ec_consumer",
-                ec_connector_extra_config={
-                    "pool_bytes": 512 << 20,
-                    "transports": ["shm", "mooncake"],
-                },
+                ec_connector_extra_config={"pool_bytes": 512 << 20},
             )
         if "example" in paths:
             shared = tempfile.mkdtemp(prefix="ec-example-", dir=self.log_dir)

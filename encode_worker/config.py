@@ -29,7 +29,7 @@ from process_settings.groups import ModelNaming, TransportSettings
 from process_settings.secrets import HandshakeToken, IntakeToken
 from vision.limits import MAX_PIXELS
 from wire.addresses import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
-from wire.offers import TRANSPORT_NAMES
+from wire.offers import DEFAULT_TRANSPORTS, TRANSPORT_NAMES
 
 # The batching window's ceiling: it trades a lone item's latency for batches that form under load,
 # and a few milliseconds are enough to gather a burst's items (docs/performance.md).
@@ -104,7 +104,7 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken, ModelNaming, 
         DEFAULT_INTAKE_PORT, description="ZMQ ROUTER port for items (0: any free port)"
     )
     transports: TransportNames = Field(
-        ("shm", "mooncake"),
+        DEFAULT_TRANSPORTS,
         description=f"comma-separated, in order of preference: {', '.join(TRANSPORT_NAMES)}",
     )
     batch_patches: PositiveInt | None = Field(
