@@ -327,6 +327,33 @@ def test_bad_input_gets_4xx_with_a_reason(served, path, body, status):
     assert table.counts() == before
 
 
+def test_the_router_answers_a_wrong_method_an_unknown_path_and_a_root_path_as_fastapi_does():
+    table = RoomTable()
+    app = create_app(table)
+    server = ThreadedServer(app).start()
+    try:
+        request = urllib.request.Request(server.url + "/v1/rooms/cancel", method="GET")
+        with pytest.raises(urllib.error.HTTPError) as wrong_method:
+            urllib.request.urlopen(request, timeout=5)
+        assert wrong_method.value.code == 405
+        assert wrong_method.value.headers["allow"] == "POST"
+        assert json.loads(wrong_method.value.read()) == {"detail": "Method Not Allowed"}
+        assert _post(server.url + "/v1/rooms/cancelled", b'{"rooms": [1]}') == (
+            404,
+            {"detail": "Not Found"},
+        )
+    finally:
+        server.stop()
+    # behind a proxy that strips a prefix (root_path), the room API is still routed
+    app.root_path = "/epd"
+    server = ThreadedServer(app).start()
+    try:
+        status, answer = _post(server.url + "/epd/v1/rooms", b'{"count": 1}')
+        assert status == 200 and len(answer["rooms"]) == 1
+    finally:
+        server.stop()
+
+
 def test_a_full_room_table_is_not_ready_and_says_why():
     """A mint flood (256 rooms a call, no token) filled the table and locked dispatch out while
     /readyz answered 200: now /readyz is 503 with the reason until rooms expire or end."""
