@@ -13,7 +13,7 @@ from PIL import Image
 from multimodal.hashing import hash_feature
 from multimodal.items import GRID_KEYS, MultimodalDataItem
 from vision.limits import IMAGE_FORMATS
-from vision.sizing import QWEN_VL, Sizing, sampled_indices
+from vision.sizing import QWEN_VL, Sizing, sample_and_size
 from vision.video import BadVideo, read_header
 from wire.addresses import EncodeHandshake
 from wire.modality import Modality
@@ -143,8 +143,7 @@ class MediaSizer:
             raise DispatchError(f"{label}: the model has no video processor: videos are refused")
         try:
             header = read_header(video)
-            indices = sampled_indices(processor, header.frames, header.fps)
-            grid = self.sizing.video_grid(processor, len(indices), header.height, header.width)
+            indices, grid = sample_and_size(processor, header, self.sizing)
         except BadVideo as exc:
             raise DispatchError(f"{label}: {exc}") from None
         sampled_fps = len(indices) / header.frames * header.fps  # transformers' VideoMetadata's

@@ -273,10 +273,10 @@ class Intake:
         if processor is None:
             raise BadItem("this worker's checkpoint has no video processor: videos are refused")
         if request.source == "bytes":
-            plan = plan_video_file(payload, processor, self.video_limits)
+            plan = plan_video_file(payload, processor, self.video_limits, self.tower.sizing)
             source_payload = payload
         else:
-            plan = plan_video_frames(request.shape, processor, self.video_limits)
+            plan = plan_video_frames(request.shape, processor, self.video_limits, self.tower.sizing)
             source_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(
                 *request.shape
             )

@@ -44,7 +44,7 @@ from gateway.prepared import PreparedChat
 from gateway.settings import GatewaySettings
 from gateway.upstream import Upstream, chain_events, first_token_or_error, server_events
 from wire.ec_params import DeliveryReport
-from wire.modality import Modality
+from wire.modality import BY_VLLM_NAME
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class Gateway:
                 raise OpenAIError(400, f"{ref.param}: {data}", param=ref.param)
             if isinstance(data, BaseException):
                 raise data
-            media = Media(data, Modality[ref.kind.upper()])  # KINDS: the modalities in lower case
+            media = Media(data, BY_VLLM_NAME[ref.kind])
             prepared.of_ref.append(distinct.setdefault(media, len(distinct)))
         try:
             prepared.items = self.dispatcher.describe(

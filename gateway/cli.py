@@ -20,14 +20,13 @@ from process_settings import SettingError, check_listen, refuse
 def main(argv: list[str] | None = None) -> int:
     from gateway.app import Gateway, build_app
     from handshake.server import serve
-    from vision.families import TowerLoadError
 
     try:
         settings = GatewaySettings.from_command_line(argv)
         processor, video_processor = settings.image_processor(), settings.video_processor()
         check_listen(settings.host, settings.port, "--port")
         gateway = Gateway(settings, processor, video_processor)
-    except (SettingError, TowerLoadError) as exc:
+    except SettingError as exc:
         return refuse(GatewaySettings.PROG, exc)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

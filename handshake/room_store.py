@@ -182,6 +182,12 @@ class RoomStore:
         self.counts[RoomState.PENDING] += 1
         self.entered[RoomState.PENDING] += 1
 
+    def remove_untouched(self, room_id: int) -> None:
+        """Undo ``add`` for a room nobody has touched (its ``due`` entry is skipped when it comes
+        up); it was never handed out, so it leaves no tombstone."""
+        del self.rooms[room_id]
+        self.counts[RoomState.PENDING] -= 1
+
     def sweep(self) -> None:
         now = self.clock()
         while self.due and self.due[0][0] <= now:

@@ -119,8 +119,7 @@ class RoomTable:
             untouched = room is not None and room.version == MINTED_VERSION
             if not untouched or room.state is not RoomState.PENDING:
                 raise RoomConflict(f"room {room_id} is not an untouched pending room")
-            del self._store.rooms[room_id]  # its entry in _due is skipped when it comes up
-            self._store.counts[RoomState.PENDING] -= 1
+            self._store.remove_untouched(room_id)
 
     def register(self, registration: Registration) -> RoomView:
         with self._lock:

@@ -68,18 +68,18 @@ class ReceivePool:
         )
         self._lost_lock = threading.Lock()
 
+    def live(self) -> list[str]:
+        """The transports not lost (as last checked)."""
+        return [name for name in self.transports if name not in self.lost]
+
     def offered(self) -> list[str]:
         """The transports offered to writers now (SHM leaves once its segment is gone)."""
         self.check_shm()
-        return [name for name in self.transports if name not in self.lost]
+        return self.live()
 
     def offers(self, lease) -> list:
         """What a registration offers for ``lease``: one offer per transport still offered."""
-        return [
-            t.offer(self.pool, lease)
-            for name, t in self.transports.items()
-            if name not in self.lost
-        ]
+        return [self.transports[name].offer(self.pool, lease) for name in self.live()]
 
     def health(self) -> dict:
         """The transports offered and lost, the pool's slots, and ``cannot_receive`` /
@@ -118,7 +118,7 @@ class ReceivePool:
                 "(unlinked by someone else): same-node writers cannot map it"
             )
             self.lost = {**self.lost, **dict.fromkeys(self._shm_bound, reason)}
-        others = [name for name in self.transports if name not in self.lost]
+        others = self.live()
         log.warning(
             "%s; %s no longer offered, %s",
             reason,

@@ -93,15 +93,6 @@ class PrefillReceiver:
     def transports(self) -> dict:
         return self.receive_pool.transports
 
-    @property
-    def lost(self) -> dict[str, str]:
-        """Transports no longer offered, with why."""
-        return self.receive_pool.lost
-
-    @property
-    def local_tower(self):
-        return self.local.tower
-
     def start(self, request_id: str, inputs: MultimodalInputs) -> ReceiveJob:
         job = ReceiveJob(request_id, inputs, self.pool, self.cancel, self.abort)
         self._loop.submit(self._run(job)).add_done_callback(job.ended)
@@ -212,8 +203,9 @@ class PrefillReceiver:
     def _reserve(
         self, index: int, item: MultimodalDataItem, handshake: EncodeHandshake
     ) -> PendingItem:
-        if not any(name not in self.lost for name in self.transports):
-            raise ValueError(f"no transport left to offer ({'; '.join(self.lost.values())})")
+        if not self.receive_pool.live():
+            lost = self.receive_pool.lost
+            raise ValueError(f"no transport left to offer ({'; '.join(lost.values())})")
         layout = EmbeddingLayout(item_rows(item.offsets), self.config.width, self.config.dtype)
         lease = self.pool.lease(layout.nbytes)  # NoCapacity: refuse now, never wait
         return PendingItem(

@@ -59,11 +59,14 @@ def sampled_indices(processor, frames: int, fps: float) -> list[int]:
     return indices
 
 
-def sample_and_size(processor, header: VideoHeader) -> tuple[list[int], tuple[int, int, int]]:
+def sample_and_size(
+    processor, header: VideoHeader, sizing: Sizing
+) -> tuple[list[int], tuple[int, int, int]]:
     """The frames ``processor`` samples from a video with this header, and the grid it makes of
-    them: a video file's size, as the dispatcher and the encode worker both take it."""
+    them by the family's ``sizing``: a video file's size, as the dispatcher and the encode worker
+    both take it."""
     indices = sampled_indices(processor, header.frames, header.fps)
-    return indices, video_grid(processor, len(indices), header.height, header.width)
+    return indices, sizing.video_grid(processor, len(indices), header.height, header.width)
 
 
 def video_grid(processor, frames: int, height: int, width: int) -> tuple[int, int, int]:
@@ -132,25 +135,28 @@ class VideoLimits:
     pixels: int  # all the sampled frames' pixels
 
 
-def plan_video_file(data: bytes, processor, limits: VideoLimits) -> VideoPlan:
+def plan_video_file(data: bytes, processor, limits: VideoLimits, sizing: Sizing) -> VideoPlan:
     """Size an encoded video from its container header (MP4/MOV) and the video processor's
-    sampling; ``BadItem`` for one out of limits or unreadable."""
+    sampling, by the family's ``sizing``; ``BadItem`` for one out of limits or unreadable."""
     header = read_header(data)
     if header.duration_s > limits.seconds:
         raise BadItem(
             f"video of {header.duration_s:.1f} s is longer than this worker decodes "
             f"({limits.seconds:g} s)"
         )
-    indices, grid = sample_and_size(processor, header)
+    indices, grid = sample_and_size(processor, header, sizing)
     pixels = _within(limits, len(indices), header.height, header.width)
     return VideoPlan(tuple(indices), grid, pixels)
 
 
-def plan_video_frames(shape: list[int], processor, limits: VideoLimits) -> VideoPlan:
-    """Size already-decoded, already-sampled frames, uint8 ``[T, H, W, 3]``."""
+def plan_video_frames(
+    shape: list[int], processor, limits: VideoLimits, sizing: Sizing
+) -> VideoPlan:
+    """Size already-decoded, already-sampled frames, uint8 ``[T, H, W, 3]``, by the family's
+    ``sizing``."""
     frames, height, width = shape[0], shape[1], shape[2]
     pixels = _within(limits, frames, height, width)
-    return VideoPlan(None, video_grid(processor, frames, height, width), pixels)
+    return VideoPlan(None, sizing.video_grid(processor, frames, height, width), pixels)
 
 
 def _within(limits: VideoLimits, frames: int, height: int, width: int) -> int:
