@@ -17,7 +17,7 @@ import json
 import time
 from collections.abc import Callable
 
-from fastapi import FastAPI, HTTPException, Path, Query, Request
+from fastapi import FastAPI, HTTPException, Path, Query, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import (
@@ -32,10 +32,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.routing import Match
 
 from handshake.rooms import RoomError, RoomsFull, RoomTable
+from handshake.stream import POLICY_VIOLATION, RoomStream
 from metrics import LATENCY_BUCKETS, PROBE_PATHS, exposition_registry
 from wire.rooms import (
     MAX_ROOM_ID,
     MAX_WAIT_S,
+    STREAM_PATH,
     BatchResponse,
     BeginWriteRequest,
     CancelRequest,
@@ -228,16 +230,18 @@ class HandshakeAPI(FastAPI):
         self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":  # the room stream: its frames are bounded by the server
+            if not self._authorized(scope):  # closed before it opens: the server answers 403
+                return await send({"type": "websocket.close", "code": POLICY_VIOLATION})
+            return await super().__call__(scope, receive, send)
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)
         started = time.perf_counter()
         headers = dict(scope["headers"])
-        if self.token is not None and scope["path"].startswith("/v1"):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.token):
-                return await _reply(
-                    send, 401, "missing or wrong bearer token", {"www-authenticate": "Bearer"}
-                )
+        if not self._authorized(scope, headers):
+            return await _reply(
+                send, 401, "missing or wrong bearer token", {"www-authenticate": "Bearer"}
+            )
         if declared_too_large(headers, self.max_body_bytes):
             return await _reply(send, 413, BodyTooLarge(self.max_body_bytes).detail)
         try:
@@ -251,6 +255,16 @@ class HandshakeAPI(FastAPI):
             self.metrics.observe(
                 route.path if route else "unmatched", scope["method"], time.perf_counter() - started
             )
+
+    def _authorized(self, scope, headers: dict[bytes, bytes] | None = None) -> bool:
+        """No token set, a path outside ``/v1``, or the bearer token (compared in constant
+        time)."""
+        if self.token is None or not scope["path"].startswith("/v1"):
+            return True
+        given = (headers if headers is not None else dict(scope["headers"])).get(
+            b"authorization", b""
+        )
+        return hmac.compare_digest(given, b"Bearer " + self.token)
 
 
 async def _read_body(receive) -> bytes:
@@ -451,6 +465,13 @@ def create_app(
                 await table.watch(versions, body.wait_s, body.until_ended, body.changed_only),
             )
         )
+
+    @app.websocket(STREAM_PATH)
+    async def stream(websocket: WebSocket):
+        """The room stream (a WebSocket): ``StreamRegister`` / ``StreamCancel`` frames in,
+        ``BatchResponse`` frames out with the registrations refused and the registered rooms
+        that ended (``handshake.stream``)."""
+        await RoomStream(table, websocket, metrics.observe).serve()
 
     @app.get(
         "/v1/rooms/{room:int}",

@@ -260,14 +260,14 @@ class RoomStore:
             else:
                 waiter.wake()
 
-    def view(self, room: Room) -> RoomView:
+    def view(self, room: Room, with_registration: bool = True) -> RoomView:
         # Built from fields the table already validated: model_construct skips re-validation,
         # which would otherwise run for every room in every answer.
         return RoomView.model_construct(
             room=room.room_id,
             state=room.state,
             version=room.version,
-            registration=room.registration,
+            registration=room.registration if with_registration else None,
             transport=room.transport,
             commit=room.commit,
             reason=room.reason,

@@ -253,6 +253,42 @@ class RoomTable:
 
     # ---- waiting ---------------------------------------------------------------------------
 
+    def listen_for_end(self, room_id: int, listener) -> bool:
+        """Attach ``listener`` (``until_ended`` true; ``wake()`` called once, from whichever
+        thread ends the room) to a live room. False when the room has ended or is unknown: the
+        caller reads its view now."""
+        with self._lock:
+            room = self._store.rooms.get(room_id)
+            if room is None:
+                return False
+            self._store.expire_if_due(room, self._store.clock())
+            if room.state.terminal:
+                return False
+            room.waiters.append(listener)
+            return True
+
+    def stop_listening(self, listeners: dict[int, object]) -> None:
+        """Detach each room's listener (rooms that ended have dropped theirs already)."""
+        with self._lock:
+            for room_id, listener in listeners.items():
+                room = self._store.rooms.get(room_id)
+                if room is not None and listener in room.waiters:
+                    room.waiters.remove(listener)
+
+    def ended_views(self, room_ids: list[int]) -> list[RoomView | RoomError]:
+        """Each room's view without its registration (the receiver that sent it has it), or why
+        there is none."""
+        with self._lock:
+            views = []
+            for room_id in room_ids:
+                try:
+                    room = self._store.get(room_id)
+                except RoomNotFound as exc:
+                    views.append(exc)
+                    continue
+                views.append(self._store.view(room, with_registration=False))
+            return views
+
     async def watch(
         self,
         versions: dict[int, int],

@@ -26,6 +26,7 @@ from process_settings.secrets import (
     HandshakeToken,
 )
 from wire.addresses import DEFAULT_BOOTSTRAP_PORT, Endpoint
+from wire.rooms import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ UVICORN_OPTIONS = dict(
     date_header=False,
     proxy_headers=False,
     timeout_keep_alive=65,
+    ws_max_size=MAX_FRAME_BYTES,  # a room-stream frame
 )
 
 

@@ -3,8 +3,8 @@
 One ``PrefillReceiver`` per engine process owns the receive pool and its transports
 (``receive_pool``) and the event-loop thread every job runs on. ``start(request_id, mm_inputs)``
 returns at once with a ``ReceiveJob`` (``job``); the work runs on the receiver's loop, so the
-engine's loop never blocks on HTTP. Per endpoint, one register call and one long-poll watch per
-round cover all of a request's items (``rounds``); a room that succeeds is published
+engine's loop never blocks on HTTP. Per encode-worker endpoint, one room stream carries every
+job's registrations and pushes each room's end (``streams``); a room that succeeds is published
 (``publish``), one that fails gives its item up (``give_up``: quarantine, the local tower of
 ``fallback``, or a failed item).
 
@@ -41,10 +41,9 @@ from prefill_side.job import PendingItem, ReceiveJob, set_encoded
 from prefill_side.metrics import ReceiverMetrics
 from prefill_side.publish import Publisher
 from prefill_side.receive_pool import ReceivePool
-from prefill_side.rounds import EndpointRounds
 from prefill_side.settings import ReceiverConfig
+from prefill_side.streams import EndpointStreams
 from wire.addresses import EncodeHandshake, Endpoint
-from wire.rooms import MAX_BATCH
 from wire.states import ItemState
 
 
@@ -73,7 +72,7 @@ class PrefillReceiver:
         self.endpoints = Endpoints(config)
         give_up = GiveUp(config, self.pool, self.metrics, self.local)
         self.give_up = give_up
-        self.rounds = EndpointRounds(
+        self.streams = EndpointStreams(
             config,
             self.endpoints,
             self.receive_pool,
@@ -137,6 +136,7 @@ class PrefillReceiver:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+            await self.streams.close()
             await self.endpoints.close()
 
         try:
@@ -184,20 +184,14 @@ class PrefillReceiver:
             by_endpoint.setdefault(entry.handshake.endpoint, []).append(entry)
         await asyncio.gather(
             *(
-                self.endpoints.cancel_rooms(
-                    endpoint, rooms, "the receiver could not reserve memory"
-                )
+                self.streams.cancel_rooms(endpoint, rooms, "the receiver could not reserve memory")
                 for endpoint, rooms in unreserved.items()
             ),
             *(
                 self.give_up(job, index, item, reason, None, quarantine=False)
                 for index, item, reason in refused
             ),
-            *(
-                self.rounds.serve(job, entries[start : start + MAX_BATCH])  # a call's bound
-                for entries in by_endpoint.values()
-                for start in range(0, len(entries), MAX_BATCH)
-            ),
+            *(self.streams.serve(job, entries) for entries in by_endpoint.values()),
         )
 
     def _reserve(
@@ -223,7 +217,7 @@ class PrefillReceiver:
                 by_endpoint.setdefault(handshake.endpoint, []).append(handshake.bootstrap_room)
         await asyncio.gather(
             *(
-                self.endpoints.cancel_rooms(endpoint, rooms, reason)
+                self.streams.cancel_rooms(endpoint, rooms, reason)
                 for endpoint, rooms in by_endpoint.items()
             )
         )

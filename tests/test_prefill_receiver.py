@@ -298,9 +298,9 @@ def test_unreachable_endpoint_fails_within_a_second(tower):
         job = receiver.start("dead", MultimodalInputs([item]))
         assert job.wait(5) is JobState.FAILED
         assert time.monotonic() - started < 1.5 and "unreachable" in job.reasons[0]
-        assert (
-            receiver.pool.stats()["quarantined_slots"] > 0
-        )  # the register may have landed: slot held
+        # the room stream never opened, so nothing was registered: the slot is free at once
+        stats = receiver.pool.stats()
+        assert stats["quarantined_slots"] == 0 and stats["leases"] == 0, stats
     finally:
         receiver.close()
 

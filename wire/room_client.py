@@ -19,6 +19,8 @@ from pydantic import BaseModel, ValidationError
 
 from loop_threads import LoopThread
 from wire.rooms import (
+    MAX_FRAME_BYTES,
+    STREAM_PATH,
     BatchResponse,
     BeginWrite,
     BeginWriteRequest,
@@ -217,6 +219,24 @@ class HandshakeClient:
         params = {"after_version": after_version, "wait_s": wait_s}
         body = await self._call("GET", f"/v1/rooms/{room}", params=params, extra_timeout=wait_s)
         return _parse(RoomView, body)
+
+    async def open_stream(self) -> aiohttp.ClientWebSocketResponse:
+        """The room stream (``/v1/rooms/stream``) on this client's session, opened within
+        ``timeout_s``; pings and pongs reach the caller (``autoping`` off: it decides when a
+        silent peer is stalled). ``HandshakeError`` when it cannot be opened."""
+        url = yarl.URL(self.base_url + STREAM_PATH)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._client().ws_connect(
+                    url,
+                    autoping=False,
+                    max_msg_size=MAX_FRAME_BYTES,
+                    timeout=aiohttp.ClientWSTimeout(ws_close=self.timeout_s),
+                )
+        except aiohttp.WSServerHandshakeError as exc:
+            raise HandshakeError(exc.status, f"room stream refused: {exc.message}") from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise HandshakeError(0, f"{type(exc).__name__}: {exc or 'no answer'}") from exc
 
     async def healthy(self) -> bool:
         try:

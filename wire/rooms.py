@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from wire.json_fields import JsonBool, json_float, json_int
 from wire.offers import (
@@ -219,3 +219,35 @@ class RoomResult(BaseModel):
 
 class BatchResponse(BaseModel):
     results: list[RoomResult]
+
+
+# ---- the room stream (``/v1/rooms/stream``, a WebSocket): a receiver's registrations in, each
+# registered room's end out, one frame per batch either way ------------------------------------
+
+STREAM_PATH = "/v1/rooms/stream"
+MAX_FRAME_BYTES = 1 << 20  # either way: the REST bodies' limit
+
+
+class StreamRegister(_Body):
+    """Register receivers (as ``/v1/rooms/register``); the stream then pushes each room's end."""
+
+    op: Literal["register"] = "register"
+    receivers: list[Registration] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class StreamCancel(_Body):
+    """Cancel rooms (as ``/v1/rooms/cancel``); a room registered on the stream pushes its end."""
+
+    op: Literal["cancel"] = "cancel"
+    rooms: list[RoomId] = Field(min_length=1, max_length=MAX_BATCH)
+    reason: str = Field(default="cancelled by the receiver", min_length=1, max_length=500)
+
+
+# The status of a registered room whose end the stream cannot tell (its tombstone is gone): a
+# writer may have landed bytes, unlike a registration refused (4xx) before any writer saw it.
+LOST_AFTER_REGISTRATION = 410
+
+# A frame a receiver sends; the stream answers with ``BatchResponse`` frames: a registration
+# refused (``ok`` false, at once) or a registered room that ended (its view, without the
+# registration the receiver sent).
+STREAM_FRAME = TypeAdapter(Annotated[StreamRegister | StreamCancel, Field(discriminator="op")])

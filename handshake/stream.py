@@ -1,0 +1,156 @@
+"""The room stream (``/v1/rooms/stream``): one WebSocket per receiver and room API, carrying its
+registrations in and each registered room's end out, so a receiver pays one frame per batch of
+rooms in either direction instead of a register call and a long-poll per request.
+
+A frame in is a ``StreamRegister`` or a ``StreamCancel`` (``wire.rooms.STREAM_FRAME``), applied as
+the REST calls apply them. A frame out is a ``BatchResponse``: the registrations refused (at once)
+and the registered rooms that ended since the last frame (every room that ends while the loop runs
+one step goes out in one frame: a batch committed together is one frame). A malformed frame closes
+the stream (1007, with the reason). When the stream closes, its rooms go on without it: their
+writer still commits or fails them, and nobody is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from pydantic import ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from handshake.rooms import RoomError, RoomTable
+from wire.rooms import (
+    LOST_AFTER_REGISTRATION,
+    STREAM_FRAME,
+    STREAM_PATH,
+    BatchResponse,
+    RoomResult,
+    StreamCancel,
+    StreamRegister,
+)
+
+POLICY_VIOLATION = 1008  # WebSocket close codes (RFC 6455)
+INVALID_PAYLOAD = 1007
+
+
+class _EndOf:
+    """A room's end, as the table tells its waiters: ``wake`` from whichever thread ended it."""
+
+    __slots__ = ("stream", "room")
+    until_ended = True
+
+    def __init__(self, stream: RoomStream, room: int):
+        self.stream = stream
+        self.room = room
+
+    def wake(self) -> None:
+        self.stream.ended(self.room)
+
+
+class RoomStream:
+    """One receiver's stream over ``table``; ``observe(route, method, seconds)`` times each frame
+    in."""
+
+    def __init__(self, table: RoomTable, websocket: WebSocket, observe):
+        self.table = table
+        self.websocket = websocket
+        self.observe = observe
+        self.loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
+        self._listening: dict[int, _EndOf] = {}  # registered here, not yet ended
+        self._out: list[RoomResult] = []  # refusals, to go out with the next frame
+        self._ended: list[int] = []  # rooms that ended, to go out with the next frame
+        self._news = asyncio.Event()
+
+    async def serve(self) -> None:
+        await self.websocket.accept()
+        writer = asyncio.create_task(self._write())
+        try:
+            while True:
+                message = await self.websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                started = time.perf_counter()
+                raw = message.get("bytes") or message.get("text") or b""
+                try:
+                    frame = STREAM_FRAME.validate_json(raw)
+                except ValidationError as exc:
+                    reason = f"malformed frame: {exc.errors(include_url=False)[0]['msg']}"
+                    await self.websocket.close(INVALID_PAYLOAD, reason[:120])
+                    return
+                if isinstance(frame, StreamRegister):
+                    self._register(frame)
+                else:
+                    self._cancel(frame)
+                self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
+        except WebSocketDisconnect:
+            return
+        finally:
+            writer.cancel()
+            self.table.stop_listening(self._listening)
+            self._listening.clear()
+
+    def ended(self, room: int) -> None:
+        """A registered room ended (any thread): it goes out with the next frame."""
+        if threading.get_ident() != self._thread:
+            self.loop.call_soon_threadsafe(self.ended, room)
+            return
+        if self._listening.pop(room, None) is not None:
+            self._ended.append(room)
+            self._news.set()
+
+    def _register(self, frame: StreamRegister) -> None:
+        for registration in frame.receivers:
+            room = registration.room
+            try:
+                self.table.register(registration)
+            except RoomError as exc:
+                self._refuse(room, exc)
+                continue
+            if room in self._listening:  # a retry of a registration this stream holds
+                continue
+            listener = self._listening[room] = _EndOf(self, room)
+            if not self.table.listen_for_end(room, listener):  # ended already: its view now
+                self.ended(room)
+
+    def _cancel(self, frame: StreamCancel) -> None:
+        for room in frame.rooms:
+            try:
+                self.table.cancel(room, frame.reason)
+            except RoomError as exc:
+                self._refuse(room, exc)
+
+    def _refuse(self, room: int, error: RoomError) -> None:
+        self._out.append(
+            RoomResult.model_construct(
+                room=room, ok=False, view=None, error=str(error), status=error.status
+            )
+        )
+        self._news.set()
+
+    async def _write(self) -> None:
+        while True:
+            await self._news.wait()
+            self._news.clear()
+            ended, self._ended = self._ended, []
+            results, self._out = self._out, []
+            for room, view in zip(ended, self.table.ended_views(ended)):
+                if isinstance(view, RoomError):
+                    results.append(
+                        RoomResult.model_construct(
+                            room=room,
+                            ok=False,
+                            view=None,
+                            error=str(view),
+                            status=LOST_AFTER_REGISTRATION,
+                        )
+                    )
+                else:
+                    results.append(
+                        RoomResult.model_construct(
+                            room=room, ok=True, view=view, error=None, status=200
+                        )
+                    )
+            frame = BatchResponse.model_construct(results=results).model_dump_json()
+            await self.websocket.send_text(frame)

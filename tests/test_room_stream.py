@@ -1,0 +1,185 @@
+"""The room stream (``/v1/rooms/stream``) against a real uvicorn server on loopback, through the
+receiver's client: registrations in, each registered room's end pushed out, rooms that end
+together in one frame; refusals at once; auth; a malformed or oversized frame closes the stream
+and nothing else."""
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from handshake.app import create_app
+from handshake.rooms import RoomTable
+from handshake.server import ThreadedServer
+from tests.handshake_helpers import begin, commit, registration
+from wire.room_client import HandshakeClient, HandshakeError, SyncHandshakeClient
+from wire.room_stream import RoomStreamClient
+from wire.rooms import STREAM_PATH, RoomState
+
+TOKEN = "stream-secret"
+
+
+@pytest.fixture(scope="module")
+def served():
+    table = RoomTable()
+    server = ThreadedServer(create_app(table, token=TOKEN)).start()
+    yield server, table
+    server.stop()
+
+
+async def _open(server) -> tuple[HandshakeClient, RoomStreamClient]:
+    client = HandshakeClient(server.url, token=TOKEN, timeout_s=5)
+    return client, await RoomStreamClient.open(client)
+
+
+async def _results(stream: RoomStreamClient, count: int) -> dict:
+    """The next ``count`` rooms' results by room, and how many frames carried them."""
+    by_room, frames = {}, 0
+    async with asyncio.timeout(10):
+        while len(by_room) < count:
+            frames += 1
+            for result in await stream.receive():
+                by_room[result.room] = result
+    return by_room, frames
+
+
+def _write(table: RoomTable, *rooms: int) -> None:
+    for room in rooms:
+        table.begin_write(begin(room))
+
+
+def test_rooms_that_end_together_come_in_one_frame_and_a_refusal_comes_at_once(served):
+    server, table = served
+    rooms = table.mint(3, 30)
+
+    async def scenario():
+        client, stream = await _open(server)
+        try:
+            unknown = rooms[-1] + 1 if rooms[-1] < 2**62 else 1
+            stream.register([registration(room) for room in rooms] + [registration(unknown)])
+            refused, _ = await _results(stream, 1)
+            assert not refused[unknown].ok and refused[unknown].status == 404
+            assert "unknown" in refused[unknown].error
+            # the table changes from another thread (as the encode worker's stages change it)
+            await asyncio.to_thread(_write, table, *rooms)
+            await asyncio.to_thread(
+                lambda: (
+                    [table.commit(commit(room)) for room in rooms[:2]]
+                    + [table.fail(rooms[2], "tower out of memory", settled=True)]
+                )
+            )
+            ended, frames = await _results(stream, 3)
+            assert frames <= 2  # ended within one step of the loop: one frame (two at most)
+            assert [ended[room].view.state for room in rooms] == [
+                RoomState.SUCCESS,
+                RoomState.SUCCESS,
+                RoomState.FAILED,
+            ]
+            assert ended[rooms[0]].view.commit.checksum == 7
+            assert ended[rooms[0]].view.registration is None  # the receiver has its own
+            assert ended[rooms[2]].view.reason == "tower out of memory"
+        finally:
+            await stream.close()
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_over_the_stream_ends_a_registered_room_and_a_retry_changes_nothing(served):
+    server, table = served
+    (room,) = table.mint(1, 30)
+
+    async def scenario():
+        client, stream = await _open(server)
+        try:
+            stream.register([registration(room)])
+            stream.register([registration(room)])  # a retry: the same registration, one end
+            stream.cancel([room], "user went away")
+            ended, _ = await _results(stream, 1)
+            assert ended[room].view.state is RoomState.CANCELLED
+            assert ended[room].view.reason == "user went away"
+            with pytest.raises(TimeoutError):  # nothing more for this room
+                async with asyncio.timeout(0.3):
+                    await stream.receive()
+        finally:
+            await stream.close()
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_room_whose_stream_closed_goes_on_without_it(served):
+    server, table = served
+    (room,) = table.mint(1, 30)
+
+    async def scenario():
+        client, stream = await _open(server)
+        stream.register([registration(room)])
+        async with asyncio.timeout(10):
+            while table.view(room).state is not RoomState.REGISTERED:
+                await asyncio.sleep(0.01)
+        await stream.close()
+        await client.close()
+
+    asyncio.run(scenario())
+    _write(table, room)
+    assert table.commit(commit(room)).state is RoomState.SUCCESS
+    rest = SyncHandshakeClient(server.url, token=TOKEN)
+    try:
+        (result,) = rest.watch({room: 0})
+        assert result.view.state is RoomState.SUCCESS
+    finally:
+        rest.close()
+
+
+def test_the_stream_needs_the_bearer_token(served):
+    server, _ = served
+
+    async def scenario():
+        for token in (None, "wrong"):
+            client = HandshakeClient(server.url, token=token, timeout_s=5)
+            try:
+                with pytest.raises(HandshakeError, match="room stream refused") as refused:
+                    await RoomStreamClient.open(client)
+                assert refused.value.status == 403
+            finally:
+                await client.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "frame, code",
+    [
+        ('{"op": "register", "receivers": []}', 1007),  # empty: malformed
+        ('{"op": "drop_table"}', 1007),
+        ("not json", 1007),
+        ('{"op": "cancel", "rooms": [' + ",".join(["1"] * 600_000) + "]}", 1009),  # over 1 MiB
+    ],
+)
+def test_a_malformed_or_oversized_frame_closes_that_stream_only(served, frame, code):
+    server, table = served
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(
+                server.url + STREAM_PATH, headers={"Authorization": f"Bearer {TOKEN}"}
+            ) as websocket:
+                await websocket.send_str(frame)
+                async with asyncio.timeout(10):
+                    message = await websocket.receive()
+                assert message.type is aiohttp.WSMsgType.CLOSE, message
+                assert websocket.close_code == code, (websocket.close_code, message.extra)
+        # the server serves on: a new stream registers and hears the end
+        (room,) = table.mint(1, 30)
+        client, stream = await _open(server)
+        try:
+            stream.register([registration(room)])
+            stream.cancel([room], "done")
+            ended, _ = await _results(stream, 1)
+            assert ended[room].view.state is RoomState.CANCELLED
+        finally:
+            await stream.close()
+            await client.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,96 @@
+"""A receiver's end of the room stream (``/v1/rooms/stream``, ``handshake.stream``): registrations
+and cancels go out in frames of at most ``MAX_BATCH`` rooms (every call made while the loop runs
+one step shares a frame), the rooms' ends come in as batches. Pings are the caller's to send
+(``ping``; ``last_heard`` says when the peer last spoke), so that the caller decides when a silent
+peer is stalled."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+
+import aiohttp
+from pydantic import ValidationError
+
+from wire.room_client import HandshakeClient, HandshakeError
+from wire.rooms import (
+    MAX_BATCH,
+    BatchResponse,
+    Registration,
+    RoomResult,
+    StreamCancel,
+    StreamRegister,
+)
+
+
+class RoomStreamClient:
+    def __init__(self, websocket: aiohttp.ClientWebSocketResponse):
+        self._websocket = websocket
+        self._registrations: list[Registration] = []
+        self._cancels: list[tuple[list[int], str]] = []
+        self._due = asyncio.Event()
+        self._writer = asyncio.create_task(self._write())
+        self.last_heard = time.monotonic()
+
+    @classmethod
+    async def open(cls, client: HandshakeClient) -> RoomStreamClient:
+        """``HandshakeError`` when the stream cannot be opened."""
+        return cls(await client.open_stream())
+
+    @property
+    def closed(self) -> bool:
+        return self._websocket.closed or self._writer.done()
+
+    def register(self, registrations: Iterable[Registration]) -> None:
+        self._registrations.extend(registrations)
+        self._due.set()
+
+    def cancel(self, rooms: list[int], reason: str) -> None:
+        for start in range(0, len(rooms), MAX_BATCH):
+            self._cancels.append((rooms[start : start + MAX_BATCH], reason[:500]))
+        self._due.set()
+
+    async def ping(self) -> None:
+        await self._websocket.ping()
+
+    async def receive(self) -> list[RoomResult]:
+        """The next frame's results; ``HandshakeError`` once the stream has closed, saying why."""
+        while True:
+            message = await self._websocket.receive()
+            self.last_heard = time.monotonic()
+            if message.type is aiohttp.WSMsgType.TEXT or message.type is aiohttp.WSMsgType.BINARY:
+                try:
+                    return BatchResponse.model_validate_json(message.data).results
+                except ValidationError as exc:
+                    await self.close()
+                    raise HandshakeError(0, f"malformed room-stream frame: {exc}") from exc
+            if message.type is aiohttp.WSMsgType.PING:
+                await self._websocket.pong(message.data)
+            elif message.type is not aiohttp.WSMsgType.PONG:  # closing, closed or an error
+                if self._writer.done() and not self._writer.cancelled():
+                    error = self._writer.exception()
+                else:
+                    error = message.extra or self._websocket.exception()
+                code = self._websocket.close_code
+                raise HandshakeError(0, f"room stream closed ({code}): {error or 'by the peer'}")
+
+    async def close(self) -> None:
+        self._writer.cancel()
+        await self._websocket.close()
+
+    async def _write(self) -> None:
+        while True:
+            await self._due.wait()
+            self._due.clear()
+            while self._registrations:
+                chunk = self._registrations[:MAX_BATCH]
+                del self._registrations[:MAX_BATCH]
+                await self._websocket.send_str(
+                    StreamRegister.model_construct(op="register", receivers=chunk).model_dump_json()
+                )
+            while self._cancels:
+                rooms, reason = self._cancels.pop(0)
+                await self._websocket.send_str(
+                    StreamCancel(rooms=rooms, reason=reason).model_dump_json()
+                )
