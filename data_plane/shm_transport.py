@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 
 import torch
 
@@ -23,13 +24,18 @@ from data_plane.transport import (
 )
 from wire.offers import ShmOffer
 
+# How often a mapped receiver pool's name is checked (a stat): a write within this of its receiver
+# going lands in the dead pool, which nobody reads (its room fails with the receiver).
+NAME_CHECK_S = 0.1
+
 
 class ShmTransport(Transport):
     name = "shm"
     copies_in_submit = True
 
     def __init__(self, max_attached: int = 64):
-        self._attached: collections.OrderedDict[str, tuple[ShmSegment, int | None]] = (
+        # name -> (segment, its inode, when the name was last seen to be that inode)
+        self._attached: collections.OrderedDict[str, tuple[ShmSegment, int, float]] = (
             collections.OrderedDict()
         )
         self._max_attached = max_attached
@@ -55,7 +61,8 @@ class ShmTransport(Transport):
 
     def _segment(self, name: str) -> ShmSegment:
         """The receiver's segment, mapped once. A mapping whose name is gone (the receiver closed
-        its pool or died, and its segment was unlinked) is dropped and the write refused: writing
+        its pool or died, and its segment was unlinked; checked at most every ``NAME_CHECK_S``) is
+        dropped and the write refused: writing
         into it would reach no one and keep the dead pool's memory alive. Only a receive pool is
         ever mapped: an offer naming any other segment of ours (an intake or handoff handle) is
         refused on the name alone."""
@@ -67,8 +74,12 @@ class ShmTransport(Transport):
         with self._lock:
             entry = self._attached.get(name)
             if entry is not None:
-                segment, inode = entry
+                segment, inode, checked = entry
+                now = time.monotonic()
+                if now - checked < NAME_CHECK_S:
+                    return segment
                 if _inode(name) == inode:
+                    self._attached[name] = (segment, inode, now)
                     self._attached.move_to_end(name)
                     return segment
                 del self._attached[name]
@@ -87,7 +98,7 @@ class ShmTransport(Transport):
             segment.close()
             raise TransferRefused(f"the receiver's segment {name} is gone (its process ended)")
         with self._lock:
-            self._attached[name] = (segment, inode)
+            self._attached[name] = (segment, inode, time.monotonic())
             while len(self._attached) > self._max_attached:
                 self._attached.popitem(last=False)[1][0].close()
         return segment
@@ -98,7 +109,7 @@ class ShmTransport(Transport):
         that outlived its receivers kept up to 64 dead pools alive."""
         with self._lock:
             for name in [
-                name for name, (_, inode) in self._attached.items() if _inode(name) != inode
+                name for name, (_, inode, _) in self._attached.items() if _inode(name) != inode
             ]:
                 self._attached.pop(name)[0].close()
 
@@ -113,7 +124,7 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            for segment, _ in self._attached.values():
+            for segment, _, _ in self._attached.values():
                 segment.close()
             self._attached.clear()
 

@@ -130,6 +130,8 @@ class RoomClients:
         self.loop = loop
         self._local_hosts = LOCAL_HOSTS | {canonical_host(host)}
         self._local_port = local_port  # the bootstrap port, known once the server listens
+        self._bootstrap_port = 0
+        self._local_rooms = LocalRooms(table)
         self._token = token
         self._timeout_s = timeout_s
         self._remote: dict[Endpoint, RemoteRooms] = {}
@@ -137,12 +139,15 @@ class RoomClients:
 
     @property
     def bootstrap_port(self) -> int:
-        return self._local_port()
+        """Asked once the server listens (0 before), then kept."""
+        if not self._bootstrap_port:
+            self._bootstrap_port = self._local_port()
+        return self._bootstrap_port
 
     def __call__(self, handshake: EncodeHandshake) -> LocalRooms | RemoteRooms:
         key = handshake.endpoint
-        if key.port == self._local_port() and key.host in self._local_hosts:
-            return LocalRooms(self.table)
+        if key.host in self._local_hosts and key.port == self.bootstrap_port:
+            return self._local_rooms
         with self._lock:
             remote = self._remote.get(key)
             if remote is None:

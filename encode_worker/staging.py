@@ -39,10 +39,21 @@ class StageAndSend:
         torch.set_num_threads(self.torch_threads)
         while not self._stopping.is_set():
             encoded = self.inbox.get()
-            for item in encoded.ready if encoded is not None else ():
-                self.send(item)
+            if encoded is not None:
+                self.send(encoded.ready)
 
-    def send(self, item: ReadyItem) -> None:
+    def send(self, ready: list[ReadyItem]) -> None:
+        """Stage a batch's items and hand them to the sender together (one wake-up of its loop);
+        those staged so far go first when the ring is full, so that their slots can come back."""
+        staged: list[StagedItem] = []
+        for item in ready:
+            one = self._stage(item, staged)
+            if one is not None:
+                staged.append(one)
+        if staged:
+            self.sender.submit_all(staged)
+
+    def _stage(self, item: ReadyItem, staged: list[StagedItem]) -> StagedItem | None:
         job = item.job
         try:
             rows = item.encoded.host_rows()
@@ -66,21 +77,22 @@ class StageAndSend:
             except (
                 NoCapacity
             ):  # backpressure: this stage blocks, and so, in turn, do those before it
+                if staged:  # delivered first: their slots come back as their writes settle
+                    self.sender.submit_all(staged)
+                    staged.clear()
                 if time.monotonic() >= deadline:
                     self.failer.fail(job.handshake, "send ring stayed full", job.modality)
                     return
                 with self.sender.slot_freed:
                     self.sender.slot_freed.wait(0.05)
         digest = checksum(self.ring.view(lease)) if self.with_checksum else None
-        self.sender.submit(
-            StagedItem(
-                job.request_id,
-                job.handshake,
-                lease,
-                layout,
-                digest,
-                dict(job.timings),
-                item.encoded.grid_thw,
-                job.modality,
-            )
+        return StagedItem(
+            job.request_id,
+            job.handshake,
+            lease,
+            layout,
+            digest,
+            dict(job.timings),
+            item.encoded.grid_thw,
+            job.modality,
         )

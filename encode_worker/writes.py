@@ -144,7 +144,7 @@ class Writer:
             )
         try:
             view = rooms.begin_write(
-                BeginWrite(
+                BeginWrite.model_construct(  # fields this process made: nothing to re-check
                     room=item.room,
                     generation=registration.generation,
                     transport=transport.name,
@@ -178,7 +178,7 @@ class Writer:
                 release=False,
             )
         view = rooms.commit(
-            CommitBody(
+            CommitBody.model_construct(  # fields this process made: nothing to re-check
                 room=item.room,
                 generation=write.generation,
                 transport=name,
@@ -189,7 +189,7 @@ class Writer:
                 grid_thw=item.grid_thw,
                 shm_segment=getattr(write.offer, "segment", None),
                 writer=self.writer_id,
-                timings=EncodeTimings(**item.timings),
+                timings=EncodeTimings.model_construct(**item.timings),
             )
         )
         return self.finish(item, view.state, name, view.reason)

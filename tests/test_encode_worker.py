@@ -116,8 +116,7 @@ def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family)
 
 def encode_in_this_thread(worker, jobs) -> None:
     """The worker's three stages over one known batch, in the test's thread."""
-    for item in worker.tower_stage.run(worker.prepare.run(jobs)).ready:
-        worker.stage_and_send.send(item)
+    worker.stage_and_send.send(worker.tower_stage.run(worker.prepare.run(jobs)).ready)
 
 
 def _parse(body):
@@ -620,8 +619,7 @@ def test_identical_items_in_flight_are_encoded_once_and_each_room_gets_the_rows(
         first = worker.prepare.run(jobs[:3])  # same, same (waits), other
         second = worker.prepare.run(jobs[3:])  # both wait for the first batch's encode
         assert len(first.misses) == 2 and not second.misses and not second.ready
-        for item in worker.tower_stage.run(first).ready:
-            worker.stage_and_send.send(item)
+        worker.stage_and_send.send(worker.tower_stage.run(first).ready)
         assert calls == [2] and worker.encodes.coalesced == 3
         got = {}
         for room, image in zip(rooms, images):

@@ -3,6 +3,7 @@ place) and an item's room address (the seed's ``encode_handshake`` dict, typed).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -127,9 +128,10 @@ class EncodeHandshake(BaseModel):
         """Room ``room`` at ``endpoint`` (the host travels bare)."""
         return cls(bootstrap_room=room, bootstrap_host=endpoint.host, bootstrap_port=endpoint.port)
 
-    @property
+    @functools.cached_property
     def endpoint(self) -> Endpoint:
-        """The room endpoint (equal whether the host came bracketed or not)."""
+        """The room endpoint (equal whether the host came bracketed or not); made once per
+        address (several calls per item read it)."""
         return Endpoint(self.bootstrap_host, self.bootstrap_port)
 
     @property
