@@ -193,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--size", type=int, default=112, help="square image side in pixels")
     cost.add_argument("--seconds", type=float, default=10.0, help="steady run per configuration")
     cost.add_argument("--concurrency", type=int, default=4, help="closed-loop clients")
+    cost.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="the stand-in worker (a tower that costs nothing, items that need no "
+        "preprocessing): items/s is the control plane's ceiling",
+    )
     cost.add_argument("--json", default=None)
     batching = sub.add_parser(
         "batching", help="the batching window: batch sizes under bursts, a lone item's wait"

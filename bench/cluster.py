@@ -101,15 +101,17 @@ class LocalCluster:
         cache_bytes: int = 1 << 30,
         extra: tuple[str, ...] = (),
         host: str = HOST,
+        module: str = "encode_worker.cli",
         **launch,
     ) -> Role:
-        """``host``: the loopback address it listens on and names itself by (``::1`` for IPv6)."""
+        """``host``: the loopback address it listens on and names itself by (``::1`` for IPv6);
+        ``module``: what runs it (``bench.stand_in_worker`` for the control plane's ceiling)."""
         bootstrap, intake = free_port(host), free_port(host)
         address = WorkerAddress(host, bootstrap, intake)
         role = self._start(
             name,
             [
-                "encode_worker.cli",
+                module,
                 "--model",
                 self.model_dir,
                 "--dtype",
