@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vllm.add_argument(
         "--paths",
-        default="epd-shm,epd-mooncake,example,mooncake-ec,cpu-ec,colocated",
+        default="epd-shm,epd-shm-staged,epd-mooncake,example,mooncake-ec,cpu-ec,colocated",
         help="comma-separated paths to run",
     )
     vllm.add_argument(

@@ -7,6 +7,9 @@ Paths (each a real vLLM OpenAI server on this machine, built from `vision.vlm_ch
   process offering only SHM, or only Mooncake (TCP), writes each image's rows into the engine's
   receive pool. The gateway step (hash, room, intake) runs here, then the chat request goes with
   the image's grid alone.
+* ``epd-shm-staged``: as ``epd-shm`` (the same worker and server), but the chat request goes once
+  the worker holds the image's rows (``dispatcher.staged``, as ``epd-gateway`` sends it: vLLM waits
+  for a write, not an encode).
 * ``example``: vLLM's `ECExampleConnector`: an encoder-only vLLM producer writes each embedding
   to a shared directory (safetensors), the consumer reads it.
 * ``mooncake-ec``: vLLM's `ECMooncakeConnector` (producer pushes into the consumer over Mooncake

@@ -18,7 +18,7 @@ import time
 
 from bench.rounds import in_round
 from bench.vllm_report import _goal, _summary
-from bench.vllm_servers import OURS, PATHS, SERVERS_OF, Server, _ec, _wait_healthy
+from bench.vllm_servers import OURS, PATHS, SERVERS_OF, STAGED, Server, _ec, _wait_healthy
 
 
 def _content(part: dict) -> list:
@@ -66,6 +66,7 @@ class Bench:
         self.unavailable: dict[str, str] = {}
         self.seed = 1000
         self.acks: dict[str, float] = {}  # EPD identifier -> wall time of the worker's intake ack
+        self.staged = None  # a dispatcher.staged.StagedWatch, on the requests' loop
 
     def image(self, size: int) -> bytes:
         from bench.images import synthetic_image
@@ -76,7 +77,7 @@ class Bench:
     def start(self, paths: list[str]) -> None:
         args, model = self.args, self.model
         spawn = {}
-        if set(paths) & {"epd-shm", "epd-mooncake", "colocated"}:
+        if set(paths) & {"epd-shm", STAGED, "epd-mooncake", "colocated"}:
             spawn["epd"] = _ec(
                 "TimedEPDConnector",
                 "ec_consumer",
@@ -110,10 +111,9 @@ class Bench:
         if "cpu-ec" in paths:
             spawn["cpu-producer"] = _ec("ECCPUConnector", "ec_producer", module=None)
             spawn["cpu-consumer"] = _ec("ECCPUConnector", "ec_consumer", module=None)
-        if "epd-shm" in paths:
-            self.workers["epd-shm"] = self.cluster.start_encode_worker(
-                "worker-shm", transports="shm"
-            )
+        if {"epd-shm", STAGED} & set(paths):  # one worker for both
+            worker = self.cluster.start_encode_worker("worker-shm", transports="shm")
+            self.workers.update({path: worker for path in ("epd-shm", STAGED) if path in paths})
         if "epd-mooncake" in paths:
             self.workers["epd-mooncake"] = self.cluster.start_encode_worker(
                 "worker-mooncake", transports="mooncake"
@@ -149,6 +149,10 @@ class Bench:
             if item.error:
                 raise RuntimeError(f"dispatch failed: {item.error}")
             self.acks[key] = wall + item.dispatch_s
+            if path == STAGED:
+                ended = await self.staged.until_staged([item], 60)
+                if ended:
+                    raise RuntimeError(f"the worker failed the image: {ended}")
             part = {
                 "type": "image_embeds",
                 "image_embeds": {"image_grid_thw": list(item.grid_thw)},
@@ -265,6 +269,7 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     from dispatcher import Dispatcher, WorkerSet
+    from dispatcher.staged import StagedWatch
 
     paths = [p for p in args.paths.split(",") if p]
     unknown = set(paths) - set(PATHS)
@@ -283,6 +288,7 @@ def run(args) -> dict:
             import aiohttp
 
             dispatchers, worker_sets = {}, []
+            bench.staged = StagedWatch(token=None)
             for path, worker in bench.workers.items():
                 worker_set = WorkerSet([worker.worker])
                 await worker_set.refresh()
@@ -325,6 +331,7 @@ def run(args) -> dict:
                     await dispatcher.close()
                 for worker_set in worker_sets:
                     await worker_set.close()
+                await bench.staged.close()
 
         asyncio.run(all_batches())
         deliveries = bench.deliveries()

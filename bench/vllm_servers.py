@@ -17,10 +17,22 @@ import time
 import urllib.request
 
 TRACE_ENV = "EPD_BENCH_VLLM_TRACE"  # a server's connector appends its events here (JSON lines)
-PATHS = ("epd-shm", "epd-mooncake", "example", "mooncake-ec", "cpu-ec", "colocated")
-OURS = ("epd-shm", "epd-mooncake")
+PATHS = (
+    "epd-shm",
+    "epd-shm-staged",
+    "epd-mooncake",
+    "example",
+    "mooncake-ec",
+    "cpu-ec",
+    "colocated",
+)
+OURS = ("epd-shm", "epd-shm-staged", "epd-mooncake")
+# epd-shm-staged: as epd-shm, but the request goes to vLLM once the worker holds the image's rows
+# (as the gateway sends it: dispatcher.staged), not as soon as the worker took the image
+STAGED = "epd-shm-staged"
 SERVERS_OF = {
     "epd-shm": ["epd"],
+    "epd-shm-staged": ["epd"],
     "epd-mooncake": ["epd"],
     "colocated": ["epd"],
     "example": ["example-producer", "example-consumer"],

@@ -147,7 +147,8 @@ class Sender:
     def _deliver_now(self, item: StagedItem) -> bool:
         """The common case, in the drain itself (no task, no wait): a room of this process's
         table whose receiver has registered, written by a copy inside ``submit`` small enough for
-        the loop (SHM). False, having changed nothing, for every other item."""
+        the loop (SHM). False for every other item; a room of this table still waiting for its
+        receiver is marked staged first (``RoomTable.mark_staged``)."""
         rooms = self.rooms_for(item.handshake)
         if not rooms.in_process:
             return False
@@ -155,6 +156,8 @@ class Sender:
             view = rooms.table.view(item.room)
         except RoomError:  # the task's path says why
             return False
+        if view.state is RoomState.PENDING:  # a gateway may wait for this, to forward its request
+            rooms.table.mark_staged(item.room)
         if view.state is not RoomState.REGISTERED:
             return False
         chosen = self.writer.choose(view.registration.offers)

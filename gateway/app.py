@@ -3,16 +3,16 @@
 Per request (``Gateway.chat``): read the body (bounded), find its images and videos, load each
 (``media``), hash and size each distinct one and place it on an encode worker (``dispatcher``),
 rewrite the body so vLLM gets each placed item as its patch grid and identifier, with the rooms in
-``ec_transfer_params`` (``chat.rewrite``), forward it to vLLM and relay the answer, streamed or
-not. An item no worker took goes to vLLM inline (vLLM's own tower: colocated; a video is then
-decoded and sampled by vLLM's own video loader). A request whose delivery fails inside vLLM (vLLM
-answers 500, or its stream's first event is an error) is sent once more with every item inline
-when ``retry_colocated``. A client that leaves, or a vLLM
-refusal, cancels the request's rooms at once (the workers drop those items).
+``ec_transfer_params`` (``chat.rewrite``), wait until the workers hold every placed item's rows
+(``stage_wait_s``: vLLM then waits for a write, not an encode), forward it to vLLM and relay the
+answer, streamed or not. An item no worker took goes to vLLM inline (vLLM's own tower: colocated; a
+video is then decoded and sampled by vLLM's own video loader). A request whose delivery fails inside
+vLLM (vLLM answers 500, or its stream's first event is an error) is sent once more with every item
+inline when ``retry_colocated``. A client that leaves, or a vLLM refusal, cancels the request's
+rooms at once (the workers drop those items).
 
-Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``; vLLM's own
-errors are relayed as vLLM sent them.
-"""
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``; vLLM's own errors
+are relayed as vLLM sent them."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from prometheus_client import (
 
 from dispatcher.dispatch import Dispatcher
 from dispatcher.media import DispatchError, Media
+from dispatcher.staged import StagedWatch
 from dispatcher.workers import WorkerSet
 from gateway.chat import ChatRequest, ChatRequestError, media_refs, read_chat
 from gateway.errors import OpenAIError, UpstreamRefusal
@@ -85,6 +86,12 @@ class Gateway:
         )
         self.metrics = GatewayMetrics(settings.served_model_name, registry)
         self.upstream = Upstream(settings.vllm_url, settings.request_timeout_s)
+        # rooms at a standalone authority say nothing of the workers' rows: no wait then
+        self.staged = (
+            StagedWatch(settings.handshake_token)
+            if settings.stage_wait_s > 0 and settings.rooms_url is None
+            else None
+        )
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -97,6 +104,8 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.dispatcher.close()
+        if self.staged is not None:
+            await self.staged.close()
         await self.workers.close()
         await self.fetcher.close()
         await self.upstream.close()
@@ -221,10 +230,30 @@ class Gateway:
         self.metrics.count("ok")
         return Response(payload, media_type="application/json")
 
+    async def _until_staged(self, prepared: PreparedChat) -> None:
+        """Until the encode workers hold the rows of every placed item (or ``stage_wait_s``
+        passed): vLLM then waits for a write, not an encode. An item whose room ended instead
+        (the worker failed it) goes to vLLM inline."""
+        if self.staged is None or not prepared.placed:
+            return
+        started = time.monotonic()
+        ended = await self.staged.until_staged(prepared.placed, self.settings.stage_wait_s)
+        prepared.staged_s = time.monotonic() - started
+        self.metrics.staged.labels(self.metrics.model_name).observe(prepared.staged_s)
+        for item in prepared.placed:
+            reason = ended.get(item.index)
+            if reason is not None:
+                self.metrics.colocated.labels(self.metrics.model_name, "encode_failed").inc()
+                item.worker, item.error = (
+                    None,
+                    f"the encode worker ({item.worker}) failed it, {reason}; vLLM encoded it",
+                )
+
     async def _call(self, prepared: PreparedChat) -> bytes:
         """vLLM's answer (``UpstreamRefusal`` for another status than 200); on a failed EPD
         delivery, once more with the images inline. The answer gets the ``epd`` report (where each
         image was encoded, and how it arrived)."""
+        await self._until_staged(prepared)
         async with await self.upstream.post(prepared.vllm_body()) as response:
             status, payload = response.status, await response.read()
         if status == 500 and prepared.placed and self.settings.retry_colocated:
@@ -280,6 +309,7 @@ class Gateway:
         """vLLM's stream, its events up to the first token held back when a failed delivery must
         be retried inline (it shows up there as an error event); ``UpstreamRefusal`` for another
         status than 200. The stream is closed if this is cancelled (the client left)."""
+        await self._until_staged(prepared)
         response = await self.upstream.post(prepared.vllm_body())
         try:
             if response.status != 200:

@@ -37,6 +37,14 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.staged = Histogram(
+            "epd_gateway_stage_wait_seconds",
+            "Every image placed -> every image's rows held by its encode worker (or its room "
+            "ended), before the request goes to vLLM",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.first_token = Histogram(
             "epd_gateway_time_to_first_token_seconds",
             "Request start -> first token relayed (streaming) or the answer",

@@ -28,6 +28,7 @@ class PreparedChat:
     items: list[DispatchedItem] = field(default_factory=list)  # one per distinct item
     of_ref: list[int] = field(default_factory=list)  # the item of each image or video part
     dispatch_s: float = 0.0
+    staged_s: float = 0.0  # placed -> every placed item's rows held by its worker
     video_seconds: bool = False  # the model's positions take a video's seconds per patch
 
     @property
@@ -66,7 +67,10 @@ class PreparedChat:
                 )
             )
         return GatewayReport(
-            request_id=self.request_id, dispatch_ms=round(self.dispatch_s * 1e3, 3), images=images
+            request_id=self.request_id,
+            dispatch_ms=round(self.dispatch_s * 1e3, 3),
+            staged_ms=round(self.staged_s * 1e3, 3),
+            images=images,
         )
 
 
@@ -87,6 +91,7 @@ class GatewayReport(BaseModel):
 
     request_id: str  # the gateway's id (the encode workers' logs name items by it)
     dispatch_ms: float  # request start -> every image placed (or not)
+    staged_ms: float  # placed -> every placed image's rows held by its worker, before vLLM
     images: list[ImageReport]
 
 

@@ -12,6 +12,7 @@ from dispatcher.settings import EncodeWorkerTargets, HttpUrl
 from process_settings import (
     ByteSize,
     NonNegativeInt,
+    NonNegativeSeconds,
     Port,
     PositiveInt,
     PositiveSeconds,
@@ -53,6 +54,12 @@ class GatewaySettings(EncodeWorkerTargets):
         256, description="chat requests served at once; one more gets 503 and Retry-After"
     )
     request_timeout_s: PositiveSeconds = Field(600.0, description="time for vLLM's whole answer")
+    stage_wait_s: NonNegativeSeconds = Field(
+        30.0,
+        description="forward a request once its encode workers hold its items' rows (waiting "
+        "at most this; 0: at once), so that vLLM waits for a write, not an encode; rooms at the "
+        "workers only (not with --rooms-url)",
+    )
     retry_colocated: bool = Field(
         True,
         description="when a request's encode-worker images fail inside vLLM, "

@@ -53,6 +53,7 @@ class Room:
     cancel_requested: bool = False
     writer_settled: bool = False
     writer: str | None = None
+    staged: bool = False  # the writer holds the rows, waiting for a receiver
     waiters: list = field(default_factory=list)
 
     def tombstone(self, ended_at: float) -> tuple:
@@ -254,7 +255,7 @@ class RoomStore:
         room.version += 1
         ended = room.state.terminal
         waiters, room.waiters = room.waiters, []
-        for waiter in waiters:
+        for waiter in waiters:  # until_ended: woken by the end only; else by any change
             if waiter.until_ended and not ended:
                 room.waiters.append(waiter)
             else:
@@ -271,6 +272,7 @@ class RoomStore:
             transport=room.transport,
             commit=room.commit,
             reason=room.reason,
+            staged=room.staged,
             cancel_requested=room.cancel_requested,
             writer_settled=room.writer_settled,
             expires_in_s=max(0.0, room.deadline - self.clock()),

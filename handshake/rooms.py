@@ -253,19 +253,33 @@ class RoomTable:
 
     # ---- waiting ---------------------------------------------------------------------------
 
-    def listen_for_end(self, room_id: int, listener) -> bool:
-        """Attach ``listener`` (``until_ended`` true; ``wake()`` called once, from whichever
-        thread ends the room) to a live room. False when the room has ended or is unknown: the
+    def listen(self, room_id: int, listener) -> bool:
+        """Attach ``listener`` to a live room: ``wake()`` is called once, from whichever thread
+        changes the room (``listener.until_ended``: ends it). False when the room has ended or
+        is unknown (or, for a listener that is not ``until_ended``, is staged already): the
         caller reads its view now."""
         with self._lock:
             room = self._store.rooms.get(room_id)
             if room is None:
                 return False
             self._store.expire_if_due(room, self._store.clock())
-            if room.state.terminal:
+            if room.state.terminal or (room.staged and not listener.until_ended):
                 return False
             room.waiters.append(listener)
             return True
+
+    def mark_staged(self, room_id: int) -> int | None:
+        """The writer holds the rows of a room no receiver has registered yet: it says so once
+        (waking who waits for it). The room's version now, or None when it is not PENDING (or
+        not here)."""
+        with self._lock:
+            room = self._store.rooms.get(room_id)
+            if room is None or room.state is not RoomState.PENDING:
+                return None
+            if not room.staged:
+                room.staged = True
+                self._store.touch(room)
+            return room.version
 
     def stop_listening(self, listeners: dict[int, object]) -> None:
         """Detach each room's listener (rooms that ended have dropped theirs already)."""
@@ -276,8 +290,8 @@ class RoomTable:
                     room.waiters.remove(listener)
 
     def ended_views(self, room_ids: list[int]) -> list[RoomView | RoomError]:
-        """Each room's view without its registration (the receiver that sent it has it), or why
-        there is none."""
+        """Each room's view without its registration (the receiver that sent it has it: the
+        room stream sends these), or why there is none."""
         with self._lock:
             views = []
             for room_id in room_ids:

@@ -1,14 +1,14 @@
 """The room stream (``/v1/rooms/stream``): one WebSocket per receiver and room API, carrying its
-registrations in and each registered room's end out, so a receiver pays one frame per batch of
-rooms in either direction instead of a register call and a long-poll per request.
+registrations in and each registered room's end out, so a receiver pays one frame per batch of rooms
+in either direction instead of a register call and a long-poll per request.
 
 A frame in is a ``StreamRegister`` or a ``StreamCancel`` (``wire.rooms.STREAM_FRAME``), applied as
-the REST calls apply them. A frame out is a ``BatchResponse``: the registrations refused (at once)
-and the registered rooms that ended since the last frame (every room that ends while the loop runs
-one step goes out in one frame: a batch committed together is one frame). A malformed frame closes
-the stream (1007, with the reason). When the stream closes, its rooms go on without it: their
-writer still commits or fails them, and nobody is told.
-"""
+the REST calls apply them, or a ``StreamWatchStaged`` (a gateway's: each room pushed once its writer
+holds the rows, or once it ended). A frame out is a ``BatchResponse``: the registrations refused (at
+once) and the rooms that ended (or were staged, when so watched) since the last frame (every room
+that ends while the loop runs one step goes out in one frame: a batch committed together is one
+frame). A malformed frame closes the stream (1007, with the reason). When the stream closes, its
+rooms go on without it: their writer still commits or fails them, and nobody is told."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from wire.rooms import (
     RoomResult,
     StreamCancel,
     StreamRegister,
+    StreamWatchStaged,
 )
 
 POLICY_VIOLATION = 1008  # WebSocket close codes (RFC 6455)
@@ -46,6 +47,17 @@ class _EndOf:
 
     def wake(self) -> None:
         self.stream.ended(self.room)
+
+
+class _StagedOrEnded(_EndOf):
+    """Woken by any change of the room: the stream pushes it once it is staged or has ended,
+    and listens again otherwise."""
+
+    __slots__ = ()
+    until_ended = False
+
+    def wake(self) -> None:
+        self.stream.changed(self.room)
 
 
 class RoomStream:
@@ -81,8 +93,10 @@ class RoomStream:
                     return
                 if isinstance(frame, StreamRegister):
                     self._register(frame)
-                else:
+                elif isinstance(frame, StreamCancel):
                     self._cancel(frame)
+                else:
+                    self._watch_staged(frame)
                 self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
         except WebSocketDisconnect:
             return
@@ -100,6 +114,20 @@ class RoomStream:
             self._ended.append(room)
             self._news.set()
 
+    def changed(self, room: int) -> None:
+        """A room watched until staged changed (any thread, the table's lock held): looked at
+        on the loop's next step."""
+        if threading.get_ident() != self._thread:
+            self.loop.call_soon_threadsafe(self._recheck, room)
+        else:
+            self.loop.call_soon(self._recheck, room)
+
+    def _recheck(self, room: int) -> None:
+        """Pushed if it is staged or ended, else listened to again."""
+        listener = self._listening.get(room)
+        if listener is not None and not self.table.listen(room, listener):
+            self.ended(room)
+
     def _register(self, frame: StreamRegister) -> None:
         for registration in frame.receivers:
             room = registration.room
@@ -110,9 +138,17 @@ class RoomStream:
                 continue
             if room in self._listening:  # a retry of a registration this stream holds
                 continue
-            listener = self._listening[room] = _EndOf(self, room)
-            if not self.table.listen_for_end(room, listener):  # ended already: its view now
-                self.ended(room)
+            self._listen(room, _EndOf(self, room))
+
+    def _watch_staged(self, frame: StreamWatchStaged) -> None:
+        for room in frame.rooms:
+            if room not in self._listening:
+                self._listen(room, _StagedOrEnded(self, room))
+
+    def _listen(self, room: int, listener: _EndOf) -> None:
+        self._listening[room] = listener
+        if not self.table.listen(room, listener):  # there already (or unknown): its view now
+            self.ended(room)
 
     def _cancel(self, frame: StreamCancel) -> None:
         for room in frame.rooms:

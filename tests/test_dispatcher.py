@@ -451,3 +451,31 @@ def test_items_no_worker_takes_fail_with_the_reason_after_bounded_retries(tower)
     # every 0.1 s per item (30)
     assert busy.messages <= 18
     assert busy.table.counts() == RoomTable().counts()  # no room minted there, none left
+
+
+def test_a_gateway_learns_when_the_worker_holds_the_rows_or_failed_the_item(stack, tower):
+    """``StagedWatch`` over the worker's room stream: a good image comes back staged (the worker
+    holds its rows, no receiver yet), one whose header sizes it but whose pixels do not decode
+    comes back with the worker's reason; the staged item is then delivered as ever."""
+    from dispatcher.staged import StagedWatch
+
+    worker, receiver = stack
+    good = synthetic_image(96, 96, 11)
+    broken = synthetic_image(200, 120, 12)[:120]  # the header is whole, the pixels are cut
+    items = _dispatch(worker, tower, [good, broken])
+    assert all(item.error is None and item.worker for item in items)
+
+    async def watch():
+        staged = StagedWatch(token=None)
+        try:
+            return await staged.until_staged(items, wait_s=20)
+        finally:
+            await staged.close()
+
+    ended = asyncio.run(watch())
+    assert list(ended) == [1] and "FAILED" in ended[1] and "truncated" in ended[1], ended
+    room = items[0].encode_handshake.bootstrap_room
+    view = worker.table.view(room)
+    assert view.state is RoomState.PENDING and view.staged
+    job, state, inputs = _receive(receiver, items[:1])
+    assert state is JobState.DONE, job.reasons

@@ -183,6 +183,8 @@ def test_two_images_one_repeated_equal_colocated(stack):
     assert {image["delivery"]["transport"] for image in report["images"]} == {"shm"}
     assert answer.usage.completion_tokens == MAX_TOKENS
     assert answer.choices[0].message.content == stack.colocated([a, b, a])
+    # vLLM got the request once the worker held both images' rows (the wait is a metric)
+    assert metric(stack.gateway.url, "epd_gateway_stage_wait_seconds_count") >= 1
 
 
 def test_streaming_relays_the_same_answer(stack):

@@ -183,3 +183,30 @@ def test_a_malformed_or_oversized_frame_closes_that_stream_only(served, frame, c
             await client.close()
 
     asyncio.run(scenario())
+
+
+def test_a_watched_room_comes_back_once_staged_or_ended(served):
+    """A gateway's watch: a room comes back when its writer holds the rows (still PENDING), one
+    staged before the watch comes back at once, one that fails before it is staged comes back
+    with its end; a registration or a begun write alone is no news."""
+    server, table = served
+    early, later, failing = table.mint(3, 30)
+    table.mark_staged(early)
+
+    async def scenario():
+        client, stream = await _open(server)
+        try:
+            stream.watch_staged([early, later, failing])
+            first, _ = await _results(stream, 1)
+            assert first[early].view.staged and first[early].view.state is RoomState.PENDING
+            await asyncio.to_thread(table.mark_staged, later)
+            await asyncio.to_thread(table.fail, failing, "cannot decode", True)
+            rest, _ = await _results(stream, 2)
+            assert rest[later].view.staged and rest[later].view.state is RoomState.PENDING
+            assert rest[failing].view.state is RoomState.FAILED and not rest[failing].view.staged
+        finally:
+            await stream.close()
+            await client.close()
+
+    asyncio.run(scenario())
+    assert table.mark_staged(failing) is None  # an ended room is not staged

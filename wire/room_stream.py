@@ -1,8 +1,8 @@
-"""A receiver's end of the room stream (``/v1/rooms/stream``, ``handshake.stream``): registrations
-and cancels go out in frames of at most ``MAX_BATCH`` rooms (every call made while the loop runs
-one step shares a frame), the rooms' ends come in as batches. Pings are the caller's to send
-(``ping``; ``last_heard`` says when the peer last spoke), so that the caller decides when a silent
-peer is stalled."""
+"""A client's end of the room stream (``/v1/rooms/stream``, ``handshake.stream``): a receiver's
+registrations and cancels (or a gateway's rooms to watch until staged) go out in frames of at most
+``MAX_BATCH`` rooms (every call made while the loop runs one step shares a frame), the rooms' ends
+come in as batches. Pings are the caller's to send (``ping``; ``last_heard`` says when the peer
+last spoke), so that the caller decides when a silent peer is stalled."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from wire.rooms import (
     RoomResult,
     StreamCancel,
     StreamRegister,
+    StreamWatchStaged,
 )
 
 
@@ -29,6 +30,7 @@ class RoomStreamClient:
         self._websocket = websocket
         self._registrations: list[Registration] = []
         self._cancels: list[tuple[list[int], str]] = []
+        self._staged: list[int] = []
         self._due = asyncio.Event()
         self._writer = asyncio.create_task(self._write())
         self.last_heard = time.monotonic()
@@ -49,6 +51,11 @@ class RoomStreamClient:
     def cancel(self, rooms: list[int], reason: str) -> None:
         for start in range(0, len(rooms), MAX_BATCH):
             self._cancels.append((rooms[start : start + MAX_BATCH], reason[:500]))
+        self._due.set()
+
+    def watch_staged(self, rooms: list[int]) -> None:
+        """Each room comes back once its writer holds the rows, or once it has ended."""
+        self._staged.extend(rooms)
         self._due.set()
 
     async def ping(self) -> None:
@@ -94,3 +101,7 @@ class RoomStreamClient:
                 await self._websocket.send_str(
                     StreamCancel(rooms=rooms, reason=reason).model_dump_json()
                 )
+            while self._staged:
+                rooms = self._staged[:MAX_BATCH]
+                del self._staged[:MAX_BATCH]
+                await self._websocket.send_str(StreamWatchStaged(rooms=rooms).model_dump_json())

@@ -202,6 +202,9 @@ class RoomView(BaseModel):
     transport: str | None = None
     commit: CommitBody | None = None
     reason: str | None = None
+    # the writer holds the rows and waits for a receiver (set once, while the room is PENDING): a
+    # gateway forwards the request then, so that the engine waits for a write, not an encode
+    staged: bool = False
     cancel_requested: bool = False
     writer_settled: bool = False  # no byte of the writer can still land in the slot
     expires_in_s: float
@@ -243,6 +246,15 @@ class StreamCancel(_Body):
     reason: str = Field(default="cancelled by the receiver", min_length=1, max_length=500)
 
 
+class StreamWatchStaged(_Body):
+    """Push each room once its writer holds the rows (``RoomView.staged``) or once it ends,
+    whichever comes first: a gateway waits for it before it forwards a request (no
+    registration)."""
+
+    op: Literal["watch_staged"] = "watch_staged"
+    rooms: list[RoomId] = Field(min_length=1, max_length=MAX_BATCH)
+
+
 # The status of a registered room whose end the stream cannot tell (its tombstone is gone): a
 # writer may have landed bytes, unlike a registration refused (4xx) before any writer saw it.
 LOST_AFTER_REGISTRATION = 410
@@ -250,4 +262,6 @@ LOST_AFTER_REGISTRATION = 410
 # A frame a receiver sends; the stream answers with ``BatchResponse`` frames: a registration
 # refused (``ok`` false, at once) or a registered room that ended (its view, without the
 # registration the receiver sent).
-STREAM_FRAME = TypeAdapter(Annotated[StreamRegister | StreamCancel, Field(discriminator="op")])
+STREAM_FRAME = TypeAdapter(
+    Annotated[StreamRegister | StreamCancel | StreamWatchStaged, Field(discriminator="op")]
+)

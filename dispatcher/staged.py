@@ -1,0 +1,118 @@
+"""Until a request's placed items are staged: each one's encode worker holds its rows and waits
+for a receiver (``RoomView.staged``), watched over one room stream per worker endpoint. A gateway
+forwards the request then, so that the engine waits for a write (a millisecond) rather than for an
+encode, stepping its loop all the while.
+
+An item whose room ends first (the worker failed it) comes back with the reason: the gateway sends
+it to the engine inline. An item not staged within the wait, or whose stream broke, is forwarded
+as it is: the engine's connector waits for it, and falls back, as it would have without this."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from dispatcher.media import DispatchedItem
+from wire.addresses import Endpoint
+from wire.room_client import HandshakeClient, HandshakeError
+from wire.room_stream import RoomStreamClient
+from wire.rooms import RoomResult
+
+log = logging.getLogger(__name__)
+MAX_STREAMS = 256  # worker endpoints with an open stream; the oldest is closed beyond
+
+
+class StagedWatch:
+    def __init__(self, token: str | None, timeout_s: float = 5.0):
+        self.token = token
+        self.timeout_s = timeout_s  # opening a stream
+        self._streams: dict[Endpoint, tuple[HandshakeClient, RoomStreamClient]] = {}
+        self._opening: dict[Endpoint, asyncio.Future] = {}
+        self._waiting: dict[tuple[Endpoint, int], asyncio.Future[RoomResult | None]] = {}
+        self._readers: set[asyncio.Task] = set()
+
+    async def until_staged(self, items: list[DispatchedItem], wait_s: float) -> dict[int, str]:
+        """Wait (at most ``wait_s``) until every placed item is staged or its room has ended;
+        why, by the item's index, for those whose room ended without being staged."""
+        waits: dict[int, asyncio.Future] = {}
+        for item in items:
+            if item.encode_handshake is None:
+                continue
+            endpoint, room = item.encode_handshake.endpoint, item.encode_handshake.bootstrap_room
+            try:
+                stream = await self._stream(endpoint)
+            except HandshakeError as exc:  # forwarded as it is: the engine's connector waits
+                log.info("no room stream to %s (%s): not waiting for staged items", endpoint, exc)
+                continue
+            future = asyncio.get_running_loop().create_future()
+            self._waiting[(endpoint, room)] = future
+            waits[item.index] = future
+            stream.watch_staged([room])
+        if not waits:
+            return {}
+        try:
+            await asyncio.wait(waits.values(), timeout=wait_s)
+        finally:
+            for item in items:
+                if item.index in waits:
+                    handshake = item.encode_handshake
+                    self._waiting.pop((handshake.endpoint, handshake.bootstrap_room), None)
+        ended = {}
+        for index, future in waits.items():
+            result = future.result() if future.done() else None
+            if result is None:
+                continue
+            if not result.ok:
+                ended[index] = f"room lost at its encode worker: {result.error}"
+            elif not result.view.staged:
+                view = result.view
+                ended[index] = f"room {view.state.value}: {view.reason or 'no reason given'}"
+        return ended
+
+    async def close(self) -> None:
+        for task in list(self._readers):
+            task.cancel()
+        for client, stream in self._streams.values():
+            await stream.close()
+            await client.close()
+        self._streams.clear()
+
+    async def _stream(self, endpoint: Endpoint) -> RoomStreamClient:
+        open_ = self._streams.get(endpoint)
+        if open_ is not None and not open_[1].closed:
+            return open_[1]
+        opening = self._opening.get(endpoint)
+        if opening is None:
+            opening = self._opening[endpoint] = asyncio.ensure_future(self._open(endpoint))
+            opening.add_done_callback(lambda _: self._opening.pop(endpoint, None))
+        return await asyncio.shield(opening)
+
+    async def _open(self, endpoint: Endpoint) -> RoomStreamClient:
+        client = HandshakeClient(endpoint.url("http"), self.token, timeout_s=self.timeout_s)
+        try:
+            stream = await RoomStreamClient.open(client)
+        except HandshakeError:
+            await client.close()
+            raise
+        if len(self._streams) >= MAX_STREAMS:  # the oldest goes
+            old_client, old_stream = self._streams.pop(next(iter(self._streams)))
+            await old_stream.close()
+            await old_client.close()
+        self._streams[endpoint] = (client, stream)
+        reader = asyncio.ensure_future(self._read(endpoint, stream))
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
+        return stream
+
+    async def _read(self, endpoint: Endpoint, stream: RoomStreamClient) -> None:
+        try:
+            while True:
+                for result in await stream.receive():
+                    future = self._waiting.pop((endpoint, result.room), None)
+                    if future is not None and not future.done():
+                        future.set_result(result)
+        except HandshakeError as exc:  # what waits on it is forwarded as it is
+            log.info("room stream to %s closed: %s", endpoint, exc)
+            for (where, _), future in list(self._waiting.items()):
+                if where == endpoint and not future.done():
+                    future.set_result(None)
