@@ -5,17 +5,19 @@ loopback; the client here runs N concurrent lifecycles, each the production sequ
 production calls:
 
 1. the dispatcher mints the room;
-2. at once, concurrently: the receiver registers and long-polls in the same call (as
-   ``PrefillReceiver`` does), then long-polls ``/v1/rooms/watch`` until SUCCESS; the sender (an
-   encode worker reaching a standalone handshake over REST, as ``Sender`` with ``RemoteRooms``
-   does) long-polls from version 0 until the receiver is there,
-3. then calls ``begin_write`` and ``commit``; the receiver's long-poll returns SUCCESS.
+2. at once, concurrently: the receiver registers (``stream``, as ``PrefillReceiver`` does: over
+   one room stream every lifecycle shares, the room's end pushed back; ``rest``, as it did
+   before the stream: registers and long-polls in the same call, then long-polls
+   ``/v1/rooms/watch`` until SUCCESS); the sender (an encode worker reaching a standalone
+   handshake over REST, as ``Sender`` with ``RemoteRooms`` does) long-polls from version 0 until
+   the receiver is there,
+3. then calls ``begin_write`` and ``commit``; the receiver hears SUCCESS.
 
-The sender writes only once it has seen the registration, so the receiver is always waiting in
-its long-poll when the write begins. The batch form does each call for 8 rooms at once. Every
-(batch, concurrency) level runs once per round, rounds interleaved (the order reversed every
-other round); per level: the median throughput over the rounds and the latency percentiles of
-all its lifecycles.
+The sender writes only once it has seen the registration, so the receiver is always waiting when
+the write begins. The batch form does each call for 8 rooms at once. Every (receiver, batch,
+concurrency) level runs once per round, rounds interleaved (the order reversed every other
+round); per level: the median throughput over the rounds and the latency percentiles of all its
+lifecycles. The goals are the ``stream`` receiver's (the production one).
 """
 
 from __future__ import annotations
@@ -34,15 +36,16 @@ from bench.rounds import in_round
 from loop_threads import new_event_loop
 from wire.offers import LoopbackOffer
 from wire.room_client import HandshakeClient
+from wire.room_stream import RoomStreamClient
 from wire.rooms import BeginWrite, CommitBody, Registration, RoomState
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 8)
+RECEIVERS = ("stream", "rest")
 POLL_S = 0.5  # the long-poll slice of both sides (ReceiverConfig.poll_s, Sender's wait)
 WRITER = "epd-bench-sender"
-# goals (docs/performance.md): lifecycles/s at p99 <= 20 ms one room at a time; rooms/s in 8-room
-# batches
-GOAL_LIFECYCLES_PER_S, GOAL_P99_MS, GOAL_ROOMS_PER_S = 1000, 20.0, 5000
+# goals (issue 32): lifecycles/s at p99 <= 10 ms one room at a time; rooms/s in 8-room batches
+GOAL_LIFECYCLES_PER_S, GOAL_P99_MS, GOAL_ROOMS_PER_S = 2500, 10.0, 15000
 
 
 def _free_port() -> int:
@@ -99,7 +102,36 @@ def _views(results) -> dict:
     return {result.room: result.view for result in results}
 
 
-async def _receiver(client: HandshakeClient, rooms: list[int]) -> int:
+class StreamReceiver:
+    """The receiver as ``PrefillReceiver`` runs it: one room stream for every lifecycle, each
+    room's end pushed back."""
+
+    def __init__(self, stream: RoomStreamClient):
+        self.stream = stream
+        self.waiting: dict[int, asyncio.Future] = {}
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def __call__(self, client: HandshakeClient, rooms: list[int]) -> int:
+        """Register, and wait for every room's end; returns the frames it sent."""
+        loop = asyncio.get_running_loop()
+        ends = [self.waiting.setdefault(room, loop.create_future()) for room in rooms]
+        self.stream.register([_registration(room) for room in rooms])
+        for result in await asyncio.gather(*ends):
+            if not result.ok or result.view.state is not RoomState.SUCCESS:
+                raise RuntimeError(f"lifecycle ended in {result}")
+        return 1
+
+    async def _read(self) -> None:
+        while True:
+            for result in await self.stream.receive():
+                self.waiting.pop(result.room).set_result(result)
+
+    async def close(self) -> None:
+        self.reader.cancel()
+        await self.stream.close()
+
+
+async def _rest_receiver(client: HandshakeClient, rooms: list[int]) -> int:
     """Register and long-poll until every room is SUCCESS; returns the calls it made."""
     views = _views(await client.register([_registration(room) for room in rooms], wait_s=POLL_S))
     calls = 1
@@ -150,6 +182,7 @@ async def _sender(client: HandshakeClient, rooms: list[int]) -> int:
 
 @dataclass
 class Level:
+    receiver: str  # RECEIVERS
     batch: int
     concurrency: int
     lifecycles_per_s: list[float] = field(default_factory=list)  # one per round
@@ -162,6 +195,7 @@ class Level:
         count = len(latencies)
         lifecycles_per_s = statistics.median(self.lifecycles_per_s)
         row = {
+            "receiver": self.receiver,
             "batch": self.batch,
             "concurrency": self.concurrency,
             "lifecycles": count,
@@ -182,20 +216,25 @@ class Level:
         return row
 
 
-async def _lifecycle(client: HandshakeClient, batch: int) -> tuple[int, int]:
+async def _lifecycle(client: HandshakeClient, receiver, batch: int) -> tuple[int, int]:
     rooms = await client.mint(batch, ttl_s=60)
-    return tuple(await asyncio.gather(_receiver(client, rooms), _sender(client, rooms)))
+    return tuple(await asyncio.gather(receiver(client, rooms), _sender(client, rooms)))
 
 
 async def _load(url: str, level: Level, seconds: float) -> None:
     client = HandshakeClient(url, timeout_s=10)
+    receiver = (
+        StreamReceiver(await RoomStreamClient.open(client))
+        if level.receiver == "stream"
+        else _rest_receiver
+    )
     count = 0
 
     async def loop():
         nonlocal count
         while time.monotonic() < end:
             started = time.perf_counter()
-            receiver_calls, sender_calls = await _lifecycle(client, level.batch)
+            receiver_calls, sender_calls = await _lifecycle(client, receiver, level.batch)
             level.latencies_s.append(time.perf_counter() - started)
             level.receiver_calls += receiver_calls
             level.sender_calls += sender_calls
@@ -203,12 +242,14 @@ async def _load(url: str, level: Level, seconds: float) -> None:
 
     try:
         for _ in range(5):  # warm the connection pool
-            await _lifecycle(client, level.batch)
+            await _lifecycle(client, receiver, level.batch)
         started = time.monotonic()
         end = started + seconds
         await asyncio.gather(*(loop() for _ in range(level.concurrency)))
         level.lifecycles_per_s.append(count / (time.monotonic() - started))
     finally:
+        if isinstance(receiver, StreamReceiver):
+            await receiver.close()
         await client.close()
 
 
@@ -216,7 +257,12 @@ def run(seconds: float = 1.0, rounds: int = 3, concurrency=CONCURRENCY, progress
     port = _free_port()
     server = start_server(port)
     url = f"http://127.0.0.1:{port}"
-    levels = [Level(batch, level) for batch in BATCHES for level in concurrency]
+    levels = [
+        Level(receiver, batch, level)
+        for receiver in RECEIVERS
+        for batch in BATCHES
+        for level in concurrency
+    ]
     try:
         for round_index in range(rounds):
             for level in in_round(levels, round_index):
@@ -233,10 +279,14 @@ def run(seconds: float = 1.0, rounds: int = 3, concurrency=CONCURRENCY, progress
         "levels": rows,
         "goals": {
             f"batch 1: >= {GOAL_LIFECYCLES_PER_S} lifecycles/s at p99 <= {GOAL_P99_MS:.0f} ms": [
-                r["concurrency"] for r in rows if r["batch"] == 1 and r["meets_goal"]
+                r["concurrency"]
+                for r in rows
+                if r["receiver"] == "stream" and r["batch"] == 1 and r["meets_goal"]
             ],
             f"batch 8: >= {GOAL_ROOMS_PER_S} rooms/s": [
-                r["concurrency"] for r in rows if r["batch"] == 8 and r["meets_goal"]
+                r["concurrency"]
+                for r in rows
+                if r["receiver"] == "stream" and r["batch"] == 8 and r["meets_goal"]
             ],
         },
     }
@@ -250,14 +300,16 @@ def main(args) -> int:
     )
     report = run(args.seconds, args.rounds)
     print(
-        f"\n{'batch':>5s} {'conc':>5s} {'lifecycles/s':>13s} {'rooms/s':>8s} {'p50 ms':>7s} "
+        f"\n{'recv':>6s} {'batch':>5s} {'conc':>5s} {'lifecycles/s':>13s} {'rooms/s':>8s} "
+        f"{'p50 ms':>7s} "
         f"{'p99 ms':>7s} "
         f"{'calls recv/send':>16s}  goal  per round"
     )
     for row in report["levels"]:
         rounds = " ".join(f"{v:.0f}" for v in row["lifecycles_per_s_rounds"])
         print(
-            f"{row['batch']:5d} {row['concurrency']:5d} {row['lifecycles_per_s']:13.0f} "
+            f"{row['receiver']:>6s} {row['batch']:5d} {row['concurrency']:5d} "
+            f"{row['lifecycles_per_s']:13.0f} "
             f"{row['rooms_per_s']:8.0f} "
             f"{row['p50_ms']:7.1f} {row['p99_ms']:7.1f} {row['receiver_calls_per_lifecycle']:8.2f}/"
             f"{row['sender_calls_per_lifecycle']:<7.2f}  "
@@ -265,7 +317,7 @@ def main(args) -> int:
         )
     for goal, levels in report["goals"].items():
         print(
-            f"{goal}: "
+            f"{goal} (stream receiver): "
             + (
                 "met at concurrency " + ", ".join(map(str, levels))
                 if levels

@@ -133,7 +133,8 @@ class CompletionPoller:
                 self._closed = True
                 left, self._pending = self._pending, []
             for awaited in left:
-                awaited.resolve(None)
+                awaited.outcome = (_set_result, None)
+            _settle_on_their_loops(left)
 
     def _round(self) -> bool:
         """Poll the writes that are due; False once closed."""
@@ -151,17 +152,19 @@ class CompletionPoller:
             try:
                 state = awaited.transfer.poll_quick()
             except Exception as exc:  # the awaiter's to handle, with its item
-                awaited.fail(exc)
+                awaited.outcome = (_set_exception, exc)
                 ended.append(awaited)
                 continue
             if state is TransferState.PENDING:
                 awaited.due = now + awaited.transfer.poll_interval(now)
             else:
-                awaited.resolve(state)
+                awaited.outcome = (_set_result, state)
                 ended.append(awaited)
+        _settle_on_their_loops(ended)  # one wake-up per loop for every write that ended
         with self._wake:
             if ended:
-                self._pending = [a for a in self._pending if a not in ended]
+                gone = set(map(id, ended))
+                self._pending = [a for a in self._pending if id(a) not in gone]
             due = min((a.due for a in self._pending), default=None)
         if due is not None:
             time.sleep(max(0.0, due - time.monotonic()))
@@ -174,19 +177,25 @@ class _Awaited:
     def __init__(self, transfer: Transfer, loop: asyncio.AbstractEventLoop, future):
         self.transfer, self.loop, self.future = transfer, loop, future
         self.due = 0.0
+        self.outcome: tuple | None = None  # (setter, value) once the write has ended
 
-    def resolve(self, state: TransferState | None) -> None:
-        self._call(_set_result, state)
 
-    def fail(self, exc: BaseException) -> None:
-        self._call(_set_exception, exc)
-
-    def _call(self, setter, value) -> None:
+def _settle_on_their_loops(ended: list[_Awaited]) -> None:
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Awaited]] = {}
+    for awaited in ended:
+        by_loop.setdefault(awaited.loop, []).append(awaited)
+    for loop, settled in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(setter, self.future, value)
+            loop.call_soon_threadsafe(_settle_all, settled)
         except RuntimeError:
-            if not self.loop.is_closed():
+            if not loop.is_closed():
                 raise  # a closed loop has no awaiter left; anything else is a fault
+
+
+def _settle_all(settled: list[_Awaited]) -> None:
+    for awaited in settled:
+        setter, value = awaited.outcome
+        setter(awaited.future, value)
 
 
 def _set_result(future: asyncio.Future, value) -> None:

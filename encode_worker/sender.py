@@ -25,6 +25,7 @@ process's table, run on the pool of sender threads.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -33,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from data_plane.pool import SlotPool
 from data_plane.transport import CompletionPoller, Transport
-from encode_worker.writes import Outcome, StagedItem, Writer
+from encode_worker.writes import Outcome, StagedItem, Write, Writer
 from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound
 from loop_threads import LoopThread, name_os_thread
 from wire.addresses import EncodeHandshake
@@ -41,6 +42,7 @@ from wire.room_client import HandshakeError
 from wire.rooms import RoomState, RoomView
 
 log = logging.getLogger(__name__)
+_DONE, _WRITING, _NOT_NOW = object(), object(), object()  # what _deliver_now did with an item
 INLINE_WRITE_BYTES = (
     4 << 20
 )  # ~0.4 ms of memcpy here: the most a write may hold up the handshake loop
@@ -114,12 +116,13 @@ class Sender:
             items, self._inbox, self._drain_due = self._inbox, [], False
         delivered = 0
         for item in items:
-            if self._deliver_now(item):
+            handled = self._deliver_now(item)
+            if handled is _DONE:
                 delivered += 1
-                continue
-            task = self._loop.loop.create_task(self._deliver_safely(item))
-            self._tasks.add(task)
-            task.add_done_callback(self._delivered)
+            elif handled is _NOT_NOW:
+                task = self._loop.loop.create_task(self._deliver_safely(item))
+                self._tasks.add(task)
+                task.add_done_callback(self._delivered)
         if delivered:
             self._count_delivered(delivered)
 
@@ -144,41 +147,74 @@ class Sender:
 
     # ---- one item --------------------------------------------------------------------------
 
-    def _deliver_now(self, item: StagedItem) -> bool:
-        """The common case, in the drain itself (no task, no wait): a room of this process's
-        table whose receiver has registered, written by a copy inside ``submit`` small enough for
-        the loop (SHM). False for every other item; a room of this table still waiting for its
-        receiver is marked staged first (``RoomTable.mark_staged``)."""
+    def _deliver_now(self, item: StagedItem) -> object:
+        """The common case, in the drain itself (no task, no wait for a receiver): a room of this
+        process's table whose receiver has registered, written by a copy inside ``submit`` small
+        enough for the loop (SHM: ``_DONE``), or by a transport in the background (Mooncake to a
+        peer it has reached: ``_WRITING``, settled by ``_write_done`` when the completion poller
+        says so). ``_NOT_NOW`` for every other item, whose room, when this table's and still
+        waiting for its receiver, is marked staged first (``RoomTable.mark_staged``)."""
         rooms = self.rooms_for(item.handshake)
         if not rooms.in_process:
-            return False
+            return _NOT_NOW
         try:
             view = rooms.table.view(item.room)
         except RoomError:  # the task's path says why
-            return False
+            return _NOT_NOW
         if view.state is RoomState.PENDING:  # a gateway may wait for this, to forward its request
             rooms.table.mark_staged(item.room)
         if view.state is not RoomState.REGISTERED:
-            return False
+            return _NOT_NOW
         chosen = self.writer.choose(view.registration.offers)
-        if chosen is None or not chosen[0].copies_in_submit:
-            return False
-        if not self.writer.fits_loop(rooms, item, chosen):
-            return False
+        if chosen is None or not self.writer.fits_loop(rooms, item, chosen):
+            return _NOT_NOW
         item.timings["wait_s"] = 0.0
+        write = self._settle(item, lambda: self.writer.start(item, rooms, view, chosen))
+        if isinstance(write, Outcome):
+            self.on_outcome(write)
+            return _DONE
+        if chosen[0].copies_in_submit:  # over inside submit
+            self.on_outcome(self._settle(item, lambda: self.writer.end(item, rooms, write)))
+            return _DONE
+        self._poller.completion(write.transfer).add_done_callback(
+            functools.partial(self._write_done, item, rooms, write)
+        )
+        return _WRITING
+
+    def _write_done(self, item: StagedItem, rooms, write: Write, polled: asyncio.Future) -> None:
+        """A write ``_deliver_now`` started ended (the poller says how): commit it or fail the
+        room. A poll that could not tell goes on on a thread, as ``_deliver_on_loop`` does."""
         try:
-            write = self.writer.start(item, rooms, view, chosen)
-            outcome = write if isinstance(write, Outcome) else self.writer.end(item, rooms, write)
+            state = polled.result()
+        except Exception:  # a poll raised: the write's end is unknown, a thread finds it out
+            log.exception("polling the write of room %d failed", item.room)
+            state = None
+        if state is None:
+            task = self._loop.loop.create_task(self._end_on_thread(item, rooms, write))
+            self._tasks.add(task)
+            task.add_done_callback(self._delivered)
+            return
+        self.on_outcome(self._settle(item, lambda: self.writer.end(item, rooms, write)))
+        self._count_delivered(1)
+
+    async def _end_on_thread(self, item: StagedItem, rooms, write: Write) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._pool, write.transfer.wait)
+        self.on_outcome(self._settle(item, lambda: self.writer.end(item, rooms, write)))
+
+    def _settle(self, item: StagedItem, step) -> Outcome | Write:
+        """``step()`` (a room call of this process's table, or a write's start or end), or the
+        item's outcome when it raised: its room failed with why."""
+        try:
+            return step()
         except RoomNotFound as exc:
-            outcome = self.writer.finish(item, RoomState.FAILED, None, f"not delivered: {exc}")
+            return self.writer.finish(item, RoomState.FAILED, None, f"not delivered: {exc}")
         except RoomError as exc:  # in-process: failing the room does not wait
-            outcome = self.writer.fail(item, f"room unusable: {exc}", settled=True)
+            return self.writer.fail(item, f"room unusable: {exc}", settled=True)
         except Exception as exc:  # never lose an item silently: fail its room
             log.exception("delivery of room %d crashed", item.room)
-            reason = f"encode worker error: {type(exc).__name__}: {exc}"
-            outcome = self.writer.fail(item, reason, settled=True)
-        self.on_outcome(outcome)
-        return True
+            return self.writer.fail(
+                item, f"encode worker error: {type(exc).__name__}: {exc}", settled=True
+            )
 
     async def _deliver_safely(self, item: StagedItem) -> None:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Side by side: the product at BEFORE_REV (a git worktree) against this checkout, in interleaved
+# pairs (this tree first), each run with PYTHONPATH at its own tree and this checkout's .venv.
+# Both sides run this checkout's bench/ (copied over the worktree's): the same harness and
+# stand-in, only the product code differs.
+# Usage: compare.sh BEFORE_REV PREFIX FIRST LAST -- EPD_BENCH_ARGS...
+# Pair i (FIRST..LAST) writes PREFIX-after-i.json and PREFIX-before-i.json.
+# As run here: compare.sh a25abee docs/results/issue32/cost 1 3 -- cost
+#              compare.sh a25abee docs/results/issue32/ceiling 1 3 -- cost --ceiling --transports shm
+set -euo pipefail
+before_rev=$1 prefix=$(realpath -m "$2") first=$3 last=$4
+shift 5
+repo=$(git rev-parse --show-toplevel)
+worktree=$(mktemp -d /tmp/epd-before-XXXX)
+git -C "$repo" worktree add -q --detach "$worktree" "$before_rev"
+trap 'git -C "$repo" worktree remove --force "$worktree"' EXIT
+rm -rf "$worktree/bench" && cp -r "$repo/bench" "$worktree/bench"
+for i in $(seq "$first" "$last"); do
+  for side in after before; do
+    tree=$repo
+    [ "$side" = before ] && tree=$worktree
+    (cd "$tree" && PYTHONPATH=$tree "$repo/.venv/bin/python" -c \
+      "import sys; from bench.cli import main; sys.exit(main(sys.argv[1:]))" \
+      "$@" --json "$prefix-$side-$i.json") || true  # a goal not met exits 1: the JSON is written
+  done
+done

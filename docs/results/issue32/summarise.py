@@ -1,0 +1,58 @@
+"""The issue-32 tables (docs/performance.md) from the JSON beside this file: medians of the runs
+per side, per process. Usage: python3 docs/results/issue32/summarise.py"""
+
+import glob
+import json
+import os
+import statistics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROLES = ("dispatcher", "encode_worker", "receiver", "sum")
+
+
+def runs(pattern: str) -> list[dict]:
+    return [json.load(open(path)) for path in sorted(glob.glob(os.path.join(HERE, pattern)))]
+
+
+def median(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}"
+
+
+def cost_table(prefix: str) -> list[str]:
+    before, after = runs(f"{prefix}-before-*.json"), runs(f"{prefix}-after-*.json")
+    heads = [
+        f"{config['images_per_request']} img/req, {config['transport']}"
+        for config in before[0]["configs"]
+    ]
+    lines = [
+        f"| ms of CPU per item, before -> after ({len(before)} / {len(after)} runs) | "
+        + " | ".join(heads)
+        + " |",
+        "|---" * (len(heads) + 1) + "|",
+    ]
+    for role in (*ROLES, "items/s"):
+        cells = []
+        for i in range(len(heads)):
+
+            def value(run, role=role, i=i):
+                config = run["configs"][i]
+                if role == "items/s":
+                    return config["items_per_s"]
+                return config["control_plane_ms_per_item"][role]
+
+            cells.append(
+                f"{median([value(r) for r in before])} -> {median([value(r) for r in after])}"
+            )
+        lines.append(f"| {role} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    for prefix in ("cost", "ceiling"):
+        if runs(f"{prefix}-before-*.json"):
+            print(f"\n{prefix}:")
+            print("\n".join(cost_table(prefix)))
+
+
+if __name__ == "__main__":
+    main()
