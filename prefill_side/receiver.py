@@ -23,6 +23,7 @@ while a writer may still land bytes in it, whatever path the item took.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
@@ -80,6 +81,8 @@ class PrefillReceiver:
             give_up,
         )
         self._loop = LoopThread("prefill-receiver")
+        self._starting: list[ReceiveJob] = []  # started, their task not made yet
+        self._starting_lock = threading.Lock()
 
     # ---- what an engine calls ----------------------------------------------------------------
 
@@ -93,9 +96,26 @@ class PrefillReceiver:
         return self.receive_pool.transports
 
     def start(self, request_id: str, inputs: MultimodalInputs) -> ReceiveJob:
+        """The job, started on the receiver's loop (any thread): the jobs started while the loop
+        runs one step start in its next, with one wake-up."""
         job = ReceiveJob(request_id, inputs, self.pool, self.cancel, self.abort)
-        self._loop.submit(self._run(job)).add_done_callback(job.ended)
+        with self._starting_lock:
+            self._starting.append(job)
+            if len(self._starting) > 1:  # a wake-up is due already
+                return job
+        try:
+            self._loop.loop.call_soon_threadsafe(self._start_jobs)
+        except RuntimeError:  # the receiver is closed: nothing starts
+            with self._starting_lock:
+                self._starting.remove(job)
+            raise
         return job
+
+    def _start_jobs(self) -> None:
+        with self._starting_lock:
+            jobs, self._starting = self._starting, []
+        for job in jobs:
+            self._loop.loop.create_task(self._run(job)).add_done_callback(job.ended)
 
     def cancel(self, job: ReceiveJob, reason: str) -> None:
         """Cancel ``job``'s rooms that are still pending (once per job; any thread): scheduled on
@@ -182,6 +202,10 @@ class PrefillReceiver:
         by_endpoint: dict[Endpoint, list[PendingItem]] = {}
         for entry in pending:
             by_endpoint.setdefault(entry.handshake.endpoint, []).append(entry)
+        if not refused and not unreserved and len(by_endpoint) == 1:  # the common case: no gather
+            (entries,) = by_endpoint.values()
+            await self.streams.serve(job, entries)
+            return
         await asyncio.gather(
             *(
                 self.streams.cancel_rooms(endpoint, rooms, "the receiver could not reserve memory")
