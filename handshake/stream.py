@@ -33,6 +33,7 @@ from wire.rooms import (
 
 POLICY_VIOLATION = 1008  # WebSocket close codes (RFC 6455)
 INVALID_PAYLOAD = 1007
+MAX_UNSENT = 65536  # refusals not yet sent (a client that sends and never reads): closed beyond
 
 
 class _EndOf:
@@ -98,6 +99,9 @@ class RoomStream:
                 else:
                     self._watch_staged(frame)
                 self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
+                if len(self._out) > MAX_UNSENT:
+                    await self.websocket.close(POLICY_VIOLATION, "answers left unread")
+                    return
         except WebSocketDisconnect:
             return
         finally:

@@ -18,8 +18,9 @@ def median(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}"
 
 
-def cost_table(prefix: str) -> list[str]:
-    before, after = runs(f"{prefix}-before-*.json"), runs(f"{prefix}-after-*.json")
+def cost_table(prefix: str, pairs: str) -> list[str]:
+    before = runs(f"{prefix}-before-[{pairs}].json")
+    after = runs(f"{prefix}-after-[{pairs}].json")
     heads = [
         f"{config['images_per_request']} img/req, {config['transport']}"
         for config in before[0]["configs"]
@@ -47,11 +48,16 @@ def cost_table(prefix: str) -> list[str]:
     return lines
 
 
+# (files, pairs, what "after" was): cost 1-3 against 68c3ad2 (the stream, the batch hand-off,
+# staged), cost 4-6 and ceiling 1-3 against 0a15a9d (the session's end); before: a25abee
+TABLES = (("cost", "123", "68c3ad2"), ("cost", "456", "0a15a9d"), ("ceiling", "123", "0a15a9d"))
+
+
 def main() -> None:
-    for prefix in ("cost", "ceiling"):
-        if runs(f"{prefix}-before-*.json"):
-            print(f"\n{prefix}:")
-            print("\n".join(cost_table(prefix)))
+    for prefix, pairs, after in TABLES:
+        if runs(f"{prefix}-before-[{pairs}].json"):
+            print(f"\n{prefix}, a25abee -> {after}:")
+            print("\n".join(cost_table(prefix, pairs)))
 
 
 if __name__ == "__main__":
