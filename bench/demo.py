@@ -38,10 +38,11 @@ REQUESTS = [
 INTRO = """\
 EPD (encode / prefill / decode): the vision tower runs in an encode worker, not in vLLM. Per
 image, the gateway hashes the bytes, mints a room on the worker chosen by the hash and sends the
-image to it; vLLM gets the image's patch grid and room instead of its pixels. vLLM's scheduler
-(the EPD connector) reserves memory for the rows and registers it in the room; the worker runs
-the tower and writes the rows straight into that memory (SHM on one node, Mooncake between
-nodes); vLLM's model runner copies them into its encoder cache and prefills.
+image to it; once the worker has run the tower and holds the rows, vLLM gets the request, with
+each image's patch grid and room instead of its pixels. vLLM's scheduler (the EPD connector)
+reserves memory for the rows and registers it in the room; the worker writes the rows straight
+into that memory (SHM on one node, Mooncake between nodes); vLLM's model runner copies them into
+its encoder cache and prefills.
 """
 
 
@@ -102,7 +103,8 @@ def _requests(model: str, gateways: dict, vllm_url: str) -> bool:
             )
             print(
                 f"  dispatch {report['dispatch_ms']:.1f} ms (load, hash, rooms, intake: every "
-                "image placed); "
+                f"image placed), staged {report['staged_ms']:.1f} ms (the worker holds the "
+                "rows); "
                 f"vLLM: waited {metrics.get('queue_time_ms') or 0:.1f} ms for rows, "
                 f"prefill to first token {metrics.get('time_to_first_token_ms') or 0:.1f} ms"
             )
