@@ -32,31 +32,42 @@ class StagedWatch:
         self._readers: set[asyncio.Task] = set()
 
     async def until_staged(self, items: list[DispatchedItem], wait_s: float) -> dict[int, str]:
-        """Wait (at most ``wait_s``) until every placed item is staged or its room has ended;
-        why, by the item's index, for those whose room ended without being staged."""
-        waits: dict[int, asyncio.Future] = {}
+        """Wait (at most ``wait_s``, opening the streams included) until every placed item is
+        staged or its room has ended; why, by the item's index, for those whose room ended
+        without being staged."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        by_endpoint: dict[Endpoint, list[DispatchedItem]] = {}
         for item in items:
-            if item.encode_handshake is None:
-                continue
-            endpoint, room = item.encode_handshake.endpoint, item.encode_handshake.bootstrap_room
-            try:
-                stream = await self._stream(endpoint)
-            except HandshakeError as exc:  # forwarded as it is: the engine's connector waits
-                log.info("no room stream to %s (%s): not waiting for staged items", endpoint, exc)
-                continue
-            future = asyncio.get_running_loop().create_future()
-            self._waiting[(endpoint, room)] = future
-            waits[item.index] = future
-            stream.watch_staged([room])
-        if not waits:
-            return {}
+            if item.encode_handshake is not None:
+                by_endpoint.setdefault(item.encode_handshake.endpoint, []).append(item)
+        waits: dict[int, asyncio.Future] = {}
+        keys: list[tuple[Endpoint, int]] = []
         try:
-            await asyncio.wait(waits.values(), timeout=wait_s)
+            async with asyncio.timeout_at(deadline):
+                streams = await asyncio.gather(
+                    *(self._stream(endpoint) for endpoint in by_endpoint), return_exceptions=True
+                )
+            for (endpoint, placed), stream in zip(by_endpoint.items(), streams):
+                if isinstance(stream, BaseException):  # forwarded as they are: vLLM waits
+                    log.info(
+                        "no room stream to %s (%s): not waiting for its items", endpoint, stream
+                    )
+                    continue
+                for item in placed:
+                    room = item.encode_handshake.bootstrap_room
+                    future = asyncio.get_running_loop().create_future()
+                    self._waiting[(endpoint, room)] = waits[item.index] = future
+                    keys.append((endpoint, room))
+                stream.watch_staged([item.encode_handshake.bootstrap_room for item in placed])
+            if waits:
+                await asyncio.wait(
+                    waits.values(), timeout=max(0.0, deadline - asyncio.get_running_loop().time())
+                )
+        except TimeoutError:  # the streams took the whole wait to open: forwarded as they are
+            return {}
         finally:
-            for item in items:
-                if item.index in waits:
-                    handshake = item.encode_handshake
-                    self._waiting.pop((handshake.endpoint, handshake.bootstrap_room), None)
+            for key in keys:
+                self._waiting.pop(key, None)
         ended = {}
         for index, future in waits.items():
             result = future.result() if future.done() else None
@@ -94,10 +105,12 @@ class StagedWatch:
         except HandshakeError:
             await client.close()
             raise
-        if len(self._streams) >= MAX_STREAMS:  # the oldest goes
-            old_client, old_stream = self._streams.pop(next(iter(self._streams)))
-            await old_stream.close()
-            await old_client.close()
+        replaced = self._streams.pop(endpoint, None)  # closed: its reader has ended
+        if replaced is None and len(self._streams) >= MAX_STREAMS:  # the oldest goes
+            replaced = self._streams.pop(next(iter(self._streams)))
+        if replaced is not None:
+            await replaced[1].close()
+            await replaced[0].close()
         self._streams[endpoint] = (client, stream)
         reader = asyncio.ensure_future(self._read(endpoint, stream))
         self._readers.add(reader)

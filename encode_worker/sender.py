@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from data_plane.pool import SlotPool
 from data_plane.transport import CompletionPoller, Transport
 from encode_worker.writes import Outcome, StagedItem, Write, Writer
-from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound
+from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound, RoomTable
 from loop_threads import LoopThread, name_os_thread
 from wire.addresses import EncodeHandshake
 from wire.room_client import HandshakeError
@@ -60,8 +60,11 @@ class Sender:
         workers: int = 8,
         on_outcome: Callable[[Outcome], None] = lambda outcome: None,
         inline_write_bytes: int = INLINE_WRITE_BYTES,
+        local_table: RoomTable | None = None,
     ):
         self.rooms_for = rooms_for
+        # this worker's own table: intake opens rooms there, whatever name the sender gave it
+        self.local_table = local_table
         self.receiver_wait_s = receiver_wait_s
         self.on_outcome = on_outcome
         self._closing = threading.Event()
@@ -116,7 +119,13 @@ class Sender:
             items, self._inbox, self._drain_due = self._inbox, [], False
         delivered = 0
         for item in items:
-            handled = self._deliver_now(item)
+            try:
+                handled = self._deliver_now(item)
+            except Exception:  # before any room call: the task's path handles it, and says why
+                log.exception(
+                    "delivering room %d at once failed; delivering it as a task", item.room
+                )
+                handled = _NOT_NOW
             if handled is _DONE:
                 delivered += 1
             elif handled is _NOT_NOW:
@@ -154,6 +163,8 @@ class Sender:
         peer it has reached: ``_WRITING``, settled by ``_write_done`` when the completion poller
         says so). ``_NOT_NOW`` for every other item, whose room, when this table's and still
         waiting for its receiver, is marked staged first (``RoomTable.mark_staged``)."""
+        if self.local_table is not None:  # a gateway may wait for this, to forward its request
+            self.local_table.mark_staged(item.room)  # (only a room of this table, still PENDING)
         rooms = self.rooms_for(item.handshake)
         if not rooms.in_process:
             return _NOT_NOW
@@ -161,8 +172,6 @@ class Sender:
             view = rooms.table.view(item.room)
         except RoomError:  # the task's path says why
             return _NOT_NOW
-        if view.state is RoomState.PENDING:  # a gateway may wait for this, to forward its request
-            rooms.table.mark_staged(item.room)
         if view.state is not RoomState.REGISTERED:
             return _NOT_NOW
         chosen = self.writer.choose(view.registration.offers)
@@ -171,14 +180,18 @@ class Sender:
         item.timings["wait_s"] = 0.0
         write = self._settle(item, lambda: self.writer.start(item, rooms, view, chosen))
         if isinstance(write, Outcome):
-            self.on_outcome(write)
+            self._report(write)
             return _DONE
         if chosen[0].copies_in_submit:  # over inside submit
-            self.on_outcome(self._settle(item, lambda: self.writer.end(item, rooms, write)))
+            self._report(self._settle(item, lambda: self.writer.end(item, rooms, write)))
             return _DONE
-        self._poller.completion(write.transfer).add_done_callback(
-            functools.partial(self._write_done, item, rooms, write)
-        )
+        try:
+            polled = self._poller.completion(write.transfer)
+        except Exception:  # a poll raised: the write's end is unknown, a thread finds it out
+            log.exception("polling the write of room %d failed", item.room)
+            polled = asyncio.get_running_loop().create_future()
+            polled.set_result(None)
+        polled.add_done_callback(functools.partial(self._write_done, item, rooms, write))
         return _WRITING
 
     def _write_done(self, item: StagedItem, rooms, write: Write, polled: asyncio.Future) -> None:
@@ -194,12 +207,21 @@ class Sender:
             self._tasks.add(task)
             task.add_done_callback(self._delivered)
             return
-        self.on_outcome(self._settle(item, lambda: self.writer.end(item, rooms, write)))
-        self._count_delivered(1)
+        try:
+            self._report(self._settle(item, lambda: self.writer.end(item, rooms, write)))
+        finally:
+            self._count_delivered(1)
 
     async def _end_on_thread(self, item: StagedItem, rooms, write: Write) -> None:
         await asyncio.get_running_loop().run_in_executor(self._pool, write.transfer.wait)
-        self.on_outcome(self._settle(item, lambda: self.writer.end(item, rooms, write)))
+        self._report(self._settle(item, lambda: self.writer.end(item, rooms, write)))
+
+    def _report(self, outcome: Outcome) -> None:
+        """``on_outcome``, whose failure loses no other item."""
+        try:
+            self.on_outcome(outcome)
+        except Exception:
+            log.exception("reporting the outcome of room %d failed", outcome.room)
 
     def _settle(self, item: StagedItem, step) -> Outcome | Write:
         """``step()`` (a room call of this process's table, or a write's start or end), or the
@@ -248,7 +270,7 @@ class Sender:
             outcome = await loop.run_in_executor(
                 self._pool, lambda: self.writer.fail(item, reason, settled=True)
             )
-        self.on_outcome(outcome)
+        self._report(outcome)
 
     def _deliver(
         self, item: StagedItem, rooms, view: RoomView, chosen: tuple[Transport, object] | None

@@ -142,6 +142,7 @@ class EncodeWorker:
             config.write_timeout_s,
             config.send_workers,
             on_outcome=self._on_outcome,
+            local_table=self.table,
         )
         self._item_log = item_log
         self._stopping = threading.Event()

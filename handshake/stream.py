@@ -33,7 +33,7 @@ from wire.rooms import (
 
 POLICY_VIOLATION = 1008  # WebSocket close codes (RFC 6455)
 INVALID_PAYLOAD = 1007
-MAX_UNSENT = 65536  # refusals not yet sent (a client that sends and never reads): closed beyond
+MAX_UNSENT = 65536  # answers not yet sent (a client that sends and never reads): closed beyond
 
 
 class _EndOf:
@@ -75,10 +75,12 @@ class RoomStream:
         self._out: list[RoomResult] = []  # refusals, to go out with the next frame
         self._ended: list[int] = []  # rooms that ended, to go out with the next frame
         self._news = asyncio.Event()
+        self._closing: asyncio.Future | None = None  # the close a failed writer started
 
     async def serve(self) -> None:
         await self.websocket.accept()
         writer = asyncio.create_task(self._write())
+        writer.add_done_callback(self._writer_ended)
         try:
             while True:
                 message = await self.websocket.receive()
@@ -99,7 +101,7 @@ class RoomStream:
                 else:
                     self._watch_staged(frame)
                 self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
-                if len(self._out) > MAX_UNSENT:
+                if len(self._out) + len(self._ended) > MAX_UNSENT:
                     await self.websocket.close(POLICY_VIOLATION, "answers left unread")
                     return
         except WebSocketDisconnect:
@@ -109,10 +111,16 @@ class RoomStream:
             self.table.stop_listening(self._listening)
             self._listening.clear()
 
+    def _writer_ended(self, writer: asyncio.Task) -> None:
+        """A send that failed (the client went away mid-frame) ends the stream."""
+        if not writer.cancelled() and writer.exception() is not None:
+            self._closing = asyncio.ensure_future(self.websocket.close())
+
     def ended(self, room: int) -> None:
-        """A registered room ended (any thread): it goes out with the next frame."""
+        """A registered room ended (any thread; the table's lock may be held): it goes out with
+        the next frame."""
         if threading.get_ident() != self._thread:
-            self.loop.call_soon_threadsafe(self.ended, room)
+            self._from_another_thread(self.ended, room)
             return
         if self._listening.pop(room, None) is not None:
             self._ended.append(room)
@@ -122,9 +130,16 @@ class RoomStream:
         """A room watched until staged changed (any thread, the table's lock held): looked at
         on the loop's next step."""
         if threading.get_ident() != self._thread:
-            self.loop.call_soon_threadsafe(self._recheck, room)
+            self._from_another_thread(self._recheck, room)
         else:
             self.loop.call_soon(self._recheck, room)
+
+    def _from_another_thread(self, callback, room: int) -> None:
+        try:
+            self.loop.call_soon_threadsafe(callback, room)
+        except RuntimeError:  # the loop is closed: the stream is gone, nobody to tell
+            if not self.loop.is_closed():
+                raise
 
     def _recheck(self, room: int) -> None:
         """Pushed if it is staged or ended, else listened to again."""

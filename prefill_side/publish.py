@@ -1,17 +1,19 @@
 """An item whose room succeeded: its commit checked (generation, layout, checksum, the encoder's
 grid against the request's), its rows published into ``encoded`` (a copy, or with ``zero_copy``
-a view of the slot held until the engine releases the job), its slot freed."""
+a view of the slot held until the engine releases the job), its slot freed. Synchronous: a commit
+that fails a check comes back as a ``Refusal`` for the caller to give the item up with (the give-up
+may run the local tower: the caller puts it on a task of its own)."""
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
 from data_plane.commit import Commit, ContractError, accept_commit, verify_rows
 from data_plane.pool import SlotPool
 from multimodal.items import GRID_KEYS
-from prefill_side.give_up import GiveUp
 from prefill_side.job import PendingItem, ReceiveJob, set_encoded
 from prefill_side.metrics import ReceiverMetrics
 from prefill_side.settings import ReceiverConfig
@@ -19,21 +21,26 @@ from wire.rooms import RoomView
 from wire.states import ItemState
 
 
+class Refusal(NamedTuple):
+    """Why a commit was not published, and whether its slot must be quarantined."""
+
+    reason: str
+    quarantine: bool
+
+
 class Publisher:
-    def __init__(
-        self, config: ReceiverConfig, pool: SlotPool, metrics: ReceiverMetrics, give_up: GiveUp
-    ):
+    def __init__(self, config: ReceiverConfig, pool: SlotPool, metrics: ReceiverMetrics):
         self.config = config
         self.pool = pool
         self.metrics = metrics
-        self.give_up = give_up
 
-    async def __call__(self, job: ReceiveJob, entry: PendingItem, view: RoomView) -> None:
+    def __call__(self, job: ReceiveJob, entry: PendingItem, view: RoomView) -> Refusal | None:
+        """Publish the item's rows (None), or why not (its slot left as it is)."""
         if (
             job.outcomes[entry.index].state != ItemState.PENDING
         ):  # aborted: the writer is done, nobody reads the rows
             self.pool.release(entry.lease)
-            return
+            return None
         commit = Commit.of(view.commit)
         try:
             rows = accept_commit(
@@ -43,10 +50,7 @@ class Publisher:
                 rows = rows.clone()  # verified below: the bytes checked are the bytes published
             verify_rows(rows, commit, self.config.require_checksum)
         except ContractError as exc:
-            await self.give_up(
-                job, entry.index, entry.item, f"commit rejected: {exc}", entry, quarantine=True
-            )
-            return
+            return Refusal(f"commit rejected: {exc}", quarantine=True)
         grid = view.commit.grid_thw
         grid_key = GRID_KEYS.get(entry.item.modality)
         known = entry.item.model_specific_data.get(grid_key) if grid_key else None
@@ -55,22 +59,17 @@ class Publisher:
             and known is not None
             and [int(v) for v in torch.as_tensor(known).reshape(-1)] != list(grid)
         ):
-            await self.give_up(
-                job,
-                entry.index,
-                entry.item,
+            return Refusal(
                 f"encoder's {grid_key} {list(grid)} differs from "
                 f"the request's {torch.as_tensor(known).reshape(-1).tolist()}",
-                entry,
                 quarantine=False,
             )
-            return
         if self.config.zero_copy:
             if not job.hold(
                 entry.item, entry.lease
             ):  # the engine already let go: nobody reads the view
                 self.pool.release(entry.lease)
-                return
+                return None
         else:
             self.pool.release(entry.lease)
         set_encoded(entry.item, rows, self.config.deepstack_width)
@@ -87,3 +86,4 @@ class Publisher:
         self.metrics.bytes.labels(view.transport or "unknown").inc(entry.layout.nbytes)
         self.metrics.latency.observe(outcome.seconds)
         job.settle_if_done()
+        return None

@@ -77,7 +77,7 @@ class PrefillReceiver:
             config,
             self.endpoints,
             self.receive_pool,
-            Publisher(config, self.pool, self.metrics, give_up),
+            Publisher(config, self.pool, self.metrics),
             give_up,
         )
         self._loop = LoopThread("prefill-receiver")

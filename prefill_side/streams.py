@@ -1,15 +1,17 @@
 """Items to their end over one room stream per encode-worker endpoint (``wire.room_stream``): a
 job's items go out as registrations (the jobs started in one step of the loop share a frame), and
 each room's end comes back pushed, the rooms that ended together in one frame. A room that
-succeeded goes to the publisher, one that failed to the give-up.
+succeeded goes to the publisher (in the reader: it never waits), one that failed, or whose commit
+the publisher refused, to the give-up (on a task of its own: the local tower may run there, and
+the reader goes on reading, pongs included).
 
 The stream is opened with the first item for its endpoint and reused by every later job. Whatever
 goes wrong, no item is left pending and no slot leased:
 * an endpoint whose stream cannot be opened fails the items (nothing was registered: slots freed);
-* a stream that closes, or a peer that answers no ping within ``endpoint_timeout_s`` (a SIGSTOPped
-  or hung process: pings go out once nothing came for half a ``poll_s``), fails every item still
-  waiting on it, their slots quarantined (a registration may have landed, a writer may still
-  come);
+* a stream that closes (or whose writer failed), or a peer that answers no ping within
+  ``endpoint_timeout_s`` (a SIGSTOPped or hung process: pings go out once nothing came for half a
+  ``poll_s``), fails every item still waiting on it, their slots quarantined (a registration may
+  have landed, a writer may still come);
 * an item past its deadline has its room cancelled and fails (quarantined), checked every half
   ``poll_s``.
 """
@@ -23,7 +25,7 @@ import time
 from prefill_side.endpoints import Endpoints
 from prefill_side.give_up import GiveUp
 from prefill_side.job import PendingItem, ReceiveJob
-from prefill_side.publish import Publisher
+from prefill_side.publish import Publisher, Refusal
 from prefill_side.receive_pool import ReceivePool
 from prefill_side.settings import ReceiverConfig
 from wire.addresses import Endpoint
@@ -89,7 +91,11 @@ class EndpointStreams:
         endpoint = entries[0].handshake.endpoint
         try:
             stream = await self._stream(endpoint)
-        except HandshakeError as exc:  # nothing was registered: the slots are free again
+            if self._streams.get(endpoint) is not stream or stream.client.closed:
+                raise HandshakeError(0, "the room stream closed as it opened")
+        except Exception as exc:  # nothing was registered: the slots are free again
+            if not isinstance(exc, HandshakeError):
+                log.exception("room stream to %s could not be opened", endpoint)
             for entry in entries:
                 await self.give_up(
                     job,
@@ -155,7 +161,7 @@ class EndpointStreams:
             while True:
                 results = await stream.client.receive()
                 for result in results:
-                    await self._ended(stream, result)
+                    self._ended(stream, result)
         except HandshakeError as exc:
             self._end(stream, f"encode worker endpoint unreachable: {exc}")
         except Exception as exc:
@@ -172,7 +178,7 @@ class EndpointStreams:
             self._give_up(batch, entry, reason, quarantine=True)
         self._spawn(stream.client.close())
 
-    async def _ended(self, stream: _Stream, result: RoomResult) -> None:
+    def _ended(self, stream: _Stream, result: RoomResult) -> None:
         waiting = stream.live.pop(result.room, None)
         if waiting is None:  # not ours (a cancel's answer for a room never registered), or done
             return
@@ -183,15 +189,16 @@ class EndpointStreams:
             quarantine = result.status == LOST_AFTER_REGISTRATION
         elif result.view.state is RoomState.SUCCESS:
             try:
-                await self.publish(job, entry, result.view)
-            except Exception as exc:  # the job ends with the error, as its own task would
+                refused = self.publish(job, entry, result.view)
+            except Exception as exc:  # the item fails, its slot held: the rows may be half-read
                 log.exception(
                     "receive job %s: publishing room %d failed", job.request_id, result.room
                 )
-                batch.one_ended(exc)
+                refused = Refusal(f"receiver error: {type(exc).__name__}: {exc}", quarantine=True)
+            if refused is None:
+                batch.one_ended()
                 return
-            batch.one_ended()
-            return
+            reason, quarantine = refused
         else:
             view = result.view
             reason = f"room {view.state.value}: {view.reason or 'no reason given'}"
@@ -212,7 +219,10 @@ class EndpointStreams:
         silent for half a ``poll_s`` (no answer within ``endpoint_timeout_s``: stalled)."""
         tick = self.config.poll_s / 2
         try:
-            while stream.live and not stream.client.closed:
+            while stream.live:
+                if stream.client.closed:  # its reader ends it too; whichever comes first
+                    self._end(stream, "encode worker endpoint unreachable: the room stream closed")
+                    return
                 await asyncio.sleep(tick)
                 now = time.monotonic()
                 heard = stream.client.last_heard

@@ -33,6 +33,8 @@ class RoomStreamClient:
         self._staged: list[int] = []
         self._due = asyncio.Event()
         self._writer = asyncio.create_task(self._write())
+        self._writer.add_done_callback(self._writer_ended)
+        self._closing: asyncio.Future | None = None  # the close a failed writer started
         self.last_heard = time.monotonic()
 
     @classmethod
@@ -85,6 +87,11 @@ class RoomStreamClient:
     async def close(self) -> None:
         self._writer.cancel()
         await self._websocket.close()
+
+    def _writer_ended(self, writer: asyncio.Task) -> None:
+        """A send that failed ends the stream: its reader then says why."""
+        if not writer.cancelled() and writer.exception() is not None:
+            self._closing = asyncio.ensure_future(self._websocket.close())
 
     async def _write(self) -> None:
         while True:
