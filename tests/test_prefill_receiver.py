@@ -711,3 +711,31 @@ def test_a_receiver_config_that_would_fail_every_item_is_refused_at_once(field, 
     ):
         ReceiverConfig(**{"width": 96, field: value})
     ReceiverConfig(width=96)
+
+
+def test_a_slow_fallback_holds_up_no_other_item_on_the_same_stream(stack, tower, monkeypatch):
+    """A commit the receiver refuses (its grid differs from the request's) falls back to the
+    local tower, which here takes 2.5 s, longer than the stream's ping timeout: meanwhile the
+    stream's reader goes on reading, so another request's item on the same endpoint is delivered,
+    and nobody takes the endpoint for a stalled one."""
+    worker, receiver, intake, _ = stack
+    slow_encode = receiver.local.encode
+
+    def encode_slowly(item):
+        time.sleep(2.5)
+        return slow_encode(item)
+
+    monkeypatch.setattr(receiver.local, "encode", encode_slowly)
+    refused, other = png(64, 64, 21), png(96, 96, 22)
+    inputs, rooms = make_request(worker, tower, [refused], keep_pixels=True)
+    inputs.mm_items[0].model_specific_data["image_grid_thw"] = torch.tensor([[1, 2, 8]])
+    job = receiver.start("refused", inputs)
+    send(intake, worker, rooms[0], refused, "refused")
+    eventually(lambda: worker.table.view(rooms[0]).state.value == "SUCCESS", "the refused commit")
+    other_inputs, other_rooms = make_request(worker, tower, [other])
+    other_job = receiver.start("other", other_inputs)
+    send(intake, worker, other_rooms[0], other, "other")
+    assert other_job.wait(10) is JobState.DONE, other_job.reasons
+    assert torch.equal(other_inputs.mm_items[0].encoded, expected_rows(tower, other))
+    assert job.wait(10) is JobState.FAILED and "image_grid_thw" in job.reasons[0]
+    assert "unreachable" not in job.reasons[0]
