@@ -128,3 +128,52 @@ def test_a_small_write_is_committed_within_the_receivers_register_round_trip(enc
         assert answer.view.state is RoomState.SUCCESS, answer.view
         assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
         receive_pool.release(slot)
+
+
+def test_a_room_of_this_table_is_marked_staged_whatever_name_its_item_gives(encode_side):
+    """A worker reached by a name it does not know takes the room for another endpoint's and
+    reaches it over REST (here: its own server); its rows are still staged in its own table, which
+    is where a gateway watching the room looks, and the item is delivered."""
+    from handshake.access import RemoteRooms
+
+    table, server, shm, ring, _, client, receive_pool = encode_side
+    loop = LoopThread("stranger")
+    stranger = Sender(
+        ring,
+        {"shm": shm},
+        lambda handshake: RemoteRooms(client),
+        loop,
+        local_table=table,
+    )
+    try:
+        embedding = torch.randn(16, 256)
+        layout = EmbeddingLayout.of(embedding)
+        (room,) = table.mint(1, 60)
+        handshake = EncodeHandshake(
+            bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
+        )
+        stranger.submit(
+            StagedItem("r", handshake, stage(ring, embedding), layout, checksum(embedding), {})
+        )
+        (answer,) = client.watch({room: 1}, 5)  # the first change: staged
+        assert answer.view.state is RoomState.PENDING and answer.view.staged
+        slot = receive_pool.lease(layout.nbytes)
+        (answer,) = client.register(
+            [
+                Registration(
+                    room=room,
+                    generation=slot.generation,
+                    rows=16,
+                    width=256,
+                    dtype="float32",
+                    offers=[shm.offer(receive_pool, slot)],
+                )
+            ],
+            wait_s=5,
+            until_ended=True,
+        )
+        assert answer.view.state is RoomState.SUCCESS, answer.view
+        assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
+    finally:
+        stranger.close()
+        loop.stop()
