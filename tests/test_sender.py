@@ -34,6 +34,18 @@ class RecordingShm(ShmTransport):
         return super()._submit(src, nbytes, offer, deadline)
 
 
+def _registration(room: int, slot, layout: EmbeddingLayout, shm, receive_pool) -> Registration:
+    """The receiver's registration of ``slot`` for ``layout``, offering SHM."""
+    return Registration(
+        room=room,
+        generation=slot.generation,
+        rows=layout.rows,
+        width=layout.width,
+        dtype=layout.dtype,
+        offers=[shm.offer(receive_pool, slot)],
+    )
+
+
 @pytest.fixture
 def encode_side(no_new_segments):
     table = RoomTable()
@@ -74,19 +86,7 @@ def test_small_shm_writes_run_on_the_handshake_loop_and_large_ones_on_a_sender_t
         StagedItem("r", handshake, lease, layout, checksum(embedding), {})
     )  # staged before the receiver
     slot = receive_pool.lease(layout.nbytes)
-    (answer,) = client.register(
-        [
-            Registration(
-                room=room,
-                generation=slot.generation,
-                rows=rows,
-                width=1024,
-                dtype="float32",
-                offers=[shm.offer(receive_pool, slot)],
-            )
-        ],
-        wait_s=5,
-    )
+    (answer,) = client.register([_registration(room, slot, layout, shm, receive_pool)], wait_s=5)
     view = answer.view
     while not view.state.terminal:
         (answer,) = client.watch({room: view.version}, 5)
@@ -113,17 +113,7 @@ def test_a_small_write_is_committed_within_the_receivers_register_round_trip(enc
         )
         slot = receive_pool.lease(layout.nbytes)
         (answer,) = client.register(
-            [
-                Registration(
-                    room=room,
-                    generation=slot.generation,
-                    rows=16,
-                    width=256,
-                    dtype="float32",
-                    offers=[shm.offer(receive_pool, slot)],
-                )
-            ],
-            wait_s=5,
+            [_registration(room, slot, layout, shm, receive_pool)], wait_s=5
         )
         assert answer.view.state is RoomState.SUCCESS, answer.view
         assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
@@ -159,18 +149,7 @@ def test_a_room_of_this_table_is_marked_staged_whatever_name_its_item_gives(enco
         assert answer.view.state is RoomState.PENDING and answer.view.staged
         slot = receive_pool.lease(layout.nbytes)
         (answer,) = client.register(
-            [
-                Registration(
-                    room=room,
-                    generation=slot.generation,
-                    rows=16,
-                    width=256,
-                    dtype="float32",
-                    offers=[shm.offer(receive_pool, slot)],
-                )
-            ],
-            wait_s=5,
-            until_ended=True,
+            [_registration(room, slot, layout, shm, receive_pool)], wait_s=5, until_ended=True
         )
         assert answer.view.state is RoomState.SUCCESS, answer.view
         assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
