@@ -102,10 +102,15 @@ class CompletionPoller:
 
     def completion(self, transfer: Transfer) -> asyncio.Future:
         """On an event loop: a future resolved with ``transfer``'s final state, or None when the
-        caller must go on with ``transfer.wait()`` on a thread of its own."""
+        caller must go on with ``transfer.wait()`` on a thread of its own; a poll that raised
+        (now or later) is the future's exception."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        state = transfer.poll_quick()
+        try:
+            state = transfer.poll_quick()
+        except Exception as exc:  # the awaiter's to handle, with its item, as a later poll's
+            future.set_exception(exc)
+            return future
         if state is not TransferState.PENDING:
             future.set_result(state)
             return future

@@ -15,7 +15,7 @@ import logging
 from dispatcher.media import DispatchedItem
 from wire.addresses import Endpoint
 from wire.room_client import HandshakeClient, HandshakeError
-from wire.room_stream import RoomStreamClient
+from wire.room_stream import OpenOnce, RoomStreamClient
 from wire.rooms import RoomResult
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ class StagedWatch:
         self.token = token
         self.timeout_s = timeout_s  # opening a stream
         self._streams: dict[Endpoint, tuple[HandshakeClient, RoomStreamClient]] = {}
-        self._opening: dict[Endpoint, asyncio.Future] = {}
+        self._opening = OpenOnce()
         self._waiting: dict[tuple[Endpoint, int], asyncio.Future[RoomResult | None]] = {}
         self._readers: set[asyncio.Task] = set()
 
@@ -92,11 +92,7 @@ class StagedWatch:
         open_ = self._streams.get(endpoint)
         if open_ is not None and not open_[1].closed:
             return open_[1]
-        opening = self._opening.get(endpoint)
-        if opening is None:
-            opening = self._opening[endpoint] = asyncio.ensure_future(self._open(endpoint))
-            opening.add_done_callback(lambda _: self._opening.pop(endpoint, None))
-        return await asyncio.shield(opening)
+        return await self._opening(endpoint, lambda: self._open(endpoint))
 
     async def _open(self, endpoint: Endpoint) -> RoomStreamClient:
         client = HandshakeClient(endpoint.url("http"), self.token, timeout_s=self.timeout_s)

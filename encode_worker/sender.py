@@ -185,13 +185,9 @@ class Sender:
         if chosen[0].copies_in_submit:  # over inside submit
             self._report(self._settle(item, lambda: self.writer.end(item, rooms, write)))
             return _DONE
-        try:
-            polled = self._poller.completion(write.transfer)
-        except Exception:  # a poll raised: the write's end is unknown, a thread finds it out
-            log.exception("polling the write of room %d failed", item.room)
-            polled = asyncio.get_running_loop().create_future()
-            polled.set_result(None)
-        polled.add_done_callback(functools.partial(self._write_done, item, rooms, write))
+        self._poller.completion(write.transfer).add_done_callback(
+            functools.partial(self._write_done, item, rooms, write)
+        )
         return _WRITING
 
     def _write_done(self, item: StagedItem, rooms, write: Write, polled: asyncio.Future) -> None:

@@ -288,19 +288,13 @@ def _answer(results: list[RoomResult]) -> Response:
     return _json(BatchResponse.model_construct(results=results))
 
 
-def _ok(room: int, view: RoomView) -> RoomResult:
-    return RoomResult.model_construct(room=room, ok=True, view=view, error=None, status=200)
-
-
 def _refused(room: int, error: RoomError) -> RoomResult:
-    return RoomResult.model_construct(
-        room=room, ok=False, view=None, error=str(error), status=error.status
-    )
+    return RoomResult.refusal(room, str(error), error.status)
 
 
 def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
     try:
-        return _ok(room, call())
+        return RoomResult.of_view(room, call())
     except RoomError as exc:
         return _refused(room, exc)
 
@@ -308,7 +302,7 @@ def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
 def _watch_results(versions: dict[int, int], views: list) -> list[RoomResult]:
     """Per room, in ``versions``' order; a room without news (None: ``changed_only``) left out."""
     return [
-        _refused(room, v) if isinstance(v, RoomError) else _ok(room, v)
+        _refused(room, v) if isinstance(v, RoomError) else RoomResult.of_view(room, v)
         for room, v in zip(versions, views)
         if v is not None
     ]

@@ -292,16 +292,7 @@ class RoomTable:
     def ended_views(self, room_ids: list[int]) -> list[RoomView | RoomError]:
         """Each room's view without its registration (the receiver that sent it has it: the
         room stream sends these), or why there is none."""
-        with self._lock:
-            views = []
-            for room_id in room_ids:
-                try:
-                    room = self._store.get(room_id)
-                except RoomNotFound as exc:
-                    views.append(exc)
-                    continue
-                views.append(self._store.view(room, with_registration=False))
-            return views
+        return self._views(dict.fromkeys(room_ids, 0), False, with_registration=False)
 
     async def watch(
         self,
@@ -355,7 +346,7 @@ class RoomTable:
                     room.waiters.remove(waiter)
 
     def _views(
-        self, versions: dict[int, int], changed_only: bool
+        self, versions: dict[int, int], changed_only: bool, with_registration: bool = True
     ) -> list[RoomView | RoomError | None]:
         with self._lock:
             views = []
@@ -366,7 +357,9 @@ class RoomTable:
                     views.append(exc)
                     continue
                 views.append(
-                    None if changed_only and room.version <= after else self._store.view(room)
+                    None
+                    if changed_only and room.version <= after
+                    else self._store.view(room, with_registration)
                 )
             return views
 

@@ -177,11 +177,7 @@ class RoomStream:
                 self._refuse(room, exc)
 
     def _refuse(self, room: int, error: RoomError) -> None:
-        self._out.append(
-            RoomResult.model_construct(
-                room=room, ok=False, view=None, error=str(error), status=error.status
-            )
-        )
+        self._out.append(RoomResult.refusal(room, str(error), error.status))
         self._news.set()
 
     async def _write(self) -> None:
@@ -191,21 +187,10 @@ class RoomStream:
             ended, self._ended = self._ended, []
             results, self._out = self._out, []
             for room, view in zip(ended, self.table.ended_views(ended)):
-                if isinstance(view, RoomError):
-                    results.append(
-                        RoomResult.model_construct(
-                            room=room,
-                            ok=False,
-                            view=None,
-                            error=str(view),
-                            status=LOST_AFTER_REGISTRATION,
-                        )
-                    )
-                else:
-                    results.append(
-                        RoomResult.model_construct(
-                            room=room, ok=True, view=view, error=None, status=200
-                        )
-                    )
+                results.append(
+                    RoomResult.refusal(room, str(view), LOST_AFTER_REGISTRATION)
+                    if isinstance(view, RoomError)
+                    else RoomResult.of_view(room, view)
+                )
             frame = BatchResponse.model_construct(results=results).model_dump_json()
             await self.websocket.send_text(frame)

@@ -30,7 +30,7 @@ from prefill_side.receive_pool import ReceivePool
 from prefill_side.settings import ReceiverConfig
 from wire.addresses import Endpoint
 from wire.room_client import HandshakeError
-from wire.room_stream import RoomStreamClient
+from wire.room_stream import OpenOnce, RoomStreamClient
 from wire.rooms import LOST_AFTER_REGISTRATION, Registration, RoomResult, RoomState
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class EndpointStreams:
         self.publish = publish
         self.give_up = give_up
         self._streams: dict[Endpoint, _Stream] = {}
-        self._opening: dict[Endpoint, asyncio.Future] = {}
+        self._opening = OpenOnce()  # the first job for an endpoint opens it; the others wait
         self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
     async def serve(self, job: ReceiveJob, entries: list[PendingItem]) -> None:
@@ -144,11 +144,7 @@ class EndpointStreams:
         stream = self._streams.get(endpoint)
         if stream is not None and not stream.client.closed:
             return stream
-        opening = self._opening.get(endpoint)
-        if opening is None:  # the first job for this endpoint opens it; the others wait for it
-            opening = self._opening[endpoint] = asyncio.ensure_future(self._open(endpoint))
-            opening.add_done_callback(lambda _: self._opening.pop(endpoint, None))
-        return await asyncio.shield(opening)
+        return await self._opening(endpoint, lambda: self._open(endpoint))
 
     async def _open(self, endpoint: Endpoint) -> _Stream:
         client = await RoomStreamClient.open(self.endpoints.client(endpoint))

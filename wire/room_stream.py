@@ -2,13 +2,14 @@
 registrations and cancels (or a gateway's rooms to watch until staged) go out in frames of at most
 ``MAX_BATCH`` rooms (every call made while the loop runs one step shares a frame), the rooms' ends
 come in as batches. Pings are the caller's to send (``ping``; ``last_heard`` says when the peer
-last spoke), so that the caller decides when a silent peer is stalled."""
+last spoke), so that the caller decides when a silent peer is stalled. ``OpenOnce``: one open per
+endpoint at a time, however many callers want it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 
 import aiohttp
 from pydantic import ValidationError
@@ -112,3 +113,19 @@ class RoomStreamClient:
                 rooms = self._staged[:MAX_BATCH]
                 del self._staged[:MAX_BATCH]
                 await self._websocket.send_str(StreamWatchStaged(rooms=rooms).model_dump_json())
+
+
+class OpenOnce:
+    """Streams (or anything) opened once per key at a time: the first caller opens, every caller
+    meanwhile awaits the same open; a caller that is cancelled leaves the open running for the
+    others."""
+
+    def __init__(self):
+        self._opening: dict[Hashable, asyncio.Future] = {}
+
+    async def __call__(self, key: Hashable, open_: Callable[[], Awaitable]):
+        opening = self._opening.get(key)
+        if opening is None:
+            opening = self._opening[key] = asyncio.ensure_future(open_())
+            opening.add_done_callback(lambda _: self._opening.pop(key, None))
+        return await asyncio.shield(opening)
