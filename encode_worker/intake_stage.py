@@ -1,7 +1,8 @@
-"""Intake, the encode worker's first stage: the ZMQ ROUTER loop. Each message is validated into an
-``EncodeJob`` from what can be seen without decoding (the image's header, the video's container
-header, the shape, the SHM name), queued, and answered at once with an ``IntakeReply``: refused
-(room untouched), failed (a bad item: its room fails) or accepted."""
+"""Intake, the encode worker's first stage: the ZMQ ROUTER loop. Each item of a message (one, or a
+batch) is validated into an ``EncodeJob`` from what can be seen without decoding (the image's
+header, the video's container header, the shape, the SHM name), queued, and answered at once with
+an ``IntakeReply``: refused (room untouched), failed (a bad item: its room fails) or accepted; a
+batch's items each alone, in one reply."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ from vision.limits import IMAGE_FORMATS, MAX_SIDE
 from vision.sizing import VideoLimits, plan_video_file, plan_video_frames
 from wire.addresses import endpoint_url
 from wire.intake import (
+    BATCH_MARKER,
     QUEUE_FULL_RETRY_S,
+    IntakeBatchReply,
     IntakeRefused,
     IntakeReply,
     IntakeRequest,
     IntakeStatus,
+    parse_batch,
     parse_request,
 )
 from wire.modality import Modality
@@ -96,7 +100,12 @@ class Intake:
                 continue
             frames = self._socket.recv_multipart(copy=True)
             identity, body = frames[0], frames[1:]
-            self._socket.send_multipart([identity, self.accept(body).frame()])
+            if body and body[0] == BATCH_MARKER:
+                reply = self.accept_batch(body[1:])
+            else:
+                reply = [self.accept(body).frame()]
+                self.metrics.message_items.observe(1)
+            self._socket.send_multipart([identity, *reply])
         self.close()
 
     def close(self) -> None:
@@ -104,14 +113,38 @@ class Intake:
             self._socket.close(0)
 
     def accept(self, frames: list[bytes]) -> IntakeReply:
+        """One item's message (its frames)."""
         try:
             request, payload = parse_request(
                 frames, self.config.max_payload_bytes, self.config.intake_token, self.served_model
             )
         except IntakeRefused as exc:
-            self.metrics.count(Modality.IMAGE, IntakeStatus.REFUSED)
-            self.item_log.warning("intake refused an item (room %s): %s", exc.room, exc)
-            return IntakeReply(status=IntakeStatus.REFUSED, room=exc.room, reason=str(exc))
+            return self._refused(exc)
+        return self._accept(request, payload)
+
+    def accept_batch(self, frames: list[bytes]) -> list[bytes]:
+        """A batch message's frames (after the marker): its reply's frames, one answer per item;
+        a single refusal without a room when the frames cannot be matched to items."""
+        try:
+            parsed = parse_batch(
+                frames, self.config.max_payload_bytes, self.config.intake_token, self.served_model
+            )
+        except IntakeRefused as exc:
+            return [self._refused(exc).frame()]
+        self.metrics.message_items.observe(len(parsed))
+        replies = [
+            self._refused(item) if isinstance(item, IntakeRefused) else self._accept(*item)
+            for item in parsed
+        ]
+        return IntakeBatchReply.model_construct(replies=replies).frames()
+
+    def _refused(self, refusal: IntakeRefused) -> IntakeReply:
+        """The reply to an item refused before it was read (its room untouched)."""
+        self.metrics.count(Modality.IMAGE, IntakeStatus.REFUSED)
+        self.item_log.warning("intake refused an item (room %s): %s", refusal.room, refusal)
+        return IntakeReply(status=IntakeStatus.REFUSED, room=refusal.room, reason=str(refusal))
+
+    def _accept(self, request: IntakeRequest, payload: bytes | None) -> IntakeReply:
         room = request.encode_handshake.bootstrap_room
         if self.health.device_failure is not None:  # another worker can encode it
             return self._refuse(request, self.health.device_failure)

@@ -1,7 +1,7 @@
 """The encode worker's Prometheus families, in its own registry (``model_name`` is added to each
-where they are served): what intake answered, how accepted items ended, batches, the tower's and
-preprocessing's time and CPU, the send path, and the queue, ring, cache and coalescer as they
-stand."""
+where they are served): what intake answered, items per message, how accepted items ended,
+batches, the tower's and preprocessing's time and CPU, the send path, and the queue, ring, cache
+and coalescer as they stand."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ class WorkerMetrics:
             "epd_encoder_intake",
             "Intake's answer per item: accepted, refused (room untouched), failed (room failed)",
             ["modality", "result"],
+            registry=registry,
+        )
+        self.message_items = Histogram(
+            "epd_encoder_intake_message_items",
+            "Items per intake message (a dispatcher sends the items of one loop step together)",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=registry,
         )
         self.outcomes = Counter(

@@ -357,15 +357,17 @@ class BusyWorker:
         import zmq
 
         from wire.intake import (
+            BATCH_MARKER,
             QUEUE_FULL_RETRY_S,
+            IntakeBatch,
+            IntakeBatchReply,
             IntakeReply,
-            IntakeRequest,
             IntakeStatus,
         )
 
         self.table = RoomTable()
         self.server = ThreadedServer(create_app(self.table)).start()
-        self.messages = 0
+        self.items = 0  # items refused (a dispatcher sends an item in a batch message)
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self.intake_port = self._socket.bind_to_random_port("tcp://127.0.0.1")
@@ -375,16 +377,20 @@ class BusyWorker:
             while not self._stop.is_set():
                 if not self._socket.poll(50):
                     continue
-                identity, metadata, *_ = self._socket.recv_multipart()
-                self.messages += 1
-                room = IntakeRequest.model_validate_json(metadata).encode_handshake.bootstrap_room
-                reply = IntakeReply(
-                    status=IntakeStatus.REFUSED,
-                    room=room,
-                    reason="queue full",
-                    retry_after_s=QUEUE_FULL_RETRY_S,
-                )
-                self._socket.send_multipart([identity, reply.frame()])
+                identity, marker, metadata, *_ = self._socket.recv_multipart()
+                assert marker == BATCH_MARKER
+                items = IntakeBatch.model_validate_json(metadata).items
+                self.items += len(items)
+                replies = [
+                    IntakeReply(
+                        status=IntakeStatus.REFUSED,
+                        room=item.encode_handshake.bootstrap_room,
+                        reason="queue full",
+                        retry_after_s=QUEUE_FULL_RETRY_S,
+                    )
+                    for item in items
+                ]
+                self._socket.send_multipart([identity, *IntakeBatchReply(replies=replies).frames()])
             self._socket.close(0)
 
         self._thread = threading.Thread(target=serve, daemon=True)
@@ -423,7 +429,7 @@ def test_a_busy_worker_is_left_alone_and_its_items_go_elsewhere(stack, tower):
     first_on_busy = [item for item in items if item.attempts[0] == busy.address.name]
     assert first_on_busy, "the ring sent no item to the busy worker first: pick other images"
     assert all(item.worker == f"127.0.0.1:{worker.bootstrap_port}" for item in items)
-    assert busy.messages == len(first_on_busy)  # one refusal each, sent together; then none
+    assert busy.items == len(first_on_busy)  # one refusal each, sent together; then none
 
 
 def test_items_no_worker_takes_fail_with_the_reason_after_bounded_retries(tower):
@@ -449,7 +455,7 @@ def test_items_no_worker_takes_fail_with_the_reason_after_bounded_retries(tower)
     assert all(item.encode_handshake is None for item in items)  # the caller falls back
     # backing off (0.1 s doubling to 1 s) within 1 s: a few rounds of 3 messages, not a retry
     # every 0.1 s per item (30)
-    assert busy.messages <= 18
+    assert busy.items <= 18
     assert busy.table.counts() == RoomTable().counts()  # no room minted there, none left
 
 

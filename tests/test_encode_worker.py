@@ -1,5 +1,6 @@
 """The encode worker with real (small) Qwen-VL towers, a real ZMQ intake and real byte moves."""
 
+import asyncio
 import json
 import os
 import time
@@ -22,7 +23,14 @@ from vision.images import image_from_bytes
 from vision.small_checkpoints import build_vision_only
 from vision.tower import TowerLoadError, VisionTower
 from wire.addresses import EncodeHandshake
-from wire.intake import IntakeClient, IntakeReply, IntakeRequest, IntakeStatus
+from wire.intake import (
+    BATCH_MARKER,
+    AsyncIntakeClient,
+    IntakeClient,
+    IntakeReply,
+    IntakeRequest,
+    IntakeStatus,
+)
 from wire.rooms import RoomState
 
 FULL_CLASSES = {
@@ -153,6 +161,64 @@ def test_intake_to_delivery_with_cache_hit(qwen25):
         assert torch.equal(got[0], got[1])  # a hit ships the same bytes as the miss
     finally:
         intake.close()
+        worker.stop()
+        receiver.close()
+
+
+def test_a_batch_message_answers_each_item_alone(qwen25):
+    """Items sent in one loop step travel as one batch message; a wrong hash fails its own room,
+    a wrong model is refused with its room untouched, and the good item beside them is delivered."""
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower)
+    images = [png(64, 64, 11), png(64, 96, 12), png(96, 64, 13)]
+    rooms = worker.table.mint(3, 60)
+    bodies = [request(worker, room, f"batch{i}") for i, room in enumerate(rooms)]
+    bodies[1]["content_hash"] = hash_feature(images[0])  # the hash of another item's bytes
+    bodies[2]["model"] = "another-model"
+
+    async def send_together():
+        intake = AsyncIntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+        try:
+            return await asyncio.gather(
+                *(intake.send(_parse(body), image) for body, image in zip(bodies, images))
+            )
+        finally:
+            intake.close()
+
+    try:
+        receiver.reserve(rooms[0], rows_for(tower, images[0]), tower.info.wire_width, tower.dtype)
+        replies = asyncio.run(send_together())
+        sample = worker.metrics.registry.get_sample_value
+        assert sample("epd_encoder_intake_message_items_count") == 1  # one message
+        assert sample("epd_encoder_intake_message_items_sum") == 3  # of the three items
+        assert [reply.status for reply in replies] == [
+            IntakeStatus.ACCEPTED,
+            IntakeStatus.FAILED,
+            IntakeStatus.REFUSED,
+        ]
+        assert [reply.room for reply in replies] == rooms
+        assert "not the hash" in replies[1].reason and "another-model" in replies[2].reason
+        assert receiver.wait(rooms[0])[0] is RoomState.SUCCESS
+        assert worker.table.view(rooms[1]).state is RoomState.FAILED
+        assert worker.table.view(rooms[2]).state is RoomState.PENDING
+    finally:
+        worker.stop()
+        receiver.close()
+
+
+def test_a_batch_whose_frames_do_not_match_its_items_is_refused_whole(qwen25):
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower)
+    (room,) = worker.table.mint(1, 60)
+    metadata = json.dumps({"items": [request(worker, room)]}).encode()
+    try:  # one item with a payload, two payload frames
+        reply = worker.intake.accept_batch([metadata, png(64, 64, 1), png(64, 64, 2)])
+        assert reply[0] != BATCH_MARKER
+        refusal = IntakeReply.model_validate_json(reply[0])
+        assert refusal.status is IntakeStatus.REFUSED and refusal.room is None
+        assert "2 payload frames" in refusal.reason
+        assert worker.table.view(room).state is RoomState.PENDING
+    finally:
         worker.stop()
         receiver.close()
 

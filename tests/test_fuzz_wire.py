@@ -29,7 +29,14 @@ from handshake.rooms import RoomLimits
 from prefill_server.app import PrefillRequest, create_app
 from prefill_side import ItemOutcome, JobState
 from wire import rooms as models
-from wire.intake import MAX_METADATA_BYTES, IntakeRefused, IntakeRequest, parse_request
+from wire.intake import (
+    MAX_BATCH_ITEMS,
+    MAX_METADATA_BYTES,
+    IntakeRefused,
+    IntakeRequest,
+    parse_batch,
+    parse_request,
+)
 from wire.offers import MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, ShmOffer
 
 FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=1000)
@@ -152,6 +159,34 @@ def test_intake_truncated_and_oversized(cut, extra):
         )
     with pytest.raises(IntakeRefused):
         parse_request([b" " * (MAX_METADATA_BYTES + extra)], 12, None, "m")
+
+
+@FAST
+@given(
+    st.lists(_intake_dicts(), max_size=4),
+    st.lists(st.binary(max_size=64), max_size=5),
+    st.sampled_from([None, "secret"]),
+)
+def test_intake_batches(items, payloads, token):
+    """A batch is refused whole (no room) only when its frames cannot be matched to its items;
+    otherwise each item is parsed as it would be alone, with the payload frame it is matched to."""
+    frames = [json.dumps({"items": items}).encode(), *payloads]
+    try:
+        parsed = parse_batch(frames, 64, token, "m")
+    except IntakeRefused as exc:
+        assert exc.room is None and str(exc)
+        return
+    assert 1 <= len(parsed) == len(items) <= MAX_BATCH_ITEMS
+    assert len(payloads) == sum(item["source"] != "shm" for item in items)
+    for index, item in enumerate(parsed):
+        if isinstance(item, IntakeRefused):
+            assert str(item)
+            continue
+        request, payload = item
+        alone = [request.model_dump_json().encode()] + ([payload] if payload is not None else [])
+        assert _check_intake(alone, 64, token)
+        if payload is not None:  # the payload frame of its place among the items with one
+            assert payload is payloads[sum(i["source"] != "shm" for i in items[:index])]
 
 
 # ---- handshake bodies --------------------------------------------------------------------------

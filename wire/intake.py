@@ -1,13 +1,17 @@
-"""Intake over ZMQ (ROUTER): one item per message, acknowledged or refused at once with a reason.
+"""Intake over ZMQ (ROUTER): items acknowledged or refused at once, each with a reason.
 
-Request frames (after the ROUTER identity): ``[metadata JSON, payload]``; the payload frame is
-the encoded image or video file (``source="bytes"``), raw ``uint8 [H, W, 3]`` pixels or
-``[T, H, W, 3]`` video frames (``source="pixels"``, with ``shape``), or absent (``source="shm"``,
-an image's pixels, with the handle in ``shm``). Nothing from the network is unpickled. Reply:
-one JSON frame, an ``IntakeReply`` (``status``, ``room``, ``reason``, ``retry_after_s``, and
-``ok`` for readers that predate ``status``); ``room`` is set whenever the metadata named one, so a
-client with several messages in flight (``AsyncIntakeClient``) matches each reply to its item.
-Torch-free: the dispatcher imports it.
+A message carries one item or a batch. One item: frames (after the ROUTER identity)
+``[metadata JSON, payload]``; the payload frame is the encoded image or video file
+(``source="bytes"``), raw ``uint8 [H, W, 3]`` pixels or ``[T, H, W, 3]`` video frames
+(``source="pixels"``, with ``shape``), or absent (``source="shm"``, an image's pixels, with the
+handle in ``shm``). Its reply: one JSON frame, an ``IntakeReply`` (``status``, ``room``,
+``reason``, ``retry_after_s``, and ``ok`` for readers that predate ``status``); ``room`` is set
+whenever the metadata named one, so a client with several items in flight matches each reply to
+its item. A batch: ``[BATCH_MARKER, IntakeBatch JSON, payload, ...]``, one payload frame per item
+that has one, in item order; its reply ``[BATCH_MARKER, IntakeBatchReply JSON]``, one
+``IntakeReply`` per item, in item order: each item is accepted, refused or failed alone.
+``AsyncIntakeClient`` sends what its callers hand it in one loop step as one batch. Nothing from
+the network is unpickled. Torch-free: the dispatcher imports it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ from wire.json_fields import json_float, json_int
 from wire.modality import EncodedModality, Modality
 
 MAX_METADATA_BYTES = 64 << 10
+MAX_BATCH_ITEMS = 64  # items in one batch message
+MAX_BATCH_METADATA_BYTES = MAX_BATCH_ITEMS * (4 << 10)  # a batch's metadata frame
+MAX_BATCH_PAYLOAD_BYTES = 64 << 20  # a client starts a new batch past this many payload bytes
+BATCH_MARKER = b"epd-intake-batch/1"  # the first frame of a batch message and of its reply
 QUEUE_FULL_RETRY_S = 0.1  # retry_after_s of a busy refusal: queue full, too many in flight
 
 
@@ -60,6 +68,13 @@ class IntakeRequest(BaseModel):
     # must name this worker's bootstrap port) with the id the sender chose and this TTL, so
     # placing an item costs one message. A refused item's room is not left behind.
     open_room_ttl_s: json_float(gt=0, le=3600) | None = None
+
+
+class IntakeBatch(BaseModel):
+    """A batch message's metadata: its items, in the order of their payload frames."""
+
+    model_config = ConfigDict(extra="forbid")
+    items: list[IntakeRequest] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
 
 
 class IntakeStatus(enum.StrEnum):
@@ -104,6 +119,16 @@ class IntakeReply(BaseModel):
         return self.model_dump_json().encode()
 
 
+class IntakeBatchReply(BaseModel):
+    """The answer to a batch message: one reply per item, in item order."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    replies: list[IntakeReply] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
+
+    def frames(self) -> list[bytes]:
+        return [BATCH_MARKER, self.model_dump_json().encode()]
+
+
 class IntakeRefused(ValueError):
     """The message is refused; the reason goes back to the dispatcher (with the room, once
     known)."""
@@ -123,7 +148,7 @@ class IntakeBusy(IntakeRefused):
 def parse_request(
     frames: list[bytes], max_payload_bytes: int, token: str | None, model: str | None = None
 ) -> tuple[IntakeRequest, bytes | None]:
-    """Validate one request's frames (identity already removed)."""
+    """Validate one item's frames (identity already removed)."""
     if not 1 <= len(frames) <= 2:
         raise IntakeRefused(f"expected [metadata, payload] frames, got {len(frames)}")
     if len(frames[0]) > MAX_METADATA_BYTES:
@@ -132,6 +157,54 @@ def parse_request(
         request = IntakeRequest.model_validate_json(frames[0])
     except ValidationError as exc:
         raise IntakeRefused(f"bad metadata: {exc.errors(include_url=False)[:3]}") from None
+    payload = frames[1] if len(frames) == 2 else None
+    check_request(request, payload, max_payload_bytes, token, model)
+    return request, payload
+
+
+def parse_batch(
+    frames: list[bytes], max_payload_bytes: int, token: str | None, model: str | None = None
+) -> list[tuple[IntakeRequest, bytes | None] | IntakeRefused]:
+    """Validate a batch's frames (identity and ``BATCH_MARKER`` removed): per item, its request
+    and payload, or why it is refused. ``IntakeRefused`` (no room) when the frames cannot be
+    matched to items at all: the metadata is unreadable, or the payload frames are not one per
+    item that has one."""
+    if not frames:
+        raise IntakeRefused("a batch needs its metadata frame")
+    if len(frames[0]) > MAX_BATCH_METADATA_BYTES:
+        raise IntakeRefused(f"batch metadata frame larger than {MAX_BATCH_METADATA_BYTES} bytes")
+    try:
+        items = IntakeBatch.model_validate_json(frames[0]).items
+    except ValidationError as exc:
+        raise IntakeRefused(f"bad batch metadata: {exc.errors(include_url=False)[:3]}") from None
+    payloads = iter(frames[1:])
+    with_payload = sum(item.source != "shm" for item in items)
+    if with_payload != len(frames) - 1:
+        raise IntakeRefused(
+            f"a batch of {len(items)} items, {with_payload} with a payload, came with "
+            f"{len(frames) - 1} payload frames"
+        )
+    parsed: list[tuple[IntakeRequest, bytes | None] | IntakeRefused] = []
+    for request in items:
+        payload = next(payloads) if request.source != "shm" else None
+        try:
+            check_request(request, payload, max_payload_bytes, token, model)
+        except IntakeRefused as exc:
+            parsed.append(exc)
+            continue
+        parsed.append((request, payload))
+    return parsed
+
+
+def check_request(
+    request: IntakeRequest,
+    payload: bytes | None,
+    max_payload_bytes: int,
+    token: str | None,
+    model: str | None,
+) -> None:
+    """An item's request against its payload frame, the intake token and the served model;
+    ``IntakeRefused`` (with the room) when they do not fit."""
     room = request.encode_handshake.bootstrap_room
     if token is not None and not hmac.compare_digest(
         (request.token or "").encode(), token.encode()
@@ -139,29 +212,25 @@ def parse_request(
         raise IntakeRefused("missing or wrong intake token", room)
     if request.model is not None and request.model != model:
         raise IntakeRefused(f"unknown model {request.model!r}: this worker serves {model!r}", room)
-    payload = frames[1] if len(frames) == 2 else None
     if request.source == "shm":
         if request.shm is None or payload is not None:
             raise IntakeRefused("source 'shm' needs the 'shm' handle and no payload frame", room)
         if request.modality is not Modality.IMAGE:
             raise IntakeRefused("source 'shm' carries an image's pixels only", room)
-    else:
-        if payload is None or not payload:
-            raise IntakeRefused(f"source {request.source!r} needs a payload frame", room)
-        if len(payload) > max_payload_bytes:
+        return
+    if payload is None or not payload:
+        raise IntakeRefused(f"source {request.source!r} needs a payload frame", room)
+    if len(payload) > max_payload_bytes:
+        raise IntakeRefused(f"payload of {len(payload)} bytes exceeds {max_payload_bytes}", room)
+    if request.source == "pixels":
+        layout = ["H", "W", "3"] if request.modality is Modality.IMAGE else ["T", "H", "W", "3"]
+        shape = request.shape
+        if shape is None or len(shape) != len(layout) or shape[-1] != 3:
+            raise IntakeRefused(f"source 'pixels' needs shape [{', '.join(layout)}]", room)
+        if math.prod(shape) != len(payload):
             raise IntakeRefused(
-                f"payload of {len(payload)} bytes exceeds {max_payload_bytes}", room
+                f"payload of {len(payload)} bytes does not match shape {shape}", room
             )
-        if request.source == "pixels":
-            layout = ["H", "W", "3"] if request.modality is Modality.IMAGE else ["T", "H", "W", "3"]
-            shape = request.shape
-            if shape is None or len(shape) != len(layout) or shape[-1] != 3:
-                raise IntakeRefused(f"source 'pixels' needs shape [{', '.join(layout)}]", room)
-            if math.prod(request.shape) != len(payload):
-                raise IntakeRefused(
-                    f"payload of {len(payload)} bytes does not match shape {request.shape}", room
-                )
-    return request, payload
 
 
 class IntakeClient:
@@ -196,10 +265,11 @@ class IntakeClient:
 
 
 class AsyncIntakeClient:
-    """The dispatcher's asyncio side of intake: one DEALER socket, many messages in flight, each
-    reply matched to its message by room (a dispatcher never has two messages for one room in
-    flight). A reply that names no room (the worker could not parse the metadata) fails every
-    message in flight with its reason."""
+    """The dispatcher's asyncio side of intake: one DEALER socket, many items in flight. The items
+    its callers send in one loop step go out as one batch message (at most ``MAX_BATCH_ITEMS``
+    items and about ``MAX_BATCH_PAYLOAD_BYTES`` of payload each); each reply is matched to its item
+    by room (a dispatcher never has two items for one room in flight). A reply that names no room
+    (the worker could not read the message) fails every item in flight with its reason."""
 
     def __init__(self, endpoint: str, timeout_s: float = 5.0, max_in_flight: int = 1024):
         import zmq
@@ -213,11 +283,13 @@ class AsyncIntakeClient:
         self._socket.setsockopt(zmq.IPV6, 1)  # an IPv6 worker's endpoint as well as an IPv4 one
         self._socket.connect(endpoint)
         self._waiting: dict[int, asyncio.Future[IntakeReply]] = {}
+        self._unsent: list[tuple[IntakeRequest, bytes | None]] = []
+        self._unsent_bytes = 0
         self._reader: asyncio.Task | None = None
 
     async def send(self, request: IntakeRequest, payload: bytes | None = None) -> IntakeReply:
-        """Send one item; its reply. Raises ``TimeoutError`` when the
-        worker does not answer in time, ``IntakeRefused`` when too many messages are in flight."""
+        """Send one item (in this loop step's batch); its reply. Raises ``TimeoutError`` when the
+        worker does not answer in time, ``IntakeRefused`` when too many items are in flight."""
         room = request.encode_handshake.bootstrap_room
         if room in self._waiting:
             raise IntakeRefused(f"room {room} already has a message in flight", room)
@@ -226,11 +298,13 @@ class AsyncIntakeClient:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_replies())
         future = self._waiting[room] = asyncio.get_running_loop().create_future()
-        frames = [request.model_dump_json(exclude_none=True).encode()]
-        if payload is not None:
-            frames.append(payload)
+        if not self._unsent:
+            asyncio.get_running_loop().call_soon(self._send_unsent)
+        self._unsent.append((request, payload))
+        self._unsent_bytes += len(payload) if payload is not None else 0
+        if len(self._unsent) >= MAX_BATCH_ITEMS or self._unsent_bytes >= MAX_BATCH_PAYLOAD_BYTES:
+            self._send_unsent()
         try:
-            await self._socket.send_multipart(frames, copy=False)
             return await asyncio.wait_for(future, self.timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(
@@ -239,16 +313,44 @@ class AsyncIntakeClient:
         finally:
             self._waiting.pop(room, None)
 
+    def _send_unsent(self) -> None:
+        """The items sent since the last batch, as one batch message."""
+        if not self._unsent:  # sent already, the batch full before the loop step ended
+            return
+        items, self._unsent, self._unsent_bytes = self._unsent, [], 0
+        metadata = b'{"items":[%s]}' % b",".join(
+            request.model_dump_json(exclude_none=True).encode() for request, _ in items
+        )
+        frames = [BATCH_MARKER, metadata]
+        frames.extend(payload for _, payload in items if payload is not None)
+        rooms = [request.encode_handshake.bootstrap_room for request, _ in items]
+        sent = self._socket.send_multipart(frames, copy=False)
+        sent.add_done_callback(lambda sent: self._fail_unsent(sent, rooms))
+
+    def _fail_unsent(self, sent: asyncio.Future, rooms: list[int]) -> None:
+        """A batch the socket could not send (closed, or failed): its items' callers learn why."""
+        if sent.cancelled() or sent.exception() is None:
+            return
+        for room in rooms:
+            future = self._waiting.get(room)
+            if future is not None and not future.done():
+                future.set_exception(sent.exception())
+
     async def _read_replies(self) -> None:
         while self._waiting:
-            reply = IntakeReply.model_validate_json(await self._socket.recv())
-            room = reply.room
-            waiting = (
-                [self._waiting.get(room)] if room is not None else list(self._waiting.values())
-            )
-            for future in waiting:
-                if future is not None and not future.done():
-                    future.set_result(reply)
+            frames = await self._socket.recv_multipart()
+            if frames[0] == BATCH_MARKER and len(frames) == 2:
+                replies = IntakeBatchReply.model_validate_json(frames[1]).replies
+            else:
+                replies = [IntakeReply.model_validate_json(frames[0])]
+            for reply in replies:
+                room = reply.room
+                waiting = (
+                    [self._waiting.get(room)] if room is not None else list(self._waiting.values())
+                )
+                for future in waiting:
+                    if future is not None and not future.done():
+                        future.set_result(reply)
 
     def close(self) -> None:
         if self._reader is not None:
