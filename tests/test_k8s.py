@@ -40,6 +40,7 @@ OVERLAYS = {
     "tcp": "overlays/tcp",
     "rdma": "overlays/rdma",
     "same-node": "overlays/same-node",
+    "tensor-parallel": "overlays/tensor-parallel",
 }
 COMPONENTS = [
     "components/servicemonitor",
@@ -341,13 +342,14 @@ def test_vllm_loads_the_epd_connector_as_a_consumer(rendered, variant):
     from prefill_side.vllm_connector import EPDConnector
 
     engines = [
-        args
+        (args, container)
         for _, t in pod_specs(rendered[variant])
-        for program, args in map(parsed, containers(t))
+        for container in containers(t)
+        for program, args in [parsed(container)]
         if program == VLLM
     ]
     assert engines
-    for args in engines:
+    for args, container in engines:
         config = args.ec_transfer_config
         assert config.is_ec_consumer and not config.is_ec_producer
         assert config.ec_connector_module_path == EPDConnector.__module__
@@ -355,9 +357,9 @@ def test_vllm_loads_the_epd_connector_as_a_consumer(rendered, variant):
         assert list(args.connector.transports) == (
             ["shm"] if variant.startswith("same-node") else ["mooncake"]
         )
-        assert args.tensor_parallel_size == 1 and args.pipeline_parallel_size == 1, (
-            "the connector refuses them"
-        )
+        ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+        assert ranks == (4 if variant.startswith("tensor-parallel") else 1)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == ranks, "one GPU per rank"
 
 
 def _service_port(objects, url: str, template) -> int | None:
@@ -495,9 +497,10 @@ def test_encode_workers_get_a_gpu_and_rdma_pods_get_the_hca(rendered, variant):
             limits, requests = container["resources"]["limits"], container["resources"]["requests"]
             extended = {k for k in limits if "/" in k}
             assert {k: requests.get(k) for k in extended} == {k: limits[k] for k in extended}
-            assert limits.get("nvidia.com/gpu") == (
-                1 if program in ("epd-encode-worker", VLLM) else None
-            )
+            # vLLM: one per rank (test_vllm_loads_the_epd_connector_as_a_consumer)
+            if program != VLLM:
+                gpus = 1 if program == "epd-encode-worker" else None
+                assert limits.get("nvidia.com/gpu") == gpus
             if program in ("epd-handshake", "epd-gateway"):
                 continue
             rdma = variant.startswith("rdma") and runs_mooncake(container)

@@ -8,6 +8,7 @@ engine's colocated run of the same prompt and images (vLLM's own tower, its own 
 """
 
 import asyncio
+import contextlib
 import glob
 import io
 import os
@@ -91,17 +92,17 @@ def dispatch(model: str, worker, images: list[bytes | Media], request_id: str) -
 
 class Stack:
     """One family's tiny VLM, its vLLM engine with the connector, and encode workers (one per
-    transport, each offering only that one, so the room's transport is known). In-process: the
-    scheduler and the model runner run here (``connector`` is the scheduler side); multiprocess:
-    vLLM's EngineCore (scheduler) and worker (model runner) are processes of their own."""
+    transport, each offering only that one, so the room's transport is known). The scheduler runs
+    here (``connector`` is its half of the connector); the model runner too, or, with
+    ``tensor_parallel_size`` > 1, one process per rank (vLLM's multiprocess executor)."""
 
     def __init__(
         self,
         family: str,
         log_dir: str,
         transports=("shm", "mooncake"),
-        multiprocess: bool = False,
         settings: dict | None = None,
+        tensor_parallel_size: int = 1,
         **engine_extra,
     ):
         self.family = family
@@ -111,18 +112,21 @@ class Stack:
             name: self.cluster.start_encode_worker(f"worker-{name}", transports=name)
             for name in transports
         }
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.metrics_port = free_port()
-        self.llm = LLM(
-            **engine_args(self.model, {"metrics_port": self.metrics_port, **(settings or {})}),
-            distributed_executor_backend="mp" if multiprocess else "uni",
-            **engine_extra,
-        )
+        # vLLM's CPU ranks each bind their OpenMP threads to cores of their own: one core each
+        # here (one NUMA node, which vLLM would otherwise refuse to split)
+        binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel_size)))}
+        with _environment(binding if tensor_parallel_size > 1 else {}):
+            self.llm = LLM(
+                **engine_args(self.model, {"metrics_port": self.metrics_port, **(settings or {})}),
+                distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
+                tensor_parallel_size=tensor_parallel_size,
+                **engine_extra,
+            )
         self.cluster.wait_ready()
         self.engine = self.llm.llm_engine
-        self.connector = (
-            None if multiprocess else self.engine.engine_core.engine_core.scheduler.ec_connector
-        )
+        self.connector = self.engine.engine_core.engine_core.scheduler.ec_connector
         self.ids = iter(range(1 << 30))
 
     def close(self) -> None:
@@ -167,21 +171,46 @@ class Stack:
     def served_items(self, outcome: str, transport: str) -> float:
         """``epd_prefill_items_total`` as the connector's metrics port serves it (the model's name
         on it, as vLLM names the model)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-        wanted = {"transport": transport, "outcome": outcome, "model_name": self.model}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "epd_prefill_items_total" and sample.labels == wanted:
-                    return sample.value
-        return 0.0
+        labels = {"transport": transport, "outcome": outcome, "model_name": self.model}
+        return scraped(f"http://127.0.0.1:{self.metrics_port}", "epd_prefill_items_total", labels)
 
     def pool_idle(self) -> bool:
         stats = self.connector.receiver.pool.stats()
         return stats["leased_slots"] == 0 and stats["quarantined_slots"] == 0
+
+
+def scraped(url: str, name: str, labels: dict) -> float:
+    """The samples ``name`` whose labels include ``labels`` on ``url``'s /metrics, summed (0 when
+    there are none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``values`` in the environment meanwhile, and read so by vLLM (which caches its variables
+    once an engine has started in this process)."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def segments_of(pids) -> list[str]:
@@ -190,19 +219,25 @@ def segments_of(pids) -> list[str]:
     return [path for path in glob.glob("/dev/shm/epd-*") if any(f"-{pid}-" in path for pid in pids)]
 
 
+@contextlib.contextmanager
+def closed_cleanly(running: Stack):
+    """Closes ``running`` after the block; then neither its receive pool nor a segment of its
+    encode workers is left in /dev/shm (other stacks' engines share this process)."""
+    pids = [role.process.pid for role in running.cluster.roles]
+    pool = running.connector.receiver.pool.region.shm.name
+    try:
+        yield
+    finally:
+        running.close()
+    assert not os.path.exists(f"/dev/shm/{pool}"), "the connector's receive pool was left behind"
+    assert segments_of(pids) == []
+
+
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def stack(request, tmp_path_factory):
     running = Stack(request.param, str(tmp_path_factory.mktemp(f"logs-{request.param}")))
-    try:
+    with closed_cleanly(running):
         yield running
-    finally:
-        pids = [os.getpid(), *(role.process.pid for role in running.cluster.roles)]
-        pool = running.connector.receiver.pool.region.shm.name
-        running.close()
-    assert not os.path.exists(f"/dev/shm/{pool}"), (
-        "the connector's receive pool was left in /dev/shm"
-    )
-    assert segments_of(pids) == []
 
 
 def prompt_for(count: int) -> str:
@@ -458,6 +493,38 @@ def test_worker_killed_mid_request(stack):
     eventually(stack.pool_idle, "every slot back in the pool", seconds=30)
 
 
+@pytest.fixture(scope="module")
+def tp_stack(tmp_path_factory):
+    """Qwen2-VL (4 heads, 2 KV heads) on two tensor-parallel ranks, each a process of its own."""
+    running = Stack("qwen2_vl", str(tmp_path_factory.mktemp("logs-tp")), tensor_parallel_size=2)
+    with closed_cleanly(running):
+        yield running
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_tensor_parallel_ranks_take_rows_written_once(tp_stack, transport):
+    """Tensor-parallel size 2: two images' rows come over `transport`, each written once by its
+    encode worker into the engine's one pool; both ranks load them, greedy tokens equal the same
+    engine's colocated run (vLLM's own tower on both ranks), and every slot goes back once both
+    ranks reported their loads."""
+    assert tp_stack.engine.vllm_config.parallel_config.tensor_parallel_size == 2
+    assert tp_stack.connector._scheduler.loading_ranks == 2
+    images = [synthetic_image(112, 84, seed=80 + len(transport)), synthetic_image(84, 56, seed=81)]
+    worker = tp_stack.workers[transport]
+
+    def written() -> float:
+        return scraped(worker.url, "epd_encoder_transfer_seconds_count", {"transport": transport})
+
+    before, delivered = written(), tp_stack.items("done", transport)
+    items = tp_stack.dispatch(images, worker)
+    output = tp_stack.run(*vllm_request(prompt_for(2), items))
+    assert list(output.outputs[0].token_ids) == tp_stack.colocated(prompt_for(2), images)
+    assert tp_stack.items("done", transport) == delivered + 2
+    eventually(lambda: written() == before + 2, "the worker's two writes counted", seconds=10)
+    eventually(tp_stack.pool_idle, "every slot back in the pool", seconds=10)
+    assert written() == before + 2  # once each, whatever the number of ranks
+
+
 class _Feature:
     def __init__(self, identifier: str, rows: int):
         from vllm.multimodal.inputs import PlaceholderRange
@@ -490,6 +557,7 @@ def test_rows_of_another_count_are_never_offered(no_new_segments):
         ConnectorSettings(pool_bytes=1 << 20, slot_bytes=1 << 12, transports=["shm"]),
         width=128,
         dtype="float32",
+        loading_ranks=2,  # tensor parallel size 2: both ranks must report the load
     )
     try:
         lease = side.receiver.pool.lease(6 * 128 * 4)
@@ -515,6 +583,8 @@ def test_rows_of_another_count_are_never_offered(no_new_segments):
             6,
         )
         assert source.pins == 1
+        side.loaded([load.load_id])  # one rank's report: the slot is still read by the other
+        assert source.pins == 1
         side.loaded([load.load_id])
         assert source.pins == 0
     finally:
@@ -526,7 +596,7 @@ def test_worker_side_checks_before_writing(no_new_segments):
     """The model runner's half copies a load's rows into the encoder cache only when rows, width
     and dtype are what vLLM expects, and the bytes lie inside the segment; anything else raises
     with the reason and leaves the encoder cache untouched."""
-    from data_plane.shm import ShmSegment
+    from data_plane.shm import ShmSegment, namespace_id
     from prefill_side.vllm_connector.loads import ConnectorContractError, Load
     from prefill_side.vllm_connector.worker import WorkerSide as _WorkerSide
 
@@ -534,14 +604,18 @@ def test_worker_side_checks_before_writing(no_new_segments):
     try:
         rows = torch.randn(6, 128)
         segment.tensor[4096 : 4096 + rows.numel() * 4].copy_(rows.view(-1).view(torch.uint8))
-        worker = _WorkerSide(128, torch.float32)
-        good = Load(1, "x", segment.name, 4096, 6, 128, "float32", expected_rows=6)
+        worker = _WorkerSide(128, torch.float32, torch.device("cpu"))
+        here = namespace_id()
+        good = Load(1, "x", segment.name, here, 4096, 6, 128, "float32", expected_rows=6)
         bad = {
-            "rows": Load(2, "y", segment.name, 4096, 6, 128, "float32", expected_rows=5),
-            "dtype": Load(3, "y", segment.name, 4096, 6, 128, "bfloat16", expected_rows=6),
-            "width": Load(4, "y", segment.name, 4096, 6, 64, "float32", expected_rows=6),
+            "rows": Load(2, "y", segment.name, here, 4096, 6, 128, "float32", expected_rows=5),
+            "dtype": Load(3, "y", segment.name, here, 4096, 6, 128, "bfloat16", expected_rows=6),
+            "width": Load(4, "y", segment.name, here, 4096, 6, 64, "float32", expected_rows=6),
             "bounds": Load(
-                5, "y", segment.name, (1 << 16) - 1024, 6, 128, "float32", expected_rows=6
+                5, "y", segment.name, here, (1 << 16) - 1024, 6, 128, "float32", expected_rows=6
+            ),
+            "elsewhere": Load(  # a pool no rank of a one-rank engine can map
+                6, "y", "epd-test-0-nosuchpool", here, 4096, 6, 128, "float32", expected_rows=6
             ),
         }
         cache = {}
@@ -557,6 +631,46 @@ def test_worker_side_checks_before_writing(no_new_segments):
         assert torch.equal(cache["x"], rows)
         assert worker.take_loaded().load_ids == [1] and worker.take_loaded() is None
         worker.close()
+    finally:
+        segment.unlink()
+        segment.close()
+
+
+def test_tensor_parallel_ranks_load_the_same_rows_or_none(no_new_segments):
+    """Two real processes as one engine's tensor-parallel ranks over a real pool: both read an item
+    from the pool; a rank on another node (another /dev/shm) gets the rows from its peer, bit for
+    bit; a load that breaks the contract fails on both ranks alike, and so does a pool no rank can
+    map; neither rank ever waits for the other in vain."""
+    from data_plane.shm import ShmSegment, namespace_id
+    from prefill_side.vllm_connector.loads import Load
+    from tests.loading_ranks import WIDTH, run_ranks
+
+    segment = ShmSegment.create(1 << 16, kind="test")
+    try:
+        rows = torch.randn(6, WIDTH)
+        segment.tensor[4096 : 4096 + rows.numel() * 4].copy_(rows.view(-1).view(torch.uint8))
+        here = namespace_id()
+
+        def load(load_id, identifier, segment_name=segment.name, expected_rows=6):
+            return Load(
+                load_id, identifier, segment_name, here, 4096, 6, WIDTH, "float32", expected_rows
+            )
+
+        steps = [
+            [load(1, "x")],
+            [load(2, "bad", expected_rows=5)],  # the contract: no rank reads it
+            [load(3, "gone", segment_name="epd-test-0-nosuchpool")],  # no rank can map it
+            [load(4, "y")],  # the ranks still serve after both failures
+        ]
+        for elsewhere in ((), (1,)):
+            ranks = run_ranks(steps, elsewhere=elsewhere)
+            for index, rank in enumerate(ranks):
+                assert sorted(rank["cache"]) == ["x", "y"], (elsewhere, index)
+                assert all(torch.equal(rank["cache"][key], rows) for key in ("x", "y"))
+                assert rank["loaded"] == [1, 4]
+                assert len(rank["errors"]) == 2
+                assert "6 rows received, vLLM placed 5" in rank["errors"][0]
+                assert "no rank of this engine could read" in rank["errors"][1]
     finally:
         segment.unlink()
         segment.close()

@@ -50,7 +50,7 @@ from data_plane.dtypes import dtype_to_wire
 from prefill_side.vllm_connector.loads import LoadedMetadata, LoadMetadata
 from prefill_side.vllm_connector.scheduler import SchedulerSide, kv_connector_transfer_engine
 from prefill_side.vllm_connector.settings import ConnectorSettings
-from prefill_side.vllm_connector.worker import WorkerSide
+from prefill_side.vllm_connector.worker import LoadingGroup, WorkerSide, model_device
 from wire.ec_params import MODEL_TYPES
 
 if TYPE_CHECKING:
@@ -86,11 +86,6 @@ class EPDConnector(ECConnectorBase):
                 "(the encode workers are the producers)"
             )
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-            raise ValueError(
-                "EPDConnector supports one model runner per engine (tensor and pipeline "
-                "parallel size 1) for now"
-            )
         width, dtype = model_row_width(vllm_config)
         self.width, self.dtype = width, dtype_to_wire(dtype)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config
@@ -99,11 +94,20 @@ class EPDConnector(ECConnectorBase):
         except ValidationError as exc:
             raise ValueError(f"EPDConnector: bad ec_connector_extra_config: {exc}") from None
         if role is ECConnectorRole.SCHEDULER:
+            # one scheduler half per engine (each data-parallel engine has its own receiver and
+            # pool; its metrics port is the setting plus the engine's local data-parallel rank)
             self._scheduler = SchedulerSide(
-                self.settings, self.width, self.dtype, vllm_config.model_config.served_model_name
+                self.settings.for_data_parallel_rank(parallel.data_parallel_rank_local or 0),
+                self.width,
+                self.dtype,
+                vllm_config.model_config.served_model_name,
+                loading_ranks=parallel.tensor_parallel_size,
             )
         else:
-            self._worker = WorkerSide(self.width, dtype)
+            # every rank of the first pipeline stage loads the rows (vLLM runs the vision input
+            # there); its tensor-parallel ranks agree on them (worker.LoadingGroup)
+            group = LoadingGroup.of_vllm() if parallel.tensor_parallel_size > 1 else None
+            self._worker = WorkerSide(width, dtype, model_device(), group)
 
     def shutdown(self) -> None:
         if self.role is ECConnectorRole.SCHEDULER:

@@ -25,6 +25,7 @@ class Load:
     load_id: int
     identifier: Identifier
     segment: str  # the receive pool's /dev/shm segment
+    namespace: str  # the /dev/shm it lies in (data_plane.shm.namespace_id)
     offset: int  # of the rows in the segment, bytes
     rows: int  # rows the slot holds (the commit's, checked by the receiver)
     width: int
@@ -45,7 +46,8 @@ class LoadMetadata(ECConnectorMetadata):
 
 @dataclass
 class LoadedMetadata(ECConnectorWorkerMetadata):
-    """Worker -> scheduler: the load ids copied into the encoder cache in this step."""
+    """Worker -> scheduler: the load ids copied into the encoder cache in this step; vLLM
+    aggregates every rank's, so a load appears once per rank that loaded it."""
 
     load_ids: list[int] = field(default_factory=list)
 

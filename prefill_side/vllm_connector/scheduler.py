@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import ValidationError
 
+from data_plane.shm import namespace_id
 from multimodal.items import MultimodalDataItem, MultimodalInputs
 from prefill_side.vllm_connector.loads import Load
 from prefill_side.vllm_connector.settings import ConnectorSettings
@@ -73,8 +74,16 @@ class SchedulerSide:
     progress on the receiver's own loop thread and are only polled here."""
 
     def __init__(
-        self, settings: ConnectorSettings, width: int, dtype: str, model_name: str = "unnamed"
+        self,
+        settings: ConnectorSettings,
+        width: int,
+        dtype: str,
+        model_name: str = "unnamed",
+        loading_ranks: int = 1,
     ):
+        """``loading_ranks``: the model-runner ranks that load each item's rows (the first
+        pipeline stage's tensor-parallel ranks); a slot is held until each of them reported its
+        load done."""
         from data_plane.mooncake import MooncakeConfig
         from data_plane.transport import build_transports
         from prefill_side import PrefillReceiver, ReceiverConfig
@@ -105,6 +114,8 @@ class SchedulerSide:
                 f"no room there for {settings.pool_bytes} bytes"
             )
         self.segment = self.receiver.pool.region.shm.name
+        self.namespace = namespace_id()
+        self.loading_ranks = loading_ranks
         self.metrics_server = None
         if settings.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -129,7 +140,8 @@ class SchedulerSide:
         self.current: Request | None = None
         self.promised: dict[tuple[str, Identifier], Received] = {}  # has_cache_item said True
         self.pending: list[Load] = []  # for the next build_connector_meta
-        self.in_flight: dict[int, Received] = {}  # load id -> the job whose slot it reads
+        # load id -> the job whose slot it reads, and the ranks yet to report it loaded
+        self.in_flight: dict[int, tuple[Received, int]] = {}
         self._ids = itertools.count(1)
 
     def close(self) -> None:
@@ -300,6 +312,7 @@ class SchedulerSide:
             next(self._ids),
             identifier,
             self.segment,
+            self.namespace,
             rows.data_ptr() - self.receiver.pool.region.address,
             rows.shape[0],
             rows.shape[1],
@@ -307,7 +320,7 @@ class SchedulerSide:
             request.get_num_encoder_embeds(index),
         )
         source.pins += 1
-        self.in_flight[load.load_id] = source
+        self.in_flight[load.load_id] = (source, self.loading_ranks)
         self.pending.append(load)
 
     def take_loads(self) -> list[Load]:
@@ -317,7 +330,10 @@ class SchedulerSide:
 
     def loaded(self, load_ids: list[int]) -> None:
         for load_id in load_ids:
-            source = self.in_flight.pop(load_id)
+            source, left = self.in_flight.pop(load_id)
+            if left > 1:
+                self.in_flight[load_id] = (source, left - 1)
+                continue
             source.pins -= 1
             self._release_if_done(source)
 

@@ -24,8 +24,16 @@ class ConnectorSettings(ReceiverSettings, ReceiverTransportSettings):
     mooncake_engine: Literal["own", "kv_connector"] = "own"
     # The receiver's metrics (Prometheus, each family labelled model_name) on this port of the
     # process the scheduler runs in: vLLM's own /metrics is served by its API server process,
-    # which does not see this one's registries. None: not served.
+    # which does not see this one's registries. None: not served. A data-parallel engine serves
+    # its own on this port plus its local data-parallel rank.
     metrics_port: int | None = Field(None, ge=1, le=65535)
+
+    def for_data_parallel_rank(self, rank: int) -> ConnectorSettings:
+        """The settings of one data-parallel engine: ``metrics_port`` moved up by its local rank
+        (engines on one host serve their receivers on ports of their own)."""
+        if self.metrics_port is None or rank == 0:
+            return self
+        return self.model_copy(update={"metrics_port": self.metrics_port + rank})
 
     @model_validator(mode="after")
     def _one_owner_of_the_engines_settings(self) -> ConnectorSettings:

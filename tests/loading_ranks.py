@@ -1,0 +1,70 @@
+"""Two real processes as one engine's tensor-parallel ranks (a gloo group, as vLLM's CPU ranks
+have): each runs the connector's worker half over a real /dev/shm pool. Used by
+tests/test_vllm_connector.py: ``run_ranks`` returns what each rank ended with."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import traceback
+
+import torch
+
+WIDTH = 128
+
+
+def _rank(index: int, size: int, init_file: str, loads, elsewhere: set[int], results) -> None:
+    """One rank: load ``loads`` (a list of steps, each a list of ``Load``) into an encoder cache
+    of its own; ranks in ``elsewhere`` are on another node (another /dev/shm)."""
+    import torch.distributed as dist
+
+    from prefill_side.vllm_connector import worker
+
+    if index in elsewhere:  # the one thing faked: which node this process is on
+        worker.namespace_id = lambda: "another-node"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=index, world_size=size)
+    group = worker.LoadingGroup(index, tuple(range(size)), dist.group.WORLD, dist.group.WORLD)
+    side = worker.WorkerSide(WIDTH, torch.float32, torch.device("cpu"), group)
+    cache: dict[str, torch.Tensor] = {}
+    outcome: dict = {"errors": []}
+    try:
+        for step in loads:
+            try:
+                side.load(step, cache)
+            except Exception as exc:  # noqa: BLE001 - reported to the test, per step
+                outcome["errors"].append(f"{type(exc).__name__}: {exc}")
+        outcome["cache"] = {key: value.clone() for key, value in cache.items()}
+        outcome["loaded"] = side.take_loaded().load_ids
+    except Exception:  # noqa: BLE001 - the test shows the rank's traceback
+        outcome["traceback"] = traceback.format_exc()
+    finally:
+        side.close()
+        dist.destroy_process_group()
+    results.put((index, outcome))
+
+
+def run_ranks(loads, elsewhere=(), size: int = 2, timeout_s: float = 120) -> list[dict]:
+    """Each rank's outcome (``cache``, ``loaded``, ``errors`` per failed step), by rank index."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    init_file = f"/tmp/epd-ranks-{os.getpid()}-{os.urandom(4).hex()}"
+    processes = [
+        context.Process(target=_rank, args=(index, size, init_file, loads, set(elsewhere), results))
+        for index in range(size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        outcomes = dict(results.get(timeout=timeout_s) for _ in processes)
+        for process in processes:
+            process.join(timeout_s)
+            assert process.exitcode == 0, f"rank process exited {process.exitcode}"
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    for index, outcome in outcomes.items():
+        assert "traceback" not in outcome, f"rank {index}:\n{outcome['traceback']}"
+    return [outcomes[index] for index in range(size)]
