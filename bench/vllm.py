@@ -16,6 +16,9 @@ Paths (each a real vLLM OpenAI server on this machine, built from `vision.vlm_ch
   TCP, ``ec_buffer_device: cpu``), the producer and consumer requests sent as its proxy does.
 * ``cpu-ec``: vLLM's `ECCPUConnector`.
 * ``colocated``: vLLM's own tower on the image (the EPD engine, requests without rooms).
+* ``epd-shm-tp2`` / ``colocated-tp2``: ``epd-shm`` and ``colocated`` on an engine of
+  tensor-parallel size 2 (one process per rank; ``VLLM_CPU_OMP_THREADS_BIND`` gives each a core),
+  against size 1 (not in the default ``--paths``: on a 2-core machine its ranks take both cores).
 
 A path whose servers cannot start or whose first request fails is reported as unavailable with
 the reason (the server's last log lines), and the rest run on.

@@ -18,7 +18,18 @@ import time
 
 from bench.rounds import in_round
 from bench.vllm_report import _goal, _summary
-from bench.vllm_servers import OURS, PATHS, SERVERS_OF, STAGED, Server, _ec, _wait_healthy
+from bench.vllm_servers import (
+    OURS,
+    PATHS,
+    SERVERS_OF,
+    STAGED,
+    TENSOR_PARALLEL,
+    Server,
+    _ec,
+    _wait_healthy,
+    consumer_of,
+    producer_of,
+)
 
 
 def _content(part: dict) -> list:
@@ -77,8 +88,8 @@ class Bench:
     def start(self, paths: list[str]) -> None:
         args, model = self.args, self.model
         spawn = {}
-        if set(paths) & {"epd-shm", STAGED, "epd-mooncake", "colocated"}:
-            spawn["epd"] = _ec(
+        for server in {consumer_of(path) for path in paths if path in OURS or "colocated" in path}:
+            spawn[server] = _ec(
                 "TimedEPDConnector",
                 "ec_consumer",
                 ec_connector_extra_config={"pool_bytes": 512 << 20},
@@ -111,9 +122,10 @@ class Bench:
         if "cpu-ec" in paths:
             spawn["cpu-producer"] = _ec("ECCPUConnector", "ec_producer", module=None)
             spawn["cpu-consumer"] = _ec("ECCPUConnector", "ec_consumer", module=None)
-        if {"epd-shm", STAGED} & set(paths):  # one worker for both
+        shm_paths = [path for path in ("epd-shm", STAGED, "epd-shm-tp2") if path in paths]
+        if shm_paths:  # one worker for them all
             worker = self.cluster.start_encode_worker("worker-shm", transports="shm")
-            self.workers.update({path: worker for path in ("epd-shm", STAGED) if path in paths})
+            self.workers.update({path: worker for path in shm_paths})
         if "epd-mooncake" in paths:
             self.workers["epd-mooncake"] = self.cluster.start_encode_worker(
                 "worker-mooncake", transports="mooncake"
@@ -121,8 +133,15 @@ class Bench:
         max_len = max(1024, 2 * max(args.sizes) ** 2 // (28 * 28) + 256)
         for name, config in spawn.items():
             # ECCPUConnector refuses the V1 model runner, which vLLM's CPU build picks by default
-            env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if name.startswith("cpu-") else None
-            self.servers[name] = Server(name, model, self.log_dir, config, args.dtype, max_len, env)
+            env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if name.startswith("cpu-") else {}
+            extra = ()
+            ranks = TENSOR_PARALLEL.get(name, 1)
+            if ranks > 1:  # vLLM's CPU ranks each bind their OpenMP threads to cores of their own
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(ranks)))
+                extra = ("--tensor-parallel-size", str(ranks))
+            self.servers[name] = Server(
+                name, model, self.log_dir, config, args.dtype, max_len, env, extra
+            )
         self.cluster.wait_ready()
         failed = _wait_healthy(list(self.servers.values()), timeout_s=600)
         for path in paths:
@@ -160,14 +179,14 @@ class Bench:
             }
             await _chat(
                 session,
-                self.servers["epd"],
+                self.servers[consumer_of(path)],
                 _content(part),
                 {"rooms": {key: item.encode_handshake.model_dump()}},
             )
-        elif path == "colocated":
+        elif path.startswith("colocated"):
             await _chat(
                 session,
-                self.servers["epd"],
+                self.servers[consumer_of(path)],
                 _content({"type": "image_url", "image_url": {"url": url}}),
             )
             key = None
@@ -206,10 +225,7 @@ class Bench:
         return time.monotonic() - started, key
 
     async def batch(self, path: str, size: int, session, dispatcher, progress) -> dict:
-        consumer = {"example": "example-consumer", "mooncake-ec": "mooncake-consumer"}.get(
-            path, "epd"
-        )
-        producer = {"example": "example-producer", "mooncake-ec": "mooncake-producer"}.get(path)
+        consumer, producer = consumer_of(path), producer_of(path)
         cpu_before = self.servers[consumer].cpu_seconds()
         producer_before = self.servers[producer].cpu_seconds() if producer else {}
         latencies, keys, todo = [], [], list(range(self.args.requests))

@@ -25,8 +25,10 @@ PATHS = (
     "mooncake-ec",
     "cpu-ec",
     "colocated",
+    "epd-shm-tp2",
+    "colocated-tp2",
 )
-OURS = ("epd-shm", "epd-shm-staged", "epd-mooncake")
+OURS = ("epd-shm", "epd-shm-staged", "epd-mooncake", "epd-shm-tp2")
 # epd-shm-staged: as epd-shm, but the request goes to vLLM once the worker holds the image's rows
 # (as the gateway sends it: dispatcher.staged), not as soon as the worker took the image
 STAGED = "epd-shm-staged"
@@ -38,7 +40,23 @@ SERVERS_OF = {
     "example": ["example-producer", "example-consumer"],
     "mooncake-ec": ["mooncake-producer", "mooncake-consumer"],
     "cpu-ec": ["cpu-producer", "cpu-consumer"],
+    # the EPD connector on a tensor-parallel size 2 engine (one process per rank), and that
+    # engine's own tower
+    "epd-shm-tp2": ["epd-tp2"],
+    "colocated-tp2": ["epd-tp2"],
 }
+TENSOR_PARALLEL = {"epd-tp2": 2}  # server -> its tensor-parallel size (others: 1)
+
+
+def consumer_of(path: str) -> str:
+    """The server whose engine takes the path's rows (and whose CPU per image is measured)."""
+    return SERVERS_OF[path][-1]
+
+
+def producer_of(path: str) -> str | None:
+    """The server that encodes for the path, where it is a vLLM server (an encode-only one)."""
+    servers = SERVERS_OF[path]
+    return servers[0] if len(servers) > 1 else None
 
 
 class Server:
