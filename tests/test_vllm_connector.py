@@ -117,13 +117,19 @@ class Stack:
         # vLLM's CPU ranks each bind their OpenMP threads to cores of their own: one core each
         # here (one NUMA node, which vLLM would otherwise refuse to split)
         binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel_size)))}
-        with _environment(binding if tensor_parallel_size > 1 else {}):
-            self.llm = LLM(
-                **engine_args(self.model, {"metrics_port": self.metrics_port, **(settings or {})}),
-                distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
-                tensor_parallel_size=tensor_parallel_size,
-                **engine_extra,
-            )
+        try:
+            with _environment(binding if tensor_parallel_size > 1 else {}):
+                self.llm = LLM(
+                    **engine_args(
+                        self.model, {"metrics_port": self.metrics_port, **(settings or {})}
+                    ),
+                    distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
+                    tensor_parallel_size=tensor_parallel_size,
+                    **engine_extra,
+                )
+        except BaseException:  # no engine: the workers go too
+            self.cluster.stop()
+            raise
         self.cluster.wait_ready()
         self.engine = self.llm.llm_engine
         self.connector = self.engine.engine_core.engine_core.scheduler.ec_connector
