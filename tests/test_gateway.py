@@ -5,6 +5,7 @@ URLs served by a local HTTP server. Every answer through the gateway is compared
 colocated answer to the same images (vLLM's tower, called directly)."""
 
 import base64
+import concurrent.futures
 import os
 import signal
 import urllib.request
@@ -406,3 +407,74 @@ def test_models_health_and_text_only(stack):
         model=stack.model, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=4
     )
     assert answer.usage.completion_tokens == 4 and answer.model_extra["epd"]["images"] == []
+
+
+def test_data_parallel_engines_each_take_rows_with_a_receiver_of_their_own(tmp_path):
+    """vLLM with --data-parallel-size 2 (two engines behind one server): requests through the
+    gateway land on either engine, each engine's own receiver takes its requests' rows (its
+    metrics on metrics_port + its rank), and every answer equals vLLM's colocated one."""
+    from bench.vllm import Server
+
+    model = cached_vlm("qwen2_vl")
+    cluster = LocalCluster(model, log_dir=str(tmp_path))
+    worker = cluster.start_encode_worker("worker", transports="shm")
+    metrics_port = free_port()
+    while free_port() == metrics_port + 1:  # the second engine's port must be free too
+        metrics_port = free_port()
+    config = {
+        **CONNECTOR,
+        "ec_connector_extra_config": {
+            **CONNECTOR["ec_connector_extra_config"],
+            "transports": ["shm"],
+            "metrics_port": metrics_port,
+        },
+    }
+    server = Server(
+        "vllm-dp",
+        model,
+        str(tmp_path),
+        config,
+        "float32",
+        1024,
+        {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # a core for each engine's model runner
+        ("--data-parallel-size", "2"),
+    )
+    gateway = cluster.start_gateway(server.url, [worker.worker])
+    try:
+        cluster.wait_ready()
+        eventually(server.healthy, "the vLLM server answering /health", seconds=300)
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
+        direct = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+
+        def ask(via, image: bytes) -> str:
+            content = [
+                {"type": "image_url", "image_url": {"url": data_uri(image)}},
+                {"type": "text", "text": "Describe the picture."},
+            ]
+            answer = via.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": content}],
+                temperature=0,
+                max_tokens=MAX_TOKENS,
+            )
+            if via is client:
+                (item,) = answer.model_extra["epd"]["images"]
+                assert item["delivery"]["state"] == "DONE", item
+            return answer.choices[0].message.content
+
+        images = [synthetic_image(112, 84, seed=300 + i) for i in range(8)]
+        # sent together: vLLM's balancer spreads requests in flight at once over its engines
+        with concurrent.futures.ThreadPoolExecutor(len(images)) as pool:
+            answers = list(pool.map(lambda image: ask(client, image), images))
+        assert answers == [ask(direct, image) for image in images]
+        engines = [
+            metric(f"http://127.0.0.1:{port}", "epd_prefill_items_total", outcome="done")
+            for port in (metrics_port, metrics_port + 1)
+        ]
+        assert sum(engines) == len(images) and all(engines), engines
+        client.close()
+        direct.close()
+    finally:
+        server.stop()
+        codes = cluster.stop()
+    assert codes == {name: 0 for name in codes}, codes
