@@ -48,15 +48,22 @@ def cost_table(prefix: str, pairs: str) -> list[str]:
     return lines
 
 
-# (files, pairs, what "after" was): cost 1-3 against 68c3ad2 (the stream, the batch hand-off,
-# staged), cost 4-6 and ceiling 1-3 against 0a15a9d (the session's end); before: a25abee
-TABLES = (("cost", "123", "68c3ad2"), ("cost", "456", "0a15a9d"), ("ceiling", "123", "0a15a9d"))
+# (files, pairs, before, after): cost 1-3 against 68c3ad2 (the stream, the batch hand-off,
+# staged), cost 4-6 and ceiling 1-3 against 0a15a9d (that session's end), before a25abee; batch-*:
+# intake per batch (d64296d) against 0a54d96
+TABLES = (
+    ("cost", "123", "a25abee", "68c3ad2"),
+    ("cost", "456", "a25abee", "0a15a9d"),
+    ("ceiling", "123", "a25abee", "0a15a9d"),
+    ("batch-cost", "123", "0a54d96", "d64296d"),
+    ("batch-ceiling", "123", "0a54d96", "d64296d"),
+)
 
 
 def main() -> None:
-    for prefix, pairs, after in TABLES:
+    for prefix, pairs, before, after in TABLES:
         if runs(f"{prefix}-before-[{pairs}].json"):
-            print(f"\n{prefix}, a25abee -> {after}:")
+            print(f"\n{prefix}, {before} -> {after}:")
             print("\n".join(cost_table(prefix, pairs)))
 
 
