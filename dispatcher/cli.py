@@ -37,7 +37,7 @@ class DispatchSettings(EncodeWorkerTargets):
     PROG: ClassVar[str] = "epd-dispatch"
 
     images: CliPositionalArg[list[str]] = Field(
-        min_length=1, description="image files (PNG, JPEG, WebP, BMP) and videos (MP4, MOV)"
+        min_length=1, description="image files (PNG, JPEG, WebP, BMP, GIF) and videos (MP4, MOV)"
     )
     prefill: HttpUrl = Field(
         None, description="reference prefill URL to post the request to (epd-prefill)"

@@ -4,15 +4,13 @@ encode worker computes it) and sized from its header alone (``MediaSizer``), as 
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 
 import torch
-from PIL import Image
 
 from multimodal.hashing import hash_feature
 from multimodal.items import GRID_KEYS, MultimodalDataItem
-from vision.limits import IMAGE_FORMATS
+from vision.image_files import header as image_header
 from vision.sizing import QWEN_VL, Sizing, sample_and_size
 from vision.video import BadVideo, read_header
 from wire.addresses import EncodeHandshake
@@ -84,7 +82,7 @@ class MediaSizer:
     ) -> list[DispatchedItem]:
         """Hash and size every item (no decode); raises ``DispatchError`` for a bad one, naming it
         by ``names`` (its file, say) or else by its index. Bare bytes are an image. A format
-        encode workers refuse (GIF, WebM, ...) is refused here, before anything is sent."""
+        encode workers refuse (TIFF, WebM, ...) is refused here, before anything is sent."""
         if not 1 <= len(media) <= MAX_IMAGES:
             raise DispatchError(
                 f"a request carries 1..{MAX_IMAGES} images and videos, got {len(media)}"
@@ -104,21 +102,10 @@ class MediaSizer:
         return items
 
     def _describe_image(self, index: int, image: bytes, label: str) -> DispatchedItem:
-        try:
-            with Image.open(io.BytesIO(image)) as probe:
-                width, height = probe.size
-                image_format = probe.format
-        except Exception as exc:  # PIL raises many types for bad data; its text names a BytesIO
-            raise DispatchError(
-                f"{label}: not an image encode workers read "
-                f"({', '.join(sorted(IMAGE_FORMATS))}): "
-                f"{type(exc).__name__}"
-            ) from None
-        if image_format not in IMAGE_FORMATS:
-            raise DispatchError(
-                f"{label}: {image_format} is not accepted by encode workers "
-                f"({', '.join(sorted(IMAGE_FORMATS))})"
-            )
+        try:  # the size as displayed: vLLM and the workers apply the EXIF orientation
+            width, height, image_format = image_header(image)
+        except ValueError as exc:
+            raise DispatchError(f"{label}: {exc}") from None
         try:
             grid = self.sizing.image_grid(self.processor, height, width)
         except ValueError as exc:

@@ -6,12 +6,10 @@ batch's items each alone, in one reply."""
 
 from __future__ import annotations
 
-import io
 import logging
 
 import torch
 import zmq
-from PIL import Image
 
 from data_plane.shm import ShmTensorHandle
 from encode_worker.inputs import check_claimed_hash
@@ -21,8 +19,9 @@ from encode_worker.stages import SHUTTING_DOWN, StageContext
 from handshake.rooms import RoomConflict, RoomError, RoomsFull
 from multimodal.hashing import hash_feature
 from process_settings import SettingError
+from vision.image_files import header as image_header
 from vision.images import BadItem
-from vision.limits import IMAGE_FORMATS, MAX_SIDE
+from vision.limits import MAX_SIDE
 from vision.sizing import VideoLimits, plan_video_file, plan_video_frames
 from wire.addresses import endpoint_url
 from wire.intake import (
@@ -262,16 +261,10 @@ class Intake:
     def _image(self, request: IntakeRequest, payload: bytes | None):
         """An image's payload as Prepare reads it, its grid and its pixels."""
         if request.source == "bytes":
-            try:
-                with Image.open(io.BytesIO(payload)) as probe:
-                    width, height = probe.size
-                    image_format = probe.format
-            except Exception as exc:
-                raise BadItem(f"cannot read image header: {type(exc).__name__}") from None
-            if image_format not in IMAGE_FORMATS:
-                raise BadItem(
-                    f"image format {image_format!r} is not accepted ({sorted(IMAGE_FORMATS)})"
-                )
+            try:  # the size as displayed (the EXIF orientation applied), as Prepare decodes it
+                width, height, _ = image_header(payload)
+            except ValueError as exc:
+                raise BadItem(f"cannot read image header: {exc}") from None
         else:
             height, width = (request.shape if request.source == "pixels" else request.shm.shape)[:2]
         if width > MAX_SIDE or height > MAX_SIDE or width * height > self.config.max_image_pixels:

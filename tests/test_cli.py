@@ -31,14 +31,14 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, checkpoint):
-    """What an operator gets wrong: a file for a directory, a checkpoint without weights, a GIF,
+    """What an operator gets wrong: a file for a directory, a checkpoint without weights, a TIFF,
     a file that is no image, a good image."""
     root = tmp_path_factory.mktemp("files")
     no_weights = root / "no-weights"
     no_weights.mkdir()
     for name in ("config.json", "preprocessor_config.json"):
         shutil.copy(os.path.join(checkpoint, name), no_weights / name)
-    Image.new("RGB", (32, 32)).save(root / "anim.gif")
+    Image.new("RGB", (32, 32)).save(root / "scan.tiff")
     (root / "notes.png").write_bytes(b"not an image")
     (root / "cat.png").write_bytes(png(64, 64, 1))
     (root / "token").write_text("secret\n")
@@ -47,7 +47,7 @@ def files(tmp_path_factory, checkpoint):
         "dir": str(root),
         "file": os.path.join(checkpoint, "config.json"),
         "no_weights": str(no_weights),
-        "gif": str(root / "anim.gif"),
+        "tiff": str(root / "scan.tiff"),
         "notes": str(root / "notes.png"),
         "cat": str(root / "cat.png"),
         "empty_token": str(root / "empty-token"),
@@ -429,8 +429,8 @@ def test_dispatch_names_the_file_it_refuses(checkpoint, files):
     )
     assert "BytesIO" not in line and "image 1" not in line
     assert_refused(
-        run("dispatcher.cli", "--model", checkpoint, *workers, files["gif"]),
-        f"{files['gif']}: GIF is not accepted by encode workers",
+        run("dispatcher.cli", "--model", checkpoint, *workers, files["tiff"]),
+        f"{files['tiff']}: image format 'TIFF' is not accepted",
     )
     assert_refused(
         run("dispatcher.cli", "--model", checkpoint, *workers, "/nonexistent/a.png"),

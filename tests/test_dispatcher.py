@@ -283,9 +283,9 @@ def test_no_healthy_worker_leaves_items_without_a_room(tower):
     assert item.encode_handshake is None and item.error == "no healthy encode worker"
 
 
-def _gif() -> bytes:
+def _tiff() -> bytes:
     buffer = io.BytesIO()
-    Image.new("RGB", (32, 32)).save(buffer, format="GIF")
+    Image.new("RGB", (32, 32)).save(buffer, format="TIFF")
     return buffer.getvalue()
 
 
@@ -301,7 +301,7 @@ def _gif() -> bytes:
             [synthetic_image(1, 400, 6)],
             "image 0: 1x400 cannot be resized for the tower",
         ),  # too thin for the processor
-        ([synthetic_image(64, 64, 7), _gif()], "image 1: GIF is not accepted by encode workers"),
+        ([synthetic_image(64, 64, 7), _tiff()], "image 1: image format 'TIFF' is not accepted"),
     ],
 )
 def test_bad_requests_are_refused_before_anything_is_minted(tower, images, message):

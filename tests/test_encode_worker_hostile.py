@@ -294,15 +294,15 @@ def test_a_decompression_bomb_is_refused_at_intake_from_its_header(tower, make):
     deliver(tower, worker, receiver, intake, png(64, 64, 3), "after")  # and it keeps serving
 
 
-def test_a_gif_is_refused_at_intake_not_after_queueing(tower, make):
+def test_a_tiff_is_refused_at_intake_not_after_queueing(tower, make):
     from PIL import Image
 
     worker, _, intake = make()
     buffer = io.BytesIO()
-    Image.new("RGB", (32, 32)).save(buffer, format="GIF")
+    Image.new("RGB", (32, 32)).save(buffer, format="TIFF")
     (room,) = worker.table.mint(1, 60)
-    reply = intake.send(request(worker, room, "gif"), buffer.getvalue())
-    assert reply.ok is False and "'GIF' is not accepted" in reply.reason
+    reply = intake.send(request(worker, room, "tiff"), buffer.getvalue())
+    assert reply.ok is False and "'TIFF' is not accepted" in reply.reason
 
 
 def test_a_batch_decodes_at_most_its_pixel_budget():

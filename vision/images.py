@@ -1,16 +1,16 @@
-"""Images as the towers' processors take them: decoded from a file (PNG / JPEG / WebP / BMP, with
-PIL, its size checked from the header first) or taken from raw ``uint8 [H, W, 3]`` pixels.
+"""Images as the towers' processors take them: decoded from a file (``vision.limits.IMAGE_FORMATS``,
+by vLLM's rules: ``vision.image_files``; its size checked from the header first) or taken from raw
+``uint8 [H, W, 3]`` pixels.
 Anything else, or anything malformed, raises ``BadItem`` with a reason that ends up in the item's
 room."""
 
 from __future__ import annotations
 
-import io
-
 import torch
 from PIL import Image
 
-from vision.limits import IMAGE_FORMATS, MAX_PIXELS, MAX_SIDE
+from vision.image_files import open_image, to_rgb
+from vision.limits import MAX_PIXELS, MAX_SIDE
 
 
 class BadItem(ValueError):
@@ -18,25 +18,23 @@ class BadItem(ValueError):
 
 
 def image_from_bytes(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """An image file decoded as vLLM decodes it (``vision.image_files``), its size checked from
+    the header first."""
     try:
-        with Image.open(io.BytesIO(data)) as probe:
-            if probe.format not in IMAGE_FORMATS:
-                raise BadItem(
-                    f"image format {probe.format!r} is not accepted ({sorted(IMAGE_FORMATS)})"
-                )
-            width, height = probe.size
-            if width > MAX_SIDE or height > MAX_SIDE or width * height > max_pixels:
-                raise BadItem(
-                    f"image of {width}x{height} pixels is larger than allowed "
-                    f"({max_pixels} pixels, {MAX_SIDE} a side)"
-                )
-            image = probe.convert("RGB")
-            image.load()
-            return image
-    except BadItem:
-        raise
-    except Exception as exc:  # PIL raises many types for corrupt data
-        raise BadItem(f"cannot decode image: {type(exc).__name__}: {exc}") from None
+        probe = open_image(data)
+    except ValueError as exc:
+        raise BadItem(f"cannot decode image: {exc}") from None
+    with probe:
+        width, height = probe.size
+        if width > MAX_SIDE or height > MAX_SIDE or width * height > max_pixels:
+            raise BadItem(
+                f"image of {width}x{height} pixels is larger than allowed "
+                f"({max_pixels} pixels, {MAX_SIDE} a side)"
+            )
+        try:
+            return to_rgb(probe)
+        except Exception as exc:  # PIL raises many types for corrupt data
+            raise BadItem(f"cannot decode image: {type(exc).__name__}: {exc}") from None
 
 
 def image_from_pixels(pixels: torch.Tensor, max_pixels: int = MAX_PIXELS) -> Image.Image:

@@ -7,7 +7,9 @@ dispatcher read it without loading a model stack."""
 # processors resize to (12.8 and 16.8 M pixels).
 MAX_PIXELS = 16 << 20
 MAX_SIDE = 16384  # an image's side, whatever its pixels
-IMAGE_FORMATS = {"PNG", "JPEG", "WEBP", "BMP"}  # PIL's names, read from the header
+# PIL's names, read from the header (MPO: a JPEG with more than one picture, as phones write them;
+# GIF and MPO give their first frame, as vLLM does)
+IMAGE_FORMATS = {"PNG", "JPEG", "MPO", "WEBP", "BMP", "GIF"}
 # FFmpeg's demuxer name for the ISO base media family (MP4, MOV, M4V, 3GP): containers that state
 # their frame count in the header, so a video is sized without decoding it.
 VIDEO_CONTAINERS = {"mov,mp4,m4a,3gp,3g2,mj2": "MP4/MOV"}
