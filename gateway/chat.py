@@ -178,6 +178,8 @@ async def read_chat(request: Request, max_body_bytes: int) -> tuple[dict, ChatRe
         body = json.loads(data)
     except ValueError as exc:
         raise OpenAIError(400, f"request body is not JSON: {exc}") from None
+    except RecursionError:  # the parser's recursion: arrays or objects nested ~1,000 deep
+        raise OpenAIError(400, "request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "request body must be a JSON object")
     try:

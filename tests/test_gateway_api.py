@@ -285,6 +285,11 @@ def test_bodies_that_are_not_json_or_too_large(app_without_vllm):
     assert app_without_vllm.post("/v1/chat/completions", content=b"[]").json()["error"][
         "message"
     ] == ("request body must be a JSON object")
+    for depth in (100_000, 2_000):  # deeper than Python's recursion limit, and within it
+        body = b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+        answer = app_without_vllm.post("/v1/chat/completions", content=body)
+        assert answer.status_code == 400, answer.text  # was a 500 (RecursionError)
+        assert "nested" in answer.json()["error"]["message"]
     too_large = app_without_vllm.post("/v1/chat/completions", content=b" " * ((1 << 20) + 1))
     assert (
         too_large.status_code == 413

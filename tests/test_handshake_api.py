@@ -327,6 +327,19 @@ def test_bad_input_gets_4xx_with_a_reason(served, path, body, status):
     assert table.counts() == before
 
 
+def test_a_room_id_of_thousands_of_digits_is_not_found_not_a_server_error():
+    """Python's int() refuses more than 4,300 digits: such a path once gave a 500 and a
+    traceback."""
+    server = ThreadedServer(create_app(RoomTable())).start()
+    try:
+        for digits in (5000, 19):
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(f"{server.url}/v1/rooms/{'9' * digits}", timeout=5)
+            assert answer.value.code == (404 if digits == 5000 else 422)  # 9...9 > 2**63
+    finally:
+        server.stop()
+
+
 def test_the_router_answers_a_wrong_method_an_unknown_path_and_a_root_path_as_fastapi_does():
     table = RoomTable()
     app = create_app(table)
