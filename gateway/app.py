@@ -32,6 +32,7 @@ from prometheus_client import (
     CollectorRegistry,
     generate_latest,
 )
+from starlette.requests import ClientDisconnect
 
 from dispatcher.dispatch import Dispatcher
 from dispatcher.media import DispatchError, Media
@@ -121,7 +122,19 @@ class Gateway:
     async def chat(self, request: Request) -> Response:
         started = time.monotonic()
         try:
-            body, chat = await read_chat(request, self.settings.max_body_bytes)
+            try:
+                async with asyncio.timeout(self.settings.body_timeout_s):
+                    body, chat = await read_chat(request, self.settings.max_body_bytes)
+            except TimeoutError:  # a slow (or stalled) upload holds no more than this
+                raise OpenAIError(
+                    408, f"request body not received within {self.settings.body_timeout_s} s"
+                ) from None
+            except ClientDisconnect:  # the client hung up while sending: nobody to answer
+                self.metrics.count("client_disconnected")
+                return Response(status_code=400)
+            limit = request.scope.get(InFlightLimit.SCOPE_KEY)
+            if limit is not None and not limit.admit(request.scope):
+                return limit.refusal()
             prepared = await self._prepare(body, chat)
         except OpenAIError as exc:
             self.metrics.count("refused")
@@ -377,35 +390,49 @@ async def _disconnected(request: Request) -> None:
 
 
 class InFlightLimit:
-    """ASGI middleware: at most ``max_in_flight`` chat requests at once, counted from the first
-    byte of the request to the last byte of the answer (a stream included); one more is refused at
-    once with 503 and ``Retry-After``."""
+    """ASGI middleware: at most ``max_in_flight`` chat requests at once, counted from the moment
+    a request's body is in (``Gateway.chat`` admits it then: a slow upload holds no place) to
+    the last byte of the answer (a stream included); one more is refused at once with 503 and
+    ``Retry-After``."""
+
+    SCOPE_KEY = "epd.in_flight"  # the limit, in a chat request's ASGI scope
+    ADMITTED = "epd.admitted"
 
     def __init__(self, app, gateway: Gateway):
         self.app, self.gateway = app, gateway
         self.count = 0
+        self.gauge = gateway.metrics.in_flight.labels(gateway.metrics.model_name)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
             return await self.app(scope, receive, send)
-        limit = self.gateway.settings.max_in_flight
-        if self.count >= limit:
-            self.gateway.metrics.count("overloaded")
-            refusal = OpenAIError(
-                503,
-                f"the gateway serves {limit} requests at once (--max-in-flight); retry shortly",
-                kind="overloaded",
-            ).response()
-            refusal.headers["Retry-After"] = "1"
-            return await refusal(scope, receive, send)
-        gauge = self.gateway.metrics.in_flight.labels(self.gateway.metrics.model_name)
-        self.count += 1
-        gauge.inc()
+        scope[self.SCOPE_KEY] = self
         try:
             await self.app(scope, receive, send)
         finally:
-            self.count -= 1
-            gauge.dec()
+            if scope.get(self.ADMITTED):
+                self.count -= 1
+                self.gauge.dec()
+
+    def admit(self, scope) -> bool:
+        """Count the request in (its body is in); False when ``max_in_flight`` are already."""
+        if self.count >= self.gateway.settings.max_in_flight:
+            return False
+        self.count += 1
+        self.gauge.inc()
+        scope[self.ADMITTED] = True
+        return True
+
+    def refusal(self) -> Response:
+        limit = self.gateway.settings.max_in_flight
+        self.gateway.metrics.count("overloaded")
+        refusal = OpenAIError(
+            503,
+            f"the gateway serves {limit} requests at once (--max-in-flight); retry shortly",
+            kind="overloaded",
+        ).response()
+        refusal.headers["Retry-After"] = "1"
+        return refusal
 
 
 def build_app(gateway: Gateway) -> FastAPI:

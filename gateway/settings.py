@@ -49,6 +49,11 @@ class GatewaySettings(EncodeWorkerTargets):
         False, description="fetch image URLs on loopback, private and link-local addresses"
     )
     max_body_bytes: ByteSize = Field(100 << 20, description="largest request body taken")
+    body_timeout_s: PositiveSeconds = Field(
+        30.0,
+        description="time to receive a request's whole body; a slower upload gets 408 (it is "
+        "not counted in --max-in-flight until its body is in)",
+    )
     # each request in flight holds its body: this bounds the gateway's memory
     max_in_flight: PositiveInt = Field(
         256, description="chat requests served at once; one more gets 503 and Retry-After"

@@ -6,6 +6,8 @@ import asyncio
 import base64
 import io
 import json
+import urllib.error
+import urllib.request
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -354,3 +356,64 @@ def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path):
             )  # room again
     finally:
         silent.close()
+
+
+def test_slow_uploads_and_hang_ups_hold_nothing(tmp_path):
+    """A real epd-gateway process (vLLM unreachable), --max-in-flight 4: 16 connections that send
+    half a body and stall do not take its places (a full request is still served, here with vLLM's
+    502, not refused with 503) and are answered 408 once --body-timeout-s passes; 16 clients that
+    hang up mid-body are counted as such, not as internal errors, and log no traceback."""
+    import socket
+
+    from bench.cluster import LocalCluster
+    from tests.test_gateway import metric
+    from tests.waiting import eventually
+    from vision.small_checkpoints import build_full
+
+    build_full("qwen2_vl", str(tmp_path / "model"))
+    cluster = LocalCluster(str(tmp_path / "model"), log_dir=str(tmp_path))
+    gateway = cluster.start_gateway(
+        f"http://{HOST}:{free_port()}",
+        [WorkerAddress(HOST, free_port(), free_port())],
+        extra=("--max-in-flight", "4", "--body-timeout-s", "2"),
+    )
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    port = int(gateway.url.rsplit(":", 1)[1])
+
+    def half_sent() -> socket.socket:
+        sock = socket.create_connection((HOST, port), timeout=10)
+        sock.sendall(head + body[: len(body) // 2])
+        return sock
+
+    try:
+        cluster.wait_ready()
+        stalled = [half_sent() for _ in range(16)]
+        served = urllib.request.Request(
+            gateway.url + "/v1/chat/completions", data=body, method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(served, timeout=10)
+        assert answer.value.code == 502  # vLLM unreachable: served, not refused (503)
+        for sock in stalled:
+            status = sock.recv(64)  # the gateway answers once the body timeout passes
+            assert status.startswith(b"HTTP/1.1 408"), status
+            sock.close()
+        for _ in range(16):
+            half_sent().close()
+        eventually(
+            lambda: (
+                metric(gateway.url, "epd_gateway_requests_total", outcome="client_disconnected")
+                == 16
+            ),
+            "every hang-up counted",
+        )
+        assert metric(gateway.url, "epd_gateway_requests_total", outcome="internal_error") == 0
+        assert metric(gateway.url, "epd_gateway_requests_total", outcome="overloaded") == 0
+    finally:
+        cluster.stop()
+    with open(gateway.log_path) as log:
+        assert "Traceback" not in log.read()
