@@ -105,7 +105,9 @@ async def run(args: DispatchSettings) -> int:
         served_model=args.served_model_name,
         handshake_token=args.handshake_token,
         intake_token=args.intake_token,
+        intake_timeout_s=args.intake_timeout_s,
         sizing=args.family().sizing,
+        max_image_pixels=args.max_image_pixels,
     )
     try:
         try:

@@ -30,6 +30,7 @@ import yarl
 
 from dispatcher.media import DispatchedItem, DispatchError, Media, MediaSizer
 from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
+from vision.limits import MAX_PIXELS
 from vision.sizing import QWEN_VL, Sizing
 from wire.addresses import EncodeHandshake, Endpoint
 from wire.intake import (
@@ -67,9 +68,10 @@ class Dispatcher:
         intake_timeout_s: float = 5.0,
         max_attempts: int = 3,
         sizing: Sizing = QWEN_VL,
+        max_image_pixels: int = MAX_PIXELS,
     ):
         self.workers = workers
-        self.sizer = MediaSizer(processor, video_processor, sizing)
+        self.sizer = MediaSizer(processor, video_processor, sizing, max_image_pixels)
         self.rooms_url = rooms_url  # a standalone room authority; None: rooms at each item's worker
         self.served_model = served_model
         self.handshake_token = handshake_token

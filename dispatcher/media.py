@@ -11,6 +11,7 @@ import torch
 from multimodal.hashing import hash_feature
 from multimodal.items import GRID_KEYS, MultimodalDataItem
 from vision.image_files import header as image_header
+from vision.limits import MAX_PIXELS, MAX_SIDE
 from vision.sizing import QWEN_VL, Sizing, sample_and_size
 from vision.video import BadVideo, read_header
 from wire.addresses import EncodeHandshake
@@ -72,10 +73,17 @@ class MediaSizer:
     from its size and the image processor's config, a video's from its container header and the
     video processor's frame sampling, by the model family's sizing rules."""
 
-    def __init__(self, processor, video_processor=None, sizing: Sizing = QWEN_VL):
+    def __init__(
+        self,
+        processor,
+        video_processor=None,
+        sizing: Sizing = QWEN_VL,
+        max_image_pixels: int = MAX_PIXELS,
+    ):
         self.processor = processor
         self.video_processor = video_processor  # None: videos are refused
         self.sizing = sizing
+        self.max_image_pixels = max_image_pixels  # the workers' limit: a larger image is refused
 
     def describe(
         self, media: list[bytes | Media], names: list[str] | None = None
@@ -106,6 +114,12 @@ class MediaSizer:
             width, height, image_format = image_header(image)
         except ValueError as exc:
             raise DispatchError(f"{label}: {exc}") from None
+        # refused here, not sent to vLLM inline: a small file may declare a huge image
+        if width > MAX_SIDE or height > MAX_SIDE or width * height > self.max_image_pixels:
+            raise DispatchError(
+                f"{label}: an image of {width}x{height} pixels is larger than accepted "
+                f"({self.max_image_pixels} pixels, {MAX_SIDE} a side)"
+            )
         try:
             grid = self.sizing.image_grid(self.processor, height, width)
         except ValueError as exc:

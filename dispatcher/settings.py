@@ -10,9 +10,10 @@ from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import NoDecode
 
 from dispatcher.workers import WorkerAddress
-from process_settings import Port, SettingError, check_checkpoint
+from process_settings import Port, PositiveInt, PositiveSeconds, SettingError, check_checkpoint
 from process_settings.groups import ModelNaming
 from process_settings.secrets import HandshakeToken, IntakeToken
+from vision.limits import MAX_PIXELS
 from wire.addresses import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
 
 
@@ -71,6 +72,16 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken, ModelNaming):
     )
     near: OptionalText = Field(
         None, description="host of the prefill engine: its encode workers go first (same-node SHM)"
+    )
+    intake_timeout_s: PositiveSeconds = Field(
+        5.0,
+        description="time for a worker's intake to answer an item; past it the worker is "
+        "marked down and the item placed elsewhere (or sent to vLLM inline)",
+    )
+    max_image_pixels: PositiveInt = Field(
+        MAX_PIXELS,
+        description="largest image (width x height, from its header) sent on; a larger one is "
+        "refused (400), never decoded by anyone: the workers' --max-image-pixels",
     )
 
     @model_validator(mode="after")

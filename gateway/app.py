@@ -32,6 +32,7 @@ from prometheus_client import (
     CollectorRegistry,
     generate_latest,
 )
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dispatcher.dispatch import Dispatcher
@@ -76,7 +77,9 @@ class Gateway:
             served_model=settings.served_model_name,
             handshake_token=settings.handshake_token,
             intake_token=settings.intake_token,
+            intake_timeout_s=settings.intake_timeout_s,
             sizing=family.sizing,
+            max_image_pixels=settings.max_image_pixels,
         )
         self.fetcher = MediaFetcher(
             settings.max_image_bytes,
@@ -447,6 +450,14 @@ def build_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="EPD gateway", version="1", lifespan=lifespan)
     app.add_middleware(InFlightLimit, gateway=gateway)
     app.state.gateway = gateway
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Routing's own answers (404 unknown path, 405 wrong method) in OpenAI's error shape,
+        as vLLM's server gives them."""
+        response = OpenAIError(exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

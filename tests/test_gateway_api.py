@@ -417,3 +417,31 @@ def test_slow_uploads_and_hang_ups_hold_nothing(tmp_path):
         cluster.stop()
     with open(gateway.log_path) as log:
         assert "Traceback" not in log.read()
+
+
+def test_an_image_too_large_to_decode_is_refused_not_sent_inline(app_without_vllm):
+    """A 12000x12000 PNG of a few KB: refused (400) from its header, before any worker or vLLM
+    (which would decode 144 M pixels) sees it; vLLM being unreachable, a 502 would mean it was
+    forwarded."""
+    buffer = io.BytesIO()
+    Image.new("1", (12000, 12000)).save(buffer, format="PNG")
+    assert len(buffer.getvalue()) < 100_000
+    uri = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "?"}]
+    answer = app_without_vllm.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": content}]},
+    )
+    assert answer.status_code == 400, answer.text
+    assert "12000x12000 pixels is larger than accepted" in answer.json()["error"]["message"]
+
+
+def test_unknown_paths_and_wrong_methods_answer_in_openais_shape(app_without_vllm):
+    for answer, status in (
+        (app_without_vllm.get("/v1/nothing-here"), 404),
+        (app_without_vllm.get("/v1/chat/completions"), 405),
+    ):
+        assert answer.status_code == status
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert app_without_vllm.get("/v1/chat/completions").headers["allow"] == "POST"
