@@ -76,7 +76,7 @@ class Prepare:
 
     def run(self, batch: list[EncodeJob]) -> PreparedBatch:
         misses, ready, leaders = [], [], []
-        for job in batch:
+        for job in self._still_wanted(batch):
             try:
                 # SHM pixels are read first: their claimed hash is checked before it keys anything
                 shm_pixels = self._shm_pixels(job) if job.source == "shm" else None
@@ -101,6 +101,22 @@ class Prepare:
             self.failer.fail(job.handshake, inputs, job.modality)
             self._abandon(key, f"an identical item failed: {inputs}")
         return PreparedBatch(misses, ready)
+
+    def _still_wanted(self, batch: list[EncodeJob]) -> list[EncodeJob]:
+        """The batch without the items whose room (in this worker's table) ended while they
+        queued: a client that left, an engine that refused the request; they are neither decoded
+        nor encoded. An item whose room lives elsewhere is kept (no call per item to learn it)."""
+        local = [job for job in batch if self.failer.rooms(job.handshake).in_process]
+        if not local:
+            return batch
+        ended = self.failer.rooms(local[0].handshake).table.ended([job.room for job in local])
+        if not ended:
+            return batch
+        for job in batch:
+            if job.room in ended:
+                self.failer.in_flight.release(job.room)
+                self.metrics.count(job.modality, ended[job.room])
+        return [job for job in batch if job.room not in ended]
 
     def _start(self, job: EncodeJob, shm_pixels: torch.Tensor | None) -> TowerInputs | str | Future:
         """The item's preparation: done here, or handed to a pool thread."""

@@ -268,6 +268,21 @@ class RoomTable:
             room.waiters.append(listener)
             return True
 
+    def ended(self, room_ids: list[int]) -> dict[int, RoomState]:
+        """Those of ``room_ids`` that are rooms of this table and have ended (cancelled, failed,
+        expired: their items need no more work), with how, in one lock."""
+        with self._lock:
+            store, gone = self._store, {}
+            for room_id in room_ids:
+                room = store.rooms.get(room_id)
+                if room is not None:
+                    store.expire_if_due(room, store.clock())
+                    if room.state.terminal:
+                        gone[room_id] = room.state
+                elif room_id in store.tombstones:
+                    gone[room_id] = store.get(room_id).state
+            return gone
+
     def mark_staged(self, room_id: int) -> int | None:
         """The writer holds the rows of a room no receiver has registered yet: it says so once
         (waking who waits for it). The room's version now, or None when it is not PENDING (or

@@ -136,6 +136,35 @@ def qwen25(checkpoints):
     return checkpoints["qwen2_5_vl"], VisionTower.load(checkpoints["qwen2_5_vl"])
 
 
+def test_an_item_whose_room_ended_while_queued_is_never_encoded(qwen25):
+    """Rooms cancelled after intake took their items (the client left, vLLM refused the request):
+    the items are dropped before decoding and the tower, counted by how their rooms ended; an item
+    beside them is delivered."""
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower)
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    sample = worker.metrics.registry.get_sample_value
+    try:
+        rooms = worker.table.mint(4, 60)
+        for room in rooms[:3]:
+            worker.table.cancel(room, "the client left")
+        images = [png(96, 96, 40 + i) for i in range(4)]
+        receiver.reserve(rooms[3], rows_for(tower, images[3]), tower.info.wire_width, tower.dtype)
+        for index, (room, image) in enumerate(zip(rooms, images)):
+            assert intake.send(request(worker, room, f"gone{index}"), image).ok
+        assert receiver.wait(rooms[3])[0] is RoomState.SUCCESS
+        labels = {"modality": "IMAGE"}
+        eventually(
+            lambda: sample("epd_encoder_items_total", {**labels, "outcome": "cancelled"}) == 3,
+            "the three dropped items counted as cancelled",
+        )
+        assert sample("epd_encoder_batch_items_sum") == 1  # only the fourth reached the tower
+    finally:
+        intake.close()
+        worker.stop()
+        receiver.close()
+
+
 def test_intake_to_delivery_with_cache_hit(qwen25):
     directory, tower = qwen25
     worker, receiver = make_worker(directory, tower=tower)
