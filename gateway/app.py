@@ -159,6 +159,7 @@ class Gateway:
             refs = media_refs(chat)
         except ChatRequestError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
+        self._within_limits(refs)
         prepared = PreparedChat(
             f"gw-{uuid.uuid4().hex}", body, chat.stream, refs, video_seconds=self.video_seconds
         )
@@ -195,6 +196,19 @@ class Gateway:
                 reason = "dispatch_failed" if item.attempts else "no_healthy_worker"
                 self.metrics.colocated.labels(self.metrics.model_name, reason).inc()
         return prepared
+
+    def _within_limits(self, refs: list) -> None:
+        """vLLM's per-prompt limits, checked before any worker encodes an item vLLM would
+        refuse the request for."""
+        limits = self.settings.limit_mm_per_prompt or {}
+        for kind, limit in limits.items():
+            count = sum(ref.kind == kind for ref in refs)
+            if count > limit:
+                raise OpenAIError(
+                    400,
+                    f"At most {limit} {kind}(s) may be provided in one prompt, got {count} "
+                    "(--limit-mm-per-prompt, as vLLM's)",
+                )
 
     def _cancel(self, prepared: PreparedChat, reason: str) -> None:
         if prepared.placed:

@@ -3,10 +3,11 @@ environment variables, secret files and ``--help`` are generated from these fiel
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+import json
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic import BeforeValidator, Field, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from dispatcher.settings import EncodeWorkerTargets, HttpUrl
 from process_settings import (
@@ -18,6 +19,32 @@ from process_settings import (
     PositiveSeconds,
     SettingError,
 )
+from wire.modality import BY_VLLM_NAME
+
+
+def _media_limits(value: object) -> dict[str, int] | None:
+    """vLLM's ``--limit-mm-per-prompt`` JSON (``{"image": 8, "video": 0}``); blank: none."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{value!r} is not JSON: {exc.msg}") from None
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+        kind in BY_VLLM_NAME and isinstance(count, int) and count >= 0
+        for kind, count in value.items()
+    ):
+        raise ValueError(
+            f"{value!r}: a JSON object of {', '.join(BY_VLLM_NAME)} -> a count of at least 0"
+        )
+    return dict(value)
+
+
+# NoDecode: the environment's value is the flag's JSON text
+MediaLimits = Annotated[dict[str, int] | None, NoDecode, BeforeValidator(_media_limits)]
 
 
 class GatewaySettings(EncodeWorkerTargets):
@@ -47,6 +74,11 @@ class GatewaySettings(EncodeWorkerTargets):
     )
     allow_private_urls: bool = Field(
         False, description="fetch image URLs on loopback, private and link-local addresses"
+    )
+    limit_mm_per_prompt: MediaLimits = Field(
+        None,
+        description='vLLM\'s --limit-mm-per-prompt (JSON, e.g. {"image": 8, "video": 0}): '
+        "a request with more is refused here (400) before any worker encodes it",
     )
     max_body_bytes: ByteSize = Field(100 << 20, description="largest request body taken")
     body_timeout_s: PositiveSeconds = Field(

@@ -203,6 +203,7 @@ def app_without_vllm(tmp_path_factory):
         served_model_name="m",
         workers=(WorkerAddress(HOST, free_port(), free_port()),),
         max_body_bytes=1 << 20,
+        limit_mm_per_prompt='{"image": 4, "video": 1}',
     )
     with TestClient(
         build_app(Gateway(settings, AutoImageProcessor.from_pretrained(model)))
@@ -445,3 +446,15 @@ def test_unknown_paths_and_wrong_methods_answer_in_openais_shape(app_without_vll
         error = answer.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
     assert app_without_vllm.get("/v1/chat/completions").headers["allow"] == "POST"
+
+
+def test_more_images_than_vllm_takes_are_refused_before_any_encode(app_without_vllm):
+    """--limit-mm-per-prompt (vLLM's): 5 images where 4 are taken is a 400 at once, before any
+    worker encodes them (vLLM would refuse the request after the workers had)."""
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    answer = app_without_vllm.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": [part] * 5}]},
+    )
+    assert answer.status_code == 400
+    assert "At most 4 image(s) may be provided in one prompt, got 5" in answer.text

@@ -416,8 +416,12 @@ def test_gateway_reaches_vllm_and_the_encoders_and_all_three_serve_one_checkpoin
         assert engine.served_model_name == [name], (
             "what clients send as `model`, the gateway's name too"
         )
+    (limits,) = {json.dumps(engine.limit_mm_per_prompt, sort_keys=True) for _, engine in engines}
     for template, gateway in gateways:
         assert gateway.model == model
+        assert json.dumps(gateway.limit_mm_per_prompt, sort_keys=True) == limits, (
+            "the gateway refuses what vLLM would, before the workers encode it"
+        )
         assert (gateway.served_model_name or os.path.basename(gateway.model)) == name, (
             "intake refuses other names"
         )
