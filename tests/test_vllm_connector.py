@@ -438,6 +438,27 @@ def test_a_video_and_an_image_in_one_request_equal_colocated(stack, transport):
     assert stack.pool_idle()
 
 
+def test_the_connectors_reasons_are_logged_as_vllm_logs_its_own(stack):
+    """A request's failure reason goes through vLLM's own log handler, with the time and level
+    vLLM prints (it reached Python's last resort before: the bare message)."""
+    import logging
+    import re
+
+    (handler, *_) = logging.getLogger("vllm").handlers
+    ours = logging.getLogger("prefill_side.vllm_connector.scheduler")
+    assert ours.getEffectiveLevel() <= logging.WARNING
+    holder = ours
+    while holder is not None and not holder.handlers:
+        holder = holder.parent if holder.propagate else None
+    assert holder is not None and handler in holder.handlers
+    record = ours.makeRecord(
+        ours.name, logging.WARNING, __file__, 1, "request %s fails: %s", ("r1", "why"), None
+    )
+    text = handler.format(record)
+    assert "WARNING" in text and "request r1 fails: why" in text
+    assert re.search(r"\d\d-\d\d \d\d:\d\d:\d\d", text), text
+
+
 def test_request_without_rooms_is_untouched(stack):
     """A request with no ec_transfer_params is vLLM's own: no receive job, same tokens as always."""
     image = synthetic_image(84, 84, seed=41)

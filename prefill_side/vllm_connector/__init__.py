@@ -75,6 +75,28 @@ def model_row_width(vllm_config: VllmConfig) -> tuple[int, torch.dtype]:
     return model_config.get_hidden_size(), model_config.dtype
 
 
+# The project's loggers a connector's work logs to (a request's failure and fallback reasons:
+# prefill_side; its transports and wire: data_plane, wire)
+LIBRARY_LOGGERS = ("prefill_side", "data_plane", "wire")
+
+
+def _log_as_vllm() -> None:
+    """The library's records through vLLM's own handlers, with the time and level vLLM gives its
+    own (they would otherwise reach Python's last-resort handler: the bare message, warnings
+    only), unless the process configured handlers for them."""
+    import logging
+
+    vllm_logger = logging.getLogger("vllm")
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.handlers or not vllm_logger.handlers:
+            continue
+        for handler in vllm_logger.handlers:
+            logger.addHandler(handler)
+        logger.setLevel(vllm_logger.level)
+        logger.propagate = False
+
+
 class EPDConnector(ECConnectorBase):
     """A consumer-role EC connector on ``PrefillReceiver`` (module docstring: the whole path)."""
 
@@ -93,6 +115,7 @@ class EPDConnector(ECConnectorBase):
             self.settings = ConnectorSettings.model_validate(extra)
         except ValidationError as exc:
             raise ValueError(f"EPDConnector: bad ec_connector_extra_config: {exc}") from None
+        _log_as_vllm()
         if role is ECConnectorRole.SCHEDULER:
             # one scheduler half per engine (each data-parallel engine has its own receiver and
             # pool; its metrics port is the setting plus the engine's local data-parallel rank)

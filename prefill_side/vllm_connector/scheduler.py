@@ -130,12 +130,14 @@ class SchedulerSide:
             try:
                 self.metrics_server, _ = start_http_server(
                     settings.metrics_port,
+                    addr=settings.metrics_host,
                     registry=exposition_registry(self.receiver.registry, model_name),
                 )
             except OSError as exc:
                 self.receiver.close()
                 raise ValueError(
-                    f"EPDConnector: cannot serve metrics on port {settings.metrics_port}: {exc}"
+                    f"EPDConnector: cannot serve metrics on {settings.metrics_host} port "
+                    f"{settings.metrics_port}: {exc}"
                 ) from None
         self.width, self.dtype = width, dtype
         self.requests: dict[str, Received] = {}  # request id -> the receive it takes rows from

@@ -27,6 +27,9 @@ class ConnectorSettings(ReceiverSettings, ReceiverTransportSettings):
     # which does not see this one's registries. None: not served. A data-parallel engine serves
     # its own on this port plus its local data-parallel rank.
     metrics_port: int | None = Field(None, ge=1, le=65535)
+    # The address metrics_port binds: loopback unless set (vLLM's --host is its API server's,
+    # which this process does not see); a pod whose metrics are scraped sets 0.0.0.0.
+    metrics_host: str = Field("127.0.0.1", min_length=1, max_length=255)
 
     def for_data_parallel_rank(self, rank: int) -> ConnectorSettings:
         """The settings of one data-parallel engine: ``metrics_port`` moved up by its local rank
