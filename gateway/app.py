@@ -45,7 +45,14 @@ from gateway.media import MediaError, MediaFetcher
 from gateway.metrics import GatewayMetrics
 from gateway.prepared import PreparedChat
 from gateway.settings import GatewaySettings
-from gateway.upstream import Upstream, chain_events, first_token_or_error, server_events
+from gateway.upstream import (
+    Upstream,
+    chain_events,
+    chunk_head,
+    first_token_or_error,
+    report_event,
+    server_events,
+)
 from wire.ec_params import DeliveryReport
 from wire.modality import BY_VLLM_NAME
 
@@ -371,9 +378,13 @@ class Gateway:
         prepared: PreparedChat,
         started: float,
     ) -> AsyncIterator[bytes]:
-        outcome, waiting_first = "client_disconnected", True
+        outcome, waiting_first, head = "client_disconnected", True, None
         try:
             async for event in chain_events(held, events):
+                if event.startswith(b"data: [DONE]"):
+                    yield report_event(head, prepared.report(None).model_dump(mode="json"))
+                elif head is None:
+                    head = chunk_head(event)
                 if waiting_first and first_token_or_error(event) == "token":
                     waiting_first = False
                     self.metrics.first_token.labels(self.metrics.model_name).observe(

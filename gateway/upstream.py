@@ -100,3 +100,25 @@ def first_token_or_error(event: bytes) -> str | None:
         if (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
             return "token"
     return None
+
+
+def chunk_head(event: bytes) -> dict | None:
+    """The ``id``, ``object``, ``created`` and ``model`` of a stream's chunk event; None for any
+    other event."""
+    if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
+        return None
+    try:
+        data = json.loads(event[6:])
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or "choices" not in data:
+        return None
+    return {key: data[key] for key in ("id", "object", "created", "model") if key in data}
+
+
+def report_event(head: dict | None, report: dict) -> bytes:
+    """The gateway's ``epd`` report as a stream's last chunk before ``[DONE]``: a chunk of the
+    stream's id and model with no choices (as OpenAI's usage chunk), the report beside them. vLLM
+    sends no delivery report in a stream: the report says where each image was encoded."""
+    chunk = {**(head or {"object": "chat.completion.chunk"}), "choices": [], "epd": report}
+    return f"data: {json.dumps(chunk)}\n\n".encode()
