@@ -293,7 +293,12 @@ class Soak:
         corrupted = self.normal["corrupted"] + sum(e["corrupted"] for e in self.events)
         collateral = self.normal["failed"] + sum(e["collateral"] for e in self.events)
         crashed = [e for e in self.events if "error" in e]
-        unexpected = [e for e in self.events if not e.get("expected") and "error" not in e]
+        not_applicable = [e for e in self.events if e.get("not_applicable")]
+        unexpected = [
+            e
+            for e in self.events
+            if not e.get("expected") and "error" not in e and not e.get("not_applicable")
+        ]
         report = {
             "items": self.counted,
             "items_goal": self.items,
@@ -313,6 +318,9 @@ class Soak:
             "ttf_p50_s": _p(rooms_ttf, 0.5),
             "ttf_p99_s": _p(rooms_ttf, 0.99),
             "ttf_max_s": max(rooms_ttf, default=None),
+            # events whose fault the system outran (not judged): by scenario, with why
+            "not_applicable_count": len(not_applicable),
+            "not_applicable": [(e["kind"], e["not_applicable"]) for e in not_applicable[:10]],
             "unexpected_outcome_count": len(unexpected),
             "unexpected_outcomes": unexpected[:10],
             "crashed_scenario_count": len(crashed),
@@ -381,6 +389,7 @@ def _by_kind(events: list[dict]) -> dict:
             {
                 "events": 0,
                 "expected": 0,
+                "not_applicable": 0,
                 "errors": 0,
                 "affected": 0,
                 "delivered_anyway": 0,
@@ -388,7 +397,8 @@ def _by_kind(events: list[dict]) -> dict:
             },
         )
         entry["events"] += 1
-        entry["expected"] += bool(event.get("expected"))
+        entry["expected"] += bool(event.get("expected")) and not event.get("not_applicable")
+        entry["not_applicable"] += bool(event.get("not_applicable"))
         entry["errors"] += "error" in event
         aimed = event["affected"] + event["delivered_anyway"]
         entry["affected"] += len(aimed)
@@ -526,7 +536,8 @@ def main(args) -> int:
                 f"{row['ttf_p99_s'] if row['ttf_p99_s'] is not None else 0:.3f} s"
             )
         print(
-            f"  {kind:34s} events {row['events']:4d}  as expected {row['expected']:4d}  crashed "
+            f"  {kind:34s} events {row['events']:4d}  as expected {row['expected']:4d}  "
+            f"not applicable {row['not_applicable']:2d}  crashed "
             f"{row['errors']:3d}  "
             f"{what}"
         )

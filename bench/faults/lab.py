@@ -72,6 +72,9 @@ class FaultOutcome:
     corrupted: int = 0  # items that arrived with bytes other than the reference's
     collateral: int = 0  # unaffected items that failed
     expected: bool = True  # the scenario's own expectation held (reason, order of events)
+    # why the fault could not be made this time (the system outran the harness: a write ended
+    # before its cancel could land); such an event is reported apart, not judged
+    not_applicable: str | None = None
     notes: dict = field(default_factory=dict)
 
     @property
@@ -95,6 +98,7 @@ class FaultOutcome:
             "corrupted": self.corrupted,
             "collateral": self.collateral,
             "expected": self.expected,
+            "not_applicable": self.not_applicable,
             "ttf_s": self.ttf_s,
             "failed_fast": self.failed_fast,
             "notes": self.notes,
