@@ -11,7 +11,7 @@ import torch
 from multimodal.hashing import hash_feature
 from multimodal.items import GRID_KEYS, MultimodalDataItem
 from vision.image_files import header as image_header
-from vision.limits import MAX_PIXELS, MAX_SIDE
+from vision.limits import MAX_PIXELS
 from vision.sizing import QWEN_VL, Sizing, sample_and_size
 from vision.video import BadVideo, read_header
 from wire.addresses import EncodeHandshake
@@ -110,16 +110,12 @@ class MediaSizer:
         return items
 
     def _describe_image(self, index: int, image: bytes, label: str) -> DispatchedItem:
-        try:  # the size as displayed: vLLM and the workers apply the EXIF orientation
-            width, height, image_format = image_header(image)
+        # the size as displayed (vLLM and the workers apply the EXIF orientation); too large is
+        # refused here, not sent to vLLM inline: a small file may declare a huge image
+        try:
+            width, height, image_format = image_header(image, self.max_image_pixels)
         except ValueError as exc:
             raise DispatchError(f"{label}: {exc}") from None
-        # refused here, not sent to vLLM inline: a small file may declare a huge image
-        if width > MAX_SIDE or height > MAX_SIDE or width * height > self.max_image_pixels:
-            raise DispatchError(
-                f"{label}: an image of {width}x{height} pixels is larger than accepted "
-                f"({self.max_image_pixels} pixels, {MAX_SIDE} a side)"
-            )
         try:
             grid = self.sizing.image_grid(self.processor, height, width)
         except ValueError as exc:

@@ -19,6 +19,7 @@ from encode_worker.stages import SHUTTING_DOWN, StageContext
 from handshake.rooms import RoomConflict, RoomError, RoomsFull
 from multimodal.hashing import hash_feature
 from process_settings import SettingError
+from vision.image_files import TooLarge
 from vision.image_files import header as image_header
 from vision.images import BadItem
 from vision.limits import MAX_SIDE
@@ -262,7 +263,12 @@ class Intake:
         """An image's payload as Prepare reads it, its grid and its pixels."""
         if request.source == "bytes":
             try:  # the size as displayed (the EXIF orientation applied), as Prepare decodes it
-                width, height, _ = image_header(payload)
+                width, height, _ = image_header(payload, self.config.max_image_pixels)
+            except TooLarge as exc:
+                raise BadItem(
+                    f"image of {exc.width}x{exc.height} pixels is larger than this worker decodes "
+                    f"({exc.max_pixels} pixels, {MAX_SIDE} a side)"
+                ) from None
             except ValueError as exc:
                 raise BadItem(f"cannot read image header: {exc}") from None
         else:

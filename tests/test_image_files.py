@@ -11,6 +11,7 @@ from PIL import Image
 from tests.image_matrix import matrix
 from vision.image_files import header
 from vision.images import image_from_bytes
+from vision.limits import MAX_PIXELS
 from vision.sizing import QWEN_VL
 
 vllm_media = pytest.importorskip(
@@ -41,7 +42,7 @@ def test_the_worker_sees_vllms_pixels(case):
 @pytest.mark.parametrize("case", CASES)
 def test_the_header_sizes_the_image_as_decoded(case, processor):
     data = matrix()[case]
-    width, height, _ = header(data)
+    width, height, _ = header(data, MAX_PIXELS)
     decoded = image_from_bytes(data)
     assert (width, height) == decoded.size
     placed = QWEN_VL.image_grid(processor, height, width)

@@ -16,11 +16,22 @@ from typing import NamedTuple
 
 from PIL import Image, ImageOps
 
-from vision.limits import IMAGE_FORMATS
+from vision.limits import IMAGE_FORMATS, MAX_SIDE
 
 ORIENTATION_TAG = 0x0112  # EXIF Orientation
 TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}  # turned by a quarter: width and height swap
 BACKGROUND = (255, 255, 255)  # what vLLM composites transparent pixels onto
+
+
+class TooLarge(ValueError):
+    """The header declares an image larger than the limit (nothing was decoded)."""
+
+    def __init__(self, width: int, height: int, max_pixels: int):
+        super().__init__(
+            f"an image of {width}x{height} pixels is larger than accepted "
+            f"({max_pixels} pixels, {MAX_SIDE} a side)"
+        )
+        self.width, self.height, self.max_pixels = width, height, max_pixels
 
 
 class ImageHeader(NamedTuple):
@@ -45,10 +56,14 @@ def open_image(data: bytes) -> Image.Image:
     return image
 
 
-def header(data: bytes) -> ImageHeader:
-    """The image's displayed size and format, from its header (``ValueError`` as ``open_image``)."""
+def header(data: bytes, max_pixels: int) -> ImageHeader:
+    """The image's displayed size and format, from its header; ``ValueError`` as ``open_image``,
+    ``TooLarge`` for an image above ``max_pixels`` or ``MAX_SIDE`` a side (checked before anything
+    else is read)."""
     with open_image(data) as image:
         width, height = image.size
+        if width > MAX_SIDE or height > MAX_SIDE or width * height > max_pixels:
+            raise TooLarge(width, height, max_pixels)
         if _orientation(image) in TRANSPOSED_ORIENTATIONS:
             width, height = height, width
         return ImageHeader(width, height, image.format)
@@ -71,6 +86,11 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _orientation(image: Image.Image) -> int | None:
+    """The EXIF orientation the header holds. A PNG's EXIF is read only from an eXIf chunk before
+    the image data (PIL would decode the whole image to look for one after it: such a rare file's
+    grid then disagrees with the worker's, which fails the item rather than encode it otherwise)."""
+    if image.format == "PNG" and "exif" not in image.info:
+        return None
     with contextlib.suppress(Exception):  # an unreadable EXIF block: no orientation, as vLLM
         return image.getexif().get(ORIENTATION_TAG)
     return None
