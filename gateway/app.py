@@ -39,7 +39,7 @@ from dispatcher.dispatch import Dispatcher
 from dispatcher.media import DispatchError, Media
 from dispatcher.staged import StagedWatch
 from dispatcher.workers import WorkerSet
-from gateway.chat import ChatRequest, ChatRequestError, media_refs, read_chat
+from gateway.chat import BodyBudget, ChatRequest, ChatRequestError, media_refs, read_chat
 from gateway.errors import OpenAIError, UpstreamRefusal
 from gateway.media import MediaError, MediaFetcher
 from gateway.metrics import GatewayMetrics
@@ -88,6 +88,7 @@ class Gateway:
             sizing=family.sizing,
             max_image_pixels=settings.max_image_pixels,
         )
+        self.reading = BodyBudget(settings.max_receiving_bytes)
         self.fetcher = MediaFetcher(
             settings.max_image_bytes,
             settings.fetch_timeout_s,
@@ -131,10 +132,15 @@ class Gateway:
 
     async def chat(self, request: Request) -> Response:
         started = time.monotonic()
+        limit = request.scope.get(InFlightLimit.SCOPE_KEY)
+        if limit is not None and limit.full():  # refused before its body is read
+            return limit.refusal()
         try:
             try:
                 async with asyncio.timeout(self.settings.body_timeout_s):
-                    body, chat = await read_chat(request, self.settings.max_body_bytes)
+                    body, chat = await read_chat(
+                        request, self.settings.max_body_bytes, self.reading
+                    )
             except TimeoutError:  # a slow (or stalled) upload holds no more than this
                 raise OpenAIError(
                     408, f"request body not received within {self.settings.body_timeout_s} s"
@@ -142,12 +148,11 @@ class Gateway:
             except ClientDisconnect:  # the client hung up while sending: nobody to answer
                 self.metrics.count("client_disconnected")
                 return Response(status_code=400)
-            limit = request.scope.get(InFlightLimit.SCOPE_KEY)
             if limit is not None and not limit.admit(request.scope):
                 return limit.refusal()
             prepared = await self._prepare(body, chat)
         except OpenAIError as exc:
-            self.metrics.count("refused")
+            self.metrics.count("overloaded" if exc.kind == "overloaded" else "refused")
             return exc.response()
         except (
             Exception
@@ -442,6 +447,9 @@ class InFlightLimit:
                 self.count -= 1
                 self.gauge.dec()
 
+    def full(self) -> bool:
+        return self.count >= self.gateway.settings.max_in_flight
+
     def admit(self, scope) -> bool:
         """Count the request in (its body is in); False when ``max_in_flight`` are already."""
         if self.count >= self.gateway.settings.max_in_flight:
@@ -454,13 +462,12 @@ class InFlightLimit:
     def refusal(self) -> Response:
         limit = self.gateway.settings.max_in_flight
         self.gateway.metrics.count("overloaded")
-        refusal = OpenAIError(
+        return OpenAIError(
             503,
             f"the gateway serves {limit} requests at once (--max-in-flight); retry shortly",
             kind="overloaded",
+            retry_after_s=1,
         ).response()
-        refusal.headers["Retry-After"] = "1"
-        return refusal
 
 
 def build_app(gateway: Gateway) -> FastAPI:

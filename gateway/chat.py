@@ -166,14 +166,43 @@ def rewrite(
     return out
 
 
-async def read_chat(request: Request, max_body_bytes: int) -> tuple[dict, ChatRequest]:
-    """The request's body (at most ``max_body_bytes``) as JSON and as a ``ChatRequest``;
-    ``OpenAIError`` (400, 413) otherwise."""
+class BodyBudget:
+    """The bytes of request bodies being received at once, bounded: requests are counted in
+    ``--max-in-flight`` only once their body is in, so this bounds what bodies on their way in
+    hold (a stalled upload holds what it sent, at most ``--body-timeout-s``)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.held = max_bytes, 0
+
+    def take(self, nbytes: int) -> None:
+        if self.held + nbytes > self.max_bytes:
+            raise OpenAIError(
+                503,
+                f"the gateway holds {self.max_bytes} bytes of request bodies being received "
+                "(--max-receiving-bytes); retry shortly",
+                kind="overloaded",
+                retry_after_s=1,
+            )
+        self.held += nbytes
+
+    def give_back(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+async def read_chat(
+    request: Request, max_body_bytes: int, budget: BodyBudget
+) -> tuple[dict, ChatRequest]:
+    """The request's body (at most ``max_body_bytes``, within ``budget`` while it is received)
+    as JSON and as a ``ChatRequest``; ``OpenAIError`` (400, 413, 503) otherwise."""
     data = bytearray()
-    async for chunk in request.stream():
-        data += chunk
-        if len(data) > max_body_bytes:
-            raise OpenAIError(413, f"request body larger than {max_body_bytes} bytes")
+    try:
+        async for chunk in request.stream():
+            budget.take(len(chunk))
+            data += chunk
+            if len(data) > max_body_bytes:
+                raise OpenAIError(413, f"request body larger than {max_body_bytes} bytes")
+    finally:
+        budget.give_back(len(data))
     try:
         body = json.loads(data)
     except ValueError as exc:

@@ -23,12 +23,14 @@ class OpenAIError(Exception):
         message: str,
         kind: str = "invalid_request_error",
         param: str | None = None,
+        retry_after_s: int | None = None,
     ):
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
+        self.retry_after_s = retry_after_s  # sent as Retry-After (a busy refusal)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(
+        response = JSONResponse(
             {
                 "error": {
                     "message": str(self),
@@ -39,3 +41,6 @@ class OpenAIError(Exception):
             },
             status_code=self.status,
         )
+        if self.retry_after_s is not None:
+            response.headers["Retry-After"] = str(self.retry_after_s)
+        return response

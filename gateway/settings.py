@@ -81,12 +81,17 @@ class GatewaySettings(EncodeWorkerTargets):
         "a request with more is refused here (400) before any worker encodes it",
     )
     max_body_bytes: ByteSize = Field(100 << 20, description="largest request body taken")
+    max_receiving_bytes: ByteSize = Field(
+        1 << 30,
+        description="bytes of request bodies being received at once (not yet counted in "
+        "--max-in-flight); past it a request gets 503 and Retry-After",
+    )
     body_timeout_s: PositiveSeconds = Field(
         30.0,
         description="time to receive a request's whole body; a slower upload gets 408 (it is "
         "not counted in --max-in-flight until its body is in)",
     )
-    # each request in flight holds its body: this bounds the gateway's memory
+    # each request in flight holds its body: this and --max-receiving-bytes bound its memory
     max_in_flight: PositiveInt = Field(
         256, description="chat requests served at once; one more gets 503 and Retry-After"
     )

@@ -458,3 +458,30 @@ def test_more_images_than_vllm_takes_are_refused_before_any_encode(app_without_v
     )
     assert answer.status_code == 400
     assert "At most 4 image(s) may be provided in one prompt, got 5" in answer.text
+
+
+def test_bodies_being_received_are_bounded_in_bytes(tmp_path):
+    """--max-receiving-bytes: a body that would take the bytes being received past it is refused
+    (503, Retry-After), and the bytes come back once a body is in."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoImageProcessor
+
+    from gateway.app import Gateway, GatewaySettings, build_app
+    from vision.small_checkpoints import build_full
+
+    build_full("qwen2_vl", str(tmp_path))
+    settings = GatewaySettings(
+        model=str(tmp_path),
+        vllm_url=f"http://{HOST}:{free_port()}",
+        served_model_name="m",
+        workers=(WorkerAddress(HOST, free_port(), free_port()),),
+        max_receiving_bytes=1000,
+    )
+    gateway = Gateway(settings, AutoImageProcessor.from_pretrained(str(tmp_path)))
+    small = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
+    with TestClient(build_app(gateway)) as client:
+        refused = client.post("/v1/chat/completions", content=small + " " * 2000)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        assert "--max-receiving-bytes" in refused.json()["error"]["message"]
+        assert client.post("/v1/chat/completions", content=small).status_code == 502
+        assert gateway.reading.held == 0
