@@ -133,10 +133,25 @@ class Intake:
             return [self._refused(exc).frame()]
         self.metrics.message_items.observe(len(parsed))
         replies = [
-            self._refused(item) if isinstance(item, IntakeRefused) else self._accept(*item)
+            self._refused(item) if isinstance(item, IntakeRefused) else self._accept_alone(*item)
             for item in parsed
         ]
         return IntakeBatchReply.model_construct(replies=replies).frames()
+
+    def _accept_alone(self, request: IntakeRequest, payload: bytes | None) -> IntakeReply:
+        """``_accept`` for one item of a batch: a fault of ours with it fails that item alone (the
+        items before it are queued already, and the batch's reply must still go)."""
+        try:
+            return self._accept(request, payload)
+        except Exception as exc:
+            room = request.encode_handshake.bootstrap_room
+            log.exception("intake failed on room %d", room)
+            self.in_flight.release(room)
+            return IntakeReply(
+                status=IntakeStatus.REFUSED,
+                room=room,
+                reason=f"encode worker error at intake: {type(exc).__name__}",
+            )
 
     def _refused(self, refusal: IntakeRefused) -> IntakeReply:
         """The reply to an item refused before it was read (its room untouched)."""

@@ -114,6 +114,8 @@ class Prepare:
             return batch
         for job in batch:
             if job.room in ended:
+                if job.source == "shm":  # the intake segment is this worker's to unlink
+                    job.payload.release()
                 self.failer.in_flight.release(job.room)
                 self.metrics.count(job.modality, ended[job.room])
         return [job for job in batch if job.room not in ended]

@@ -46,12 +46,12 @@ from gateway.metrics import GatewayMetrics
 from gateway.prepared import PreparedChat
 from gateway.settings import GatewaySettings
 from gateway.upstream import (
+    FINISHING,
     Upstream,
     chain_events,
-    chunk_head,
     first_token_or_error,
-    report_event,
     server_events,
+    with_report,
 )
 from wire.ec_params import DeliveryReport
 from wire.modality import BY_VLLM_NAME
@@ -383,13 +383,13 @@ class Gateway:
         prepared: PreparedChat,
         started: float,
     ) -> AsyncIterator[bytes]:
-        outcome, waiting_first, head = "client_disconnected", True, None
+        outcome, waiting_first = "client_disconnected", True
+        report = None
         try:
             async for event in chain_events(held, events):
-                if event.startswith(b"data: [DONE]"):
-                    yield report_event(head, prepared.report(None).model_dump(mode="json"))
-                elif head is None:
-                    head = chunk_head(event)
+                if FINISHING in event:  # a completion's last chunk carries the report
+                    report = report or prepared.report(None).model_dump(mode="json")
+                    event = with_report(event, report)
                 if waiting_first and first_token_or_error(event) == "token":
                     waiting_first = False
                     self.metrics.first_token.labels(self.metrics.model_name).observe(

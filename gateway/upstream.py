@@ -102,23 +102,20 @@ def first_token_or_error(event: bytes) -> str | None:
     return None
 
 
-def chunk_head(event: bytes) -> dict | None:
-    """The ``id``, ``object``, ``created`` and ``model`` of a stream's chunk event; None for any
-    other event."""
-    if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
-        return None
+FINISHING = b'"finish_reason":"'  # in a stream's chunk that ends a completion (vLLM's JSON)
+
+
+def with_report(event: bytes, report: dict) -> bytes:
+    """A completion's last chunk with the gateway's ``epd`` report beside its choices (vLLM
+    sends no delivery report in a stream: the report says where each image was encoded); any
+    other event as it is."""
+    if not event.startswith(b"data: "):
+        return event
     try:
-        data = json.loads(event[6:])
+        chunk = json.loads(event[6:])
     except ValueError:
-        return None
-    if not isinstance(data, dict) or "choices" not in data:
-        return None
-    return {key: data[key] for key in ("id", "object", "created", "model") if key in data}
-
-
-def report_event(head: dict | None, report: dict) -> bytes:
-    """The gateway's ``epd`` report as a stream's last chunk before ``[DONE]``: a chunk of the
-    stream's id and model with no choices (as OpenAI's usage chunk), the report beside them. vLLM
-    sends no delivery report in a stream: the report says where each image was encoded."""
-    chunk = {**(head or {"object": "chat.completion.chunk"}), "choices": [], "epd": report}
+        return event
+    if not isinstance(chunk, dict) or "choices" not in chunk:
+        return event
+    chunk["epd"] = report
     return f"data: {json.dumps(chunk)}\n\n".encode()

@@ -269,18 +269,20 @@ class RoomTable:
             return True
 
     def ended(self, room_ids: list[int]) -> dict[int, RoomState]:
-        """Those of ``room_ids`` that are rooms of this table and have ended (cancelled, failed,
-        expired: their items need no more work), with how, in one lock."""
+        """Those of ``room_ids`` that are rooms of this table and ended without rows (cancelled,
+        failed, expired: their items need no more work), with how, in one lock."""
         with self._lock:
             store, gone = self._store, {}
             for room_id in room_ids:
                 room = store.rooms.get(room_id)
                 if room is not None:
                     store.expire_if_due(room, store.clock())
-                    if room.state.terminal:
+                    if room.state.terminal and room.state is not RoomState.SUCCESS:
                         gone[room_id] = room.state
                 elif room_id in store.tombstones:
-                    gone[room_id] = store.get(room_id).state
+                    state = store.get(room_id).state
+                    if state is not RoomState.SUCCESS:
+                        gone[room_id] = state
             return gone
 
     def mark_staged(self, room_id: int) -> int | None:

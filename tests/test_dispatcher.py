@@ -362,6 +362,7 @@ class BusyWorker:
             IntakeBatch,
             IntakeBatchReply,
             IntakeReply,
+            IntakeRequest,
             IntakeStatus,
         )
 
@@ -377,9 +378,13 @@ class BusyWorker:
             while not self._stop.is_set():
                 if not self._socket.poll(50):
                     continue
-                identity, marker, metadata, *_ = self._socket.recv_multipart()
-                assert marker == BATCH_MARKER
-                items = IntakeBatch.model_validate_json(metadata).items
+                identity, first, *rest = self._socket.recv_multipart()
+                batch = first == BATCH_MARKER  # else one item in the one-item form
+                items = (
+                    IntakeBatch.model_validate_json(rest[0]).items
+                    if batch
+                    else [IntakeRequest.model_validate_json(first)]
+                )
                 self.items += len(items)
                 replies = [
                     IntakeReply(
@@ -390,7 +395,10 @@ class BusyWorker:
                     )
                     for item in items
                 ]
-                self._socket.send_multipart([identity, *IntakeBatchReply(replies=replies).frames()])
+                answer = (
+                    IntakeBatchReply(replies=replies).frames() if batch else [replies[0].frame()]
+                )
+                self._socket.send_multipart([identity, *answer])
             self._socket.close(0)
 
         self._thread = threading.Thread(target=serve, daemon=True)
@@ -485,3 +493,34 @@ def test_a_gateway_learns_when_the_worker_holds_the_rows_or_failed_the_item(stac
     assert view.state is RoomState.PENDING and view.staged
     job, state, inputs = _receive(receiver, items[:1])
     assert state is JobState.DONE, job.reasons
+
+
+def test_a_closed_intake_client_keeps_no_caller_waiting():
+    """An intake client closed while its items wait for a silent worker refuses them at once (a
+    dispatcher dropping a gone worker's client), instead of leaving them to their timeout."""
+    import zmq
+
+    from wire.addresses import EncodeHandshake, Endpoint
+    from wire.intake import AsyncIntakeClient, IntakeRefused, IntakeRequest
+
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+
+    async def run():
+        client = AsyncIntakeClient(f"tcp://127.0.0.1:{port}", timeout_s=30)
+        request = IntakeRequest(
+            request_id="r",
+            encode_handshake=EncodeHandshake.at(Endpoint("127.0.0.1", 9), 5),
+            source="bytes",
+        )
+        waiting = asyncio.ensure_future(client.send(request, b"image"))
+        await asyncio.sleep(0.1)
+        client.close()
+        with pytest.raises(IntakeRefused, match="closed"):
+            await asyncio.wait_for(waiting, 2)
+
+    try:
+        asyncio.run(run())
+    finally:
+        silent.close(0)

@@ -708,16 +708,17 @@ def test_tensor_parallel_ranks_load_the_same_rows_or_none(no_new_segments):
         segment.tensor[4096 : 4096 + rows.numel() * 4].copy_(rows.view(-1).view(torch.uint8))
         here = namespace_id()
 
-        def load(load_id, identifier, segment_name=segment.name, expected_rows=6):
+        def load(load_id, identifier, segment_name=segment.name, expected_rows=6, offset=4096):
             return Load(
-                load_id, identifier, segment_name, here, 4096, 6, WIDTH, "float32", expected_rows
+                load_id, identifier, segment_name, here, offset, 6, WIDTH, "float32", expected_rows
             )
 
         steps = [
             [load(1, "x")],
             [load(2, "bad", expected_rows=5)],  # the contract: no rank reads it
             [load(3, "gone", segment_name="epd-test-0-nosuchpool")],  # no rank can map it
-            [load(4, "y")],  # the ranks still serve after both failures
+            [load(5, "past", offset=(1 << 16) - 1024)],  # outside the pool: seen where mapped
+            [load(4, "y")],  # the ranks still serve after these failures
         ]
         for elsewhere in ((), (1,)):
             ranks = run_ranks(steps, elsewhere=elsewhere)
@@ -725,9 +726,9 @@ def test_tensor_parallel_ranks_load_the_same_rows_or_none(no_new_segments):
                 assert sorted(rank["cache"]) == ["x", "y"], (elsewhere, index)
                 assert all(torch.equal(rank["cache"][key], rows) for key in ("x", "y"))
                 assert rank["loaded"] == [1, 4]
-                assert len(rank["errors"]) == 2
+                assert len(rank["errors"]) == 3
                 assert "6 rows received, vLLM placed 5" in rank["errors"][0]
-                assert "no rank of this engine could read" in rank["errors"][1]
+                assert all("no rank of this engine could read" in e for e in rank["errors"][1:])
     finally:
         segment.unlink()
         segment.close()

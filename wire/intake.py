@@ -266,10 +266,11 @@ class IntakeClient:
 
 class AsyncIntakeClient:
     """The dispatcher's asyncio side of intake: one DEALER socket, many items in flight. The items
-    its callers send in one loop step go out as one batch message (at most ``MAX_BATCH_ITEMS``
-    items and about ``MAX_BATCH_PAYLOAD_BYTES`` of payload each); each reply is matched to its item
-    by room (a dispatcher never has two items for one room in flight). A reply that names no room
-    (the worker could not read the message) fails every item in flight with its reason."""
+    its callers send in one loop step go out as one message (a batch of at most
+    ``MAX_BATCH_ITEMS`` items and about ``MAX_BATCH_PAYLOAD_BYTES`` of payload; one item alone in
+    the one-item form); each reply is matched to its item by room (a dispatcher never has two
+    items for one room in flight). A reply that names no room (the worker could not read the
+    message) fails every item in flight with its reason."""
 
     def __init__(self, endpoint: str, timeout_s: float = 5.0, max_in_flight: int = 1024):
         import zmq
@@ -297,10 +298,13 @@ class AsyncIntakeClient:
             raise IntakeBusy(f"{self.max_in_flight} messages in flight to {self.endpoint}", room)
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_replies())
+        if (payload is None) != (request.source == "shm"):  # one wrong item spoils no batch
+            raise IntakeRefused(f"source {request.source!r} and the payload frame disagree", room)
         future = self._waiting[room] = asyncio.get_running_loop().create_future()
         if not self._unsent:
             asyncio.get_running_loop().call_soon(self._send_unsent)
-        self._unsent.append((request, payload))
+        item = (request, payload)
+        self._unsent.append(item)
         self._unsent_bytes += len(payload) if payload is not None else 0
         if len(self._unsent) >= MAX_BATCH_ITEMS or self._unsent_bytes >= MAX_BATCH_PAYLOAD_BYTES:
             self._send_unsent()
@@ -312,29 +316,43 @@ class AsyncIntakeClient:
             ) from None
         finally:
             self._waiting.pop(room, None)
+            unsent = [queued for queued in self._unsent if queued is not item]
+            if len(unsent) < len(self._unsent):  # its caller left before it went: it never goes
+                self._unsent = unsent
+                self._unsent_bytes -= len(payload) if payload is not None else 0
 
     def _send_unsent(self) -> None:
-        """The items sent since the last batch, as one batch message."""
+        """The items sent since the last batch, as one message: a batch, or one item alone in the
+        one-item form (which a worker that predates batches reads too)."""
         if not self._unsent:  # sent already, the batch full before the loop step ended
             return
         items, self._unsent, self._unsent_bytes = self._unsent, [], 0
-        metadata = b'{"items":[%s]}' % b",".join(
-            request.model_dump_json(exclude_none=True).encode() for request, _ in items
-        )
-        frames = [BATCH_MARKER, metadata]
+        if len(items) == 1:
+            ((request, payload),) = items
+            frames = [request.model_dump_json(exclude_none=True).encode()]
+        else:
+            frames = [
+                BATCH_MARKER,
+                b'{"items":[%s]}'
+                % b",".join(
+                    request.model_dump_json(exclude_none=True).encode() for request, _ in items
+                ),
+            ]
         frames.extend(payload for _, payload in items if payload is not None)
         rooms = [request.encode_handshake.bootstrap_room for request, _ in items]
         sent = self._socket.send_multipart(frames, copy=False)
         sent.add_done_callback(lambda sent: self._fail_unsent(sent, rooms))
 
     def _fail_unsent(self, sent: asyncio.Future, rooms: list[int]) -> None:
-        """A batch the socket could not send (closed, or failed): its items' callers learn why."""
+        """A message the socket could not send (closed, or failed): its items' callers learn why,
+        as a refusal."""
         if sent.cancelled() or sent.exception() is None:
             return
+        refusal = f"cannot send to encode worker intake {self.endpoint}: {sent.exception()}"
         for room in rooms:
             future = self._waiting.get(room)
             if future is not None and not future.done():
-                future.set_exception(sent.exception())
+                future.set_exception(IntakeRefused(refusal, room))
 
     async def _read_replies(self) -> None:
         while self._waiting:
@@ -353,6 +371,11 @@ class AsyncIntakeClient:
                         future.set_result(reply)
 
     def close(self) -> None:
+        """Close the socket; items not answered yet are refused at once, unsent ones dropped."""
         if self._reader is not None:
             self._reader.cancel()
+        self._unsent, self._unsent_bytes = [], 0
+        for room, future in list(self._waiting.items()):
+            if not future.done():
+                future.set_exception(IntakeRefused(f"intake client {self.endpoint} closed", room))
         self._socket.close(0)

@@ -108,6 +108,11 @@ class EPDConnector(ECConnectorBase):
                 "(the encode workers are the producers)"
             )
         parallel = vllm_config.parallel_config
+        if parallel.prefill_context_parallel_size * parallel.decode_context_parallel_size != 1:
+            raise ValueError(
+                "EPDConnector: context parallelism is not supported (its ranks would load each "
+                "item too, and are not counted); tensor, pipeline and data parallelism are"
+            )
         width, dtype = model_row_width(vllm_config)
         self.width, self.dtype = width, dtype_to_wire(dtype)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config

@@ -357,6 +357,9 @@ class SchedulerSide:
 
     def loaded(self, load_ids: list[int]) -> None:
         for load_id in load_ids:
+            if load_id not in self.in_flight:  # more reports than ranks counted: a bug, not fatal
+                log.warning("load %d reported done more often than it has loading ranks", load_id)
+                continue
             source, left = self.in_flight.pop(load_id)
             if left > 1:
                 self.in_flight[load_id] = (source, left - 1)

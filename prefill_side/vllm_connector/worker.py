@@ -144,12 +144,14 @@ class RowReader:
         if segment is None:
             try:
                 segment = self.segments[load.segment] = ShmSegment.attach(load.segment)
-            except (ShmError, ValueError) as exc:
+            except (ShmError, ValueError, OSError) as exc:
                 raise PoolUnreadable(f"cannot map the pool {load.segment}: {exc}") from None
         if load.offset < 0 or load.offset + load.nbytes > segment.size:
-            raise ConnectorContractError(
-                f"{load.identifier}: bytes [{load.offset}, {load.offset + load.nbytes}) "
-                f"lie outside the {segment.size}-byte pool segment {load.segment}"
+            # a rank-local finding (only ranks that mapped the pool see it): unreadable here, so
+            # that every rank still meets in the exchange (share_rows) and fails the load alike
+            raise PoolUnreadable(
+                f"bytes [{load.offset}, {load.offset + load.nbytes}) lie outside the "
+                f"{segment.size}-byte pool segment {load.segment}"
             )
         rows = (
             segment.tensor[load.offset : load.offset + load.nbytes]
