@@ -19,7 +19,7 @@ from encode_worker.stages import SHUTTING_DOWN, StageContext
 from handshake.rooms import RoomConflict, RoomError, RoomsFull
 from multimodal.hashing import hash_feature
 from process_settings import SettingError
-from vision.image_files import TooLarge
+from vision.image_files import TooLarge, check_size
 from vision.image_files import header as image_header
 from vision.images import BadItem
 from vision.limits import MAX_SIDE
@@ -279,20 +279,19 @@ class Intake:
         if request.source == "bytes":
             try:  # the size as displayed (the EXIF orientation applied), as Prepare decodes it
                 width, height, _ = image_header(payload, self.config.max_image_pixels)
-            except TooLarge as exc:
-                raise BadItem(
-                    f"image of {exc.width}x{exc.height} pixels is larger than this worker decodes "
-                    f"({exc.max_pixels} pixels, {MAX_SIDE} a side)"
-                ) from None
+            except TooLarge as exc:  # refused below, as an image of any source is
+                width, height = exc.width, exc.height
             except ValueError as exc:
                 raise BadItem(f"cannot read image header: {exc}") from None
         else:
             height, width = (request.shape if request.source == "pixels" else request.shm.shape)[:2]
-        if width > MAX_SIDE or height > MAX_SIDE or width * height > self.config.max_image_pixels:
+        try:
+            check_size(width, height, self.config.max_image_pixels)
+        except TooLarge:
             raise BadItem(
                 f"image of {width}x{height} pixels is larger than this worker decodes "
                 f"({self.config.max_image_pixels} pixels, {MAX_SIDE} a side)"
-            )
+            ) from None
         if request.source == "bytes":
             source_payload = payload
         elif request.source == "pixels":

@@ -62,11 +62,17 @@ def header(data: bytes, max_pixels: int) -> ImageHeader:
     else is read)."""
     with open_image(data) as image:
         width, height = image.size
-        if width > MAX_SIDE or height > MAX_SIDE or width * height > max_pixels:
-            raise TooLarge(width, height, max_pixels)
+        check_size(width, height, max_pixels)
         if _orientation(image) in TRANSPOSED_ORIENTATIONS:
             width, height = height, width
         return ImageHeader(width, height, image.format)
+
+
+def check_size(width: int, height: int, max_pixels: int) -> None:
+    """``TooLarge`` for an image above ``max_pixels`` or ``MAX_SIDE`` a side (the rule every
+    side that reads an image's size applies, before decoding it)."""
+    if width > MAX_SIDE or height > MAX_SIDE or width * height > max_pixels:
+        raise TooLarge(width, height, max_pixels)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

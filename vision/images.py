@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from vision.image_files import open_image, to_rgb
+from vision.image_files import TooLarge, check_size, open_image, to_rgb
 from vision.limits import MAX_PIXELS, MAX_SIDE
 
 
@@ -25,12 +25,10 @@ def image_from_bytes(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
     except ValueError as exc:
         raise BadItem(f"cannot decode image: {exc}") from None
     with probe:
-        width, height = probe.size
-        if width > MAX_SIDE or height > MAX_SIDE or width * height > max_pixels:
-            raise BadItem(
-                f"image of {width}x{height} pixels is larger than allowed "
-                f"({max_pixels} pixels, {MAX_SIDE} a side)"
-            )
+        try:
+            check_size(*probe.size, max_pixels)
+        except TooLarge as exc:
+            raise BadItem(str(exc)) from None
         try:
             return to_rgb(probe)
         except Exception as exc:  # PIL raises many types for corrupt data
