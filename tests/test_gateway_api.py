@@ -186,28 +186,38 @@ def test_redirects_are_bounded(image_server):
         asyncio.run(load(image_server + "/redirect/3", 2))
 
 
+def gateway_in_process(model: str, vllm_url: str | None = None, **settings):
+    """A ``Gateway`` (model name "m") over a small Qwen2-VL checkpoint built at ``model``, with no
+    encode worker and vLLM at ``vllm_url`` (default: a port where nothing listens)."""
+    from transformers import AutoImageProcessor
+
+    from gateway.app import Gateway, GatewaySettings
+    from vision.small_checkpoints import build_full
+
+    build_full("qwen2_vl", model)
+    config = GatewaySettings(
+        model=model,
+        vllm_url=vllm_url or f"http://{HOST}:{free_port()}",
+        served_model_name="m",
+        workers=(WorkerAddress(HOST, free_port(), free_port()),),
+        **settings,
+    )
+    return Gateway(config, AutoImageProcessor.from_pretrained(model))
+
+
 @pytest.fixture(scope="module")
 def app_without_vllm(tmp_path_factory):
     """The gateway app in-process: vLLM at a port where nothing listens, no encode worker."""
     from fastapi.testclient import TestClient
-    from transformers import AutoImageProcessor
 
-    from gateway.app import Gateway, GatewaySettings, build_app
-    from vision.small_checkpoints import build_full
+    from gateway.app import build_app
 
-    model = str(tmp_path_factory.mktemp("model"))
-    build_full("qwen2_vl", model)
-    settings = GatewaySettings(
-        model=model,
-        vllm_url=f"http://{HOST}:{free_port()}",
-        served_model_name="m",
-        workers=(WorkerAddress(HOST, free_port(), free_port()),),
+    gateway = gateway_in_process(
+        str(tmp_path_factory.mktemp("model")),
         max_body_bytes=1 << 20,
         limit_mm_per_prompt='{"image": 4, "video": 1}',
     )
-    with TestClient(
-        build_app(Gateway(settings, AutoImageProcessor.from_pretrained(model)))
-    ) as client:
+    with TestClient(build_app(gateway)) as client:
         yield client
 
 
@@ -308,29 +318,22 @@ def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path):
     import threading
 
     from fastapi.testclient import TestClient
-    from transformers import AutoImageProcessor
 
-    from gateway.app import Gateway, GatewaySettings, build_app
+    from gateway.app import build_app
     from tests.waiting import eventually
-    from vision.small_checkpoints import build_full
 
-    build_full("qwen2_vl", str(tmp_path))
     silent = socket.socket()
     silent.bind((HOST, 0))
     silent.listen(8)
-    settings = GatewaySettings(
-        model=str(tmp_path),
-        vllm_url=f"http://{HOST}:{silent.getsockname()[1]}",
-        served_model_name="m",
-        workers=(WorkerAddress(HOST, free_port(), free_port()),),
+    gateway = gateway_in_process(
+        str(tmp_path),
+        f"http://{HOST}:{silent.getsockname()[1]}",
         max_in_flight=1,
         request_timeout_s=3,
     )
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
     try:
-        with TestClient(
-            build_app(Gateway(settings, AutoImageProcessor.from_pretrained(str(tmp_path))))
-        ) as client:
+        with TestClient(build_app(gateway)) as client:
             held = {}
             waiting = threading.Thread(
                 target=lambda: held.setdefault(
@@ -464,20 +467,10 @@ def test_bodies_being_received_are_bounded_in_bytes(tmp_path):
     """--max-receiving-bytes: a body that would take the bytes being received past it is refused
     (503, Retry-After), and the bytes come back once a body is in."""
     from fastapi.testclient import TestClient
-    from transformers import AutoImageProcessor
 
-    from gateway.app import Gateway, GatewaySettings, build_app
-    from vision.small_checkpoints import build_full
+    from gateway.app import build_app
 
-    build_full("qwen2_vl", str(tmp_path))
-    settings = GatewaySettings(
-        model=str(tmp_path),
-        vllm_url=f"http://{HOST}:{free_port()}",
-        served_model_name="m",
-        workers=(WorkerAddress(HOST, free_port(), free_port()),),
-        max_receiving_bytes=1000,
-    )
-    gateway = Gateway(settings, AutoImageProcessor.from_pretrained(str(tmp_path)))
+    gateway = gateway_in_process(str(tmp_path), max_receiving_bytes=1000)
     small = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
     with TestClient(build_app(gateway)) as client:
         refused = client.post("/v1/chat/completions", content=small + " " * 2000)

@@ -173,9 +173,7 @@ class Stack:
                 raise TimeoutError(f"request {request_id} not finished within 60 s")
 
     def colocated(self, prompt: str, images: list[bytes]) -> list[int]:
-        pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
-        output = self.run({"prompt": prompt, "multi_modal_data": {"image": pil}})
-        return list(output.outputs[0].token_ids)
+        return list(self.colocated_output(prompt, images).outputs[0].token_ids)
 
     def colocated_output(self, prompt: str, images: list[bytes], **sampling):
         pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
@@ -220,16 +218,10 @@ def _environment(values: dict[str, str]):
     import vllm.envs
 
     vllm.envs.disable_envs_cache()
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in values.items():
+            patch.setenv(name, value)
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
 
 
 def segments_of(pids) -> list[str]:
