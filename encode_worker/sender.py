@@ -9,12 +9,14 @@ generation and a checksum. Any failure fails only this room, with a reason the r
 The send-ring slot is released once the transport has settled (a write that may still read it
 keeps it leased).
 
-Waiting for a receiver holds no thread: every waiting item is a coroutine on the handshake
-server's own event loop, so items whose receivers come late never hold up items whose receivers
-are there (with a thread per waiting item, eight slow receivers stalled every delivery behind
-them), and a registration wakes its item without a thread hand-off. Into a room of this
-process's own table, the write and the room calls around it run on the loop too when they cannot
-block it: an SHM copy of at most ``inline_write_bytes`` (one memcpy; the copy of a 1.8 MB item
+Waiting for a receiver holds no thread, so items whose receivers come late never hold up items
+whose receivers are there (with a thread per waiting item, eight slow receivers stalled every
+delivery behind them): an item whose room is in this process's own table listens for the room's
+registration (a listener and a timer, no task), and the registrations that arrive together wake
+their items into one drain; an item whose room is elsewhere is a coroutine long-polling on the
+handshake server's own event loop. Into a room of this process's own table, the write and the
+room calls around it run on the loop when they cannot block it, the writes found ready in one
+drain begun in one table call and the copied ones committed in one: an SHM copy of at most ``inline_write_bytes`` (one memcpy; the copy of a 1.8 MB item
 ~0.2 ms, which other requests on the loop wait for), or a Mooncake write to a peer already
 reached (submitted on the loop, run by the engine's threads, its completion polled for every
 item by one ``CompletionPoller`` thread). The receiver's long-poll then answers without a thread
@@ -42,10 +44,42 @@ from wire.room_client import HandshakeError
 from wire.rooms import RoomState, RoomView
 
 log = logging.getLogger(__name__)
-_DONE, _WRITING, _NOT_NOW = object(), object(), object()  # what _deliver_now did with an item
+_WAITING, _NOT_NOW = object(), object()  # what _route did with an item
 INLINE_WRITE_BYTES = (
     4 << 20
 )  # ~0.4 ms of memcpy here: the most a write may hold up the handshake loop
+
+
+def _unless_crashed(answer: RoomView | Exception) -> RoomView | RoomError:
+    """A batch room call's answer for one room; raised when the call itself crashed."""
+    if isinstance(answer, Exception) and not isinstance(answer, RoomError):
+        raise answer
+    return answer
+
+
+class _Registration:
+    """An item waiting, in this process's table, for its room's receiver: woken once by the
+    room's first change (a registration, or its end), from whichever thread made it, the table's
+    lock held."""
+
+    __slots__ = ("sender", "item", "table", "since", "timer", "woken")
+    until_ended = False
+
+    def __init__(self, sender: Sender, item: StagedItem, table: RoomTable):
+        self.sender = sender
+        self.item = item
+        self.table = table
+        self.since = time.monotonic()
+        self.timer: asyncio.TimerHandle | None = None
+        self.woken = False
+
+    @staticmethod
+    def has_news(state: RoomState, staged: bool) -> bool:
+        return state is not RoomState.PENDING
+
+    def wake(self) -> None:
+        self.woken = True
+        self.sender._registered(self)
 
 
 class Sender:
@@ -90,6 +124,7 @@ class Sender:
         self._inbox: list[StagedItem] = []
         self._drain_due = False  # a wake-up is scheduled and has not run yet
         self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+        self._waiting: dict[int, _Registration] = {}  # by room; the loop's own
         self._delivering = 0  # submitted until their outcome
         self._all_delivered = threading.Condition(self._lock)
 
@@ -115,25 +150,28 @@ class Sender:
             raise
 
     def _drain(self) -> None:
+        """Every item submitted (or woken by its registration) since the last drain: those whose
+        receiver is there are written together (``_write_now``), those into a room of this
+        process still waiting for its receiver listen for it, the rest go on as tasks."""
         with self._lock:
             items, self._inbox, self._drain_due = self._inbox, [], False
-        delivered = 0
+        ready: list[tuple[StagedItem, object, RoomView, tuple[Transport, object]]] = []
         for item in items:
             try:
-                handled = self._deliver_now(item)
+                routed = self._route(item)
             except Exception:  # before any room call: the task's path handles it, and says why
                 log.exception(
                     "delivering room %d at once failed; delivering it as a task", item.room
                 )
-                handled = _NOT_NOW
-            if handled is _DONE:
-                delivered += 1
-            elif handled is _NOT_NOW:
+                routed = _NOT_NOW
+            if routed is _NOT_NOW:
                 task = self._loop.loop.create_task(self._deliver_safely(item))
                 self._tasks.add(task)
                 task.add_done_callback(self._delivered)
-        if delivered:
-            self._count_delivered(delivered)
+            elif routed is not _WAITING:
+                ready.append(routed)
+        if ready:
+            self._write_now(ready)
 
     def _delivered(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -148,6 +186,8 @@ class Sender:
     def close(self, wait: bool = True) -> None:
         """Stop: items still waiting for a receiver fail at once; writes in flight finish."""
         self._closing.set()
+        if not self._loop.loop.is_closed():  # (its owner closes it after this)
+            self._loop.loop.call_soon_threadsafe(self._fail_waiting)
         if wait:
             with self._all_delivered:
                 self._all_delivered.wait_for(lambda: self._delivering == 0)
@@ -156,15 +196,20 @@ class Sender:
 
     # ---- one item --------------------------------------------------------------------------
 
-    def _deliver_now(self, item: StagedItem) -> object:
-        """The common case, in the drain itself (no task, no wait for a receiver): a room of this
-        process's table whose receiver has registered, written by a copy inside ``submit`` small
-        enough for the loop (SHM: ``_DONE``), or by a transport in the background (Mooncake to a
-        peer it has reached: ``_WRITING``, settled by ``_write_done`` when the completion poller
-        says so). ``_NOT_NOW`` for every other item, whose room, when this table's and still
-        waiting for its receiver, is marked staged first (``RoomTable.mark_staged``)."""
-        if self.local_table is not None:  # a gateway may wait for this, to forward its request
-            self.local_table.mark_staged(item.room)  # (only a room of this table, still PENDING)
+    def _route(self, item: StagedItem):
+        """The common cases, in the drain itself (no task): an item whose room is in this
+        process's table and registered, to be written by a copy inside ``submit`` small enough
+        for the loop (SHM) or by a transport in the background (Mooncake to a peer it has
+        reached): ``(item, rooms, view, chosen)``; an item whose room there still waits for its
+        receiver: ``_WAITING``, listening for it (``_Registration``); ``_NOT_NOW`` for every
+        other item. A room of this table still waiting is marked staged first
+        (``RoomTable.mark_staged``: a gateway may wait for this, to forward its request)."""
+        waited = self._waiting.pop(item.room, None)
+        if waited is not None:  # woken by its registration: it waits no more
+            waited.timer.cancel()
+            item.timings["wait_s"] = time.monotonic() - waited.since
+        elif self.local_table is not None:  # (only a room of this table, still PENDING)
+            self.local_table.mark_staged(item.room)
         rooms = self.rooms_for(item.handshake)
         if not rooms.in_process:
             return _NOT_NOW
@@ -172,26 +217,119 @@ class Sender:
             view = rooms.table.view(item.room)
         except RoomError:  # the task's path says why
             return _NOT_NOW
+        if view.state is RoomState.PENDING and waited is None:
+            return self._wait_for_registration(item, rooms.table)
         if view.state is not RoomState.REGISTERED:
             return _NOT_NOW
         chosen = self.writer.choose(view.registration.offers)
         if chosen is None or not self.writer.fits_loop(rooms, item, chosen):
             return _NOT_NOW
-        item.timings["wait_s"] = 0.0
-        write = self._settle(item, lambda: self.writer.start(item, rooms, view, chosen))
-        if isinstance(write, Outcome):
-            self._report(write)
-            return _DONE
-        if chosen[0].copies_in_submit:  # over inside submit
-            self._report(self._settle(item, lambda: self.writer.end(item, rooms, write)))
-            return _DONE
-        self._poller.completion(write.transfer).add_done_callback(
-            functools.partial(self._write_done, item, rooms, write)
+        item.timings.setdefault("wait_s", 0.0)
+        return item, rooms, view, chosen
+
+    def _wait_for_registration(self, item: StagedItem, table: RoomTable) -> object:
+        """Listen for the first change of the item's room (its registration, or its end), for
+        ``receiver_wait_s`` at most: one listener and one timer, no task."""
+        if self._closing.is_set():
+            return _NOT_NOW  # the task's path fails it at once
+        waiting = _Registration(self, item, table)
+        if not table.listen(item.room, waiting):  # it changed meanwhile: looked at as a task
+            return _NOT_NOW
+        waiting.timer = self._loop.loop.call_later(
+            self.receiver_wait_s, self._no_registration, waiting
         )
-        return _WRITING
+        self._waiting[item.room] = waiting
+        return _WAITING
+
+    def _registered(self, waiting: _Registration) -> None:
+        """``waiting``'s room changed (any thread, the table's lock held): its item goes into the
+        next drain, with every other woken in the same loop step."""
+        with self._lock:
+            self._inbox.append(waiting.item)
+            if self._drain_due:
+                return
+            self._drain_due = True
+        if threading.get_ident() == self._loop.thread.ident:
+            self._loop.loop.call_soon(self._drain)
+        else:
+            self._loop.loop.call_soon_threadsafe(self._drain)
+
+    def _no_registration(self, waiting: _Registration, shutting_down: bool = False) -> None:
+        """No receiver came in time (or the worker stops): the item's room fails, unless its
+        change came first (then it is in the drain's inbox already)."""
+        waiting.table.stop_listening({waiting.item.room: waiting})
+        if waiting.woken or self._waiting.pop(waiting.item.room, None) is None:
+            return
+        if shutting_down:
+            waiting.timer.cancel()
+        item = waiting.item
+        item.timings["wait_s"] = time.monotonic() - waiting.since
+        try:
+            self._report(self._settle(item, lambda: self.writer.no_receiver(item)))
+        finally:
+            self._count_delivered(1)
+
+    def _fail_waiting(self) -> None:
+        for waiting in list(self._waiting.values()):
+            self._no_registration(waiting, shutting_down=True)
+
+    def _write_now(self, ready: list) -> None:
+        """Write the items ``_route`` found ready: their writes begun in one table call, copied
+        or submitted, and the copied ones committed in one table call (their rooms' ends go out
+        to the receiver in one stream frame)."""
+        begins = []
+        for item, rooms, view, chosen in ready:
+            begin = self._settle(item, lambda: self.writer.check(item, view, chosen))
+            if isinstance(begin, Outcome):
+                self._report(begin)
+                self._count_delivered(1)
+            else:
+                begins.append((item, rooms, begin, chosen))
+        if not begins:
+            return
+        table = begins[0][1].table  # every room here is this process's own table's
+        begun = self._table_call(table.begin_writes, [begin for _, _, begin, _ in begins])
+        commits = []
+        for (item, rooms, begin, chosen), answer in zip(begins, begun):
+            write = self._settle(
+                item, lambda: self.writer.submit(item, begin, _unless_crashed(answer), chosen)
+            )
+            if isinstance(write, Outcome):
+                self._report(write)
+                self._count_delivered(1)
+            elif write.transport.copies_in_submit:  # over inside submit
+                commit = self._settle(item, lambda: self.writer.commit(item, write))
+                if isinstance(commit, Outcome):
+                    self._report(commit)
+                    self._count_delivered(1)
+                else:
+                    commits.append((item, write, commit))
+            else:
+                self._poller.completion(write.transfer).add_done_callback(
+                    functools.partial(self._write_done, item, rooms, write)
+                )
+        if commits:
+            answers = self._table_call(table.commit_all, [commit for _, _, commit in commits])
+            for (item, write, _), answer in zip(commits, answers):
+                self._report(self._settle(item, lambda: self._committed(item, write, answer)))
+            self._count_delivered(len(commits))
+
+    def _committed(self, item: StagedItem, write: Write, answer: RoomView | Exception) -> Outcome:
+        if isinstance(answer, Exception):
+            raise answer
+        return self.writer.committed(item, write, answer)
+
+    @staticmethod
+    def _table_call(call, bodies: list) -> list:
+        """A batch call on this process's table; its crash becomes each body's error."""
+        try:
+            return call(bodies)
+        except Exception as exc:
+            log.exception("a batch room call crashed")
+            return [exc] * len(bodies)
 
     def _write_done(self, item: StagedItem, rooms, write: Write, polled: asyncio.Future) -> None:
-        """A write ``_deliver_now`` started ended (the poller says how): commit it or fail the
+        """A write ``_write_now`` started ended (the poller says how): commit it or fail the
         room. A poll that could not tell goes on on a thread, as ``_deliver_on_loop`` does."""
         try:
             state = polled.result()

@@ -101,14 +101,33 @@ class Writer:
     ) -> Outcome | Write:
         """Check the registration against the item, begin the write in the room and submit it:
         the write in flight, or the item's outcome when it ends here."""
-        if view.state is RoomState.PENDING:  # no receiver came: the room fails now, not at its TTL
-            return self.fail(
-                item,
-                "encode worker shutting down"
-                if self.closing.is_set()
-                else f"no receiver registered within {self.receiver_wait_s:g} s",
-                settled=True,
-            )
+        begin = self.check(item, view, chosen)
+        if isinstance(begin, Outcome):
+            return begin
+        try:
+            begun = rooms.begin_write(begin)
+        except RoomError as exc:
+            begun = exc
+        return self.submit(item, begin, begun, chosen)
+
+    def no_receiver(self, item: StagedItem) -> Outcome:
+        """No receiver registered the item's room in time (or the worker stops): the room fails
+        now, not at its TTL."""
+        return self.fail(
+            item,
+            "encode worker shutting down"
+            if self.closing.is_set()
+            else f"no receiver registered within {self.receiver_wait_s:g} s",
+            settled=True,
+        )
+
+    def check(
+        self, item: StagedItem, view: RoomView, chosen: tuple[Transport, object] | None
+    ) -> Outcome | BeginWrite:
+        """The registration in ``view`` checked against the item: the write to begin, or the
+        item's outcome when it ends here."""
+        if view.state is RoomState.PENDING:
+            return self.no_receiver(item)
         if view.state is RoomState.WRITING:  # a room sent to two workers: the other one has it
             return self.finish(
                 item, RoomState.FAILED, None, "not written: another writer is writing this room"
@@ -142,20 +161,30 @@ class Writer:
                 f"receiver slot holds {offer.capacity} bytes, item needs {item.layout.nbytes}",
                 settled=True,
             )
-        try:
-            view = rooms.begin_write(
-                BeginWrite.model_construct(  # fields this process made: nothing to re-check
-                    room=item.room,
-                    generation=registration.generation,
-                    transport=transport.name,
-                    write_timeout_s=self.write_timeout_s,
-                    writer=self.writer_id,
-                )
+        return BeginWrite.model_construct(  # fields this process made: nothing to re-check
+            room=item.room,
+            generation=registration.generation,
+            transport=transport.name,
+            write_timeout_s=self.write_timeout_s,
+            writer=self.writer_id,
+        )
+
+    def submit(
+        self,
+        item: StagedItem,
+        begin: BeginWrite,
+        begun: RoomView | RoomError,
+        chosen: tuple[Transport, object],
+    ) -> Outcome | Write:
+        """Once ``begin`` was asked of the room (``begun``: its answer): the write submitted, or
+        the item's outcome when the room refused it."""
+        if isinstance(begun, RoomError):  # the room is another writer's (or gone): left as it is
+            return self.finish(item, RoomState.FAILED, None, f"not written: {begun}")
+        if begun.state is not RoomState.WRITING or begun.cancel_requested:
+            return self.finish(
+                item, begun.state, None, begun.reason or "cancelled before the write"
             )
-        except RoomError as exc:  # the room is another writer's (or gone): leave it as it is
-            return self.finish(item, RoomState.FAILED, None, f"not written: {exc}")
-        if view.state is not RoomState.WRITING or view.cancel_requested:
-            return self.finish(item, view.state, None, view.reason or "cancelled before the write")
+        transport, offer = chosen
         started = time.monotonic()
         try:
             transfer = transport.submit(
@@ -163,10 +192,19 @@ class Writer:
             )
         except TransferRefused as exc:
             return self.fail(item, f"{transport.name} refused the write: {exc}", settled=True)
-        return Write(transport, offer, registration.generation, transfer, started)
+        return Write(transport, offer, begin.generation, transfer, started)
 
     def end(self, item: StagedItem, rooms, write: Write) -> Outcome:
-        """Once the write is DONE or FAILED: commit it, or fail the room."""
+        """Once the write is DONE or FAILED: commit it, or fail the room (a room call that
+        raises ``RoomError`` raises it)."""
+        commit = self.commit(item, write)
+        if isinstance(commit, Outcome):
+            return commit
+        return self.committed(item, write, rooms.commit(commit))
+
+    def commit(self, item: StagedItem, write: Write) -> Outcome | CommitBody:
+        """Once the write is DONE or FAILED: the commit to make, or (the write failed) the
+        item's outcome, its room failed."""
         item.timings["transfer_s"] = time.monotonic() - write.started
         transfer, name = write.transfer, write.transport.name
         if transfer.state is not TransferState.DONE:
@@ -177,22 +215,23 @@ class Writer:
                 settled=transfer.settled,
                 release=False,
             )
-        view = rooms.commit(
-            CommitBody.model_construct(  # fields this process made: nothing to re-check
-                room=item.room,
-                generation=write.generation,
-                transport=name,
-                rows=item.layout.rows,
-                width=item.layout.width,
-                dtype=item.layout.dtype,
-                checksum=item.checksum,
-                grid_thw=item.grid_thw,
-                shm_segment=getattr(write.offer, "segment", None),
-                writer=self.writer_id,
-                timings=EncodeTimings.model_construct(**item.timings),
-            )
+        return CommitBody.model_construct(  # fields this process made: nothing to re-check
+            room=item.room,
+            generation=write.generation,
+            transport=name,
+            rows=item.layout.rows,
+            width=item.layout.width,
+            dtype=item.layout.dtype,
+            checksum=item.checksum,
+            grid_thw=item.grid_thw,
+            shm_segment=getattr(write.offer, "segment", None),
+            writer=self.writer_id,
+            timings=EncodeTimings.model_construct(**item.timings),
         )
-        return self.finish(item, view.state, name, view.reason)
+
+    def committed(self, item: StagedItem, write: Write, view: RoomView) -> Outcome:
+        """The item's outcome once its room answered its commit with ``view``."""
+        return self.finish(item, view.state, write.transport.name, view.reason)
 
     def fits_loop(self, rooms, item: StagedItem, chosen: tuple[Transport, object] | None) -> bool:
         """Whether the delivery cannot block the loop: room calls on this process's table and no

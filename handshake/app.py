@@ -311,11 +311,11 @@ def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
         return _refused(room, exc)
 
 
-def _watch_results(versions: dict[int, int], views: list) -> list[RoomResult]:
-    """Per room, in ``versions``' order; a room without news (None: ``changed_only``) left out."""
+def _batch_results(rooms, views: list) -> list[RoomResult]:
+    """Per room, in ``rooms``' order; a room without news (None: ``changed_only``) left out."""
     return [
         _refused(room, v) if isinstance(v, RoomError) else RoomResult.of_view(room, v)
-        for room, v in zip(versions, views)
+        for room, v in zip(rooms, views)
         if v is not None
     ]
 
@@ -408,7 +408,7 @@ def create_app(
                 r.room: r.view.version for r in results if r.ok and not r.view.state.terminal
             }
             if len(versions) == len(results):
-                results = _watch_results(
+                results = _batch_results(
                     versions,
                     await table.watch(versions, body.wait_s, body.until_ended),
                 )
@@ -422,7 +422,8 @@ def create_app(
     async def begin_write(body: BeginWriteRequest):
         """A sender starts writing (REGISTERED -> WRITING); a cancelled room answers CANCELLED
         instead."""
-        return _answer([_result(w.room, lambda w=w: table.begin_write(w)) for w in body.writes])
+        rooms = [write.room for write in body.writes]
+        return _answer(_batch_results(rooms, table.begin_writes(body.writes)))
 
     @body_route(
         "/v1/rooms/commit", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -430,7 +431,8 @@ def create_app(
     async def commit(body: CommitRequest):
         """A sender's write completed: generation, layout, checksum. Stale generations are
         refused."""
-        return _answer([_result(c.room, lambda c=c: table.commit(c)) for c in body.commits])
+        rooms = [commit.room for commit in body.commits]
+        return _answer(_batch_results(rooms, table.commit_all(body.commits)))
 
     @body_route(
         "/v1/rooms/fail", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -466,7 +468,7 @@ def create_app(
         any has ended) or after ``wait_s``; ``changed_only``: with the rooms past it only."""
         versions = {item.room: item.after_version for item in body.rooms}
         return _answer(
-            _watch_results(
+            _batch_results(
                 versions,
                 await table.watch(versions, body.wait_s, body.until_ended, body.changed_only),
             )

@@ -145,77 +145,94 @@ class RoomTable:
 
     def begin_write(self, write: BeginWrite) -> RoomView:
         with self._lock:
-            room = self._store.get(write.room)
-            if room.state is RoomState.PENDING:
-                raise RoomConflict("no receiver has registered this room yet")
-            if room.registration is not None and room.registration.generation != write.generation:
+            return self._begin_write(write)
+
+    def begin_writes(self, writes: list[BeginWrite]) -> list[RoomView | RoomError]:
+        """``begin_write`` for each, in one lock: each room's view, or why it was refused."""
+        with self._lock:
+            return [self._one(self._begin_write, write) for write in writes]
+
+    def commit_all(self, commits: list[CommitBody]) -> list[RoomView | RoomError]:
+        """``commit`` for each, in one lock (the rooms that end go out in one stream frame):
+        each room's view, or why it was refused."""
+        with self._lock:
+            return [self._one(self._commit, commit) for commit in commits]
+
+    @staticmethod
+    def _one(call, body) -> RoomView | RoomError:
+        try:
+            return call(body)
+        except RoomError as exc:
+            return exc
+
+    def _begin_write(self, write: BeginWrite) -> RoomView:
+        room = self._store.get(write.room)
+        if room.state is RoomState.PENDING:
+            raise RoomConflict("no receiver has registered this room yet")
+        if room.registration is not None and room.registration.generation != write.generation:
+            raise RoomConflict(
+                f"stale generation {write.generation}; the slot holds "
+                f"{room.registration.generation}"
+            )
+        if room.state is RoomState.REGISTERED:
+            room.transport, room.writer = write.transport, write.writer
+            room.write_deadline = min(room.deadline, self._store.clock() + write.write_timeout_s)
+            self._store.schedule(room.write_deadline, room.room_id)
+            self._store.move(room, RoomState.WRITING)
+        elif room.state is RoomState.WRITING:
+            if room.writer != write.writer:
                 raise RoomConflict(
-                    f"stale generation {write.generation}; the slot holds "
-                    f"{room.registration.generation}"
+                    f"another writer ({room.writer or 'unnamed'}) is writing this room"
                 )
-            if room.state is RoomState.REGISTERED:
-                room.transport, room.writer = write.transport, write.writer
-                room.write_deadline = min(
-                    room.deadline, self._store.clock() + write.write_timeout_s
-                )
-                self._store.schedule(room.write_deadline, room.room_id)
-                self._store.move(room, RoomState.WRITING)
-            elif room.state is RoomState.WRITING:
-                if room.writer != write.writer:
-                    raise RoomConflict(
-                        f"another writer ({room.writer or 'unnamed'}) is writing this room"
-                    )
-                if room.transport != write.transport:
-                    raise RoomConflict(f"write already started over {room.transport}")
-            return self._store.view(room)
+            if room.transport != write.transport:
+                raise RoomConflict(f"write already started over {room.transport}")
+        return self._store.view(room)
 
     def commit(self, commit: CommitBody) -> RoomView:
         with self._lock:
-            room = self._store.get(commit.room)
-            if room.state.terminal:
-                if room.state is RoomState.SUCCESS and room.commit != commit:
-                    raise RoomConflict("room already committed with different content")
-                return self._store.view(room)
-            if room.registration is None:
-                raise RoomConflict("no receiver has registered this room yet")
-            registration = room.registration
-            if commit.generation != registration.generation:
-                raise RoomConflict(
-                    f"stale generation {commit.generation}; the slot holds "
-                    f"{registration.generation}"
-                )
-            if (commit.rows, commit.width, commit.dtype) != (
-                registration.rows,
-                registration.width,
-                registration.dtype,
-            ):
-                raise RoomConflict(
-                    f"commit [{commit.rows}, {commit.width}] {commit.dtype} does not match the "
-                    "reservation "
-                    f"[{registration.rows}, {registration.width}] {registration.dtype}"
-                )
-            if room.state is not RoomState.WRITING:
-                raise RoomConflict("no write has begun in this room (begin_write first)")
-            if (
-                commit.writer is not None
-                and room.writer is not None
-                and commit.writer != room.writer
-            ):
-                raise RoomConflict(
-                    f"commit by {commit.writer}, but {room.writer} began this room's write"
-                )
-            if commit.transport != room.transport:
-                raise RoomConflict(
-                    f"commit over {commit.transport} but the write began over {room.transport}"
-                )
-            room.commit = commit
-            room.transport = commit.transport
-            room.writer_settled = True
-            if room.cancel_requested:
-                self._store.move(room, RoomState.CANCELLED)
-            else:
-                self._store.move(room, RoomState.SUCCESS)
+            return self._commit(commit)
+
+    def _commit(self, commit: CommitBody) -> RoomView:
+        room = self._store.get(commit.room)
+        if room.state.terminal:
+            if room.state is RoomState.SUCCESS and room.commit != commit:
+                raise RoomConflict("room already committed with different content")
             return self._store.view(room)
+        if room.registration is None:
+            raise RoomConflict("no receiver has registered this room yet")
+        registration = room.registration
+        if commit.generation != registration.generation:
+            raise RoomConflict(
+                f"stale generation {commit.generation}; the slot holds {registration.generation}"
+            )
+        if (commit.rows, commit.width, commit.dtype) != (
+            registration.rows,
+            registration.width,
+            registration.dtype,
+        ):
+            raise RoomConflict(
+                f"commit [{commit.rows}, {commit.width}] {commit.dtype} does not match the "
+                "reservation "
+                f"[{registration.rows}, {registration.width}] {registration.dtype}"
+            )
+        if room.state is not RoomState.WRITING:
+            raise RoomConflict("no write has begun in this room (begin_write first)")
+        if commit.writer is not None and room.writer is not None and commit.writer != room.writer:
+            raise RoomConflict(
+                f"commit by {commit.writer}, but {room.writer} began this room's write"
+            )
+        if commit.transport != room.transport:
+            raise RoomConflict(
+                f"commit over {commit.transport} but the write began over {room.transport}"
+            )
+        room.commit = commit
+        room.transport = commit.transport
+        room.writer_settled = True
+        if room.cancel_requested:
+            self._store.move(room, RoomState.CANCELLED)
+        else:
+            self._store.move(room, RoomState.SUCCESS)
+        return self._store.view(room)
 
     def fail(self, room_id: int, reason: str, settled: bool, writer: str | None = None) -> RoomView:
         with self._lock:
@@ -255,15 +272,15 @@ class RoomTable:
 
     def listen(self, room_id: int, listener) -> bool:
         """Attach ``listener`` to a live room: ``wake()`` is called once, from whichever thread
-        changes the room (``listener.until_ended``: ends it). False when the room has ended or
-        is unknown (or, for a listener that is not ``until_ended``, is staged already): the
-        caller reads its view now."""
+        changes the room (``listener.until_ended``: ends it), with the table's lock held. False
+        when the room has ended or is unknown, or has what the listener waits for already
+        (``listener.has_news(state, staged)``): the caller reads its view now."""
         with self._lock:
             room = self._store.rooms.get(room_id)
             if room is None:
                 return False
             self._store.expire_if_due(room, self._store.clock())
-            if room.state.terminal or (room.staged and not listener.until_ended):
+            if room.state.terminal or listener.has_news(room.state, room.staged):
                 return False
             room.waiters.append(listener)
             return True

@@ -17,6 +17,7 @@ from handshake.app import create_app
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from loop_threads import LoopThread
+from tests.waiting import eventually
 from wire.addresses import EncodeHandshake
 from wire.room_client import SyncHandshakeClient
 from wire.rooms import Registration, RoomState
@@ -155,4 +156,122 @@ def test_a_room_of_this_table_is_marked_staged_whatever_name_its_item_gives(enco
         assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
     finally:
         stranger.close()
+        loop.stop()
+
+
+class CountingTable(RoomTable):
+    """The real table, noting how many rooms each batched begin and commit call carried."""
+
+    def __init__(self):
+        super().__init__()
+        self.begun, self.committed = [], []
+
+    def begin_writes(self, writes):
+        self.begun.append(len(writes))
+        return super().begin_writes(writes)
+
+    def commit_all(self, commits):
+        self.committed.append(len(commits))
+        return super().commit_all(commits)
+
+
+def test_items_whose_receiver_registers_them_together_are_written_in_one_table_call_each(
+    no_new_segments,
+):
+    """Eight items staged before their receiver wait without a task each; its one registration
+    call wakes them into one drain: one begin call and one commit call for the eight, every row
+    delivered."""
+    table = CountingTable()
+    loop = LoopThread("handshake")
+    server = ThreadedServer(create_app(table), loop=loop).start()
+    shm = ShmTransport()
+    ring = SlotPool(MemoryRegion.anonymous(16 << 20), 1 << 16, quarantine_s=5)
+    outcomes = []
+    sender = Sender(
+        ring, {"shm": shm}, lambda handshake: LocalRooms(table), loop, on_outcome=outcomes.append
+    )
+    client = SyncHandshakeClient(server.url)
+    receive_pool = SlotPool(MemoryRegion.shared(16 << 20), 1 << 16, quarantine_s=5)
+    try:
+        rooms = table.mint(8, 60)
+        embeddings = [torch.randn(16, 256) for _ in rooms]
+        layout = EmbeddingLayout.of(embeddings[0])
+        sender.submit_all(
+            [
+                StagedItem(
+                    "r",
+                    EncodeHandshake(
+                        bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
+                    ),
+                    stage(ring, embedding),
+                    layout,
+                    checksum(embedding),
+                    {},
+                )
+                for room, embedding in zip(rooms, embeddings)
+            ]
+        )
+        eventually(lambda: sender._waiting.keys() == set(rooms), "the items to listen")
+        assert not sender._tasks
+        slots = [receive_pool.lease(layout.nbytes) for _ in rooms]
+        client.register(
+            [
+                _registration(room, slot, layout, shm, receive_pool)
+                for room, slot in zip(rooms, slots)
+            ]
+        )
+        eventually(lambda: len(outcomes) == 8, "every outcome")
+        assert [outcome.state for outcome in outcomes] == [RoomState.SUCCESS] * 8
+        assert table.begun == [8] and table.committed == [8]
+        for slot, embedding in zip(slots, embeddings):
+            assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
+    finally:
+        client.close()
+        sender.close()
+        server.stop()
+        loop.stop()
+        shm.close()
+        ring.region.close()
+        receive_pool.region.close()
+
+
+@pytest.mark.parametrize("how", ["receiver_wait", "shutdown"])
+def test_an_item_waiting_for_its_receiver_fails_at_its_wait_or_at_shutdown(encode_side, how):
+    table, server, shm, ring, _, client, receive_pool = encode_side
+    loop = LoopThread("waiting")
+    outcomes = []
+    sender = Sender(
+        ring,
+        {"shm": shm},
+        lambda handshake: LocalRooms(table),
+        loop,
+        receiver_wait_s=0.5 if how == "receiver_wait" else 60,
+        on_outcome=outcomes.append,
+    )
+    try:
+        (room,) = table.mint(1, 60)
+        embedding = torch.randn(16, 256)
+        handshake = EncodeHandshake(
+            bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
+        )
+        sender.submit(
+            StagedItem(
+                "r", handshake, stage(ring, embedding), EmbeddingLayout.of(embedding), None, {}
+            )
+        )
+        eventually(lambda: room in sender._waiting, "the item to listen")
+        if how == "shutdown":
+            sender.close()
+        eventually(lambda: outcomes, "the item's outcome")
+        (outcome,) = outcomes
+        reason = (
+            "no receiver registered within 0.5 s"
+            if how == "receiver_wait"
+            else "encode worker shutting down"
+        )
+        assert outcome.state is RoomState.FAILED and outcome.reason == reason
+        assert table.view(room).state is RoomState.FAILED and table.view(room).reason == reason
+        assert not sender._waiting
+    finally:
+        sender.close()
         loop.stop()
