@@ -10,8 +10,9 @@ own), or minted in one call per request at a standalone room authority (``rooms_
 item's bytes to its worker's intake, all in flight at once. An item whose worker refuses it, times
 out or cannot be reached leaves no live room behind (a minted one, or one a silent worker may have
 opened, is cancelled at once) and is placed on the next worker in the ring. When every worker
-tried is busy (queue full, with a retry-after), the item backs off (doubling from the workers'
-retry-after up to ``MAX_BACKOFF_S``, jittered) and tries them again, within the intake timeout;
+tried is busy (its queue full, or the item's wait there past its deadline, with a retry-after),
+the item backs off (doubling from the workers' retry-after up to ``MAX_BACKOFF_S``, jittered)
+and tries them again, within the intake timeout (at once, none of them can take it within it);
 an item no worker takes comes back with the reason and without a room, so the caller falls back
 (the gateway sends it to the engine inline) or fails it at once instead of waiting.
 """
@@ -139,8 +140,8 @@ class Dispatcher:
                     break
             # every worker tried was busy for these: back off, then try them all again
             busy = [item for item in unplaced if item.retry_after_s is not None]
-            if not busy:
-                break
+            if not busy or time.monotonic() + min(i.retry_after_s for i in busy) > deadline:
+                break  # none busy, or none of them may be taken within the intake timeout
             backoff = min(max(2 * backoff, max(item.retry_after_s for item in busy)), MAX_BACKOFF_S)
             wait = backoff * random.uniform(0.5, 1.0)  # requests refused together spread out
             if time.monotonic() + wait > deadline:
@@ -198,7 +199,7 @@ class Dispatcher:
         busy_for = self._busy_for(address)
         if busy_for > 0:  # nothing sent (nor rooms minted and cancelled) for items it would refuse
             for item in items:
-                item.error = f"{address.name}: refused: busy (queue full)"
+                item.error = f"{address.name}: refused: busy for {busy_for:.1f} s more"
                 item.retry_after_s = busy_for
             return
         rooms_client, endpoint = self._room_endpoint(address)
@@ -252,7 +253,7 @@ class Dispatcher:
         )
         busy_for = self._busy_for(address)
         if busy_for > 0:  # it refused another item of this batch meanwhile
-            return _IntakeOutcome("refused: busy (queue full)", busy_for)
+            return _IntakeOutcome(f"refused: busy for {busy_for:.1f} s more", busy_for)
         try:
             reply = await self._intake(address).send(request, item.data)
         except TimeoutError as exc:

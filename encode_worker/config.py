@@ -43,20 +43,22 @@ class DeviceDefaults:
 
     batch_patches: int
     batch_items: int
-    queue_items: int  # room for a few batches behind the one in the tower
+    queue_items: int  # a burst's items wait here (their files only) while their deadline allows
     preprocess_workers: int
 
 
 DEVICE_DEFAULTS = {
     # The CPU: the tower takes the cores; small batches keep a lone item's latency down.
-    "cpu": DeviceDefaults(batch_patches=16384, batch_items=8, queue_items=64, preprocess_workers=1),
+    "cpu": DeviceDefaults(
+        batch_patches=16384, batch_items=8, queue_items=4096, preprocess_workers=1
+    ),
     # A GPU: batches that fill the card (an H100 ran the Qwen2.5-VL-7B tower faster up to batch
     # 32 at 224x224, docs/performance.md): 64 images of 224x224, 32 of 448x448, 8 of 896x896;
     # decode and preprocessing on half the cores, so the CPU keeps up with the tower.
     "cuda": DeviceDefaults(
         batch_patches=32768,
         batch_items=64,
-        queue_items=256,
+        queue_items=16384,
         preprocess_workers=max(1, min(8, (os.cpu_count() or 2) // 2)),
     ),
 }
@@ -121,8 +123,14 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken, ModelNaming, 
     )
     queue_items: PositiveInt | None = Field(
         None,
-        description="items waiting for the tower before intake refuses (default: 64 on the "
-        "CPU, 256 on CUDA)",
+        description="items waiting for the tower before intake refuses (default: 4096 on the "
+        "CPU, 16384 on CUDA)",
+    )
+    max_queue_wait_s: PositiveSeconds = Field(
+        30.0,
+        description="longest an item may wait for the tower, estimated from the work queued "
+        "ahead of it and the tower's measured pace: intake refuses a longer wait (busy, with "
+        "when to retry), and never more than half the room's lifetime",
     )
     queue_bytes: PositiveByteSize = Field(
         1 << 30, description="payload bytes waiting for the tower before intake refuses"

@@ -163,9 +163,12 @@ class Intake:
         room = request.encode_handshake.bootstrap_room
         if self.health.device_failure is not None:  # another worker can encode it
             return self._refuse(request, self.health.device_failure)
+        # before the header, the hash and the room: a busy worker refuses cheaply
         if not self.queue.has_room(len(payload) if payload is not None else 0):
-            # before the header, the hash and the room: a busy worker refuses cheaply
             return self._refuse(request, "queue full", retry_after_s=QUEUE_FULL_RETRY_S)
+        refusal = self._past_its_deadline(request)
+        if refusal is not None:
+            return refusal
         if not self.in_flight.claim(room):
             return self._refuse(
                 request, f"room {room} already has an item in flight here", log_it=True
@@ -188,6 +191,25 @@ class Intake:
             return self._refuse(request, SHUTTING_DOWN)
         self.metrics.count(request.modality, IntakeStatus.ACCEPTED)
         return IntakeReply(status=IntakeStatus.ACCEPTED, room=room)
+
+    def _past_its_deadline(self, request: IntakeRequest) -> IntakeReply | None:
+        """The refusal of an item that would wait for the tower longer than it may (the work
+        queued ahead at the measured pace, against ``max_queue_wait_s`` and half its room's
+        lifetime), with when the queue will have room for it; None when it may wait."""
+        wait_s = self.queue.wait_s()
+        if wait_s is None:
+            return None
+        may_wait_s = self.config.max_queue_wait_s
+        if request.open_room_ttl_s is not None:
+            may_wait_s = min(may_wait_s, request.open_room_ttl_s / 2)
+        if wait_s <= may_wait_s:
+            return None
+        return self._refuse(
+            request,
+            f"busy: about {wait_s:.1f} s of work queued ahead, over the {may_wait_s:g} s this "
+            "item may wait",
+            retry_after_s=max(QUEUE_FULL_RETRY_S, wait_s - may_wait_s),
+        )
 
     def _refuse(
         self,

@@ -2,9 +2,14 @@
 budget and an item cap.
 
 The queue holds at most ``max_items`` jobs and ``max_bytes`` of their payloads (what intake
-received: image files, raw pixels). A job whose patches (or pixels) alone exceed the budget runs
-in a batch of its own. ``put`` never blocks: a full queue is refused at once, so the dispatcher
-learns it (backpressure) instead of waiting.
+received: image files, raw pixels; nothing decoded waits here). A job whose patches (or pixels)
+alone exceed the budget runs in a batch of its own. ``put`` never blocks: a full queue is refused
+at once, so the dispatcher learns it (backpressure) instead of waiting.
+
+How long a new job would wait (``wait_s``): the patches queued ahead of it times the pipeline's
+measured seconds per patch, sampled whenever its consumer comes back for a batch and finds jobs
+that waited (the pace of the slowest stage behind the queue, under the backlog this estimate is
+for), smoothed over batches. Intake refuses a job that would wait past its deadline.
 
 The batching window: a batch that is not full (its item cap, or a budget the next job would
 pass) waits for more jobs until ``window_s`` after its oldest job arrived, then goes as it is.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +31,9 @@ from wire.modality import Modality
 
 if TYPE_CHECKING:
     from vision.video import VideoPlan
+
+
+PACE_SMOOTHING = 0.2  # weight of a new batch's pace in the estimate
 
 
 @dataclass
@@ -59,6 +68,7 @@ class BatchQueue:
         pixel_budget: int | None = None,
         max_bytes: int | None = None,
         window_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,  # times the pace
     ):
         self.max_items = max_items
         self.patch_budget = patch_budget
@@ -66,7 +76,12 @@ class BatchQueue:
         self.pixel_budget = pixel_budget
         self.max_bytes = max_bytes
         self.window_s = window_s
+        self.clock = clock
         self.nbytes = 0
+        self.patches = 0  # of the jobs queued
+        self.seconds_per_patch: float | None = None  # None: not measured yet
+        # when the last batch was taken and its patches, if it left jobs behind
+        self._taken: tuple[float, int] | None = None
         self._jobs: collections.deque[EncodeJob] = collections.deque()
         self._ready = threading.Condition()
         self.closed = False
@@ -86,12 +101,21 @@ class BatchQueue:
         # one job alone may hold more than max_bytes: it was already received
         return self.max_bytes is None or not self._jobs or self.nbytes + nbytes <= self.max_bytes
 
+    def wait_s(self) -> float | None:
+        """How long a job queued now would wait for the tower (None: the pace is not measured
+        yet)."""
+        with self._ready:
+            if self.seconds_per_patch is None:
+                return None
+            return self.patches * self.seconds_per_patch
+
     def put(self, job: EncodeJob) -> bool:
         with self._ready:
             if not self._has_room(job.nbytes):
                 return False
             self._jobs.append(job)
             self.nbytes += job.nbytes
+            self.patches += job.patches
             self._ready.notify()
             return True
 
@@ -102,7 +126,10 @@ class BatchQueue:
             if not self._jobs and not self._ready.wait_for(
                 lambda: self._jobs or self.closed, timeout
             ):
+                self._taken = None
                 return []
+            if self._taken is not None:  # the consumer was busy with the last batch until now
+                self._pace(self.clock() - self._taken[0], self._taken[1])
             if self.window_s and not self.closed:
                 until = self._jobs[0].received_at + self.window_s
                 self._ready.wait_for(
@@ -112,7 +139,18 @@ class BatchQueue:
             batch = [self._jobs.popleft() for _ in range(self._batch_size())]
             for job in batch:
                 self.nbytes -= job.nbytes
+                self.patches -= job.patches
+            # the next take times this batch if the consumer is busy until then: jobs wait
+            self._taken = (self.clock(), sum(job.patches for job in batch)) if self._jobs else None
             return batch
+
+    def _pace(self, seconds: float, patches: int) -> None:
+        """A sample of the pace: the last batch's ``patches`` took ``seconds`` to clear."""
+        sample = seconds / max(1, patches)
+        if self.seconds_per_patch is None:
+            self.seconds_per_patch = sample
+        else:
+            self.seconds_per_patch += PACE_SMOOTHING * (sample - self.seconds_per_patch)
 
     def _batch_size(self) -> int:
         """How many jobs from the head make the next batch (at least one)."""
@@ -138,6 +176,6 @@ class BatchQueue:
             self.closed = True
             jobs = list(self._jobs)
             self._jobs.clear()
-            self.nbytes = 0
+            self.nbytes = self.patches = 0
             self._ready.notify_all()
             return jobs

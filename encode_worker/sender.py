@@ -16,12 +16,13 @@ registration (a listener and a timer, no task), and the registrations that arriv
 their items into one drain; an item whose room is elsewhere is a coroutine long-polling on the
 handshake server's own event loop. Into a room of this process's own table, the write and the
 room calls around it run on the loop when they cannot block it, the writes found ready in one
-drain begun in one table call and the copied ones committed in one: an SHM copy of at most ``inline_write_bytes`` (one memcpy; the copy of a 1.8 MB item
-~0.2 ms, which other requests on the loop wait for), or a Mooncake write to a peer already
-reached (submitted on the loop, run by the engine's threads, its completion polled for every
-item by one ``CompletionPoller`` thread). The receiver's long-poll then answers without a thread
-hand-off either (each cost ~50-100 us on these machines). Other writes, and room calls to another
-process's table, run on the pool of sender threads.
+drain begun in one table call and the copied ones committed in one: an SHM copy of at most
+``inline_write_bytes`` (one memcpy; the copy of a 1.8 MB item ~0.2 ms, which other requests on
+the loop wait for), or a Mooncake write to a peer already reached (submitted on the loop, run by
+the engine's threads, its completion polled for every item by one ``CompletionPoller`` thread).
+The receiver's long-poll then answers without a thread hand-off either (each cost ~50-100 us on
+these machines). Other writes, and room calls to another process's table, run on the pool of
+sender threads.
 """
 
 from __future__ import annotations
@@ -233,12 +234,14 @@ class Sender:
         if self._closing.is_set():
             return _NOT_NOW  # the task's path fails it at once
         waiting = _Registration(self, item, table)
-        if not table.listen(item.room, waiting):  # it changed meanwhile: looked at as a task
-            return _NOT_NOW
         waiting.timer = self._loop.loop.call_later(
             self.receiver_wait_s, self._no_registration, waiting
         )
-        self._waiting[item.room] = waiting
+        self._waiting[item.room] = waiting  # before it listens: a wake from another thread
+        if not table.listen(item.room, waiting):  # it changed meanwhile: looked at as a task
+            del self._waiting[item.room]
+            waiting.timer.cancel()
+            return _NOT_NOW
         return _WAITING
 
     def _registered(self, waiting: _Registration) -> None:

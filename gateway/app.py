@@ -6,7 +6,8 @@ rewrite the body so vLLM gets each placed item as its patch grid and identifier,
 ``ec_transfer_params`` (``chat.rewrite``), wait until the workers hold every placed item's rows
 (``stage_wait_s``: vLLM then waits for a write, not an encode), forward it to vLLM and relay the
 answer, streamed or not. An item no worker took goes to vLLM inline (vLLM's own tower: colocated; a
-video is then decoded and sampled by vLLM's own video loader). A request whose delivery fails inside
+video is then decoded and sampled by vLLM's own video loader), unless the workers refused it as
+busy: then the request is refused (503, Retry-After). A request whose delivery fails inside
 vLLM (vLLM answers 500, or its stream's first event is an error) is sent once more with every item
 inline when ``retry_colocated``. A client that leaves, or a vLLM refusal, cancels the request's
 rooms at once (the workers drop those items).
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -198,6 +200,7 @@ class Gateway:
             raise OpenAIError(400, str(exc)) from None
         prepared.dispatch_s = time.monotonic() - started
         self.metrics.dispatch.labels(self.metrics.model_name).observe(prepared.dispatch_s)
+        self._unless_busy(prepared)
         for item in prepared.items:
             self.metrics.images.labels(
                 self.metrics.model_name, "encode_worker" if item.worker else "colocated"
@@ -208,6 +211,28 @@ class Gateway:
                 reason = "dispatch_failed" if item.attempts else "no_healthy_worker"
                 self.metrics.colocated.labels(self.metrics.model_name, reason).inc()
         return prepared
+
+    def _unless_busy(self, prepared: PreparedChat) -> None:
+        """A request with an item every worker refused as busy (its wait there past its
+        deadline) is refused whole, with when to retry, and its placed items' rooms cancelled:
+        the encode tier is up and will take it later, and moving a burst onto vLLM's own tower
+        would slow every other request of the engine. (An item that no worker took for any
+        other reason, a dead or refusing tier, goes to vLLM inline.)"""
+        busy = [
+            item.retry_after_s
+            for item in prepared.items
+            if item.worker is None and item.retry_after_s is not None
+        ]
+        if not busy:
+            return
+        self._cancel(prepared, "the encode workers are busy: request refused")
+        raise OpenAIError(
+            503,
+            f"{len(busy)} of the request's {len(prepared.items)} images cannot be encoded "
+            "within their deadline: the encode workers are busy; retry later",
+            kind="overloaded",
+            retry_after_s=max(1, math.ceil(min(busy))),
+        )
 
     def _within_limits(self, refs: list) -> None:
         """vLLM's per-prompt limits, checked before any worker encodes an item vLLM would

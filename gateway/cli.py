@@ -31,16 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger(settings.PROG).info(
-        "%s ready: http://%s:%d (/v1/chat/completions, /v1/models, /health, /readyz, /metrics) in "
-        "front of vLLM "
-        "at %s",
-        settings.PROG,
+    serve(
+        build_app(gateway),
         settings.host,
         settings.port,
-        settings.vllm_url,
+        ready=lambda: logging.getLogger(settings.PROG).info(
+            "%s ready: http://%s:%d (/v1/chat/completions, /v1/models, /health, /readyz, /metrics) "
+            "in front of vLLM at %s",
+            settings.PROG,
+            settings.host,
+            settings.port,
+            settings.vllm_url,
+        ),
     )
-    serve(build_app(gateway), settings.host, settings.port)
     return 0
 
 

@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import ClassVar
 
 import uvicorn
@@ -83,15 +84,34 @@ def _warn_if_open(app, host: str) -> None:
         log.warning(warning)
 
 
-def serve(app, host: str, port: int, graceful_s: float = 5.0) -> None:
+class _Announcing(uvicorn.Server):
+    """A uvicorn server that calls ``ready()`` once its listener accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, ready: Callable[[], None] | None):
+        super().__init__(config)
+        self._ready = ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self._ready is not None:
+            self._ready()
+
+
+def serve(
+    app, host: str, port: int, graceful_s: float = 5.0, ready: Callable[[], None] | None = None
+) -> None:
     """uvicorn in this (main) thread until SIGTERM / SIGINT, then a graceful shutdown and a normal
     return, so the caller's clean-up runs and the process exits 0 (uvicorn re-raises the signal
     after its shutdown; the handlers installed here absorb it). Warns first if the listener is open
-    to anyone (``open_listener_warning``)."""
+    to anyone (``open_listener_warning``); ``ready()`` (the process's "ready" line) is called
+    once the listener accepts connections, not before."""
     _warn_if_open(app, host)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: None)
-    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=graceful_s, **UVICORN_OPTIONS)
+    config = uvicorn.Config(
+        app, host=host, port=port, timeout_graceful_shutdown=graceful_s, **UVICORN_OPTIONS
+    )
+    _Announcing(config, ready).run()
 
 
 class ThreadedServer:
@@ -167,15 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(
         RoomTable(settings.room_limits()), token=token, max_body_bytes=settings.max_body_bytes
     )
-    log.info(
-        "epd-handshake serving rooms on http://%s:%d (room API /v1/rooms, /healthz, /readyz, "
-        "/metrics; "
-        "bearer token %s)",
+    serve(
+        app,
         settings.host,
         settings.port,
-        "required" if token else "off",
+        ready=lambda: log.info(
+            "epd-handshake serving rooms on http://%s:%d (room API /v1/rooms, /healthz, /readyz, "
+            "/metrics; bearer token %s)",
+            settings.host,
+            settings.port,
+            "required" if token else "off",
+        ),
     )
-    serve(app, settings.host, settings.port)
     return 0
 
 

@@ -98,21 +98,24 @@ def main(argv: list[str] | None = None) -> int:
     except SettingError as exc:
         return refuse(PrefillSettings.PROG, exc)
     config = receiver.config
-    logging.getLogger("epd-prefill").info(
-        "epd-prefill ready: http://%s:%d (/v1/prefill, /healthz, /readyz, /metrics); rows of %d x "
-        "%s; "
-        "transports %s (Mooncake host %s); local tower %s",
-        settings.host,
-        settings.port,
-        config.width,
-        config.dtype,
-        ",".join(receiver.transports),
-        settings.mooncake_host,
-        settings.model or "none",
-    )
     try:
         app = create_app(receiver, tower, settings.max_body_bytes, settings.served_model_name)
-        serve(app, settings.host, settings.port)
+        serve(
+            app,
+            settings.host,
+            settings.port,
+            ready=lambda: logging.getLogger("epd-prefill").info(
+                "epd-prefill ready: http://%s:%d (/v1/prefill, /healthz, /readyz, /metrics); "
+                "rows of %d x %s; transports %s (Mooncake host %s); local tower %s",
+                settings.host,
+                settings.port,
+                config.width,
+                config.dtype,
+                ",".join(receiver.transports),
+                settings.mooncake_host,
+                settings.model or "none",
+            ),
+        )
     finally:
         receiver.close()
     return 0

@@ -10,6 +10,7 @@ import pytest
 from encode_worker.config import WorkerConfig
 from encode_worker.scheduler import BatchQueue, EncodeJob
 from process_settings import SettingError
+from tests.waiting import FakeClock
 from wire.addresses import EncodeHandshake
 
 LONG_S = 60.0  # a window no test waits out: a batch that went early did not wait for it
@@ -94,3 +95,27 @@ def test_draining_the_queue_ends_a_waiting_batch():
 def test_the_window_is_bounded(window, tmp_path):
     with pytest.raises((SettingError, ValueError)):
         WorkerConfig(model=str(tmp_path), batch_window_s=window)
+
+
+def test_the_wait_a_queued_item_would_have_follows_the_pace_measured_under_a_backlog():
+    """Unknown until the consumer came back to jobs that waited; then the patches queued times
+    the seconds per patch the last batches took (smoothed); a take that found the queue empty
+    (an idle pipeline) is no sample."""
+    clock = FakeClock()
+    queue = BatchQueue(max_items=64, patch_budget=400, batch_items=4, clock=clock)
+    for index in range(12):
+        assert queue.put(job(index, patches=100))
+    assert queue.wait_s() is None
+    assert len(queue.take_batch(0)) == 4  # 400 patches taken at t=0
+    assert queue.wait_s() is None and queue.patches == 800
+    clock.now = 2.0  # they took 2 s: 5 ms a patch
+    assert len(queue.take_batch(0)) == 4
+    assert queue.wait_s() == pytest.approx(400 * 0.005)
+    clock.now = 2.4  # the next 400 took 0.4 s (1 ms a patch): the estimate moves a fifth of the way
+    assert len(queue.take_batch(0)) == 4
+    assert queue.put(job(20, patches=100))
+    assert queue.wait_s() == pytest.approx(100 * (0.005 + 0.2 * (0.001 - 0.005)))
+    clock.now = 100.0  # idle meanwhile: the next take finds the job queued, but the pipeline
+    assert len(queue.take_batch(0)) == 1  # had nothing to do since the last take (no backlog
+    assert queue.wait_s() == 0.0  # left behind): no sample; nothing queued
+    assert queue.seconds_per_patch == pytest.approx(0.0042)

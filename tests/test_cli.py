@@ -528,3 +528,47 @@ def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint
         f"{files['cat']}: prefill FAILED" in result.stderr and "contract mismatch" in result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+# ---- "ready" means serving ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "module, args, line",
+    [
+        (
+            "gateway.cli",
+            ["--vllm-url", "http://127.0.0.1:9", "--workers", "127.0.0.1:9:10"],
+            "epd-gateway ready: http://127.0.0.1:{port}",
+        ),
+        ("handshake.server", [], "epd-handshake serving rooms on http://127.0.0.1:{port}"),
+        ("prefill_server.cli", ["--width", "64"], "epd-prefill ready: http://127.0.0.1:{port}"),
+    ],
+)
+def test_a_server_says_it_is_ready_only_once_it_answers(checkpoint, module, args, line):
+    """The moment its "ready" line is written, the server answers on its port (an operator, or a
+    script waiting for that line, may call it at once)."""
+    port = free_port()
+    if module == "gateway.cli":
+        args = [*args, "--model", checkpoint]
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **ENV},
+    )
+    expected, seen = line.format(port=port), []
+    try:
+        for output in process.stdout:  # ends when the process does: the check below says why
+            seen.append(output)
+            if expected in output:
+                break
+        assert expected in "".join(seen), "".join(seen)[-3000:]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # accepted at once: refused would raise
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    assert process.returncode == 0

@@ -3,6 +3,7 @@ encode worker into a real receiver over the loopback transport (real HTTP rooms,
 
 import asyncio
 import io
+import json
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from multimodal.items import Modality, MultimodalInputs
 from prefill_side import ItemState, JobState
+from tests.busy_worker import BusyWorker
 from tests.encode_helpers import dispatch_to, loopback_stack, mp4
 from vision.images import image_from_bytes
 from vision.small_checkpoints import build_full
@@ -347,70 +349,6 @@ def test_workers_near_the_prefill_engine_come_first_and_the_rest_stay_as_fallbac
         ]  # ring order kept
 
 
-class BusyWorker:
-    """A worker whose rooms are real (a handshake server) and whose intake refuses every item
-    "queue full" with a retry-after, counting the messages it is sent."""
-
-    def __init__(self):
-        import threading
-
-        import zmq
-
-        from wire.intake import (
-            BATCH_MARKER,
-            QUEUE_FULL_RETRY_S,
-            IntakeBatch,
-            IntakeBatchReply,
-            IntakeReply,
-            IntakeRequest,
-            IntakeStatus,
-        )
-
-        self.table = RoomTable()
-        self.server = ThreadedServer(create_app(self.table)).start()
-        self.items = 0  # items refused (a dispatcher sends an item in a batch message)
-        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self.intake_port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        self._stop = threading.Event()
-
-        def serve():
-            while not self._stop.is_set():
-                if not self._socket.poll(50):
-                    continue
-                identity, first, *rest = self._socket.recv_multipart()
-                batch = first == BATCH_MARKER  # else one item in the one-item form
-                items = (
-                    IntakeBatch.model_validate_json(rest[0]).items
-                    if batch
-                    else [IntakeRequest.model_validate_json(first)]
-                )
-                self.items += len(items)
-                replies = [
-                    IntakeReply(
-                        status=IntakeStatus.REFUSED,
-                        room=item.encode_handshake.bootstrap_room,
-                        reason="queue full",
-                        retry_after_s=QUEUE_FULL_RETRY_S,
-                    )
-                    for item in items
-                ]
-                answer = (
-                    IntakeBatchReply(replies=replies).frames() if batch else [replies[0].frame()]
-                )
-                self._socket.send_multipart([identity, *answer])
-            self._socket.close(0)
-
-        self._thread = threading.Thread(target=serve, daemon=True)
-        self._thread.start()
-        self.address = WorkerAddress("127.0.0.1", self.server.port, self.intake_port)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.server.stop()
-
-
 def test_a_busy_worker_is_left_alone_and_its_items_go_elsewhere(stack, tower):
     """Items whose first worker refuses "queue full" are placed on the other; the busy one is sent
     nothing more during its retry-after (its first refusals answer for it)."""
@@ -465,6 +403,35 @@ def test_items_no_worker_takes_fail_with_the_reason_after_bounded_retries(tower)
     # every 0.1 s per item (30)
     assert busy.items <= 18
     assert busy.table.counts() == RoomTable().counts()  # no room minted there, none left
+
+
+def test_items_a_worker_cannot_take_within_the_intake_timeout_fail_at_once(tower):
+    """A busy refusal whose retry-after is past the intake timeout (the worker's queue holds more
+    than the item's deadline allows) ends the item's dispatch at once, with the worker's reason
+    and its retry-after: one message per item, no backing off for the whole timeout."""
+    busy = BusyWorker("busy: about 40.0 s of work queued ahead", retry_after_s=20.0)
+
+    async def run():
+        workers = WorkerSet([busy.address])
+        await workers.refresh()
+        dispatcher = Dispatcher(workers, tower.processor, intake_timeout_s=5.0)
+        try:
+            return await dispatcher.dispatch(
+                "req-late", [synthetic_image(64, 64, 300 + i) for i in range(3)]
+            )
+        finally:
+            await dispatcher.close()
+            await workers.close()
+
+    try:
+        items = asyncio.run(run())
+    finally:
+        busy.stop()
+    assert busy.items == 3
+    assert all(
+        item.worker is None and "about 40.0 s of work queued" in item.error for item in items
+    )
+    assert all(item.retry_after_s == 20.0 for item in items)
 
 
 def test_a_gateway_learns_when_the_worker_holds_the_rows_or_failed_the_item(stack, tower):
@@ -524,3 +491,67 @@ def test_a_closed_intake_client_keeps_no_caller_waiting():
         asyncio.run(run())
     finally:
         silent.close(0)
+
+
+def test_a_reply_naming_no_room_fails_only_the_message_it_answers():
+    """Two messages in flight to one worker; it could not read the first (a reply naming no room)
+    and answers the second: the first's items get that refusal, the second's their own replies
+    (a room-less reply used to fail every item in flight)."""
+    import threading
+
+    import zmq
+
+    from wire.addresses import EncodeHandshake, Endpoint
+    from wire.intake import (
+        BATCH_MARKER,
+        AsyncIntakeClient,
+        IntakeBatchReply,
+        IntakeReply,
+        IntakeRequest,
+        IntakeStatus,
+    )
+
+    worker = zmq.Context.instance().socket(zmq.ROUTER)
+    worker.setsockopt(zmq.LINGER, 0)
+    port = worker.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_two_messages():
+        unreadable = IntakeReply(status=IntakeStatus.REFUSED, reason="bad metadata")
+        identity, *_ = worker.recv_multipart()
+        worker.send_multipart([identity, unreadable.frame()])
+        identity, marker, metadata, *_ = worker.recv_multipart()
+        assert marker == BATCH_MARKER
+        items = json.loads(metadata)["items"]
+        rooms = [item["encode_handshake"]["bootstrap_room"] for item in items]
+        replies = [IntakeReply(status=IntakeStatus.ACCEPTED, room=room) for room in rooms]
+        worker.send_multipart([identity, *IntakeBatchReply(replies=replies).frames()])
+
+    def request(room: int) -> IntakeRequest:
+        return IntakeRequest(
+            request_id=f"r{room}",
+            encode_handshake=EncodeHandshake.at(Endpoint("127.0.0.1", 9), room),
+            source="bytes",
+        )
+
+    async def run():
+        client = AsyncIntakeClient(f"tcp://127.0.0.1:{port}", timeout_s=10)
+        try:
+            first = asyncio.ensure_future(client.send(request(1), b"image"))
+            await asyncio.sleep(0.05)  # the next loop steps: a message of its own
+            second = [asyncio.ensure_future(client.send(request(r), b"image")) for r in (2, 3)]
+            return await asyncio.gather(first, *second)
+        finally:
+            client.close()
+
+    answering = threading.Thread(target=answer_two_messages, daemon=True)
+    answering.start()
+    try:
+        first, *second = asyncio.run(run())
+    finally:
+        answering.join(10)
+        worker.close(0)
+    assert first.status is IntakeStatus.REFUSED and first.reason == "bad metadata"
+    assert [(reply.status, reply.room) for reply in second] == [
+        (IntakeStatus.ACCEPTED, 2),
+        (IntakeStatus.ACCEPTED, 3),
+    ]

@@ -26,6 +26,7 @@ from wire.addresses import EncodeHandshake
 from wire.intake import (
     BATCH_MARKER,
     AsyncIntakeClient,
+    IntakeBatchReply,
     IntakeClient,
     IntakeReply,
     IntakeRequest,
@@ -236,17 +237,23 @@ def test_a_batch_message_answers_each_item_alone(qwen25):
 
 
 def test_a_batch_whose_frames_do_not_match_its_items_is_refused_whole(qwen25):
+    """Every item refused, each reply naming its room (the sender matches replies by room);
+    metadata that cannot be read is one refusal naming none."""
     directory, tower = qwen25
     worker, receiver = make_worker(directory, tower=tower)
-    (room,) = worker.table.mint(1, 60)
-    metadata = json.dumps({"items": [request(worker, room)]}).encode()
-    try:  # one item with a payload, two payload frames
-        reply = worker.intake.accept_batch([metadata, png(64, 64, 1), png(64, 64, 2)])
-        assert reply[0] != BATCH_MARKER
-        refusal = IntakeReply.model_validate_json(reply[0])
+    rooms = worker.table.mint(2, 60)
+    metadata = json.dumps({"items": [request(worker, room) for room in rooms]}).encode()
+    try:  # two items with a payload, three payload frames
+        reply = worker.intake.accept_batch([metadata, *(png(64, 64, i) for i in range(3))])
+        assert reply[0] == BATCH_MARKER
+        refusals = IntakeBatchReply.model_validate_json(reply[1]).replies
+        assert [refusal.room for refusal in refusals] == rooms
+        for refusal in refusals:
+            assert refusal.status is IntakeStatus.REFUSED and "3 payload frames" in refusal.reason
+        assert [worker.table.view(room).state for room in rooms] == [RoomState.PENDING] * 2
+        (unreadable,) = worker.intake.accept_batch([b"{not json", png(64, 64, 1)])
+        refusal = IntakeReply.model_validate_json(unreadable)
         assert refusal.status is IntakeStatus.REFUSED and refusal.room is None
-        assert "2 payload frames" in refusal.reason
-        assert worker.table.view(room).state is RoomState.PENDING
     finally:
         worker.stop()
         receiver.close()
@@ -797,6 +804,70 @@ def test_media_threads_yield_the_cpu_to_the_control_plane(qwen25):
         assert nice["prepare"] == nice["encode"] == min(19, base + 3)
         assert nice["intake"] == nice["stage"] == base
         assert os.getpriority(os.PRIO_PROCESS, worker.server.loop.thread.native_id) == base
+    finally:
+        worker.stop()
+        receiver.close()
+
+
+def _burst(worker, receiver, tower, count: int, seed: int):
+    """``count`` distinct 448x448 items sent back to back to ``worker``'s intake, their
+    receivers registered first: (room, reply) each."""
+    images = [png(448, 448, seed + index) for index in range(count)]
+    rooms = worker.table.mint(count, 120)
+    for room in rooms:
+        receiver.reserve(room, rows_for(tower, images[0]), tower.info.wire_width, tower.dtype)
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    try:
+        return [
+            (room, intake.send(request(worker, room, f"r{room}"), image))
+            for room, image in zip(rooms, images)
+        ]
+    finally:
+        intake.close()
+
+
+def test_a_burst_beyond_the_old_queue_waits_for_the_tower_and_is_delivered(qwen25):
+    """150 items at once, one per batch: far more than the tower clears while they arrive. They
+    wait in the queue (their files only) within their deadline; none is refused, all delivered."""
+    directory, tower = qwen25
+    worker, receiver = make_worker(directory, tower=tower, batch_items=1, ring_bytes=32 << 20)
+    try:
+        replies = _burst(worker, receiver, tower, 150, seed=5000)
+        assert [reply.status for _, reply in replies] == [IntakeStatus.ACCEPTED] * 150
+        assert worker.queue.seconds_per_patch is not None  # the backlog was measured
+        for room, _ in replies:
+            assert receiver.wait(room, timeout=120)[0] is RoomState.SUCCESS
+    finally:
+        worker.stop()
+        receiver.close()
+
+
+def test_an_item_that_would_wait_past_its_deadline_is_refused_at_intake_with_when_to_retry(
+    qwen25,
+):
+    """--max-queue-wait-s: once the measured pace says the work queued ahead takes longer, intake
+    refuses (busy, with a retry-after of the excess) and leaves the room untouched; everything it
+    accepted is delivered."""
+    directory, tower = qwen25
+    worker, receiver = make_worker(
+        directory, tower=tower, batch_items=1, ring_bytes=32 << 20, max_queue_wait_s=1e-3
+    )
+    try:
+        replies = _burst(worker, receiver, tower, 60, seed=6000)
+        refused = [(room, reply) for room, reply in replies if not reply.ok]
+        assert refused, "no backlog formed: the tower kept up with intake"
+        for room, reply in refused:
+            assert reply.status is IntakeStatus.REFUSED
+            assert reply.reason.startswith("busy: about ")
+            assert reply.reason.endswith(
+                " s of work queued ahead, over the 0.001 s this item may wait"
+            )
+            assert reply.retry_after_s >= 0.1
+            view = worker.table.view(room)
+            assert view.state is RoomState.REGISTERED and view.version == 2  # minted, registered
+        for room, reply in replies:
+            if reply.ok:
+                assert receiver.wait(room, timeout=120)[0] is RoomState.SUCCESS
     finally:
         worker.stop()
         receiver.close()

@@ -168,8 +168,9 @@ def test_intake_truncated_and_oversized(cut, extra):
     st.sampled_from([None, "secret"]),
 )
 def test_intake_batches(items, payloads, token):
-    """A batch is refused whole (no room) only when its frames cannot be matched to its items;
-    otherwise each item is parsed as it would be alone, with the payload frame it is matched to."""
+    """A batch is refused whole (no room) only when its metadata cannot be read; payload frames
+    that are not one per item with a payload refuse every item, naming its room; otherwise each
+    item is parsed as it would be alone, with the payload frame it is matched to."""
     frames = [json.dumps({"items": items}).encode(), *payloads]
     try:
         parsed = parse_batch(frames, 64, token, "m")
@@ -177,7 +178,12 @@ def test_intake_batches(items, payloads, token):
         assert exc.room is None and str(exc)
         return
     assert 1 <= len(parsed) == len(items) <= MAX_BATCH_ITEMS
-    assert len(payloads) == sum(item["source"] != "shm" for item in items)
+    if len(payloads) != sum(item["source"] != "shm" for item in items):
+        assert [refusal.room for refusal in parsed] == [
+            item["encode_handshake"]["bootstrap_room"] for item in items
+        ]
+        assert all("payload frames" in str(refusal) for refusal in parsed)
+        return
     for index, item in enumerate(parsed):
         if isinstance(item, IntakeRefused):
             assert str(item)

@@ -26,6 +26,7 @@ from gateway.chat import (
     rewrite,
 )
 from gateway.media import MediaError, MediaFetcher
+from tests.busy_worker import BusyWorker
 from tests.image_server import serving
 
 
@@ -187,19 +188,20 @@ def test_redirects_are_bounded(image_server):
 
 
 def gateway_in_process(model: str, vllm_url: str | None = None, **settings):
-    """A ``Gateway`` (model name "m") over a small Qwen2-VL checkpoint built at ``model``, with no
-    encode worker and vLLM at ``vllm_url`` (default: a port where nothing listens)."""
+    """A ``Gateway`` (model name "m") over a small Qwen2-VL checkpoint built at ``model``, with
+    vLLM at ``vllm_url`` (default: a port where nothing listens) and no encode worker unless
+    ``workers`` names some."""
     from transformers import AutoImageProcessor
 
     from gateway.app import Gateway, GatewaySettings
     from vision.small_checkpoints import build_full
 
     build_full("qwen2_vl", model)
+    settings.setdefault("workers", (WorkerAddress(HOST, free_port(), free_port()),))
     config = GatewaySettings(
         model=model,
         vllm_url=vllm_url or f"http://{HOST}:{free_port()}",
         served_model_name="m",
-        workers=(WorkerAddress(HOST, free_port(), free_port()),),
         **settings,
     )
     return Gateway(config, AutoImageProcessor.from_pretrained(model))
@@ -478,3 +480,34 @@ def test_bodies_being_received_are_bounded_in_bytes(tmp_path):
         assert "--max-receiving-bytes" in refused.json()["error"]["message"]
         assert client.post("/v1/chat/completions", content=small).status_code == 502
         assert gateway.reading.held == 0
+
+
+def test_a_request_the_busy_encode_workers_cannot_take_in_time_is_refused_with_retry_after(
+    tmp_path,
+):
+    """Every worker refuses the image as busy past its deadline: the request is refused (503,
+    Retry-After from the worker's), not sent to vLLM inline (vLLM being unreachable, a 502 would
+    mean it was), and no room is left behind."""
+    from fastapi.testclient import TestClient
+
+    from gateway.app import build_app
+
+    busy = BusyWorker("busy: about 40.0 s of work queued ahead", retry_after_s=19.2)
+    try:
+        gateway = gateway_in_process(str(tmp_path), workers=(busy.address,))
+        with TestClient(build_app(gateway)) as client:
+            image = base64.b64encode(synthetic_image(64, 64, 1)).decode()
+            content = [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image}},
+                {"type": "text", "text": "?"},
+            ]
+            answer = client.post(
+                "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": content}]},
+            )
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["retry-after"] == "20"
+        assert "the encode workers are busy" in answer.json()["error"]["message"]
+        assert busy.items == 1 and busy.table.live_rooms == 0
+    finally:
+        busy.stop()

@@ -17,6 +17,7 @@ the network is unpickled. Torch-free: the dispatcher imports it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import hmac
 import math
@@ -34,6 +35,7 @@ MAX_BATCH_METADATA_BYTES = MAX_BATCH_ITEMS * (4 << 10)  # a batch's metadata fra
 MAX_BATCH_PAYLOAD_BYTES = 64 << 20  # a client starts a new batch past this many payload bytes
 BATCH_MARKER = b"epd-intake-batch/1"  # the first frame of a batch message and of its reply
 QUEUE_FULL_RETRY_S = 0.1  # retry_after_s of a busy refusal: queue full, too many in flight
+MAX_RETRY_AFTER_S = 3600.0
 
 
 class ShmPixels(BaseModel):
@@ -98,7 +100,8 @@ class IntakeReply(BaseModel):
         None  # the room the metadata named; None when it could not be read
     )
     reason: str | None = None  # why, when not accepted
-    retry_after_s: float | None = None  # set on a refusal that may succeed later (queue full)
+    # set on a refusal that may succeed later (busy: queue full, or its wait past the deadline)
+    retry_after_s: json_float(ge=0, le=MAX_RETRY_AFTER_S) | None = None
 
     @computed_field
     @property
@@ -166,9 +169,9 @@ def parse_batch(
     frames: list[bytes], max_payload_bytes: int, token: str | None, model: str | None = None
 ) -> list[tuple[IntakeRequest, bytes | None] | IntakeRefused]:
     """Validate a batch's frames (identity and ``BATCH_MARKER`` removed): per item, its request
-    and payload, or why it is refused. ``IntakeRefused`` (no room) when the frames cannot be
-    matched to items at all: the metadata is unreadable, or the payload frames are not one per
-    item that has one."""
+    and payload, or why it is refused (every item, naming its room, when the payload frames are
+    not one per item that has one). ``IntakeRefused`` (no room) when the metadata is
+    unreadable."""
     if not frames:
         raise IntakeRefused("a batch needs its metadata frame")
     if len(frames[0]) > MAX_BATCH_METADATA_BYTES:
@@ -180,10 +183,11 @@ def parse_batch(
     payloads = iter(frames[1:])
     with_payload = sum(item.source != "shm" for item in items)
     if with_payload != len(frames) - 1:
-        raise IntakeRefused(
+        reason = (
             f"a batch of {len(items)} items, {with_payload} with a payload, came with "
             f"{len(frames) - 1} payload frames"
         )
+        return [IntakeRefused(reason, item.encode_handshake.bootstrap_room) for item in items]
     parsed: list[tuple[IntakeRequest, bytes | None] | IntakeRefused] = []
     for request in items:
         payload = next(payloads) if request.source != "shm" else None
@@ -270,7 +274,8 @@ class AsyncIntakeClient:
     ``MAX_BATCH_ITEMS`` items and about ``MAX_BATCH_PAYLOAD_BYTES`` of payload; one item alone in
     the one-item form); each reply is matched to its item by room (a dispatcher never has two
     items for one room in flight). A reply that names no room (the worker could not read the
-    message) fails every item in flight with its reason."""
+    message's metadata) fails the items of the message it answers: the worker answers messages
+    in the order they came, so that is the oldest message not answered yet."""
 
     def __init__(self, endpoint: str, timeout_s: float = 5.0, max_in_flight: int = 1024):
         import zmq
@@ -286,6 +291,9 @@ class AsyncIntakeClient:
         self._waiting: dict[int, asyncio.Future[IntakeReply]] = {}
         self._unsent: list[tuple[IntakeRequest, bytes | None]] = []
         self._unsent_bytes = 0
+        # each message sent and not answered yet: its rooms, oldest first (each holds an item in
+        # flight until answered or timed out, so there are at most max_in_flight of them)
+        self._unanswered: collections.deque[list[int]] = collections.deque(maxlen=max_in_flight)
         self._reader: asyncio.Task | None = None
 
     async def send(self, request: IntakeRequest, payload: bytes | None = None) -> IntakeReply:
@@ -340,6 +348,7 @@ class AsyncIntakeClient:
             ]
         frames.extend(payload for _, payload in items if payload is not None)
         rooms = [request.encode_handshake.bootstrap_room for request, _ in items]
+        self._unanswered.append(rooms)
         sent = self._socket.send_multipart(frames, copy=False)
         sent.add_done_callback(lambda sent: self._fail_unsent(sent, rooms))
 
@@ -348,6 +357,8 @@ class AsyncIntakeClient:
         as a refusal."""
         if sent.cancelled() or sent.exception() is None:
             return
+        if rooms in self._unanswered:  # never sent: no answer will come for it
+            self._unanswered.remove(rooms)
         refusal = f"cannot send to encode worker intake {self.endpoint}: {sent.exception()}"
         for room in rooms:
             future = self._waiting.get(room)
@@ -361,12 +372,10 @@ class AsyncIntakeClient:
                 replies = IntakeBatchReply.model_validate_json(frames[1]).replies
             else:
                 replies = [IntakeReply.model_validate_json(frames[0])]
+            answered = self._unanswered.popleft() if self._unanswered else []
             for reply in replies:
-                room = reply.room
-                waiting = (
-                    [self._waiting.get(room)] if room is not None else list(self._waiting.values())
-                )
-                for future in waiting:
+                for room in [reply.room] if reply.room is not None else answered:
+                    future = self._waiting.get(room)
                     if future is not None and not future.done():
                         future.set_result(reply)
 
