@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     overload.add_argument(
         "--deadline-s", type=float, default=60.0, help="each request's receive deadline"
     )
+    overload.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        default=None,
+        help="the encode workers' --max-queue-wait-s (default: theirs)",
+    )
     overload.add_argument("--json", default=None)
     cost = sub.add_parser(
         "cost",

@@ -4,10 +4,11 @@ Processes: one encode worker (then two: ``workers`` phases, each a fresh cluster
 reference prefill processes (``epd-prefill``: receivers), started by ``bench.cluster``; the
 dispatcher, the clients and the probes run here. All ``requests`` requests of
 ``images_per_request`` distinct images each start at once (so ``requests x images_per_request``
-items are in flight, far more than a worker's queue holds and arriving faster than its tower
-encodes them); each is dispatched (the real ``Dispatcher``: a worker refusing "queue full" says
-when to retry, and the dispatcher retries within its intake timeout, then fails the item and
-comes back without a room), then posted to a prefill process (alternating) with ``deadline_s``.
+items are in flight, arriving faster than a worker's tower encodes them); each is dispatched (the
+real ``Dispatcher``: a worker queues what its deadline allows and refuses the rest busy, saying
+when to retry; the dispatcher retries within its intake timeout, then fails the item and comes
+back without a room), then posted to a prefill process (alternating) with ``deadline_s``. The
+prefill processes' pools hold the burst (slots of one item's rows).
 
 Per item, the outcome: DONE, or FAILED with the reason the prefill process reports, or, for an
 item the dispatcher could not place (no room: the prefill side skips it), with the dispatcher's
@@ -35,6 +36,7 @@ from bench.results import write_json
 
 HANDSHAKE_P99_GOAL_S = 0.020
 MARGIN_S = 15.0  # past its deadline, a prefill call that has not answered counts as hung
+PREFILL_SLOT_BYTES = 256 << 10  # one 224x224 item's rows (64 x 1024 float32)
 
 
 def _rss_bytes(pid: int) -> int | None:
@@ -104,7 +106,15 @@ def phase(
             )
             for i in range(workers)
         ]
-        prefills = [cluster.start_prefill(f"prefill-{i}", transports="shm") for i in (0, 1)]
+        # Each request holds its items' slots until all its items are in, so a pool must hold
+        # the burst's half: slots of one item's rows (224x224: 256 KiB), not the 1 MiB default,
+        # else the receivers refuse ("cannot reserve") what the encode tier would serve.
+        prefills = [
+            cluster.start_prefill(
+                f"prefill-{i}", transports="shm", extra=("--slot-bytes", str(PREFILL_SLOT_BYTES))
+            )
+            for i in (0, 1)
+        ]
         cluster.wait_ready()
         roles = encode + prefills
 
@@ -259,6 +269,7 @@ def _reason_class(reason: str) -> str:
     lowered = reason.lower()
     for known in (
         "queue full",
+        "busy",
         "no healthy encode worker",
         "cancelled",
         "expired",
@@ -328,7 +339,17 @@ def main(args) -> int:
         f"epd-bench overload: {args.requests} requests x {args.images_per_request} images "
         f"({args.size}x{args.size}) at once, encode workers {workers}, two prefill processes"
     )
-    report = run(args.requests, args.images_per_request, workers, args.size, args.deadline_s)
+    extra = ()
+    if args.max_queue_wait_s is not None:
+        extra = ("--max-queue-wait-s", str(args.max_queue_wait_s))
+    report = run(
+        args.requests,
+        args.images_per_request,
+        workers,
+        args.size,
+        args.deadline_s,
+        worker_extra=extra,
+    )
     for p in report["phases"]:
         request_s = "/".join(f"{p['request_s'][q]:.2f}" for q in ("p50", "p99", "max"))
         print(

@@ -9,7 +9,8 @@ at once, so the dispatcher learns it (backpressure) instead of waiting.
 How long a new job would wait (``wait_s``): the patches queued ahead of it times the pipeline's
 measured seconds per patch, sampled whenever its consumer comes back for a batch and finds jobs
 that waited (the pace of the slowest stage behind the queue, under the backlog this estimate is
-for), smoothed over batches. Intake refuses a job that would wait past its deadline.
+for): the median of the last batches' samples, none until there are three. Intake refuses a job
+that would wait past its deadline.
 
 The batching window: a batch that is not full (its item cap, or a budget the next job would
 pass) waits for more jobs until ``window_s`` after its oldest job arrived, then goes as it is.
@@ -20,6 +21,7 @@ already waited in the queue behind a busy tower does not wait again.
 from __future__ import annotations
 
 import collections
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +35,8 @@ if TYPE_CHECKING:
     from vision.video import VideoPlan
 
 
-PACE_SMOOTHING = 0.2  # weight of a new batch's pace in the estimate
+PACE_SAMPLES = 9  # the pace is the median of the last batches' (a cold first batch is no guide)
+MIN_PACE_SAMPLES = 3
 
 
 @dataclass
@@ -79,7 +82,7 @@ class BatchQueue:
         self.clock = clock
         self.nbytes = 0
         self.patches = 0  # of the jobs queued
-        self.seconds_per_patch: float | None = None  # None: not measured yet
+        self._pace_samples: collections.deque[float] = collections.deque(maxlen=PACE_SAMPLES)
         # when the last batch was taken and its patches, if it left jobs behind
         self._taken: tuple[float, int] | None = None
         self._jobs: collections.deque[EncodeJob] = collections.deque()
@@ -101,13 +104,19 @@ class BatchQueue:
         # one job alone may hold more than max_bytes: it was already received
         return self.max_bytes is None or not self._jobs or self.nbytes + nbytes <= self.max_bytes
 
+    @property
+    def seconds_per_patch(self) -> float | None:
+        """The pipeline's pace: the median of its last batches' (None: too few measured yet)."""
+        if len(self._pace_samples) < MIN_PACE_SAMPLES:
+            return None
+        return statistics.median(self._pace_samples)
+
     def wait_s(self) -> float | None:
         """How long a job queued now would wait for the tower (None: the pace is not measured
         yet)."""
         with self._ready:
-            if self.seconds_per_patch is None:
-                return None
-            return self.patches * self.seconds_per_patch
+            pace = self.seconds_per_patch
+            return None if pace is None else self.patches * pace
 
     def put(self, job: EncodeJob) -> bool:
         with self._ready:
@@ -129,7 +138,8 @@ class BatchQueue:
                 self._taken = None
                 return []
             if self._taken is not None:  # the consumer was busy with the last batch until now
-                self._pace(self.clock() - self._taken[0], self._taken[1])
+                seconds, patches = self.clock() - self._taken[0], self._taken[1]
+                self._pace_samples.append(seconds / max(1, patches))
             if self.window_s and not self.closed:
                 until = self._jobs[0].received_at + self.window_s
                 self._ready.wait_for(
@@ -143,14 +153,6 @@ class BatchQueue:
             # the next take times this batch if the consumer is busy until then: jobs wait
             self._taken = (self.clock(), sum(job.patches for job in batch)) if self._jobs else None
             return batch
-
-    def _pace(self, seconds: float, patches: int) -> None:
-        """A sample of the pace: the last batch's ``patches`` took ``seconds`` to clear."""
-        sample = seconds / max(1, patches)
-        if self.seconds_per_patch is None:
-            self.seconds_per_patch = sample
-        else:
-            self.seconds_per_patch += PACE_SMOOTHING * (sample - self.seconds_per_patch)
 
     def _batch_size(self) -> int:
         """How many jobs from the head make the next batch (at least one)."""

@@ -98,24 +98,23 @@ def test_the_window_is_bounded(window, tmp_path):
 
 
 def test_the_wait_a_queued_item_would_have_follows_the_pace_measured_under_a_backlog():
-    """Unknown until the consumer came back to jobs that waited; then the patches queued times
-    the seconds per patch the last batches took (smoothed); a take that found the queue empty
-    (an idle pipeline) is no sample."""
+    """Unknown until the consumer came back three times to jobs that waited; then the patches
+    queued times the median seconds per patch of the last batches (a slow first batch is no
+    guide); a take after the queue had emptied (an idle pipeline) is no sample."""
     clock = FakeClock()
     queue = BatchQueue(max_items=64, patch_budget=400, batch_items=4, clock=clock)
-    for index in range(12):
+    for index in range(20):
         assert queue.put(job(index, patches=100))
-    assert queue.wait_s() is None
-    assert len(queue.take_batch(0)) == 4  # 400 patches taken at t=0
-    assert queue.wait_s() is None and queue.patches == 800
-    clock.now = 2.0  # they took 2 s: 5 ms a patch
-    assert len(queue.take_batch(0)) == 4
-    assert queue.wait_s() == pytest.approx(400 * 0.005)
-    clock.now = 2.4  # the next 400 took 0.4 s (1 ms a patch): the estimate moves a fifth of the way
-    assert len(queue.take_batch(0)) == 4
-    assert queue.put(job(20, patches=100))
-    assert queue.wait_s() == pytest.approx(100 * (0.005 + 0.2 * (0.001 - 0.005)))
-    clock.now = 100.0  # idle meanwhile: the next take finds the job queued, but the pipeline
-    assert len(queue.take_batch(0)) == 1  # had nothing to do since the last take (no backlog
-    assert queue.wait_s() == 0.0  # left behind): no sample; nothing queued
-    assert queue.seconds_per_patch == pytest.approx(0.0042)
+    for now in (0.0, 4.0, 4.4, 4.8):  # batches of 400 patches: 4 s (cold), then 0.4 s each
+        clock.now = now
+        assert queue.wait_s() is None or now == 4.8
+        assert len(queue.take_batch(0)) == 4
+    assert queue.patches == 400
+    assert queue.seconds_per_patch == pytest.approx(0.001)  # median of 0.01, 0.001, 0.001
+    assert queue.wait_s() == pytest.approx(400 * 0.001)
+    clock.now = 5.0
+    assert len(queue.take_batch(0)) == 4  # the last: the queue is empty behind it
+    assert queue.put(job(30, patches=100))
+    clock.now = 100.0  # idle meanwhile: no sample of 95 s
+    assert len(queue.take_batch(0)) == 1
+    assert queue.seconds_per_patch == pytest.approx(0.001) and queue.wait_s() == 0.0
