@@ -21,6 +21,7 @@ from process_settings import (
     check_device,
     check_listen,
     check_memory,
+    exit_process,
     refuse,
 )
 
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait()
     logging.info("stopping: intake closed, queued items failed, in-flight writes finishing")
     worker.stop()
-    return 0
+    exit_process(0)
 
 
 if __name__ == "__main__":

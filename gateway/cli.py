@@ -14,7 +14,7 @@ import logging
 import sys
 
 from gateway.settings import GatewaySettings
-from process_settings import SettingError, check_listen, refuse
+from process_settings import SettingError, check_listen, exit_process, refuse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             settings.vllm_url,
         ),
     )
-    return 0
+    exit_process(0)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from prefill_server.settings import PrefillSettings
 from prefill_side import PrefillReceiver, ReceiverConfig
 from process_settings import (
     SettingError,
+    exit_process,
     refuse,
 )
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     finally:
         receiver.close()
-    return 0
+    exit_process(0)
 
 
 if __name__ == "__main__":

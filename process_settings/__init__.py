@@ -1,9 +1,10 @@
 """Process settings: one frozen, typed object per ``epd-*`` process (``ProcessSettings``), from
 which its flags, its ``EPD_...`` environment variables, mounted secret files and ``--help`` are
 all generated; the value types those objects share; and the start-up checks that need the
-machine. An operator's mistake is one line on stderr and exit status 1, before anything starts."""
+machine. An operator's mistake is one line on stderr and exit status 1, before anything starts;
+a process that stopped cleanly exits without noise (``exit_process``)."""
 
-from process_settings.base import ProcessSettings, SettingError, one_line, refuse
+from process_settings.base import ProcessSettings, SettingError, exit_process, one_line, refuse
 from process_settings.checks import (
     check_checkpoint,
     check_device,
@@ -47,6 +48,7 @@ __all__ = [
     "TransportNames",
     "VisionAttention",
     "check_checkpoint",
+    "exit_process",
     "served_name",
     "check_device",
     "check_listen",
