@@ -14,7 +14,7 @@ from vision.image_files import FormatNotTaken
 from vision.image_files import header as image_header
 from vision.limits import MAX_PIXELS
 from vision.sizing import QWEN_VL, Sizing, sample_and_size
-from vision.video import BadVideo, read_header
+from vision.video import BadVideo, ContainerNotTaken, read_header, read_size
 from wire.addresses import EncodeHandshake
 from wire.modality import Modality
 
@@ -51,8 +51,8 @@ class DispatchedItem:
     attempts: list[str] = field(default_factory=list)  # workers tried, in order
     dispatch_s: float = 0.0  # from the start of dispatch to the worker's acknowledgement
     retry_after_s: float | None = None  # the last worker refused it busy: retry after this
-    # an image in a format no encode worker decodes, which vLLM does: never placed (``error``
-    # says why), vLLM encodes it
+    # an image or video in a format no encode worker decodes, which vLLM does: never placed
+    # (``error`` says why), vLLM encodes it
     encoded_by_vllm: bool = False
     image_format: str = ""  # PIL's name for an image (PNG, JPEG, ...); "MP4/MOV" for a video
     modality: Modality = Modality.IMAGE
@@ -113,7 +113,7 @@ class MediaSizer:
             if not data or len(data) > MAX_IMAGE_BYTES:
                 raise DispatchError(f"{label}: {len(data)} bytes (1..{MAX_IMAGE_BYTES} accepted)")
             if entry.modality is Modality.VIDEO:
-                items.append(self._describe_video(index, data, label))
+                items.append(self._describe_video(index, data, label, vllm_decodes))
             else:
                 items.append(self._describe_image(index, data, label, vllm_decodes))
         return items
@@ -159,7 +159,33 @@ class MediaSizer:
             encoded_by_vllm=encoded_by_vllm,
         )
 
-    def _describe_video(self, index: int, video: bytes, label: str) -> DispatchedItem:
+    def _video_for_vllm(
+        self, index: int, video: bytes, label: str, container: str
+    ) -> DispatchedItem:
+        """A video in a container no encode worker decodes (WebM, ...), which vLLM's own loader
+        samples and encodes: its frame size checked from the header, never placed (no grid: vLLM
+        sizes it)."""
+        try:
+            width, height = read_size(video)
+        except BadVideo as exc:
+            raise DispatchError(f"{label}: {exc}") from None
+        return DispatchedItem(
+            index,
+            video,
+            hash_feature(video),
+            width,
+            height,
+            (0, 0, 0),
+            0,
+            error=f"video container {container}: encode workers do not decode it; vLLM does",
+            image_format=container,
+            modality=Modality.VIDEO,
+            encoded_by_vllm=True,
+        )
+
+    def _describe_video(
+        self, index: int, video: bytes, label: str, vllm_decodes: bool
+    ) -> DispatchedItem:
         """A video sized from its container header and the video processor (no decode)."""
         processor = self.video_processor
         if processor is None:
@@ -167,6 +193,10 @@ class MediaSizer:
         try:
             header = read_header(video)
             indices, grid = sample_and_size(processor, header, self.sizing)
+        except ContainerNotTaken as exc:
+            if not vllm_decodes:
+                raise DispatchError(f"{label}: {exc}") from None
+            return self._video_for_vllm(index, video, label, exc.container)
         except BadVideo as exc:
             raise DispatchError(f"{label}: {exc}") from None
         sampled_fps = len(indices) / header.frames * header.fps  # transformers' VideoMetadata's

@@ -21,7 +21,7 @@ from PIL import Image  # noqa: E402
 from bench.cluster import HOST, LocalCluster, free_port  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
 from dispatcher.workers import WorkerAddress  # noqa: E402
-from tests.encode_helpers import mp4  # noqa: E402
+from tests.encode_helpers import mp4, webm  # noqa: E402
 from tests.image_server import serving  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 from vision.vlm_checkpoints import cached_vlm  # noqa: E402
@@ -486,6 +486,32 @@ def test_a_video_and_an_image_through_the_gateway(stack):
     assert answer.usage.completion_tokens == MAX_TOKENS
     other = ask(mp4(25, 64, 96, seed=83))
     assert other.choices[0].message.content != answer.choices[0].message.content
+
+
+def test_a_video_in_a_container_workers_do_not_decode_is_encoded_by_vllm(stack):
+    """A WebM (vLLM's video loader reads it, the workers take MP4/MOV): its frame size checked at
+    the gateway, sent to vLLM inline, never to a worker; the answer is vLLM's own."""
+    uri = "data:video/webm;base64," + base64.b64encode(webm(12, 48, 64, seed=84)).decode()
+    content = [
+        {"type": "video_url", "video_url": {"url": uri}},
+        {"type": "text", "text": "Describe the video."},
+    ]
+
+    def ask(client):
+        return client.chat.completions.create(
+            model=stack.model,
+            messages=[{"role": "user", "content": content}],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+        )
+
+    intake = metric(stack.worker.url, "epd_encoder_intake_total")
+    answer = ask(stack.client)
+    (report,) = answer.model_extra["epd"]["images"]
+    assert report["encoder"] == "colocated"
+    assert "video container matroska,webm" in report["error"], report
+    assert answer.choices[0].message.content == ask(stack.direct).choices[0].message.content
+    assert metric(stack.worker.url, "epd_encoder_intake_total") == intake
 
 
 def test_models_health_and_text_only(stack):
