@@ -96,10 +96,10 @@ class Dispatcher:
     # ---- the request -----------------------------------------------------------------------
 
     def describe(
-        self, media: list[bytes | Media], names: list[str] | None = None
+        self, media: list[bytes | Media], names: list[str] | None = None, vllm_decodes=False
     ) -> list[DispatchedItem]:
         """``MediaSizer.describe``: every item hashed and sized, or ``DispatchError``."""
-        return self.sizer.describe(media, names)
+        return self.sizer.describe(media, names, vllm_decodes)
 
     async def dispatch(
         self,
@@ -122,7 +122,7 @@ class Dispatcher:
             raise DispatchError(f"request id {request_id!r}: 1..100 of [A-Za-z0-9._:-]")
         started = time.monotonic()
         deadline = started + self.intake_timeout_s
-        unplaced, backoff = items, 0.0
+        unplaced, backoff = [item for item in items if not item.encoded_by_vllm], 0.0
         while unplaced:
             tried: dict[int, set[str]] = {id(item): set() for item in unplaced}
             for _ in range(self.max_attempts):

@@ -10,10 +10,11 @@ import torch
 
 from multimodal.hashing import hash_feature
 from multimodal.items import GRID_KEYS, MultimodalDataItem
+from vision.image_files import FormatNotTaken
 from vision.image_files import header as image_header
 from vision.limits import MAX_PIXELS
 from vision.sizing import QWEN_VL, Sizing, sample_and_size
-from vision.video import BadVideo, read_header
+from vision.video import BadVideo, ContainerNotTaken, read_header, read_size
 from wire.addresses import EncodeHandshake
 from wire.modality import Modality
 
@@ -50,6 +51,9 @@ class DispatchedItem:
     attempts: list[str] = field(default_factory=list)  # workers tried, in order
     dispatch_s: float = 0.0  # from the start of dispatch to the worker's acknowledgement
     retry_after_s: float | None = None  # the last worker refused it busy: retry after this
+    # an image or video in a format no encode worker decodes, which vLLM does: never placed
+    # (``error`` says why), vLLM encodes it
+    encoded_by_vllm: bool = False
     image_format: str = ""  # PIL's name for an image (PNG, JPEG, ...); "MP4/MOV" for a video
     modality: Modality = Modality.IMAGE
     # a video's seconds per temporal patch (temporal patch size / the sampled frames' rate), as
@@ -86,11 +90,16 @@ class MediaSizer:
         self.max_image_pixels = max_image_pixels  # the workers' limit: a larger image is refused
 
     def describe(
-        self, media: list[bytes | Media], names: list[str] | None = None
+        self,
+        media: list[bytes | Media],
+        names: list[str] | None = None,
+        vllm_decodes: bool = False,
     ) -> list[DispatchedItem]:
         """Hash and size every item (no decode); raises ``DispatchError`` for a bad one, naming it
         by ``names`` (its file, say) or else by its index. Bare bytes are an image. A format
-        encode workers refuse (TIFF, WebM, ...) is refused here, before anything is sent."""
+        encode workers refuse (TIFF, WebM, ...) is refused here, before anything is sent; with
+        ``vllm_decodes`` (a gateway in front of vLLM), an image of such a format that PIL reads
+        is sized within the same limits and comes back ``encoded_by_vllm``."""
         if not 1 <= len(media) <= MAX_IMAGES:
             raise DispatchError(
                 f"a request carries 1..{MAX_IMAGES} images and videos, got {len(media)}"
@@ -104,16 +113,27 @@ class MediaSizer:
             if not data or len(data) > MAX_IMAGE_BYTES:
                 raise DispatchError(f"{label}: {len(data)} bytes (1..{MAX_IMAGE_BYTES} accepted)")
             if entry.modality is Modality.VIDEO:
-                items.append(self._describe_video(index, data, label))
+                items.append(self._describe_video(index, data, label, vllm_decodes))
             else:
-                items.append(self._describe_image(index, data, label))
+                items.append(self._describe_image(index, data, label, vllm_decodes))
         return items
 
-    def _describe_image(self, index: int, image: bytes, label: str) -> DispatchedItem:
+    def _describe_image(
+        self, index: int, image: bytes, label: str, vllm_decodes: bool
+    ) -> DispatchedItem:
         # the size as displayed (vLLM and the workers apply the EXIF orientation); too large is
         # refused here, not sent to vLLM inline: a small file may declare a huge image
+        encoded_by_vllm = False
         try:
             width, height, image_format = image_header(image, self.max_image_pixels)
+        except FormatNotTaken as exc:
+            if not vllm_decodes:
+                raise DispatchError(f"{label}: {exc}") from None
+            try:
+                width, height, image_format = image_header(image, self.max_image_pixels, True)
+            except ValueError as exc:
+                raise DispatchError(f"{label}: {exc}") from None
+            encoded_by_vllm = True
         except ValueError as exc:
             raise DispatchError(f"{label}: {exc}") from None
         try:
@@ -130,10 +150,42 @@ class MediaSizer:
             height,
             grid,
             self.sizing.rows(grid, self.processor.merge_size),
+            error=(
+                f"image format {image_format}: encode workers do not decode it; vLLM encodes it"
+                if encoded_by_vllm
+                else None
+            ),
             image_format=image_format,
+            encoded_by_vllm=encoded_by_vllm,
         )
 
-    def _describe_video(self, index: int, video: bytes, label: str) -> DispatchedItem:
+    def _video_for_vllm(
+        self, index: int, video: bytes, label: str, container: str
+    ) -> DispatchedItem:
+        """A video in a container no encode worker decodes (WebM, ...), which vLLM's own loader
+        samples and encodes: its frame size checked from the header, never placed (no grid: vLLM
+        sizes it)."""
+        try:
+            width, height = read_size(video)
+        except BadVideo as exc:
+            raise DispatchError(f"{label}: {exc}") from None
+        return DispatchedItem(
+            index,
+            video,
+            hash_feature(video),
+            width,
+            height,
+            (0, 0, 0),
+            0,
+            error=f"video container {container}: encode workers do not decode it; vLLM does",
+            image_format=container,
+            modality=Modality.VIDEO,
+            encoded_by_vllm=True,
+        )
+
+    def _describe_video(
+        self, index: int, video: bytes, label: str, vllm_decodes: bool
+    ) -> DispatchedItem:
         """A video sized from its container header and the video processor (no decode)."""
         processor = self.video_processor
         if processor is None:
@@ -141,6 +193,10 @@ class MediaSizer:
         try:
             header = read_header(video)
             indices, grid = sample_and_size(processor, header, self.sizing)
+        except ContainerNotTaken as exc:
+            if not vllm_decodes:
+                raise DispatchError(f"{label}: {exc}") from None
+            return self._video_for_vllm(index, video, label, exc.container)
         except BadVideo as exc:
             raise DispatchError(f"{label}: {exc}") from None
         sampled_fps = len(indices) / header.frames * header.fps  # transformers' VideoMetadata's

@@ -193,7 +193,9 @@ class Gateway:
             prepared.of_ref.append(distinct.setdefault(media, len(distinct)))
         try:
             prepared.items = self.dispatcher.describe(
-                list(distinct), [refs[prepared.of_ref.index(i)].param for i in range(len(distinct))]
+                list(distinct),
+                [refs[prepared.of_ref.index(i)].param for i in range(len(distinct))],
+                vllm_decodes=True,
             )
             await self.dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
         except DispatchError as exc:
@@ -208,7 +210,13 @@ class Gateway:
             if (
                 item.worker is None
             ):  # no worker tried at all: none was healthy; else each tried one refused
-                reason = "dispatch_failed" if item.attempts else "no_healthy_worker"
+                reason = (
+                    "format"
+                    if item.encoded_by_vllm
+                    else "dispatch_failed"
+                    if item.attempts
+                    else "no_healthy_worker"
+                )
                 self.metrics.colocated.labels(self.metrics.model_name, reason).inc()
         return prepared
 

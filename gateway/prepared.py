@@ -96,6 +96,6 @@ class GatewayReport(BaseModel):
 
 
 def _media_type(item: DispatchedItem) -> str:
-    if item.modality is Modality.VIDEO:
-        return "video/mp4"
+    if item.modality is Modality.VIDEO:  # PyAV's container names
+        return "video/webm" if "webm" in item.image_format else "video/mp4"
     return Image.MIME.get(item.image_format, "application/octet-stream")

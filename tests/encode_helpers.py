@@ -31,11 +31,22 @@ def video_frames(frames: int, height: int, width: int, seed: int) -> np.ndarray:
 
 def mp4(frames: int, height: int, width: int, seed: int, fps: int = 10) -> bytes:
     """An H.264 MP4 of ``video_frames(...)`` at ``fps`` (PyAV's own FFmpeg and libx264)."""
+    return _encoded_video("mp4", "libx264", frames, height, width, seed, fps)
+
+
+def webm(frames: int, height: int, width: int, seed: int, fps: int = 10) -> bytes:
+    """A VP8 WebM of ``video_frames(...)`` at ``fps`` (PyAV's own FFmpeg and libvpx)."""
+    return _encoded_video("webm", "libvpx", frames, height, width, seed, fps)
+
+
+def _encoded_video(
+    container_format: str, codec: str, frames: int, height: int, width: int, seed: int, fps: int
+) -> bytes:
     import av
 
     buffer = io.BytesIO()
-    with av.open(buffer, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
+    with av.open(buffer, "w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for frame in video_frames(frames, height, width, seed):
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))

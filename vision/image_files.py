@@ -34,15 +34,24 @@ class TooLarge(ValueError):
         self.width, self.height, self.max_pixels = width, height, max_pixels
 
 
+class FormatNotTaken(ValueError):
+    """An image PIL reads, in a format encode workers do not decode (``IMAGE_FORMATS``)."""
+
+    def __init__(self, image_format: str | None):
+        super().__init__(f"image format {image_format!r} is not accepted ({sorted(IMAGE_FORMATS)})")
+        self.format = image_format
+
+
 class ImageHeader(NamedTuple):
     width: int  # as displayed (after the EXIF orientation)
     height: int
     format: str  # PIL's name
 
 
-def open_image(data: bytes) -> Image.Image:
+def open_image(data: bytes, any_format: bool = False) -> Image.Image:
     """The file opened (its header read, nothing decoded); ``ValueError`` with the reason for a
-    file that is not an image of an accepted format."""
+    file that is not an image, ``FormatNotTaken`` for one of a format encode workers do not
+    decode (unless ``any_format``: sizing only)."""
     try:
         image = Image.open(io.BytesIO(data))
     except Exception as exc:  # PIL raises many types for bad data; its text names a BytesIO
@@ -50,17 +59,17 @@ def open_image(data: bytes) -> Image.Image:
             f"not an image encode workers read ({', '.join(sorted(IMAGE_FORMATS))}): "
             f"{type(exc).__name__}"
         ) from None
-    if image.format not in IMAGE_FORMATS:
+    if image.format not in IMAGE_FORMATS and not any_format:
         image.close()
-        raise ValueError(f"image format {image.format!r} is not accepted ({sorted(IMAGE_FORMATS)})")
+        raise FormatNotTaken(image.format)
     return image
 
 
-def header(data: bytes, max_pixels: int) -> ImageHeader:
+def header(data: bytes, max_pixels: int, any_format: bool = False) -> ImageHeader:
     """The image's displayed size and format, from its header; ``ValueError`` as ``open_image``,
     ``TooLarge`` for an image above ``max_pixels`` or ``MAX_SIDE`` a side (checked before anything
     else is read)."""
-    with open_image(data) as image:
+    with open_image(data, any_format) as image:
         width, height = image.size
         check_size(width, height, max_pixels)
         if _orientation(image) in TRANSPOSED_ORIENTATIONS:

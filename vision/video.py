@@ -77,6 +77,37 @@ def load_video_processor(directory: str, processor_kwargs: dict | None = None):
         return None
 
 
+class ContainerNotTaken(BadVideo):
+    """A video PyAV reads, in a container encode workers do not decode (``VIDEO_CONTAINERS``)."""
+
+    def __init__(self, container: str):
+        super().__init__(
+            f"video container {container!r} is not accepted "
+            f"({', '.join(VIDEO_CONTAINERS.values())})"
+        )
+        self.container = container
+
+
+def read_size(data: bytes) -> tuple[int, int]:
+    """A video's frame width and height from the header of any container PyAV reads (for a video
+    another process decodes); ``BadVideo`` when it cannot be read or is out of range."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise BadVideo("the container holds no video stream")
+            context = container.streams.video[0].codec_context
+            width, height = int(context.width), int(context.height)
+    except BadVideo:
+        raise
+    except Exception as exc:  # PyAV raises many types for corrupt data
+        raise BadVideo(f"cannot read video: {type(exc).__name__}: {exc}") from None
+    if not (0 < width <= MAX_VIDEO_SIDE and 0 < height <= MAX_VIDEO_SIDE):
+        raise BadVideo(f"video frames of {width}x{height} are out of range")
+    return width, height
+
+
 def read_header(data: bytes) -> VideoHeader:
     """The header of an encoded video; ``BadVideo`` for one that is not a readable MP4/MOV with a
     stated frame count, rate and size."""
@@ -85,10 +116,7 @@ def read_header(data: bytes) -> VideoHeader:
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if container.format.name not in VIDEO_CONTAINERS:
-                raise BadVideo(
-                    f"video container {container.format.name!r} is not accepted "
-                    f"({', '.join(VIDEO_CONTAINERS.values())})"
-                )
+                raise ContainerNotTaken(container.format.name)
             if not container.streams.video:
                 raise BadVideo("the container holds no video stream")
             stream = container.streams.video[0]
