@@ -847,13 +847,18 @@ def test_an_item_that_would_wait_past_its_deadline_is_refused_at_intake_with_whe
 ):
     """--max-queue-wait-s: once the measured pace says the work queued ahead takes longer, intake
     refuses (busy, with a retry-after of the excess) and leaves the room untouched; everything it
-    accepted is delivered."""
+    accepted is delivered. A first burst, taken while the pace is not known yet, measures it."""
     directory, tower = qwen25
     worker, receiver = make_worker(
         directory, tower=tower, batch_items=1, ring_bytes=32 << 20, max_queue_wait_s=1e-3
     )
     try:
-        replies = _burst(worker, receiver, tower, 60, seed=6000)
+        first = _burst(worker, receiver, tower, 40, seed=6000)
+        for room, reply in first:
+            if reply.ok:
+                assert receiver.wait(room, timeout=120)[0] is RoomState.SUCCESS
+        assert worker.queue.seconds_per_patch is not None, "no backlog formed to measure the pace"
+        replies = _burst(worker, receiver, tower, 40, seed=7000)
         refused = [(room, reply) for room, reply in replies if not reply.ok]
         assert refused, "no backlog formed: the tower kept up with intake"
         for room, reply in refused:

@@ -291,7 +291,6 @@ def test_http_url_and_data_uri_in_one_request(stack, image_server):
     [
         (data_uri(os.urandom(1_100_000)), "larger than 1048576 bytes"),
         ("data:image/png;base64,@@@@", "not valid base64"),
-        (data_uri(synthetic_image(64, 64, seed=65, fmt="TIFF"), "tiff"), "'TIFF' is not accepted"),
         ("http://127.0.0.1:9/a.png", "cannot fetch"),
         ("{server}/page.html", "not an image/* type"),
         ("{server}/missing.png", "HTTP 404"),
@@ -416,12 +415,16 @@ def test_an_image_in_a_format_workers_do_not_decode_is_encoded_by_vllm(stack):
     Image.open(io.BytesIO(synthetic_image(96, 80, seed=73))).save(buffer, format="TIFF")
     image = data_uri(buffer.getvalue(), "tiff")
     intake = metric(stack.worker.url, "epd_encoder_intake_total")
+    fallbacks = metric(stack.gateway.url, "epd_gateway_colocated_fallbacks_total", reason="format")
     answer = stack.ask(stack.client, [image])
     (report,) = answer.model_extra["epd"]["images"]
     assert report["encoder"] == "colocated" and "image format TIFF" in report["error"]
     assert answer.choices[0].message.content == stack.colocated([image])
     assert metric(stack.worker.url, "epd_encoder_intake_total") == intake
-    assert metric(stack.gateway.url, "epd_gateway_colocated_fallbacks_total", reason="format") == 1
+    assert (
+        metric(stack.gateway.url, "epd_gateway_colocated_fallbacks_total", reason="format")
+        == fallbacks + 1
+    )
 
 
 def test_failed_delivery_is_retried_colocated(stack):
