@@ -135,20 +135,28 @@ class Sender:
 
     def submit_all(self, items: list[StagedItem]) -> None:
         """Deliver ``items`` (a batch's) on the loop, with one wake-up (from any thread)."""
-        with self._lock:
-            self._inbox.extend(items)
-            self._delivering += len(items)
-            if self._drain_due:
-                return
-            self._drain_due = True
         try:
-            self._loop.loop.call_soon_threadsafe(self._drain)
+            self._into_drain(items, delivering=len(items))
         except RuntimeError:  # the loop is closed: nothing submitted from now on is delivered
             with self._lock:
                 del self._inbox[-len(items) :]
                 self._delivering -= len(items)
                 self._drain_due = False
             raise
+
+    def _into_drain(self, items: list[StagedItem], delivering: int) -> None:
+        """Put ``items`` in the next drain (``delivering`` of them new), scheduling it unless it
+        is due already: one wake-up of the loop for every item that comes meanwhile."""
+        with self._lock:
+            self._inbox.extend(items)
+            self._delivering += delivering
+            if self._drain_due:
+                return
+            self._drain_due = True
+        if threading.get_ident() == self._loop.thread.ident:
+            self._loop.loop.call_soon(self._drain)
+        else:
+            self._loop.loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         """Every item submitted (or woken by its registration) since the last drain: those whose
@@ -247,24 +255,15 @@ class Sender:
     def _registered(self, waiting: _Registration) -> None:
         """``waiting``'s room changed (any thread, the table's lock held): its item goes into the
         next drain, with every other woken in the same loop step."""
-        with self._lock:
-            self._inbox.append(waiting.item)
-            if self._drain_due:
-                return
-            self._drain_due = True
-        if threading.get_ident() == self._loop.thread.ident:
-            self._loop.loop.call_soon(self._drain)
-        else:
-            self._loop.loop.call_soon_threadsafe(self._drain)
+        self._into_drain([waiting.item], delivering=0)
 
-    def _no_registration(self, waiting: _Registration, shutting_down: bool = False) -> None:
+    def _no_registration(self, waiting: _Registration) -> None:
         """No receiver came in time (or the worker stops): the item's room fails, unless its
         change came first (then it is in the drain's inbox already)."""
         waiting.table.stop_listening({waiting.item.room: waiting})
         if waiting.woken or self._waiting.pop(waiting.item.room, None) is None:
             return
-        if shutting_down:
-            waiting.timer.cancel()
+        waiting.timer.cancel()  # (a no-op when it is the timer that fired)
         item = waiting.item
         item.timings["wait_s"] = time.monotonic() - waiting.since
         try:
@@ -274,7 +273,7 @@ class Sender:
 
     def _fail_waiting(self) -> None:
         for waiting in list(self._waiting.values()):
-            self._no_registration(waiting, shutting_down=True)
+            self._no_registration(waiting)
 
     def _write_now(self, ready: list) -> None:
         """Write the items ``_route`` found ready: their writes begun in one table call, copied
@@ -284,8 +283,7 @@ class Sender:
         for item, rooms, view, chosen in ready:
             begin = self._settle(item, lambda: self.writer.check(item, view, chosen))
             if isinstance(begin, Outcome):
-                self._report(begin)
-                self._count_delivered(1)
+                self._ended(begin)
             else:
                 begins.append((item, rooms, begin, chosen))
         if not begins:
@@ -298,13 +296,11 @@ class Sender:
                 item, lambda: self.writer.submit(item, begin, _unless_crashed(answer), chosen)
             )
             if isinstance(write, Outcome):
-                self._report(write)
-                self._count_delivered(1)
+                self._ended(write)
             elif write.transport.copies_in_submit:  # over inside submit
                 commit = self._settle(item, lambda: self.writer.commit(item, write))
                 if isinstance(commit, Outcome):
-                    self._report(commit)
-                    self._count_delivered(1)
+                    self._ended(commit)
                 else:
                     commits.append((item, write, commit))
             else:
@@ -352,6 +348,11 @@ class Sender:
     async def _end_on_thread(self, item: StagedItem, rooms, write: Write) -> None:
         await asyncio.get_running_loop().run_in_executor(self._pool, write.transfer.wait)
         self._report(self._settle(item, lambda: self.writer.end(item, rooms, write)))
+
+    def _ended(self, outcome: Outcome) -> None:
+        """An item ``_write_now`` ended: reported and counted."""
+        self._report(outcome)
+        self._count_delivered(1)
 
     def _report(self, outcome: Outcome) -> None:
         """``on_outcome``, whose failure loses no other item."""

@@ -378,25 +378,30 @@ def test_a_busy_worker_is_left_alone_and_its_items_go_elsewhere(stack, tower):
     assert busy.items == len(first_on_busy)  # one refusal each, sent together; then none
 
 
-def test_items_no_worker_takes_fail_with_the_reason_after_bounded_retries(tower):
-    busy = BusyWorker()
+def _dispatch_to_busy(busy: BusyWorker, tower, intake_timeout_s: float, seed: int):
+    """Three images dispatched with ``busy`` as the only worker (stopped afterwards)."""
 
     async def run():
         workers = WorkerSet([busy.address])
         await workers.refresh()
-        dispatcher = Dispatcher(workers, tower.processor, intake_timeout_s=1.0)
+        dispatcher = Dispatcher(workers, tower.processor, intake_timeout_s=intake_timeout_s)
         try:
             return await dispatcher.dispatch(
-                "req-full", [synthetic_image(64, 64, 200 + i) for i in range(3)]
+                f"req-{seed}", [synthetic_image(64, 64, seed + i) for i in range(3)]
             )
         finally:
             await dispatcher.close()
             await workers.close()
 
     try:
-        items = asyncio.run(run())
+        return asyncio.run(run())
     finally:
         busy.stop()
+
+
+def test_items_no_worker_takes_fail_with_the_reason_after_bounded_retries(tower):
+    busy = BusyWorker()
+    items = _dispatch_to_busy(busy, tower, intake_timeout_s=1.0, seed=200)
     assert all(item.worker is None and "queue full" in item.error for item in items)
     assert all(item.encode_handshake is None for item in items)  # the caller falls back
     # backing off (0.1 s doubling to 1 s) within 1 s: a few rounds of 3 messages, not a retry
@@ -410,23 +415,7 @@ def test_items_a_worker_cannot_take_within_the_intake_timeout_fail_at_once(tower
     than the item's deadline allows) ends the item's dispatch at once, with the worker's reason
     and its retry-after: one message per item, no backing off for the whole timeout."""
     busy = BusyWorker("busy: about 40.0 s of work queued ahead", retry_after_s=20.0)
-
-    async def run():
-        workers = WorkerSet([busy.address])
-        await workers.refresh()
-        dispatcher = Dispatcher(workers, tower.processor, intake_timeout_s=5.0)
-        try:
-            return await dispatcher.dispatch(
-                "req-late", [synthetic_image(64, 64, 300 + i) for i in range(3)]
-            )
-        finally:
-            await dispatcher.close()
-            await workers.close()
-
-    try:
-        items = asyncio.run(run())
-    finally:
-        busy.stop()
+    items = _dispatch_to_busy(busy, tower, intake_timeout_s=5.0, seed=300)
     assert busy.items == 3
     assert all(
         item.worker is None and "about 40.0 s of work queued" in item.error for item in items

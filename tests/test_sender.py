@@ -47,9 +47,25 @@ def _registration(room: int, slot, layout: EmbeddingLayout, shm, receive_pool) -
     )
 
 
+class CountingTable(RoomTable):
+    """The real table, noting how many rooms each batched begin and commit call carried."""
+
+    def __init__(self):
+        super().__init__()
+        self.begun, self.committed = [], []
+
+    def begin_writes(self, writes):
+        self.begun.append(len(writes))
+        return super().begin_writes(writes)
+
+    def commit_all(self, commits):
+        self.committed.append(len(commits))
+        return super().commit_all(commits)
+
+
 @pytest.fixture
 def encode_side(no_new_segments):
-    table = RoomTable()
+    table = CountingTable()
     loop = LoopThread("handshake")
     server = ThreadedServer(create_app(table), loop=loop).start()
     shm = RecordingShm()
@@ -159,80 +175,42 @@ def test_a_room_of_this_table_is_marked_staged_whatever_name_its_item_gives(enco
         loop.stop()
 
 
-class CountingTable(RoomTable):
-    """The real table, noting how many rooms each batched begin and commit call carried."""
-
-    def __init__(self):
-        super().__init__()
-        self.begun, self.committed = [], []
-
-    def begin_writes(self, writes):
-        self.begun.append(len(writes))
-        return super().begin_writes(writes)
-
-    def commit_all(self, commits):
-        self.committed.append(len(commits))
-        return super().commit_all(commits)
-
-
 def test_items_whose_receiver_registers_them_together_are_written_in_one_table_call_each(
-    no_new_segments,
+    encode_side,
 ):
     """Eight items staged before their receiver wait without a task each; its one registration
     call wakes them into one drain: one begin call and one commit call for the eight, every row
     delivered."""
-    table = CountingTable()
-    loop = LoopThread("handshake")
-    server = ThreadedServer(create_app(table), loop=loop).start()
-    shm = ShmTransport()
-    ring = SlotPool(MemoryRegion.anonymous(16 << 20), 1 << 16, quarantine_s=5)
-    outcomes = []
-    sender = Sender(
-        ring, {"shm": shm}, lambda handshake: LocalRooms(table), loop, on_outcome=outcomes.append
+    table, server, shm, ring, sender, client, receive_pool = encode_side
+    rooms = table.mint(8, 60)
+    embeddings = [torch.randn(16, 256) for _ in rooms]
+    layout = EmbeddingLayout.of(embeddings[0])
+    sender.submit_all(
+        [
+            StagedItem(
+                "r",
+                EncodeHandshake(
+                    bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
+                ),
+                stage(ring, embedding),
+                layout,
+                checksum(embedding),
+                {},
+            )
+            for room, embedding in zip(rooms, embeddings)
+        ]
     )
-    client = SyncHandshakeClient(server.url)
-    receive_pool = SlotPool(MemoryRegion.shared(16 << 20), 1 << 16, quarantine_s=5)
-    try:
-        rooms = table.mint(8, 60)
-        embeddings = [torch.randn(16, 256) for _ in rooms]
-        layout = EmbeddingLayout.of(embeddings[0])
-        sender.submit_all(
-            [
-                StagedItem(
-                    "r",
-                    EncodeHandshake(
-                        bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
-                    ),
-                    stage(ring, embedding),
-                    layout,
-                    checksum(embedding),
-                    {},
-                )
-                for room, embedding in zip(rooms, embeddings)
-            ]
-        )
-        eventually(lambda: sender._waiting.keys() == set(rooms), "the items to listen")
-        assert not sender._tasks
-        slots = [receive_pool.lease(layout.nbytes) for _ in rooms]
-        client.register(
-            [
-                _registration(room, slot, layout, shm, receive_pool)
-                for room, slot in zip(rooms, slots)
-            ]
-        )
-        eventually(lambda: len(outcomes) == 8, "every outcome")
-        assert [outcome.state for outcome in outcomes] == [RoomState.SUCCESS] * 8
-        assert table.begun == [8] and table.committed == [8]
-        for slot, embedding in zip(slots, embeddings):
-            assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
-    finally:
-        client.close()
-        sender.close()
-        server.stop()
-        loop.stop()
-        shm.close()
-        ring.region.close()
-        receive_pool.region.close()
+    eventually(lambda: sender._waiting.keys() == set(rooms), "the items to listen")
+    assert not sender._tasks
+    slots = [receive_pool.lease(layout.nbytes) for _ in rooms]
+    client.register(
+        [_registration(room, slot, layout, shm, receive_pool) for room, slot in zip(rooms, slots)]
+    )
+    eventually(lambda: all(table.view(room).state.terminal for room in rooms), "every room's end")
+    assert [table.view(room).state for room in rooms] == [RoomState.SUCCESS] * 8
+    assert table.begun == [8] and table.committed == [8]
+    for slot, embedding in zip(slots, embeddings):
+        assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
 
 
 @pytest.mark.parametrize("how", ["receiver_wait", "shutdown"])
