@@ -14,7 +14,7 @@ from vision.image_files import FormatNotTaken
 from vision.image_files import header as image_header
 from vision.limits import MAX_PIXELS
 from vision.sizing import QWEN_VL, Sizing, sample_and_size
-from vision.video import BadVideo, ContainerNotTaken, read_header, read_size
+from vision.video import BadVideo, ContainerNotTaken, frame_size, read_header
 from wire.addresses import EncodeHandshake
 from wire.modality import Modality
 
@@ -160,15 +160,16 @@ class MediaSizer:
         )
 
     def _video_for_vllm(
-        self, index: int, video: bytes, label: str, container: str
+        self, index: int, video: bytes, label: str, refused: ContainerNotTaken
     ) -> DispatchedItem:
         """A video in a container no encode worker decodes (WebM, ...), which vLLM's own loader
         samples and encodes: its frame size checked from the header, never placed (no grid: vLLM
         sizes it)."""
         try:
-            width, height = read_size(video)
+            width, height = frame_size(refused.header)
         except BadVideo as exc:
             raise DispatchError(f"{label}: {exc}") from None
+        container = refused.container
         return DispatchedItem(
             index,
             video,
@@ -196,7 +197,7 @@ class MediaSizer:
         except ContainerNotTaken as exc:
             if not vllm_decodes:
                 raise DispatchError(f"{label}: {exc}") from None
-            return self._video_for_vllm(index, video, label, exc.container)
+            return self._video_for_vllm(index, video, label, exc)
         except BadVideo as exc:
             raise DispatchError(f"{label}: {exc}") from None
         sampled_fps = len(indices) / header.frames * header.fps  # transformers' VideoMetadata's

@@ -78,66 +78,66 @@ def load_video_processor(directory: str, processor_kwargs: dict | None = None):
 
 
 class ContainerNotTaken(BadVideo):
-    """A video PyAV reads, in a container encode workers do not decode (``VIDEO_CONTAINERS``)."""
+    """A video PyAV reads, in a container encode workers do not decode (``VIDEO_CONTAINERS``);
+    ``header``: what it states about its first video stream (None: it has none), for a process
+    that leaves the decoding to vLLM."""
 
-    def __init__(self, container: str):
+    def __init__(self, container: str, header: VideoHeader | None):
         super().__init__(
             f"video container {container!r} is not accepted "
             f"({', '.join(VIDEO_CONTAINERS.values())})"
         )
-        self.container = container
+        self.container, self.header = container, header
 
 
-def read_size(data: bytes) -> tuple[int, int]:
-    """A video's frame width and height from the header of any container PyAV reads (for a video
-    another process decodes); ``BadVideo`` when it cannot be read or is out of range."""
+NO_VIDEO_STREAM = "the container holds no video stream"
+
+
+def _probe(data: bytes) -> tuple[str, VideoHeader | None]:
+    """The container's name and what it states about its first video stream (None: none);
+    ``BadVideo`` when PyAV cannot read it."""
     import av
 
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
-                raise BadVideo("the container holds no video stream")
-            context = container.streams.video[0].codec_context
-            width, height = int(context.width), int(context.height)
-    except BadVideo:
-        raise
-    except Exception as exc:  # PyAV raises many types for corrupt data
-        raise BadVideo(f"cannot read video: {type(exc).__name__}: {exc}") from None
-    if not (0 < width <= MAX_VIDEO_SIDE and 0 < height <= MAX_VIDEO_SIDE):
-        raise BadVideo(f"video frames of {width}x{height} are out of range")
-    return width, height
-
-
-def read_header(data: bytes) -> VideoHeader:
-    """The header of an encoded video; ``BadVideo`` for one that is not a readable MP4/MOV with a
-    stated frame count, rate and size."""
-    import av
-
-    try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            if container.format.name not in VIDEO_CONTAINERS:
-                raise ContainerNotTaken(container.format.name)
-            if not container.streams.video:
-                raise BadVideo("the container holds no video stream")
+                return container.format.name, None
             stream = container.streams.video[0]
             rate = stream.average_rate
-            header = VideoHeader(
+            return container.format.name, VideoHeader(
                 int(stream.frames),
                 float(rate) if rate else 0.0,
                 int(stream.codec_context.width),
                 int(stream.codec_context.height),
             )
-    except BadVideo:
-        raise
     except Exception as exc:  # PyAV raises many types for corrupt data
         raise BadVideo(f"cannot read video: {type(exc).__name__}: {exc}") from None
+
+
+def frame_size(header: VideoHeader | None) -> tuple[int, int]:
+    """The frames' width and height a header states; ``BadVideo`` for a container without a
+    video stream or a size out of range."""
+    if header is None:
+        raise BadVideo(NO_VIDEO_STREAM)
+    if not (0 < header.width <= MAX_VIDEO_SIDE and 0 < header.height <= MAX_VIDEO_SIDE):
+        raise BadVideo(f"video frames of {header.width}x{header.height} are out of range")
+    return header.width, header.height
+
+
+def read_header(data: bytes) -> VideoHeader:
+    """The header of an encoded video; ``BadVideo`` for one that is not a readable MP4/MOV with a
+    stated frame count, rate and size (``ContainerNotTaken`` for another container)."""
+    container, header = _probe(data)
+    if container not in VIDEO_CONTAINERS:
+        raise ContainerNotTaken(container, header)
+    if header is None:
+        raise BadVideo(NO_VIDEO_STREAM)
     if header.frames <= 0 or not math.isfinite(header.fps) or header.fps <= 0:
         raise BadVideo(
             f"the video states {header.frames} frames at {header.fps} fps: "
             "a frame count and rate are needed"
         )
-    if not (0 < header.width <= MAX_VIDEO_SIDE and 0 < header.height <= MAX_VIDEO_SIDE):
-        raise BadVideo(f"video frames of {header.width}x{header.height} are out of range")
+    frame_size(header)
     return header
 
 
