@@ -238,9 +238,7 @@ class Dispatcher:
         self, request_id: str, address: WorkerAddress, item: DispatchedItem
     ) -> _IntakeOutcome:
         """The worker's answer to one item. A worker that does not answer leaves the ring."""
-        # built from the dispatcher's own values (the request id checked in ``place``, the rest
-        # computed here): not validated again, the worker validates what it reads
-        request = IntakeRequest.model_construct(
+        request = IntakeRequest(
             request_id=f"{request_id}.{item.index}",
             model=self.served_model,
             modality=item.modality,

@@ -136,7 +136,7 @@ class Intake:
             self._refused(item) if isinstance(item, IntakeRefused) else self._accept_alone(*item)
             for item in parsed
         ]
-        return IntakeBatchReply.model_construct(replies=replies).frames()
+        return IntakeBatchReply(replies=replies).frames()
 
     def _accept_alone(self, request: IntakeRequest, payload: bytes | None) -> IntakeReply:
         """``_accept`` for one item of a batch: a fault of ours with it fails that item alone (the

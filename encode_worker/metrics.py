@@ -105,12 +105,24 @@ class WorkerMetrics:
             "epd_encoder_ring_occupancy", "Leased fraction of the send ring", registry=registry
         ).set_function(lambda: ring.stats()["leased_slots"] / ring.slot_count)
         registry.register(_CacheCounters(cache, encodes))
+        # Labelled series by (family, labels): ``labels()`` takes a lock and checks its values at
+        # every call, several times per item. Bounded: every label value is an enum member or a
+        # transport's registry name.
+        self._series: dict[tuple, object] = {}
+
+    def series(self, family, *labels: str):
+        """``family.labels(*labels)``, made once."""
+        key = (family, *labels)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = family.labels(*labels)
+        return series
 
     def count(self, modality: Modality, status: IntakeStatus | RoomState) -> None:
         """One item's intake answer (``epd_encoder_intake_total{result}``) or room end
         (``epd_encoder_items_total{outcome}``), as the enum's value in lower case."""
         family = self.intake if isinstance(status, IntakeStatus) else self.outcomes
-        family.labels(modality.name, status.value.lower()).inc()
+        self.series(family, modality.name, status.value.lower()).inc()
 
 
 class _CacheCounters:

@@ -276,7 +276,7 @@ class EncodeWorker:
         if "wait_s" in outcome.timings:
             self.metrics.receiver_wait_seconds.observe(outcome.timings["wait_s"])
         if outcome.state is RoomState.SUCCESS and outcome.transport:
-            self.metrics.bytes.labels(outcome.transport).inc(outcome.nbytes)
-            self.metrics.transfer_seconds.labels(outcome.transport).observe(
+            self.metrics.series(self.metrics.bytes, outcome.transport).inc(outcome.nbytes)
+            self.metrics.series(self.metrics.transfer_seconds, outcome.transport).observe(
                 outcome.timings["transfer_s"]
             )

@@ -161,7 +161,7 @@ class Writer:
                 f"receiver slot holds {offer.capacity} bytes, item needs {item.layout.nbytes}",
                 settled=True,
             )
-        return BeginWrite.model_construct(  # fields this process made: nothing to re-check
+        return BeginWrite(
             room=item.room,
             generation=registration.generation,
             transport=transport.name,
@@ -215,7 +215,7 @@ class Writer:
                 settled=transfer.settled,
                 release=False,
             )
-        return CommitBody.model_construct(  # fields this process made: nothing to re-check
+        return CommitBody(
             room=item.room,
             generation=write.generation,
             transport=name,
@@ -226,7 +226,7 @@ class Writer:
             grid_thw=item.grid_thw,
             shm_segment=getattr(write.offer, "segment", None),
             writer=self.writer_id,
-            timings=EncodeTimings.model_construct(**item.timings),
+            timings=EncodeTimings(**item.timings),
         )
 
     def committed(self, item: StagedItem, write: Write, view: RoomView) -> Outcome:

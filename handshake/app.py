@@ -297,7 +297,7 @@ def _json(model) -> Response:
 
 
 def _answer(results: list[RoomResult]) -> Response:
-    return _json(BatchResponse.model_construct(results=results))
+    return _json(BatchResponse(results=results))
 
 
 def _refused(room: int, error: RoomError) -> RoomResult:

@@ -262,9 +262,9 @@ class RoomStore:
                 waiter.wake()
 
     def view(self, room: Room, with_registration: bool = True) -> RoomView:
-        # Built from fields the table already validated: model_construct skips re-validation,
-        # which would otherwise run for every room in every answer.
-        return RoomView.model_construct(
+        # Validated, though the table checked every field: pydantic-core's validation costs less
+        # than model_construct (2.1 against 2.6 us), which runs in Python.
+        return RoomView(
             room=room.room_id,
             state=room.state,
             version=room.version,

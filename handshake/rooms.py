@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from handshake.room_store import (
     MINTED_VERSION,
+    Room,
     RoomConflict,
     RoomError,
     RoomLimits,
@@ -123,25 +124,42 @@ class RoomTable:
 
     def register(self, registration: Registration) -> RoomView:
         with self._lock:
-            room = self._store.get(registration.room)
-            if room.registration is not None:
-                if room.registration != registration:
-                    raise RoomConflict("room already has a different receiver registration")
-            elif room.state is RoomState.PENDING:
-                room.registration = registration
-                if (
-                    registration.deadline_s is not None
-                    and self._store.clock() + registration.deadline_s < room.deadline
-                ):
-                    room.deadline = self._store.clock() + registration.deadline_s
-                    self._store.schedule(room.deadline, room.room_id)
-                self._store.move(room, RoomState.REGISTERED)
-            else:  # ended before any receiver came: refused, with why
-                raise RoomConflict(
-                    f"room {room.room_id} ended {room.state.value} before this receiver "
-                    f"registered: {room.reason or 'no reason given'}"
-                )
-            return self._store.view(room)  # this registration, or a retry of it
+            return self._store.view(self._register(registration))
+
+    def register_all(self, registrations: list[Registration]) -> list[RoomError | None]:
+        """``register`` for each, in one lock, without their views (the room stream answers a
+        registration only when it is refused): None, or why it was refused."""
+        with self._lock:
+            refusals = []
+            for registration in registrations:
+                try:
+                    self._register(registration)
+                    refusals.append(None)
+                except RoomError as exc:
+                    refusals.append(exc)
+            return refusals
+
+    def _register(self, registration: Registration) -> Room:
+        """The room, registered (or a retry of its registration)."""
+        room = self._store.get(registration.room)
+        if room.registration is not None:
+            if room.registration != registration:
+                raise RoomConflict("room already has a different receiver registration")
+        elif room.state is RoomState.PENDING:
+            room.registration = registration
+            if (
+                registration.deadline_s is not None
+                and self._store.clock() + registration.deadline_s < room.deadline
+            ):
+                room.deadline = self._store.clock() + registration.deadline_s
+                self._store.schedule(room.deadline, room.room_id)
+            self._store.move(room, RoomState.REGISTERED)
+        else:  # ended before any receiver came: refused, with why
+            raise RoomConflict(
+                f"room {room.room_id} ended {room.state.value} before this receiver "
+                f"registered: {room.reason or 'no reason given'}"
+            )
+        return room
 
     def begin_write(self, write: BeginWrite) -> RoomView:
         with self._lock:

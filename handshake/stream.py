@@ -156,16 +156,13 @@ class RoomStream:
             self.ended(room)
 
     def _register(self, frame: StreamRegister) -> None:
-        for registration in frame.receivers:
+        refusals = self.table.register_all(frame.receivers)
+        for registration, refused in zip(frame.receivers, refusals):
             room = registration.room
-            try:
-                self.table.register(registration)
-            except RoomError as exc:
-                self._refuse(room, exc)
-                continue
-            if room in self._listening:  # a retry of a registration this stream holds
-                continue
-            self._listen(room, _EndOf(self, room))
+            if refused is not None:
+                self._refuse(room, refused)
+            elif room not in self._listening:  # (else a retry of a registration it holds)
+                self._listen(room, _EndOf(self, room))
 
     def _watch_staged(self, frame: StreamWatchStaged) -> None:
         for room in frame.rooms:
@@ -200,5 +197,5 @@ class RoomStream:
                     if isinstance(view, RoomError)
                     else RoomResult.of_view(room, view)
                 )
-            frame = BatchResponse.model_construct(results=results).model_dump_json()
+            frame = BatchResponse(results=results).model_dump_json()
             await self.websocket.send_text(frame)

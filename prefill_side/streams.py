@@ -110,6 +110,8 @@ class EndpointStreams:
         for entry in entries:
             stream.live[entry.handshake.bootstrap_room] = (batch, entry)
         stream.client.register(
+            # made from this receiver's own lease and layout: not validated again (the
+            # registration's offer checks run in Python, and the room table runs them)
             Registration.model_construct(
                 room=entry.handshake.bootstrap_room,
                 generation=entry.lease.generation,

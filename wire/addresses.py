@@ -18,9 +18,13 @@ from wire.offers import MAX_ROOM_ID
 # bootstrap port (8998), so the two can share a node.
 DEFAULT_BOOTSTRAP_PORT = 8990
 DEFAULT_INTAKE_PORT = 8999
+# Endpoints a process has spelled lately, kept with their URL and canonical host: every item names
+# its room's endpoint, and a deployment has a few (yarl and ipaddress cost ~10 us per item).
+ADDRESS_CACHE = 1024
 HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})")  # a DNS name or an IPv4 address
 
 
+@functools.lru_cache(maxsize=ADDRESS_CACHE)
 def endpoint_url(scheme: str, host: str, port: int | None = None) -> str:
     """``scheme://host[:port]``, the one place an endpoint's URL is spelled: an IPv6 host is
     bracketed (given with or without brackets); ``ValueError`` for a host that makes no URL.
@@ -104,6 +108,7 @@ def _bare(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+@functools.lru_cache(maxsize=ADDRESS_CACHE)
 def canonical_host(host: str) -> str:
     """A host as endpoints compare it: an IPv6 address without brackets, an IP address in its
     canonical form (``0:0::1`` is ``::1``), a DNS name as given."""

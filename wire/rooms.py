@@ -219,14 +219,13 @@ class RoomResult(BaseModel):
     error: str | None = None
     status: int = 200
 
-    # Built by the room API from values its table already validated: no re-validation.
     @classmethod
     def of_view(cls, room: int, view: RoomView) -> RoomResult:
-        return cls.model_construct(room=room, ok=True, view=view, error=None, status=200)
+        return cls(room=room, ok=True, view=view)
 
     @classmethod
     def refusal(cls, room: int, error: str, status: int) -> RoomResult:
-        return cls.model_construct(room=room, ok=False, view=None, error=error, status=status)
+        return cls(room=room, ok=False, error=error, status=status)
 
 
 class BatchResponse(BaseModel):
