@@ -19,6 +19,7 @@ class ModelNaming(BaseModel):
 
     served_model_name: str | None = Field(
         None,
+        max_length=256,  # intake's ``model`` field: a longer name could name no item
         description="the model's public name, as vLLM's --served-model-name: in intake "
         "messages (an encode worker refuses other names) and every metric's model_name label "
         "(default: --model, a Hugging Face id as given, a directory's folder name)",

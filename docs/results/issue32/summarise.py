@@ -50,14 +50,43 @@ def cost_table(prefix: str, pairs: str) -> list[str]:
 
 # (files, pairs, before, after): cost 1-3 against 68c3ad2 (the stream, the batch hand-off,
 # staged), cost 4-6 and ceiling 1-3 against 0a15a9d (that session's end), before a25abee; batch-*:
-# intake per batch (d64296d) against 0a54d96
+# intake per batch (d64296d) against 0a54d96; listen-*: the registration listener (59ea5c3) against
+# ce8f900; construct-*: validated construction and the smaller cuts (350f6f2) against 8b80f3f
 TABLES = (
     ("cost", "123", "a25abee", "68c3ad2"),
     ("cost", "456", "a25abee", "0a15a9d"),
     ("ceiling", "123", "a25abee", "0a15a9d"),
     ("batch-cost", "123", "0a54d96", "d64296d"),
     ("batch-ceiling", "123", "0a54d96", "d64296d"),
+    ("listen-ceiling", "123", "ce8f900", "59ea5c3"),
+    ("construct-cost", "123", "8b80f3f", "350f6f2"),
+    ("construct-ceiling", "123", "8b80f3f", "350f6f2"),
 )
+
+
+def handshake_table(prefix: str, pairs: str) -> list[str]:
+    """The stream receiver's levels: rooms/s and p99, medians of the runs per side."""
+    levels: dict[tuple, dict[str, list[dict]]] = {}
+    for side in ("before", "after"):
+        for run in runs(f"{prefix}-{side}-[{pairs}].json"):
+            for row in run["levels"]:
+                if row["receiver"] == "stream":
+                    key = (row["batch"], row["concurrency"])
+                    levels.setdefault(key, {}).setdefault(side, []).append(row)
+    lines = [
+        "| rooms per call, concurrency | rooms/s, before -> after | p99 ms, before -> after |",
+        "|---|---|---|",
+    ]
+    for (batch, concurrency), sides in sorted(levels.items()):
+        cells = [
+            " -> ".join(median([row[field] for row in sides[side]]) for side in ("before", "after"))
+            for field in ("rooms_per_s", "p99_ms")
+        ]
+        lines.append(f"| {batch}, {concurrency} | " + " | ".join(cells) + " |")
+    return lines
+
+
+HANDSHAKE_TABLES = (("construct-handshake", "12", "8b80f3f", "350f6f2"),)
 
 
 def main() -> None:
@@ -65,6 +94,9 @@ def main() -> None:
         if runs(f"{prefix}-before-[{pairs}].json"):
             print(f"\n{prefix}, {before} -> {after}:")
             print("\n".join(cost_table(prefix, pairs)))
+    for prefix, pairs, before, after in HANDSHAKE_TABLES:
+        print(f"\n{prefix}, {before} -> {after} (the stream receiver):")
+        print("\n".join(handshake_table(prefix, pairs)))
 
 
 if __name__ == "__main__":
