@@ -106,6 +106,10 @@ def test_booleans_are_negatable_flags_and_read_true_false_from_the_environment(m
             ["--tombstone-ttl-s", "nan"],
             "--tombstone-ttl-s (or EPD_TOMBSTONE_TTL_S): nan is not finite",
         ),
+        (  # longer than an intake message's model field: no item could name it
+            ["--served-model-name", "m" * 257],
+            "--served-model-name (or EPD_SERVED_MODEL_NAME)",
+        ),
     ],
 )
 def test_a_bad_worker_setting_is_one_line_naming_flag_and_variable(args, line):
