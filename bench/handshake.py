@@ -8,16 +8,20 @@ production calls:
 2. at once, concurrently: the receiver registers (``stream``, as ``PrefillReceiver`` does: over
    one room stream every lifecycle shares, the room's end pushed back; ``rest``, as it did
    before the stream: registers and long-polls in the same call, then long-polls
-   ``/v1/rooms/watch`` until SUCCESS); the sender (an encode worker reaching a standalone
-   handshake over REST, as ``Sender`` with ``RemoteRooms`` does) long-polls from version 0 until
-   the receiver is there,
-3. then calls ``begin_write`` and ``commit``; the receiver hears SUCCESS.
+   ``/v1/rooms/watch`` until SUCCESS); the sender, an encode worker whose rooms are at a
+   standalone handshake (``stream``, as ``Sender`` with ``RemoteRooms`` does: over one room
+   stream every lifecycle shares, watching each room until registered; ``rest``, as it did before
+   the stream: long-polls ``/v1/rooms/watch`` from version 0 until the receiver is there),
+3. then begins the write and commits it (over the stream, or ``begin_write`` and ``commit`` over
+   REST); the receiver hears SUCCESS.
 
 The sender writes only once it has seen the registration, so the receiver is always waiting when
-the write begins. The batch form does each call for 8 rooms at once. Every (receiver, batch,
-concurrency) level runs once per round, rounds interleaved (the order reversed every other
-round); per level: the median throughput over the rounds and the latency percentiles of all its
-lifecycles. The goals are the ``stream`` receiver's (the production one).
+the write begins. The batch form does each call for 8 rooms at once (over the stream: 8 calls in
+one loop step, one frame). Every (receiver, sender, batch, concurrency) level runs once per round,
+rounds interleaved (the order reversed every other round); per level: the median throughput over
+the rounds and the latency percentiles of all its lifecycles. The goals are those of the stream
+receiver and the stream sender (the production pair); the REST sender runs with the stream
+receiver, and the REST receiver with the REST sender (the pair before the streams).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 
 from bench.results import write_json
 from bench.rounds import in_round
+from handshake.access import RemoteRooms
 from loop_threads import new_event_loop
 from wire.offers import LoopbackOffer
 from wire.room_client import HandshakeClient
@@ -41,7 +46,7 @@ from wire.rooms import BeginWrite, CommitBody, Registration, RoomState
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 8)
-RECEIVERS = ("stream", "rest")
+PAIRS = (("stream", "stream"), ("stream", "rest"), ("rest", "rest"))  # (receiver, sender)
 POLL_S = 0.5  # the long-poll slice of both sides (ReceiverConfig.poll_s, Sender's wait)
 WRITER = "epd-bench-sender"
 # goals (issue 32): lifecycles/s at p99 <= 10 ms one room at a time; rooms/s in 8-room batches
@@ -153,7 +158,41 @@ async def _rest_receiver(client: HandshakeClient, rooms: list[int]) -> int:
         calls += 1
 
 
-async def _sender(client: HandshakeClient, rooms: list[int]) -> int:
+class StreamSender:
+    """The sender as an encode worker whose rooms live elsewhere writes (``RemoteRooms``): one
+    room stream for every lifecycle, each room watched until registered, then begun and
+    committed; the calls of one loop step share a frame."""
+
+    def __init__(self, url: str):
+        self.rooms = RemoteRooms(None, HandshakeClient(url, timeout_s=10))  # the worker's own
+
+    async def __call__(self, client: HandshakeClient, rooms: list[int]) -> int:
+        """Returns the frames it sent."""
+        for room, view in zip(rooms, await asyncio.gather(*map(self._registered, rooms))):
+            if view.state is not RoomState.REGISTERED:
+                raise RuntimeError(f"room {room} is {view.state.value} before the write")
+        await asyncio.gather(
+            *(
+                self.rooms.begin_write_async(
+                    BeginWrite(room=room, generation=1, transport="loopback", writer=WRITER)
+                )
+                for room in rooms
+            )
+        )
+        await asyncio.gather(*(self.rooms.commit_async(_commit(room)) for room in rooms))
+        return 3
+
+    async def _registered(self, room: int):
+        while True:
+            view = await self.rooms.wait_registered(room, POLL_S)
+            if view is not None:
+                return view
+
+    async def close(self) -> None:
+        await self.rooms.aclose()
+
+
+async def _rest_sender(client: HandshakeClient, rooms: list[int]) -> int:
     """Long-poll until every room has its receiver, then begin the write and commit; returns the
     calls it made."""
     waiting = {room: 0 for room in rooms}  # Sender._wait_for_receiver starts from version 0
@@ -182,7 +221,8 @@ async def _sender(client: HandshakeClient, rooms: list[int]) -> int:
 
 @dataclass
 class Level:
-    receiver: str  # RECEIVERS
+    receiver: str  # PAIRS
+    sender: str
     batch: int
     concurrency: int
     lifecycles_per_s: list[float] = field(default_factory=list)  # one per round
@@ -196,6 +236,7 @@ class Level:
         lifecycles_per_s = statistics.median(self.lifecycles_per_s)
         row = {
             "receiver": self.receiver,
+            "sender": self.sender,
             "batch": self.batch,
             "concurrency": self.concurrency,
             "lifecycles": count,
@@ -216,9 +257,9 @@ class Level:
         return row
 
 
-async def _lifecycle(client: HandshakeClient, receiver, batch: int) -> tuple[int, int]:
+async def _lifecycle(client: HandshakeClient, receiver, sender, batch: int) -> tuple[int, int]:
     rooms = await client.mint(batch, ttl_s=60)
-    return tuple(await asyncio.gather(receiver(client, rooms), _sender(client, rooms)))
+    return tuple(await asyncio.gather(receiver(client, rooms), sender(client, rooms)))
 
 
 async def _load(url: str, level: Level, seconds: float) -> None:
@@ -228,13 +269,14 @@ async def _load(url: str, level: Level, seconds: float) -> None:
         if level.receiver == "stream"
         else _rest_receiver
     )
+    sender = StreamSender(url) if level.sender == "stream" else _rest_sender
     count = 0
 
     async def loop():
         nonlocal count
         while time.monotonic() < end:
             started = time.perf_counter()
-            receiver_calls, sender_calls = await _lifecycle(client, receiver, level.batch)
+            receiver_calls, sender_calls = await _lifecycle(client, receiver, sender, level.batch)
             level.latencies_s.append(time.perf_counter() - started)
             level.receiver_calls += receiver_calls
             level.sender_calls += sender_calls
@@ -242,7 +284,7 @@ async def _load(url: str, level: Level, seconds: float) -> None:
 
     try:
         for _ in range(5):  # warm the connection pool
-            await _lifecycle(client, receiver, level.batch)
+            await _lifecycle(client, receiver, sender, level.batch)
         started = time.monotonic()
         end = started + seconds
         await asyncio.gather(*(loop() for _ in range(level.concurrency)))
@@ -250,6 +292,8 @@ async def _load(url: str, level: Level, seconds: float) -> None:
     finally:
         if isinstance(receiver, StreamReceiver):
             await receiver.close()
+        if isinstance(sender, StreamSender):
+            await sender.close()
         await client.close()
 
 
@@ -258,8 +302,8 @@ def run(seconds: float = 1.0, rounds: int = 3, concurrency=CONCURRENCY, progress
     server = start_server(port)
     url = f"http://127.0.0.1:{port}"
     levels = [
-        Level(receiver, batch, level)
-        for receiver in RECEIVERS
+        Level(receiver, sender, batch, level)
+        for receiver, sender in PAIRS
         for batch in BATCHES
         for level in concurrency
     ]
@@ -281,12 +325,12 @@ def run(seconds: float = 1.0, rounds: int = 3, concurrency=CONCURRENCY, progress
             f"batch 1: >= {GOAL_LIFECYCLES_PER_S} lifecycles/s at p99 <= {GOAL_P99_MS:.0f} ms": [
                 r["concurrency"]
                 for r in rows
-                if r["receiver"] == "stream" and r["batch"] == 1 and r["meets_goal"]
+                if r["sender"] == "stream" and r["batch"] == 1 and r["meets_goal"]
             ],
             f"batch 8: >= {GOAL_ROOMS_PER_S} rooms/s": [
                 r["concurrency"]
                 for r in rows
-                if r["receiver"] == "stream" and r["batch"] == 8 and r["meets_goal"]
+                if r["sender"] == "stream" and r["batch"] == 8 and r["meets_goal"]
             ],
         },
     }
@@ -300,15 +344,15 @@ def main(args) -> int:
     )
     report = run(args.seconds, args.rounds)
     print(
-        f"\n{'recv':>6s} {'batch':>5s} {'conc':>5s} {'lifecycles/s':>13s} {'rooms/s':>8s} "
-        f"{'p50 ms':>7s} "
+        f"\n{'recv':>6s} {'send':>6s} {'batch':>5s} {'conc':>5s} {'lifecycles/s':>13s} "
+        f"{'rooms/s':>8s} {'p50 ms':>7s} "
         f"{'p99 ms':>7s} "
         f"{'calls recv/send':>16s}  goal  per round"
     )
     for row in report["levels"]:
         rounds = " ".join(f"{v:.0f}" for v in row["lifecycles_per_s_rounds"])
         print(
-            f"{row['receiver']:>6s} {row['batch']:5d} {row['concurrency']:5d} "
+            f"{row['receiver']:>6s} {row['sender']:>6s} {row['batch']:5d} {row['concurrency']:5d} "
             f"{row['lifecycles_per_s']:13.0f} "
             f"{row['rooms_per_s']:8.0f} "
             f"{row['p50_ms']:7.1f} {row['p99_ms']:7.1f} {row['receiver_calls_per_lifecycle']:8.2f}/"
@@ -317,7 +361,7 @@ def main(args) -> int:
         )
     for goal, levels in report["goals"].items():
         print(
-            f"{goal} (stream receiver): "
+            f"{goal} (stream receiver and sender): "
             + (
                 "met at concurrency " + ", ".join(map(str, levels))
                 if levels

@@ -88,31 +88,6 @@ class InFlightRooms:
             self._rooms.discard(room)
 
 
-class LoopClient:
-    """A ``HandshakeClient`` on a loop every endpoint's client shares (the worker's handshake
-    loop), with ``SyncHandshakeClient``'s interface for ``RemoteRooms``."""
-
-    def __init__(self, loop: LoopThread, client: HandshakeClient):
-        self._loop = loop
-        self.client = client
-
-    def submit(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
-        return self._loop.submit(getattr(self.client, name)(*args, **kwargs))
-
-    def __getattr__(self, name):
-        method = getattr(self.client, name)
-
-        def call(*args, **kwargs):
-            if threading.current_thread() is self._loop.thread:  # it would wait for itself forever
-                raise RuntimeError(f"blocking room call {name} on the loop that serves it")
-            return self._loop.run(method(*args, **kwargs))
-
-        return call
-
-    def close(self) -> concurrent.futures.Future:
-        return self._loop.submit(self.client.close())
-
-
 class RoomClients:
     """Where an item's room lives: this worker's own table, or a pooled client of its endpoint
     (any thread). The pool holds at most ``MAX_ENDPOINTS`` clients, the oldest closed first."""
@@ -152,20 +127,18 @@ class RoomClients:
             remote = self._remote.get(key)
             if remote is None:
                 if len(self._remote) >= MAX_ENDPOINTS:
-                    self._remote.pop(
-                        next(iter(self._remote))
-                    ).client.close()  # the first endpoint added
+                    self._remote.pop(next(iter(self._remote))).close()  # the first endpoint added
                 client = HandshakeClient(
                     handshake.url, token=self._token, timeout_s=self._timeout_s
                 )
-                remote = self._remote[key] = RemoteRooms(LoopClient(self.loop, client))
+                remote = self._remote[key] = RemoteRooms(self.loop, client)
             return remote
 
     def close(self) -> None:
         """Close every pooled client (the loop still running)."""
         with self._lock:
             remotes, self._remote = list(self._remote.values()), {}
-        concurrent.futures.wait([remote.client.close() for remote in remotes], 5)
+        concurrent.futures.wait([remote.close() for remote in remotes], 5)
 
 
 class RoomFailer:
@@ -222,7 +195,7 @@ class RoomFailer:
                     len(self._failing),
                 )
                 return
-            future = self.rooms.loop.submit(self._tell_failed(rooms.client.client, room, reason))
+            future = self.rooms.loop.submit(self._tell_failed(rooms.client, room, reason))
             self._failing.add(future)
         future.add_done_callback(self._told)
 

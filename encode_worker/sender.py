@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from data_plane.pool import SlotPool
 from data_plane.transport import CompletionPoller, Transport
 from encode_worker.writes import Outcome, StagedItem, Write, Writer
-from handshake.rooms import MINTED_VERSION, RoomError, RoomNotFound, RoomTable
+from handshake.rooms import RoomError, RoomNotFound, RoomTable
 from loop_threads import LoopThread, name_os_thread
 from wire.addresses import EncodeHandshake
 from wire.room_client import HandshakeError
@@ -383,10 +383,12 @@ class Sender:
             view = await self._wait_for_receiver(rooms, item)
             chosen = (
                 self.writer.choose(view.registration.offers)
-                if view.state is RoomState.REGISTERED
+                if view is not None and view.state is RoomState.REGISTERED
                 else None
             )
-            if self.writer.fits_loop(rooms, item, chosen):
+            if view is None:  # no receiver came in time (or the worker stops)
+                outcome = await loop.run_in_executor(self._pool, self.writer.no_receiver, item)
+            elif self.writer.fits_loop(rooms, item, chosen):
                 outcome = await self._deliver_on_loop(item, rooms, view, chosen)
             else:
                 outcome = await loop.run_in_executor(
@@ -438,21 +440,17 @@ class Sender:
             await asyncio.get_running_loop().run_in_executor(self._pool, write.transfer.wait)
         return self.writer.end(item, rooms, write)
 
-    async def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView:
+    async def _wait_for_receiver(self, rooms, item: StagedItem) -> RoomView | None:
+        """The item's room once its receiver registered it (or it ended); None when no receiver
+        came within ``receiver_wait_s``, or the worker stops (looked at every 0.5 s)."""
         waiting = time.monotonic()
         deadline = waiting + self.receiver_wait_s
-        version = (
-            MINTED_VERSION  # the first long-poll waits unless the room moved since it was minted
-        )
-        while True:
-            view = await rooms.wait_async(
-                item.room, version, max(0.0, min(0.5, deadline - time.monotonic()))
-            )
-            if (
-                view.state is not RoomState.PENDING
-                or time.monotonic() >= deadline
-                or self._closing.is_set()
-            ):
-                item.timings["wait_s"] = time.monotonic() - waiting
-                return view
-            version = view.version
+        try:
+            while True:
+                view = await rooms.wait_registered(
+                    item.room, max(0.0, min(0.5, deadline - time.monotonic()))
+                )
+                if view is not None or time.monotonic() >= deadline or self._closing.is_set():
+                    return view
+        finally:
+            item.timings["wait_s"] = time.monotonic() - waiting

@@ -341,6 +341,10 @@ class RoomTable:
                 if room is not None and listener in room.waiters:
                     room.waiters.remove(listener)
 
+    def views(self, room_ids: list[int]) -> list[RoomView | RoomError]:
+        """Each room's view, or why there is none, in one lock."""
+        return self._views(dict.fromkeys(room_ids, 0), False)
+
     def ended_views(self, room_ids: list[int]) -> list[RoomView | RoomError]:
         """Each room's view without its registration (the receiver that sent it has it: the
         room stream sends these), or why there is none."""

@@ -1,13 +1,16 @@
-"""The room stream (``/v1/rooms/stream``): one WebSocket per receiver and room API, carrying its
-registrations in and each registered room's end out, so a receiver pays one frame per batch of rooms
-in either direction instead of a register call and a long-poll per request.
+"""The room stream (``/v1/rooms/stream``): one WebSocket per receiver (or writer) and room API,
+carrying its registrations in and each registered room's end out, so a receiver pays one frame per
+batch of rooms in either direction instead of a register call and a long-poll per request; a writer
+whose rooms live here waits for their receivers, begins and commits its writes over it the same way.
 
 A frame in is a ``StreamRegister`` or a ``StreamCancel`` (``wire.rooms.STREAM_FRAME``), applied as
-the REST calls apply them, or a ``StreamWatchStaged`` (a gateway's: each room pushed once its writer
-holds the rows, or once it ended). A frame out is a ``BatchResponse``: the registrations refused (at
-once) and the rooms that ended (or were staged, when so watched) since the last frame (every room
-that ends while the loop runs one step goes out in one frame: a batch committed together is one
-frame). A malformed frame closes the stream (1007, with the reason). When the stream closes, its
+the REST calls apply them, a ``StreamWatchStaged`` (a gateway's: each room pushed once its writer
+holds the rows, or once it ended), or a writer's ``StreamWatchRegistered`` (each room pushed with
+its registration once registered, or once it ended), ``StreamBeginWrite`` or ``StreamCommit``
+(applied as the REST calls, each room answered). A frame out is a ``BatchResponse``: the calls
+answered and the rooms that ended (or have what they were watched for) since the last frame (every
+room that ends while the loop runs one step goes out in one frame: a batch committed together is
+one frame). A malformed frame closes the stream (1007, with the reason). When the stream closes, its
 rooms go on without it: their writer still commits or fails them, and nobody is told."""
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from wire.rooms import (
     STREAM_PATH,
     BatchResponse,
     RoomResult,
+    RoomState,
+    StreamBeginWrite,
     StreamCancel,
     StreamRegister,
+    StreamWatchRegistered,
     StreamWatchStaged,
 )
 
@@ -69,6 +75,17 @@ class _StagedOrEnded(_EndOf):
         self.stream.changed(self.room)
 
 
+class _RegisteredOrEnded(_StagedOrEnded):
+    """Woken by any change of the room: pushed, with its registration, once a receiver has
+    registered it or once it has ended."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def has_news(state, staged: bool) -> bool:
+        return state is not RoomState.PENDING
+
+
 class RoomStream:
     """One receiver's stream over ``table``; ``observe(route, method, seconds)`` times each frame
     in."""
@@ -82,6 +99,7 @@ class RoomStream:
         self._listening: dict[int, _EndOf] = {}  # registered here, not yet ended
         self._out: list[RoomResult] = []  # refusals, to go out with the next frame
         self._ended: list[int] = []  # rooms that ended, to go out with the next frame
+        self._registered: list[int] = []  # rooms watched until registered that are (or ended)
         self._news = asyncio.Event()
         self._closing: asyncio.Future | None = None  # the close a failed writer started
 
@@ -106,10 +124,16 @@ class RoomStream:
                     self._register(frame)
                 elif isinstance(frame, StreamCancel):
                     self._cancel(frame)
+                elif isinstance(frame, StreamWatchStaged):
+                    self._watch(frame.rooms, _StagedOrEnded)
+                elif isinstance(frame, StreamWatchRegistered):
+                    self._watch(frame.rooms, _RegisteredOrEnded)
+                elif isinstance(frame, StreamBeginWrite):
+                    self._answer(self.table.begin_writes(frame.writes), frame.writes)
                 else:
-                    self._watch_staged(frame)
+                    self._answer(self.table.commit_all(frame.commits), frame.commits)
                 self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
-                if len(self._out) + len(self._ended) > MAX_UNSENT:
+                if len(self._out) + len(self._ended) + len(self._registered) > MAX_UNSENT:
                     await self.websocket.close(POLICY_VIOLATION, "answers left unread")
                     return
         except WebSocketDisconnect:
@@ -130,8 +154,9 @@ class RoomStream:
         if threading.get_ident() != self._thread:
             self._from_another_thread(self.ended, room)
             return
-        if self._listening.pop(room, None) is not None:
-            self._ended.append(room)
+        listener = self._listening.pop(room, None)
+        if listener is not None:
+            (self._registered if type(listener) is _RegisteredOrEnded else self._ended).append(room)
             self._news.set()
 
     def changed(self, room: int) -> None:
@@ -164,10 +189,10 @@ class RoomStream:
             elif room not in self._listening:  # (else a retry of a registration it holds)
                 self._listen(room, _EndOf(self, room))
 
-    def _watch_staged(self, frame: StreamWatchStaged) -> None:
-        for room in frame.rooms:
+    def _watch(self, rooms: list[int], listener: type[_StagedOrEnded]) -> None:
+        for room in rooms:
             if room not in self._listening:
-                self._listen(room, _StagedOrEnded(self, room))
+                self._listen(room, listener(self, room))
 
     def _listen(self, room: int, listener: _EndOf) -> None:
         self._listening[room] = listener
@@ -185,15 +210,32 @@ class RoomStream:
         self._out.append(RoomResult.refusal(room, str(error), error.status))
         self._news.set()
 
+    def _answer(self, answers: list, bodies: list) -> None:
+        """A writer's calls, each room's view or why it was refused, in the next frame."""
+        for body, answer in zip(bodies, answers):
+            self._out.append(
+                RoomResult.refusal(body.room, str(answer), answer.status)
+                if isinstance(answer, RoomError)
+                else RoomResult.of_view(body.room, answer)
+            )
+        self._news.set()
+
     async def _write(self) -> None:
         while True:
             await self._news.wait()
             self._news.clear()
             ended, self._ended = self._ended, []
+            registered, self._registered = self._registered, []
             results, self._out = self._out, []
             for room, view in zip(ended, self.table.ended_views(ended)):
                 results.append(
                     RoomResult.refusal(room, str(view), LOST_AFTER_REGISTRATION)
+                    if isinstance(view, RoomError)
+                    else RoomResult.of_view(room, view)
+                )
+            for room, view in zip(registered, self.table.views(registered)):
+                results.append(
+                    RoomResult.refusal(room, str(view), view.status)  # unknown, or gone
                     if isinstance(view, RoomError)
                     else RoomResult.of_view(room, view)
                 )

@@ -210,3 +210,44 @@ def test_a_watched_room_comes_back_once_staged_or_ended(served):
 
     asyncio.run(scenario())
     assert table.mark_staged(failing) is None  # an ended room is not staged
+
+
+def test_a_writer_waits_begins_and_commits_over_the_stream(served):
+    """A writer's calls: a room watched until registered comes back once its receiver registers it
+    (with the registration), one registered already at once, one unknown as refused (404); a
+    frame of begins and a frame of commits are answered per room, a stale generation refused
+    alone (409); the rooms end as they would over REST."""
+    server, table = served
+    waiting, ready = table.mint(2, 30)
+    table.register(registration(ready))
+    unknown = max(waiting, ready) + 1
+
+    async def scenario():
+        client, stream = await _open(server)
+        try:
+            stream.watch_registered([waiting, ready, unknown])
+            first, _ = await _results(stream, 2)
+            assert first[ready].view.state is RoomState.REGISTERED
+            assert first[ready].view.registration == registration(ready)
+            assert not first[unknown].ok and first[unknown].status == 404
+            await asyncio.to_thread(table.register, registration(waiting))
+            second, _ = await _results(stream, 1)
+            assert second[waiting].view.registration == registration(waiting)
+            stream.begin_write([begin(waiting), begin(ready, generation=2)])
+            begun, frames = await _results(stream, 2)
+            assert frames == 1 and begun[waiting].view.state is RoomState.WRITING
+            assert begun[ready].status == 409 and "stale generation" in begun[ready].error
+            stream.begin_write([begin(ready)])
+            await _results(stream, 1)
+            stream.commit([commit(waiting), commit(ready, checksum=9)])
+            committed, frames = await _results(stream, 2)
+            assert frames == 1
+            assert [committed[room].view.state for room in (waiting, ready)] == [
+                RoomState.SUCCESS
+            ] * 2
+        finally:
+            await stream.close()
+            await client.close()
+
+    asyncio.run(scenario())
+    assert table.view(ready).commit.checksum == 9

@@ -12,14 +12,14 @@ from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.shm_transport import ShmTransport
 from encode_worker.sender import Sender
 from encode_worker.writes import StagedItem, stage
-from handshake.access import LocalRooms
+from handshake.access import LocalRooms, RemoteRooms
 from handshake.app import create_app
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
 from loop_threads import LoopThread
 from tests.waiting import eventually
 from wire.addresses import EncodeHandshake
-from wire.room_client import SyncHandshakeClient
+from wire.room_client import HandshakeClient, SyncHandshakeClient
 from wire.rooms import Registration, RoomState
 
 
@@ -139,16 +139,15 @@ def test_a_small_write_is_committed_within_the_receivers_register_round_trip(enc
 
 def test_a_room_of_this_table_is_marked_staged_whatever_name_its_item_gives(encode_side):
     """A worker reached by a name it does not know takes the room for another endpoint's and
-    reaches it over REST (here: its own server); its rows are still staged in its own table, which
-    is where a gateway watching the room looks, and the item is delivered."""
-    from handshake.access import RemoteRooms
-
+    reaches it over its room stream (here: its own server); its rows are still staged in its own
+    table, which is where a gateway watching the room looks, and the item is delivered."""
     table, server, shm, ring, _, client, receive_pool = encode_side
     loop = LoopThread("stranger")
+    remote = RemoteRooms(loop, HandshakeClient(server.url))
     stranger = Sender(
         ring,
         {"shm": shm},
-        lambda handshake: RemoteRooms(client),
+        lambda handshake: remote,
         loop,
         local_table=table,
     )
@@ -172,7 +171,102 @@ def test_a_room_of_this_table_is_marked_staged_whatever_name_its_item_gives(enco
         assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
     finally:
         stranger.close()
+        remote.close().result(5)
         loop.stop()
+
+
+def test_items_into_another_endpoints_rooms_go_over_its_room_stream(encode_side):
+    """Rooms at a standalone room API: the writer waits for their receiver, begins and commits
+    over one room stream to it (no REST call), eight items delivered bit-exact; a receiver
+    that never comes fails its room at the wait's end, and the stream closing under an item
+    fails that item at once."""
+    _, _, shm, ring, _, _, receive_pool = encode_side
+    rooms_table = RoomTable()
+    app = create_app(rooms_table)
+    standalone = ThreadedServer(app).start()
+    loop = LoopThread("writer")
+    remote = RemoteRooms(loop, HandshakeClient(standalone.url, timeout_s=5))
+    outcomes = []
+    sender = Sender(
+        ring,
+        {"shm": shm},
+        lambda handshake: remote,
+        loop,
+        receiver_wait_s=2,
+        on_outcome=outcomes.append,
+    )
+    client = SyncHandshakeClient(standalone.url)
+    try:
+        rooms = rooms_table.mint(9, 60)
+        embeddings = [torch.randn(16, 256) for _ in rooms]
+        layout = EmbeddingLayout.of(embeddings[0])
+        sender.submit_all(
+            [
+                StagedItem(
+                    "r",
+                    EncodeHandshake(
+                        bootstrap_room=room,
+                        bootstrap_host="127.0.0.1",
+                        bootstrap_port=standalone.port,
+                    ),
+                    stage(ring, embedding),
+                    layout,
+                    checksum(embedding),
+                    {},
+                )
+                for room, embedding in zip(rooms, embeddings)
+            ]
+        )
+        slots = [receive_pool.lease(layout.nbytes) for _ in rooms[:8]]
+        client.register(
+            [
+                _registration(room, slot, layout, shm, receive_pool)
+                for room, slot in zip(rooms, slots)
+            ]
+        )
+        eventually(lambda: len(outcomes) == 9, "every item's outcome")
+        states = {outcome.room: outcome.state for outcome in outcomes}
+        assert [states[room] for room in rooms[:8]] == [RoomState.SUCCESS] * 8
+        for slot, embedding in zip(slots, embeddings):
+            assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
+        assert states[rooms[8]] is RoomState.FAILED
+        assert "no receiver registered within 2 s" in rooms_table.view(rooms[8]).reason
+        calls = {
+            (sample.labels["route"], sample.labels["method"]): sample.value
+            for metric in app.state.metrics.registry.collect()
+            for sample in metric.samples
+            if sample.name == "epd_handshake_request_seconds_count"
+        }
+        assert calls[("/v1/rooms/stream", "watch_registered")] >= 1
+        assert calls[("/v1/rooms/stream", "begin_write")] >= 1
+        assert calls[("/v1/rooms/stream", "commit")] >= 1
+        assert not any(route in ("/v1/rooms/begin_write", "/v1/rooms/commit") for route, _ in calls)
+        assert ("/v1/rooms/fail", "POST") in calls  # the room nobody registered
+
+        (room,) = rooms_table.mint(1, 60)  # the room API goes away while the item waits
+        sender.submit(
+            StagedItem(
+                "r",
+                EncodeHandshake(
+                    bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=standalone.port
+                ),
+                stage(ring, embeddings[0]),
+                layout,
+                checksum(embeddings[0]),
+                {},
+            )
+        )
+        eventually(lambda: room in remote._calls, "the item to wait on the stream")
+        standalone.stop()
+        eventually(lambda: len(outcomes) == 10, "the waiting item's outcome")
+        assert outcomes[-1].state is RoomState.FAILED
+        assert "room stream closed" in outcomes[-1].reason
+    finally:
+        client.close()
+        sender.close()
+        remote.close().result(5)
+        loop.stop()
+        standalone.stop()
 
 
 def test_items_whose_receiver_registers_them_together_are_written_in_one_table_call_each(

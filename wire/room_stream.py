@@ -1,9 +1,10 @@
 """A client's end of the room stream (``/v1/rooms/stream``, ``handshake.stream``): a receiver's
-registrations and cancels (or a gateway's rooms to watch until staged) go out in frames of at most
-``MAX_BATCH`` rooms (every call made while the loop runs one step shares a frame), the rooms' ends
-come in as batches. Pings are the caller's to send (``ping``; ``last_heard`` says when the peer
-last spoke), so that the caller decides when a silent peer is stalled. ``OpenOnce``: one open per
-endpoint at a time, however many callers want it."""
+registrations and cancels (a gateway's rooms to watch until staged, a writer's rooms to watch until
+registered, its begins and commits) go out in frames of at most ``MAX_BATCH`` rooms (every call of
+one kind made while the loop runs one step shares a frame), the answers come in as batches. Pings
+are the caller's to send (``ping``; ``last_heard`` says when the peer last spoke), so that the
+caller decides when a silent peer is stalled. ``OpenOnce``: one open per endpoint at a time,
+however many callers want it."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ from wire.room_client import HandshakeClient, HandshakeError
 from wire.rooms import (
     MAX_BATCH,
     BatchResponse,
+    BeginWrite,
+    CommitBody,
     Registration,
     RoomResult,
+    StreamBeginWrite,
     StreamCancel,
+    StreamCommit,
     StreamRegister,
+    StreamWatchRegistered,
     StreamWatchStaged,
 )
 
@@ -32,6 +38,9 @@ class RoomStreamClient:
         self._registrations: list[Registration] = []
         self._cancels: list[tuple[list[int], str]] = []
         self._staged: list[int] = []
+        self._until_registered: list[int] = []
+        self._begins: list[BeginWrite] = []
+        self._commits: list[CommitBody] = []
         self._due = asyncio.Event()
         self._writer = asyncio.create_task(self._write())
         self._writer.add_done_callback(self._writer_ended)
@@ -59,6 +68,22 @@ class RoomStreamClient:
     def watch_staged(self, rooms: list[int]) -> None:
         """Each room comes back once its writer holds the rows, or once it has ended."""
         self._staged.extend(rooms)
+        self._due.set()
+
+    def watch_registered(self, rooms: list[int]) -> None:
+        """Each room comes back, with its registration, once a receiver has registered it, or
+        once it has ended."""
+        self._until_registered.extend(rooms)
+        self._due.set()
+
+    def begin_write(self, writes: list[BeginWrite]) -> None:
+        """Each room comes back begun (its view), or refused."""
+        self._begins.extend(writes)
+        self._due.set()
+
+    def commit(self, commits: list[CommitBody]) -> None:
+        """Each room comes back committed (its view), or refused."""
+        self._commits.extend(commits)
         self._due.set()
 
     async def ping(self) -> None:
@@ -114,6 +139,18 @@ class RoomStreamClient:
                 rooms = self._staged[:MAX_BATCH]
                 del self._staged[:MAX_BATCH]
                 await self._websocket.send_str(StreamWatchStaged(rooms=rooms).model_dump_json())
+            while self._until_registered:
+                rooms = self._until_registered[:MAX_BATCH]
+                del self._until_registered[:MAX_BATCH]
+                await self._websocket.send_str(StreamWatchRegistered(rooms=rooms).model_dump_json())
+            while self._begins:
+                writes = self._begins[:MAX_BATCH]
+                del self._begins[:MAX_BATCH]
+                await self._websocket.send_str(StreamBeginWrite(writes=writes).model_dump_json())
+            while self._commits:
+                commits = self._commits[:MAX_BATCH]
+                del self._commits[:MAX_BATCH]
+                await self._websocket.send_str(StreamCommit(commits=commits).model_dump_json())
 
 
 class OpenOnce:

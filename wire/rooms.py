@@ -233,7 +233,8 @@ class BatchResponse(BaseModel):
 
 
 # ---- the room stream (``/v1/rooms/stream``, a WebSocket): a receiver's registrations in, each
-# registered room's end out, one frame per batch either way ------------------------------------
+# registered room's end out; a writer's waits, begins and commits in, their answers out; one frame
+# per batch either way --------------------------------------------------------------------------
 
 STREAM_PATH = "/v1/rooms/stream"
 MAX_FRAME_BYTES = 1 << 20  # either way: the REST bodies' limit
@@ -263,13 +264,46 @@ class StreamWatchStaged(_Body):
     rooms: list[RoomId] = Field(min_length=1, max_length=MAX_BATCH)
 
 
+class StreamWatchRegistered(_Body):
+    """Push each room, with its registration, once a receiver has registered it or once it has
+    ended, whichever comes first: a writer whose rooms live elsewhere waits for it before it
+    begins the write."""
+
+    op: Literal["watch_registered"] = "watch_registered"
+    rooms: list[RoomId] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class StreamBeginWrite(_Body):
+    """Begin writes (as ``/v1/rooms/begin_write``): each room answered in the next frame."""
+
+    op: Literal["begin_write"] = "begin_write"
+    writes: list[BeginWrite] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class StreamCommit(_Body):
+    """Commit writes (as ``/v1/rooms/commit``): each room answered in the next frame."""
+
+    op: Literal["commit"] = "commit"
+    commits: list[CommitBody] = Field(min_length=1, max_length=MAX_BATCH)
+
+
 # The status of a registered room whose end the stream cannot tell (its tombstone is gone): a
 # writer may have landed bytes, unlike a registration refused (4xx) before any writer saw it.
 LOST_AFTER_REGISTRATION = 410
 
-# A frame a receiver sends; the stream answers with ``BatchResponse`` frames: a registration
-# refused (``ok`` false, at once) or a registered room that ended (its view, without the
-# registration the receiver sent).
+# A frame a receiver, a gateway or a writer sends; the stream answers with ``BatchResponse``
+# frames: a call refused for a room (``ok`` false, at once), a registered room that ended (its
+# view, without the registration the receiver sent), a watched room once it has what was watched
+# for, a writer's begun or committed room (its view). A writer has one call in flight per room, so
+# a room's result answers it.
 STREAM_FRAME = TypeAdapter(
-    Annotated[StreamRegister | StreamCancel | StreamWatchStaged, Field(discriminator="op")]
+    Annotated[
+        StreamRegister
+        | StreamCancel
+        | StreamWatchStaged
+        | StreamWatchRegistered
+        | StreamBeginWrite
+        | StreamCommit,
+        Field(discriminator="op"),
+    ]
 )

@@ -89,6 +89,32 @@ def handshake_table(prefix: str, pairs: str) -> list[str]:
 HANDSHAKE_TABLES = (("construct-handshake", "12", "8b80f3f", "350f6f2"),)
 
 
+def pairs_table(pattern: str) -> list[str]:
+    """The senders side by side in the same runs (``epd-bench handshake`` since the writer's
+    stream): rooms/s and p99 per (batch, concurrency), medians of the runs."""
+    levels: dict[tuple, dict[tuple, list[dict]]] = {}
+    for run in runs(pattern):
+        for row in run["levels"]:
+            key = (row["batch"], row["concurrency"])
+            pair = (row["receiver"], row["sender"])
+            levels.setdefault(key, {}).setdefault(pair, []).append(row)
+    pairs = [("stream", "stream"), ("stream", "rest"), ("rest", "rest")]
+    lines = [
+        "| rooms per call, concurrency | "
+        + " | ".join(f"receiver {r}, sender {s}: rooms/s (p99 ms)" for r, s in pairs)
+        + " |",
+        "|---" * (len(pairs) + 1) + "|",
+    ]
+    for (batch, concurrency), by_pair in sorted(levels.items()):
+        cells = [
+            f"{median([row['rooms_per_s'] for row in by_pair[pair]])} "
+            f"({median([row['p99_ms'] for row in by_pair[pair]])})"
+            for pair in pairs
+        ]
+        lines.append(f"| {batch}, {concurrency} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     for prefix, pairs, before, after in TABLES:
         if runs(f"{prefix}-before-[{pairs}].json"):
@@ -97,6 +123,9 @@ def main() -> None:
     for prefix, pairs, before, after in HANDSHAKE_TABLES:
         print(f"\n{prefix}, {before} -> {after} (the stream receiver):")
         print("\n".join(handshake_table(prefix, pairs)))
+    if runs("writer-handshake-*.json"):
+        print("\nwriter-handshake: the writer's stream against REST, in the same runs:")
+        print("\n".join(pairs_table("writer-handshake-*.json")))
 
 
 if __name__ == "__main__":
