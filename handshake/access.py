@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Coroutine
 
 from handshake.rooms import RoomError, RoomNotFound, RoomTable
@@ -44,26 +45,43 @@ class LocalRooms:
         return self.table.fail(room, reason, settled, writer)
 
 
+class _OpenStream:
+    """A room stream and the calls in flight on it, by room; its reader and guard tasks."""
+
+    __slots__ = ("stream", "calls", "waiting_since", "tasks")
+
+    def __init__(self, stream: RoomStreamClient):
+        self.stream = stream
+        self.calls: dict[int, asyncio.Future] = {}
+        self.waiting_since = time.monotonic()  # since when some call has waited (when any has)
+        self.tasks: tuple[asyncio.Task, ...] = ()  # (the loop keeps only weak references)
+
+    def end(self, error: HandshakeError) -> None:
+        """Every call in flight answered with ``error`` (a result: a watch nobody awaits any
+        more logs nothing)."""
+        for call in self.calls.values():
+            if not call.done():
+                call.set_result(error)
+        self.calls.clear()
+
+
 class RemoteRooms:
     """Another endpoint's rooms over one room stream to it, opened on first use and again once it
     has closed: a writer's waits, begins and commits made while ``loop`` runs one step share a
     frame each, and each room's answer comes back by its room (a writer has one call in flight
     per room). ``fail`` goes over REST (a failure is rare, and a REST call needs no stream). A
-    stream that closes fails every call in flight on it; a call unanswered within the client's
-    timeout closes the stream, as stalled. The blocking calls, for other threads, run on
-    ``loop`` (None: the async calls only, on the caller's loop)."""
+    stream that closes fails every call in flight on it. A stream silent for half the client's
+    timeout while calls wait on it is pinged, and one silent for the whole timeout is closed as
+    stalled (a guard per stream: no timer per call). The blocking calls, for other threads, run
+    on ``loop`` (None: the async calls only, on the caller's loop)."""
 
     in_process = False
 
     def __init__(self, loop: LoopThread | None, client: HandshakeClient):
         self.loop = loop
         self.client = client
-        self._stream: RoomStreamClient | None = None
-        self._open = OpenOnce()
-        self._reader: asyncio.Task | None = None  # (the loop keeps only weak references)
-        # by room: the calls in flight on the open stream (a stream's reader fails its own when it
-        # closes); the loop's own
-        self._calls: dict[int, asyncio.Future] = {}
+        self._open: _OpenStream | None = None  # the loop's own
+        self._opening = OpenOnce()
 
     # ---- on the loop -----------------------------------------------------------------------
 
@@ -72,7 +90,7 @@ class RemoteRooms:
         neither within ``wait_s``. The room is watched once: a call that gives up leaves the
         watch to the next one, and the stream answers it when the room has news (every room
         ends, at its deadline at the latest), so no second answer can meet a later call."""
-        call = self._calls.get(room) or await self._start(
+        call = (self._open and self._open.calls.get(room)) or await self._start(
             room, lambda stream: stream.watch_registered([room])
         )
         try:
@@ -82,61 +100,67 @@ class RemoteRooms:
             return None
 
     async def begin_write_async(self, write: BeginWrite) -> RoomView:
-        return await self._call(write.room, lambda stream: stream.begin_write([write]))
+        return _view(await (await self._start(write.room, lambda s: s.begin_write([write]))))
 
     async def commit_async(self, commit: CommitBody) -> RoomView:
-        return await self._call(commit.room, lambda stream: stream.commit([commit]))
+        return _view(await (await self._start(commit.room, lambda s: s.commit([commit]))))
 
     async def aclose(self) -> None:
         """Close the stream and the client."""
-        if self._stream is not None:
-            await self._stream.close()
+        if self._open is not None:
+            await self._open.stream.close()
         await self.client.close()
 
     async def _start(self, room: int, send: Callable[[RoomStreamClient], None]) -> asyncio.Future:
-        stream = self._stream
-        if stream is None or stream.closed:
-            stream = await self._open(None, self._connect)
-        call = self._calls[room] = asyncio.get_running_loop().create_future()
-        send(stream)
+        """The call sent (``send``), its answer to come: the room's result, or the stream's end."""
+        open_ = self._open
+        if open_ is None or open_.stream.closed:
+            open_ = await self._opening(None, self._connect)
+        if not open_.calls:
+            open_.waiting_since = time.monotonic()
+        call = open_.calls[room] = asyncio.get_running_loop().create_future()
+        send(open_.stream)
         return call
 
-    async def _call(self, room: int, send: Callable[[RoomStreamClient], None]) -> RoomView:
-        call = await self._start(room, send)
-        try:
-            async with asyncio.timeout(self.client.timeout_s):
-                return _view(await call)
-        except TimeoutError:
-            if self._calls.get(room) is call:
-                del self._calls[room]
-            stream, self._stream = self._stream, None
-            if stream is not None:
-                await stream.close()  # (its reader fails what else was in flight on it)
-            raise HandshakeError(
-                0, f"room stream: no answer for room {room} within {self.client.timeout_s:g} s"
-            ) from None
+    async def _connect(self) -> _OpenStream:
+        open_ = self._open = _OpenStream(await RoomStreamClient.open(self.client))
+        open_.tasks = (
+            asyncio.create_task(self._read(open_)),
+            asyncio.create_task(self._guard(open_)),
+        )
+        return open_
 
-    async def _connect(self) -> RoomStreamClient:
-        stream = await RoomStreamClient.open(self.client)
-        self._stream, self._calls = stream, {}
-        self._reader = asyncio.create_task(self._read(stream, self._calls))
-        return stream
-
-    async def _read(self, stream: RoomStreamClient, calls: dict[int, asyncio.Future]) -> None:
+    async def _read(self, open_: _OpenStream) -> None:
         try:
             while True:
-                for result in await stream.receive():
-                    call = calls.pop(result.room, None)
+                for result in await open_.stream.receive():
+                    call = open_.calls.pop(result.room, None)
                     if call is not None and not call.done():
                         call.set_result(result)
         except HandshakeError as exc:
-            closed = exc
-        if self._stream is stream:
-            self._stream = None
-        for call in calls.values():  # (a result: a watch nobody awaits any more logs nothing)
-            if not call.done():
-                call.set_result(closed)
-        calls.clear()
+            self._ended(open_, exc)
+
+    async def _guard(self, open_: _OpenStream) -> None:
+        timeout_s = self.client.timeout_s
+        while not open_.stream.closed:
+            await asyncio.sleep(timeout_s / 4)
+            heard = max(open_.stream.last_heard, open_.waiting_since)
+            silent_s = time.monotonic() - heard
+            if not open_.calls or silent_s < timeout_s / 2:
+                continue
+            if silent_s < timeout_s:
+                try:
+                    await open_.stream.ping()
+                except ConnectionError:  # closing already: its reader ends the calls
+                    return
+                continue
+            self._ended(open_, HandshakeError(0, f"room stream silent for {silent_s:.1f} s"))
+            await open_.stream.close()
+
+    def _ended(self, open_: _OpenStream, error: HandshakeError) -> None:
+        if self._open is open_:
+            self._open = None
+        open_.end(error)
 
     # ---- from other threads ----------------------------------------------------------------
 

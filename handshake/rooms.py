@@ -163,27 +163,33 @@ class RoomTable:
 
     def begin_write(self, write: BeginWrite) -> RoomView:
         with self._lock:
-            return self._begin_write(write)
+            return self._store.view(self._begin_write(write))
 
-    def begin_writes(self, writes: list[BeginWrite]) -> list[RoomView | RoomError]:
-        """``begin_write`` for each, in one lock: each room's view, or why it was refused."""
-        with self._lock:
-            return [self._one(self._begin_write, write) for write in writes]
+    def begin_writes(
+        self, writes: list[BeginWrite], with_registration: bool = True
+    ) -> list[RoomView | RoomError]:
+        """``begin_write`` for each, in one lock: each room's view (``with_registration``: for a
+        writer that has it, without), or why it was refused."""
+        return self._each(self._begin_write, writes, with_registration)
 
-    def commit_all(self, commits: list[CommitBody]) -> list[RoomView | RoomError]:
+    def commit_all(
+        self, commits: list[CommitBody], with_registration: bool = True
+    ) -> list[RoomView | RoomError]:
         """``commit`` for each, in one lock (the rooms that end go out in one stream frame):
-        each room's view, or why it was refused."""
+        each room's view (``with_registration``: as ``begin_writes``), or why it was refused."""
+        return self._each(self._commit, commits, with_registration)
+
+    def _each(self, call, bodies: list, with_registration: bool) -> list[RoomView | RoomError]:
         with self._lock:
-            return [self._one(self._commit, commit) for commit in commits]
+            answers = []
+            for body in bodies:
+                try:
+                    answers.append(self._store.view(call(body), with_registration))
+                except RoomError as exc:
+                    answers.append(exc)
+            return answers
 
-    @staticmethod
-    def _one(call, body) -> RoomView | RoomError:
-        try:
-            return call(body)
-        except RoomError as exc:
-            return exc
-
-    def _begin_write(self, write: BeginWrite) -> RoomView:
+    def _begin_write(self, write: BeginWrite) -> Room:
         room = self._store.get(write.room)
         if room.state is RoomState.PENDING:
             raise RoomConflict("no receiver has registered this room yet")
@@ -204,18 +210,18 @@ class RoomTable:
                 )
             if room.transport != write.transport:
                 raise RoomConflict(f"write already started over {room.transport}")
-        return self._store.view(room)
+        return room
 
     def commit(self, commit: CommitBody) -> RoomView:
         with self._lock:
-            return self._commit(commit)
+            return self._store.view(self._commit(commit))
 
-    def _commit(self, commit: CommitBody) -> RoomView:
+    def _commit(self, commit: CommitBody) -> Room:
         room = self._store.get(commit.room)
         if room.state.terminal:
             if room.state is RoomState.SUCCESS and room.commit != commit:
                 raise RoomConflict("room already committed with different content")
-            return self._store.view(room)
+            return room
         if room.registration is None:
             raise RoomConflict("no receiver has registered this room yet")
         registration = room.registration
@@ -250,7 +256,7 @@ class RoomTable:
             self._store.move(room, RoomState.CANCELLED)
         else:
             self._store.move(room, RoomState.SUCCESS)
-        return self._store.view(room)
+        return room
 
     def fail(self, room_id: int, reason: str, settled: bool, writer: str | None = None) -> RoomView:
         with self._lock:

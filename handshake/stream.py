@@ -47,6 +47,7 @@ class _EndOf:
 
     __slots__ = ("stream", "room")
     until_ended = True
+    with_registration = False  # the view pushed carries the room's registration
 
     def __init__(self, stream: RoomStream, room: int):
         self.stream = stream
@@ -80,6 +81,7 @@ class _RegisteredOrEnded(_StagedOrEnded):
     registered it or once it has ended."""
 
     __slots__ = ()
+    with_registration = True
 
     @staticmethod
     def has_news(state, staged: bool) -> bool:
@@ -87,7 +89,7 @@ class _RegisteredOrEnded(_StagedOrEnded):
 
 
 class RoomStream:
-    """One receiver's stream over ``table``; ``observe(route, method, seconds)`` times each frame
+    """One client's stream over ``table``; ``observe(route, method, seconds)`` times each frame
     in."""
 
     def __init__(self, table: RoomTable, websocket: WebSocket, observe):
@@ -96,10 +98,10 @@ class RoomStream:
         self.observe = observe
         self.loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
-        self._listening: dict[int, _EndOf] = {}  # registered here, not yet ended
-        self._out: list[RoomResult] = []  # refusals, to go out with the next frame
+        self._listening: dict[int, _EndOf] = {}  # pushed once they have news, not yet
+        self._out: list[RoomResult] = []  # answers and refusals, to go out with the next frame
         self._ended: list[int] = []  # rooms that ended, to go out with the next frame
-        self._registered: list[int] = []  # rooms watched until registered that are (or ended)
+        self._registered: list[int] = []  # the same, pushed with their registration
         self._news = asyncio.Event()
         self._closing: asyncio.Future | None = None  # the close a failed writer started
 
@@ -128,10 +130,10 @@ class RoomStream:
                     self._watch(frame.rooms, _StagedOrEnded)
                 elif isinstance(frame, StreamWatchRegistered):
                     self._watch(frame.rooms, _RegisteredOrEnded)
-                elif isinstance(frame, StreamBeginWrite):
-                    self._answer(self.table.begin_writes(frame.writes), frame.writes)
+                elif isinstance(frame, StreamBeginWrite):  # (the writer has the registration)
+                    self._answer(self.table.begin_writes(frame.writes, False), frame.writes)
                 else:
-                    self._answer(self.table.commit_all(frame.commits), frame.commits)
+                    self._answer(self.table.commit_all(frame.commits, False), frame.commits)
                 self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
                 if len(self._out) + len(self._ended) + len(self._registered) > MAX_UNSENT:
                     await self.websocket.close(POLICY_VIOLATION, "answers left unread")
@@ -156,7 +158,7 @@ class RoomStream:
             return
         listener = self._listening.pop(room, None)
         if listener is not None:
-            (self._registered if type(listener) is _RegisteredOrEnded else self._ended).append(room)
+            (self._registered if listener.with_registration else self._ended).append(room)
             self._news.set()
 
     def changed(self, room: int) -> None:

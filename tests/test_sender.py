@@ -54,13 +54,13 @@ class CountingTable(RoomTable):
         super().__init__()
         self.begun, self.committed = [], []
 
-    def begin_writes(self, writes):
+    def begin_writes(self, writes, *args):
         self.begun.append(len(writes))
-        return super().begin_writes(writes)
+        return super().begin_writes(writes, *args)
 
-    def commit_all(self, commits):
+    def commit_all(self, commits, *args):
         self.committed.append(len(commits))
-        return super().commit_all(commits)
+        return super().commit_all(commits, *args)
 
 
 @pytest.fixture
@@ -256,7 +256,10 @@ def test_items_into_another_endpoints_rooms_go_over_its_room_stream(encode_side)
                 {},
             )
         )
-        eventually(lambda: room in remote._calls, "the item to wait on the stream")
+        eventually(
+            lambda: remote._open is not None and room in remote._open.calls,
+            "the item to wait on the stream",
+        )
         standalone.stop()
         eventually(lambda: len(outcomes) == 10, "the waiting item's outcome")
         assert outcomes[-1].state is RoomState.FAILED
@@ -347,3 +350,46 @@ def test_an_item_waiting_for_its_receiver_fails_at_its_wait_or_at_shutdown(encod
     finally:
         sender.close()
         loop.stop()
+
+
+def test_an_item_waiting_on_a_stalled_room_stream_fails_with_why(encode_side):
+    """The room API stops answering (its loop blocked) while an item waits for its receiver over
+    the stream: the stream's guard pings it, hears nothing for the client's timeout, and closes
+    it; the item fails saying so, without waiting for its receiver wait to end."""
+    _, _, shm, ring, _, _, _ = encode_side
+    rooms_table = RoomTable()
+    server_loop = LoopThread("stalling")
+    standalone = ThreadedServer(create_app(rooms_table), loop=server_loop).start()
+    loop = LoopThread("writer")
+    remote = RemoteRooms(loop, HandshakeClient(standalone.url, timeout_s=1))
+    outcomes = []
+    sender = Sender(
+        ring, {"shm": shm}, lambda handshake: remote, loop, on_outcome=outcomes.append
+    )  # (the receiver wait: 30 s)
+    unblock = threading.Event()
+    try:
+        embedding = torch.randn(16, 256)
+        (room,) = rooms_table.mint(1, 60)
+        handshake = EncodeHandshake(
+            bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=standalone.port
+        )
+        sender.submit(
+            StagedItem(
+                "r", handshake, stage(ring, embedding), EmbeddingLayout.of(embedding), None, {}
+            )
+        )
+        eventually(
+            lambda: remote._open is not None and room in remote._open.calls,
+            "the item to wait on the stream",
+        )
+        server_loop.loop.call_soon_threadsafe(unblock.wait, 30)
+        eventually(lambda: outcomes, "the waiting item's outcome")
+        assert outcomes[0].state is RoomState.FAILED
+        assert "room stream silent for" in outcomes[0].reason
+    finally:
+        unblock.set()
+        sender.close()
+        remote.close().result(5)
+        loop.stop()
+        standalone.stop()
+        server_loop.stop()

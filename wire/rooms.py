@@ -274,14 +274,15 @@ class StreamWatchRegistered(_Body):
 
 
 class StreamBeginWrite(_Body):
-    """Begin writes (as ``/v1/rooms/begin_write``): each room answered in the next frame."""
+    """Begin writes (as ``/v1/rooms/begin_write``): each room answered in the next frame (its view
+    without the registration, which the writer has)."""
 
     op: Literal["begin_write"] = "begin_write"
     writes: list[BeginWrite] = Field(min_length=1, max_length=MAX_BATCH)
 
 
 class StreamCommit(_Body):
-    """Commit writes (as ``/v1/rooms/commit``): each room answered in the next frame."""
+    """Commit writes (as ``/v1/rooms/commit``): each room answered as ``StreamBeginWrite``'s."""
 
     op: Literal["commit"] = "commit"
     commits: list[CommitBody] = Field(min_length=1, max_length=MAX_BATCH)
