@@ -261,7 +261,9 @@ class RoomStore:
             else:
                 waiter.wake()
 
-    def view(self, room: Room, with_registration: bool = True) -> RoomView:
+    def view(
+        self, room: Room, with_registration: bool = True, with_commit: bool = True
+    ) -> RoomView:
         # Validated, though the table checked every field: pydantic-core's validation costs less
         # than model_construct (2.1 against 2.6 us), which runs in Python.
         return RoomView(
@@ -270,7 +272,7 @@ class RoomStore:
             version=room.version,
             registration=room.registration if with_registration else None,
             transport=room.transport,
-            commit=room.commit,
+            commit=room.commit if with_commit else None,
             reason=room.reason,
             staged=room.staged,
             cancel_requested=room.cancel_requested,

@@ -166,25 +166,26 @@ class RoomTable:
             return self._store.view(self._begin_write(write))
 
     def begin_writes(
-        self, writes: list[BeginWrite], with_registration: bool = True
+        self, writes: list[BeginWrite], for_writer: bool = False
     ) -> list[RoomView | RoomError]:
-        """``begin_write`` for each, in one lock: each room's view (``with_registration``: for a
-        writer that has it, without), or why it was refused."""
-        return self._each(self._begin_write, writes, with_registration)
+        """``begin_write`` for each, in one lock: each room's view (``for_writer``: without the
+        registration and the commit, which the writer has), or why it was refused."""
+        return self._each(self._begin_write, writes, for_writer)
 
     def commit_all(
-        self, commits: list[CommitBody], with_registration: bool = True
+        self, commits: list[CommitBody], for_writer: bool = False
     ) -> list[RoomView | RoomError]:
         """``commit`` for each, in one lock (the rooms that end go out in one stream frame):
-        each room's view (``with_registration``: as ``begin_writes``), or why it was refused."""
-        return self._each(self._commit, commits, with_registration)
+        each room's view (``for_writer``: as ``begin_writes``), or why it was refused."""
+        return self._each(self._commit, commits, for_writer)
 
-    def _each(self, call, bodies: list, with_registration: bool) -> list[RoomView | RoomError]:
+    def _each(self, call, bodies: list, for_writer: bool) -> list[RoomView | RoomError]:
         with self._lock:
             answers = []
             for body in bodies:
                 try:
-                    answers.append(self._store.view(call(body), with_registration))
+                    room = call(body)
+                    answers.append(self._store.view(room, not for_writer, not for_writer))
                 except RoomError as exc:
                     answers.append(exc)
             return answers

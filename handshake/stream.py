@@ -130,10 +130,14 @@ class RoomStream:
                     self._watch(frame.rooms, _StagedOrEnded)
                 elif isinstance(frame, StreamWatchRegistered):
                     self._watch(frame.rooms, _RegisteredOrEnded)
-                elif isinstance(frame, StreamBeginWrite):  # (the writer has the registration)
-                    self._answer(self.table.begin_writes(frame.writes, False), frame.writes)
+                elif isinstance(frame, StreamBeginWrite):
+                    self._answer(
+                        self.table.begin_writes(frame.writes, for_writer=True), frame.writes
+                    )
                 else:
-                    self._answer(self.table.commit_all(frame.commits, False), frame.commits)
+                    self._answer(
+                        self.table.commit_all(frame.commits, for_writer=True), frame.commits
+                    )
                 self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
                 if len(self._out) + len(self._ended) + len(self._registered) > MAX_UNSENT:
                     await self.websocket.close(POLICY_VIOLATION, "answers left unread")

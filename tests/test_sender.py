@@ -54,13 +54,13 @@ class CountingTable(RoomTable):
         super().__init__()
         self.begun, self.committed = [], []
 
-    def begin_writes(self, writes, *args):
+    def begin_writes(self, writes, **kwargs):
         self.begun.append(len(writes))
-        return super().begin_writes(writes, *args)
+        return super().begin_writes(writes, **kwargs)
 
-    def commit_all(self, commits, *args):
+    def commit_all(self, commits, **kwargs):
         self.committed.append(len(commits))
-        return super().commit_all(commits, *args)
+        return super().commit_all(commits, **kwargs)
 
 
 @pytest.fixture

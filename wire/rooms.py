@@ -275,7 +275,7 @@ class StreamWatchRegistered(_Body):
 
 class StreamBeginWrite(_Body):
     """Begin writes (as ``/v1/rooms/begin_write``): each room answered in the next frame (its view
-    without the registration, which the writer has)."""
+    without the registration and the commit, which the writer has)."""
 
     op: Literal["begin_write"] = "begin_write"
     writes: list[BeginWrite] = Field(min_length=1, max_length=MAX_BATCH)
