@@ -1,6 +1,6 @@
 """The send path: one item's staged rows -> the receiver registered in its room.
 
-Per item: wait (bounded, long-poll, no spinning) for the room's receiver, and fail the room
+Per item: wait (bounded, no spinning) for the room's receiver, and fail the room
 when none came in time (its receiver, arriving later, learns it at once); pick the transport
 from what both sides offer, in the registry's preference order (``wire.offers.TRANSPORTS``:
 SHM on the same node, else Mooncake; loopback in tests); check rows x
@@ -13,16 +13,17 @@ Waiting for a receiver holds no thread, so items whose receivers come late never
 whose receivers are there (with a thread per waiting item, eight slow receivers stalled every
 delivery behind them): an item whose room is in this process's own table listens for the room's
 registration (a listener and a timer, no task), and the registrations that arrive together wake
-their items into one drain; an item whose room is elsewhere is a coroutine long-polling on the
-handshake server's own event loop. Into a room of this process's own table, the write and the
+their items into one drain; an item whose room is elsewhere is a coroutine on the handshake
+server's own event loop, waiting for the registration over that endpoint's room stream
+(``handshake.access.RemoteRooms``). Into a room of this process's own table, the write and the
 room calls around it run on the loop when they cannot block it, the writes found ready in one
 drain begun in one table call and the copied ones committed in one: an SHM copy of at most
 ``inline_write_bytes`` (one memcpy; the copy of a 1.8 MB item ~0.2 ms, which other requests on
 the loop wait for), or a Mooncake write to a peer already reached (submitted on the loop, run by
 the engine's threads, its completion polled for every item by one ``CompletionPoller`` thread).
 The receiver's long-poll then answers without a thread hand-off either (each cost ~50-100 us on
-these machines). Other writes, and room calls to another process's table, run on the pool of
-sender threads.
+these machines). Other writes, and the begin and commit in another process's rooms (over its
+room stream: the calls of one loop step share a frame), run on the pool of sender threads.
 """
 
 from __future__ import annotations
