@@ -447,11 +447,12 @@ class Sender:
         waiting = time.monotonic()
         deadline = waiting + self.receiver_wait_s
         try:
-            while True:
+            while not self._closing.is_set():
                 view = await rooms.wait_registered(
                     item.room, max(0.0, min(0.5, deadline - time.monotonic()))
                 )
-                if view is not None or time.monotonic() >= deadline or self._closing.is_set():
+                if view is not None or time.monotonic() >= deadline:
                     return view
+            return None
         finally:
             item.timings["wait_s"] = time.monotonic() - waiting

@@ -46,19 +46,22 @@ class LocalRooms:
 
 
 class _OpenStream:
-    """A room stream and the calls in flight on it, by room; its reader and guard tasks."""
+    """A room stream and the calls in flight on it, by room; its reader and guard tasks. Once it
+    has ended, every call on it has its answer (the error) and no call is added."""
 
-    __slots__ = ("stream", "calls", "waiting_since", "tasks")
+    __slots__ = ("stream", "calls", "waiting_since", "tasks", "ended")
 
     def __init__(self, stream: RoomStreamClient):
         self.stream = stream
         self.calls: dict[int, asyncio.Future] = {}
         self.waiting_since = time.monotonic()  # since when some call has waited (when any has)
         self.tasks: tuple[asyncio.Task, ...] = ()  # (the loop keeps only weak references)
+        self.ended = False
 
     def end(self, error: HandshakeError) -> None:
         """Every call in flight answered with ``error`` (a result: a watch nobody awaits any
         more logs nothing)."""
+        self.ended = True
         for call in self.calls.values():
             if not call.done():
                 call.set_result(error)
@@ -67,13 +70,17 @@ class _OpenStream:
 
 class RemoteRooms:
     """Another endpoint's rooms over one room stream to it, opened on first use and again once it
-    has closed: a writer's waits, begins and commits made while ``loop`` runs one step share a
+    has ended: a writer's waits, begins and commits made while ``loop`` runs one step share a
     frame each, and each room's answer comes back by its room (a writer has one call in flight
-    per room). ``fail`` goes over REST (a failure is rare, and a REST call needs no stream). A
-    stream that closes fails every call in flight on it. A stream silent for half the client's
-    timeout while calls wait on it is pinged, and one silent for the whole timeout is closed as
-    stalled (a guard per stream: no timer per call). The blocking calls, for other threads, run
-    on ``loop`` (None: the async calls only, on the caller's loop)."""
+    per room). ``fail`` goes over REST (a failure is rare, and a REST call needs no stream).
+
+    A stream that ends answers every call in flight on it with why: a wait goes on over a new
+    stream, a begin or a commit is sent once more there (both are idempotent: a commit that
+    landed is answered as landed), and an endpoint that cannot be reached fails the call. A
+    stream silent for half the client's timeout while calls wait on it is pinged, and one silent
+    for the whole timeout is ended as stalled (a guard per stream: no timer per call). The
+    blocking calls, for other threads, run on ``loop`` (None: the async calls only, on the
+    caller's loop)."""
 
     in_process = False
 
@@ -87,35 +94,52 @@ class RemoteRooms:
 
     async def wait_registered(self, room: int, wait_s: float) -> RoomView | None:
         """The room's view once a receiver has registered it (or it has ended); None when
-        neither within ``wait_s``. The room is watched once: a call that gives up leaves the
-        watch to the next one, and the stream answers it when the room has news (every room
-        ends, at its deadline at the latest), so no second answer can meet a later call."""
-        call = (self._open and self._open.calls.get(room)) or await self._start(
-            room, lambda stream: stream.watch_registered([room])
-        )
+        neither within ``wait_s``, or when the stream ended meanwhile (the next call watches on
+        a new one). The room is watched once per stream: a call that gives up leaves the watch
+        to the next one, and the stream answers it when the room has news (every room ends, at
+        its deadline at the latest), so no second answer can meet a later call."""
+        open_ = self._open
+        call = open_.calls.get(room) if open_ is not None and not open_.ended else None
+        if call is None:
+            call = await self._start(room, lambda stream: stream.watch_registered([room]))
         try:
             async with asyncio.timeout(wait_s):
-                return _view(await asyncio.shield(call))
+                await asyncio.shield(call)
         except TimeoutError:
-            return None
+            if not call.done():  # (its answer may have come in the step the timeout fired)
+                return None
+        result = call.result()
+        return None if isinstance(result, HandshakeError) else _view(result)
 
     async def begin_write_async(self, write: BeginWrite) -> RoomView:
-        return _view(await (await self._start(write.room, lambda s: s.begin_write([write]))))
+        return await self._call(write.room, lambda stream: stream.begin_write([write]))
 
     async def commit_async(self, commit: CommitBody) -> RoomView:
-        return _view(await (await self._start(commit.room, lambda s: s.commit([commit]))))
+        return await self._call(commit.room, lambda stream: stream.commit([commit]))
 
     async def aclose(self) -> None:
         """Close the stream and the client."""
-        if self._open is not None:
-            await self._open.stream.close()
+        open_, self._open = self._open, None
+        if open_ is not None:
+            open_.end(HandshakeError(0, "room stream closed: the encode worker stops"))
+            await open_.stream.close()
         await self.client.close()
 
+    async def _call(self, room: int, send: Callable[[RoomStreamClient], None]) -> RoomView:
+        """The call's answer; sent once more on a new stream when its stream ended first."""
+        result = await (await self._start(room, send))
+        if isinstance(result, HandshakeError):
+            result = await (await self._start(room, send))
+        return _view(result)
+
     async def _start(self, room: int, send: Callable[[RoomStreamClient], None]) -> asyncio.Future:
-        """The call sent (``send``), its answer to come: the room's result, or the stream's end."""
+        """The call sent (``send``), its answer to come: the room's result, or why the stream
+        ended first. ``HandshakeError`` when no stream can be opened."""
         open_ = self._open
-        if open_ is None or open_.stream.closed:
+        if open_ is None or open_.ended:
             open_ = await self._opening(None, self._connect)
+            if open_.ended:  # it ended as it opened
+                raise HandshakeError(0, "the room stream closed as it opened")
         if not open_.calls:
             open_.waiting_since = time.monotonic()
         call = open_.calls[room] = asyncio.get_running_loop().create_future()
@@ -131,6 +155,7 @@ class RemoteRooms:
         return open_
 
     async def _read(self, open_: _OpenStream) -> None:
+        error = HandshakeError(0, "room stream closed")
         try:
             while True:
                 for result in await open_.stream.receive():
@@ -138,23 +163,29 @@ class RemoteRooms:
                     if call is not None and not call.done():
                         call.set_result(result)
         except HandshakeError as exc:
-            self._ended(open_, exc)
+            error = exc
+        except Exception as exc:  # (aiohttp's, a transport closing under a pong)
+            error = HandshakeError(0, f"room stream closed: {type(exc).__name__}: {exc}")
+        finally:  # (cancelled too: the worker stops)
+            self._ended(open_, error)
 
     async def _guard(self, open_: _OpenStream) -> None:
         timeout_s = self.client.timeout_s
-        while not open_.stream.closed:
+        while not open_.ended:
             await asyncio.sleep(timeout_s / 4)
             heard = max(open_.stream.last_heard, open_.waiting_since)
             silent_s = time.monotonic() - heard
-            if not open_.calls or silent_s < timeout_s / 2:
+            if open_.ended or not open_.calls or silent_s < timeout_s / 2:
                 continue
             if silent_s < timeout_s:
                 try:
                     await open_.stream.ping()
-                except ConnectionError:  # closing already: its reader ends the calls
-                    return
-                continue
-            self._ended(open_, HandshakeError(0, f"room stream silent for {silent_s:.1f} s"))
+                    continue
+                except Exception as exc:  # (aiohttp's: the transport is closing)
+                    error = HandshakeError(0, f"room stream closed: {type(exc).__name__}: {exc}")
+            else:
+                error = HandshakeError(0, f"room stream silent for {silent_s:.1f} s: stalled")
+            self._ended(open_, error)
             await open_.stream.close()
 
     def _ended(self, open_: _OpenStream, error: HandshakeError) -> None:
@@ -180,10 +211,19 @@ class RemoteRooms:
         return self.loop.submit(self.aclose())
 
     def _blocking(self, call: Coroutine):
+        """``call``'s result. Every call is answered within the stream guard's bounds (a stalled
+        stream ends after the client's timeout, and the call is tried once more); the wait is
+        bounded here too."""
         if self.loop is None or threading.current_thread() is self.loop.thread:
             call.close()  # (on the loop that serves it, it would wait for itself forever)
             raise RuntimeError("a blocking room call with no loop, or on the loop that serves it")
-        return self.loop.run(call)
+        bound_s = 4 * self.client.timeout_s + 1
+        future = self.loop.submit(call)
+        try:
+            return future.result(bound_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise HandshakeError(0, f"room call unanswered for {bound_s:g} s") from None
 
 
 def _view(result: RoomResult | HandshakeError) -> RoomView:

@@ -25,6 +25,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from handshake.rooms import RoomError, RoomTable
 from wire.rooms import (
     LOST_AFTER_REGISTRATION,
+    MAX_BATCH,
     STREAM_FRAME,
     STREAM_PATH,
     BatchResponse,
@@ -230,8 +231,9 @@ class RoomStream:
         while True:
             await self._news.wait()
             self._news.clear()
-            ended, self._ended = self._ended, []
-            registered, self._registered = self._registered, []
+            # (a room asked for twice in a frame goes out once: the views are made per room)
+            ended, self._ended = list(dict.fromkeys(self._ended)), []
+            registered, self._registered = list(dict.fromkeys(self._registered)), []
             results, self._out = self._out, []
             for room, view in zip(ended, self.table.ended_views(ended)):
                 results.append(
@@ -245,5 +247,6 @@ class RoomStream:
                     if isinstance(view, RoomError)
                     else RoomResult.of_view(room, view)
                 )
-            frame = BatchResponse(results=results).model_dump_json()
-            await self.websocket.send_text(frame)
+            for start in range(0, len(results), MAX_BATCH):  # a frame within the peer's limit
+                frame = BatchResponse(results=results[start : start + MAX_BATCH])
+                await self.websocket.send_text(frame.model_dump_json())

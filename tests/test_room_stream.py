@@ -214,7 +214,8 @@ def test_a_watched_room_comes_back_once_staged_or_ended(served):
 
 def test_a_writer_waits_begins_and_commits_over_the_stream(served):
     """A writer's calls: a room watched until registered comes back once its receiver registers it
-    (with the registration), one registered already at once, one unknown as refused (404); a
+    (with the registration), one registered already at once (once, though asked for twice),
+    one unknown as refused (404); a
     frame of begins and a frame of commits are answered per room, a stale generation refused
     alone (409); the rooms end as they would over REST."""
     server, table = served
@@ -225,7 +226,7 @@ def test_a_writer_waits_begins_and_commits_over_the_stream(served):
     async def scenario():
         client, stream = await _open(server)
         try:
-            stream.watch_registered([waiting, ready, unknown])
+            stream.watch_registered([waiting, ready, ready, unknown])  # (ready: twice)
             first, _ = await _results(stream, 2)
             assert first[ready].view.state is RoomState.REGISTERED
             assert first[ready].view.registration == registration(ready)
