@@ -129,15 +129,7 @@ class RoomTable:
     def register_all(self, registrations: list[Registration]) -> list[RoomError | None]:
         """``register`` for each, in one lock, without their views (the room stream answers a
         registration only when it is refused): None, or why it was refused."""
-        with self._lock:
-            refusals = []
-            for registration in registrations:
-                try:
-                    self._register(registration)
-                    refusals.append(None)
-                except RoomError as exc:
-                    refusals.append(exc)
-            return refusals
+        return self._each(self._register, registrations, lambda room: None)
 
     def _register(self, registration: Registration) -> Room:
         """The room, registered (or a retry of its registration)."""
@@ -170,22 +162,27 @@ class RoomTable:
     ) -> list[RoomView | RoomError]:
         """``begin_write`` for each, in one lock: each room's view (``for_writer``: without the
         registration and the commit, which the writer has), or why it was refused."""
-        return self._each(self._begin_write, writes, for_writer)
+        return self._each(self._begin_write, writes, self._answer(for_writer))
 
     def commit_all(
         self, commits: list[CommitBody], for_writer: bool = False
     ) -> list[RoomView | RoomError]:
         """``commit`` for each, in one lock (the rooms that end go out in one stream frame):
         each room's view (``for_writer``: as ``begin_writes``), or why it was refused."""
-        return self._each(self._commit, commits, for_writer)
+        return self._each(self._commit, commits, self._answer(for_writer))
 
-    def _each(self, call, bodies: list, for_writer: bool) -> list[RoomView | RoomError]:
+    def _answer(self, for_writer: bool) -> Callable[[Room], RoomView]:
+        """A room's view as a batch call answers it (a writer's: without the registration and
+        the commit it sent)."""
+        return lambda room: self._store.view(room, not for_writer, not for_writer)
+
+    def _each(self, call, bodies: list, answer: Callable[[Room], object]) -> list:
+        """``call`` for each body, in one lock: ``answer(room)``, or why it was refused."""
         with self._lock:
             answers = []
             for body in bodies:
                 try:
-                    room = call(body)
-                    answers.append(self._store.view(room, not for_writer, not for_writer))
+                    answers.append(answer(call(body)))
                 except RoomError as exc:
                     answers.append(exc)
             return answers

@@ -47,6 +47,18 @@ def _registration(room: int, slot, layout: EmbeddingLayout, shm, receive_pool) -
     )
 
 
+def _staged(ring, port: int, room: int, embedding: torch.Tensor) -> StagedItem:
+    """``embedding`` staged in ``ring`` for room ``room`` of the room API on ``port``."""
+    return StagedItem(
+        "r",
+        EncodeHandshake(bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=port),
+        stage(ring, embedding),
+        EmbeddingLayout.of(embedding),
+        checksum(embedding),
+        {},
+    )
+
+
 class CountingTable(RoomTable):
     """The real table, noting how many rooms each batched begin and commit call carried."""
 
@@ -202,18 +214,7 @@ def test_items_into_another_endpoints_rooms_go_over_its_room_stream(encode_side)
         layout = EmbeddingLayout.of(embeddings[0])
         sender.submit_all(
             [
-                StagedItem(
-                    "r",
-                    EncodeHandshake(
-                        bootstrap_room=room,
-                        bootstrap_host="127.0.0.1",
-                        bootstrap_port=standalone.port,
-                    ),
-                    stage(ring, embedding),
-                    layout,
-                    checksum(embedding),
-                    {},
-                )
+                _staged(ring, standalone.port, room, embedding)
                 for room, embedding in zip(rooms, embeddings)
             ]
         )
@@ -244,18 +245,7 @@ def test_items_into_another_endpoints_rooms_go_over_its_room_stream(encode_side)
         assert ("/v1/rooms/fail", "POST") in calls  # the room nobody registered
 
         (room,) = rooms_table.mint(1, 60)  # the room API goes away while the item waits
-        sender.submit(
-            StagedItem(
-                "r",
-                EncodeHandshake(
-                    bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=standalone.port
-                ),
-                stage(ring, embeddings[0]),
-                layout,
-                checksum(embeddings[0]),
-                {},
-            )
-        )
+        sender.submit(_staged(ring, standalone.port, room, embeddings[0]))
         eventually(
             lambda: remote._open is not None and room in remote._open.calls,
             "the item to wait on the stream",
@@ -283,19 +273,7 @@ def test_items_whose_receiver_registers_them_together_are_written_in_one_table_c
     embeddings = [torch.randn(16, 256) for _ in rooms]
     layout = EmbeddingLayout.of(embeddings[0])
     sender.submit_all(
-        [
-            StagedItem(
-                "r",
-                EncodeHandshake(
-                    bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
-                ),
-                stage(ring, embedding),
-                layout,
-                checksum(embedding),
-                {},
-            )
-            for room, embedding in zip(rooms, embeddings)
-        ]
+        [_staged(ring, server.port, room, embedding) for room, embedding in zip(rooms, embeddings)]
     )
     eventually(lambda: sender._waiting.keys() == set(rooms), "the items to listen")
     assert not sender._tasks

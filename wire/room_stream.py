@@ -123,9 +123,7 @@ class RoomStreamClient:
         while True:
             await self._due.wait()
             self._due.clear()
-            while self._registrations:
-                chunk = self._registrations[:MAX_BATCH]
-                del self._registrations[:MAX_BATCH]
+            for chunk in _taken(self._registrations):
                 await self._websocket.send_str(  # (validation would run each registration's
                     # Python checks again: 6 against 1.4 us for 8)
                     StreamRegister.model_construct(op="register", receivers=chunk).model_dump_json()
@@ -135,22 +133,23 @@ class RoomStreamClient:
                 await self._websocket.send_str(
                     StreamCancel(rooms=rooms, reason=reason).model_dump_json()
                 )
-            while self._staged:
-                rooms = self._staged[:MAX_BATCH]
-                del self._staged[:MAX_BATCH]
+            for rooms in _taken(self._staged):
                 await self._websocket.send_str(StreamWatchStaged(rooms=rooms).model_dump_json())
-            while self._until_registered:
-                rooms = self._until_registered[:MAX_BATCH]
-                del self._until_registered[:MAX_BATCH]
+            for rooms in _taken(self._until_registered):
                 await self._websocket.send_str(StreamWatchRegistered(rooms=rooms).model_dump_json())
-            while self._begins:
-                writes = self._begins[:MAX_BATCH]
-                del self._begins[:MAX_BATCH]
+            for writes in _taken(self._begins):
                 await self._websocket.send_str(StreamBeginWrite(writes=writes).model_dump_json())
-            while self._commits:
-                commits = self._commits[:MAX_BATCH]
-                del self._commits[:MAX_BATCH]
+            for commits in _taken(self._commits):
                 await self._websocket.send_str(StreamCommit(commits=commits).model_dump_json())
+
+
+def _taken(pending: list):
+    """``pending``'s entries in frames of at most ``MAX_BATCH``, taken out as they go (entries
+    added while a frame is sent go in the next)."""
+    while pending:
+        chunk = pending[:MAX_BATCH]
+        del pending[:MAX_BATCH]
+        yield chunk
 
 
 class OpenOnce:
