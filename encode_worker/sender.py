@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from data_plane.pool import SlotPool
 from data_plane.transport import CompletionPoller, Transport
 from encode_worker.writes import Outcome, StagedItem, Write, Writer
-from handshake.rooms import RoomError, RoomNotFound, RoomTable
+from handshake.rooms import Answer, RoomError, RoomNotFound, RoomStatus, RoomTable
 from loop_threads import LoopThread, name_os_thread
 from wire.addresses import EncodeHandshake
 from wire.room_client import HandshakeError
@@ -52,7 +52,7 @@ INLINE_WRITE_BYTES = (
 )  # ~0.4 ms of memcpy here: the most a write may hold up the handshake loop
 
 
-def _unless_crashed(answer: RoomView | Exception) -> RoomView | RoomError:
+def _unless_crashed(answer: RoomStatus | Exception) -> RoomStatus | RoomError:
     """A batch room call's answer for one room; raised when the call itself crashed."""
     if isinstance(answer, Exception) and not isinstance(answer, RoomError):
         raise answer
@@ -165,7 +165,7 @@ class Sender:
         process still waiting for its receiver listen for it, the rest go on as tasks."""
         with self._lock:
             items, self._inbox, self._drain_due = self._inbox, [], False
-        ready: list[tuple[StagedItem, object, RoomView, tuple[Transport, object]]] = []
+        ready: list[tuple[StagedItem, object, RoomStatus, tuple[Transport, object]]] = []
         for item in items:
             try:
                 routed = self._route(item)
@@ -210,7 +210,7 @@ class Sender:
         """The common cases, in the drain itself (no task): an item whose room is in this
         process's table and registered, to be written by a copy inside ``submit`` small enough
         for the loop (SHM) or by a transport in the background (Mooncake to a peer it has
-        reached): ``(item, rooms, view, chosen)``; an item whose room there still waits for its
+        reached): ``(item, rooms, status, chosen)``; an item whose room there still waits for its
         receiver: ``_WAITING``, listening for it (``_Registration``); ``_NOT_NOW`` for every
         other item. A room of this table still waiting is marked staged first
         (``RoomTable.mark_staged``: a gateway may wait for this, to forward its request)."""
@@ -224,18 +224,18 @@ class Sender:
         if not rooms.in_process:
             return _NOT_NOW
         try:
-            view = rooms.table.view(item.room)
+            status = rooms.table.status(item.room)
         except RoomError:  # the task's path says why
             return _NOT_NOW
-        if view.state is RoomState.PENDING and waited is None:
+        if status.state is RoomState.PENDING and waited is None:
             return self._wait_for_registration(item, rooms.table)
-        if view.state is not RoomState.REGISTERED:
+        if status.state is not RoomState.REGISTERED:
             return _NOT_NOW
-        chosen = self.writer.choose(view.registration.offers)
+        chosen = self.writer.choose(status.registration.offers)
         if chosen is None or not self.writer.fits_loop(rooms, item, chosen):
             return _NOT_NOW
         item.timings.setdefault("wait_s", 0.0)
-        return item, rooms, view, chosen
+        return item, rooms, status, chosen
 
     def _wait_for_registration(self, item: StagedItem, table: RoomTable) -> object:
         """Listen for the first change of the item's room (its registration, or its end), for
@@ -281,8 +281,8 @@ class Sender:
         or submitted, and the copied ones committed in one table call (their rooms' ends go out
         to the receiver in one stream frame)."""
         begins = []
-        for item, rooms, view, chosen in ready:
-            begin = self._settle(item, lambda: self.writer.check(item, view, chosen))
+        for item, rooms, status, chosen in ready:
+            begin = self._settle(item, lambda: self.writer.check(item, status, chosen))
             if isinstance(begin, Outcome):
                 self._ended(begin)
             else:
@@ -314,16 +314,17 @@ class Sender:
                 self._report(self._settle(item, lambda: self._committed(item, write, answer)))
             self._count_delivered(len(commits))
 
-    def _committed(self, item: StagedItem, write: Write, answer: RoomView | Exception) -> Outcome:
+    def _committed(self, item: StagedItem, write: Write, answer: RoomStatus | Exception) -> Outcome:
         if isinstance(answer, Exception):
             raise answer
         return self.writer.committed(item, write, answer)
 
     @staticmethod
     def _table_call(call, bodies: list) -> list:
-        """A batch call on this process's table; its crash becomes each body's error."""
+        """A batch call on this process's table, each room answered as a ``RoomStatus``; its
+        crash becomes each body's error."""
         try:
-            return call(bodies)
+            return call(bodies, answer=Answer.STATUS)
         except Exception as exc:
             log.exception("a batch room call crashed")
             return [exc] * len(bodies)

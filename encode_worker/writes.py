@@ -19,7 +19,7 @@ import torch
 from data_plane.commit import EmbeddingLayout
 from data_plane.pool import Lease, SlotPool
 from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
-from handshake.rooms import RoomError
+from handshake.rooms import RoomError, RoomStatus
 from wire.addresses import EncodeHandshake
 from wire.modality import Modality
 from wire.offers import TRANSPORT_NAMES
@@ -122,7 +122,10 @@ class Writer:
         )
 
     def check(
-        self, item: StagedItem, view: RoomView, chosen: tuple[Transport, object] | None
+        self,
+        item: StagedItem,
+        view: RoomView | RoomStatus,
+        chosen: tuple[Transport, object] | None,
     ) -> Outcome | BeginWrite:
         """The registration in ``view`` checked against the item: the write to begin, or the
         item's outcome when it ends here."""
@@ -173,7 +176,7 @@ class Writer:
         self,
         item: StagedItem,
         begin: BeginWrite,
-        begun: RoomView | RoomError,
+        begun: RoomView | RoomStatus | RoomError,
         chosen: tuple[Transport, object],
     ) -> Outcome | Write:
         """Once ``begin`` was asked of the room (``begun``: its answer): the write submitted, or
@@ -229,7 +232,7 @@ class Writer:
             timings=EncodeTimings(**item.timings),
         )
 
-    def committed(self, item: StagedItem, write: Write, view: RoomView) -> Outcome:
+    def committed(self, item: StagedItem, write: Write, view: RoomView | RoomStatus) -> Outcome:
         """The item's outcome once its room answered its commit with ``view``."""
         return self.finish(item, view.state, write.transport.name, view.reason)
 

@@ -20,6 +20,7 @@ else; waiters are woken across threads and event loops.
 from __future__ import annotations
 
 import asyncio
+import enum
 import secrets
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from handshake.room_store import (
     RoomLimits,
     RoomNotFound,
     RoomsFull,
+    RoomStatus,
     RoomStore,
     Waiter,
 )
@@ -39,13 +41,23 @@ from wire.rooms import MAX_ROOM_ID, BeginWrite, CommitBody, Registration, RoomSt
 
 __all__ = [
     "MINTED_VERSION",
+    "Answer",
     "RoomConflict",
     "RoomError",
     "RoomLimits",
     "RoomNotFound",
+    "RoomStatus",
     "RoomTable",
     "RoomsFull",
 ]
+
+
+class Answer(enum.Enum):
+    """What a batch room call answers for each room it did not refuse."""
+
+    VIEW = "view"  # its view (the REST API's answer)
+    WRITER_VIEW = "writer_view"  # its view without the registration and the commit (a writer has)
+    STATUS = "status"  # a ``RoomStatus``: no view built (this process's own writer)
 
 
 class RoomTable:
@@ -82,6 +94,10 @@ class RoomTable:
     def view(self, room_id: int) -> RoomView:
         with self._lock:
             return self._store.view(self._store.get(room_id))
+
+    def status(self, room_id: int) -> RoomStatus:
+        with self._lock:
+            return self._store.status(self._store.get(room_id))
 
     # ---- transitions -----------------------------------------------------------------------
 
@@ -158,23 +174,24 @@ class RoomTable:
             return self._store.view(self._begin_write(write))
 
     def begin_writes(
-        self, writes: list[BeginWrite], for_writer: bool = False
-    ) -> list[RoomView | RoomError]:
-        """``begin_write`` for each, in one lock: each room's view (``for_writer``: without the
-        registration and the commit, which the writer has), or why it was refused."""
-        return self._each(self._begin_write, writes, self._answer(for_writer))
+        self, writes: list[BeginWrite], answer: Answer = Answer.VIEW
+    ) -> list[RoomView | RoomStatus | RoomError]:
+        """``begin_write`` for each, in one lock: each room's ``answer``, or why it was
+        refused."""
+        return self._each(self._begin_write, writes, self._answer(answer))
 
     def commit_all(
-        self, commits: list[CommitBody], for_writer: bool = False
-    ) -> list[RoomView | RoomError]:
+        self, commits: list[CommitBody], answer: Answer = Answer.VIEW
+    ) -> list[RoomView | RoomStatus | RoomError]:
         """``commit`` for each, in one lock (the rooms that end go out in one stream frame):
-        each room's view (``for_writer``: as ``begin_writes``), or why it was refused."""
-        return self._each(self._commit, commits, self._answer(for_writer))
+        each room's ``answer``, or why it was refused."""
+        return self._each(self._commit, commits, self._answer(answer))
 
-    def _answer(self, for_writer: bool) -> Callable[[Room], RoomView]:
-        """A room's view as a batch call answers it (a writer's: without the registration and
-        the commit it sent)."""
-        return lambda room: self._store.view(room, not for_writer, not for_writer)
+    def _answer(self, answer: Answer) -> Callable[[Room], RoomView | RoomStatus]:
+        if answer is Answer.STATUS:
+            return self._store.status
+        full = answer is Answer.VIEW
+        return lambda room: self._store.view(room, full, full)
 
     def _each(self, call, bodies: list, answer: Callable[[Room], object]) -> list:
         """``call`` for each body, in one lock: ``answer(room)``, or why it was refused."""

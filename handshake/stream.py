@@ -22,7 +22,7 @@ import time
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from handshake.rooms import RoomError, RoomTable
+from handshake.rooms import Answer, RoomError, RoomTable
 from wire.rooms import (
     LOST_AFTER_REGISTRATION,
     MAX_BATCH,
@@ -133,11 +133,13 @@ class RoomStream:
                     self._watch(frame.rooms, _RegisteredOrEnded)
                 elif isinstance(frame, StreamBeginWrite):
                     self._answer(
-                        self.table.begin_writes(frame.writes, for_writer=True), frame.writes
+                        self.table.begin_writes(frame.writes, answer=Answer.WRITER_VIEW),
+                        frame.writes,
                     )
                 else:
                     self._answer(
-                        self.table.commit_all(frame.commits, for_writer=True), frame.commits
+                        self.table.commit_all(frame.commits, answer=Answer.WRITER_VIEW),
+                        frame.commits,
                     )
                 self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
                 if len(self._out) + len(self._ended) + len(self._registered) > MAX_UNSENT:
