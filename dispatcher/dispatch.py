@@ -38,6 +38,7 @@ from wire.intake import (
     AsyncIntakeClient,
     IntakeBusy,
     IntakeRefused,
+    IntakeReply,
     IntakeRequest,
     IntakeStatus,
 )
@@ -129,12 +130,16 @@ class Dispatcher:
                 routes = self._route(unplaced, near, tried)
                 if not routes:
                     break
-                await asyncio.gather(
-                    *(
-                        self._place(request_id, address, batch, started)
-                        for address, batch in routes.items()
+                if len(routes) == 1:  # (the common case: no task for it)
+                    ((address, batch),) = routes.items()
+                    await self._place(request_id, address, batch, started)
+                else:
+                    await asyncio.gather(
+                        *(
+                            self._place(request_id, address, batch, started)
+                            for address, batch in routes.items()
+                        )
                     )
-                )
                 unplaced = [item for item in unplaced if item.worker is None]
                 if not unplaced:
                     break
@@ -214,7 +219,7 @@ class Dispatcher:
                 return
         for item, room in zip(items, rooms):
             item.encode_handshake = EncodeHandshake.at(endpoint, room)
-        replies = await asyncio.gather(*(self._send(request_id, address, item) for item in items))
+        replies = await self._send(request_id, address, items)
         left_live: dict[str, list[int]] = {}  # the reason -> the rooms that may be live for it
         for item, reply in zip(items, replies):
             item.retry_after_s = reply.retry_after_s
@@ -235,32 +240,42 @@ class Dispatcher:
                 log.warning("could not cancel %d rooms at %s: %s", len(rooms), endpoint, exc)
 
     async def _send(
-        self, request_id: str, address: WorkerAddress, item: DispatchedItem
+        self, request_id: str, address: WorkerAddress, items: list[DispatchedItem]
+    ) -> list[_IntakeOutcome]:
+        """The worker's answer to each item, sent together (one message, one wait). A worker
+        that does not answer leaves the ring."""
+        requests = [
+            (
+                IntakeRequest(
+                    request_id=f"{request_id}.{item.index}",
+                    model=self.served_model,
+                    modality=item.modality,
+                    content_hash=item.content_hash,
+                    encode_handshake=item.encode_handshake,
+                    source="bytes",
+                    grid_thw=list(item.grid_thw),  # the worker fails an item it sizes otherwise
+                    token=self.intake_token,
+                    open_room_ttl_s=self.room_ttl_s if self.rooms_url is None else None,
+                ),
+                item.data,
+            )
+            for item in items
+        ]
+        replies = await self._intake(address).send_all(requests)
+        timed_out = next((reply for reply in replies if isinstance(reply, TimeoutError)), None)
+        if timed_out is not None:
+            self.workers.mark_down(address, str(timed_out))
+        return [self._outcome(address, reply) for reply in replies]
+
+    def _outcome(
+        self, address: WorkerAddress, reply: IntakeReply | IntakeRefused | TimeoutError
     ) -> _IntakeOutcome:
-        """The worker's answer to one item. A worker that does not answer leaves the ring."""
-        request = IntakeRequest(
-            request_id=f"{request_id}.{item.index}",
-            model=self.served_model,
-            modality=item.modality,
-            content_hash=item.content_hash,
-            encode_handshake=item.encode_handshake,
-            source="bytes",
-            grid_thw=list(item.grid_thw),  # the worker fails an item it sizes otherwise
-            token=self.intake_token,
-            open_room_ttl_s=self.room_ttl_s if self.rooms_url is None else None,
-        )
-        busy_for = self._busy_for(address)
-        if busy_for > 0:  # it refused another item of this batch meanwhile
-            return _IntakeOutcome(f"refused: busy for {busy_for:.1f} s more", busy_for)
-        try:
-            reply = await self._intake(address).send(request, item.data)
-        except TimeoutError as exc:
-            self.workers.mark_down(address, str(exc))
-            return _IntakeOutcome(str(exc), unanswered=True)
-        except IntakeBusy as exc:
-            return _IntakeOutcome(str(exc), self._busy(address, exc.retry_after_s))
-        except IntakeRefused as exc:
-            return _IntakeOutcome(str(exc))
+        if isinstance(reply, TimeoutError):
+            return _IntakeOutcome(str(reply), unanswered=True)
+        if isinstance(reply, IntakeBusy):
+            return _IntakeOutcome(str(reply), self._busy(address, reply.retry_after_s))
+        if isinstance(reply, IntakeRefused):
+            return _IntakeOutcome(str(reply))
         if reply.status is IntakeStatus.ACCEPTED:
             return _IntakeOutcome(None)
         if reply.retry_after_s is not None:

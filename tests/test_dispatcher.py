@@ -544,3 +544,82 @@ def test_a_reply_naming_no_room_fails_only_the_message_it_answers():
         (IntakeStatus.ACCEPTED, 2),
         (IntakeStatus.ACCEPTED, 3),
     ]
+
+
+def test_items_sent_together_get_their_own_answers_in_order_within_one_timeout():
+    """``send_all``: one message for the items the client can send, each item's answer in order
+    (the worker's reply, a refusal of the client's own, or a timeout for the one the worker never
+    answered), and nothing left in flight after it (the timed-out room can be sent again)."""
+    import threading
+
+    import zmq
+
+    from wire.addresses import EncodeHandshake, Endpoint
+    from wire.intake import (
+        BATCH_MARKER,
+        AsyncIntakeClient,
+        IntakeBatchReply,
+        IntakeRefused,
+        IntakeReply,
+        IntakeRequest,
+        IntakeStatus,
+    )
+
+    worker = zmq.Context.instance().socket(zmq.ROUTER)
+    worker.setsockopt(zmq.LINGER, 0)
+    port = worker.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[list[int]] = []
+
+    def answer_all_but_room_3():
+        identity, marker, metadata, *payloads = worker.recv_multipart()
+        assert marker == BATCH_MARKER and len(payloads) == 3
+        rooms = [
+            item["encode_handshake"]["bootstrap_room"] for item in json.loads(metadata)["items"]
+        ]
+        seen.append(rooms)
+        replies = [
+            IntakeReply(status=IntakeStatus.ACCEPTED, room=1),
+            IntakeReply(status=IntakeStatus.REFUSED, room=2, reason="queue full", retry_after_s=1),
+        ]
+        worker.send_multipart([identity, *IntakeBatchReply(replies=replies).frames()])
+
+    def request(room: int, source: str = "bytes") -> IntakeRequest:
+        return IntakeRequest(
+            request_id=f"r{room}",
+            encode_handshake=EncodeHandshake.at(Endpoint("127.0.0.1", 9), room),
+            source=source,
+        )
+
+    async def run():
+        client = AsyncIntakeClient(f"tcp://127.0.0.1:{port}", timeout_s=0.5)
+        try:
+            answers = await client.send_all(
+                [
+                    (request(1), b"a"),
+                    (request(2), b"b"),
+                    (request(2), b"again"),  # a room already in flight
+                    (request(3), b"c"),
+                    (request(4, "shm"), b"d"),  # the payload disagrees with the source
+                ]
+            )
+            again = await client.send_all([(request(3, "shm"), b"c")])
+            return answers, again
+        finally:
+            client.close()
+
+    answering = threading.Thread(target=answer_all_but_room_3, daemon=True)
+    answering.start()
+    try:
+        answers, again = asyncio.run(run())
+    finally:
+        answering.join(10)
+        worker.close(0)
+    assert seen == [[1, 2, 3]]
+    accepted, refused, duplicate, timed_out, mismatched = answers
+    assert accepted.status is IntakeStatus.ACCEPTED and accepted.room == 1
+    assert refused.status is IntakeStatus.REFUSED and refused.retry_after_s == 1
+    assert isinstance(duplicate, IntakeRefused) and "already has a message" in str(duplicate)
+    assert isinstance(timed_out, TimeoutError) and "within 0.5 s" in str(timed_out)
+    assert isinstance(mismatched, IntakeRefused) and "disagree" in str(mismatched)
+    (retried,) = again
+    assert isinstance(retried, IntakeRefused) and "disagree" in str(retried)  # not "in flight"

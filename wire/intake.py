@@ -299,35 +299,95 @@ class AsyncIntakeClient:
     async def send(self, request: IntakeRequest, payload: bytes | None = None) -> IntakeReply:
         """Send one item (in this loop step's batch); its reply. Raises ``TimeoutError`` when the
         worker does not answer in time, ``IntakeRefused`` when too many items are in flight."""
-        room = request.encode_handshake.bootstrap_room
-        if room in self._waiting:
-            raise IntakeRefused(f"room {room} already has a message in flight", room)
-        if len(self._waiting) >= self.max_in_flight:
-            raise IntakeBusy(f"{self.max_in_flight} messages in flight to {self.endpoint}", room)
+        (reply,) = await self.send_all([(request, payload)])
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def send_all(
+        self, items: list[tuple[IntakeRequest, bytes | None]]
+    ) -> list[IntakeReply | IntakeRefused | TimeoutError]:
+        """Send each item (in this loop step's batch) and wait for their replies together, with
+        one timer: each item's reply, or why it has none (``IntakeRefused``; ``IntakeBusy`` when
+        too many items are in flight; ``TimeoutError`` when the worker did not answer in
+        time)."""
+        loop = asyncio.get_running_loop()
+        answers: list[IntakeReply | IntakeRefused | TimeoutError | asyncio.Future] = []
+        queued: set[int] = set()
+        for request, payload in items:
+            room = request.encode_handshake.bootstrap_room
+            if room in self._waiting:
+                answers.append(IntakeRefused(f"room {room} already has a message in flight", room))
+            elif len(self._waiting) >= self.max_in_flight:
+                answers.append(
+                    IntakeBusy(f"{self.max_in_flight} messages in flight to {self.endpoint}", room)
+                )
+            elif (payload is None) != (request.source == "shm"):  # one wrong item spoils no batch
+                answers.append(
+                    IntakeRefused(f"source {request.source!r} and the payload frame disagree", room)
+                )
+            else:
+                answers.append(self._queue(loop, request, payload))
+                queued.add(room)
+        if not queued:
+            return answers
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_replies())
-        if (payload is None) != (request.source == "shm"):  # one wrong item spoils no batch
-            raise IntakeRefused(f"source {request.source!r} and the payload frame disagree", room)
-        future = self._waiting[room] = asyncio.get_running_loop().create_future()
+        try:
+            await self._all_answered([a for a in answers if isinstance(a, asyncio.Future)])
+        finally:
+            for room in queued:
+                self._waiting.pop(room, None)
+            if self._unsent:  # (their caller left before they went: they never go)
+                self._unsent = [
+                    (request, payload)
+                    for request, payload in self._unsent
+                    if request.encode_handshake.bootstrap_room not in queued
+                ]
+                self._unsent_bytes = sum(len(p) for _, p in self._unsent if p is not None)
+        return [self._answer_of(answer) for answer in answers]
+
+    def _queue(self, loop, request: IntakeRequest, payload: bytes | None) -> asyncio.Future:
+        """The item into this loop step's batch: the future its reply resolves."""
+        future = self._waiting[request.encode_handshake.bootstrap_room] = loop.create_future()
         if not self._unsent:
-            asyncio.get_running_loop().call_soon(self._send_unsent)
-        item = (request, payload)
-        self._unsent.append(item)
+            loop.call_soon(self._send_unsent)
+        self._unsent.append((request, payload))
         self._unsent_bytes += len(payload) if payload is not None else 0
         if len(self._unsent) >= MAX_BATCH_ITEMS or self._unsent_bytes >= MAX_BATCH_PAYLOAD_BYTES:
             self._send_unsent()
+        return future
+
+    async def _all_answered(self, futures: list[asyncio.Future]) -> None:
+        """Once every future is done, or after ``timeout_s``: one timer and one wake-up."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        left = len(futures)
+
+        def one_done(_: asyncio.Future) -> None:
+            nonlocal left
+            left -= 1
+            if not left and not done.done():
+                done.set_result(None)
+
+        for future in futures:
+            future.add_done_callback(one_done)
+        timer = loop.call_later(self.timeout_s, lambda: done.done() or done.set_result(None))
         try:
-            return await asyncio.wait_for(future, self.timeout_s)
-        except asyncio.TimeoutError:
-            raise TimeoutError(
-                f"no answer from encode worker intake {self.endpoint} within {self.timeout_s} s"
-            ) from None
+            await done
         finally:
-            self._waiting.pop(room, None)
-            unsent = [queued for queued in self._unsent if queued is not item]
-            if len(unsent) < len(self._unsent):  # its caller left before it went: it never goes
-                self._unsent = unsent
-                self._unsent_bytes -= len(payload) if payload is not None else 0
+            timer.cancel()
+            for future in futures:
+                future.remove_done_callback(one_done)
+
+    def _answer_of(self, answer) -> IntakeReply | IntakeRefused | TimeoutError:
+        if not isinstance(answer, asyncio.Future):
+            return answer
+        if not answer.done():
+            return TimeoutError(
+                f"no answer from encode worker intake {self.endpoint} within {self.timeout_s} s"
+            )
+        return answer.exception() or answer.result()
 
     def _send_unsent(self) -> None:
         """The items sent since the last batch, as one message: a batch, or one item alone in the
