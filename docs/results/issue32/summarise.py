@@ -51,7 +51,9 @@ def cost_table(prefix: str, pairs: str) -> list[str]:
 # (files, pairs, before, after): cost 1-3 against 68c3ad2 (the stream, the batch hand-off,
 # staged), cost 4-6 and ceiling 1-3 against 0a15a9d (that session's end), before a25abee; batch-*:
 # intake per batch (d64296d) against 0a54d96; listen-*: the registration listener (59ea5c3) against
-# ce8f900; construct-*: validated construction and the smaller cuts (350f6f2) against 8b80f3f
+# ce8f900; construct-*: validated construction and the smaller cuts (350f6f2) against 8b80f3f;
+# batch2-*: the PNG header, the writer's room status and the dispatcher's intake per batch
+# (0a5777e..324da6a) against 8e7eaa7 (batch2-mooncake8: 8-image requests over Mooncake alone)
 TABLES = (
     ("cost", "123", "a25abee", "68c3ad2"),
     ("cost", "456", "a25abee", "0a15a9d"),
@@ -61,6 +63,9 @@ TABLES = (
     ("listen-ceiling", "123", "ce8f900", "59ea5c3"),
     ("construct-cost", "123", "8b80f3f", "350f6f2"),
     ("construct-ceiling", "123", "8b80f3f", "350f6f2"),
+    ("batch2-cost", "123", "8e7eaa7", "324da6a"),
+    ("batch2-ceiling", "123", "8e7eaa7", "324da6a"),
+    ("batch2-mooncake8", "1234", "8e7eaa7", "324da6a"),
 )
 
 
