@@ -53,7 +53,8 @@ def cost_table(prefix: str, pairs: str) -> list[str]:
 # intake per batch (d64296d) against 0a54d96; listen-*: the registration listener (59ea5c3) against
 # ce8f900; construct-*: validated construction and the smaller cuts (350f6f2) against 8b80f3f;
 # batch2-*: the PNG header, the writer's room status and the dispatcher's intake per batch
-# (0a5777e..324da6a) against 8e7eaa7 (batch2-mooncake8: 8-image requests over Mooncake alone)
+# (0a5777e..324da6a) against 8e7eaa7 (batch2-mooncake8: 8-image requests over Mooncake alone);
+# offer-*: the receiver's slot offers made once, against 15c5b3c (8-image requests over SHM)
 TABLES = (
     ("cost", "123", "a25abee", "68c3ad2"),
     ("cost", "456", "a25abee", "0a15a9d"),
@@ -66,6 +67,8 @@ TABLES = (
     ("batch2-cost", "123", "8e7eaa7", "324da6a"),
     ("batch2-ceiling", "123", "8e7eaa7", "324da6a"),
     ("batch2-mooncake8", "1234", "8e7eaa7", "324da6a"),
+    ("offer-ceiling", "123", "15c5b3c", "991a2f4"),
+    ("offer-cost", "123", "15c5b3c", "991a2f4"),
 )
 
 
