@@ -237,18 +237,20 @@ class RoomStream:
             ended, self._ended = list(dict.fromkeys(self._ended)), []
             registered, self._registered = list(dict.fromkeys(self._registered)), []
             results, self._out = self._out, []
-            for room, view in zip(ended, self.table.ended_views(ended)):
-                results.append(
-                    RoomResult.refusal(room, str(view), LOST_AFTER_REGISTRATION)
-                    if isinstance(view, RoomError)
-                    else RoomResult.of_view(room, view)
-                )
-            for room, view in zip(registered, self.table.views(registered)):
-                results.append(
-                    RoomResult.refusal(room, str(view), view.status)  # unknown, or gone
-                    if isinstance(view, RoomError)
-                    else RoomResult.of_view(room, view)
-                )
+            # a registered room whose end cannot be told is lost; a watched one unknown, or gone
+            results += _pushed(ended, self.table.ended_views(ended), LOST_AFTER_REGISTRATION)
+            results += _pushed(registered, self.table.views(registered))
             for start in range(0, len(results), MAX_BATCH):  # a frame within the peer's limit
                 frame = BatchResponse(results=results[start : start + MAX_BATCH])
                 await self.websocket.send_text(frame.model_dump_json())
+
+
+def _pushed(rooms: list[int], views: list, refused_status: int | None = None) -> list[RoomResult]:
+    """Each room's view as pushed, or why there is none (with ``refused_status``, else the
+    error's own)."""
+    return [
+        RoomResult.refusal(room, str(view), refused_status or view.status)
+        if isinstance(view, RoomError)
+        else RoomResult.of_view(room, view)
+        for room, view in zip(rooms, views)
+    ]

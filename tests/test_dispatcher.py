@@ -451,26 +451,41 @@ def test_a_gateway_learns_when_the_worker_holds_the_rows_or_failed_the_item(stac
     assert state is JobState.DONE, job.reasons
 
 
+def _intake_worker():
+    """A bare ROUTER socket standing for a worker's intake, and its port."""
+    import zmq
+
+    worker = zmq.Context.instance().socket(zmq.ROUTER)
+    worker.setsockopt(zmq.LINGER, 0)
+    return worker, worker.bind_to_random_port("tcp://127.0.0.1")
+
+
+def _intake_request(room: int, source: str = "bytes"):
+    from wire.addresses import EncodeHandshake, Endpoint
+    from wire.intake import IntakeRequest
+
+    return IntakeRequest(
+        request_id=f"r{room}",
+        encode_handshake=EncodeHandshake.at(Endpoint("127.0.0.1", 9), room),
+        source=source,
+    )
+
+
+def _rooms_of(metadata: bytes) -> list[int]:
+    """The rooms of a batch message's items, in order."""
+    return [item["encode_handshake"]["bootstrap_room"] for item in json.loads(metadata)["items"]]
+
+
 def test_a_closed_intake_client_keeps_no_caller_waiting():
     """An intake client closed while its items wait for a silent worker refuses them at once (a
     dispatcher dropping a gone worker's client), instead of leaving them to their timeout."""
-    import zmq
+    from wire.intake import AsyncIntakeClient, IntakeRefused
 
-    from wire.addresses import EncodeHandshake, Endpoint
-    from wire.intake import AsyncIntakeClient, IntakeRefused, IntakeRequest
-
-    silent = zmq.Context.instance().socket(zmq.ROUTER)
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    silent, port = _intake_worker()
 
     async def run():
         client = AsyncIntakeClient(f"tcp://127.0.0.1:{port}", timeout_s=30)
-        request = IntakeRequest(
-            request_id="r",
-            encode_handshake=EncodeHandshake.at(Endpoint("127.0.0.1", 9), 5),
-            source="bytes",
-        )
-        waiting = asyncio.ensure_future(client.send(request, b"image"))
+        waiting = asyncio.ensure_future(client.send(_intake_request(5), b"image"))
         await asyncio.sleep(0.1)
         client.close()
         with pytest.raises(IntakeRefused, match="closed"):
@@ -488,21 +503,15 @@ def test_a_reply_naming_no_room_fails_only_the_message_it_answers():
     (a room-less reply used to fail every item in flight)."""
     import threading
 
-    import zmq
-
-    from wire.addresses import EncodeHandshake, Endpoint
     from wire.intake import (
         BATCH_MARKER,
         AsyncIntakeClient,
         IntakeBatchReply,
         IntakeReply,
-        IntakeRequest,
         IntakeStatus,
     )
 
-    worker = zmq.Context.instance().socket(zmq.ROUTER)
-    worker.setsockopt(zmq.LINGER, 0)
-    port = worker.bind_to_random_port("tcp://127.0.0.1")
+    worker, port = _intake_worker()
 
     def answer_two_messages():
         unreadable = IntakeReply(status=IntakeStatus.REFUSED, reason="bad metadata")
@@ -510,24 +519,19 @@ def test_a_reply_naming_no_room_fails_only_the_message_it_answers():
         worker.send_multipart([identity, unreadable.frame()])
         identity, marker, metadata, *_ = worker.recv_multipart()
         assert marker == BATCH_MARKER
-        items = json.loads(metadata)["items"]
-        rooms = [item["encode_handshake"]["bootstrap_room"] for item in items]
-        replies = [IntakeReply(status=IntakeStatus.ACCEPTED, room=room) for room in rooms]
+        replies = [
+            IntakeReply(status=IntakeStatus.ACCEPTED, room=room) for room in _rooms_of(metadata)
+        ]
         worker.send_multipart([identity, *IntakeBatchReply(replies=replies).frames()])
-
-    def request(room: int) -> IntakeRequest:
-        return IntakeRequest(
-            request_id=f"r{room}",
-            encode_handshake=EncodeHandshake.at(Endpoint("127.0.0.1", 9), room),
-            source="bytes",
-        )
 
     async def run():
         client = AsyncIntakeClient(f"tcp://127.0.0.1:{port}", timeout_s=10)
         try:
-            first = asyncio.ensure_future(client.send(request(1), b"image"))
+            first = asyncio.ensure_future(client.send(_intake_request(1), b"image"))
             await asyncio.sleep(0.05)  # the next loop steps: a message of its own
-            second = [asyncio.ensure_future(client.send(request(r), b"image")) for r in (2, 3)]
+            second = [
+                asyncio.ensure_future(client.send(_intake_request(r), b"image")) for r in (2, 3)
+            ]
             return await asyncio.gather(first, *second)
         finally:
             client.close()
@@ -552,57 +556,41 @@ def test_items_sent_together_get_their_own_answers_in_order_within_one_timeout()
     answered), and nothing left in flight after it (the timed-out room can be sent again)."""
     import threading
 
-    import zmq
-
-    from wire.addresses import EncodeHandshake, Endpoint
     from wire.intake import (
         BATCH_MARKER,
         AsyncIntakeClient,
         IntakeBatchReply,
         IntakeRefused,
         IntakeReply,
-        IntakeRequest,
         IntakeStatus,
     )
 
-    worker = zmq.Context.instance().socket(zmq.ROUTER)
-    worker.setsockopt(zmq.LINGER, 0)
-    port = worker.bind_to_random_port("tcp://127.0.0.1")
+    worker, port = _intake_worker()
     seen: list[list[int]] = []
 
     def answer_all_but_room_3():
         identity, marker, metadata, *payloads = worker.recv_multipart()
         assert marker == BATCH_MARKER and len(payloads) == 3
-        rooms = [
-            item["encode_handshake"]["bootstrap_room"] for item in json.loads(metadata)["items"]
-        ]
-        seen.append(rooms)
+        seen.append(_rooms_of(metadata))
         replies = [
             IntakeReply(status=IntakeStatus.ACCEPTED, room=1),
             IntakeReply(status=IntakeStatus.REFUSED, room=2, reason="queue full", retry_after_s=1),
         ]
         worker.send_multipart([identity, *IntakeBatchReply(replies=replies).frames()])
 
-    def request(room: int, source: str = "bytes") -> IntakeRequest:
-        return IntakeRequest(
-            request_id=f"r{room}",
-            encode_handshake=EncodeHandshake.at(Endpoint("127.0.0.1", 9), room),
-            source=source,
-        )
-
     async def run():
         client = AsyncIntakeClient(f"tcp://127.0.0.1:{port}", timeout_s=0.5)
         try:
             answers = await client.send_all(
                 [
-                    (request(1), b"a"),
-                    (request(2), b"b"),
-                    (request(2), b"again"),  # a room already in flight
-                    (request(3), b"c"),
-                    (request(4, "shm"), b"d"),  # the payload disagrees with the source
+                    (_intake_request(1), b"a"),
+                    (_intake_request(2), b"b"),
+                    (_intake_request(2), b"again"),  # a room already in flight
+                    (_intake_request(3), b"c"),
+                    (_intake_request(4, "shm"), b"d"),  # the payload disagrees with the source
                 ]
             )
-            again = await client.send_all([(request(3, "shm"), b"c")])
+            again = await client.send_all([(_intake_request(3, "shm"), b"c")])
             return answers, again
         finally:
             client.close()
