@@ -16,7 +16,7 @@ tower and without decoding and preprocessing, and the receiver's loop thread. Re
 the decode + preprocessing and the tower (the media work itself), and the load's own work (the
 clients' HTTP calls and the reference prefill server's HTTP API, which an engine replaces with
 its own). The byte copies stay in (at these sizes they are small: a 112x112 image is 16 rows).
-Images are distinct (no cache hits), ``size`` x ``size`` PNGs.
+Images are distinct (no cache hits), ``size`` x ``size`` PNGs (or JPEGs: ``image_format``).
 
 ``ceiling``: the worker runs ``bench.stand_in_worker`` (a tower that costs nothing, items that
 need no decoding or preprocessing): items/s is then what the control plane sustains, against
@@ -229,11 +229,13 @@ def run(
     configs=CONFIGS,
     progress=print,
     ceiling: bool = False,
+    image_format: str = "PNG",
 ) -> dict:
     from bench.towers import bench_tower
 
     model = bench_tower(depth=2, hidden=64, width=1024)
-    pool = [synthetic_image(size, size, seed) for seed in range(POOL)]  # made before the clocks
+    # made before the clocks
+    pool = [synthetic_image(size, size, seed, image_format) for seed in range(POOL)]
     rows = []
     for per_request, transport in configs:
         row = measure(model, per_request, transport, pool, seconds, concurrency, ceiling)
@@ -246,6 +248,7 @@ def run(
         rows.append(row)
     return {
         "size": size,
+        "image_format": image_format,
         "seconds": seconds,
         "concurrency": concurrency,
         "tower": {"depth": 2, "hidden": 64, "out_width": 1024, "dtype": "float32"},
@@ -274,11 +277,19 @@ def main(args) -> int:
         for n in args.images_per_request.split(",")
     ]
     print(
-        f"epd-bench cost: {args.size}x{args.size} images, {args.concurrency} closed-loop clients,"
+        f"epd-bench cost: {args.size}x{args.size} {args.image_format} images, "
+        f"{args.concurrency} closed-loop clients,"
         f" {args.seconds:g} s per configuration"
         + (", the stand-in worker (no tower, no preprocessing cost)" if args.ceiling else "")
     )
-    report = run(args.size, args.seconds, args.concurrency, configs, ceiling=args.ceiling)
+    report = run(
+        args.size,
+        args.seconds,
+        args.concurrency,
+        configs,
+        ceiling=args.ceiling,
+        image_format=args.image_format,
+    )
     print(
         "\nms of CPU per item. Control plane: dispatcher (its thread + ZMQ I/O), encode worker "
         "(without tower and preprocessing), receiver (its loop thread); then the rest"

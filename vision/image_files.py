@@ -6,9 +6,10 @@ transparency (RGBA, LA, PA, or a ``transparency`` entry: a palette's or a PNG's 
 composited onto white, and any other mode converted as PIL converts it.
 
 ``header`` sizes an image from its header alone (the size as displayed: EXIF orientations 5-8
-swap width and height); ``decode_rgb`` decodes it by the same rules. A plain PNG's header is read
-here without PIL (``png_size``: the dispatcher and every worker's intake read one per image, and
-PIL's open costs ~9 us of it); every other file goes through PIL."""
+swap width and height); ``decode_rgb`` decodes it by the same rules. A plain PNG's or JPEG's header
+is read here without PIL (``png_size``, ``jpeg_size``: the dispatcher and every worker's intake
+read one per image, and PIL's open costs ~9 us of it for a PNG, ~18 for a JPEG); every other file,
+and every one these readers find anything unusual in, goes through PIL."""
 
 from __future__ import annotations
 
@@ -34,6 +35,27 @@ PNG_MODES |= {(8, 3), (8, 4), (16, 4), (8, 6), (16, 6)}
 # a colour profile, an animation's) leaves the file to PIL.
 PNG_PLAIN_CHUNKS = {b"PLTE": 0, b"tRNS": 0, b"gAMA": 4, b"cHRM": 32, b"sRGB": 1, b"pHYs": 9}
 PNG_TRNS_LENGTHS = {0: 2, 2: 6}  # a grey key is 2 bytes, a truecolour one 6
+JPEG_SIGNATURE = b"\xff\xd8\xff"
+JPEG_SOS = 0xDA  # start of scan: the header ends
+# The frame markers PIL sizes an image by (``JpegImagePlugin.MARKER``'s SOF handlers, less DHP).
+JPEG_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+JPEG_PASSED = {0xC4, 0xCC, 0xDD, 0xFE}  # DHT, DAC, DRI, COM: PIL stores or skips them
+JPEG_LAYERS = {1, 3, 4}  # the component counts PIL reads (L, RGB, CMYK)
+# By APPn marker: the payloads that leave the file to PIL (a second EXIF block is one too: PIL
+# joins them): XMP (PIL reads an orientation there when EXIF has none), an MPO's index, a Photoshop
+# block (PIL's parse of it can fail the open).
+JPEG_APPS_TO_PIL = {
+    0xE1: (b"http://ns.adobe.com/xap/1.0/\x00",),
+    0xE2: (b"MPF\x00",),
+    0xED: (b"Photoshop 3.0\x00",),
+}
+# By APPn marker: a payload prefix, and the least payload PIL reads after it without an error.
+JPEG_APP_LENGTHS = {0xE0: (b"JFIF", 7), 0xE2: (b"ICC_PROFILE\x00", 14), 0xEE: (b"Adobe", 7)}
+EXIF_PREFIX = b"Exif\x00\x00"
+TIFF_ORDERS = {b"II*\x00": "<", b"MM\x00*": ">"}
+TIFF_UNIT_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8}
+TIFF_SHORT, TIFF_RATIONAL = 3, 5
+X_RESOLUTION_TAG, RESOLUTION_UNIT_TAG = 0x011A, 0x0128  # what PIL's JPEG open reads a dpi from
 
 
 class TooLarge(ValueError):
@@ -86,6 +108,13 @@ def header(data: bytes, max_pixels: int, any_format: bool = False) -> ImageHeade
     if size is not None:
         check_size(*size, max_pixels)
         return ImageHeader(*size, "PNG")
+    plain = jpeg_size(data)
+    if plain is not None:
+        width, height, orientation = plain
+        check_size(width, height, max_pixels)
+        if orientation in TRANSPOSED_ORIENTATIONS:
+            width, height = height, width
+        return ImageHeader(width, height, "JPEG")
     with open_image(data, any_format) as image:
         width, height = image.size
         check_size(width, height, max_pixels)
@@ -127,6 +156,107 @@ def png_size(data: bytes) -> tuple[int, int] | None:
             return None
         at = end + 4
     return None
+
+
+class _LeftToPil(Exception):
+    """Something a plain header does not hold: PIL reads the file (and says what is wrong)."""
+
+
+def jpeg_size(data: bytes) -> tuple[int, int, int | None] | None:
+    """A JPEG's (width, height, EXIF orientation), read as PIL reads them, when its header is
+    plain: markers back to back from the signature to the start of scan, each whole, of the kinds
+    PIL passes over or reads without an error (``JPEG_FRAMES``, ``JPEG_PASSED``, quantization
+    tables, APPn but ``JPEG_APPS_TO_PIL``), at least one 8-bit frame of a layer count PIL reads,
+    and an EXIF block whose first directory is whole (``_exif_orientation``). None for every
+    other file (PIL reads it)."""
+    if not data.startswith(JPEG_SIGNATURE):
+        return None
+    try:
+        size, exif, at = None, None, 2
+        while True:
+            if at + 4 > len(data) or data[at] != 0xFF:
+                return None
+            marker, length = data[at + 1], int.from_bytes(data[at + 2 : at + 4])
+            body = data[at + 4 : at + 2 + length]
+            if length < 2 or len(body) != length - 2:
+                return None
+            if marker == JPEG_SOS:
+                break
+            if marker in JPEG_FRAMES:
+                if len(body) < 6 or (len(body) - 6) % 3 or body[0] != 8:
+                    return None  # (PIL reads the components after the 6 bytes 3 at a time)
+                if body[5] not in JPEG_LAYERS:
+                    return None
+                size = (int.from_bytes(body[3:5]), int.from_bytes(body[1:3]))
+            elif marker == 0xDB:
+                _check_quantization(body)
+            elif 0xE0 <= marker <= 0xEF:
+                if body.startswith(JPEG_APPS_TO_PIL.get(marker, ())):
+                    return None
+                prefix, least = JPEG_APP_LENGTHS.get(marker, (b"", 0))
+                if len(body) < least and body.startswith(prefix):
+                    return None
+                if marker == 0xE1 and body.startswith(EXIF_PREFIX):
+                    if exif is not None:
+                        return None
+                    exif = body
+            elif marker not in JPEG_PASSED:
+                return None
+            at += 2 + length
+        limit = Image.MAX_IMAGE_PIXELS  # PIL's own (above it, PIL warns or refuses)
+        if size is None or not size[0] or not size[1]:
+            return None
+        if limit is not None and size[0] * size[1] > limit:
+            return None
+        return (*size, _exif_orientation(exif) if exif is not None else None)
+    except _LeftToPil:
+        return None
+
+
+def _check_quantization(body: bytes) -> None:
+    """A DQT's tables, each whole (PIL refuses the file otherwise)."""
+    while body:
+        table = 1 + (64 if body[0] < 16 else 128)
+        if len(body) < table:
+            raise _LeftToPil
+        body = body[table:]
+
+
+def _exif_orientation(segment: bytes) -> int | None:
+    """The orientation in an EXIF block's first directory, as PIL reads it, when that directory
+    is whole (its entries and their out-of-line values within the block), of known types, with
+    each tag once and the orientation one SHORT; and when the dpi PIL's open reads from it (a
+    resolution unit and an X resolution) is one RATIONAL."""
+    tiff = segment[len(EXIF_PREFIX) :]
+    if not tiff:
+        return None
+    order = TIFF_ORDERS.get(tiff[:4])
+    if order is None or len(tiff) < 8:
+        raise _LeftToPil
+    (directory,) = struct.unpack_from(order + "L", tiff, 4)
+    if directory + 2 > len(tiff):
+        raise _LeftToPil
+    (count,) = struct.unpack_from(order + "H", tiff, directory)
+    if directory + 2 + 12 * count > len(tiff):
+        raise _LeftToPil
+    types, orientation = {}, None
+    for entry in range(directory + 2, directory + 2 + 12 * count, 12):
+        tag, kind, values, inline = struct.unpack_from(order + "HHL4s", tiff, entry)
+        unit = TIFF_UNIT_BYTES.get(kind)
+        if unit is None or tag in types:
+            raise _LeftToPil
+        types[tag] = (kind, values)
+        nbytes = unit * values
+        if nbytes > 4 and struct.unpack(order + "L", inline)[0] + nbytes > len(tiff):
+            raise _LeftToPil  # PIL stops reading the directory there
+        if tag == ORIENTATION_TAG:
+            if (kind, values) != (TIFF_SHORT, 1):
+                raise _LeftToPil
+            (orientation,) = struct.unpack_from(order + "H", inline)
+    one_rational = (TIFF_RATIONAL, 1)
+    if RESOLUTION_UNIT_TAG in types and types.get(X_RESOLUTION_TAG, one_rational) != one_rational:
+        raise _LeftToPil
+    return orientation
 
 
 def check_size(width: int, height: int, max_pixels: int) -> None:

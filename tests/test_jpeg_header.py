@@ -1,0 +1,270 @@
+"""A JPEG's header read without PIL (``vision.image_files.jpeg_size``) sizes a file as PIL does, or
+leaves it to PIL: over JPEGs PIL writes (every mode it reads, EXIF orientations, colour profiles,
+progressive, comments) and over marker sequences built at random (frames of any depth, layer count
+and size; quantization tables whole or cut; APPn blocks of every kind PIL looks into, at any
+length; EXIF directories of random entries, types, counts and offsets; stray markers and junk;
+cut anywhere), ``header`` answers exactly what reading every file through PIL answers."""
+
+import io
+import struct
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from tests.image_matrix import matrix
+from vision import image_files
+from vision.image_files import JPEG_SIGNATURE, header, jpeg_size
+from vision.limits import MAX_PIXELS
+
+
+def _through_pil(data: bytes, max_pixels: int = MAX_PIXELS):
+    """``header``'s answer with the fast path turned off: the header or the error's type and
+    text."""
+    saved, image_files.jpeg_size = image_files.jpeg_size, lambda data: None
+    try:
+        return _answer(data, max_pixels)
+    finally:
+        image_files.jpeg_size = saved
+
+
+def _answer(data: bytes, max_pixels: int = MAX_PIXELS):
+    with warnings.catch_warnings():  # PIL warns of corrupt EXIF blocks and MPO indexes
+        warnings.simplefilter("ignore")
+        try:
+            return header(data, max_pixels)
+        except ValueError as exc:
+            return type(exc), str(exc)
+
+
+def _jpeg(mode: str = "RGB", size=(37, 21), **options) -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, size, "white" if mode != "CMYK" else (0, 0, 0, 0)).save(
+        buffer, format="JPEG", **options
+    )
+    return buffer.getvalue()
+
+
+def _exif(orientation: int | None = None, **tags) -> bytes:
+    exif = Image.Exif()
+    if orientation is not None:
+        exif[image_files.ORIENTATION_TAG] = orientation
+    for tag, value in tags.items():
+        exif[int(tag, 16)] = value
+    return exif.tobytes()
+
+
+def _tiff(order: str, entries, directory: int = 8, declared_delta: int = 0, tail=b"\0\0\0\0"):
+    """An EXIF block: its TIFF header, a first directory of ``entries`` (tag, type, count and 4
+    bytes: raw, or a number written in the block's byte order), then ``tail``."""
+    head = {"<": b"II*\0", ">": b"MM\0*"}[order]
+    table = struct.pack(order + "H", (len(entries) + declared_delta) % 65536)
+    for tag, kind, count, value in entries:
+        if isinstance(value, tuple):
+            value = struct.pack(order + value[0], value[1]).ljust(4, b"\0")
+        table += struct.pack(order + "HHL", tag, kind, count) + value
+    return b"Exif\0\0" + head + struct.pack(order + "L", directory) + table + tail
+
+
+def _segment(marker: int, body: bytes, length_delta: int = 0) -> bytes:
+    return bytes([0xFF, marker]) + struct.pack(">H", max(0, len(body) + 2 + length_delta)) + body
+
+
+def _frame(bits: int, layers: int, width: int, height: int) -> bytes:
+    return struct.pack(">BHHB", bits, height, width, layers) + bytes(3 * min(layers, 4))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"progressive": True},
+        {"dpi": (300, 300)},
+        {"comment": b"a camera"},
+        {"icc_profile": b"\0" * 3000},
+        {"exif": _exif(6)},
+        {"exif": _exif(8, **{"0x011a": 72.0, "0x0128": 2}), "icc_profile": b"p" * 40},
+        {"exif": _exif(None, **{"0x010f": "maker"})},
+    ],
+    ids=["plain", "progressive", "dpi", "comment", "icc", "exif-6", "exif-8-dpi-icc", "exif-make"],
+)
+@pytest.mark.parametrize("mode", ["L", "RGB", "CMYK"])
+def test_jpegs_pil_writes_are_sized_without_pil(mode, options):
+    data = _jpeg(mode, **options)
+    assert jpeg_size(data) is not None
+    assert _answer(data) == _through_pil(data)
+    swapped = options.get("exif") in (_exif(6), _exif(8, **{"0x011a": 72.0, "0x0128": 2}))
+    assert _answer(data)[:2] == ((21, 37) if swapped else (37, 21))
+
+
+def test_the_matrix_jpegs_are_sized_as_pil_sizes_them():
+    jpegs = {case: data for case, data in matrix().items() if data.startswith(JPEG_SIGNATURE)}
+    assert len(jpegs) >= 10
+    for case, data in jpegs.items():
+        assert jpeg_size(data) is not None, case
+        assert _answer(data) == _through_pil(data), case
+
+
+def test_xmp_an_mpo_index_and_a_large_declared_size_go_to_pil():
+    xmp = _jpeg(xmp=b'<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>')
+    assert jpeg_size(xmp) is None and _answer(xmp) == _through_pil(xmp)
+    assert _answer(xmp)[:2] == (21, 37)  # PIL's orientation from XMP
+    huge = _jpeg("L", size=(8000, 8000))
+    answer = _answer(huge, max_pixels=1 << 20)
+    assert answer == _through_pil(huge, max_pixels=1 << 20)
+    assert answer[0] is image_files.TooLarge
+
+
+def test_two_exif_blocks_go_to_pil_which_reads_them_as_one():
+    data = _jpeg(exif=_exif(6))
+    app1 = data.index(b"\xff\xe1")
+    after = app1 + 2 + int.from_bytes(data[app1 + 2 : app1 + 4])
+    two = data[:after] + _segment(0xE1, _exif(3)) + data[after:]
+    assert jpeg_size(two) is None
+    assert _answer(two) == _through_pil(two) == (21, 37, "JPEG")  # the first block's 6
+
+
+def _with_app1(block: bytes) -> bytes:
+    """A plain JPEG of PIL's (37x21) with ``block`` as an APP1 after the signature."""
+    data = _jpeg()
+    return data[:2] + _segment(0xE1, block) + data[2:]
+
+
+_LONG, _ASCII, _RATIONAL, _IFD = 4, 2, 5, 13
+EXIF_LEFT_TO_PIL = {
+    "orientation-as-a-long": _tiff(">", [(0x0112, _LONG, 1, ("L", 6))]),
+    "orientation-of-two-shorts": _tiff("<", [(0x0112, 3, 2, ("H", 6))]),
+    "orientation-twice": _tiff("<", [(0x0112, 3, 1, ("H", 6)), (0x0112, 3, 1, ("H", 1))]),
+    "an-unknown-type": _tiff("<", [(0x0112, 3, 1, ("H", 6)), (0x010F, _IFD, 1, b"\0" * 4)]),
+    "a-value-past-the-block": _tiff("<", [(0x010F, 7, 40, ("L", 90)), (0x0112, 3, 1, ("H", 6))]),
+    "an-ascii-x-resolution": _tiff(
+        "<", [(0x0128, 3, 1, ("H", 2)), (0x011A, _ASCII, 1, b"5\0\0\0"), (0x0112, 3, 1, ("H", 6))]
+    ),
+    "the-prefix-twice": b"Exif\0\0" + _tiff("<", [(0x0112, 3, 1, ("H", 6))]),
+    "a-cut-directory": _tiff("<", [(0x0112, 3, 1, ("H", 6))], declared_delta=1),
+    "a-bigtiff-header": b"Exif\0\0II+\0" + _tiff("<", [(0x0112, 3, 1, ("H", 6))])[10:],
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXIF_LEFT_TO_PIL))
+def test_exif_blocks_with_anything_unusual_go_to_pil(case):
+    data = _with_app1(EXIF_LEFT_TO_PIL[case])
+    assert jpeg_size(data) is None
+    assert _answer(data) == _through_pil(data)
+
+
+def test_a_plain_exif_block_with_a_rational_dpi_is_read_without_pil():
+    block = _tiff(
+        ">", [(0x0128, 3, 1, ("H", 2)), (0x011A, _RATIONAL, 1, ("L", 26)), (0x0112, 3, 1, ("H", 8))]
+    )
+    data = _with_app1(block + struct.pack(">LL", 72, 1))
+    assert jpeg_size(data) == (37, 21, 8)
+    assert _answer(data) == _through_pil(data) == (21, 37, "JPEG")
+
+
+FRAMES_LEFT_TO_PIL = {
+    "a-component-cut": _segment(0xC0, _frame(8, 3, 33, 17)[:-1]),
+    "a-12-bit-frame": _segment(0xC0, _frame(12, 3, 33, 17)),
+    "a-2-layer-frame": _segment(0xC0, _frame(8, 2, 33, 17)),
+    "a-hierarchical-frame": _segment(0xDE, _frame(8, 3, 50, 60)),
+    "a-restart-marker": b"\xff\xd0",
+    "a-fill-byte": b"\xff",
+}
+
+
+@pytest.mark.parametrize("case", sorted(FRAMES_LEFT_TO_PIL))
+def test_frames_and_markers_plain_headers_do_not_hold_go_to_pil(case):
+    data = _jpeg()
+    frame = data.index(b"\xff\xc0")
+    data = data[:frame] + FRAMES_LEFT_TO_PIL[case] + data[frame:]
+    assert jpeg_size(data) is None
+    assert _answer(data) == _through_pil(data)
+
+
+# A directory entry: tag (the ones PIL reads are likelier), type, count, and its 4 bytes: a
+# number written in the block's byte order (an orientation, or an offset), or any bytes (a digit:
+# an ASCII X resolution, which PIL's open fails on when a resolution unit is there too).
+_TAGS = st.sampled_from([0x0112] * 4 + [0x011A] * 2 + [0x0128] * 2 + [0x010F, 0x8769])
+_ENTRY = st.tuples(
+    _TAGS,
+    st.sampled_from([3] * 4 + [1, 2, 4, 5, 7, 10, 12, 0, 13, 99]),
+    st.sampled_from([1] * 4 + [0, 2, 3, 40, 1 << 30]),
+    st.one_of(
+        st.sampled_from([1, 3, 5, 6, 8, 9]).map(lambda n: ("H", n)),
+        st.integers(0, 120).map(lambda n: ("L", n)),
+        st.sampled_from([b"5\0\0\0", b"\0\0\0\0"]),
+        st.binary(min_size=4, max_size=4),
+    ),
+)
+
+
+@st.composite
+def _exif_block(draw) -> bytes:
+    block = _tiff(
+        draw(st.sampled_from(["<", ">"])),
+        draw(st.lists(_ENTRY, max_size=5)),
+        draw(st.sampled_from([8, 8, 8, 0, 3, 200])),
+        draw(st.sampled_from([0, 0, 0, 1, -1])),
+        draw(st.sampled_from([b"\0\0\0\0", b"", b"\0\0"])) + draw(st.binary(max_size=60)),
+    )
+    if draw(st.integers(0, 9)) == 0:
+        block = block[:6] + draw(st.sampled_from([b"II+\0", b"XX*\0", b"Exif\0\0"])) + block[10:]
+    return block[: draw(st.sampled_from([len(block)] * 5 + [4, 9, 14]))]
+
+
+_APP = st.one_of(
+    st.tuples(st.just(0xE0), st.sampled_from([b"JFIF\0\1\1\1\0H\0H\0\0", b"JFIF\0\1", b"JFXX"])),
+    st.tuples(st.just(0xE1), _exif_block()),
+    st.tuples(st.just(0xE1), st.just(b"http://ns.adobe.com/xap/1.0/\0<x tiff:Orientation='6'/>")),
+    st.tuples(st.just(0xE2), st.sampled_from([b"ICC_PROFILE\0\1\1abc", b"ICC_PROFILE\0\1"])),
+    st.tuples(st.just(0xE2), st.sampled_from([b"MPF\0II*\0\x08\0\0\0\0\0", b"FPXR\0x"])),
+    st.tuples(st.just(0xED), st.just(b"Photoshop 3.0\x008BIM\x03\xed\x00")),
+    st.tuples(st.just(0xEE), st.sampled_from([b"Adobe\0d\0\0\0\0\1", b"Adobe\0"])),
+    st.tuples(st.integers(0xE3, 0xEF), st.binary(max_size=8)),
+)
+_OTHER = st.one_of(
+    st.tuples(st.sampled_from([0xC4, 0xCC, 0xDD, 0xFE, 0xDC, 0xDF]), st.binary(max_size=6)),
+    st.tuples(
+        st.just(0xDB),
+        st.sampled_from([bytes(65), bytes(130), bytes(129), bytes(64), b"\x10" + bytes(128)]),
+    ),
+    st.tuples(
+        st.sampled_from([0xC0, 0xC0, 0xC2, 0xC3, 0xCF, 0xDE]),
+        st.builds(
+            _frame,
+            st.sampled_from([8, 8, 8, 12]),
+            st.sampled_from([3, 3, 1, 4, 2]),
+            st.sampled_from([0, 5, 640, 30000]),
+            st.sampled_from([0, 3, 480, 30000]),
+        ),
+    ),
+)
+_SEGMENTS = st.lists(
+    st.tuples(st.one_of(_APP, _OTHER), st.sampled_from([0] * 12 + [-1, 1, -5])), max_size=6
+)
+_STRAY = st.sampled_from([b"", b"", b"", b"\xff", b"\x00", b"\xff\xd0", b"\xff\xc8"])
+
+
+@settings(max_examples=2500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    segments=_SEGMENTS,
+    frame=st.booleans(),
+    stray=_STRAY,
+    stray_at=st.integers(0, 6),
+    scan_length_delta=st.sampled_from([0, 0, 0, -1, 5]),
+    cut=st.one_of(st.none(), st.none(), st.integers(min_value=0, max_value=400)),
+)
+def test_any_marker_sequence_answers_as_through_pil(
+    segments, frame, stray, stray_at, scan_length_delta, cut
+):
+    parts = [_segment(marker, body, delta) for (marker, body), delta in segments]
+    if frame:
+        parts.append(_segment(0xC0, _frame(8, 3, 33, 17)))
+    parts.insert(min(stray_at, len(parts)), stray)
+    scan = _segment(0xDA, b"\x03\x01\x00\x02\x11\x03\x11\x00\x3f\x00", scan_length_delta)
+    data = b"\xff\xd8" + b"".join(parts) + scan + b"\x12\x34" * 20 + b"\xff\xd9"
+    if cut is not None:
+        data = data[:cut]
+    assert _answer(data, max_pixels=1 << 26) == _through_pil(data, max_pixels=1 << 26)
