@@ -11,6 +11,7 @@ requiring one (``require_checksum=False``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import xxhash
@@ -78,10 +79,21 @@ class Commit(BaseModel):
     def layout(self) -> EmbeddingLayout:
         return EmbeddingLayout(self.rows, self.width, self.dtype)
 
-    @classmethod
-    def of(cls, message) -> Commit:
-        """The commit inside a larger message (such as a room's commit body)."""
-        return cls(**{name: getattr(message, name) for name in cls.model_fields})
+
+class Committed(Protocol):
+    """What a commit says, whichever validated message carries it: a ``Commit``, or a room's
+    commit body (``wire.rooms.CommitBody``), read as it is."""
+
+    @property
+    def generation(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def width(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def checksum(self) -> int | None: ...
 
 
 def make_commit(rows: torch.Tensor, generation: int, with_checksum: bool = True) -> Commit:
@@ -99,7 +111,7 @@ def accept_commit(
     pool: SlotPool,
     lease: Lease,
     reserved: EmbeddingLayout,
-    commit: Commit,
+    commit: Committed,
     verify_checksum: bool = True,
     require_checksum: bool = True,
 ) -> torch.Tensor:
@@ -125,7 +137,7 @@ def accept_commit(
     return rows
 
 
-def verify_rows(rows: torch.Tensor, commit: Commit, required: bool = True) -> None:
+def verify_rows(rows: torch.Tensor, commit: Committed, required: bool = True) -> None:
     """Raise unless ``rows`` hash to the commit's checksum. A commit without a checksum passes only
     when ``required`` is False (then nothing but its generation and layout vouch for the bytes)."""
     if commit.checksum is None:

@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from metrics import LATENCY_BUCKETS
 from prefill_side.receive_pool import ReceivePool
 
+OTHER_TRANSPORT = "other"  # the label of an item a writer delivered over a transport not offered
+
 
 class ReceiverMetrics:
     def __init__(self, registry: CollectorRegistry, receive_pool: ReceivePool):
@@ -48,6 +50,21 @@ class ReceiverMetrics:
         )
         for name in receive_pool.transports:
             offered.labels(name).set_function(lambda name=name: name not in receive_pool.lost)
+        # the delivered-item series by transport, made once (``labels()`` takes a lock and checks
+        # its values at every call): each offered transport's, and one for any other name a
+        # writer's commit gives (the room table does not check it against the offers; counted
+        # apart from them, not as a label per name)
+        self._delivered = {
+            name: (self.items.labels(name, "done"), self.bytes.labels(name))
+            for name in (*receive_pool.transports, OTHER_TRANSPORT)
+        }
+
+    def delivered(self, transport: str | None, nbytes: int, seconds: float) -> None:
+        """An item published: its transport's count and bytes, and its latency."""
+        items, received = self._delivered.get(transport) or self._delivered[OTHER_TRANSPORT]
+        items.inc()
+        received.inc(nbytes)
+        self.latency.observe(seconds)
 
     def failed(self) -> None:
         """An item failed (no transport delivered it)."""

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from data_plane.commit import Commit, ContractError, accept_commit, verify_rows
+from data_plane.commit import ContractError, accept_commit, verify_rows
 from data_plane.pool import SlotPool
 from multimodal.items import GRID_KEYS
 from prefill_side.job import PendingItem, ReceiveJob, set_encoded
@@ -41,7 +41,7 @@ class Publisher:
         ):  # aborted: the writer is done, nobody reads the rows
             self.pool.release(entry.lease)
             return None
-        commit = Commit.of(view.commit)
+        commit = view.commit
         try:
             rows = accept_commit(
                 self.pool, entry.lease, entry.layout, commit, verify_checksum=False
@@ -57,7 +57,7 @@ class Publisher:
         if (
             grid is not None
             and known is not None
-            and [int(v) for v in torch.as_tensor(known).reshape(-1)] != list(grid)
+            and torch.as_tensor(known).reshape(-1).tolist() != list(grid)
         ):
             return Refusal(
                 f"encoder's {grid_key} {list(grid)} differs from "
@@ -82,8 +82,6 @@ class Publisher:
             view.commit.timings,
         )
         outcome.seconds = time.monotonic() - job.started
-        self.metrics.items.labels(view.transport or "unknown", "done").inc()
-        self.metrics.bytes.labels(view.transport or "unknown").inc(entry.layout.nbytes)
-        self.metrics.latency.observe(outcome.seconds)
+        self.metrics.delivered(view.transport, entry.layout.nbytes, outcome.seconds)
         job.settle_if_done()
         return None

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data_plane.commit import Commit, EmbeddingLayout, accept_commit
+from data_plane.commit import EmbeddingLayout, accept_commit
 from data_plane.dtypes import dtype_to_wire
 from data_plane.pool import MemoryRegion, SlotPool
 from wire.rooms import Registration, RoomState
@@ -104,7 +104,7 @@ class Receiver:
         if view.state is RoomState.SUCCESS:
             return (
                 view.state,
-                accept_commit(self.pool, lease, layout, Commit.of(view.commit)).clone(),
+                accept_commit(self.pool, lease, layout, view.commit).clone(),
                 view,
             )
         return view.state, None, view

@@ -739,3 +739,28 @@ def test_a_slow_fallback_holds_up_no_other_item_on_the_same_stream(stack, tower,
     assert torch.equal(other_inputs.mm_items[0].encoded, expected_rows(tower, other))
     assert job.wait(10) is JobState.FAILED and "image_grid_thw" in job.reasons[0]
     assert "unreachable" not in job.reasons[0]
+
+
+def test_delivered_items_are_counted_by_offered_transport_and_any_other_name_as_other():
+    from data_plane.loopback import LoopbackTransport
+
+    receiver = PrefillReceiver(
+        ReceiverConfig(width=8, dtype="float32", pool_bytes=1 << 16, slot_bytes=1 << 12),
+        transports={"loopback": LoopbackTransport()},
+    )
+    try:
+        receiver.metrics.delivered("loopback", 100, 0.01)
+        for name in ("made-up-1", "made-up-2", None):  # a writer's names, not this receiver's
+            receiver.metrics.delivered(name, 10, 0.01)
+
+        def sample(family, transport, **labels):
+            return receiver.registry.get_sample_value(family, {"transport": transport, **labels})
+
+        assert sample("epd_prefill_items_total", "loopback", outcome="done") == 1
+        assert sample("epd_prefill_bytes_total", "loopback") == 100
+        assert sample("epd_prefill_items_total", "other", outcome="done") == 3
+        assert sample("epd_prefill_bytes_total", "other") == 30
+        assert sample("epd_prefill_items_total", "made-up-1", outcome="done") is None
+        assert receiver.registry.get_sample_value("epd_prefill_receive_seconds_count") == 4
+    finally:
+        receiver.close()
