@@ -69,6 +69,8 @@ TABLES = (
     ("batch2-mooncake8", "1234", "8e7eaa7", "324da6a"),
     ("offer-ceiling", "123", "15c5b3c", "991a2f4"),
     ("offer-cost", "123", "15c5b3c", "991a2f4"),
+    ("jpeg-ceiling", "123456", "1d23076", "2fb58e2"),
+    ("publish", "123456", "2fb58e2", "67764d4"),
 )
 
 
