@@ -71,6 +71,7 @@ TABLES = (
     ("offer-cost", "123", "15c5b3c", "991a2f4"),
     ("jpeg-ceiling", "123456", "1d23076", "2fb58e2"),
     ("publish", "123456", "2fb58e2", "67764d4"),
+    ("session-cost", "123", "1d23076", "67764d4"),
 )
 
 
