@@ -7,36 +7,16 @@ cut anywhere), ``header`` answers exactly what reading every file through PIL an
 
 import io
 import struct
-import warnings
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from tests.header_answers import answer, through_pil
 from tests.image_matrix import matrix
 from vision import image_files
-from vision.image_files import JPEG_SIGNATURE, header, jpeg_size
-from vision.limits import MAX_PIXELS
-
-
-def _through_pil(data: bytes, max_pixels: int = MAX_PIXELS):
-    """``header``'s answer with the fast path turned off: the header or the error's type and
-    text."""
-    saved, image_files.jpeg_size = image_files.jpeg_size, lambda data: None
-    try:
-        return _answer(data, max_pixels)
-    finally:
-        image_files.jpeg_size = saved
-
-
-def _answer(data: bytes, max_pixels: int = MAX_PIXELS):
-    with warnings.catch_warnings():  # PIL warns of corrupt EXIF blocks and MPO indexes
-        warnings.simplefilter("ignore")
-        try:
-            return header(data, max_pixels)
-        except ValueError as exc:
-            return type(exc), str(exc)
+from vision.image_files import JPEG_SIGNATURE, jpeg_size
 
 
 def _jpeg(mode: str = "RGB", size=(37, 21), **options) -> bytes:
@@ -94,9 +74,9 @@ def _frame(bits: int, layers: int, width: int, height: int) -> bytes:
 def test_jpegs_pil_writes_are_sized_without_pil(mode, options):
     data = _jpeg(mode, **options)
     assert jpeg_size(data) is not None
-    assert _answer(data) == _through_pil(data)
+    assert answer(data) == through_pil(data)
     swapped = options.get("exif") in (_exif(6), _exif(8, **{"0x011a": 72.0, "0x0128": 2}))
-    assert _answer(data)[:2] == ((21, 37) if swapped else (37, 21))
+    assert answer(data)[:2] == ((21, 37) if swapped else (37, 21))
 
 
 def test_the_matrix_jpegs_are_sized_as_pil_sizes_them():
@@ -104,17 +84,17 @@ def test_the_matrix_jpegs_are_sized_as_pil_sizes_them():
     assert len(jpegs) >= 10
     for case, data in jpegs.items():
         assert jpeg_size(data) is not None, case
-        assert _answer(data) == _through_pil(data), case
+        assert answer(data) == through_pil(data), case
 
 
 def test_xmp_an_mpo_index_and_a_large_declared_size_go_to_pil():
     xmp = _jpeg(xmp=b'<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>')
-    assert jpeg_size(xmp) is None and _answer(xmp) == _through_pil(xmp)
-    assert _answer(xmp)[:2] == (21, 37)  # PIL's orientation from XMP
+    assert jpeg_size(xmp) is None and answer(xmp) == through_pil(xmp)
+    assert answer(xmp)[:2] == (21, 37)  # PIL's orientation from XMP
     huge = _jpeg("L", size=(8000, 8000))
-    answer = _answer(huge, max_pixels=1 << 20)
-    assert answer == _through_pil(huge, max_pixels=1 << 20)
-    assert answer[0] is image_files.TooLarge
+    refused = answer(huge, max_pixels=1 << 20)
+    assert refused == through_pil(huge, max_pixels=1 << 20)
+    assert refused[0] is image_files.TooLarge
 
 
 def test_two_exif_blocks_go_to_pil_which_reads_them_as_one():
@@ -123,7 +103,7 @@ def test_two_exif_blocks_go_to_pil_which_reads_them_as_one():
     after = app1 + 2 + int.from_bytes(data[app1 + 2 : app1 + 4])
     two = data[:after] + _segment(0xE1, _exif(3)) + data[after:]
     assert jpeg_size(two) is None
-    assert _answer(two) == _through_pil(two) == (21, 37, "JPEG")  # the first block's 6
+    assert answer(two) == through_pil(two) == (21, 37, "JPEG")  # the first block's 6
 
 
 def _with_app1(block: bytes) -> bytes:
@@ -152,7 +132,7 @@ EXIF_LEFT_TO_PIL = {
 def test_exif_blocks_with_anything_unusual_go_to_pil(case):
     data = _with_app1(EXIF_LEFT_TO_PIL[case])
     assert jpeg_size(data) is None
-    assert _answer(data) == _through_pil(data)
+    assert answer(data) == through_pil(data)
 
 
 def test_a_plain_exif_block_with_a_rational_dpi_is_read_without_pil():
@@ -161,7 +141,7 @@ def test_a_plain_exif_block_with_a_rational_dpi_is_read_without_pil():
     )
     data = _with_app1(block + struct.pack(">LL", 72, 1))
     assert jpeg_size(data) == (37, 21, 8)
-    assert _answer(data) == _through_pil(data) == (21, 37, "JPEG")
+    assert answer(data) == through_pil(data) == (21, 37, "JPEG")
 
 
 FRAMES_LEFT_TO_PIL = {
@@ -180,7 +160,7 @@ def test_frames_and_markers_plain_headers_do_not_hold_go_to_pil(case):
     frame = data.index(b"\xff\xc0")
     data = data[:frame] + FRAMES_LEFT_TO_PIL[case] + data[frame:]
     assert jpeg_size(data) is None
-    assert _answer(data) == _through_pil(data)
+    assert answer(data) == through_pil(data)
 
 
 # A directory entry: tag (the ones PIL reads are likelier), type, count, and its 4 bytes: a
@@ -267,4 +247,4 @@ def test_any_marker_sequence_answers_as_through_pil(
     data = b"\xff\xd8" + b"".join(parts) + scan + b"\x12\x34" * 20 + b"\xff\xd9"
     if cut is not None:
         data = data[:cut]
-    assert _answer(data, max_pixels=1 << 26) == _through_pil(data, max_pixels=1 << 26)
+    assert answer(data, max_pixels=1 << 26) == through_pil(data, max_pixels=1 << 26)

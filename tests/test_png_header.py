@@ -12,29 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from tests.header_answers import answer, through_pil
 from tests.image_matrix import matrix
 from vision import image_files
-from vision.image_files import PNG_SIGNATURE, header, png_size
-from vision.limits import MAX_PIXELS
+from vision.image_files import PNG_SIGNATURE, png_size
 
 PIL_MODES = ["1", "L", "P", "RGB", "RGBA", "LA", "I;16"]
-
-
-def _through_pil(data: bytes, max_pixels: int = MAX_PIXELS):
-    """``header``'s answer with the fast path turned off: the header or the error's type and
-    text."""
-    saved, image_files.png_size = image_files.png_size, lambda data: None
-    try:
-        return _answer(data, max_pixels)
-    finally:
-        image_files.png_size = saved
-
-
-def _answer(data: bytes, max_pixels: int = MAX_PIXELS):
-    try:
-        return header(data, max_pixels)
-    except ValueError as exc:
-        return type(exc), str(exc)
 
 
 def _png(mode: str, size=(37, 21), **options) -> bytes:
@@ -52,14 +35,14 @@ def _chunk(kind: bytes, body: bytes, crc_right: bool = True) -> bytes:
 def test_a_plain_png_of_every_mode_is_sized_without_pil(mode):
     data = _png(mode, dpi=(72, 72))
     assert png_size(data) == (37, 21)
-    assert _answer(data) == _through_pil(data) == (37, 21, "PNG")
+    assert answer(data) == through_pil(data) == (37, 21, "PNG")
 
 
 def test_the_matrix_pngs_are_sized_as_pil_sizes_them_and_exif_ones_go_to_pil():
     pngs = {case: data for case, data in matrix().items() if data.startswith(PNG_SIGNATURE)}
     assert len(pngs) >= 5
     for case, data in pngs.items():
-        assert _answer(data) == _through_pil(data), case
+        assert answer(data) == through_pil(data), case
         with Image.open(io.BytesIO(data)) as image:
             oriented = "exif" in image.info
         assert (png_size(data) is None) == oriented, case
@@ -67,11 +50,11 @@ def test_the_matrix_pngs_are_sized_as_pil_sizes_them_and_exif_ones_go_to_pil():
 
 def test_a_transparent_palette_and_a_large_declared_size_answer_as_through_pil():
     palette = _png("P", transparency=0)
-    assert png_size(palette) is not None and _answer(palette) == _through_pil(palette)
+    assert png_size(palette) is not None and answer(palette) == through_pil(palette)
     huge = _png("L", size=(8000, 8000))
-    answer = _answer(huge, max_pixels=1 << 20)
-    assert answer == _through_pil(huge, max_pixels=1 << 20)
-    assert answer[0] is image_files.TooLarge
+    refused = answer(huge, max_pixels=1 << 20)
+    assert refused == through_pil(huge, max_pixels=1 << 20)
+    assert refused[0] is image_files.TooLarge
 
 
 # Biased towards files the fast path reads, so that both paths are compared often.
@@ -106,4 +89,4 @@ def test_any_chunk_sequence_answers_as_through_pil(
     data += _chunk(b"IDAT", zlib.compress(b"\0" * 64)) + _chunk(b"IEND", b"")
     if cut is not None:
         data = data[:cut]
-    assert _answer(data, max_pixels=1 << 26) == _through_pil(data, max_pixels=1 << 26)
+    assert answer(data, max_pixels=1 << 26) == through_pil(data, max_pixels=1 << 26)
