@@ -4,7 +4,9 @@ The server (`python -m handshake.server`, its default limits) runs in its own pr
 loopback; the client here runs N concurrent lifecycles, each the production sequence with the
 production calls:
 
-1. the dispatcher mints the room;
+1. the dispatcher opens the rooms (``stream``, as ``Dispatcher`` does with ``--rooms-url``: with
+   ids it drew, over one room stream every lifecycle shares; ``rest``, as it did before: a mint
+   call);
 2. at once, concurrently: the receiver registers (``stream``, as ``PrefillReceiver`` does: over
    one room stream every lifecycle shares, the room's end pushed back; ``rest``, as it did
    before the stream: registers and long-polls in the same call, then long-polls
@@ -17,17 +19,19 @@ production calls:
 
 The sender writes only once it has seen the registration, so the receiver is always waiting when
 the write begins. The batch form does each call for 8 rooms at once (over the stream: 8 calls in
-one loop step, one frame). Every (receiver, sender, batch, concurrency) level runs once per round,
-rounds interleaved (the order reversed every other round); per level: the median throughput over
-the rounds and the latency percentiles of all its lifecycles. The goals are those of the stream
-receiver and the stream sender (the production pair); the REST sender runs with the stream
-receiver, and the REST receiver with the REST sender (the pair before the streams).
+one loop step, one frame). Every (opener, receiver, sender, batch, concurrency) level runs once
+per round, rounds interleaved (the order reversed every other round); per level: the median
+throughput over the rounds and the latency percentiles of all its lifecycles. The goals are those
+of the production path (``PATHS``: every step over a room stream); the same path with the mint
+before it shows what the dispatcher's open over the stream changes, the REST sender runs with the
+stream receiver, and the REST receiver with the REST sender (the path before the streams).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -42,11 +46,18 @@ from loop_threads import new_event_loop
 from wire.offers import LoopbackOffer
 from wire.room_client import HandshakeClient
 from wire.room_stream import RoomStreamClient
-from wire.rooms import BeginWrite, CommitBody, Registration, RoomState
+from wire.rooms import MAX_ROOM_ID, BeginWrite, CommitBody, Registration, RoomState, RoomView
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 8)
-PAIRS = (("stream", "stream"), ("stream", "rest"), ("rest", "rest"))  # (receiver, sender)
+# (opener, receiver, sender): the production path, the same with the mint it made before, and the
+# paths before the writer's and the receiver's streams
+PATHS = (
+    ("stream", "stream", "stream"),
+    ("rest", "stream", "stream"),
+    ("rest", "stream", "rest"),
+    ("rest", "rest", "rest"),
+)
 POLL_S = 0.5  # the long-poll slice of both sides (ReceiverConfig.poll_s, Sender's wait)
 WRITER = "epd-bench-sender"
 # goals (issue 32): lifecycles/s at p99 <= 10 ms one room at a time; rooms/s in 8-room batches
@@ -105,6 +116,28 @@ def _views(results) -> dict:
             f"room calls refused: {[result.error for result in results if not result.ok]}"
         )
     return {result.room: result.view for result in results}
+
+
+class StreamOpener:
+    """The dispatcher as it opens rooms at a standalone handshake: ids it draws, opened over one
+    room stream every lifecycle shares."""
+
+    def __init__(self, url: str):
+        self.rooms = RemoteRooms(None, HandshakeClient(url, timeout_s=10))  # the gateway's own
+
+    async def __call__(self, client: HandshakeClient, batch: int) -> list[int]:
+        rooms = [secrets.randbelow(MAX_ROOM_ID) + 1 for _ in range(batch)]
+        for answer in await self.rooms.open_rooms(rooms, 60):
+            if not isinstance(answer, RoomView):
+                raise RuntimeError(f"a room was not opened: {answer}")
+        return rooms
+
+    async def close(self) -> None:
+        await self.rooms.aclose()
+
+
+async def _rest_mint(client: HandshakeClient, batch: int) -> list[int]:
+    return await client.mint(batch, ttl_s=60)
 
 
 class StreamReceiver:
@@ -221,7 +254,8 @@ async def _rest_sender(client: HandshakeClient, rooms: list[int]) -> int:
 
 @dataclass
 class Level:
-    receiver: str  # PAIRS
+    opener: str  # PATHS
+    receiver: str
     sender: str
     batch: int
     concurrency: int
@@ -235,6 +269,7 @@ class Level:
         count = len(latencies)
         lifecycles_per_s = statistics.median(self.lifecycles_per_s)
         row = {
+            "opener": self.opener,
             "receiver": self.receiver,
             "sender": self.sender,
             "batch": self.batch,
@@ -257,8 +292,10 @@ class Level:
         return row
 
 
-async def _lifecycle(client: HandshakeClient, receiver, sender, batch: int) -> tuple[int, int]:
-    rooms = await client.mint(batch, ttl_s=60)
+async def _lifecycle(
+    client: HandshakeClient, opener, receiver, sender, batch: int
+) -> tuple[int, int]:
+    rooms = await opener(client, batch)
     return tuple(await asyncio.gather(receiver(client, rooms), sender(client, rooms)))
 
 
@@ -270,13 +307,16 @@ async def _load(url: str, level: Level, seconds: float) -> None:
         else _rest_receiver
     )
     sender = StreamSender(url) if level.sender == "stream" else _rest_sender
+    opener = StreamOpener(url) if level.opener == "stream" else _rest_mint
     count = 0
 
     async def loop():
         nonlocal count
         while time.monotonic() < end:
             started = time.perf_counter()
-            receiver_calls, sender_calls = await _lifecycle(client, receiver, sender, level.batch)
+            receiver_calls, sender_calls = await _lifecycle(
+                client, opener, receiver, sender, level.batch
+            )
             level.latencies_s.append(time.perf_counter() - started)
             level.receiver_calls += receiver_calls
             level.sender_calls += sender_calls
@@ -284,7 +324,7 @@ async def _load(url: str, level: Level, seconds: float) -> None:
 
     try:
         for _ in range(5):  # warm the connection pool
-            await _lifecycle(client, receiver, sender, level.batch)
+            await _lifecycle(client, opener, receiver, sender, level.batch)
         started = time.monotonic()
         end = started + seconds
         await asyncio.gather(*(loop() for _ in range(level.concurrency)))
@@ -294,6 +334,8 @@ async def _load(url: str, level: Level, seconds: float) -> None:
             await receiver.close()
         if isinstance(sender, StreamSender):
             await sender.close()
+        if isinstance(opener, StreamOpener):
+            await opener.close()
         await client.close()
 
 
@@ -302,8 +344,8 @@ def run(seconds: float = 1.0, rounds: int = 3, concurrency=CONCURRENCY, progress
     server = start_server(port)
     url = f"http://127.0.0.1:{port}"
     levels = [
-        Level(receiver, sender, batch, level)
-        for receiver, sender in PAIRS
+        Level(opener, receiver, sender, batch, level)
+        for opener, receiver, sender in PATHS
         for batch in BATCHES
         for level in concurrency
     ]
@@ -325,12 +367,12 @@ def run(seconds: float = 1.0, rounds: int = 3, concurrency=CONCURRENCY, progress
             f"batch 1: >= {GOAL_LIFECYCLES_PER_S} lifecycles/s at p99 <= {GOAL_P99_MS:.0f} ms": [
                 r["concurrency"]
                 for r in rows
-                if r["sender"] == "stream" and r["batch"] == 1 and r["meets_goal"]
+                if r["opener"] == "stream" and r["batch"] == 1 and r["meets_goal"]
             ],
             f"batch 8: >= {GOAL_ROOMS_PER_S} rooms/s": [
                 r["concurrency"]
                 for r in rows
-                if r["sender"] == "stream" and r["batch"] == 8 and r["meets_goal"]
+                if r["opener"] == "stream" and r["batch"] == 8 and r["meets_goal"]
             ],
         },
     }
@@ -344,15 +386,16 @@ def main(args) -> int:
     )
     report = run(args.seconds, args.rounds)
     print(
-        f"\n{'recv':>6s} {'send':>6s} {'batch':>5s} {'conc':>5s} {'lifecycles/s':>13s} "
-        f"{'rooms/s':>8s} {'p50 ms':>7s} "
+        f"\n{'open':>6s} {'recv':>6s} {'send':>6s} {'batch':>5s} {'conc':>5s} "
+        f"{'lifecycles/s':>13s} {'rooms/s':>8s} {'p50 ms':>7s} "
         f"{'p99 ms':>7s} "
         f"{'calls recv/send':>16s}  goal  per round"
     )
     for row in report["levels"]:
         rounds = " ".join(f"{v:.0f}" for v in row["lifecycles_per_s_rounds"])
         print(
-            f"{row['receiver']:>6s} {row['sender']:>6s} {row['batch']:5d} {row['concurrency']:5d} "
+            f"{row['opener']:>6s} {row['receiver']:>6s} {row['sender']:>6s} "
+            f"{row['batch']:5d} {row['concurrency']:5d} "
             f"{row['lifecycles_per_s']:13.0f} "
             f"{row['rooms_per_s']:8.0f} "
             f"{row['p50_ms']:7.1f} {row['p99_ms']:7.1f} {row['receiver_calls_per_lifecycle']:8.2f}/"
@@ -361,7 +404,7 @@ def main(args) -> int:
         )
     for goal, levels in report["goals"].items():
         print(
-            f"{goal} (stream receiver and sender): "
+            f"{goal} (the production path: stream opener, receiver and sender): "
             + (
                 "met at concurrency " + ", ".join(map(str, levels))
                 if levels

@@ -31,6 +31,7 @@ import yarl
 
 from dispatcher.media import DispatchedItem, DispatchError, Media, MediaSizer
 from dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
+from handshake.access import RemoteRooms
 from vision.limits import MAX_PIXELS
 from vision.sizing import QWEN_VL, Sizing
 from wire.addresses import EncodeHandshake, Endpoint
@@ -44,6 +45,7 @@ from wire.intake import (
 )
 from wire.offers import MAX_ROOM_ID
 from wire.room_client import HandshakeClient, HandshakeError
+from wire.rooms import RoomView
 
 log = logging.getLogger(__name__)
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
@@ -82,11 +84,15 @@ class Dispatcher:
         self.intake_timeout_s = intake_timeout_s
         self.max_attempts = max_attempts
         self._rooms: dict[str, HandshakeClient] = {}
+        self._authority_rooms: RemoteRooms | None = None  # rooms_url's, over its room stream
         self._intakes: dict[str, AsyncIntakeClient] = {}
         # a worker that refused busy is not sent more until then (its answer would be the same)
         self._busy_until: dict[str, float] = {}
 
     async def close(self) -> None:
+        if self._authority_rooms is not None:
+            await self._authority_rooms.aclose()
+            self._authority_rooms = None
         for client in self._rooms.values():
             await client.close()
         for intake in self._intakes.values():
@@ -208,15 +214,18 @@ class Dispatcher:
                 item.retry_after_s = busy_for
             return
         rooms_client, endpoint = self._room_endpoint(address)
-        if self.rooms_url is None:  # the worker's intake opens each room with the item
-            rooms = [secrets.randbelow(MAX_ROOM_ID) + 1 for _ in items]
-        else:
-            try:
-                rooms = await rooms_client.mint(len(items), self.room_ttl_s)
-            except HandshakeError as exc:
-                for item in items:
-                    item.error = f"cannot mint rooms at {endpoint}: {exc}"
+        # the worker's intake opens each room with its item; at a standalone handshake, the
+        # rooms are opened first, over its room stream
+        rooms = [secrets.randbelow(MAX_ROOM_ID) + 1 for _ in items]
+        if self.rooms_url is not None:
+            opened = await self._authority().open_rooms(rooms, self.room_ttl_s)
+            for item, answer in zip(items, opened):
+                if not isinstance(answer, RoomView):
+                    item.error = f"cannot open a room at {endpoint}: {answer}"
+            kept = [i for i, answer in enumerate(opened) if isinstance(answer, RoomView)]
+            if not kept:
                 return
+            items, rooms = [items[i] for i in kept], [rooms[i] for i in kept]
         for item, room in zip(items, rooms):
             item.encode_handshake = EncodeHandshake.at(endpoint, room)
         replies = await self._send(request_id, address, items)
@@ -300,6 +309,14 @@ class Dispatcher:
             return self._rooms_client(address.url), address.rooms
         parsed = yarl.URL(self.rooms_url)
         return self._rooms_client(self.rooms_url), Endpoint(parsed.host, parsed.port)
+
+    def _authority(self) -> RemoteRooms:
+        """The standalone handshake's rooms (``rooms_url``), over one room stream."""
+        if self._authority_rooms is None:
+            self._authority_rooms = RemoteRooms(
+                None, HandshakeClient(self.rooms_url, self.handshake_token, timeout_s=2.0)
+            )
+        return self._authority_rooms
 
     def _rooms_client(self, url: str) -> HandshakeClient:
         url = str(

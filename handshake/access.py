@@ -1,8 +1,9 @@
 """How a writer reaches a room: in-process (the encode worker's own table, no HTTP to itself) or
-over the room stream of another endpoint (a standalone ``epd-handshake``, or another worker's
-table). Both raise ``RoomError`` subclasses, the remote one ``HandshakeError`` too. Waiting for a
-room's receiver (``wait_registered``) runs on the caller's event loop and holds no thread; the other
-calls block, and are made from other threads."""
+over the room stream of another endpoint (a standalone ``epd-handshake``, or another worker's table;
+a dispatcher opens its rooms at a standalone ``epd-handshake`` the same way). Both raise
+``RoomError`` subclasses, the remote one ``HandshakeError`` too. Waiting for a room's receiver
+(``wait_registered``) runs on the caller's event loop and holds no thread; the other calls block,
+and are made from other threads."""
 
 from __future__ import annotations
 
@@ -70,17 +71,17 @@ class _OpenStream:
 
 class RemoteRooms:
     """Another endpoint's rooms over one room stream to it, opened on first use and again once it
-    has ended: a writer's waits, begins and commits made while ``loop`` runs one step share a
-    frame each, and each room's answer comes back by its room (a writer has one call in flight
-    per room). ``fail`` goes over REST (a failure is rare, and a REST call needs no stream).
+    has ended: a writer's waits, begins and commits (a dispatcher's opens) made while ``loop`` runs
+    one step share a frame each, and each room's answer comes back by its room (a caller has one
+    call in flight per room). ``fail`` goes over REST (a failure is rare, and a REST call needs no
+    stream).
 
     A stream that ends answers every call in flight on it with why: a wait goes on over a new
-    stream, a begin or a commit is sent once more there (both are idempotent: a commit that
-    landed is answered as landed), and an endpoint that cannot be reached fails the call. A
-    stream silent for half the client's timeout while calls wait on it is pinged, and one silent
-    for the whole timeout is ended as stalled (a guard per stream: no timer per call). The
-    blocking calls, for other threads, run on ``loop`` (None: the async calls only, on the
-    caller's loop)."""
+    stream, a begin or a commit is sent once more there (both are idempotent: a commit that landed
+    is answered as landed), and an endpoint that cannot be reached fails the call. A stream silent
+    for half the client's timeout while calls wait on it is pinged, and one silent for the whole
+    timeout is ended as stalled (a guard per stream: no timer per call). The blocking calls, for
+    other threads, run on ``loop`` (None: the async calls only, on the caller's loop)."""
 
     in_process = False
 
@@ -110,6 +111,27 @@ class RemoteRooms:
                 return None
         result = call.result()
         return None if isinstance(result, HandshakeError) else _view(result)
+
+    async def open_rooms(
+        self, rooms: list[int], ttl_s: float
+    ) -> list[RoomView | RoomError | HandshakeError]:
+        """Open rooms with the ids the caller drew (a dispatcher's), in one frame: each room's
+        view, or why it is not open. An open is sent once: when the stream ends first, the room
+        may be open or not (one that is expires at its TTL), and it is answered as not."""
+        try:
+            calls = [
+                await self._start(room, lambda stream, room=room: stream.open_rooms([room], ttl_s))
+                for room in rooms
+            ]
+        except HandshakeError as exc:  # no stream could be opened
+            return [exc] * len(rooms)
+        answers = []
+        for call in calls:
+            try:
+                answers.append(_view(await call))
+            except (RoomError, HandshakeError) as exc:
+                answers.append(exc)
+        return answers
 
     async def begin_write_async(self, write: BeginWrite) -> RoomView:
         return await self._call(write.room, lambda stream: stream.begin_write([write]))

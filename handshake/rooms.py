@@ -118,14 +118,26 @@ class RoomTable:
         """A room with the id its sender chose (an encode worker's intake opens the room a
         dispatcher named, so that minting costs no call of its own). ``RoomConflict`` when the id
         is or was in use here: ids are never reused."""
-        if not 1 <= room_id <= MAX_ROOM_ID:
-            raise RoomError(f"room id {room_id} is outside [1, {MAX_ROOM_ID}]")
         deadline = self._store.deadline(ttl_s)
         with self._lock:
-            if self._store.known(room_id):
-                raise RoomConflict(f"room {room_id} exists already")
-            self._store.make_room_for(1)
-            self._store.add(room_id, deadline)
+            self._open(room_id, deadline)
+
+    def open_all(self, room_ids: list[int], ttl_s: float) -> list[RoomView | RoomError]:
+        """``open`` for each, in one lock: each new room's view, or why it was not opened."""
+        try:
+            deadline = self._store.deadline(ttl_s)
+        except RoomError as exc:
+            return [exc] * len(room_ids)
+        return self._each(lambda room_id: self._open(room_id, deadline), room_ids, self._store.view)
+
+    def _open(self, room_id: int, deadline: float) -> Room:
+        if not 1 <= room_id <= MAX_ROOM_ID:
+            raise RoomError(f"room id {room_id} is outside [1, {MAX_ROOM_ID}]")
+        if self._store.known(room_id):
+            raise RoomConflict(f"room {room_id} exists already")
+        self._store.make_room_for(1)
+        self._store.add(room_id, deadline)
+        return self._store.rooms[room_id]
 
     def discard(self, room_id: int) -> None:
         """Forget a room ``open`` made that nobody has touched since (still PENDING at its first

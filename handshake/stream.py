@@ -4,7 +4,8 @@ batch of rooms in either direction instead of a register call and a long-poll pe
 whose rooms live here waits for their receivers, begins and commits its writes over it the same way.
 
 A frame in is a ``StreamRegister`` or a ``StreamCancel`` (``wire.rooms.STREAM_FRAME``), applied as
-the REST calls apply them, a ``StreamWatchStaged`` (a gateway's: each room pushed once its writer
+the REST calls apply them, a dispatcher's ``StreamOpen`` (rooms with the ids it drew, each
+answered), a ``StreamWatchStaged`` (a gateway's: each room pushed once its writer
 holds the rows, or once it ended), or a writer's ``StreamWatchRegistered`` (each room pushed with
 its registration once registered, or once it ended), ``StreamBeginWrite`` or ``StreamCommit``
 (applied as the REST calls, each room answered). A frame out is a ``BatchResponse``: the calls
@@ -33,6 +34,7 @@ from wire.rooms import (
     RoomState,
     StreamBeginWrite,
     StreamCancel,
+    StreamOpen,
     StreamRegister,
     StreamWatchRegistered,
     StreamWatchStaged,
@@ -125,6 +127,8 @@ class RoomStream:
                     return
                 if isinstance(frame, StreamRegister):
                     self._register(frame)
+                elif isinstance(frame, StreamOpen):
+                    self._answer(self.table.open_all(frame.rooms, frame.ttl_s), frame.rooms)
                 elif isinstance(frame, StreamCancel):
                     self._cancel(frame)
                 elif isinstance(frame, StreamWatchStaged):
@@ -134,12 +138,12 @@ class RoomStream:
                 elif isinstance(frame, StreamBeginWrite):
                     self._answer(
                         self.table.begin_writes(frame.writes, answer=Answer.WRITER_VIEW),
-                        frame.writes,
+                        [write.room for write in frame.writes],
                     )
                 else:
                     self._answer(
                         self.table.commit_all(frame.commits, answer=Answer.WRITER_VIEW),
-                        frame.commits,
+                        [commit.room for commit in frame.commits],
                     )
                 self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
                 if len(self._out) + len(self._ended) + len(self._registered) > MAX_UNSENT:
@@ -219,13 +223,14 @@ class RoomStream:
         self._out.append(RoomResult.refusal(room, str(error), error.status))
         self._news.set()
 
-    def _answer(self, answers: list, bodies: list) -> None:
-        """A writer's calls, each room's view or why it was refused, in the next frame."""
-        for body, answer in zip(bodies, answers):
+    def _answer(self, answers: list, rooms: list[int]) -> None:
+        """Calls answered per room (an open, a writer's begin or commit): each room's view or
+        why it was refused, in the next frame."""
+        for room, answer in zip(rooms, answers):
             self._out.append(
-                RoomResult.refusal(body.room, str(answer), answer.status)
+                RoomResult.refusal(room, str(answer), answer.status)
                 if isinstance(answer, RoomError)
-                else RoomResult.of_view(body.room, answer)
+                else RoomResult.of_view(room, answer)
             )
         self._news.set()
 

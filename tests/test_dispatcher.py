@@ -611,3 +611,46 @@ def test_items_sent_together_get_their_own_answers_in_order_within_one_timeout()
     assert isinstance(mismatched, IntakeRefused) and "disagree" in str(mismatched)
     (retried,) = again
     assert isinstance(retried, IntakeRefused) and "disagree" in str(retried)  # not "in flight"
+
+
+def test_items_placed_with_a_standalone_handshake_open_their_rooms_over_its_stream(
+    stack, tower, monkeypatch
+):
+    """With ``rooms_url`` (a standalone handshake), the dispatcher opens each placement's rooms
+    there over one room stream (no mint call), the worker writes into them, and the request
+    arrives; an item whose drawn id is in use there fails alone, with why, and is not sent."""
+    import dispatcher.dispatch
+
+    class CountingTable(RoomTable):
+        def __init__(self):
+            super().__init__()
+            self.minted, self.opened = 0, []
+
+        def mint(self, count, ttl_s):
+            self.minted += count
+            return super().mint(count, ttl_s)
+
+        def open_all(self, room_ids, ttl_s):
+            self.opened.append(len(room_ids))
+            return super().open_all(room_ids, ttl_s)
+
+    worker, receiver = stack
+    table = CountingTable()
+    server = ThreadedServer(create_app(table)).start()
+    (in_use,) = table.mint(1, 60)
+    drawn = iter([in_use - 1, 1000, 1001, 1002])  # (randbelow's draw + 1 is the room id)
+    monkeypatch.setattr(dispatcher.dispatch.secrets, "randbelow", lambda _: next(drawn))
+    try:
+        images = [synthetic_image(64 + 16 * i, 64, i) for i in range(4)]
+        clash, *items = _dispatch(worker, tower, images, rooms_url=server.url, room_ttl_s=60)
+        assert clash.worker is None and "exists already" in clash.error
+        assert all(item.error is None and item.worker for item in items)
+        assert {item.encode_handshake.url for item in items} == {server.url}
+        assert table.minted == 1 and table.opened == [4]  # (the test's own mint) one frame
+        job, state, _ = _receive(receiver, items)
+        assert state is JobState.DONE, job.reasons
+        rooms = [item.encode_handshake.bootstrap_room for item in items]
+        assert rooms == [1001, 1002, 1003]
+        assert [table.view(room).state for room in rooms] == [RoomState.SUCCESS] * 3
+    finally:
+        server.stop()

@@ -252,3 +252,46 @@ def test_a_writer_waits_begins_and_commits_over_the_stream(served):
 
     asyncio.run(scenario())
     assert table.view(ready).commit.checksum == 9
+
+
+def test_a_dispatcher_opens_rooms_with_the_ids_it_drew_over_the_stream():
+    """An open is answered per room in one frame: each new room's view (PENDING, at the TTL asked
+    for), an id in use refused alone (409), a TTL over the table's maximum refused for every room
+    (400); ``RemoteRooms`` gives each room's answer in order, a full table's refusal among them."""
+    from handshake.access import RemoteRooms
+    from handshake.rooms import RoomError, RoomLimits
+    from wire.rooms import MAX_ROOM_ID
+
+    table = RoomTable(RoomLimits(max_live_rooms=4, max_ttl_s=60))
+    server = ThreadedServer(create_app(table, token=TOKEN)).start()
+    (used,) = table.mint(1, 30)
+    fresh = [used + 1 if used < MAX_ROOM_ID else 1, used - 1 if used > 1 else 2]
+
+    async def scenario():
+        client, stream = await _open(server)
+        try:
+            stream.open_rooms([*fresh, used], 30)
+            opened, frames = await _results(stream, 3)
+            assert frames == 1
+            assert [opened[room].view.state for room in fresh] == [RoomState.PENDING] * 2
+            assert 29 < opened[fresh[0]].view.expires_in_s <= 30
+            assert opened[used].status == 409 and "exists already" in opened[used].error
+            stream.open_rooms([7, 8], 61)  # over this table's 60 s
+            too_long, _ = await _results(stream, 2)
+            assert {result.status for result in too_long.values()} == {400}
+        finally:
+            await stream.close()
+            await client.close()
+        rooms = RemoteRooms(None, HandshakeClient(server.url, token=TOKEN, timeout_s=5))
+        try:
+            last, over = await rooms.open_rooms([9, 10], 30)  # one live room left of four
+        finally:
+            await rooms.aclose()
+        assert last.state is RoomState.PENDING and last.room == 9
+        assert isinstance(over, RoomError) and "live rooms" in str(over)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert table.view(fresh[0]).state is RoomState.PENDING and table.live_rooms == 4

@@ -1,10 +1,10 @@
-"""A client's end of the room stream (``/v1/rooms/stream``, ``handshake.stream``): a receiver's
-registrations and cancels (a gateway's rooms to watch until staged, a writer's rooms to watch until
-registered, its begins and commits) go out in frames of at most ``MAX_BATCH`` rooms (every call of
-one kind made while the loop runs one step shares a frame), the answers come in as batches. Pings
-are the caller's to send (``ping``; ``last_heard`` says when the peer last spoke), so that the
-caller decides when a silent peer is stalled. ``OpenOnce``: one open per endpoint at a time,
-however many callers want it."""
+"""A client's end of the room stream (``/v1/rooms/stream``, ``handshake.stream``): a dispatcher's
+rooms to open, a receiver's registrations and cancels (a gateway's rooms to watch until staged, a
+writer's rooms to watch until registered, its begins and commits) go out in frames of at most
+``MAX_BATCH`` rooms (every call of one kind made while the loop runs one step shares a frame), the
+answers come in as batches. Pings are the caller's to send (``ping``; ``last_heard`` says when the
+peer last spoke), so that the caller decides when a silent peer is stalled. ``OpenOnce``: one open
+per endpoint at a time, however many callers want it."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from wire.rooms import (
     StreamBeginWrite,
     StreamCancel,
     StreamCommit,
+    StreamOpen,
     StreamRegister,
     StreamWatchRegistered,
     StreamWatchStaged,
@@ -35,6 +36,7 @@ from wire.rooms import (
 class RoomStreamClient:
     def __init__(self, websocket: aiohttp.ClientWebSocketResponse):
         self._websocket = websocket
+        self._opens: dict[float, list[int]] = {}  # by TTL
         self._registrations: list[Registration] = []
         self._cancels: list[tuple[list[int], str]] = []
         self._staged: list[int] = []
@@ -55,6 +57,11 @@ class RoomStreamClient:
     @property
     def closed(self) -> bool:
         return self._websocket.closed or self._writer.done()
+
+    def open_rooms(self, rooms: list[int], ttl_s: float) -> None:
+        """Each room comes back opened (its view), or refused."""
+        self._opens.setdefault(ttl_s, []).extend(rooms)
+        self._due.set()
 
     def register(self, registrations: Iterable[Registration]) -> None:
         self._registrations.extend(registrations)
@@ -123,6 +130,12 @@ class RoomStreamClient:
         while True:
             await self._due.wait()
             self._due.clear()
+            while self._opens:
+                ttl_s, rooms = self._opens.popitem()
+                for chunk in _taken(rooms):
+                    await self._websocket.send_str(
+                        StreamOpen(rooms=chunk, ttl_s=ttl_s).model_dump_json()
+                    )
             for chunk in _taken(self._registrations):
                 await self._websocket.send_str(  # (validation would run each registration's
                     # Python checks again: 6 against 1.4 us for 8)

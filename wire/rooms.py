@@ -240,6 +240,16 @@ STREAM_PATH = "/v1/rooms/stream"
 MAX_FRAME_BYTES = 1 << 20  # either way: the REST bodies' limit
 
 
+class StreamOpen(_Body):
+    """Open rooms with the ids the caller drew (a dispatcher's, for the rooms of a standalone
+    handshake: as ``/v1/rooms/mint``, without an HTTP request per placement): each room answered in
+    the next frame (its view), or refused (an id in use: 409; the table full: 503)."""
+
+    op: Literal["open"] = "open"
+    rooms: list[RoomId] = Field(min_length=1, max_length=MAX_BATCH)
+    ttl_s: json_float(gt=0, le=3600) = 120.0  # as MintRequest's
+
+
 class StreamRegister(_Body):
     """Register receivers (as ``/v1/rooms/register``); the stream then pushes each room's end."""
 
@@ -292,14 +302,15 @@ class StreamCommit(_Body):
 # writer may have landed bytes, unlike a registration refused (4xx) before any writer saw it.
 LOST_AFTER_REGISTRATION = 410
 
-# A frame a receiver, a gateway or a writer sends; the stream answers with ``BatchResponse``
-# frames: a call refused for a room (``ok`` false, at once), a registered room that ended (its
-# view, without the registration the receiver sent), a watched room once it has what was watched
-# for, a writer's begun or committed room (its view). A writer has one call in flight per room, so
-# a room's result answers it.
+# A frame a dispatcher, a receiver, a gateway or a writer sends; the stream answers with
+# ``BatchResponse`` frames: a call refused for a room (``ok`` false, at once), an opened room (its
+# view), a registered room that ended (its view, without the registration the receiver sent), a
+# watched room once it has what was watched for, a writer's begun or committed room (its view). A
+# caller has one call in flight per room, so a room's result answers it.
 STREAM_FRAME = TypeAdapter(
     Annotated[
-        StreamRegister
+        StreamOpen
+        | StreamRegister
         | StreamCancel
         | StreamWatchStaged
         | StreamWatchRegistered
