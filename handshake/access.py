@@ -143,8 +143,12 @@ class RemoteRooms:
         """Close the stream and the client."""
         open_, self._open = self._open, None
         if open_ is not None:
-            open_.end(HandshakeError(0, "room stream closed: the encode worker stops"))
+            open_.end(HandshakeError(0, "room stream closed: its owner stops"))
             await open_.stream.close()
+            for task in open_.tasks:
+                task.cancel()
+            if open_.tasks:
+                await asyncio.wait(open_.tasks)
         await self.client.close()
 
     async def _call(self, room: int, send: Callable[[RoomStreamClient], None]) -> RoomView:

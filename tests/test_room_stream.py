@@ -295,3 +295,21 @@ def test_a_dispatcher_opens_rooms_with_the_ids_it_drew_over_the_stream():
     finally:
         server.stop()
     assert table.view(fresh[0]).state is RoomState.PENDING and table.live_rooms == 4
+
+
+@pytest.mark.parametrize("count", [1, 8, 9, 16, 17, 40, 512, 513, 1000])
+def test_a_steps_calls_go_in_two_frames_for_the_peer_to_answer_the_first_early(count):
+    """Every call is sent once and in order: up to ``FRAME_ROOMS_WHOLE`` in one frame, more in two
+    halves (so that the peer can answer the first while the caller sends the second: one frame per
+    step puts callers in lockstep), none over the server's ``MAX_BATCH``."""
+    from wire.room_stream import FRAME_ROOMS_WHOLE, step_frames
+    from wire.rooms import MAX_BATCH
+
+    pending = list(range(count))
+    frames = list(step_frames(pending))
+    assert pending == [] and [call for frame in frames for call in frame] == list(range(count))
+    assert max(map(len, frames)) <= MAX_BATCH
+    if count <= FRAME_ROOMS_WHOLE:
+        assert len(frames) == 1
+    elif count <= 2 * MAX_BATCH:
+        assert len(frames) == 2 and abs(len(frames[0]) - len(frames[1])) <= 1
