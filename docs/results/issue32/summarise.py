@@ -126,6 +126,35 @@ def pairs_table(pattern: str) -> list[str]:
     return lines
 
 
+def frames_table(prefix: str) -> list[str]:
+    """The frame policy alone (``frames.sh``): one frame per step and kind (whole) against
+    ``step_frames`` (split), the stream receiver and sender after either opener: rooms/s (p99 ms),
+    medians of the runs."""
+    levels: dict[tuple, dict[tuple, list[dict]]] = {}
+    for policy in ("whole", "split"):
+        for run in runs(f"{prefix}-{policy}-*.json"):
+            for row in run["levels"]:
+                if row["receiver"] == row["sender"] == "stream":
+                    key = (row["batch"], row["concurrency"])
+                    levels.setdefault(key, {}).setdefault((row["opener"], policy), []).append(row)
+    lines = [
+        "| rooms per call, concurrency | stream opener: whole -> split "
+        "| REST mint: whole -> split |",
+        "|---|---|---|",
+    ]
+    for (batch, concurrency), by in sorted(levels.items()):
+        cells = [
+            " -> ".join(
+                f"{median([row['rooms_per_s'] for row in by[opener, policy]])} "
+                f"({median([row['p99_ms'] for row in by[opener, policy]])})"
+                for policy in ("whole", "split")
+            )
+            for opener in ("stream", "rest")
+        ]
+        lines.append(f"| {batch}, {concurrency} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     for prefix, pairs, before, after in TABLES:
         if runs(f"{prefix}-before-[{pairs}].json"):
@@ -137,6 +166,9 @@ def main() -> None:
     if runs("writer-handshake-*.json"):
         print("\nwriter-handshake: the writer's stream against REST, in the same runs:")
         print("\n".join(pairs_table("writer-handshake-*.json")))
+    if runs("frames-split-*.json"):
+        print("\nframes: one frame per step against step_frames, in interleaved runs:")
+        print("\n".join(frames_table("frames")))
 
 
 if __name__ == "__main__":
