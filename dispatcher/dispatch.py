@@ -161,7 +161,7 @@ class Dispatcher:
             unplaced = busy
         for item in items:
             if item.worker is None:
-                item.encode_handshake = None  # its rooms were never opened, or are cancelled
+                item.encode_handshake = None  # its rooms were not opened, are cancelled, or expire
                 if item.error is None:
                     item.error = "no healthy encode worker" + (
                         f" (tried {', '.join(item.attempts)})" if item.attempts else ""
@@ -208,7 +208,7 @@ class Dispatcher:
         self, request_id: str, address: WorkerAddress, items: list[DispatchedItem], started: float
     ) -> None:
         busy_for = self._busy_for(address)
-        if busy_for > 0:  # nothing sent (nor rooms minted and cancelled) for items it would refuse
+        if busy_for > 0:  # nothing sent (nor rooms opened and cancelled) for items it would refuse
             for item in items:
                 item.error = f"{address.name}: refused: busy for {busy_for:.1f} s more"
                 item.retry_after_s = busy_for
@@ -220,8 +220,10 @@ class Dispatcher:
         if self.rooms_url is not None:
             opened = await self._authority().open_rooms(rooms, self.room_ttl_s)
             for item, answer in zip(items, opened):
-                if not isinstance(answer, RoomView):
+                if not isinstance(answer, RoomView):  # (one whose answer was lost may be open:
+                    # it expires at its TTL, as a minted room whose answer was lost did)
                     item.error = f"cannot open a room at {endpoint}: {answer}"
+                    item.retry_after_s = None
             kept = [i for i, answer in enumerate(opened) if isinstance(answer, RoomView)]
             if not kept:
                 return
@@ -237,9 +239,9 @@ class Dispatcher:
                 item.dispatch_s = time.monotonic() - started
                 continue
             item.error = f"{address.name}: {reply.reason}"
-            # a minted room outlives a refusal; a room intake opens is not left behind by one
-            # (nor by a failure, which fails the room itself), but one whose message got no
-            # answer may have been opened
+            # a room opened at a standalone handshake outlives a refusal; a room intake opens is
+            # not left behind by one (nor by a failure, which fails the room itself), but one
+            # whose message got no answer may have been opened
             if self.rooms_url is not None or reply.unanswered:
                 left_live.setdefault(reply.reason, []).append(item.encode_handshake.bootstrap_room)
         for reason, rooms in left_live.items():  # the prefill side reads why in the room

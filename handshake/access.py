@@ -13,11 +13,22 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 
-from handshake.rooms import RoomError, RoomNotFound, RoomTable
+from handshake.rooms import RoomConflict, RoomError, RoomNotFound, RoomsFull, RoomTable
 from loop_threads import LoopThread
 from wire.room_client import HandshakeClient, HandshakeError
 from wire.room_stream import OpenOnce, RoomStreamClient
-from wire.rooms import BeginWrite, CommitBody, FailBody, RoomResult, RoomState, RoomView
+from wire.rooms import (
+    MAX_ROOM_TTL_S,
+    BeginWrite,
+    CommitBody,
+    FailBody,
+    RoomResult,
+    RoomState,
+    RoomView,
+)
+
+# a refusal's status -> the error it was raised as at the table
+REFUSALS = {error.status: error for error in (RoomNotFound, RoomConflict, RoomsFull)}
 
 
 class LocalRooms:
@@ -90,6 +101,7 @@ class RemoteRooms:
         self.client = client
         self._open: _OpenStream | None = None  # the loop's own
         self._opening = OpenOnce()
+        self._tasks: set[asyncio.Task] = set()  # every stream's reader and guard not ended yet
 
     # ---- on the loop -----------------------------------------------------------------------
 
@@ -115,20 +127,32 @@ class RemoteRooms:
     async def open_rooms(
         self, rooms: list[int], ttl_s: float
     ) -> list[RoomView | RoomError | HandshakeError]:
-        """Open rooms with the ids the caller drew (a dispatcher's), in one frame: each room's
-        view, or why it is not open. An open is sent once: when the stream ends first, the room
-        may be open or not (one that is expires at its TTL), and it is answered as not."""
+        """Open rooms with the ids the caller drew (a dispatcher's), sent together: each room's
+        view, or why it is not open (an id asked for twice, or with a call in flight, is refused
+        here). An open is sent once: when the stream ends first, the room may be open or not (one
+        that is expires at its TTL), and it is answered as not. ``ValueError`` for a TTL the wire
+        cannot carry."""
+        if not 0 < ttl_s <= MAX_ROOM_TTL_S:
+            raise ValueError(f"a room's TTL is in (0, {MAX_ROOM_TTL_S}] s, not {ttl_s}")
+        calls: list[asyncio.Future | RoomError] = []
         try:
-            calls = [
-                await self._start(room, lambda stream, room=room: stream.open_rooms([room], ttl_s))
-                for room in rooms
-            ]
-        except HandshakeError as exc:  # no stream could be opened
-            return [exc] * len(rooms)
+            for room in rooms:
+                open_ = self._open
+                if open_ is not None and room in open_.calls:
+                    calls.append(RoomConflict(f"room {room} has a call in flight already"))
+                else:
+                    calls.append(
+                        await self._start(
+                            room, lambda stream, r=room: stream.open_rooms([r], ttl_s)
+                        )
+                    )
+        except HandshakeError as exc:  # no stream could be opened (the rooms asked for so far
+            # are answered on the stream that ended)
+            calls.extend([exc] * (len(rooms) - len(calls)))
         answers = []
         for call in calls:
             try:
-                answers.append(_view(await call))
+                answers.append(_view(await call) if isinstance(call, asyncio.Future) else call)
             except (RoomError, HandshakeError) as exc:
                 answers.append(exc)
         return answers
@@ -145,10 +169,11 @@ class RemoteRooms:
         if open_ is not None:
             open_.end(HandshakeError(0, "room stream closed: its owner stops"))
             await open_.stream.close()
-            for task in open_.tasks:
-                task.cancel()
-            if open_.tasks:
-                await asyncio.wait(open_.tasks)
+        tasks = list(self._tasks)  # (streams that ended before: a guard may still sleep)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
         await self.client.close()
 
     async def _call(self, room: int, send: Callable[[RoomStreamClient], None]) -> RoomView:
@@ -178,6 +203,9 @@ class RemoteRooms:
             asyncio.create_task(self._read(open_)),
             asyncio.create_task(self._guard(open_)),
         )
+        for task in open_.tasks:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return open_
 
     async def _read(self, open_: _OpenStream) -> None:
@@ -192,8 +220,9 @@ class RemoteRooms:
             error = exc
         except Exception as exc:  # (aiohttp's, a transport closing under a pong)
             error = HandshakeError(0, f"room stream closed: {type(exc).__name__}: {exc}")
-        finally:  # (cancelled too: the worker stops)
+        finally:  # (cancelled too: the owner stops)
             self._ended(open_, error)
+            await open_.stream.close()  # (its writer would wait for calls forever)
 
     async def _guard(self, open_: _OpenStream) -> None:
         timeout_s = self.client.timeout_s
@@ -257,5 +286,5 @@ def _view(result: RoomResult | HandshakeError) -> RoomView:
     if isinstance(result, HandshakeError):
         raise result
     if not result.ok:
-        raise (RoomNotFound if result.status == 404 else RoomError)(result.error)
+        raise REFUSALS.get(result.status, RoomError)(result.error)
     return result.view

@@ -476,9 +476,10 @@ def create_app(
 
     @app.websocket(STREAM_PATH)
     async def stream(websocket: WebSocket):
-        """The room stream (a WebSocket): ``StreamRegister`` / ``StreamCancel`` frames in,
-        ``BatchResponse`` frames out with the registrations refused and the registered rooms
-        that ended (``handshake.stream``)."""
+        """The room stream (a WebSocket): a dispatcher's opens, a receiver's registrations and
+        cancels, a gateway's and a writer's watches, a writer's begins and commits in
+        (``wire.rooms.STREAM_FRAME``); ``BatchResponse`` frames out, each room's answer
+        (``handshake.stream``)."""
         await RoomStream(table, websocket, metrics.observe).serve()
 
     @app.get(

@@ -259,7 +259,7 @@ def test_a_dispatcher_opens_rooms_with_the_ids_it_drew_over_the_stream():
     for), an id in use refused alone (409), a TTL over the table's maximum refused for every room
     (400); ``RemoteRooms`` gives each room's answer in order, a full table's refusal among them."""
     from handshake.access import RemoteRooms
-    from handshake.rooms import RoomError, RoomLimits
+    from handshake.rooms import RoomConflict, RoomLimits, RoomsFull
     from wire.rooms import MAX_ROOM_ID
 
     table = RoomTable(RoomLimits(max_live_rooms=4, max_ttl_s=60))
@@ -284,11 +284,16 @@ def test_a_dispatcher_opens_rooms_with_the_ids_it_drew_over_the_stream():
             await client.close()
         rooms = RemoteRooms(None, HandshakeClient(server.url, token=TOKEN, timeout_s=5))
         try:
-            last, over = await rooms.open_rooms([9, 10], 30)  # one live room left of four
+            with pytest.raises(ValueError, match="TTL"):  # refused before it is sent
+                await rooms.open_rooms([9], 3601)
+            in_use, twice, again = await rooms.open_rooms([used, 9, 9], 30)
+            (over,) = await rooms.open_rooms([10], 30)  # one live room was left of four
         finally:
             await rooms.aclose()
-        assert last.state is RoomState.PENDING and last.room == 9
-        assert isinstance(over, RoomError) and "live rooms" in str(over)
+        assert isinstance(in_use, RoomConflict) and "exists already" in str(in_use)
+        assert twice.state is RoomState.PENDING and twice.room == 9
+        assert isinstance(again, RoomConflict) and "in flight" in str(again)
+        assert isinstance(over, RoomsFull) and "live rooms" in str(over)
 
     try:
         asyncio.run(scenario())
@@ -297,7 +302,30 @@ def test_a_dispatcher_opens_rooms_with_the_ids_it_drew_over_the_stream():
     assert table.view(fresh[0]).state is RoomState.PENDING and table.live_rooms == 4
 
 
-@pytest.mark.parametrize("count", [1, 8, 9, 16, 17, 40, 512, 513, 1000])
+def test_closing_remote_rooms_leaves_no_task_of_a_stream_the_server_ended():
+    """A stream the server ended (it stopped) is closed by its reader, and ``aclose`` ends what
+    is left of it (the guard's sleep): no task of theirs outlives the close."""
+    from handshake.access import RemoteRooms
+
+    server = ThreadedServer(create_app(RoomTable(), token=TOKEN)).start()
+
+    async def scenario():
+        rooms = RemoteRooms(None, HandshakeClient(server.url, token=TOKEN, timeout_s=5))
+        (opened,) = await rooms.open_rooms([5], 30)
+        assert opened.state is RoomState.PENDING
+        server.stop()
+        (gone,) = await rooms.open_rooms([6], 30)  # answered by the stream's end, or no stream
+        assert isinstance(gone, HandshakeError), gone
+        await rooms.aclose()
+        return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    try:
+        assert asyncio.run(scenario()) == []
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("count", [0, 1, 8, 9, 16, 17, 40, 512, 513, 1000])
 def test_a_steps_calls_go_in_two_frames_for_the_peer_to_answer_the_first_early(count):
     """Every call is sent once and in order: up to ``FRAME_ROOMS_WHOLE`` in one frame, more in two
     halves (so that the peer can answer the first while the caller sends the second: one frame per
@@ -306,10 +334,14 @@ def test_a_steps_calls_go_in_two_frames_for_the_peer_to_answer_the_first_early(c
     from wire.rooms import MAX_BATCH
 
     pending = list(range(count))
-    frames = list(step_frames(pending))
-    assert pending == [] and [call for frame in frames for call in frame] == list(range(count))
-    assert max(map(len, frames)) <= MAX_BATCH
+    frames = []
+    for frame in step_frames(pending):
+        frames.append(frame)
+        pending.append("later")  # (a call made while a frame is sent: the next pass's)
+    assert pending == ["later"] * len(frames)
+    assert [call for frame in frames for call in frame] == list(range(count))
+    assert all(1 <= len(frame) <= MAX_BATCH for frame in frames)
     if count <= FRAME_ROOMS_WHOLE:
-        assert len(frames) == 1
+        assert len(frames) == min(count, 1)
     elif count <= 2 * MAX_BATCH:
         assert len(frames) == 2 and abs(len(frames[0]) - len(frames[1])) <= 1

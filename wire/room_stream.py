@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from wire.room_client import HandshakeClient, HandshakeError
 from wire.rooms import (
     MAX_BATCH,
+    MAX_ROOM_TTL_S,
     BatchResponse,
     BeginWrite,
     CommitBody,
@@ -62,7 +63,10 @@ class RoomStreamClient:
         return self._websocket.closed or self._writer.done()
 
     def open_rooms(self, rooms: list[int], ttl_s: float) -> None:
-        """Each room comes back opened (its view), or refused."""
+        """Each room comes back opened (its view), or refused. ``ValueError`` for a TTL the
+        frame cannot carry (checked here: in the writer it would end the stream)."""
+        if not 0 < ttl_s <= MAX_ROOM_TTL_S:
+            raise ValueError(f"a room's TTL is in (0, {MAX_ROOM_TTL_S}] s, not {ttl_s}")
         self._opens.setdefault(ttl_s, []).extend(rooms)
         self._due.set()
 
@@ -161,20 +165,20 @@ class RoomStreamClient:
 
 
 def step_frames(pending: list):
-    """``pending``'s entries (one step's calls of one kind) in frames, taken out as they go
-    (entries added while a frame is sent go in the next): up to ``FRAME_ROOMS_WHOLE`` in one
-    frame, more in two halves (each at most ``MAX_BATCH``). The peer answers a frame once it has
-    handled all of it; with every call of a step in one frame, callers that wait for the answers
-    (lifecycles in a closed loop) move in lockstep and the two ends take turns, each idle while the
-    other works (``docs/performance.md``, the handshake: 8-room lifecycles ran at two thirds of the
-    rate). Two frames let the peer answer the first while the caller sends the second; more cost
-    a frame's overhead each."""
-    whole = len(pending) <= FRAME_ROOMS_WHOLE
-    size = len(pending) if whole else min(MAX_BATCH, (len(pending) + 1) // 2)
-    while pending:
-        frame = pending[:size]
-        del pending[:size]
-        yield frame
+    """``pending``'s entries (one step's calls of one kind) taken out at once and sent in frames:
+    up to ``FRAME_ROOMS_WHOLE`` in one frame, more in two halves (each at most ``MAX_BATCH``);
+    entries added while they are sent wait for the writer's next pass. The peer answers a frame
+    once it has handled all of it; with every call of a step in one frame, callers that wait for
+    the answers (lifecycles in a closed loop) move in lockstep and the two ends take turns, each
+    idle while the other works (``docs/performance.md``, the handshake: 8-room lifecycles ran at
+    two thirds of the rate). Two frames let the peer answer the first while the caller sends the
+    second; more cost a frame's overhead each."""
+    taken = pending[:]
+    del pending[:]
+    size = len(taken) if len(taken) <= FRAME_ROOMS_WHOLE else (len(taken) + 1) // 2
+    size = max(1, min(size, MAX_BATCH))
+    for start in range(0, len(taken), size):
+        yield taken[start : start + size]
 
 
 class OpenOnce:

@@ -19,6 +19,7 @@ from wire.offers import (
 )
 
 MAX_BATCH = 256
+MAX_ROOM_TTL_S = 3600  # a room's TTL on the wire, at most (a table may allow less)
 MAX_DEADLINE_S = 3600.0  # a registration's deadline
 MAX_WAIT_S = 30.0  # a long-poll
 DTYPE_PATTERN = "^(" + "|".join(DTYPE_NAMES) + ")$"
@@ -53,7 +54,7 @@ class _Body(BaseModel):
 class MintRequest(_Body):
     count: json_int(ge=1, le=MAX_BATCH) = 1
     # the wire's bound; a table refuses a TTL over its own maximum (RoomLimits.max_ttl_s)
-    ttl_s: json_float(gt=0, le=3600) = 120.0
+    ttl_s: json_float(gt=0, le=MAX_ROOM_TTL_S) = 120.0
 
 
 class MintResponse(_Body):
@@ -247,7 +248,7 @@ class StreamOpen(_Body):
 
     op: Literal["open"] = "open"
     rooms: list[RoomId] = Field(min_length=1, max_length=MAX_BATCH)
-    ttl_s: json_float(gt=0, le=3600) = 120.0  # as MintRequest's
+    ttl_s: json_float(gt=0, le=MAX_ROOM_TTL_S) = 120.0  # as MintRequest's
 
 
 class StreamRegister(_Body):
