@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import socket
 import statistics
 import subprocess
@@ -43,10 +42,10 @@ from bench.results import write_json
 from bench.rounds import in_round
 from handshake.access import RemoteRooms
 from loop_threads import new_event_loop
-from wire.offers import LoopbackOffer
+from wire.offers import LoopbackOffer, drawn_room_id
 from wire.room_client import HandshakeClient
 from wire.room_stream import RoomStreamClient
-from wire.rooms import MAX_ROOM_ID, BeginWrite, CommitBody, Registration, RoomState, RoomView
+from wire.rooms import BeginWrite, CommitBody, Registration, RoomState, RoomView
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 8)
@@ -126,7 +125,7 @@ class StreamOpener:
         self.rooms = RemoteRooms(None, HandshakeClient(url, timeout_s=10))  # the gateway's own
 
     async def __call__(self, client: HandshakeClient, batch: int) -> list[int]:
-        rooms = [secrets.randbelow(MAX_ROOM_ID) + 1 for _ in range(batch)]
+        rooms = [drawn_room_id() for _ in range(batch)]
         for answer in await self.rooms.open_rooms(rooms, 60):
             if not isinstance(answer, RoomView):
                 raise RuntimeError(f"a room was not opened: {answer}")

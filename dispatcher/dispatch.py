@@ -23,7 +23,6 @@ import asyncio
 import logging
 import random
 import re
-import secrets
 import time
 from typing import NamedTuple
 
@@ -43,7 +42,7 @@ from wire.intake import (
     IntakeRequest,
     IntakeStatus,
 )
-from wire.offers import MAX_ROOM_ID
+from wire.offers import drawn_room_id
 from wire.room_client import HandshakeClient, HandshakeError
 from wire.rooms import RoomView
 
@@ -216,7 +215,7 @@ class Dispatcher:
         rooms_client, endpoint = self._room_endpoint(address)
         # the worker's intake opens each room with its item; at a standalone handshake, the
         # rooms are opened first, over its room stream
-        rooms = [secrets.randbelow(MAX_ROOM_ID) + 1 for _ in items]
+        rooms = [drawn_room_id() for _ in items]
         if self.rooms_url is not None:
             opened = await self._authority().open_rooms(rooms, self.room_ttl_s)
             for item, answer in zip(items, opened):

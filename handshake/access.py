@@ -18,13 +18,13 @@ from loop_threads import LoopThread
 from wire.room_client import HandshakeClient, HandshakeError
 from wire.room_stream import OpenOnce, RoomStreamClient
 from wire.rooms import (
-    MAX_ROOM_TTL_S,
     BeginWrite,
     CommitBody,
     FailBody,
     RoomResult,
     RoomState,
     RoomView,
+    check_room_ttl,
 )
 
 # a refusal's status -> the error it was raised as at the table
@@ -132,8 +132,7 @@ class RemoteRooms:
         here). An open is sent once: when the stream ends first, the room may be open or not (one
         that is expires at its TTL), and it is answered as not. ``ValueError`` for a TTL the wire
         cannot carry."""
-        if not 0 < ttl_s <= MAX_ROOM_TTL_S:
-            raise ValueError(f"a room's TTL is in (0, {MAX_ROOM_TTL_S}] s, not {ttl_s}")
+        check_room_ttl(ttl_s)  # (raised from a send, it would leave the calls started so far)
         calls: list[asyncio.Future | RoomError] = []
         try:
             for room in rooms:

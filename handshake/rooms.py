@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import secrets
 import time
 from collections.abc import Callable
 
@@ -37,6 +36,7 @@ from handshake.room_store import (
     RoomStore,
     Waiter,
 )
+from wire.offers import drawn_room_id
 from wire.rooms import MAX_ROOM_ID, BeginWrite, CommitBody, Registration, RoomState, RoomView
 
 __all__ = [
@@ -108,7 +108,7 @@ class RoomTable:
             self._store.make_room_for(count)
             minted = []
             while len(minted) < count:
-                room_id = secrets.randbelow(MAX_ROOM_ID) + 1
+                room_id = drawn_room_id()
                 if not self._store.known(room_id):  # never reused
                     self._store.add(room_id, deadline)
                     minted.append(room_id)

@@ -226,12 +226,7 @@ class RoomStream:
     def _answer(self, answers: list, rooms: list[int]) -> None:
         """Calls answered per room (an open, a writer's begin or commit): each room's view or
         why it was refused, in the next frame."""
-        for room, answer in zip(rooms, answers):
-            self._out.append(
-                RoomResult.refusal(room, str(answer), answer.status)
-                if isinstance(answer, RoomError)
-                else RoomResult.of_view(room, answer)
-            )
+        self._out += _pushed(rooms, answers)
         self._news.set()
 
     async def _write(self) -> None:

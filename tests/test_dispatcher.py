@@ -638,8 +638,8 @@ def test_items_placed_with_a_standalone_handshake_open_their_rooms_over_its_stre
     table = CountingTable()
     server = ThreadedServer(create_app(table)).start()
     (in_use,) = table.mint(1, 60)
-    drawn = iter([in_use - 1, 1000, 1001, 1002])  # (randbelow's draw + 1 is the room id)
-    monkeypatch.setattr(dispatcher.dispatch.secrets, "randbelow", lambda _: next(drawn))
+    drawn = iter([in_use, 1001, 1002, 1003])
+    monkeypatch.setattr(dispatcher.dispatch, "drawn_room_id", lambda: next(drawn))
     try:
         images = [synthetic_image(64 + 16 * i, 64, i) for i in range(4)]
         clash, *items = _dispatch(worker, tower, images, rooms_url=server.url, room_ttl_s=60)

@@ -12,6 +12,7 @@ transport names and offers list, ``--transports``, and the receiver's pool memor
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Annotated, Literal, Union
 
@@ -24,6 +25,12 @@ MAX_ROOM_ID = (1 << 63) - 1
 MAX_ROWS = 1 << 24
 MAX_WIDTH = 1 << 20
 MAX_BYTES = 1 << 40
+
+
+def drawn_room_id() -> int:
+    """A room id drawn at random from [1, ``MAX_ROOM_ID``] (a dispatcher's, a table's mint): ids
+    are never reused, and 63 random bits make a clash negligible."""
+    return secrets.randbelow(MAX_ROOM_ID) + 1
 
 
 class OfferModel(BaseModel):

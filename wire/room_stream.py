@@ -4,8 +4,8 @@ writer's rooms to watch until registered, its begins and commits) go out in fram
 one kind made while the loop runs one step share a frame, or two when they are more than
 ``FRAME_ROOMS_WHOLE`` (``step_frames``); the answers come in as batches. Pings are the caller's
 to send (``ping``; ``last_heard`` says when the peer last spoke), so that the caller decides when
-a silent peer is stalled. ``OpenOnce``: one open
-per endpoint at a time, however many callers want it."""
+a silent peer is stalled. ``OpenOnce``: one open per endpoint at a time, however many callers
+want it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from pydantic import ValidationError
 from wire.room_client import HandshakeClient, HandshakeError
 from wire.rooms import (
     MAX_BATCH,
-    MAX_ROOM_TTL_S,
     BatchResponse,
     BeginWrite,
     CommitBody,
@@ -32,6 +31,7 @@ from wire.rooms import (
     StreamRegister,
     StreamWatchRegistered,
     StreamWatchStaged,
+    check_room_ttl,
 )
 
 FRAME_ROOMS_WHOLE = 8  # at most, in one step's calls of one kind sent as one frame
@@ -65,8 +65,7 @@ class RoomStreamClient:
     def open_rooms(self, rooms: list[int], ttl_s: float) -> None:
         """Each room comes back opened (its view), or refused. ``ValueError`` for a TTL the
         frame cannot carry (checked here: in the writer it would end the stream)."""
-        if not 0 < ttl_s <= MAX_ROOM_TTL_S:
-            raise ValueError(f"a room's TTL is in (0, {MAX_ROOM_TTL_S}] s, not {ttl_s}")
+        check_room_ttl(ttl_s)
         self._opens.setdefault(ttl_s, []).extend(rooms)
         self._due.set()
 

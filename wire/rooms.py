@@ -51,6 +51,13 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def check_room_ttl(ttl_s: float) -> None:
+    """``ValueError`` for a room TTL the wire cannot carry (``MintRequest``'s and ``StreamOpen``'s
+    bound), for a caller to learn before it sends."""
+    if not 0 < ttl_s <= MAX_ROOM_TTL_S:
+        raise ValueError(f"a room's TTL is in (0, {MAX_ROOM_TTL_S}] s, not {ttl_s}")
+
+
 class MintRequest(_Body):
     count: json_int(ge=1, le=MAX_BATCH) = 1
     # the wire's bound; a table refuses a TTL over its own maximum (RoomLimits.max_ttl_s)
