@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--images-per-request", default="1,8", help="comma-separated")
     cost.add_argument("--transports", default="shm,mooncake", help="comma-separated")
     cost.add_argument("--size", type=int, default=112, help="square image side in pixels")
-    cost.add_argument("--image-format", choices=("PNG", "JPEG"), default="PNG")
+    cost.add_argument("--image-format", choices=("PNG", "JPEG", "WEBP"), default="PNG")
     cost.add_argument("--seconds", type=float, default=10.0, help="steady run per configuration")
     cost.add_argument("--concurrency", type=int, default=4, help="closed-loop clients")
     cost.add_argument(

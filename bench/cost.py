@@ -16,7 +16,7 @@ tower and without decoding and preprocessing, and the receiver's loop thread. Re
 the decode + preprocessing and the tower (the media work itself), and the load's own work (the
 clients' HTTP calls and the reference prefill server's HTTP API, which an engine replaces with
 its own). The byte copies stay in (at these sizes they are small: a 112x112 image is 16 rows).
-Images are distinct (no cache hits), ``size`` x ``size`` PNGs (or JPEGs: ``image_format``).
+Images are distinct (no cache hits), ``size`` x ``size`` PNGs (or JPEGs or WebPs: ``image_format``).
 
 ``ceiling``: the worker runs ``bench.stand_in_worker`` (a tower that costs nothing, items that
 need no decoding or preprocessing): items/s is then what the control plane sustains, against

@@ -1,6 +1,6 @@
-"""``header``'s answer to a file, with the PIL-free readers (``png_size``, ``jpeg_size``) and
-through PIL alone, for the tests that hold the two equal: the header, or the error's type and
-text."""
+"""``header``'s answer to a file, with the PIL-free readers (``png_size``, ``jpeg_size``,
+``webp_size``) and through PIL alone, for the tests that hold the two equal: the header, or the
+error's type and text."""
 
 import warnings
 
@@ -8,7 +8,7 @@ from vision import image_files
 from vision.image_files import header
 from vision.limits import MAX_PIXELS
 
-FAST_PATHS = ("png_size", "jpeg_size")
+FAST_PATHS = ("png_size", "jpeg_size", "webp_size")
 
 
 def answer(data: bytes, max_pixels: int = MAX_PIXELS):

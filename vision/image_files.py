@@ -6,10 +6,11 @@ transparency (RGBA, LA, PA, or a ``transparency`` entry: a palette's or a PNG's 
 composited onto white, and any other mode converted as PIL converts it.
 
 ``header`` sizes an image from its header alone (the size as displayed: EXIF orientations 5-8
-swap width and height); ``decode_rgb`` decodes it by the same rules. A plain PNG's or JPEG's header
-is read here without PIL (``png_size``, ``jpeg_size``: the dispatcher and every worker's intake
-read one per image, and PIL's open costs ~9 us of it for a PNG, ~18 for a JPEG); every other file,
-and every one these readers find anything unusual in, goes through PIL."""
+swap width and height); ``decode_rgb`` decodes it by the same rules. A plain PNG's, JPEG's or
+WebP's header is read here without PIL (``png_size``, ``jpeg_size``, ``webp_size``: the dispatcher
+and every worker's intake read one per image, and PIL's open costs ~9 us of it for a PNG, ~18 for a
+JPEG, 30-120 for a WebP); every other file, and every one these readers find anything unusual in,
+goes through PIL."""
 
 from __future__ import annotations
 
@@ -56,6 +57,25 @@ TIFF_ORDERS = {b"II*\x00": "<", b"MM\x00*": ">"}
 TIFF_UNIT_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8}
 TIFF_SHORT, TIFF_RATIONAL = 3, 5
 X_RESOLUTION_TAG, RESOLUTION_UNIT_TAG = 0x011A, 0x0128  # what PIL's JPEG open reads a dpi from
+WEBP_RIFF, WEBP_FORM = b"RIFF", b"WEBP"
+# The chunk sequences after the RIFF header that ``webp_size`` reads (libwebp's demuxer, which
+# PIL's open runs, takes each): a lossy or a lossless bitstream alone, or an extended header
+# (VP8X) with a colour profile, alpha or neither. Anything else (EXIF, XMP, an animation, unknown
+# chunks) leaves the file to PIL.
+WEBP_SIMPLE = ([b"VP8 "], [b"VP8L"])
+WEBP_EXTENDED = [
+    [b"VP8X", *profile, *image]
+    for profile in ([], [b"ICCP"])
+    for image in ([b"VP8 "], [b"ALPH", b"VP8 "], [b"VP8L"])
+]
+# VP8X's flags that leave the file to PIL: an animation's, and the bits no version defines (the
+# alpha, colour-profile, EXIF and XMP flags say which chunks may follow; ``WEBP_EXTENDED`` says
+# which do)
+WEBP_FLAGS_TO_PIL = 0x02 | 0x01 | 0x40 | 0x80
+VP8_START_CODE = b"\x9d\x01\x2a"
+VP8_FRAME_HEADER = 10  # bytes: the frame tag, the start code, the width and the height
+VP8L_SIGNATURE = 0x2F
+VP8L_HEADER = 5  # bytes: the signature, then 14 + 14 bits of size, 1 of alpha, 3 of version
 
 
 class TooLarge(ValueError):
@@ -115,6 +135,10 @@ def header(data: bytes, max_pixels: int, any_format: bool = False) -> ImageHeade
         if orientation in TRANSPOSED_ORIENTATIONS:
             width, height = height, width
         return ImageHeader(width, height, "JPEG")
+    size = webp_size(data)
+    if size is not None:
+        check_size(*size, max_pixels)
+        return ImageHeader(*size, "WEBP")
     with open_image(data, any_format) as image:
         width, height = image.size
         check_size(width, height, max_pixels)
@@ -257,6 +281,70 @@ def _exif_orientation(segment: bytes) -> int | None:
     if RESOLUTION_UNIT_TAG in types and types.get(X_RESOLUTION_TAG, one_rational) != one_rational:
         raise _LeftToPil
     return orientation
+
+
+def webp_size(data: bytes) -> tuple[int, int] | None:
+    """A WebP's (width, height), read as libwebp's demuxer reads them for PIL's open, when the
+    file is plain: one RIFF exactly as long as the file, its chunks back to back and whole
+    (``WEBP_SIMPLE`` or ``WEBP_EXTENDED``), a bitstream header libwebp accepts
+    (``_bitstream_size``) and, in an extended file, no ``WEBP_FLAGS_TO_PIL`` and a canvas of the
+    bitstream's size. Such a file holds no orientation (no EXIF) and one frame; None for every
+    other file (PIL reads it)."""
+    if len(data) < 20 or data[:4] != WEBP_RIFF or data[8:12] != WEBP_FORM:
+        return None
+    if int.from_bytes(data[4:8], "little") + 8 != len(data):
+        return None
+    kinds, bodies, at, view = [], [], 12, memoryview(data)  # (bodies are views: not copied)
+    while at < len(data):
+        if at + 8 > len(data):
+            return None
+        length = int.from_bytes(data[at + 4 : at + 8], "little")
+        end = at + 8 + length + (length & 1)  # (a chunk of odd length has a pad byte)
+        if end > len(data):
+            return None
+        kinds.append(data[at : at + 4])
+        bodies.append(view[at + 8 : at + 8 + length])
+        at = end
+    if kinds in WEBP_SIMPLE:
+        size = _bitstream_size(kinds[0], bodies[0])
+    elif kinds in WEBP_EXTENDED:
+        vp8x = bodies[0]
+        if len(vp8x) != 10 or vp8x[0] & WEBP_FLAGS_TO_PIL:
+            return None
+        canvas = (int.from_bytes(vp8x[4:7], "little") + 1, int.from_bytes(vp8x[7:10], "little") + 1)
+        size = _bitstream_size(kinds[-1], bodies[-1])
+        if size != canvas:
+            return None
+    else:
+        return None
+    limit = Image.MAX_IMAGE_PIXELS  # PIL's own (above it, PIL warns or refuses)
+    if size is None or (limit is not None and size[0] * size[1] > limit):
+        return None
+    return size
+
+
+def _bitstream_size(kind: bytes, body: memoryview) -> tuple[int, int] | None:
+    """A lossy (VP8) or lossless (VP8L) bitstream's size, when libwebp accepts its header
+    (``VP8GetInfo``, ``VP8LGetInfo``): a shown key frame of profile 0-3 whose first partition is
+    shorter than the chunk, with the start code and sides above 0; or the signature and version
+    0."""
+    if kind == b"VP8 ":
+        if len(body) < VP8_FRAME_HEADER or body[3:6] != VP8_START_CODE:
+            return None
+        tag = int.from_bytes(body[:3], "little")
+        key_frame, profile, shown = not tag & 1, tag >> 1 & 7, tag >> 4 & 1
+        first_partition = tag >> 5  # its length
+        if not key_frame or profile > 3 or not shown or first_partition >= len(body):
+            return None
+        width = int.from_bytes(body[6:8], "little") & 0x3FFF
+        height = int.from_bytes(body[8:10], "little") & 0x3FFF
+        return (width, height) if width and height else None
+    if len(body) < VP8L_HEADER or body[0] != VP8L_SIGNATURE:
+        return None
+    bits = int.from_bytes(body[1:5], "little")
+    if bits >> 29:  # the version
+        return None
+    return (bits & 0x3FFF) + 1, (bits >> 14 & 0x3FFF) + 1
 
 
 def check_size(width: int, height: int, max_pixels: int) -> None:

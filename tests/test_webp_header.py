@@ -1,0 +1,194 @@
+"""A WebP's header read without PIL (``vision.image_files.webp_size``) sizes a file as PIL
+(libwebp's demuxer) does, or leaves it to PIL: over WebPs PIL writes (lossy and lossless, with
+alpha and a colour profile, and with EXIF, which goes to PIL), and over RIFF files built at random
+(every chunk kind the demuxer knows and unknown ones, extended headers of any flags and canvas,
+bitstream headers with each field right or wrong, wrong RIFF lengths, cut anywhere), ``header``
+answers exactly what reading every file through PIL answers."""
+
+import io
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from tests.header_answers import answer, through_pil
+from tests.image_matrix import matrix
+from vision import image_files
+from vision.image_files import WEBP_FORM, WEBP_RIFF, webp_size
+
+PLAIN = [
+    ("RGB", {}),
+    ("L", {}),
+    ("RGBA", {}),  # lossy with alpha: VP8X, ALPH, VP8
+    ("RGB", {"lossless": True}),
+    ("RGBA", {"lossless": True}),
+    ("RGB", {"icc_profile": b"\0" * 301}),
+    ("RGBA", {"icc_profile": b"\0" * 300}),
+    ("RGBA", {"icc_profile": b"\0" * 300, "lossless": True}),
+]
+
+
+def _webp(mode: str, size=(37, 21), **options) -> bytes:
+    buffer = io.BytesIO()
+    colour = (255, 0, 0, 128) if mode == "RGBA" else "red"  # (an opaque one is written as RGB)
+    Image.new(mode, size, colour).save(buffer, format="WEBP", **options)
+    return buffer.getvalue()
+
+
+def _riff(chunks: bytes, length_error: int = 0) -> bytes:
+    return (
+        WEBP_RIFF + struct.pack("<I", max(0, 4 + len(chunks) + length_error)) + WEBP_FORM + chunks
+    )
+
+
+def _chunk(kind: bytes, body: bytes, pad: bool = True) -> bytes:
+    return kind + struct.pack("<I", len(body)) + body + (b"\0" if pad and len(body) & 1 else b"")
+
+
+@pytest.mark.parametrize(("mode", "options"), PLAIN, ids=[str(case) for case in PLAIN])
+def test_a_plain_webp_is_sized_without_pil(mode, options):
+    data = _webp(mode, **options)
+    assert webp_size(data) == (37, 21)
+    assert answer(data) == through_pil(data) == (37, 21, "WEBP")
+
+
+def test_a_webp_with_exif_goes_to_pil_and_its_orientation_is_applied():
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    data = _webp("RGB", exif=exif.tobytes())
+    assert webp_size(data) is None
+    assert answer(data) == through_pil(data) == (21, 37, "WEBP")
+
+
+@pytest.mark.parametrize("bit", range(8))
+def test_each_extended_header_flag_answers_as_through_pil(bit):
+    data = bytearray(_webp("RGBA"))  # VP8X (flags: alpha), ALPH, VP8
+    assert data[12:16] == b"VP8X" and data[20] == 0x10
+    data[20] |= 1 << bit
+    assert answer(bytes(data)) == through_pil(bytes(data))
+
+
+def test_the_matrix_webps_are_sized_as_pil_sizes_them():
+    webps = {case: data for case, data in matrix().items() if data[8:12] == WEBP_FORM}
+    assert len(webps) >= 2
+    for case, data in webps.items():
+        assert webp_size(data) is not None, case
+        assert answer(data) == through_pil(data), case
+
+
+def test_an_animation_and_a_large_declared_size_answer_as_through_pil():
+    frames = [Image.new("RGB", (20, 10), colour) for colour in ("red", "blue")]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="WEBP", save_all=True, append_images=frames[1:])
+    animation = buffer.getvalue()
+    assert webp_size(animation) is None
+    assert answer(animation) == through_pil(animation) == (20, 10, "WEBP")
+    huge = _webp("RGB", size=(8000, 8000))
+    refused = answer(huge, max_pixels=1 << 20)
+    assert webp_size(huge) == (8000, 8000)
+    assert refused == through_pil(huge, max_pixels=1 << 20)
+    assert refused[0] is image_files.TooLarge
+
+
+# Each random file is plain, or has one thing wrong (so that every fault is met often with the
+# rest of the file right, where only that fault decides the answer).
+FAULTS = [
+    *["none"] * 12,
+    *("riff_length", "cut", "more", "no_pad", "chunk_added", "chunk_taken"),
+    *("flags", "reserved", "canvas", "vp8x_longer"),
+    *("inter_frame", "profile", "hidden", "partition", "start_code", "zero_side", "vp8_short"),
+    *("vp8l_signature", "vp8l_version", "vp8l_short"),
+]
+_SIDES = st.sampled_from([1, 2, 37, 640, 16383])
+_KINDS = st.sampled_from(
+    [b"ICCP", b"ALPH", b"EXIF", b"XMP ", b"ANIM", b"ANMF", b"VP8X", b"VP8 ", b"VP8L", b"zzzz"]
+)
+_LAYOUTS = st.sampled_from(
+    [[b"VP8 "], [b"VP8L"], [b"VP8X", b"VP8 "], [b"VP8X", b"VP8L"], [b"VP8X", b"ICCP", b"VP8L"]]
+    + [[b"VP8X", b"ALPH", b"VP8 "], [b"VP8X", b"ICCP", b"ALPH", b"VP8 "]]
+    + [[b"VP8X", b"ALPH", b"VP8L"]]  # (refused: a lossless bitstream holds its own alpha)
+)
+
+
+def _vp8(draw, fault: str, width: int, height: int) -> bytes:
+    extra = draw(st.binary(max_size=24))
+    tag = (fault == "inter_frame") | draw(st.integers(0, 3)) << 1 | (fault != "hidden") << 4
+    if fault == "profile":
+        tag |= draw(st.integers(4, 7)) << 1
+    partition = draw(st.integers(0, len(extra) + 9))  # (the body is 10 + len(extra) bytes)
+    if fault == "partition":
+        partition = draw(st.integers(len(extra) + 10, len(extra) + 40))
+    start_code = b"\x9d\x01\x2a"
+    if fault == "start_code":
+        start_code = draw(st.binary(min_size=3, max_size=3).filter(lambda code: code != start_code))
+    if fault == "zero_side":
+        width, height = draw(st.sampled_from([(0, height), (width, 0), (0x4000, height)]))
+    scales = draw(st.integers(0, 3)) << 14, draw(st.integers(0, 3)) << 14  # (libwebp ignores them)
+    body = struct.pack("<I", tag | partition << 5)[:3] + start_code
+    body += struct.pack("<HH", width | scales[0], height | scales[1]) + extra
+    return body[: draw(st.integers(0, 9))] if fault == "vp8_short" else body
+
+
+def _vp8l(draw, fault: str, width: int, height: int) -> bytes:
+    signature = 0x2F
+    if fault == "vp8l_signature":
+        signature = draw(st.integers(0, 255).filter(lambda byte: byte != 0x2F))
+    version = draw(st.integers(1, 7)) if fault == "vp8l_version" else 0
+    bits = width - 1 | (height - 1) << 14 | draw(st.integers(0, 1)) << 28 | version << 29
+    body = bytes([signature]) + struct.pack("<I", bits) + draw(st.binary(max_size=16))
+    return body[: draw(st.integers(0, 4))] if fault == "vp8l_short" else body
+
+
+def _vp8x(draw, fault: str, width: int, height: int) -> bytes:
+    flags = draw(st.sampled_from([0, 0x10, 0x20, 0x30]))
+    if fault == "flags":
+        flags |= draw(st.sampled_from([0x01, 0x02, 0x04, 0x08, 0x40, 0x80]))
+    reserved = b"\0\0\0"
+    if fault == "reserved":
+        reserved = draw(st.binary(min_size=3, max_size=3))
+    if fault == "canvas":
+        width, height = draw(
+            st.tuples(_SIDES, _SIDES).filter(lambda canvas: canvas != (width, height))
+        )
+    body = bytes([flags]) + reserved
+    body += (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    return body + (draw(st.binary(min_size=1, max_size=3)) if fault == "vp8x_longer" else b"")
+
+
+@st.composite
+def _webp_file(draw) -> bytes:
+    fault = draw(st.sampled_from(FAULTS))
+    width, height = draw(_SIDES), draw(_SIDES)
+    kinds = draw(_LAYOUTS)
+    if fault == "chunk_added":
+        at = draw(st.integers(0, len(kinds)))
+        kinds = kinds[:at] + [draw(_KINDS)] + kinds[at:]
+    elif fault == "chunk_taken":
+        at = draw(st.integers(0, len(kinds) - 1))
+        kinds = kinds[:at] + kinds[at + 1 :]
+    chunks = b""
+    for kind in kinds:
+        if kind == b"VP8X":
+            body = _vp8x(draw, fault, width, height)
+        elif kind == b"VP8 ":
+            body = _vp8(draw, fault, width, height)
+        elif kind == b"VP8L":
+            body = _vp8l(draw, fault, width, height)
+        else:
+            body = draw(st.binary(max_size=20))
+        chunks += _chunk(kind, body, pad=fault != "no_pad")
+    length_error = draw(st.sampled_from([-9, -2, -1, 1, 2, 8])) if fault == "riff_length" else 0
+    data = _riff(chunks, length_error)
+    if fault == "cut":
+        data = data[: draw(st.integers(0, len(data) - 1))]
+    elif fault == "more":
+        data += draw(st.binary(min_size=1, max_size=9))
+    return data
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=_webp_file())
+def test_any_riff_file_answers_as_through_pil(data):
+    assert answer(data, max_pixels=1 << 26) == through_pil(data, max_pixels=1 << 26)
