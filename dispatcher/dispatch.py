@@ -6,15 +6,17 @@ compute it) and rows (an image's from its size and the checkpoint's image proces
 from the file header; a video's from its container header's frame count, rate and size and the
 checkpoint's video processor config: nothing is decoded); one room per item: its id drawn here
 and the room opened by the worker's intake with the item (one message per item, no call of its
-own), or minted in one call per request at a standalone room authority (``rooms_url``); each
-item's bytes to its worker's intake, all in flight at once. An item whose worker refuses it, times
-out or cannot be reached leaves no live room behind (a minted one, or one a silent worker may have
-opened, is cancelled at once) and is placed on the next worker in the ring. When every worker
-tried is busy (its queue full, or the item's wait there past its deadline, with a retry-after),
-the item backs off (doubling from the workers' retry-after up to ``MAX_BACKOFF_S``, jittered)
-and tries them again, within the intake timeout (at once, none of them can take it within it);
-an item no worker takes comes back with the reason and without a room, so the caller falls back
-(the gateway sends it to the engine inline) or fails it at once instead of waiting.
+own), or opened first at a standalone room authority (``rooms_url``) over its room stream, the
+rooms of every placement made in one loop step together; each item's bytes to its worker's
+intake, all in flight at once. An item whose worker refuses it, times out or cannot be reached
+leaves no live room behind (one opened at the authority, or one a silent worker may have opened,
+is cancelled at once; one whose open was sent and not answered, over the authority's next stream)
+and is placed on the next worker in the ring. When every worker tried is busy (its queue full, or
+the item's wait there past its deadline, with a retry-after), the item backs off (doubling from
+the workers' retry-after up to ``MAX_BACKOFF_S``, jittered) and tries them again, within the
+intake timeout (at once, none of them can take it within it); an item no worker takes comes back
+with the reason and without a room, so the caller falls back (the gateway sends it to the engine
+inline) or fails it at once instead of waiting.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ class Dispatcher:
             opened = await self._authority().open_rooms(rooms, self.room_ttl_s)
             for item, answer in zip(items, opened):
                 if not isinstance(answer, RoomView):  # (one whose answer was lost may be open:
-                    # it expires at its TTL, as a minted room whose answer was lost did)
+                    # RemoteRooms cancels it over its next stream)
                     item.error = f"cannot open a room at {endpoint}: {answer}"
                     item.retry_after_s = None
             kept = [i for i, answer in enumerate(opened) if isinstance(answer, RoomView)]

@@ -8,6 +8,7 @@ and are made from other threads."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import threading
 import time
@@ -29,6 +30,10 @@ from wire.rooms import (
 
 # a refusal's status -> the error it was raised as at the table
 REFUSALS = {error.status: error for error in (RoomNotFound, RoomConflict, RoomsFull)}
+# opens whose stream ended before their answer, kept to be cancelled over the next stream (beyond,
+# the oldest are left to expire at their TTL)
+MAX_LOST_OPENS = 4096
+LOST_OPEN_REASON = "opened by a dispatcher that never learnt it was: its room stream ended first"
 
 
 class LocalRooms:
@@ -102,6 +107,7 @@ class RemoteRooms:
         self._open: _OpenStream | None = None  # the loop's own
         self._opening = OpenOnce()
         self._tasks: set[asyncio.Task] = set()  # every stream's reader and guard not ended yet
+        self._lost_opens: collections.deque[int] = collections.deque(maxlen=MAX_LOST_OPENS)
 
     # ---- on the loop -----------------------------------------------------------------------
 
@@ -129,9 +135,11 @@ class RemoteRooms:
     ) -> list[RoomView | RoomError | HandshakeError]:
         """Open rooms with the ids the caller drew (a dispatcher's), sent together: each room's
         view, or why it is not open (an id asked for twice, or with a call in flight, is refused
-        here). An open is sent once: when the stream ends first, the room may be open or not (one
-        that is expires at its TTL), and it is answered as not. ``ValueError`` for a TTL the wire
-        cannot carry."""
+        here). An open is sent once: when the stream ends first, the room may be open or not; it
+        is answered as not, and cancelled over the next stream (nobody else knows its id: a room
+        that was not opened is refused there, and the refusal dropped; the one hazard, an id drawn
+        from 63 random bits that was someone else's room, is a chance of 1e-14 per lost open with
+        100,000 rooms live). ``ValueError`` for a TTL the wire cannot carry."""
         check_room_ttl(ttl_s)  # (raised from a send, it would leave the calls started so far)
         calls: list[asyncio.Future | RoomError] = []
         try:
@@ -149,10 +157,14 @@ class RemoteRooms:
             # are answered on the stream that ended)
             calls.extend([exc] * (len(rooms) - len(calls)))
         answers = []
-        for call in calls:
+        for room, call in zip(rooms, calls):
             try:
                 answers.append(_view(await call) if isinstance(call, asyncio.Future) else call)
-            except (RoomError, HandshakeError) as exc:
+            except RoomError as exc:
+                answers.append(exc)
+            except HandshakeError as exc:
+                if isinstance(call, asyncio.Future):  # sent: it may be open
+                    self._lost_opens.append(room)
                 answers.append(exc)
         return answers
 
@@ -198,6 +210,9 @@ class RemoteRooms:
 
     async def _connect(self) -> _OpenStream:
         open_ = self._open = _OpenStream(await RoomStreamClient.open(self.client))
+        if self._lost_opens:  # (no answer is awaited: a refusal of a room never opened is dropped)
+            open_.stream.cancel(list(self._lost_opens), LOST_OPEN_REASON)
+            self._lost_opens.clear()
         open_.tasks = (
             asyncio.create_task(self._read(open_)),
             asyncio.create_task(self._guard(open_)),

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from handshake.app import create_app
-from handshake.rooms import RoomTable
+from handshake.rooms import RoomNotFound, RoomTable
 from handshake.server import ThreadedServer
 from tests.handshake_helpers import begin, commit, registration
 from wire.room_client import HandshakeClient, HandshakeError, SyncHandshakeClient
@@ -323,6 +323,62 @@ def test_closing_remote_rooms_leaves_no_task_of_a_stream_the_server_ended():
         assert asyncio.run(scenario()) == []
     finally:
         server.stop()
+
+
+def test_opens_whose_stream_ended_before_their_answer_are_cancelled_over_the_next_stream(
+    monkeypatch,
+):
+    """The server applies an open frame and ends the stream before it answers: the rooms are
+    answered as not open, and the next stream cancels them (those that were opened end CANCELLED
+    with why; one the table refused, full, is refused again as unknown, and that refusal is
+    dropped); the freed rooms take new opens."""
+    from handshake import stream as room_stream
+    from handshake.access import LOST_OPEN_REASON, RemoteRooms
+    from handshake.rooms import RoomLimits, RoomsFull
+
+    table = RoomTable(RoomLimits(max_live_rooms=2))
+    server = ThreadedServer(create_app(table, token=TOKEN)).start()
+    answer, dropped = room_stream.RoomStream._answer, []
+
+    def end_before_the_first_answer(stream, answers, rooms):
+        if dropped:
+            return answer(stream, answers, rooms)
+        dropped.append(list(zip(rooms, [type(a).__name__ for a in answers])))
+        stream._closing = asyncio.ensure_future(stream.websocket.close())
+
+    monkeypatch.setattr(room_stream.RoomStream, "_answer", end_before_the_first_answer)
+
+    async def until_cancelled(*rooms_ids):
+        async with asyncio.timeout(10):
+            while any(table.view(room).state is not RoomState.CANCELLED for room in rooms_ids):
+                await asyncio.sleep(0.01)
+
+    async def scenario():
+        rooms = RemoteRooms(None, HandshakeClient(server.url, token=TOKEN, timeout_s=5))
+        try:
+            lost = await rooms.open_rooms([11, 12, 13], 30)
+            assert all(isinstance(answer, HandshakeError) for answer in lost), lost
+            assert [table.view(room).state for room in (11, 12)] == [RoomState.PENDING] * 2
+            (full,) = await rooms.open_rooms([14], 30)  # the next stream: cancels go out on it
+            await until_cancelled(11, 12)
+            (opened,) = await rooms.open_rooms([15], 30)
+            return full, opened
+        finally:
+            await rooms.aclose()
+
+    try:
+        full, opened = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert dropped == [[(11, "RoomView"), (12, "RoomView"), (13, "RoomsFull")]]
+    assert table.view(11).reason == table.view(12).reason == LOST_OPEN_REASON
+    with pytest.raises(RoomNotFound):
+        table.view(13)
+    assert opened.state is RoomState.PENDING
+    if isinstance(full, RoomsFull):  # (its open went out before the cancels, or after them)
+        assert table.live_rooms == 1
+    else:
+        assert full.state is RoomState.PENDING and table.live_rooms == 2
 
 
 @pytest.mark.parametrize("count", [0, 1, 8, 9, 16, 17, 40, 512, 513, 1000])
