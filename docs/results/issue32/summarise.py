@@ -72,6 +72,7 @@ TABLES = (
     ("jpeg-ceiling", "123456", "1d23076", "2fb58e2"),
     ("publish", "123456", "2fb58e2", "67764d4"),
     ("session-cost", "123", "1d23076", "67764d4"),
+    ("webp-ceiling", "123", "4bf9256", "25a79ea"),
 )
 
 
