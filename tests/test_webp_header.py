@@ -16,7 +16,7 @@ from PIL import Image
 from tests.header_answers import answer, through_pil
 from tests.image_matrix import matrix
 from vision import image_files
-from vision.image_files import WEBP_FORM, WEBP_RIFF, webp_size
+from vision.image_files import WEBP_FORM, WEBP_READ_AFTER, WEBP_RIFF, webp_size
 
 PLAIN = [
     ("RGB", {}),
@@ -76,6 +76,50 @@ def test_the_matrix_webps_are_sized_as_pil_sizes_them():
     for case, data in webps.items():
         assert webp_size(data) is not None, case
         assert answer(data) == through_pil(data), case
+
+
+def _lossy(extra: bytes) -> bytes:
+    """A lossy bitstream of 37x21 whose compressed data is ``extra``."""
+    return b"\x10\x00\x00\x9d\x01\x2a" + struct.pack("<HH", 37, 21) + extra
+
+
+def _with_floats(body: bytearray, at: dict[int, float]) -> bytes:
+    """``body`` (a chunk's, at file offset 20) with big-endian floats at these file offsets."""
+    for offset, value in at.items():
+        body[offset - 20 : offset - 16] = struct.pack(">f", value)
+    return bytes(body)
+
+
+# WebPs that a reader PIL tries first (one that checks no signature) takes (found by a review)
+CLAIMED_FIRST = {
+    "IM": _riff(_chunk(b"VP8 ", _lossy(b": x\nImage type: L\nImage size (x*y): 5*7\n\x1a"))),
+    "PCD": _riff(_chunk(b"VP8 ", _lossy(bytes(2018) + b"PCD_" + bytes(1600)))),
+    "SPIDER": _riff(
+        _chunk(
+            b"VP8L",
+            _with_floats(
+                bytearray(b"\x2f" + struct.pack("<I", 36 | 20 << 14) + bytes(32826)),
+                {44: 1.0, 48: 1.0, 84: 4.0, 88: 4.0},
+            ),
+        )
+    ),
+}
+
+
+def test_the_readers_pil_tries_before_its_webp_reader_without_a_signature_are_ruled_out():
+    Image.init()
+    before = _readers_before_webp()
+    assert set(before) <= set(WEBP_READ_AFTER), before
+    for name, data in CLAIMED_FIRST.items():
+        assert webp_size(data) is None, name
+        assert answer(data) == through_pil(data), name
+        assert isinstance(through_pil(data)[0], type), name  # (FormatNotTaken: read as another)
+
+
+def _readers_before_webp() -> list[str]:
+    """The readers ``Image.open`` tries before the WebP one that take any file to look at."""
+    ids = Image.ID[: Image.ID.index("WEBP")]
+    return [name for name in ids if Image.OPEN[name][1] is None]
 
 
 def test_an_animation_and_a_large_declared_size_answer_as_through_pil():

@@ -15,6 +15,7 @@ goes through PIL."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import struct
 import zlib
@@ -76,6 +77,10 @@ VP8_START_CODE = b"\x9d\x01\x2a"
 VP8_FRAME_HEADER = 10  # bytes: the frame tag, the start code, the width and the height
 VP8L_SIGNATURE = 0x2F
 VP8L_HEADER = 5  # bytes: the signature, then 14 + 14 bits of size, 1 of alpha, 3 of version
+# The readers PIL tries before its WebP reader that check no signature first (``Image.ID`` order,
+# Pillow 13): a WebP one of them takes opens as that format. ``_claimed_before_webp`` rules out
+# the files IM, PCD and SPIDER may take; IMT, TGA and IPTC refuse a RIFF's first bytes.
+WEBP_READ_AFTER = ("IM", "IMT", "IPTC", "PCD", "SPIDER", "TGA")
 
 
 class TooLarge(ValueError):
@@ -292,7 +297,7 @@ def webp_size(data: bytes) -> tuple[int, int] | None:
     other file (PIL reads it)."""
     if len(data) < 20 or data[:4] != WEBP_RIFF or data[8:12] != WEBP_FORM:
         return None
-    if int.from_bytes(data[4:8], "little") + 8 != len(data):
+    if int.from_bytes(data[4:8], "little") + 8 != len(data) or _claimed_before_webp(data):
         return None
     kinds, bodies, at, view = [], [], 12, memoryview(data)  # (bodies are views: not copied)
     while at < len(data):
@@ -321,6 +326,35 @@ def webp_size(data: bytes) -> tuple[int, int] | None:
     if size is None or (limit is not None and size[0] * size[1] > limit):
         return None
     return size
+
+
+def _claimed_before_webp(data: bytes) -> bool:
+    """Whether a reader PIL tries before its WebP reader (``WEBP_READ_AFTER``) may take the file:
+    IM reads a text header (a first line within 100 bytes, with a key: a colon in it), PCD finds
+    ``PCD_`` at 2048, SPIDER 27 floats that make its header in either byte order. (IMT reads a
+    first line of a lower-case key and a space, which "RIFF" is not.)"""
+    first_line_end = data.find(b"\n", 0, 100)
+    if b":" in data[: max(0, first_line_end)] or data[2048:2052] == b"PCD_":
+        return True
+    if len(data) < 108:
+        return False
+    spider_header = _spider_header_check()
+    return bool(
+        spider_header(struct.unpack_from(">27f", data))
+        or spider_header(struct.unpack_from("<27f", data))
+    )
+
+
+@functools.cache
+def _spider_header_check():
+    """PIL's own check of a SPIDER header, imported once every reader is registered as
+    ``Image.open`` registers them (imported first, the SPIDER reader would be tried out of
+    PIL's order)."""
+    Image.preinit()
+    Image.init()
+    from PIL.SpiderImagePlugin import isSpiderHeader
+
+    return isSpiderHeader
 
 
 def _bitstream_size(kind: bytes, body: memoryview) -> tuple[int, int] | None:
