@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="checkpoint (default: a small Qwen2.5-VL tower, 2048-wide rows)",
     )
+    soak.add_argument(
+        "--rooms-at-handshake",
+        action="store_true",
+        help="normal traffic's rooms opened at the standalone handshake over its room stream "
+        "(as epd-dispatch --rooms-url), not at each item's worker",
+    )
     soak.add_argument("--json", default=None)
     vllm = sub.add_parser(
         "vllm",

@@ -7,10 +7,12 @@ The processes are ``bench.faults.FaultLab``'s (a standalone handshake, steady en
 (SHM and Mooncake) and ``b`` (Mooncake only), the steady prefill process, and the victims ``v`` and
 ``pv``). Normal traffic: ``--concurrency`` clients send requests of 1-4 images (from a set of
 distinct synthetic images, so the workers' embedding caches hit too) through the real dispatcher
-over workers ``a`` and ``b`` into the prefill process. Faults: one scenario of ``bench.faults`` at
-a time, drawn at random (weighted by cost: start-up faults start processes), injected so that fault
-events stay at ``--fault-rate`` per item over the run; every item a fault scenario sends counts
-toward ``--items`` too.
+over workers ``a`` and ``b`` into the prefill process (with ``rooms_at_handshake``, the dispatcher
+opens the normal items' rooms at the standalone handshake over its room stream and the workers
+reach them there, as ``epd-dispatch --rooms-url``, and no fault kills that handshake; else at
+each item's worker). Faults: one scenario of ``bench.faults`` at a time, drawn at random (weighted
+by cost: start-up faults start processes), injected so that fault events stay at ``--fault-rate``
+per item over the run; every item a fault scenario sends counts toward ``--items`` too.
 
 Checked: every delivered item's rows against this process's own tower (xxh3 of the rows); every
 faulted room's outcome and time from the fault to its failure; normal items that failed
@@ -85,8 +87,10 @@ class Soak:
         model: str | None = None,
         kinds: list[str] | None = None,
         progress: bool = True,
+        rooms_at_handshake: bool = False,
     ):
         self.items = items
+        self.rooms_at_handshake = rooms_at_handshake
         self.fault_rate = fault_rate
         self.concurrency = concurrency
         self.rng = random.Random(seed)
@@ -95,6 +99,9 @@ class Soak:
         self.kinds = kinds or [
             kind for kind in WEIGHTS if kind != "dev_shm_full" or faults.can_mount_tmpfs()
         ]
+        if rooms_at_handshake:  # (it kills the handshake and starts another on other ports: the
+            # normal traffic's rooms would be its casualties, and its dispatcher's URL stale)
+            self.kinds = [kind for kind in self.kinds if kind != "handshake_unreachable"]
         self.progress = progress
         self.counted = 0  # items sent so far, normal and faulted
         self.normal = {"requests": 0, "items": 0, "delivered": 0, "corrupted": 0, "failed": 0}
@@ -220,7 +227,8 @@ class Soak:
             lab.reference(image)
         workers = WorkerSet([lab.roles[name].worker for name in ("a", "b")], check_timeout_s=2)
         await workers.refresh()
-        dispatcher = Dispatcher(workers, lab.processor, intake_timeout_s=10)
+        rooms_url = lab.roles["handshake"].url if self.rooms_at_handshake else None
+        dispatcher = Dispatcher(workers, lab.processor, rooms_url=rooms_url, intake_timeout_s=10)
         started = time.monotonic()
         async with (
             lab.connect() as conn,
@@ -309,6 +317,8 @@ class Soak:
             "seed": self.seed,
             "fault_events": len(self.events),
             "concurrency": self.concurrency,
+            "rooms_at_handshake": self.rooms_at_handshake,
+            "kinds": self.kinds,
             "delivered": delivered,
             "corrupted": corrupted,
             "faulted_rooms": len(affected),
@@ -512,7 +522,15 @@ def main(args) -> int:
         f"seed {args.seed}",
         flush=True,
     )
-    soak = Soak(args.items, args.fault_rate, args.concurrency, args.seed, args.model, kinds)
+    soak = Soak(
+        args.items,
+        args.fault_rate,
+        args.concurrency,
+        args.seed,
+        args.model,
+        kinds,
+        rooms_at_handshake=args.rooms_at_handshake,
+    )
     report = soak.run()
     print(
         f"\nitems {report['items']} (faults: {report['fault_events']} events, "
