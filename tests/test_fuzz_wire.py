@@ -460,6 +460,124 @@ def test_truncated_handshake_bodies_get_4xx(cut, path):
     assert response.status_code < 500
 
 
+# ---- the room stream's frames ------------------------------------------------------------------
+
+_writes = st.lists(
+    st.fixed_dictionaries(
+        {"room": _room, "generation": numbers, "transport": st.text(max_size=9)},
+        optional={"writer": st.text(max_size=9), "write_timeout_s": numbers},
+    ),
+    max_size=3,
+)
+_stream_frames = st.one_of(
+    st.fixed_dictionaries(
+        {"op": st.just("open"), "rooms": st.lists(_room, max_size=3)}, optional={"ttl_s": numbers}
+    ),
+    st.fixed_dictionaries(
+        {"op": st.just("register"), "receivers": st.lists(_registration, max_size=3)}
+    ),
+    st.fixed_dictionaries(
+        {"op": st.just("cancel"), "rooms": st.lists(_room, max_size=3)},
+        optional={"reason": st.text(max_size=600)},
+    ),
+    st.fixed_dictionaries(
+        {
+            "op": st.sampled_from(["watch_staged", "watch_registered", "watch", "mint"]),
+            "rooms": st.lists(_room, max_size=3),
+        }
+    ),
+    st.fixed_dictionaries({"op": st.just("begin_write"), "writes": _writes}),
+    st.fixed_dictionaries({"op": st.just("commit"), "commits": st.lists(_commit, max_size=3)}),
+    st.dictionaries(st.text(max_size=10), json_values, max_size=4),
+    json_values,
+)
+
+
+def _check_stream_frame(raw: bytes) -> str:
+    """``raw`` as a frame of the room stream, parsed and sent to the real server end (in-process):
+    a frame that parses keeps the wire's bounds and round-trips, and the stream answers a probe
+    after it (every frame out is a ``BatchResponse``); any other closes that stream with 1007 and
+    a reason, and the server takes a new stream. What the frame was, for ``event``."""
+    from starlette.websockets import WebSocketDisconnect
+
+    try:
+        frame = models.STREAM_FRAME.validate_json(raw)
+    except ValidationError as exc:
+        assert exc.errors(include_url=False)
+        frame = None
+    else:
+        _within_bounds(frame)
+        assert models.STREAM_FRAME.validate_json(frame.model_dump_json()) == frame
+    global _PROBE_ROOM
+    _PROBE_ROOM += 1
+    with _handshake_client().websocket_connect(models.STREAM_PATH) as websocket:
+        websocket.send_bytes(raw)
+        websocket.send_text(models.StreamOpen(rooms=[_PROBE_ROOM], ttl_s=5).model_dump_json())
+        try:
+            answered = False
+            while not answered:
+                results = models.BatchResponse.model_validate_json(websocket.receive_text())
+                answered = any(result.room == _PROBE_ROOM for result in results.results)
+        except WebSocketDisconnect as exc:
+            assert frame is None, frame
+            assert exc.code == 1007 and exc.reason.startswith("malformed frame"), exc
+        else:
+            assert frame is not None, raw
+    return f"a {frame.op} frame" if frame is not None else "refused"
+
+
+_PROBE_ROOM = MAX_ROOM_ID // 2  # (rooms the probes open, one each)
+
+
+def test_a_valid_frame_of_each_kind_is_answered():
+    """The checks above see valid frames of every op (random ones rarely are), and the same frame
+    with a key too many refused."""
+    registration = {
+        "room": 3,
+        "generation": 1,
+        "rows": 2,
+        "width": 4,
+        "dtype": "float32",
+        "offers": [{"kind": "loopback", "region": 1, "offset": 0, "capacity": 32}],
+    }
+    commit = {"room": 3, "generation": 1, "transport": "shm", "rows": 2, "width": 4}
+    frames = [
+        {"op": "open", "rooms": [3], "ttl_s": 30},
+        {"op": "register", "receivers": [registration]},
+        {"op": "cancel", "rooms": [4]},
+        {"op": "watch_staged", "rooms": [3]},
+        {"op": "watch_registered", "rooms": [3]},
+        {"op": "begin_write", "writes": [{"room": 3, "generation": 1, "transport": "shm"}]},
+        {"op": "commit", "commits": [{**commit, "dtype": "float32"}]},
+    ]
+    assert {frame["op"] for frame in frames} == {
+        model.model_fields["op"].default
+        for name, model in vars(models).items()
+        if name.startswith("Stream") and "op" in getattr(model, "model_fields", {})
+    }
+    for frame in frames:
+        _check_stream_frame(json.dumps(frame).encode())
+        extra = json.dumps({**frame, "extra": 1}).encode()
+        with pytest.raises(ValidationError):
+            models.STREAM_FRAME.validate_json(extra)
+        _check_stream_frame(extra)
+
+
+@SLOW
+@given(_stream_frames)
+def test_room_stream_frames(frame):
+    event(_check_stream_frame(json.dumps(frame).encode()))
+
+
+@SLOW
+@example(b"")
+@example(b'{"op": "open", "rooms": [1]}')
+@example(b'{"op": "register", "receivers": []}')
+@given(st.binary(max_size=300))
+def test_room_stream_frames_of_random_bytes(raw):
+    event(_check_stream_frame(raw))
+
+
 _HANDSHAKE_CLIENT = None
 
 
