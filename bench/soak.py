@@ -99,9 +99,13 @@ class Soak:
         self.kinds = kinds or [
             kind for kind in WEIGHTS if kind != "dev_shm_full" or faults.can_mount_tmpfs()
         ]
-        if rooms_at_handshake:  # (it kills the handshake and starts another on other ports: the
-            # normal traffic's rooms would be its casualties, and its dispatcher's URL stale)
+        if rooms_at_handshake and "handshake_unreachable" in self.kinds:  # (it kills the
+            # handshake and starts another on other ports: the normal traffic's rooms would be
+            # its casualties, and its dispatcher's URL stale)
             self.kinds = [kind for kind in self.kinds if kind != "handshake_unreachable"]
+            print("handshake_unreachable left out: the rooms are at that handshake", flush=True)
+        if not self.kinds:
+            raise ValueError("no fault scenario left to run")
         self.progress = progress
         self.counted = 0  # items sent so far, normal and faulted
         self.normal = {"requests": 0, "items": 0, "delivered": 0, "corrupted": 0, "failed": 0}

@@ -8,7 +8,6 @@ and are made from other threads."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import threading
 import time
@@ -30,8 +29,8 @@ from wire.rooms import (
 
 # a refusal's status -> the error it was raised as at the table
 REFUSALS = {error.status: error for error in (RoomNotFound, RoomConflict, RoomsFull)}
-# opens whose stream ended before their answer, kept to be cancelled over the next stream (beyond,
-# the oldest are left to expire at their TTL)
+# opens whose stream ended before their answer, kept to be cancelled over the next stream and
+# refused if asked for again (beyond, the oldest are left to expire at their TTL)
 MAX_LOST_OPENS = 4096
 LOST_OPEN_REASON = "opened by a dispatcher that never learnt it was: its room stream ended first"
 
@@ -66,23 +65,27 @@ class _OpenStream:
     """A room stream and the calls in flight on it, by room; its reader and guard tasks. Once it
     has ended, every call on it has its answer (the error) and no call is added."""
 
-    __slots__ = ("stream", "calls", "waiting_since", "tasks", "ended")
+    __slots__ = ("stream", "calls", "opens", "waiting_since", "tasks", "ended")
 
     def __init__(self, stream: RoomStreamClient):
         self.stream = stream
         self.calls: dict[int, asyncio.Future] = {}
+        self.opens: set[int] = set()  # the rooms among ``calls`` whose call is an open
         self.waiting_since = time.monotonic()  # since when some call has waited (when any has)
         self.tasks: tuple[asyncio.Task, ...] = ()  # (the loop keeps only weak references)
         self.ended = False
 
-    def end(self, error: HandshakeError) -> None:
+    def end(self, error: HandshakeError) -> list[int]:
         """Every call in flight answered with ``error`` (a result: a watch nobody awaits any
-        more logs nothing)."""
+        more logs nothing); the rooms whose open was in flight (they may be open)."""
         self.ended = True
+        lost = [room for room in self.calls if room in self.opens]
         for call in self.calls.values():
             if not call.done():
                 call.set_result(error)
         self.calls.clear()
+        self.opens.clear()
+        return lost
 
 
 class RemoteRooms:
@@ -107,7 +110,8 @@ class RemoteRooms:
         self._open: _OpenStream | None = None  # the loop's own
         self._opening = OpenOnce()
         self._tasks: set[asyncio.Task] = set()  # every stream's reader and guard not ended yet
-        self._lost_opens: collections.deque[int] = collections.deque(maxlen=MAX_LOST_OPENS)
+        self._lost_opens: dict[int, None] = {}  # (oldest first) refused if asked for again
+        self._cancels_due: list[int] = []  # lost opens, for the next stream a call uses
 
     # ---- on the loop -----------------------------------------------------------------------
 
@@ -136,10 +140,13 @@ class RemoteRooms:
         """Open rooms with the ids the caller drew (a dispatcher's), sent together: each room's
         view, or why it is not open (an id asked for twice, or with a call in flight, is refused
         here). An open is sent once: when the stream ends first, the room may be open or not; it
-        is answered as not, and cancelled over the next stream (nobody else knows its id: a room
-        that was not opened is refused there, and the refusal dropped; the one hazard, an id drawn
-        from 63 random bits that was someone else's room, is a chance of 1e-14 per lost open with
-        100,000 rooms live). ``ValueError`` for a TTL the wire cannot carry."""
+        is answered as not, refused if asked for again, and cancelled over the next stream a call
+        uses (nobody else knows its id: a room that was not opened is refused there, and the
+        refusal dropped; the one hazard, an id drawn from 63 random bits that was someone else's
+        room, is a chance of 1e-14 per lost open with 100,000 rooms live). That cancel is best
+        effort: one that cannot be sent (no further call, or that stream ends too), or that meets
+        the server before a stalled connection's open, leaves the room to expire at its TTL.
+        ``ValueError`` for a TTL the wire cannot carry."""
         check_room_ttl(ttl_s)  # (raised from a send, it would leave the calls started so far)
         calls: list[asyncio.Future | RoomError] = []
         try:
@@ -147,24 +154,22 @@ class RemoteRooms:
                 open_ = self._open
                 if open_ is not None and room in open_.calls:
                     calls.append(RoomConflict(f"room {room} has a call in flight already"))
+                elif room in self._lost_opens:
+                    calls.append(RoomConflict(f"room {room}: its open was lost, it is cancelled"))
                 else:
                     calls.append(
                         await self._start(
-                            room, lambda stream, r=room: stream.open_rooms([r], ttl_s)
+                            room, lambda stream, r=room: stream.open_rooms([r], ttl_s), opens=True
                         )
                     )
         except HandshakeError as exc:  # no stream could be opened (the rooms asked for so far
             # are answered on the stream that ended)
             calls.extend([exc] * (len(rooms) - len(calls)))
         answers = []
-        for room, call in zip(rooms, calls):
+        for call in calls:
             try:
                 answers.append(_view(await call) if isinstance(call, asyncio.Future) else call)
-            except RoomError as exc:
-                answers.append(exc)
-            except HandshakeError as exc:
-                if isinstance(call, asyncio.Future):  # sent: it may be open
-                    self._lost_opens.append(room)
+            except (RoomError, HandshakeError) as exc:
                 answers.append(exc)
         return answers
 
@@ -177,7 +182,7 @@ class RemoteRooms:
     async def aclose(self) -> None:
         """Close the stream and the client."""
         open_, self._open = self._open, None
-        if open_ is not None:
+        if open_ is not None:  # (its lost opens are left to their TTL: no stream follows)
             open_.end(HandshakeError(0, "room stream closed: its owner stops"))
             await open_.stream.close()
         tasks = list(self._tasks)  # (streams that ended before: a guard may still sleep)
@@ -194,25 +199,29 @@ class RemoteRooms:
             result = await (await self._start(room, send))
         return _view(result)
 
-    async def _start(self, room: int, send: Callable[[RoomStreamClient], None]) -> asyncio.Future:
-        """The call sent (``send``), its answer to come: the room's result, or why the stream
-        ended first. ``HandshakeError`` when no stream can be opened."""
+    async def _start(
+        self, room: int, send: Callable[[RoomStreamClient], None], opens: bool = False
+    ) -> asyncio.Future:
+        """The call sent (``send``; ``opens``: it opens the room), its answer to come: the room's
+        result, or why the stream ended first. ``HandshakeError`` when no stream can be opened."""
         open_ = self._open
         if open_ is None or open_.ended:
             open_ = await self._opening(None, self._connect)
             if open_.ended:  # it ended as it opened
                 raise HandshakeError(0, "the room stream closed as it opened")
+        if self._cancels_due:  # (no answer is awaited: a refusal of a room never opened is dropped)
+            open_.stream.cancel(self._cancels_due, LOST_OPEN_REASON)
+            self._cancels_due = []
         if not open_.calls:
             open_.waiting_since = time.monotonic()
         call = open_.calls[room] = asyncio.get_running_loop().create_future()
+        if opens:
+            open_.opens.add(room)
         send(open_.stream)
         return call
 
     async def _connect(self) -> _OpenStream:
         open_ = self._open = _OpenStream(await RoomStreamClient.open(self.client))
-        if self._lost_opens:  # (no answer is awaited: a refusal of a room never opened is dropped)
-            open_.stream.cancel(list(self._lost_opens), LOST_OPEN_REASON)
-            self._lost_opens.clear()
         open_.tasks = (
             asyncio.create_task(self._read(open_)),
             asyncio.create_task(self._guard(open_)),
@@ -227,6 +236,7 @@ class RemoteRooms:
         try:
             while True:
                 for result in await open_.stream.receive():
+                    open_.opens.discard(result.room)
                     call = open_.calls.pop(result.room, None)
                     if call is not None and not call.done():
                         call.set_result(result)
@@ -260,7 +270,13 @@ class RemoteRooms:
     def _ended(self, open_: _OpenStream, error: HandshakeError) -> None:
         if self._open is open_:
             self._open = None
-        open_.end(error)
+        lost = open_.end(error)
+        for room in lost:  # (the newest MAX_LOST_OPENS kept)
+            self._lost_opens[room] = None
+            if len(self._lost_opens) > MAX_LOST_OPENS:
+                del self._lost_opens[next(iter(self._lost_opens))]
+        self._cancels_due += lost
+        del self._cancels_due[:-MAX_LOST_OPENS]
 
     # ---- from other threads ----------------------------------------------------------------
 

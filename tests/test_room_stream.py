@@ -331,10 +331,11 @@ def test_opens_whose_stream_ended_before_their_answer_are_cancelled_over_the_nex
     """The server applies an open frame and ends the stream before it answers: the rooms are
     answered as not open, and the next stream cancels them (those that were opened end CANCELLED
     with why; one the table refused, full, is refused again as unknown, and that refusal is
-    dropped); the freed rooms take new opens."""
+    dropped, on the same stream); an id whose open was lost is refused if asked for again; the
+    freed rooms take new opens."""
     from handshake import stream as room_stream
     from handshake.access import LOST_OPEN_REASON, RemoteRooms
-    from handshake.rooms import RoomLimits, RoomsFull
+    from handshake.rooms import RoomConflict, RoomLimits, RoomsFull
 
     table = RoomTable(RoomLimits(max_live_rooms=2))
     server = ThreadedServer(create_app(table, token=TOKEN)).start()
@@ -359,26 +360,30 @@ def test_opens_whose_stream_ended_before_their_answer_are_cancelled_over_the_nex
             lost = await rooms.open_rooms([11, 12, 13], 30)
             assert all(isinstance(answer, HandshakeError) for answer in lost), lost
             assert [table.view(room).state for room in (11, 12)] == [RoomState.PENDING] * 2
-            (full,) = await rooms.open_rooms([14], 30)  # the next stream: cancels go out on it
+            (fourteen,) = await rooms.open_rooms([14], 30)  # the next stream: cancels go out on it
+            stream = rooms._open
             await until_cancelled(11, 12)
+            (again,) = await rooms.open_rooms([11], 30)
             (opened,) = await rooms.open_rooms([15], 30)
-            return full, opened
+            assert rooms._open is stream  # (the refusal of room 13's cancel was dropped)
+            return fourteen, again, opened
         finally:
             await rooms.aclose()
 
     try:
-        full, opened = asyncio.run(scenario())
+        fourteen, again, opened = asyncio.run(scenario())
     finally:
         server.stop()
     assert dropped == [[(11, "RoomView"), (12, "RoomView"), (13, "RoomsFull")]]
     assert table.view(11).reason == table.view(12).reason == LOST_OPEN_REASON
     with pytest.raises(RoomNotFound):
         table.view(13)
+    assert isinstance(again, RoomConflict) and "lost" in str(again)
     assert opened.state is RoomState.PENDING
-    if isinstance(full, RoomsFull):  # (its open went out before the cancels, or after them)
+    if isinstance(fourteen, RoomsFull):  # (its open went out before the cancels, or after them)
         assert table.live_rooms == 1
     else:
-        assert full.state is RoomState.PENDING and table.live_rooms == 2
+        assert fourteen.state is RoomState.PENDING and table.live_rooms == 2
 
 
 @pytest.mark.parametrize("count", [0, 1, 8, 9, 16, 17, 40, 512, 513, 1000])

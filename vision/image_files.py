@@ -9,7 +9,7 @@ composited onto white, and any other mode converted as PIL converts it.
 swap width and height); ``decode_rgb`` decodes it by the same rules. A plain PNG's, JPEG's or
 WebP's header is read here without PIL (``png_size``, ``jpeg_size``, ``webp_size``: the dispatcher
 and every worker's intake read one per image, and PIL's open costs ~9 us of it for a PNG, ~18 for a
-JPEG, 30-120 for a WebP); every other file, and every one these readers find anything unusual in,
+JPEG, 43-78 for a WebP); every other file, and every one these readers find anything unusual in,
 goes through PIL."""
 
 from __future__ import annotations
