@@ -76,13 +76,15 @@ TABLES = (
 )
 
 
-def handshake_table(prefix: str, pairs: str) -> list[str]:
-    """The stream receiver's levels: rooms/s and p99, medians of the runs per side."""
+def handshake_table(prefix: str, pairs: str, path: tuple | None = None) -> list[str]:
+    """The stream receiver's levels (``path``: only the rows of that opener, receiver and
+    sender): rooms/s and p99, medians of the runs per side."""
     levels: dict[tuple, dict[str, list[dict]]] = {}
     for side in ("before", "after"):
         for run in runs(f"{prefix}-{side}-[{pairs}].json"):
             for row in run["levels"]:
-                if row["receiver"] == "stream":
+                row_path = (row.get("opener"), row["receiver"], row.get("sender"))
+                if row["receiver"] == "stream" and path in (None, row_path):
                     key = (row["batch"], row["concurrency"])
                     levels.setdefault(key, {}).setdefault(side, []).append(row)
     lines = [
@@ -98,7 +100,10 @@ def handshake_table(prefix: str, pairs: str) -> list[str]:
     return lines
 
 
-HANDSHAKE_TABLES = (("construct-handshake", "12", "8b80f3f", "350f6f2"),)
+HANDSHAKE_TABLES = (
+    ("construct-handshake", "12", "8b80f3f", "350f6f2", None),
+    ("session-handshake", "12", "4bf9256", "3aadcae", ("stream", "stream", "stream")),
+)
 
 
 def pairs_table(pattern: str) -> list[str]:
@@ -161,9 +166,10 @@ def main() -> None:
         if runs(f"{prefix}-before-[{pairs}].json"):
             print(f"\n{prefix}, {before} -> {after}:")
             print("\n".join(cost_table(prefix, pairs)))
-    for prefix, pairs, before, after in HANDSHAKE_TABLES:
-        print(f"\n{prefix}, {before} -> {after} (the stream receiver):")
-        print("\n".join(handshake_table(prefix, pairs)))
+    for prefix, pairs, before, after, path in HANDSHAKE_TABLES:
+        if runs(f"{prefix}-before-[{pairs}].json"):
+            print(f"\n{prefix}, {before} -> {after} (the stream receiver; path {path}):")
+            print("\n".join(handshake_table(prefix, pairs, path)))
     if runs("writer-handshake-*.json"):
         print("\nwriter-handshake: the writer's stream against REST, in the same runs:")
         print("\n".join(pairs_table("writer-handshake-*.json")))
