@@ -197,6 +197,24 @@ def test_intake_batches(items, payloads, token):
 
 # ---- handshake bodies --------------------------------------------------------------------------
 
+# one valid registration, begin and commit of room 3, for the tests that need a valid body or frame
+VALID_REGISTRATION = {
+    "room": 3,
+    "generation": 1,
+    "rows": 2,
+    "width": 4,
+    "dtype": "float32",
+    "offers": [{"kind": "loopback", "region": 1, "offset": 0, "capacity": 32}],
+}
+VALID_BEGIN = {"room": 3, "generation": 1, "transport": "shm"}
+VALID_COMMIT = {
+    "room": 3,
+    "generation": 1,
+    "transport": "shm",
+    "rows": 2,
+    "width": 4,
+    "dtype": "float32",
+}
 BODIES = [
     models.MintRequest,
     models.RegisterRequest,
@@ -384,31 +402,9 @@ def test_a_valid_body_of_each_kind_is_accepted():
     """The checks above see valid bodies of every route (random bytes alone rarely are one)."""
     valid = {
         models.MintRequest: {"count": 1},
-        models.RegisterRequest: {
-            "receivers": [
-                {
-                    "room": 3,
-                    "generation": 1,
-                    "rows": 2,
-                    "width": 4,
-                    "dtype": "float32",
-                    "offers": [{"kind": "loopback", "region": 1, "offset": 0, "capacity": 32}],
-                }
-            ]
-        },
-        models.BeginWriteRequest: {"writes": [{"room": 3, "generation": 1, "transport": "shm"}]},
-        models.CommitRequest: {
-            "commits": [
-                {
-                    "room": 3,
-                    "generation": 1,
-                    "transport": "shm",
-                    "rows": 2,
-                    "width": 4,
-                    "dtype": "float32",
-                }
-            ]
-        },
+        models.RegisterRequest: {"receivers": [VALID_REGISTRATION]},
+        models.BeginWriteRequest: {"writes": [VALID_BEGIN]},
+        models.CommitRequest: {"commits": [VALID_COMMIT]},
         models.FailRequest: {"failures": [{"room": 3, "reason": "x"}]},
         models.CancelRequest: {"rooms": [3]},
         models.WatchRequest: {"rooms": [{"room": 3}]},
@@ -428,30 +424,8 @@ def test_truncated_handshake_bodies_get_4xx(cut, path):
     """Any prefix of a valid body through the real app (front door, body routes): a 4xx, never a
     5xx."""
     body = {
-        "/v1/rooms/register": {
-            "receivers": [
-                {
-                    "room": 3,
-                    "generation": 1,
-                    "rows": 2,
-                    "width": 4,
-                    "dtype": "float32",
-                    "offers": [{"kind": "loopback", "region": 1, "offset": 0, "capacity": 32}],
-                }
-            ]
-        },
-        "/v1/rooms/commit": {
-            "commits": [
-                {
-                    "room": 3,
-                    "generation": 1,
-                    "transport": "shm",
-                    "rows": 2,
-                    "width": 4,
-                    "dtype": "float32",
-                }
-            ]
-        },
+        "/v1/rooms/register": {"receivers": [VALID_REGISTRATION]},
+        "/v1/rooms/commit": {"commits": [VALID_COMMIT]},
     }[path]
     raw = json.dumps(body).encode()
     response = _handshake_client().post(
@@ -555,23 +529,14 @@ def _receive_text(websocket, timeout_s: float = 10.0) -> str:
 def test_a_valid_frame_of_each_kind_is_answered():
     """The checks above see valid frames of every op (random ones rarely are), and the same frame
     with a key too many refused."""
-    registration = {
-        "room": 3,
-        "generation": 1,
-        "rows": 2,
-        "width": 4,
-        "dtype": "float32",
-        "offers": [{"kind": "loopback", "region": 1, "offset": 0, "capacity": 32}],
-    }
-    commit = {"room": 3, "generation": 1, "transport": "shm", "rows": 2, "width": 4}
     frames = [
         {"op": "open", "rooms": [3], "ttl_s": 30},
-        {"op": "register", "receivers": [registration]},
+        {"op": "register", "receivers": [VALID_REGISTRATION]},
         {"op": "cancel", "rooms": [4]},
         {"op": "watch_staged", "rooms": [3]},
         {"op": "watch_registered", "rooms": [3]},
-        {"op": "begin_write", "writes": [{"room": 3, "generation": 1, "transport": "shm"}]},
-        {"op": "commit", "commits": [{**commit, "dtype": "float32"}]},
+        {"op": "begin_write", "writes": [VALID_BEGIN]},
+        {"op": "commit", "commits": [VALID_COMMIT]},
     ]
     assert {frame["op"] for frame in frames} == {
         model.model_fields["op"].default
