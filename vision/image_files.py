@@ -129,27 +129,36 @@ def header(data: bytes, max_pixels: int, any_format: bool = False) -> ImageHeade
     """The image's displayed size and format, from its header; ``ValueError`` as ``open_image``,
     ``TooLarge`` for an image above ``max_pixels`` or ``MAX_SIDE`` a side (checked before anything
     else is read)."""
-    size = png_size(data)
-    if size is not None:
-        check_size(*size, max_pixels)
-        return ImageHeader(*size, "PNG")
-    plain = jpeg_size(data)
+    plain = _read_without_pil(data)
     if plain is not None:
-        width, height, orientation = plain
+        width, height, orientation, image_format = plain
         check_size(width, height, max_pixels)
         if orientation in TRANSPOSED_ORIENTATIONS:
             width, height = height, width
-        return ImageHeader(width, height, "JPEG")
-    size = webp_size(data)
-    if size is not None:
-        check_size(*size, max_pixels)
-        return ImageHeader(*size, "WEBP")
+        return ImageHeader(width, height, image_format)
     with open_image(data, any_format) as image:
         width, height = image.size
         check_size(width, height, max_pixels)
         if _orientation(image) in TRANSPOSED_ORIENTATIONS:
             width, height = height, width
         return ImageHeader(width, height, image.format)
+
+
+def _read_without_pil(data: bytes) -> tuple[int, int, int | None, str] | None:
+    """A plain file's (width, height, EXIF orientation, format) from the PIL-free readers, when
+    PIL would open it without a word (within its ``MAX_IMAGE_PIXELS``); None: PIL reads it."""
+    if (size := png_size(data)) is not None:
+        width, height, orientation, image_format = *size, None, "PNG"
+    elif (jpeg := jpeg_size(data)) is not None:
+        width, height, orientation, image_format = *jpeg, "JPEG"
+    elif (size := webp_size(data)) is not None:
+        width, height, orientation, image_format = *size, None, "WEBP"
+    else:
+        return None
+    limit = Image.MAX_IMAGE_PIXELS  # PIL's own (above it, PIL warns or refuses)
+    if limit is not None and width * height > limit:
+        return None
+    return width, height, orientation, image_format
 
 
 def png_size(data: bytes) -> tuple[int, int] | None:
@@ -171,10 +180,7 @@ def png_size(data: bytes) -> tuple[int, int] | None:
             if kind != b"IHDR" or length != 13:
                 return None
             width, height, depth, colour, _, filtering = struct.unpack_from(">IIBBBB", data, at + 8)
-            limit = Image.MAX_IMAGE_PIXELS  # PIL's own (above it, PIL warns or refuses)
             if (depth, colour) not in PNG_MODES or filtering or not width or not height:
-                return None
-            if limit is not None and width * height > limit:
                 return None
             size = (width, height)
         elif length < PNG_PLAIN_CHUNKS.get(kind, 1 << 32):
@@ -232,10 +238,7 @@ def jpeg_size(data: bytes) -> tuple[int, int, int | None] | None:
             elif marker not in JPEG_PASSED:
                 return None
             at += 2 + length
-        limit = Image.MAX_IMAGE_PIXELS  # PIL's own (above it, PIL warns or refuses)
         if size is None or not size[0] or not size[1]:
-            return None
-        if limit is not None and size[0] * size[1] > limit:
             return None
         return (*size, _exif_orientation(exif) if exif is not None else None)
     except _LeftToPil:
@@ -321,9 +324,6 @@ def webp_size(data: bytes) -> tuple[int, int] | None:
         if size != canvas:
             return None
     else:
-        return None
-    limit = Image.MAX_IMAGE_PIXELS  # PIL's own (above it, PIL warns or refuses)
-    if size is None or (limit is not None and size[0] * size[1] > limit):
         return None
     return size
 
