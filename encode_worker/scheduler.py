@@ -83,6 +83,8 @@ class BatchQueue:
         self.nbytes = 0
         self.patches = 0  # of the jobs queued
         self._pace_samples: collections.deque[float] = collections.deque(maxlen=PACE_SAMPLES)
+        # their median, made per batch measured: every job's intake reads it
+        self.seconds_per_patch: float | None = None  # the pipeline's pace (None: too few yet)
         # when the last batch was taken and its patches, if it left jobs behind
         self._taken: tuple[float, int] | None = None
         self._jobs: collections.deque[EncodeJob] = collections.deque()
@@ -103,13 +105,6 @@ class BatchQueue:
             return False
         # one job alone may hold more than max_bytes: it was already received
         return self.max_bytes is None or not self._jobs or self.nbytes + nbytes <= self.max_bytes
-
-    @property
-    def seconds_per_patch(self) -> float | None:
-        """The pipeline's pace: the median of its last batches' (None: too few measured yet)."""
-        if len(self._pace_samples) < MIN_PACE_SAMPLES:
-            return None
-        return statistics.median(self._pace_samples)
 
     def wait_s(self) -> float | None:
         """How long a job queued now would wait for the tower (None: the pace is not measured
@@ -140,6 +135,8 @@ class BatchQueue:
             if self._taken is not None:  # the consumer was busy with the last batch until now
                 seconds, patches = self.clock() - self._taken[0], self._taken[1]
                 self._pace_samples.append(seconds / max(1, patches))
+                if len(self._pace_samples) >= MIN_PACE_SAMPLES:
+                    self.seconds_per_patch = statistics.median(self._pace_samples)
             if self.window_s and not self.closed:
                 until = self._jobs[0].received_at + self.window_s
                 self._ready.wait_for(

@@ -12,8 +12,8 @@ keeps it leased).
 Waiting for a receiver holds no thread, so items whose receivers come late never hold up items
 whose receivers are there (with a thread per waiting item, eight slow receivers stalled every
 delivery behind them): an item whose room is in this process's own table listens for the room's
-registration (a listener and a timer, no task), and the registrations that arrive together wake
-their items into one drain; an item whose room is elsewhere is a coroutine on the handshake
+registration (a listener, no task; the items of one drain share a timer and one table call), and
+the registrations that arrive together wake their items into one drain; an item whose room is elsewhere is a coroutine on the handshake
 server's own event loop, waiting for the registration over that endpoint's room stream
 (``handshake.access.RemoteRooms``). Into a room of this process's own table, the write and the
 room calls around it run on the loop when they cannot block it, the writes found ready in one
@@ -46,7 +46,6 @@ from wire.room_client import HandshakeError
 from wire.rooms import RoomState, RoomView
 
 log = logging.getLogger(__name__)
-_WAITING, _NOT_NOW = object(), object()  # what _route did with an item
 INLINE_WRITE_BYTES = (
     4 << 20
 )  # ~0.4 ms of memcpy here: the most a write may hold up the handshake loop
@@ -59,20 +58,39 @@ def _unless_crashed(answer: RoomStatus | Exception) -> RoomStatus | RoomError:
     return answer
 
 
+class _Waits:
+    """The items that began to wait for their receivers in one drain: one timer for them all
+    (``receiver_wait_s``), cancelled once none of them waits."""
+
+    __slots__ = ("timer", "waiting", "left")
+
+    def __init__(self):
+        self.timer: asyncio.TimerHandle | None = None
+        self.waiting: list[_Registration] = []
+        self.left = 0  # of them, those still waiting
+
+    def one_done(self) -> None:
+        self.left -= 1
+        if not self.left:
+            self.waiting.clear()
+            if self.timer is not None:
+                self.timer.cancel()
+
+
 class _Registration:
     """An item waiting, in this process's table, for its room's receiver: woken once by the
     room's first change (a registration, or its end), from whichever thread made it, the table's
     lock held."""
 
-    __slots__ = ("sender", "item", "table", "since", "timer", "woken")
+    __slots__ = ("sender", "item", "table", "since", "waits", "woken")
     until_ended = False
 
-    def __init__(self, sender: Sender, item: StagedItem, table: RoomTable):
+    def __init__(self, sender: Sender, item: StagedItem, table: RoomTable, waits: _Waits):
         self.sender = sender
         self.item = item
         self.table = table
         self.since = time.monotonic()
-        self.timer: asyncio.TimerHandle | None = None
+        self.waits = waits
         self.woken = False
 
     @staticmethod
@@ -160,28 +178,45 @@ class Sender:
             self._loop.loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
-        """Every item submitted (or woken by its registration) since the last drain: those whose
-        receiver is there are written together (``_write_now``), those into a room of this
-        process still waiting for its receiver listen for it, the rest go on as tasks."""
+        """Every item submitted (or woken by its registration) since the last drain: the items
+        of this process's table looked at in one table call per table (``_route``), those whose
+        receiver is there written together (``_write_now``); the rest go on as tasks."""
         with self._lock:
             items, self._inbox, self._drain_due = self._inbox, [], False
-        ready: list[tuple[StagedItem, object, RoomStatus, tuple[Transport, object]]] = []
+        by_table: dict[int, tuple[RoomTable, list]] = {}
         for item in items:
+            waited = self._waiting.pop(item.room, None)
+            if waited is not None:  # woken by its registration: it waits no more
+                waited.waits.one_done()
+                item.timings["wait_s"] = time.monotonic() - waited.since
             try:
-                routed = self._route(item)
+                rooms = self.rooms_for(item.handshake)
+                if not rooms.in_process and waited is None and self.local_table is not None:
+                    # a room of this table, its item naming this worker otherwise: staged here
+                    self.local_table.mark_staged(item.room)
             except Exception:  # before any room call: the task's path handles it, and says why
-                log.exception(
-                    "delivering room %d at once failed; delivering it as a task", item.room
+                log.exception("routing room %d failed; delivering it as a task", item.room)
+                rooms = None
+            if rooms is None or not rooms.in_process:
+                self._as_task(item)
+            else:
+                by_table.setdefault(id(rooms.table), (rooms.table, []))[1].append(
+                    (item, rooms, waited is not None)
                 )
-                routed = _NOT_NOW
-            if routed is _NOT_NOW:
-                task = self._loop.loop.create_task(self._deliver_safely(item))
-                self._tasks.add(task)
-                task.add_done_callback(self._delivered)
-            elif routed is not _WAITING:
-                ready.append(routed)
+        waits, ready = _Waits(), []
+        for table, arrived in by_table.values():
+            ready += self._route(table, arrived, waits)
+        if waits.left:
+            waits.timer = self._loop.loop.call_later(
+                self.receiver_wait_s, self._no_registrations, waits
+            )
         if ready:
             self._write_now(ready)
+
+    def _as_task(self, item: StagedItem) -> None:
+        task = self._loop.loop.create_task(self._deliver_safely(item))
+        self._tasks.add(task)
+        task.add_done_callback(self._delivered)
 
     def _delivered(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -204,77 +239,105 @@ class Sender:
         self._pool.shutdown(wait=wait)
         self._poller.close()
 
-    # ---- one item --------------------------------------------------------------------------
+    # ---- items into this process's table ---------------------------------------------------
 
-    def _route(self, item: StagedItem):
-        """The common cases, in the drain itself (no task): an item whose room is in this
-        process's table and registered, to be written by a copy inside ``submit`` small enough
-        for the loop (SHM) or by a transport in the background (Mooncake to a peer it has
-        reached): ``(item, rooms, status, chosen)``; an item whose room there still waits for its
-        receiver: ``_WAITING``, listening for it (``_Registration``); ``_NOT_NOW`` for every
-        other item. A room of this table still waiting is marked staged first
-        (``RoomTable.mark_staged``: a gateway may wait for this, to forward its request)."""
-        waited = self._waiting.pop(item.room, None)
-        if waited is not None:  # woken by its registration: it waits no more
-            waited.timer.cancel()
-            item.timings["wait_s"] = time.monotonic() - waited.since
-        elif self.local_table is not None:  # (only a room of this table, still PENDING)
-            self.local_table.mark_staged(item.room)
-        rooms = self.rooms_for(item.handshake)
-        if not rooms.in_process:
-            return _NOT_NOW
+    def _route(self, table: RoomTable, arrived: list, waits: _Waits) -> list:
+        """The items ``(item, rooms, woken)`` whose rooms are ``table``'s, in one table call
+        (``RoomTable.arrivals``: a room still waiting for its receiver is marked staged first; a
+        gateway may wait for this, to forward its request). The common cases stay in the drain
+        (no task): an item whose room is registered, to be written by a copy inside ``submit``
+        small enough for the loop (SHM) or by a transport in the background (Mooncake to a peer
+        it has reached), is returned as ``(item, rooms, status, chosen)``; an item that came for
+        the first time to a room still waiting listens for its registration (``_Registration``,
+        in ``waits``: its timer is the drain's); every other item goes on as a task."""
+        listeners: dict[int, _Registration | None] = {}
+        for item, _, woken in arrived:
+            if woken or self._closing.is_set():  # (closing: the task's path fails it at once)
+                listeners[item.room] = None
+            else:  # waiting before it listens: a wake from another thread finds it
+                listeners[item.room] = self._waiting[item.room] = _Registration(
+                    self, item, table, waits
+                )
         try:
-            status = rooms.table.status(item.room)
-        except RoomError:  # the task's path says why
-            return _NOT_NOW
-        if status.state is RoomState.PENDING and waited is None:
-            return self._wait_for_registration(item, rooms.table)
-        if status.state is not RoomState.REGISTERED:
-            return _NOT_NOW
-        chosen = self.writer.choose(status.registration.offers)
-        if chosen is None or not self.writer.fits_loop(rooms, item, chosen):
-            return _NOT_NOW
-        item.timings.setdefault("wait_s", 0.0)
-        return item, rooms, status, chosen
+            answers = table.arrivals(listeners)
+        except Exception:
+            log.exception("looking at %d rooms failed; delivering them as tasks", len(arrived))
+            self._unlisten(table, arrived, listeners)
+            return []
+        ready = []
+        for (item, rooms, _), answer in zip(arrived, answers):
+            if answer is None:  # listening
+                waits.waiting.append(listeners[item.room])
+                waits.left += 1
+                continue
+            if listeners[item.room] is not None:  # it did not listen
+                del self._waiting[item.room]
+            chosen = self._ready(item, rooms, answer)
+            if chosen is None:
+                self._as_task(item)
+            else:
+                item.timings.setdefault("wait_s", 0.0)
+                ready.append((item, rooms, answer, chosen))
+        return ready
 
-    def _wait_for_registration(self, item: StagedItem, table: RoomTable) -> object:
-        """Listen for the first change of the item's room (its registration, or its end), for
-        ``receiver_wait_s`` at most: one listener and one timer, no task."""
-        if self._closing.is_set():
-            return _NOT_NOW  # the task's path fails it at once
-        waiting = _Registration(self, item, table)
-        waiting.timer = self._loop.loop.call_later(
-            self.receiver_wait_s, self._no_registration, waiting
-        )
-        self._waiting[item.room] = waiting  # before it listens: a wake from another thread
-        if not table.listen(item.room, waiting):  # it changed meanwhile: looked at as a task
-            del self._waiting[item.room]
-            waiting.timer.cancel()
-            return _NOT_NOW
-        return _WAITING
+    def _unlisten(self, table: RoomTable, arrived: list, listeners: dict) -> None:
+        """After a crashed ``arrivals``: no item of it listens, and each goes on as a task, but
+        one woken meanwhile (it is in the next drain already)."""
+        table.stop_listening({room: one for room, one in listeners.items() if one is not None})
+        for item, _, _ in arrived:
+            one = listeners[item.room]
+            if one is not None:
+                del self._waiting[item.room]
+            if one is None or not one.woken:
+                self._as_task(item)
+
+    def _ready(self, item: StagedItem, rooms, status: RoomStatus | RoomError):
+        """The transport and offer to write ``item`` with in the drain, or None: its room is not
+        registered (or unknown: the task's path says why), or its write cannot run there."""
+        if isinstance(status, RoomError) or status.state is not RoomState.REGISTERED:
+            return None
+        try:
+            chosen = self.writer.choose(status.registration.offers)
+            if chosen is None or not self.writer.fits_loop(rooms, item, chosen):
+                return None
+        except Exception:  # the task's path handles it, and says why
+            log.exception("routing room %d failed; delivering it as a task", item.room)
+            return None
+        return chosen
 
     def _registered(self, waiting: _Registration) -> None:
         """``waiting``'s room changed (any thread, the table's lock held): its item goes into the
         next drain, with every other woken in the same loop step."""
         self._into_drain([waiting.item], delivering=0)
 
-    def _no_registration(self, waiting: _Registration) -> None:
-        """No receiver came in time (or the worker stops): the item's room fails, unless its
-        change came first (then it is in the drain's inbox already)."""
-        waiting.table.stop_listening({waiting.item.room: waiting})
-        if waiting.woken or self._waiting.pop(waiting.item.room, None) is None:
-            return
-        waiting.timer.cancel()  # (a no-op when it is the timer that fired)
-        item = waiting.item
-        item.timings["wait_s"] = time.monotonic() - waiting.since
-        try:
-            self._report(self._settle(item, lambda: self.writer.no_receiver(item)))
-        finally:
-            self._count_delivered(1)
+    def _no_registrations(self, waits: _Waits) -> None:
+        """``receiver_wait_s`` after a drain: its items that still wait fail (their rooms with
+        them), unless their change came first (then they are in the drain's inbox already)."""
+        self._no_registration([one for one in waits.waiting if not one.woken])
 
     def _fail_waiting(self) -> None:
-        for waiting in list(self._waiting.values()):
-            self._no_registration(waiting)
+        self._no_registration([w for w in self._waiting.values() if not w.woken])
+
+    def _no_registration(self, waiting: list[_Registration]) -> None:
+        """No receiver came in time for these items (or the worker stops): they stop listening
+        and their rooms fail, unless their change comes first (then it is in the drain's inbox
+        already)."""
+        by_table: dict[int, tuple[RoomTable, dict]] = {}
+        for one in waiting:
+            by_table.setdefault(id(one.table), (one.table, {}))[1][one.item.room] = one
+        for table, listeners in by_table.values():
+            table.stop_listening(listeners)
+        for one in waiting:
+            if one.woken or self._waiting.get(one.item.room) is not one:
+                continue
+            del self._waiting[one.item.room]
+            one.waits.one_done()  # (a no-op on a timer that fired)
+            item = one.item
+            item.timings["wait_s"] = time.monotonic() - one.since
+            try:
+                self._report(self._settle(item, lambda: self.writer.no_receiver(item)))
+            finally:
+                self._count_delivered(1)
 
     def _write_now(self, ready: list) -> None:
         """Write the items ``_route`` found ready: their writes begun in one table call, copied

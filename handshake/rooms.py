@@ -366,6 +366,34 @@ class RoomTable:
                 self._store.touch(room)
             return room.version
 
+    def arrivals(self, listeners: dict[int, object | None]) -> list[RoomStatus | RoomError | None]:
+        """A writer holds the rows of each room in ``listeners``: per room, in one lock,
+        ``mark_staged``, then ``listen`` with its listener (None: none), then ``status``. Each
+        room's answer, in order: None where its listener now listens, else its status, or why
+        there is none."""
+        answers: list[RoomStatus | RoomError | None] = []
+        with self._lock:
+            store, now = self._store, self._store.clock()
+            for room_id, listener in listeners.items():
+                room = store.rooms.get(room_id)
+                if room is not None:
+                    store.expire_if_due(room, now)
+                    if room.state is RoomState.PENDING:
+                        if not room.staged:
+                            room.staged = True
+                            store.touch(room)
+                        if listener is not None and not listener.has_news(room.state, True):
+                            room.waiters.append(listener)
+                            answers.append(None)
+                            continue
+                    answers.append(store.status(room))
+                    continue
+                try:
+                    answers.append(store.status(store.get(room_id)))
+                except RoomError as exc:
+                    answers.append(exc)
+        return answers
+
     def stop_listening(self, listeners: dict[int, object]) -> None:
         """Detach each room's listener (rooms that ended have dropped theirs already)."""
         with self._lock:

@@ -64,7 +64,11 @@ class CountingTable(RoomTable):
 
     def __init__(self):
         super().__init__()
-        self.begun, self.committed = [], []
+        self.arrived, self.begun, self.committed = [], [], []
+
+    def arrivals(self, listeners):
+        self.arrived.append(len(listeners))
+        return super().arrivals(listeners)
 
     def begin_writes(self, writes, **kwargs):
         self.begun.append(len(writes))
@@ -286,6 +290,54 @@ def test_items_whose_receiver_registers_them_together_are_written_in_one_table_c
     assert table.begun == [8] and table.committed == [8]
     for slot, embedding in zip(slots, embeddings):
         assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
+
+
+def test_items_that_wait_from_one_drain_share_its_timer_and_each_ends_alone(encode_side):
+    """Four items staged together are looked at in one table call, each room marked staged,
+    and wait on one timer: the two whose receiver registers are written at once, the other two
+    fail when the wait ends (the first two's wake-up does not cancel it)."""
+    table, server, shm, ring, _, client, receive_pool = encode_side
+    loop = LoopThread("waiting")
+    outcomes = []
+    sender = Sender(
+        ring,
+        {"shm": shm},
+        lambda handshake: LocalRooms(table),
+        loop,
+        receiver_wait_s=1.5,
+        on_outcome=outcomes.append,
+    )
+    try:
+        rooms = table.mint(4, 60)
+        embeddings = [torch.randn(16, 256) for _ in rooms]
+        layout = EmbeddingLayout.of(embeddings[0])
+        sender.submit_all(
+            [_staged(ring, server.port, room, one) for room, one in zip(rooms, embeddings)]
+        )
+        eventually(lambda: sender._waiting.keys() == set(rooms), "the items to listen")
+        assert table.arrived == [4]
+        assert all(table.view(room).staged for room in rooms)
+        slots = [receive_pool.lease(layout.nbytes) for _ in rooms[:2]]
+        client.register(
+            [
+                _registration(room, slot, layout, shm, receive_pool)
+                for room, slot in zip(rooms, slots)
+            ]
+        )
+        eventually(lambda: len(outcomes) == 2, "the registered items' outcomes")
+        assert {outcome.room for outcome in outcomes} == set(rooms[:2])
+        assert all(outcome.state is RoomState.SUCCESS for outcome in outcomes)
+        for slot, embedding in zip(slots, embeddings):
+            assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), embedding)
+        eventually(lambda: len(outcomes) == 4, "the waiting items' outcomes")
+        for outcome in outcomes[2:]:
+            assert outcome.room in rooms[2:] and outcome.state is RoomState.FAILED
+            assert outcome.reason == "no receiver registered within 1.5 s"
+            assert table.view(outcome.room).state is RoomState.FAILED
+        assert not sender._waiting
+    finally:
+        sender.close()
+        loop.stop()
 
 
 @pytest.mark.parametrize("how", ["receiver_wait", "shutdown"])
