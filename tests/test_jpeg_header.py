@@ -16,7 +16,7 @@ from PIL import Image
 from tests.header_answers import answer, through_pil
 from tests.image_matrix import matrix
 from vision import image_files
-from vision.image_files import JPEG_SIGNATURE, jpeg_size
+from vision.image_files import JPEG_SIGNATURE, XMP_PREFIX, jpeg_size
 
 
 def _jpeg(mode: str = "RGB", size=(37, 21), **options) -> bytes:
@@ -87,10 +87,44 @@ def test_the_matrix_jpegs_are_sized_as_pil_sizes_them():
         assert answer(data) == through_pil(data), case
 
 
-def test_xmp_an_mpo_index_and_a_large_declared_size_go_to_pil():
-    xmp = _jpeg(xmp=b'<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>')
-    assert jpeg_size(xmp) is None and answer(xmp) == through_pil(xmp)
-    assert answer(xmp)[:2] == (21, 37)  # PIL's orientation from XMP
+# By case: the XMP packet, the EXIF block beside it (or None), the size header() answers.
+XMP_CASES = {
+    "attribute": (
+        b'<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>',
+        None,
+        (21, 37),
+    ),
+    "element": (b"<rdf:Description><tiff:Orientation>8</tiff:Orientation>", None, (21, 37)),
+    "single-quoted": (b"<x tiff:Orientation='6'/>", None, (37, 21)),  # PIL's pattern: =" or >
+    "upright": (b'<x tiff:Orientation="1"/>', None, (37, 21)),
+    "not-a-digit": (b'<x tiff:Orientation="x6"/>', None, (37, 21)),
+    "none-named": (b"<x:xmpmeta/>", None, (37, 21)),
+    "exif-holds-one": (b'<x tiff:Orientation="6"/>', _exif(1), (37, 21)),  # the EXIF block's
+    "exif-holds-none": (b'<x tiff:Orientation="6"/>', _exif(None, **{"0x010f": "m"}), (21, 37)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(XMP_CASES))
+def test_an_xmp_packet_is_read_without_pil_its_orientation_as_pil_finds_it(case):
+    packet, exif, size = XMP_CASES[case]
+    data = _jpeg(xmp=packet, **({"exif": exif} if exif is not None else {}))
+    assert jpeg_size(data) is not None
+    assert answer(data) == through_pil(data) == (*size, "JPEG")
+
+
+def test_of_two_xmp_packets_the_last_one_counts_as_for_pil():
+    data = _with_app1(XMP_PREFIX + b'<x tiff:Orientation="6"/>')
+    data = data[:2] + _segment(0xE1, XMP_PREFIX + b'<x tiff:Orientation="1"/>') + data[2:]
+    inside = _with_app1(XMP_PREFIX + b'a\0<x tiff:Orientation="6"/>')  # PIL cuts at the first NUL
+    for one, size in ((data, (21, 37)), (inside, (21, 37))):
+        assert jpeg_size(one) is not None
+        assert answer(one) == through_pil(one) == (*size, "JPEG")
+
+
+def test_an_mpo_index_and_a_large_declared_size_go_to_pil():
+    plain = _jpeg()
+    mpo = plain[:2] + _segment(0xE2, b"MPF\0II*\0\x08\0\0\0\0\0") + plain[2:]
+    assert jpeg_size(mpo) is None and answer(mpo) == through_pil(mpo)
     huge = _jpeg("L", size=(8000, 8000))
     refused = answer(huge, max_pixels=1 << 20)
     assert refused == through_pil(huge, max_pixels=1 << 20)
@@ -197,7 +231,13 @@ def _exif_block(draw) -> bytes:
 _APP = st.one_of(
     st.tuples(st.just(0xE0), st.sampled_from([b"JFIF\0\1\1\1\0H\0H\0\0", b"JFIF\0\1", b"JFXX"])),
     st.tuples(st.just(0xE1), _exif_block()),
-    st.tuples(st.just(0xE1), st.just(b"http://ns.adobe.com/xap/1.0/\0<x tiff:Orientation='6'/>")),
+    st.tuples(
+        st.just(0xE1),
+        st.sampled_from(
+            [b"<x tiff:Orientation='6'/>", b'<x tiff:Orientation="6"/>', b"<tiff:Orientation>8<"]
+            + [b'tiff:Orientation="x"', b"", b'\0tiff:Orientation="5"', b"tiff:Orientation>7"]
+        ).map(lambda packet: XMP_PREFIX + packet),
+    ),
     st.tuples(st.just(0xE2), st.sampled_from([b"ICC_PROFILE\0\1\1abc", b"ICC_PROFILE\0\1"])),
     st.tuples(st.just(0xE2), st.sampled_from([b"MPF\0II*\0\x08\0\0\0\0\0", b"FPXR\0x"])),
     st.tuples(st.just(0xED), st.just(b"Photoshop 3.0\x008BIM\x03\xed\x00")),

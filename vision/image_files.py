@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import re
 import struct
 import zlib
 from typing import NamedTuple
@@ -44,13 +45,12 @@ JPEG_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD,
 JPEG_PASSED = {0xC4, 0xCC, 0xDD, 0xFE}  # DHT, DAC, DRI, COM: PIL stores or skips them
 JPEG_LAYERS = {1, 3, 4}  # the component counts PIL reads (L, RGB, CMYK)
 # By APPn marker: the payloads that leave the file to PIL (a second EXIF block is one too: PIL
-# joins them): XMP (PIL reads an orientation there when EXIF has none), an MPO's index, a Photoshop
-# block (PIL's parse of it can fail the open).
-JPEG_APPS_TO_PIL = {
-    0xE1: (b"http://ns.adobe.com/xap/1.0/\x00",),
-    0xE2: (b"MPF\x00",),
-    0xED: (b"Photoshop 3.0\x00",),
-}
+# joins them): an MPO's index, a Photoshop block (PIL's parse of it can fail the open).
+JPEG_APPS_TO_PIL = {0xE2: (b"MPF\x00",), 0xED: (b"Photoshop 3.0\x00",)}
+# An XMP packet (APP1): PIL keeps the last one's bytes after the prefix, and takes an orientation
+# from them, as Image.getexif() finds it, when the EXIF block holds none (or there is none).
+XMP_PREFIX = b"http://ns.adobe.com/xap/1.0/\x00"
+XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')
 # By APPn marker: a payload prefix, and the least payload PIL reads after it without an error.
 JPEG_APP_LENGTHS = {0xE0: (b"JFIF", 7), 0xE2: (b"ICC_PROFILE\x00", 14), 0xEE: (b"Adobe", 7)}
 EXIF_PREFIX = b"Exif\x00\x00"
@@ -202,12 +202,13 @@ def jpeg_size(data: bytes) -> tuple[int, int, int | None] | None:
     plain: markers back to back from the signature to the start of scan, each whole, of the kinds
     PIL passes over or reads without an error (``JPEG_FRAMES``, ``JPEG_PASSED``, quantization
     tables, APPn but ``JPEG_APPS_TO_PIL``), at least one 8-bit frame of a layer count PIL reads,
-    and an EXIF block whose first directory is whole (``_exif_orientation``). None for every
+    and an EXIF block whose first directory is whole (``_exif_orientation``); an orientation
+    the EXIF block does not hold is the last XMP packet's (``XMP_ORIENTATION``). None for every
     other file (PIL reads it)."""
     if not data.startswith(JPEG_SIGNATURE):
         return None
     try:
-        size, exif, at = None, None, 2
+        size, exif, xmp, at = None, None, None, 2
         while True:
             if at + 4 > len(data) or data[at] != 0xFF:
                 return None
@@ -235,12 +236,17 @@ def jpeg_size(data: bytes) -> tuple[int, int, int | None] | None:
                     if exif is not None:
                         return None
                     exif = body
+                elif marker == 0xE1 and body.startswith(XMP_PREFIX):
+                    xmp = body[len(XMP_PREFIX) :]
             elif marker not in JPEG_PASSED:
                 return None
             at += 2 + length
         if size is None or not size[0] or not size[1]:
             return None
-        return (*size, _exif_orientation(exif) if exif is not None else None)
+        orientation = _exif_orientation(exif) if exif is not None else None
+        if orientation is None and xmp and (found := XMP_ORIENTATION.search(xmp)):
+            orientation = int(found[2])
+        return (*size, orientation)
     except _LeftToPil:
         return None
 

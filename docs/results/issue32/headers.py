@@ -13,10 +13,26 @@ from PIL import Image
 from bench.images import synthetic_image
 from vision import image_files
 
+# An editor's XMP packet (as Lightroom writes one: its tools, dates and the TIFF orientation as
+# attributes, then the 2 KB of padding the XMP standard asks for).
+EDITOR_XMP = (
+    b'<?xpacket begin="\xef\xbb\xbf" id="W5M0MpCehiHzreSzNTczkc9d"?>'
+    b'<x:xmpmeta xmlns:x="adobe:ns:meta/" x:xmptk="Adobe XMP Core 7.0-c000">'
+    b'<rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+    b'<rdf:Description rdf:about="" xmlns:xmp="http://ns.adobe.com/xap/1.0/"'
+    b' xmlns:tiff="http://ns.adobe.com/tiff/1.0/"'
+    b' xmlns:photoshop="http://ns.adobe.com/photoshop/1.0/"'
+    b' xmp:CreatorTool="Adobe Photoshop Lightroom Classic 12.0"'
+    b' xmp:ModifyDate="2026-12-06T12:00:00"'
+    b' xmp:CreateDate="2026-12-06T11:00:00" photoshop:DateCreated="2026-12-06T11:00:00"'
+    b' tiff:Orientation="6" tiff:Make="maker" tiff:Model="model"/>'
+    b"</rdf:RDF></x:xmpmeta>" + b" " * 2048 + b'<?xpacket end="w"?>'
+)
 
-def camera_like(size: int) -> bytes:
+
+def camera_like(size: int, xmp: bytes | None = None) -> bytes:
     """A JPEG as a phone writes one: EXIF (orientation 6, dpi, make, model, date), an ICC
-    profile."""
+    profile; with ``xmp``, that packet too (as an editor's export)."""
     exif = Image.Exif()
     tags = {0x0112: 6, 0x011A: 72.0, 0x011B: 72.0, 0x0128: 2, 0x010F: "maker", 0x0110: "model"}
     for tag, value in tags.items():
@@ -24,7 +40,21 @@ def camera_like(size: int) -> bytes:
     exif[0x0132] = "2026:12:06 12:00:00"
     out = io.BytesIO()
     Image.open(io.BytesIO(synthetic_image(size, size, 1, "JPEG"))).save(
-        out, format="JPEG", quality=90, exif=exif.tobytes(), icc_profile=b"\0" * 3144
+        out,
+        format="JPEG",
+        quality=90,
+        exif=exif.tobytes(),
+        icc_profile=b"\0" * 3144,
+        **({"xmp": xmp} if xmp is not None else {}),
+    )
+    return out.getvalue()
+
+
+def synthetic_jpeg_with(size: int, xmp: bytes) -> bytes:
+    """The bench's JPEG, with ``xmp`` (its orientation the only one)."""
+    out = io.BytesIO()
+    Image.open(io.BytesIO(synthetic_image(size, size, 1, "JPEG"))).save(
+        out, format="JPEG", quality=90, xmp=xmp
     )
     return out.getvalue()
 
@@ -53,6 +83,8 @@ def main(out: str) -> None:
         "JPEG 112": synthetic_image(112, 112, 1, "JPEG"),
         "JPEG 448": synthetic_image(448, 448, 1, "JPEG"),
         "JPEG 448, EXIF (orientation 6, dpi) + ICC": camera_like(448),
+        "JPEG 448, EXIF + ICC + an editor's XMP": camera_like(448, EDITOR_XMP),
+        "JPEG 448, an editor's XMP alone": synthetic_jpeg_with(448, EDITOR_XMP),
         "WebP 112 (lossy)": webp(112),
         "WebP 448 (lossy)": webp(448),
         "WebP 448 (lossy, alpha)": webp(448, alpha=True),
