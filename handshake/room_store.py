@@ -17,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import msgspec
+
+from handshake import answers
 from wire.rooms import CommitBody, Registration, RoomState, RoomView
 
 
@@ -39,8 +42,6 @@ class RoomsFull(RoomError):
 RECENT_ROOMS = 1024  # ended rooms kept as objects beside their tombstones
 
 
-def _json(model: Registration | CommitBody) -> bytes:
-    return model.__pydantic_serializer__.to_json(model)
 MINTED_VERSION = 1  # a room's version when minted; every change adds one
 
 
@@ -60,22 +61,31 @@ class Room:
     writer: str | None = None
     staged: bool = False  # the writer holds the rows, waiting for a receiver
     waiters: list = field(default_factory=list)
+    # the registration's and the commit's JSON, made once (``take_registration``,
+    # ``take_commit``): every view of the room and its tombstone splice them in
+    registration_json: bytes | None = None
+    commit_json: bytes | None = None
+
+    def take_registration(self, registration: Registration) -> None:
+        self.registration = registration
+        self.registration_json = _json(registration)
+
+    def take_commit(self, commit: CommitBody) -> None:
+        self.commit = commit
+        self.commit_json = _json(commit)
 
     def tombstone(self, ended_at: float) -> tuple:
         """The final state as a tuple the GC does not track (a terminal room never changes
         again)."""
-        # (the serializer's bytes: model_dump_json's str, encoded, cost twice as much)
-        registration = _json(self.registration) if self.registration else None
-        commit = _json(self.commit) if self.commit else None
         return (
             ended_at,
             self.room_id,
             self.deadline,
             self.state.value,
             self.version,
-            registration,
+            self.registration_json,
             self.transport,
-            commit,
+            self.commit_json,
             self.reason,
             self.cancel_requested,
             self.writer_settled,
@@ -108,7 +118,15 @@ class Room:
             reason,
             cancel,
             settled,
+            registration_json=registration,
+            commit_json=commit,
         )
+
+
+def _json(model: Registration | CommitBody) -> bytes:
+    """The model's JSON (the serializer's bytes: model_dump_json's str, encoded, costs twice as
+    much)."""
+    return model.__pydantic_serializer__.to_json(model)
 
 
 class RoomStatus(NamedTuple):
@@ -281,6 +299,26 @@ class RoomStore:
     def status(self, room: Room) -> RoomStatus:
         return RoomStatus(room.state, room.reason, room.cancel_requested, room.registration)
 
+    def view_json(
+        self, room: Room, with_registration: bool = True, with_commit: bool = True
+    ) -> msgspec.Raw:
+        """``view``'s document, without a model (``handshake.answers``)."""
+        return answers.view(
+            answers.ViewJson(
+                room.room_id,
+                room.state,
+                room.version,
+                _raw(room.registration_json) if with_registration else None,
+                room.transport,
+                _raw(room.commit_json) if with_commit else None,
+                room.reason,
+                room.staged,
+                room.cancel_requested,
+                room.writer_settled,
+                max(0.0, room.deadline - self.clock()),
+            )
+        )
+
     def view(
         self, room: Room, with_registration: bool = True, with_commit: bool = True
     ) -> RoomView:
@@ -299,3 +337,7 @@ class RoomStore:
             writer_settled=room.writer_settled,
             expires_in_s=max(0.0, room.deadline - self.clock()),
         )
+
+
+def _raw(document: bytes | None) -> msgspec.Raw | None:
+    return None if document is None else msgspec.Raw(document)

@@ -24,6 +24,8 @@ import enum
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from handshake.room_store import (
     MINTED_VERSION,
     Room,
@@ -56,7 +58,9 @@ class Answer(enum.Enum):
     """What a batch room call answers for each room it did not refuse."""
 
     VIEW = "view"  # its view (the REST API's answer)
-    WRITER_VIEW = "writer_view"  # its view without the registration and the commit (a writer has)
+    # its view's JSON (``handshake.answers``) without the registration and the commit (a writer
+    # has them): the room stream's answer to a writer
+    WRITER_VIEW_JSON = "writer_view_json"
     STATUS = "status"  # a ``RoomStatus``: no view built (this process's own writer)
 
 
@@ -122,13 +126,16 @@ class RoomTable:
         with self._lock:
             self._open(room_id, deadline)
 
-    def open_all(self, room_ids: list[int], ttl_s: float) -> list[RoomView | RoomError]:
-        """``open`` for each, in one lock: each new room's view, or why it was not opened."""
+    def open_all(self, room_ids: list[int], ttl_s: float) -> list[msgspec.Raw | RoomError]:
+        """``open`` for each, in one lock: each new room's view's JSON (the room stream's answer:
+        ``handshake.answers``), or why it was not opened."""
         try:
             deadline = self._store.deadline(ttl_s)
         except RoomError as exc:
             return [exc] * len(room_ids)
-        return self._each(lambda room_id: self._open(room_id, deadline), room_ids, self._store.view)
+        return self._each(
+            lambda room_id: self._open(room_id, deadline), room_ids, self._store.view_json
+        )
 
     def _open(self, room_id: int, deadline: float) -> Room:
         if not 1 <= room_id <= MAX_ROOM_ID:
@@ -166,7 +173,7 @@ class RoomTable:
             if room.registration != registration:
                 raise RoomConflict("room already has a different receiver registration")
         elif room.state is RoomState.PENDING:
-            room.registration = registration
+            room.take_registration(registration)
             if (
                 registration.deadline_s is not None
                 and self._store.clock() + registration.deadline_s < room.deadline
@@ -199,11 +206,12 @@ class RoomTable:
         each room's ``answer``, or why it was refused."""
         return self._each(self._commit, commits, self._answer(answer))
 
-    def _answer(self, answer: Answer) -> Callable[[Room], RoomView | RoomStatus]:
+    def _answer(self, answer: Answer) -> Callable[[Room], RoomView | RoomStatus | msgspec.Raw]:
         if answer is Answer.STATUS:
             return self._store.status
-        full = answer is Answer.VIEW
-        return lambda room: self._store.view(room, full, full)
+        if answer is Answer.WRITER_VIEW_JSON:
+            return lambda room: self._store.view_json(room, False, False)
+        return self._store.view
 
     def _each(self, call, bodies: list, answer: Callable[[Room], object]) -> list:
         """``call`` for each body, in one lock: ``answer(room)``, or why it was refused."""
@@ -276,7 +284,7 @@ class RoomTable:
             raise RoomConflict(
                 f"commit over {commit.transport} but the write began over {room.transport}"
             )
-        room.commit = commit
+        room.take_commit(commit)
         room.transport = commit.transport
         room.writer_settled = True
         if room.cancel_requested:
@@ -402,14 +410,21 @@ class RoomTable:
                 if room is not None and listener in room.waiters:
                     room.waiters.remove(listener)
 
-    def views(self, room_ids: list[int]) -> list[RoomView | RoomError]:
-        """Each room's view, or why there is none, in one lock."""
-        return self._views(dict.fromkeys(room_ids, 0), False)
-
-    def ended_views(self, room_ids: list[int]) -> list[RoomView | RoomError]:
-        """Each room's view without its registration (the receiver that sent it has it: the
-        room stream sends these), or why there is none."""
-        return self._views(dict.fromkeys(room_ids, 0), False, with_registration=False)
+    def views_json(
+        self, room_ids: list[int], with_registration: bool = True
+    ) -> list[msgspec.Raw | RoomError]:
+        """Each room's view's JSON (``handshake.answers``: the room stream pushes these; without
+        the registration to the receiver that sent it), or why there is none, in one lock."""
+        with self._lock:
+            views = []
+            for room_id in room_ids:
+                try:
+                    room = self._store.get(room_id)
+                except RoomNotFound as exc:
+                    views.append(exc)
+                    continue
+                views.append(self._store.view_json(room, with_registration))
+            return views
 
     async def watch(
         self,
@@ -463,7 +478,7 @@ class RoomTable:
                     room.waiters.remove(waiter)
 
     def _views(
-        self, versions: dict[int, int], changed_only: bool, with_registration: bool = True
+        self, versions: dict[int, int], changed_only: bool
     ) -> list[RoomView | RoomError | None]:
         with self._lock:
             views = []
@@ -474,9 +489,7 @@ class RoomTable:
                     views.append(exc)
                     continue
                 views.append(
-                    None
-                    if changed_only and room.version <= after
-                    else self._store.view(room, with_registration)
+                    None if changed_only and room.version <= after else self._store.view(room)
                 )
             return views
 

@@ -23,14 +23,13 @@ import time
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from handshake import answers
 from handshake.rooms import Answer, RoomError, RoomTable
 from wire.rooms import (
     LOST_AFTER_REGISTRATION,
     MAX_BATCH,
     STREAM_FRAME,
     STREAM_PATH,
-    BatchResponse,
-    RoomResult,
     RoomState,
     StreamBeginWrite,
     StreamCancel,
@@ -102,7 +101,7 @@ class RoomStream:
         self.loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
         self._listening: dict[int, _EndOf] = {}  # pushed once they have news, not yet
-        self._out: list[RoomResult] = []  # answers and refusals, to go out with the next frame
+        self._out: list[answers.ResultJson] = []  # answers and refusals, for the next frame
         self._ended: list[int] = []  # rooms that ended, to go out with the next frame
         self._registered: list[int] = []  # the same, pushed with their registration
         self._news = asyncio.Event()
@@ -137,12 +136,12 @@ class RoomStream:
                     self._watch(frame.rooms, _RegisteredOrEnded)
                 elif isinstance(frame, StreamBeginWrite):
                     self._answer(
-                        self.table.begin_writes(frame.writes, answer=Answer.WRITER_VIEW),
+                        self.table.begin_writes(frame.writes, answer=Answer.WRITER_VIEW_JSON),
                         [write.room for write in frame.writes],
                     )
                 else:
                     self._answer(
-                        self.table.commit_all(frame.commits, answer=Answer.WRITER_VIEW),
+                        self.table.commit_all(frame.commits, answer=Answer.WRITER_VIEW_JSON),
                         [commit.room for commit in frame.commits],
                     )
                 self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
@@ -220,7 +219,7 @@ class RoomStream:
                 self._refuse(room, exc)
 
     def _refuse(self, room: int, error: RoomError) -> None:
-        self._out.append(RoomResult.refusal(room, str(error), error.status))
+        self._out.append(answers.refused(room, str(error), error.status))
         self._news.set()
 
     def _answer(self, answers: list, rooms: list[int]) -> None:
@@ -238,19 +237,24 @@ class RoomStream:
             registered, self._registered = list(dict.fromkeys(self._registered)), []
             results, self._out = self._out, []
             # a registered room whose end cannot be told is lost; a watched one unknown, or gone
-            results += _pushed(ended, self.table.ended_views(ended), LOST_AFTER_REGISTRATION)
-            results += _pushed(registered, self.table.views(registered))
+            results += _pushed(
+                ended,
+                self.table.views_json(ended, with_registration=False),
+                LOST_AFTER_REGISTRATION,
+            )
+            results += _pushed(registered, self.table.views_json(registered))
             for start in range(0, len(results), MAX_BATCH):  # a frame within the peer's limit
-                frame = BatchResponse(results=results[start : start + MAX_BATCH])
-                await self.websocket.send_text(frame.model_dump_json())
+                await self.websocket.send_text(answers.frame(results[start : start + MAX_BATCH]))
 
 
-def _pushed(rooms: list[int], views: list, refused_status: int | None = None) -> list[RoomResult]:
-    """Each room's view as pushed, or why there is none (with ``refused_status``, else the
-    error's own)."""
+def _pushed(
+    rooms: list[int], views: list, refused_status: int | None = None
+) -> list[answers.ResultJson]:
+    """Each room's view (its JSON) as pushed, or why there is none (with ``refused_status``, else
+    the error's own)."""
     return [
-        RoomResult.refusal(room, str(view), refused_status or view.status)
+        answers.refused(room, str(view), refused_status or view.status)
         if isinstance(view, RoomError)
-        else RoomResult.of_view(room, view)
+        else answers.viewed(room, view)
         for room, view in zip(rooms, views)
     ]

@@ -7,7 +7,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from handshake.rooms import RoomConflict, RoomError, RoomLimits, RoomNotFound, RoomsFull, RoomTable
 from tests.handshake_helpers import begin, commit, registration
-from wire.rooms import Registration, RoomState
+from wire.rooms import Registration, RoomState, RoomView
 
 RANK = {RoomState.PENDING: 0, RoomState.REGISTERED: 1, RoomState.WRITING: 2}
 LIMITS = RoomLimits(max_live_rooms=6, max_tombstones=4, tombstone_ttl_s=5.0)
@@ -108,6 +108,16 @@ class RoomMachine(RuleBasedStateMachine):
         assert terminal <= LIMITS.max_tombstones
         assert live <= LIMITS.max_live_rooms
         assert live == self.table.live_rooms
+
+    @invariant()
+    def each_rooms_stream_answer_is_its_view(self):
+        """The room stream's answer made without a model (``handshake.answers``) is the view's
+        document, in whatever state the steps left the room."""
+        rooms = list(self.seen)
+        for room, document in zip(rooms, self.table.views_json(rooms)):
+            if isinstance(document, RoomError):
+                continue
+            assert RoomView.model_validate_json(bytes(document)) == self.table.view(room)
 
 
 TestRoomMachine = RoomMachine.TestCase

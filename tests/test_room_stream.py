@@ -374,7 +374,8 @@ def test_opens_whose_stream_ended_before_their_answer_are_cancelled_over_the_nex
         fourteen, again, opened = asyncio.run(scenario())
     finally:
         server.stop()
-    assert dropped == [[(11, "RoomView"), (12, "RoomView"), (13, "RoomsFull")]]
+    # (an opened room's answer is its view's JSON: handshake.answers)
+    assert dropped == [[(11, "Raw"), (12, "Raw"), (13, "RoomsFull")]]
     assert table.view(11).reason == table.view(12).reason == LOST_OPEN_REASON
     with pytest.raises(RoomNotFound):
         table.view(13)

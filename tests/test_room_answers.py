@@ -1,0 +1,84 @@
+"""The room stream's answers made without a model per room (``handshake.answers``) are the
+documents the wire's models describe: each struct has its model's fields in its order, and a frame
+of views in every state, whole or without the registration and the commit, and of refusals, parses
+to the answer the models make (the table's state machine checks every view after every step:
+``tests/test_handshake_states.py``)."""
+
+import pytest
+
+from handshake import answers, room_store
+from handshake.rooms import Answer, RoomError, RoomLimits, RoomTable
+from tests.handshake_helpers import begin, commit, registration
+from wire.rooms import BatchResponse, EncodeTimings, RoomResult, RoomState, RoomView
+
+
+def test_each_struct_has_its_models_fields_in_its_order():
+    assert answers.ViewJson.__struct_fields__ == tuple(RoomView.model_fields)
+    assert answers.ResultJson.__struct_fields__ == tuple(RoomResult.model_fields)
+    assert answers.FrameJson.__struct_fields__ == tuple(BatchResponse.model_fields)
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _rooms_in_every_state(table: RoomTable) -> dict[str, int]:
+    """A room of the table in each state a view can show (a reason that needs escaping)."""
+    pending, staged, registered, writing, cancelling, done, failed, cancelled = table.mint(8, 30)
+    table.mark_staged(staged)
+    for room in (registered, writing, cancelling, done, failed):
+        table.register(registration(room, deadline_s=12.5))
+    for room in (writing, cancelling, done):
+        table.begin_write(begin(room, write_timeout_s=5))
+    table.cancel(cancelling, 'the "receiver" left \u2014 \u00e9\n')
+    with_timings = commit(done).model_copy(
+        update={"timings": EncodeTimings(queue_s=0.25, encode_s=1e-05, cache_hit=True)}
+    )
+    table.commit(with_timings)
+    table.fail(failed, "no slot \\ left", settled=True)
+    table.cancel(cancelled, "gone")
+    return {
+        "pending": pending,
+        "staged": staged,
+        "registered": registered,
+        "writing": writing,
+        "cancelling": cancelling,
+        "success": done,
+        "failed": failed,
+        "cancelled": cancelled,
+    }
+
+
+@pytest.mark.parametrize("recent", [room_store.RECENT_ROOMS, 0], ids=["as-objects", "tombstones"])
+def test_a_frame_of_views_and_refusals_parses_to_the_models_answer(monkeypatch, recent):
+    monkeypatch.setattr(room_store, "RECENT_ROOMS", recent)  # 0: ended rooms read back as tuples
+    clock = Clock()
+    table = RoomTable(RoomLimits(), clock=clock)
+    rooms = _rooms_in_every_state(table)
+    clock.now += 3.25
+    ids = list(rooms.values())
+    assert {table.view(room).state for room in ids} == set(RoomState) - {RoomState.EXPIRED}
+    for whole in (True, False):
+        documents = table.views_json(ids, with_registration=whole)
+        for room, document in zip(ids, documents):
+            expected = table.view(room)
+            if not whole:
+                expected = expected.model_copy(update={"registration": None})
+            assert RoomView.model_validate_json(bytes(document)) == expected
+    writer = table.commit_all([commit(rooms["writing"])], answer=Answer.WRITER_VIEW_JSON)
+    assert RoomView.model_validate_json(bytes(writer[0])) == table.view(
+        rooms["writing"]
+    ).model_copy(update={"registration": None, "commit": None})
+    missing = table.views_json([12345])[0]
+    assert isinstance(missing, RoomError)
+    frame = answers.frame(
+        [answers.viewed(room, document) for room, document in zip(ids, table.views_json(ids))]
+        + [answers.refused(12345, str(missing), missing.status)]
+    )
+    assert BatchResponse.model_validate_json(frame) == BatchResponse(
+        results=[RoomResult.of_view(room, table.view(room)) for room in ids]
+        + [RoomResult.refusal(12345, str(missing), missing.status)]
+    )
