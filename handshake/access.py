@@ -18,6 +18,7 @@ from loop_threads import LoopThread
 from wire.room_client import HandshakeClient, HandshakeError
 from wire.room_stream import OpenOnce, RoomStreamClient
 from wire.rooms import (
+    MAX_BATCH,
     BeginWrite,
     CommitBody,
     FailBody,
@@ -29,9 +30,13 @@ from wire.rooms import (
 
 # a refusal's status -> the error it was raised as at the table
 REFUSALS = {error.status: error for error in (RoomNotFound, RoomConflict, RoomsFull)}
-# opens whose stream ended before their answer, kept to be cancelled over the next stream and
-# refused if asked for again (beyond, the oldest are left to expire at their TTL)
+# opens whose stream ended before their answer (they may be open), refused if asked for again:
+# the newest kept
 MAX_LOST_OPENS = 4096
+# After its stream ended, a lost open's cancel goes out over REST at once, then again, for the rooms
+# still unknown there or not reached, at each of these (an open on a stalled connection may land
+# after the first cancel; a room never opened is answered unknown each time).
+LOST_OPEN_CANCEL_AT_S = (0.0, 1.0, 10.0)
 LOST_OPEN_REASON = "opened by a dispatcher that never learnt it was: its room stream ended first"
 
 
@@ -111,7 +116,6 @@ class RemoteRooms:
         self._opening = OpenOnce()
         self._tasks: set[asyncio.Task] = set()  # every stream's reader and guard not ended yet
         self._lost_opens: dict[int, None] = {}  # (oldest first) refused if asked for again
-        self._cancels_due: list[int] = []  # lost opens, for the next stream a call uses
 
     # ---- on the loop -----------------------------------------------------------------------
 
@@ -140,12 +144,13 @@ class RemoteRooms:
         """Open rooms with the ids the caller drew (a dispatcher's), sent together: each room's
         view, or why it is not open (an id asked for twice, or with a call in flight, is refused
         here). An open is sent once: when the stream ends first, the room may be open or not; it
-        is answered as not, refused if asked for again, and cancelled over the next stream a call
-        uses (nobody else knows its id: a room that was not opened is refused there, and the
-        refusal dropped; the one hazard, an id drawn from 63 random bits that was someone else's
-        room, is a chance of 1e-14 per lost open with 100,000 rooms live). That cancel is best
-        effort: one that cannot be sent (no further call, or that stream ends too), or that meets
-        the server before a stalled connection's open, leaves the room to expire at its TTL.
+        is answered as not, refused if asked for again, and cancelled (nobody else knows its id:
+        a room that was not opened is answered unknown there; the one hazard, an id drawn from 63
+        random bits that was someone else's room, is a chance of 1e-14 per lost open with 100,000
+        rooms live). The cancel goes over
+        REST, and again while the room is unknown there (``LOST_OPEN_CANCEL_AT_S``: an open on a
+        stalled connection may land after it); a room whose open lands after the last, or whose
+        endpoint stays unreachable that long, or whose owner stops first, expires at its TTL.
         ``ValueError`` for a TTL the wire cannot carry."""
         check_room_ttl(ttl_s)  # (raised from a send, it would leave the calls started so far)
         calls: list[asyncio.Future | RoomError] = []
@@ -209,9 +214,6 @@ class RemoteRooms:
             open_ = await self._opening(None, self._connect)
             if open_.ended:  # it ended as it opened
                 raise HandshakeError(0, "the room stream closed as it opened")
-        if self._cancels_due:  # (no answer is awaited: a refusal of a room never opened is dropped)
-            open_.stream.cancel(self._cancels_due, LOST_OPEN_REASON)
-            self._cancels_due = []
         if not open_.calls:
             open_.waiting_since = time.monotonic()
         call = open_.calls[room] = asyncio.get_running_loop().create_future()
@@ -275,8 +277,31 @@ class RemoteRooms:
             self._lost_opens[room] = None
             if len(self._lost_opens) > MAX_LOST_OPENS:
                 del self._lost_opens[next(iter(self._lost_opens))]
-        self._cancels_due += lost
-        del self._cancels_due[:-MAX_LOST_OPENS]
+        if lost:
+            task = asyncio.get_running_loop().create_task(self._cancel_lost(lost))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _cancel_lost(self, rooms: list[int]) -> None:
+        """Cancel the rooms whose open was lost with their stream, over REST (a room no call
+        waits on needs no stream): at once, then again for those still unknown there or not
+        reached, at each of ``LOST_OPEN_CANCEL_AT_S``; a room that was opened ends CANCELLED
+        with why."""
+        started = time.monotonic()
+        for at_s in LOST_OPEN_CANCEL_AT_S:
+            await asyncio.sleep(max(0.0, started + at_s - time.monotonic()))
+            left = []
+            for start in range(0, len(rooms), MAX_BATCH):
+                chunk = rooms[start : start + MAX_BATCH]
+                try:
+                    results = await self.client.cancel(chunk, LOST_OPEN_REASON)
+                except HandshakeError:  # not reached: again at the next time
+                    left += chunk
+                    continue
+                left += [r.room for r in results if r.status == RoomNotFound.status]
+            rooms = left
+            if not rooms:
+                return
 
     # ---- from other threads ----------------------------------------------------------------
 
