@@ -121,10 +121,86 @@ def test_of_two_xmp_packets_the_last_one_counts_as_for_pil():
         assert answer(one) == through_pil(one) == (*size, "JPEG")
 
 
-def test_an_mpo_index_and_a_large_declared_size_go_to_pil():
-    plain = _jpeg()
-    mpo = plain[:2] + _segment(0xE2, b"MPF\0II*\0\x08\0\0\0\0\0") + plain[2:]
-    assert jpeg_size(mpo) is None and answer(mpo) == through_pil(mpo)
+def _mp_index(
+    order: str = "<",
+    entries: int = 2,
+    images: int = 2,
+    image_format: int = 0,
+    extra: tuple = (),
+    next_offset: bool = True,
+    version: bool = True,
+    entry_type: int = 7,
+    images_type: int = 4,
+) -> bytes:
+    """An APP2 MP index (CIPA DC-007): its TIFF header, one directory (the version, the number of
+    images, the entries, ``extra`` tags), the next directory's offset, then the entries."""
+    table = [(0xB000, 7, 4, b"0100")] if version else []
+    table.append((0xB001, images_type, 1, struct.pack(order + "L", images)))
+    rows = b"".join(
+        struct.pack(order + "LLLHH", image_format << 24 | 0x030000, 1000, 0, 0, 0)
+        for _ in range(entries)
+    )
+    count = len(table) + 1 + len(extra)
+    after = 8 + 2 + 12 * count + 4 * next_offset
+    table.append((0xB002, entry_type, len(rows), struct.pack(order + "L", after)))
+    table += extra
+    head = {"<": b"II*\0", ">": b"MM\0*"}[order] + struct.pack(order + "L", 8)
+    body = struct.pack(order + "H", count) + b"".join(
+        struct.pack(order + "HHL", tag, kind, items) + value for tag, kind, items, value in table
+    )
+    return b"MPF\0" + head + body + b"\0\0\0\0" * next_offset + rows
+
+
+def _mpo(index: bytes, app1: bytes | None = None) -> bytes:
+    """A plain JPEG of PIL's (37x21) with the MP index ``index`` (and an APP1 ``app1``)."""
+    data = _jpeg()
+    extra = _segment(0xE2, index) + (_segment(0xE1, app1) if app1 is not None else b"")
+    return data[:2] + extra + data[2:]
+
+
+ULTRA_HDR = XMP_PREFIX + b'<rdf:Description hdrgm:Version="1.0"/>'
+
+
+def test_an_mpo_is_read_without_pil_and_a_gain_map_jpeg_stays_a_jpeg():
+    buffer = io.BytesIO()
+    frames = [Image.new("RGB", (37, 21), colour) for colour in ("white", "black")]
+    frames[0].save(buffer, format="MPO", save_all=True, append_images=frames[1:])
+    written = buffer.getvalue()
+    cases = {
+        "pil's": (written, "MPO"),
+        "big-endian": (_mpo(_mp_index(">")), "MPO"),
+        "one image": (_mpo(_mp_index(entries=1, images=1)), "JPEG"),
+        "ultra hdr": (_mpo(_mp_index(), ULTRA_HDR), "JPEG"),
+    }
+    for case, (data, image_format) in cases.items():
+        assert jpeg_size(data) is not None, case
+        assert answer(data) == through_pil(data) == (37, 21, image_format), case
+
+
+MP_INDEXES_LEFT_TO_PIL = {
+    "cut": _mp_index()[:-3],
+    "no entries": _mp_index(entries=0, images=0),
+    "entries short of the images": _mp_index(entries=1, images=2),
+    "a non-jpeg image": _mp_index(image_format=1),
+    "an unknown tag": _mp_index(extra=((0x0100, 3, 1, b"\1\0\0\0"),)),
+    "a tag twice": _mp_index(extra=((0xB001, 4, 1, b"\2\0\0\0"),)),
+    "entries as bytes": _mp_index(entry_type=1),
+    "the count as a short": _mp_index(images_type=3),
+    "a bigtiff header": b"MPF\0II+\0" + _mp_index()[8:],
+}
+
+
+@pytest.mark.parametrize("case", sorted(MP_INDEXES_LEFT_TO_PIL))
+def test_mp_indexes_with_anything_unusual_go_to_pil(case):
+    data = _mpo(MP_INDEXES_LEFT_TO_PIL[case])
+    assert jpeg_size(data) is None
+    assert answer(data) == through_pil(data)
+
+
+def test_two_mp_indexes_and_a_large_declared_size_go_to_pil():
+    data = _mpo(_mp_index())
+    two = data[:2] + _segment(0xE2, _mp_index(entries=1, images=1)) + data[2:]
+    assert jpeg_size(two) is None and answer(two) == through_pil(two)
     huge = _jpeg("L", size=(8000, 8000))
     refused = answer(huge, max_pixels=1 << 20)
     assert refused == through_pil(huge, max_pixels=1 << 20)
@@ -174,7 +250,7 @@ def test_a_plain_exif_block_with_a_rational_dpi_is_read_without_pil():
         ">", [(0x0128, 3, 1, ("H", 2)), (0x011A, _RATIONAL, 1, ("L", 26)), (0x0112, 3, 1, ("H", 8))]
     )
     data = _with_app1(block + struct.pack(">LL", 72, 1))
-    assert jpeg_size(data) == (37, 21, 8)
+    assert jpeg_size(data) == (37, 21, 8, "JPEG")
     assert answer(data) == through_pil(data) == (21, 37, "JPEG")
 
 
@@ -239,7 +315,21 @@ _APP = st.one_of(
         ).map(lambda packet: XMP_PREFIX + packet),
     ),
     st.tuples(st.just(0xE2), st.sampled_from([b"ICC_PROFILE\0\1\1abc", b"ICC_PROFILE\0\1"])),
-    st.tuples(st.just(0xE2), st.sampled_from([b"MPF\0II*\0\x08\0\0\0\0\0", b"FPXR\0x"])),
+    st.tuples(st.just(0xE2), st.just(b"FPXR\0x")),
+    st.tuples(
+        st.just(0xE2),
+        st.builds(
+            _mp_index,
+            order=st.sampled_from(["<", ">"]),
+            entries=st.sampled_from([0, 1, 2, 2, 3]),
+            images=st.sampled_from([0, 1, 2, 2, 3, 1 << 20]),
+            image_format=st.sampled_from([0, 0, 0, 1]),
+            extra=st.sampled_from([(), (), ((0xB004, 4, 1, b"\2\0\0\0"),), ((1, 1, 0, bytes(4)),)]),
+            next_offset=st.booleans(),
+            entry_type=st.sampled_from([7, 7, 7, 1]),
+        ).flatmap(lambda index: st.sampled_from([index, index, index[:12], index[:-5]])),
+    ),
+    st.tuples(st.just(0xE1), st.just(ULTRA_HDR)),
     st.tuples(st.just(0xED), st.just(b"Photoshop 3.0\x008BIM\x03\xed\x00")),
     st.tuples(st.just(0xEE), st.sampled_from([b"Adobe\0d\0\0\0\0\1", b"Adobe\0"])),
     st.tuples(st.integers(0xE3, 0xEF), st.binary(max_size=8)),

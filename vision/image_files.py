@@ -45,8 +45,16 @@ JPEG_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD,
 JPEG_PASSED = {0xC4, 0xCC, 0xDD, 0xFE}  # DHT, DAC, DRI, COM: PIL stores or skips them
 JPEG_LAYERS = {1, 3, 4}  # the component counts PIL reads (L, RGB, CMYK)
 # By APPn marker: the payloads that leave the file to PIL (a second EXIF block is one too: PIL
-# joins them): an MPO's index, a Photoshop block (PIL's parse of it can fail the open).
-JPEG_APPS_TO_PIL = {0xE2: (b"MPF\x00",), 0xED: (b"Photoshop 3.0\x00",)}
+# joins them, and so is a second MP index): a Photoshop block (PIL's parse of it can fail the open).
+JPEG_APPS_TO_PIL = {0xED: (b"Photoshop 3.0\x00",)}
+# An MP index (APP2, CIPA DC-007): a file with more than one image in it is PIL's MPO, but a gain
+# map JPEG (Ultra HDR: an APP1 names its gain map) stays a JPEG. Read as PIL reads it when plain
+# (``_mp_images``): the MP tags PIL knows, of their types, each once, within the index.
+MPF_PREFIX = b"MPF\x00"
+ULTRA_HDR_MARK = b' hdrgm:Version="'
+MP_NUMBER_OF_IMAGES, MP_ENTRY = 0xB001, 0xB002
+MP_TAGS = {0xB000: (7, 4), MP_NUMBER_OF_IMAGES: (4, 1), MP_ENTRY: (7, None), 0xB004: (4, 1)}
+MP_ENTRY_BYTES = 16
 # An XMP packet (APP1): PIL keeps the last one's bytes after the prefix, and takes an orientation
 # from them, as Image.getexif() finds it, when the EXIF block holds none (or there is none).
 XMP_PREFIX = b"http://ns.adobe.com/xap/1.0/\x00"
@@ -150,7 +158,7 @@ def _read_without_pil(data: bytes) -> tuple[int, int, int | None, str] | None:
     if (size := png_size(data)) is not None:
         width, height, orientation, image_format = *size, None, "PNG"
     elif (jpeg := jpeg_size(data)) is not None:
-        width, height, orientation, image_format = *jpeg, "JPEG"
+        width, height, orientation, image_format = jpeg
     elif (size := webp_size(data)) is not None:
         width, height, orientation, image_format = *size, None, "WEBP"
     else:
@@ -197,18 +205,19 @@ class _LeftToPil(Exception):
     """Something a plain header does not hold: PIL reads the file (and says what is wrong)."""
 
 
-def jpeg_size(data: bytes) -> tuple[int, int, int | None] | None:
-    """A JPEG's (width, height, EXIF orientation), read as PIL reads them, when its header is
-    plain: markers back to back from the signature to the start of scan, each whole, of the kinds
-    PIL passes over or reads without an error (``JPEG_FRAMES``, ``JPEG_PASSED``, quantization
-    tables, APPn but ``JPEG_APPS_TO_PIL``), at least one 8-bit frame of a layer count PIL reads,
-    and an EXIF block whose first directory is whole (``_exif_orientation``); an orientation
-    the EXIF block does not hold is the last XMP packet's (``XMP_ORIENTATION``). None for every
-    other file (PIL reads it)."""
+def jpeg_size(data: bytes) -> tuple[int, int, int | None, str] | None:
+    """A JPEG's (width, height, EXIF orientation, format: JPEG or MPO), read as PIL reads them,
+    when its header is plain: markers back to back from the signature to the start of scan, each
+    whole, of the kinds PIL passes over or reads without an error (``JPEG_FRAMES``,
+    ``JPEG_PASSED``, quantization tables, APPn but ``JPEG_APPS_TO_PIL``), at least one 8-bit
+    frame of a layer count PIL reads, and an EXIF block whose first directory is whole
+    (``_exif_orientation``); an orientation the EXIF block does not hold is the last XMP packet's
+    (``XMP_ORIENTATION``); and an MP index read as ``_mp_images`` reads it. None for every other
+    file (PIL reads it)."""
     if not data.startswith(JPEG_SIGNATURE):
         return None
     try:
-        size, exif, xmp, at = None, None, None, 2
+        size, exif, xmp, mp_index, ultra_hdr, at = None, None, None, None, False, 2
         while True:
             if at + 4 > len(data) or data[at] != 0xFF:
                 return None
@@ -238,6 +247,11 @@ def jpeg_size(data: bytes) -> tuple[int, int, int | None] | None:
                     exif = body
                 elif marker == 0xE1 and body.startswith(XMP_PREFIX):
                     xmp = body[len(XMP_PREFIX) :]
+                elif marker == 0xE2 and body.startswith(MPF_PREFIX):
+                    if mp_index is not None:
+                        return None
+                    mp_index = body[len(MPF_PREFIX) :]
+                ultra_hdr = ultra_hdr or (marker == 0xE1 and ULTRA_HDR_MARK in body)
             elif marker not in JPEG_PASSED:
                 return None
             at += 2 + length
@@ -246,9 +260,54 @@ def jpeg_size(data: bytes) -> tuple[int, int, int | None] | None:
         orientation = _exif_orientation(exif) if exif is not None else None
         if orientation is None and xmp and (found := XMP_ORIENTATION.search(xmp)):
             orientation = int(found[2])
-        return (*size, orientation)
+        several = mp_index is not None and _mp_images(mp_index) > 1 and not ultra_hdr
+        return (*size, orientation, "MPO" if several else "JPEG")
     except _LeftToPil:
         return None
+
+
+def _mp_images(index: bytes) -> int:
+    """The number of images an MP index names, as PIL's ``_getmp`` reads it, when the index is
+    plain: a classic TIFF header, its first directory whole and followed by the next one's offset,
+    of the tags ``MP_TAGS`` only (each once, of its type and count, its value within the index),
+    the number of images and as many whole entries, each of a JPEG image."""
+    order = TIFF_ORDERS.get(index[:4])
+    if order is None or len(index) < 8:
+        raise _LeftToPil
+    (directory,) = struct.unpack_from(order + "L", index, 4)
+    if directory < 8 or directory + 2 > len(index):
+        raise _LeftToPil
+    (count,) = struct.unpack_from(order + "H", index, directory)
+    if directory + 2 + 12 * count + 4 > len(index):
+        raise _LeftToPil
+    values, out_of_line = {}, 0
+    for entry in range(directory + 2, directory + 2 + 12 * count, 12):
+        tag, kind, items, inline = struct.unpack_from(order + "HHL4s", index, entry)
+        expected = MP_TAGS.get(tag)
+        if expected is None or tag in values or kind != expected[0] or not items:
+            raise _LeftToPil
+        if expected[1] is not None and items != expected[1]:
+            raise _LeftToPil
+        nbytes = items * TIFF_UNIT_BYTES[kind]
+        if nbytes <= 4:
+            values[tag] = inline[:nbytes]
+            continue
+        (offset,) = struct.unpack(order + "L", inline)
+        out_of_line += nbytes
+        if offset + nbytes > len(index) or out_of_line > len(index):
+            raise _LeftToPil
+        values[tag] = index[offset : offset + nbytes]
+    if MP_NUMBER_OF_IMAGES not in values or MP_ENTRY not in values:
+        raise _LeftToPil
+    (images,) = struct.unpack(order + "L", values[MP_NUMBER_OF_IMAGES])
+    entries = values[MP_ENTRY]
+    if MP_ENTRY_BYTES * images > len(entries):
+        raise _LeftToPil
+    for at in range(0, MP_ENTRY_BYTES * images, MP_ENTRY_BYTES):
+        (attribute,) = struct.unpack_from(order + "L", entries, at)
+        if (attribute >> 24) & 7:  # not a JPEG image: PIL reads the file as a JPEG, and warns
+            raise _LeftToPil
+    return images
 
 
 def _check_quantization(body: bytes) -> None:

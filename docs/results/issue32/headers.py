@@ -59,6 +59,19 @@ def synthetic_jpeg_with(size: int, xmp: bytes) -> bytes:
     return out.getvalue()
 
 
+def mpo(size: int, gain_map: bool = False) -> bytes:
+    """The bench's image as PIL writes a two-image MPO (an MP index in APP2); with ``gain_map``,
+    an XMP packet naming a gain map as well (an Ultra HDR photo's: PIL reads it as a JPEG)."""
+    image = Image.open(io.BytesIO(synthetic_image(size, size, 1, "JPEG")))
+    out = io.BytesIO()
+    image.save(out, format="MPO", save_all=True, append_images=[image], quality=90)
+    data = out.getvalue()
+    if not gain_map:
+        return data
+    packet = b"http://ns.adobe.com/xap/1.0/\x00" + b'<rdf:Description hdrgm:Version="1.0"/>'
+    return data[:2] + b"\xff\xe1" + (len(packet) + 2).to_bytes(2) + packet + data[2:]
+
+
 def webp(size: int, alpha: bool = False, **options) -> bytes:
     """The bench's image as a WebP; with ``alpha`` (lossy: an extended header, ALPH and VP8)."""
     image = Image.open(io.BytesIO(synthetic_image(size, size, 1)))
@@ -85,6 +98,8 @@ def main(out: str) -> None:
         "JPEG 448, EXIF (orientation 6, dpi) + ICC": camera_like(448),
         "JPEG 448, EXIF + ICC + an editor's XMP": camera_like(448, EDITOR_XMP),
         "JPEG 448, an editor's XMP alone": synthetic_jpeg_with(448, EDITOR_XMP),
+        "MPO 448 (two images, an MP index)": mpo(448),
+        "JPEG 448 with a gain map (an MP index, XMP)": mpo(448, gain_map=True),
         "WebP 112 (lossy)": webp(112),
         "WebP 448 (lossy)": webp(448),
         "WebP 448 (lossy, alpha)": webp(448, alpha=True),
