@@ -64,7 +64,7 @@ bench: setup
 # under five minutes, writing docs/results/gpu/gpu-check.json. Its dry run on a CPU machine, with
 # small towers: `.venv/bin/python -m bench.gpu_check OUT_DIR --small`.
 GPU_WHEELS := pydantic pydantic-core pydantic-settings annotated-types typing-inspection \
-	python-dotenv pyzmq fastapi starlette uvicorn annotated-doc transformers
+	python-dotenv pyzmq fastapi starlette uvicorn annotated-doc transformers msgspec
 # the GPU machine's own interpreter, with its CUDA torch
 GPU_PYTHON ?= python3
 

@@ -10,7 +10,7 @@ own), or opened first at a standalone room authority (``rooms_url``) over its ro
 rooms of every placement made in one loop step together; each item's bytes to its worker's
 intake, all in flight at once. An item whose worker refuses it, times out or cannot be reached
 leaves no live room behind (one opened at the authority, or one a silent worker may have opened,
-is cancelled at once; one whose open was sent and not answered, over the authority's next stream)
+is cancelled at once; one whose open was sent and not answered, over REST, again while unknown)
 and is placed on the next worker in the ring. When every worker tried is busy (its queue full, or
 the item's wait there past its deadline, with a retry-after), the item backs off (doubling from
 the workers' retry-after up to ``MAX_BACKOFF_S``, jittered) and tries them again, within the
@@ -222,7 +222,7 @@ class Dispatcher:
             opened = await self._authority().open_rooms(rooms, self.room_ttl_s)
             for item, answer in zip(items, opened):
                 if not isinstance(answer, RoomView):  # (one whose answer was lost may be open:
-                    # RemoteRooms cancels it over its next stream)
+                    # RemoteRooms cancels it)
                     item.error = f"cannot open a room at {endpoint}: {answer}"
                     item.retry_after_s = None
             kept = [i for i, answer in enumerate(opened) if isinstance(answer, RoomView)]

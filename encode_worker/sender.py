@@ -9,21 +9,21 @@ generation and a checksum. Any failure fails only this room, with a reason the r
 The send-ring slot is released once the transport has settled (a write that may still read it
 keeps it leased).
 
-Waiting for a receiver holds no thread, so items whose receivers come late never hold up items
-whose receivers are there (with a thread per waiting item, eight slow receivers stalled every
-delivery behind them): an item whose room is in this process's own table listens for the room's
-registration (a listener, no task; the items of one drain share a timer and one table call), and
-the registrations that arrive together wake their items into one drain; an item whose room is elsewhere is a coroutine on the handshake
-server's own event loop, waiting for the registration over that endpoint's room stream
-(``handshake.access.RemoteRooms``). Into a room of this process's own table, the write and the
-room calls around it run on the loop when they cannot block it, the writes found ready in one
-drain begun in one table call and the copied ones committed in one: an SHM copy of at most
-``inline_write_bytes`` (one memcpy; the copy of a 1.8 MB item ~0.2 ms, which other requests on
-the loop wait for), or a Mooncake write to a peer already reached (submitted on the loop, run by
-the engine's threads, its completion polled for every item by one ``CompletionPoller`` thread).
-The receiver's long-poll then answers without a thread hand-off either (each cost ~50-100 us on
-these machines). Other writes, and the begin and commit in another process's rooms (over its
-room stream: the calls of one loop step share a frame), run on the pool of sender threads.
+Waiting for a receiver holds no thread, so items whose receivers come late never hold up items whose
+receivers are there (with a thread per waiting item, eight slow receivers stalled every delivery
+behind them): an item whose room is in this process's own table listens for the room's registration
+(a listener, no task; the items of one drain share a timer and one table call), and the
+registrations that arrive together wake their items into one drain; an item whose room is elsewhere
+is a coroutine on the handshake server's own event loop, waiting for the registration over that
+endpoint's room stream (``handshake.access.RemoteRooms``). Into a room of this process's own table,
+the write and the room calls around it run on the loop when they cannot block it, the writes found
+ready in one drain begun in one table call and the copied ones committed in one: an SHM copy of at
+most ``inline_write_bytes`` (one memcpy; the copy of a 1.8 MB item ~0.2 ms, which other requests on
+the loop wait for), or a Mooncake write to a peer already reached (submitted on the loop, run by the
+engine's threads, its completion polled for every item by one ``CompletionPoller`` thread). The
+receiver's long-poll then answers without a thread hand-off either (each cost ~50-100 us on these
+machines). Other writes, and the begin and commit in another process's rooms (over its room stream:
+the calls of one loop step share a frame), run on the pool of sender threads.
 """
 
 from __future__ import annotations
@@ -184,6 +184,7 @@ class Sender:
         with self._lock:
             items, self._inbox, self._drain_due = self._inbox, [], False
         by_table: dict[int, tuple[RoomTable, list]] = {}
+        seen: set[int] = set()  # the rooms going to a table call (one answer per room)
         for item in items:
             waited = self._waiting.pop(item.room, None)
             if waited is not None:  # woken by its registration: it waits no more
@@ -197,9 +198,10 @@ class Sender:
             except Exception:  # before any room call: the task's path handles it, and says why
                 log.exception("routing room %d failed; delivering it as a task", item.room)
                 rooms = None
-            if rooms is None or not rooms.in_process:
-                self._as_task(item)
+            if rooms is None or not rooms.in_process or item.room in seen:
+                self._as_task(item)  # (a room twice in one drain: the second on its own)
             else:
+                seen.add(item.room)
                 by_table.setdefault(id(rooms.table), (rooms.table, []))[1].append(
                     (item, rooms, waited is not None)
                 )
@@ -336,6 +338,8 @@ class Sender:
             item.timings["wait_s"] = time.monotonic() - one.since
             try:
                 self._report(self._settle(item, lambda: self.writer.no_receiver(item)))
+            except Exception:  # (its room's failure raised too): the others still end
+                log.exception("failing room %d, which no receiver registered, crashed", item.room)
             finally:
                 self._count_delivered(1)
 

@@ -114,7 +114,8 @@ class RemoteRooms:
         self.client = client
         self._open: _OpenStream | None = None  # the loop's own
         self._opening = OpenOnce()
-        self._tasks: set[asyncio.Task] = set()  # every stream's reader and guard not ended yet
+        # every stream's reader and guard not ended yet, and the lost opens' cancels
+        self._tasks: set[asyncio.Task] = set()
         self._lost_opens: dict[int, None] = {}  # (oldest first) refused if asked for again
 
     # ---- on the loop -----------------------------------------------------------------------

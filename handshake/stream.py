@@ -222,10 +222,10 @@ class RoomStream:
         self._out.append(answers.refused(room, str(error), error.status))
         self._news.set()
 
-    def _answer(self, answers: list, rooms: list[int]) -> None:
+    def _answer(self, results: list, rooms: list[int]) -> None:
         """Calls answered per room (an open, a writer's begin or commit): each room's view or
         why it was refused, in the next frame."""
-        self._out += _pushed(rooms, answers)
+        self._out += _pushed(rooms, results)
         self._news.set()
 
     async def _write(self) -> None:

@@ -340,6 +340,33 @@ def test_items_that_wait_from_one_drain_share_its_timer_and_each_ends_alone(enco
         loop.stop()
 
 
+def test_a_room_twice_in_one_drain_goes_to_the_table_once(encode_side):
+    """Two items for one room in one submit (an upstream bug): the first is written by the
+    drain's one table call, the second goes on alone as a task; each item gets its outcome and
+    none is left counted as in flight."""
+    table, server, shm, ring, _, client, receive_pool = encode_side
+    loop = LoopThread("twice")
+    outcomes = []
+    sender = Sender(
+        ring, {"shm": shm}, lambda handshake: LocalRooms(table), loop, on_outcome=outcomes.append
+    )
+    try:
+        (room,) = table.mint(1, 60)
+        first, second = torch.randn(16, 256), torch.randn(16, 256)
+        layout = EmbeddingLayout.of(first)
+        slot = receive_pool.lease(layout.nbytes)
+        client.register([_registration(room, slot, layout, shm, receive_pool)])
+        sender.submit_all([_staged(ring, server.port, room, one) for one in (first, second)])
+        eventually(lambda: len(outcomes) == 2, "both items' outcomes")
+        assert table.arrived == [1]
+        assert table.view(room).state is RoomState.SUCCESS
+        assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), first)
+        assert sender._delivering == 0
+    finally:
+        sender.close()
+        loop.stop()
+
+
 @pytest.mark.parametrize("how", ["receiver_wait", "shutdown"])
 def test_an_item_waiting_for_its_receiver_fails_at_its_wait_or_at_shutdown(encode_side, how):
     table, server, shm, ring, _, client, receive_pool = encode_side
