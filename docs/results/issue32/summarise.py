@@ -55,6 +55,9 @@ def cost_table(prefix: str, pairs: str) -> list[str]:
 # batch2-*: the PNG header, the writer's room status and the dispatcher's intake per batch
 # (0a5777e..324da6a) against 8e7eaa7 (batch2-mooncake8: 8-image requests over Mooncake alone);
 # offer-*: the receiver's slot offers made once, against 15c5b3c (8-image requests over SHM)
+# arrivals-*: a drain's rooms in one table call and the stream's answers without models (54f53f5)
+# against the session's start, 2da6bea, in sequential pairs; together-*: the same, each round's
+# two sides run at once (together.sh)
 TABLES = (
     ("cost", "123", "a25abee", "68c3ad2"),
     ("cost", "456", "a25abee", "0a15a9d"),
@@ -73,6 +76,10 @@ TABLES = (
     ("publish", "123456", "2fb58e2", "67764d4"),
     ("session-cost", "123", "1d23076", "67764d4"),
     ("webp-ceiling", "123", "4bf9256", "25a79ea"),
+    ("arrivals-ceiling", "123", "2da6bea", "54f53f5"),
+    ("arrivals-cost", "123", "2da6bea", "54f53f5"),
+    ("together-ceiling", "123", "2da6bea", "54f53f5"),
+    ("together-cost", "123", "2da6bea", "54f53f5"),
 )
 
 
@@ -103,6 +110,7 @@ def handshake_table(prefix: str, pairs: str, path: tuple | None = None) -> list[
 HANDSHAKE_TABLES = (
     ("construct-handshake", "12", "8b80f3f", "350f6f2", None),
     ("session-handshake", "12", "4bf9256", "3aadcae", ("stream", "stream", "stream")),
+    ("answers-handshake", "12", "2da6bea", "0cf22f7", ("stream", "stream", "stream")),
 )
 
 
