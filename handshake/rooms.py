@@ -339,10 +339,15 @@ class RoomTable:
             if room is None:
                 return False
             self._store.expire_if_due(room, self._store.clock())
-            if room.state.terminal or listener.has_news(room.state, room.staged):
-                return False
-            room.waiters.append(listener)
-            return True
+            return self._attach(room, listener)
+
+    @staticmethod
+    def _attach(room: Room, listener) -> bool:
+        """``listen``'s attachment, the lock held and the room expired if due."""
+        if room.state.terminal or listener.has_news(room.state, room.staged):
+            return False
+        room.waiters.append(listener)
+        return True
 
     def ended(self, room_ids: list[int]) -> dict[int, RoomState]:
         """Those of ``room_ids`` that are rooms of this table and ended without rows (cancelled,
@@ -369,10 +374,14 @@ class RoomTable:
             room = self._store.rooms.get(room_id)
             if room is None or room.state is not RoomState.PENDING:
                 return None
-            if not room.staged:
-                room.staged = True
-                self._store.touch(room)
+            self._stage(room)
             return room.version
+
+    def _stage(self, room: Room) -> None:
+        """``mark_staged`` of a PENDING room, the lock held."""
+        if not room.staged:
+            room.staged = True
+            self._store.touch(room)
 
     def arrivals(self, listeners: dict[int, object | None]) -> list[RoomStatus | RoomError | None]:
         """A writer holds the rows of each room in ``listeners``: per room, in one lock,
@@ -387,11 +396,8 @@ class RoomTable:
                 if room is not None:
                     store.expire_if_due(room, now)
                     if room.state is RoomState.PENDING:
-                        if not room.staged:
-                            room.staged = True
-                            store.touch(room)
-                        if listener is not None and not listener.has_news(room.state, True):
-                            room.waiters.append(listener)
+                        self._stage(room)
+                        if listener is not None and self._attach(room, listener):
                             answers.append(None)
                             continue
                     answers.append(store.status(room))
@@ -415,16 +421,11 @@ class RoomTable:
     ) -> list[msgspec.Raw | RoomError]:
         """Each room's view's JSON (``handshake.answers``: the room stream pushes these; without
         the registration to the receiver that sent it), or why there is none, in one lock."""
-        with self._lock:
-            views = []
-            for room_id in room_ids:
-                try:
-                    room = self._store.get(room_id)
-                except RoomNotFound as exc:
-                    views.append(exc)
-                    continue
-                views.append(self._store.view_json(room, with_registration))
-            return views
+        return self._views(
+            dict.fromkeys(room_ids, 0),
+            False,
+            lambda room: self._store.view_json(room, with_registration),
+        )
 
     async def watch(
         self,
@@ -478,8 +479,11 @@ class RoomTable:
                     room.waiters.remove(waiter)
 
     def _views(
-        self, versions: dict[int, int], changed_only: bool
-    ) -> list[RoomView | RoomError | None]:
+        self, versions: dict[int, int], changed_only: bool, view: Callable | None = None
+    ) -> list[RoomView | msgspec.Raw | RoomError | None]:
+        """Each room's ``view`` (its model by default), or why there is none, in one lock;
+        ``changed_only``: None for a room still at its version."""
+        view = view or self._store.view
         with self._lock:
             views = []
             for room_id, after in versions.items():
@@ -488,9 +492,7 @@ class RoomTable:
                 except RoomNotFound as exc:
                     views.append(exc)
                     continue
-                views.append(
-                    None if changed_only and room.version <= after else self._store.view(room)
-                )
+                views.append(None if changed_only and room.version <= after else view(room))
             return views
 
     # ---- housekeeping ----------------------------------------------------------------------
