@@ -113,8 +113,10 @@ def test_an_xmp_packet_is_read_without_pil_its_orientation_as_pil_finds_it(case)
 
 
 def test_of_two_xmp_packets_the_last_one_counts_as_for_pil():
-    data = _with_app1(XMP_PREFIX + b'<x tiff:Orientation="6"/>')
-    data = data[:2] + _segment(0xE1, XMP_PREFIX + b'<x tiff:Orientation="1"/>') + data[2:]
+    data = _with_segments(
+        _segment(0xE1, XMP_PREFIX + b'<x tiff:Orientation="1"/>'),
+        _segment(0xE1, XMP_PREFIX + b'<x tiff:Orientation="6"/>'),
+    )
     inside = _with_app1(XMP_PREFIX + b'a\0<x tiff:Orientation="6"/>')  # PIL cuts at the first NUL
     for one, size in ((data, (21, 37)), (inside, (21, 37))):
         assert jpeg_size(one) is not None
@@ -151,11 +153,15 @@ def _mp_index(
     return b"MPF\0" + head + body + b"\0\0\0\0" * next_offset + rows
 
 
-def _mpo(index: bytes, app1: bytes | None = None) -> bytes:
-    """A plain JPEG of PIL's (37x21) with the MP index ``index`` (and an APP1 ``app1``)."""
+def _with_segments(*segments: bytes) -> bytes:
+    """A plain JPEG of PIL's (37x21) with ``segments`` after the signature."""
     data = _jpeg()
-    extra = _segment(0xE2, index) + (_segment(0xE1, app1) if app1 is not None else b"")
-    return data[:2] + extra + data[2:]
+    return data[:2] + b"".join(segments) + data[2:]
+
+
+def _mpo(index: bytes, *app1: bytes) -> bytes:
+    """A plain JPEG of PIL's (37x21) with the MP index ``index`` (and APP1s ``app1``)."""
+    return _with_segments(_segment(0xE2, index), *(_segment(0xE1, one) for one in app1))
 
 
 ULTRA_HDR = XMP_PREFIX + b'<rdf:Description hdrgm:Version="1.0"/>'
@@ -198,8 +204,9 @@ def test_mp_indexes_with_anything_unusual_go_to_pil(case):
 
 
 def test_two_mp_indexes_and_a_large_declared_size_go_to_pil():
-    data = _mpo(_mp_index())
-    two = data[:2] + _segment(0xE2, _mp_index(entries=1, images=1)) + data[2:]
+    two = _with_segments(
+        _segment(0xE2, _mp_index(entries=1, images=1)), _segment(0xE2, _mp_index())
+    )
     assert jpeg_size(two) is None and answer(two) == through_pil(two)
     huge = _jpeg("L", size=(8000, 8000))
     refused = answer(huge, max_pixels=1 << 20)
@@ -218,8 +225,7 @@ def test_two_exif_blocks_go_to_pil_which_reads_them_as_one():
 
 def _with_app1(block: bytes) -> bytes:
     """A plain JPEG of PIL's (37x21) with ``block`` as an APP1 after the signature."""
-    data = _jpeg()
-    return data[:2] + _segment(0xE1, block) + data[2:]
+    return _with_segments(_segment(0xE1, block))
 
 
 _LONG, _ASCII, _RATIONAL, _IFD = 4, 2, 5, 13

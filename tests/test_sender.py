@@ -2,6 +2,7 @@
 register-and-wait is answered with the commit in one round trip; a large one on a sender thread,
 so the loop keeps serving."""
 
+import contextlib
 import threading
 
 import pytest
@@ -77,6 +78,27 @@ class CountingTable(RoomTable):
     def commit_all(self, commits, **kwargs):
         self.committed.append(len(commits))
         return super().commit_all(commits, **kwargs)
+
+
+@contextlib.contextmanager
+def _reporting_sender(table: RoomTable, shm, ring, name: str, **options):
+    """A sender of its own (on a loop of its own) into ``table``'s rooms: it, and the list its
+    items' outcomes go to."""
+    loop = LoopThread(name)
+    outcomes = []
+    sender = Sender(
+        ring,
+        {"shm": shm},
+        lambda handshake: LocalRooms(table),
+        loop,
+        on_outcome=outcomes.append,
+        **options,
+    )
+    try:
+        yield sender, outcomes
+    finally:
+        sender.close()
+        loop.stop()
 
 
 @pytest.fixture
@@ -297,17 +319,7 @@ def test_items_that_wait_from_one_drain_share_its_timer_and_each_ends_alone(enco
     and wait on one timer: the two whose receiver registers are written at once, the other two
     fail when the wait ends (the first two's wake-up does not cancel it)."""
     table, server, shm, ring, _, client, receive_pool = encode_side
-    loop = LoopThread("waiting")
-    outcomes = []
-    sender = Sender(
-        ring,
-        {"shm": shm},
-        lambda handshake: LocalRooms(table),
-        loop,
-        receiver_wait_s=1.5,
-        on_outcome=outcomes.append,
-    )
-    try:
+    with _reporting_sender(table, shm, ring, "waiting", receiver_wait_s=1.5) as (sender, outcomes):
         rooms = table.mint(4, 60)
         embeddings = [torch.randn(16, 256) for _ in rooms]
         layout = EmbeddingLayout.of(embeddings[0])
@@ -335,9 +347,6 @@ def test_items_that_wait_from_one_drain_share_its_timer_and_each_ends_alone(enco
             assert outcome.reason == "no receiver registered within 1.5 s"
             assert table.view(outcome.room).state is RoomState.FAILED
         assert not sender._waiting
-    finally:
-        sender.close()
-        loop.stop()
 
 
 def test_a_room_twice_in_one_drain_goes_to_the_table_once(encode_side):
@@ -345,12 +354,7 @@ def test_a_room_twice_in_one_drain_goes_to_the_table_once(encode_side):
     drain's one table call, the second goes on alone as a task; each item gets its outcome and
     none is left counted as in flight."""
     table, server, shm, ring, _, client, receive_pool = encode_side
-    loop = LoopThread("twice")
-    outcomes = []
-    sender = Sender(
-        ring, {"shm": shm}, lambda handshake: LocalRooms(table), loop, on_outcome=outcomes.append
-    )
-    try:
+    with _reporting_sender(table, shm, ring, "twice") as (sender, outcomes):
         (room,) = table.mint(1, 60)
         first, second = torch.randn(16, 256), torch.randn(16, 256)
         layout = EmbeddingLayout.of(first)
@@ -362,25 +366,16 @@ def test_a_room_twice_in_one_drain_goes_to_the_table_once(encode_side):
         assert table.view(room).state is RoomState.SUCCESS
         assert torch.equal(receive_pool.view(slot).view(torch.float32).view(16, 256), first)
         assert sender._delivering == 0
-    finally:
-        sender.close()
-        loop.stop()
 
 
 @pytest.mark.parametrize("how", ["receiver_wait", "shutdown"])
 def test_an_item_waiting_for_its_receiver_fails_at_its_wait_or_at_shutdown(encode_side, how):
     table, server, shm, ring, _, client, receive_pool = encode_side
-    loop = LoopThread("waiting")
-    outcomes = []
-    sender = Sender(
-        ring,
-        {"shm": shm},
-        lambda handshake: LocalRooms(table),
-        loop,
-        receiver_wait_s=0.5 if how == "receiver_wait" else 60,
-        on_outcome=outcomes.append,
-    )
-    try:
+    wait_s = 0.5 if how == "receiver_wait" else 60
+    with _reporting_sender(table, shm, ring, "waiting", receiver_wait_s=wait_s) as (
+        sender,
+        outcomes,
+    ):
         (room,) = table.mint(1, 60)
         embedding = torch.randn(16, 256)
         handshake = EncodeHandshake(
@@ -404,9 +399,6 @@ def test_an_item_waiting_for_its_receiver_fails_at_its_wait_or_at_shutdown(encod
         assert outcome.state is RoomState.FAILED and outcome.reason == reason
         assert table.view(room).state is RoomState.FAILED and table.view(room).reason == reason
         assert not sender._waiting
-    finally:
-        sender.close()
-        loop.stop()
 
 
 def test_an_item_waiting_on_a_stalled_room_stream_fails_with_why(encode_side):
