@@ -57,7 +57,7 @@ def cost_table(prefix: str, pairs: str) -> list[str]:
 # offer-*: the receiver's slot offers made once, against 15c5b3c (8-image requests over SHM)
 # arrivals-*: a drain's rooms in one table call and the stream's answers without models (54f53f5)
 # against the session's start, 2da6bea, in sequential pairs; together-*: the same, each round's
-# two sides run at once (together.sh)
+# two sides run at once (AT_ONCE=1 compare.sh)
 TABLES = (
     ("cost", "123", "a25abee", "68c3ad2"),
     ("cost", "456", "a25abee", "0a15a9d"),
