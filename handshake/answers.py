@@ -1,11 +1,11 @@
-"""The room stream's answers as JSON, encoded without a pydantic model per room: a room's view
-(``RoomView``'s fields), one room's result (``RoomResult``'s) and a frame of them
+"""The room stream's and the REST API's answers as JSON, encoded without a pydantic model per room:
+a room's view (``RoomView``'s fields), one room's result (``RoomResult``'s) and a frame of them
 (``BatchResponse``'s). The wire's models stay what a client parses; these are the same documents,
-made at a sixth of the cost (a validated ``RoomView`` and ``RoomResult``, then their dump, cost
-~6 us a room, five times in a room's life at a standalone handshake). A room's registration and
-commit are serialized once, when the room takes them (``Room.registration_json``,
-``Room.commit_json``), and spliced in as they are. ``tests/test_room_answers.py`` holds each
-struct's fields to its model's, and each document to the model's own parse."""
+made at a sixth of the cost (a validated ``RoomView`` and ``RoomResult``, then their dump, cost ~6
+us a room, five times in a room's life at a standalone handshake). A room's registration and commit
+are serialized once, when the room takes them (``Room.registration_json``, ``Room.commit_json``),
+and spliced in as they are. ``tests/test_room_answers.py`` holds each struct's fields to its
+model's, and each document to the model's own parse."""
 
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.convertors import IntegerConvertor, register_url_convertor
 from starlette.routing import Match
 
-from handshake.rooms import RoomError, RoomsFull, RoomTable
+from handshake import answers
+from handshake.rooms import Answer, RoomError, RoomsFull, RoomTable
 from handshake.stream import POLICY_VIOLATION, RoomStream
 from metrics import LATENCY_BUCKETS, PROBE_PATHS, exposition_registry
 from wire.rooms import (
@@ -47,7 +48,6 @@ from wire.rooms import (
     MintRequest,
     MintResponse,
     RegisterRequest,
-    RoomResult,
     RoomView,
     WatchRequest,
 )
@@ -296,25 +296,19 @@ def _json(model) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _answer(results: list[RoomResult]) -> Response:
-    return _json(BatchResponse(results=results))
+def _answer(results: list[answers.ResultJson]) -> Response:
+    """A batch route's answer, ``BatchResponse``'s document made without a model per room
+    (``handshake.answers``)."""
+    return Response(answers.frame(results), media_type="application/json")
 
 
-def _refused(room: int, error: RoomError) -> RoomResult:
-    return RoomResult.refusal(room, str(error), error.status)
-
-
-def _result(room: int, call: Callable[[], RoomView]) -> RoomResult:
-    try:
-        return RoomResult.of_view(room, call())
-    except RoomError as exc:
-        return _refused(room, exc)
-
-
-def _batch_results(rooms, views: list) -> list[RoomResult]:
-    """Per room, in ``rooms``' order; a room without news (None: ``changed_only``) left out."""
+def _batch_results(rooms, views: list) -> list[answers.ResultJson]:
+    """Per room, in ``rooms``' order, its view's JSON or why it was refused; a room without news
+    (None: ``changed_only``) left out."""
     return [
-        _refused(room, v) if isinstance(v, RoomError) else RoomResult.of_view(room, v)
+        answers.refused(room, str(v), v.status)
+        if isinstance(v, RoomError)
+        else answers.viewed(room, v)
         for room, v in zip(rooms, views)
         if v is not None
     ]
@@ -402,17 +396,30 @@ def create_app(
         offers. With ``wait_s`` it then long-polls until one of the rooms changes again (as
         ``/v1/rooms/watch``, ``until_ended`` included), answered with every room: the caller
         learns each one's version."""
-        results = [_result(r.room, lambda r=r: table.register(r)) for r in body.receivers]
-        if body.wait_s > 0:
-            versions = {
-                r.room: r.view.version for r in results if r.ok and not r.view.state.terminal
-            }
-            if len(versions) == len(results):
-                results = _batch_results(
-                    versions,
-                    await table.watch(versions, body.wait_s, body.until_ended),
-                )
-        return _answer(results)
+        rooms = [registration.room for registration in body.receivers]
+        if body.wait_s == 0:
+            return _answer(
+                _batch_results(rooms, table.register_all(body.receivers, Answer.VIEW_JSON))
+            )
+        statuses = table.register_all(body.receivers, Answer.STATUS)
+        versions = {
+            room: status.version
+            for room, status in zip(rooms, statuses)
+            if not isinstance(status, RoomError) and not status.state.terminal
+        }
+        if len(versions) == len(statuses):
+            views = await table.watch(
+                versions, body.wait_s, body.until_ended, answer=Answer.VIEW_JSON
+            )
+            return _answer(_batch_results(versions, views))
+        # a room refused or ended: answered now, each registered room with its view
+        views = table.views_json(rooms)
+        return _answer(
+            _batch_results(
+                rooms,
+                [s if isinstance(s, RoomError) else v for s, v in zip(statuses, views)],
+            )
+        )
 
     @body_route(
         "/v1/rooms/begin-write",
@@ -423,7 +430,7 @@ def create_app(
         """A sender starts writing (REGISTERED -> WRITING); a cancelled room answers CANCELLED
         instead."""
         rooms = [write.room for write in body.writes]
-        return _answer(_batch_results(rooms, table.begin_writes(body.writes)))
+        return _answer(_batch_results(rooms, table.begin_writes(body.writes, Answer.VIEW_JSON)))
 
     @body_route(
         "/v1/rooms/commit", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -432,7 +439,7 @@ def create_app(
         """A sender's write completed: generation, layout, checksum. Stale generations are
         refused."""
         rooms = [commit.room for commit in body.commits]
-        return _answer(_batch_results(rooms, table.commit_all(body.commits)))
+        return _answer(_batch_results(rooms, table.commit_all(body.commits, Answer.VIEW_JSON)))
 
     @body_route(
         "/v1/rooms/fail", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -440,12 +447,8 @@ def create_app(
     async def fail(body: FailRequest):
         """Fail rooms with a reason the other side can read; ``settled`` if no byte can still
         land."""
-        return _answer(
-            [
-                _result(f.room, lambda f=f: table.fail(f.room, f.reason, f.settled, f.writer))
-                for f in body.failures
-            ]
-        )
+        rooms = [failure.room for failure in body.failures]
+        return _answer(_batch_results(rooms, table.fail_all(body.failures, Answer.VIEW_JSON)))
 
     @body_route(
         "/v1/rooms/cancel", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -454,10 +457,7 @@ def create_app(
         """Cancel rooms; one being written stays WRITING (cancel_requested) until the writer's
         outcome."""
         return _answer(
-            [
-                _result(room, lambda room=room: table.cancel(room, body.reason))
-                for room in body.rooms
-            ]
+            _batch_results(body.rooms, table.cancel_all(body.rooms, body.reason, Answer.VIEW_JSON))
         )
 
     @body_route(
@@ -470,7 +470,9 @@ def create_app(
         return _answer(
             _batch_results(
                 versions,
-                await table.watch(versions, body.wait_s, body.until_ended, body.changed_only),
+                await table.watch(
+                    versions, body.wait_s, body.until_ended, body.changed_only, Answer.VIEW_JSON
+                ),
             )
         )
 
@@ -493,10 +495,10 @@ def create_app(
         wait_s: float = Query(0.0, ge=0, le=MAX_WAIT_S),
     ):
         """One room; with ``wait_s`` it long-polls until its version passes ``after_version``."""
-        (view,) = await table.watch({room: after_version}, wait_s)
+        (view,) = await table.watch({room: after_version}, wait_s, answer=Answer.VIEW_JSON)
         if isinstance(view, RoomError):
             return JSONResponse({"detail": str(view)}, status_code=view.status)
-        return _json(view)
+        return Response(bytes(view), media_type="application/json")
 
     @app.get("/health")  # as vLLM and SGLang name it
     @app.get("/healthz")

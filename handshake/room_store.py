@@ -131,13 +131,14 @@ def _json(model: Registration | CommitBody) -> bytes:
 
 class RoomStatus(NamedTuple):
     """What this process's own writer reads of a room after a call (the fields of ``RoomView``
-    it reads, under the same names): no view is built for it (a validated ``RoomView`` costs
-    ~2 us, three per item)."""
+    it reads, under the same names; ``version`` for a REST registration's long-poll): no view is
+    built for it (a validated ``RoomView`` costs ~2 us, three per item)."""
 
     state: RoomState
     reason: str | None
     cancel_requested: bool
     registration: Registration | None
+    version: int
 
 
 @dataclass(frozen=True)
@@ -297,7 +298,9 @@ class RoomStore:
                 waiter.wake()
 
     def status(self, room: Room) -> RoomStatus:
-        return RoomStatus(room.state, room.reason, room.cancel_requested, room.registration)
+        return RoomStatus(
+            room.state, room.reason, room.cancel_requested, room.registration, room.version
+        )
 
     def view_json(
         self, room: Room, with_registration: bool = True, with_commit: bool = True

@@ -39,7 +39,15 @@ from handshake.room_store import (
     Waiter,
 )
 from wire.offers import drawn_room_id
-from wire.rooms import MAX_ROOM_ID, BeginWrite, CommitBody, Registration, RoomState, RoomView
+from wire.rooms import (
+    MAX_ROOM_ID,
+    BeginWrite,
+    CommitBody,
+    FailBody,
+    Registration,
+    RoomState,
+    RoomView,
+)
 
 __all__ = [
     "MINTED_VERSION",
@@ -57,7 +65,8 @@ __all__ = [
 class Answer(enum.Enum):
     """What a batch room call answers for each room it did not refuse."""
 
-    VIEW = "view"  # its view (the REST API's answer)
+    VIEW = "view"  # its view, a model (this process's own callers: ``handshake.access``)
+    VIEW_JSON = "view_json"  # its view's JSON (``handshake.answers``): the REST API's answer
     # its view's JSON (``handshake.answers``) without the registration and the commit (a writer
     # has them): the room stream's answer to a writer
     WRITER_VIEW_JSON = "writer_view_json"
@@ -161,10 +170,12 @@ class RoomTable:
         with self._lock:
             return self._store.view(self._register(registration))
 
-    def register_all(self, registrations: list[Registration]) -> list[RoomError | None]:
-        """``register`` for each, in one lock, without their views (the room stream answers a
-        registration only when it is refused): None, or why it was refused."""
-        return self._each(self._register, registrations, lambda room: None)
+    def register_all(
+        self, registrations: list[Registration], answer: Answer | None = None
+    ) -> list[RoomView | RoomStatus | msgspec.Raw | RoomError | None]:
+        """``register`` for each, in one lock: each room's ``answer`` (None: nothing, as the room
+        stream answers a registration only when it is refused), or why it was refused."""
+        return self._each(self._register, registrations, self._answer(answer))
 
     def _register(self, registration: Registration) -> Room:
         """The room, registered (or a retry of its registration)."""
@@ -206,9 +217,15 @@ class RoomTable:
         each room's ``answer``, or why it was refused."""
         return self._each(self._commit, commits, self._answer(answer))
 
-    def _answer(self, answer: Answer) -> Callable[[Room], RoomView | RoomStatus | msgspec.Raw]:
+    def _answer(
+        self, answer: Answer | None
+    ) -> Callable[[Room], RoomView | RoomStatus | msgspec.Raw | None]:
+        if answer is None:
+            return lambda room: None
         if answer is Answer.STATUS:
             return self._store.status
+        if answer is Answer.VIEW_JSON:
+            return self._store.view_json
         if answer is Answer.WRITER_VIEW_JSON:
             return lambda room: self._store.view_json(room, False, False)
         return self._store.view
@@ -295,37 +312,62 @@ class RoomTable:
 
     def fail(self, room_id: int, reason: str, settled: bool, writer: str | None = None) -> RoomView:
         with self._lock:
-            room = self._store.get(room_id)
-            if (
-                room.state is RoomState.WRITING
-                and writer is not None
-                and room.writer is not None
-                and writer != room.writer
-            ):
-                raise RoomConflict(f"{writer} cannot fail a room {room.writer} is writing")
-            if not room.state.terminal:
-                room.reason = (
-                    reason if not room.cancel_requested else f"{room.reason}; writer: {reason}"
-                )
-                room.writer_settled = settled or room.state is not RoomState.WRITING
-                self._store.move(
-                    room, RoomState.CANCELLED if room.cancel_requested else RoomState.FAILED
-                )
-            return self._store.view(room)
+            return self._store.view(self._fail(room_id, reason, settled, writer))
+
+    def fail_all(
+        self, failures: list[FailBody], answer: Answer = Answer.VIEW
+    ) -> list[RoomView | RoomStatus | msgspec.Raw | RoomError]:
+        """``fail`` for each, in one lock: each room's ``answer``, or why it was refused."""
+        return self._each(
+            lambda f: self._fail(f.room, f.reason, f.settled, f.writer),
+            failures,
+            self._answer(answer),
+        )
+
+    def _fail(self, room_id: int, reason: str, settled: bool, writer: str | None) -> Room:
+        room = self._store.get(room_id)
+        if (
+            room.state is RoomState.WRITING
+            and writer is not None
+            and room.writer is not None
+            and writer != room.writer
+        ):
+            raise RoomConflict(f"{writer} cannot fail a room {room.writer} is writing")
+        if not room.state.terminal:
+            room.reason = (
+                reason if not room.cancel_requested else f"{room.reason}; writer: {reason}"
+            )
+            room.writer_settled = settled or room.state is not RoomState.WRITING
+            self._store.move(
+                room, RoomState.CANCELLED if room.cancel_requested else RoomState.FAILED
+            )
+        return room
 
     def cancel(self, room_id: int, reason: str) -> RoomView:
         with self._lock:
-            room = self._store.get(room_id)
-            if room.state is RoomState.WRITING:
-                if not room.cancel_requested:
-                    room.cancel_requested = True
-                    room.reason = reason
-                    self._store.touch(room)  # wake the writer so it can stop early
-            elif not room.state.terminal:
+            return self._store.view(self._cancel(room_id, reason))
+
+    def cancel_all(
+        self, room_ids: list[int], reason: str, answer: Answer | None = Answer.VIEW
+    ) -> list[RoomView | RoomStatus | msgspec.Raw | RoomError | None]:
+        """``cancel`` for each, in one lock: each room's ``answer`` (None: nothing), or why it
+        was refused."""
+        return self._each(
+            lambda room_id: self._cancel(room_id, reason), room_ids, self._answer(answer)
+        )
+
+    def _cancel(self, room_id: int, reason: str) -> Room:
+        room = self._store.get(room_id)
+        if room.state is RoomState.WRITING:
+            if not room.cancel_requested:
+                room.cancel_requested = True
                 room.reason = reason
-                room.writer_settled = True  # no write has begun
-                self._store.move(room, RoomState.CANCELLED)
-            return self._store.view(room)
+                self._store.touch(room)  # wake the writer so it can stop early
+        elif not room.state.terminal:
+            room.reason = reason
+            room.writer_settled = True  # no write has begun
+            self._store.move(room, RoomState.CANCELLED)
+        return room
 
     # ---- waiting ---------------------------------------------------------------------------
 
@@ -433,10 +475,11 @@ class RoomTable:
         wait_s: float,
         until_ended: bool = False,
         changed_only: bool = False,
-    ) -> list[RoomView | RoomError | None]:
-        """Views of the rooms, in ``versions``' order, returned as soon as any is past its version
-        (``until_ended``: as soon as any has ended), or after ``wait_s``. ``changed_only``: None
-        for each room still at its version (no view built for it)."""
+        answer: Answer = Answer.VIEW,
+    ) -> list[RoomView | RoomStatus | msgspec.Raw | RoomError | None]:
+        """The rooms' ``answer`` (their views), in ``versions``' order, returned as soon as any is
+        past its version (``until_ended``: as soon as any has ended), or after ``wait_s``.
+        ``changed_only``: None for each room still at its version (no view built for it)."""
         waiter = (
             self._arm(versions, asyncio.get_running_loop(), until_ended) if wait_s > 0 else None
         )
@@ -449,7 +492,7 @@ class RoomTable:
             finally:
                 timer.cancel()
                 self._disarm(waiter, versions)
-        return self._views(versions, changed_only)
+        return self._views(versions, changed_only, self._answer(answer))
 
     def _arm(self, versions: dict[int, int], loop, until_ended: bool) -> Waiter | None:
         """Register a waiter on every room, unless one already has news (ended or unknown, or,
@@ -479,11 +522,10 @@ class RoomTable:
                     room.waiters.remove(waiter)
 
     def _views(
-        self, versions: dict[int, int], changed_only: bool, view: Callable | None = None
-    ) -> list[RoomView | msgspec.Raw | RoomError | None]:
-        """Each room's ``view`` (its model by default), or why there is none, in one lock;
-        ``changed_only``: None for a room still at its version."""
-        view = view or self._store.view
+        self, versions: dict[int, int], changed_only: bool, view: Callable
+    ) -> list[RoomView | RoomStatus | msgspec.Raw | RoomError | None]:
+        """Each room's ``view``, or why there is none, in one lock; ``changed_only``: None for a
+        room still at its version."""
         with self._lock:
             views = []
             for room_id, after in versions.items():

@@ -212,11 +212,11 @@ class RoomStream:
             self.ended(room)
 
     def _cancel(self, frame: StreamCancel) -> None:
-        for room in frame.rooms:
-            try:
-                self.table.cancel(room, frame.reason)
-            except RoomError as exc:
-                self._refuse(room, exc)
+        for room, refused in zip(
+            frame.rooms, self.table.cancel_all(frame.rooms, frame.reason, answer=None)
+        ):
+            if refused is not None:
+                self._refuse(room, refused)
 
     def _refuse(self, room: int, error: RoomError) -> None:
         self._out.append(answers.refused(room, str(error), error.status))

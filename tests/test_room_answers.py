@@ -1,15 +1,19 @@
-"""The room stream's answers made without a model per room (``handshake.answers``) are the
-documents the wire's models describe: each struct has its model's fields in its order, and a frame
-of views in every state, whole or without the registration and the commit, and of refusals, parses
-to the answer the models make (the table's state machine checks every view after every step:
+"""The room stream's and the REST routes' answers made without a model per room
+(``handshake.answers``) are the documents the wire's models describe: each struct has its model's
+fields in its order, a frame of views in every state, whole or without the registration and the
+commit, and of refusals, parses to the answer the models make, and so does every REST route's
+answer (the table's state machine checks every view after every step:
 ``tests/test_handshake_states.py``)."""
 
 import pytest
 
 from handshake import answers, room_store
+from handshake.app import create_app
 from handshake.rooms import Answer, RoomError, RoomLimits, RoomTable
+from handshake.server import ThreadedServer
 from tests.handshake_helpers import begin, commit, registration
-from wire.rooms import BatchResponse, EncodeTimings, RoomResult, RoomState, RoomView
+from wire.room_client import SyncHandshakeClient
+from wire.rooms import BatchResponse, EncodeTimings, FailBody, RoomResult, RoomState, RoomView
 
 
 def test_each_struct_has_its_models_fields_in_its_order():
@@ -82,3 +86,48 @@ def test_a_frame_of_views_and_refusals_parses_to_the_models_answer(monkeypatch, 
         results=[RoomResult.of_view(room, table.view(room)) for room in ids]
         + [RoomResult.refusal(12345, str(missing), missing.status)]
     )
+
+
+def _refusal(room: int, call) -> RoomResult:
+    """The refusal the table makes of ``call`` (which must refuse), as the API answers it."""
+    with pytest.raises(RoomError) as refused:
+        call()
+    return RoomResult.refusal(room, str(refused.value), refused.value.status)
+
+
+def test_every_rest_route_answers_the_documents_the_models_make():
+    """The REST routes answer with ``handshake.answers``' JSON: each room's result is its model
+    result from the table's view after the call, and each refusal the table's own (a frozen clock,
+    so that ``expires_in_s`` holds still)."""
+    table = RoomTable(RoomLimits(), clock=Clock())
+    server = ThreadedServer(create_app(table)).start()
+    client = SyncHandshakeClient(server.url)
+
+    def models(*rooms: int) -> list[RoomResult]:
+        return [RoomResult.of_view(room, table.view(room)) for room in rooms]
+
+    try:
+        a, b, c, d, e = client.mint(5, 30)
+        assert client.register([registration(a), registration(b)]) == models(a, b)
+        refused_d = _refusal(d, lambda: table.begin_write(begin(d)))
+        assert client.begin_write([begin(a), begin(d)]) == models(a) + [refused_d]
+        timed = commit(a).model_copy(update={"timings": EncodeTimings(queue_s=0.5)})
+        assert client.commit([timed]) == models(a)
+        assert client.fail([FailBody(room=b, reason='no "slot" \u2014 left')]) == models(b)
+        unknown = _refusal(999, lambda: table.cancel(999, "gone"))
+        assert client.cancel([c, 999], reason="gone") == models(c) + [unknown]
+        assert client.watch({a: 0, b: 0, c: 0, 999: 0}) == models(a, b, c) + [
+            RoomResult.refusal(999, unknown.error, unknown.status)
+        ]
+        version_a = table.view(a).version
+        assert client.watch({a: version_a, d: 0}, changed_only=True) == models(d)
+        assert client.get(a) == table.view(a)
+        # a registration that waits: with a room refused, answered at once; else after the wait
+        refused_c = _refusal(c, lambda: table.register(registration(c)))
+        assert client.register([registration(c), registration(d)], wait_s=5) == [
+            refused_c
+        ] + models(d)
+        assert client.register([registration(e)], wait_s=0.05) == models(e)
+    finally:
+        client.close()
+        server.stop()

@@ -2,7 +2,9 @@
 opener, receiver and sender): the server's (from /proc, after it is ready) and the bench's client
 process's (the dispatcher's opens, the receiver and the sender together), one level per run, each
 run with a fresh server.
-Usage: PYTHONPATH=. .venv/bin/python docs/results/issue32/handshake_cpu.py OUT.json [RUNS]
+Usage: PYTHONPATH=. .venv/bin/python docs/results/issue32/handshake_cpu.py OUT.json [RUNS [PATH]]
+PATH: the opener's, the receiver's and the sender's ways, as in ``bench.handshake.PATHS``
+(default ``stream,stream,stream``; ``rest,rest,rest``: every call over REST).
 As run here: ... docs/results/issue32/handshake-cpu.json 4 (8-room lifecycles, 16 in flight, 3 s)"""
 
 import json
@@ -21,7 +23,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_run() -> dict:
+def one_run(path: tuple[str, str, str]) -> dict:
     server: dict[str, float] = {}
     start_server, terminate = handshake.start_server, subprocess.Popen.terminate
 
@@ -35,7 +37,7 @@ def one_run() -> dict:
         terminate(process)
 
     handshake.start_server, subprocess.Popen.terminate = started, ended
-    handshake.PATHS, handshake.BATCHES = (("stream", "stream", "stream"),), (BATCH,)
+    handshake.PATHS, handshake.BATCHES = (path,), (BATCH,)
     try:
         client_start = time.process_time()
         report = handshake.run(SECONDS, 1, (CONCURRENCY,), progress=lambda _: None)
@@ -53,12 +55,19 @@ def one_run() -> dict:
 
 def main() -> None:
     out, runs = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    rows = [one_run() for _ in range(runs)]
+    path = tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else ("stream",) * 3
+    rows = [one_run(path) for _ in range(runs)]
     for row in rows:
         print({key: round(value) for key, value in row.items()})
     with open(out, "w") as f:
         json.dump(
-            {"batch": BATCH, "concurrency": CONCURRENCY, "seconds": SECONDS, "runs": rows},
+            {
+                "path": path,
+                "batch": BATCH,
+                "concurrency": CONCURRENCY,
+                "seconds": SECONDS,
+                "runs": rows,
+            },
             f,
             indent=1,
         )
