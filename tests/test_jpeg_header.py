@@ -279,6 +279,57 @@ def test_frames_and_markers_plain_headers_do_not_hold_go_to_pil(case):
     assert answer(data) == through_pil(data)
 
 
+def _resource(code: int, data: bytes, name: bytes = b"") -> bytes:
+    """A Photoshop image resource: "8BIM", its code, its name (a length byte, padded to even)
+    and its data (a 4-byte size, padded to even)."""
+    named = bytes([len(name)]) + name
+    named += b"\0" * (len(named) & 1)
+    return (
+        b"8BIM"
+        + struct.pack(">H", code)
+        + named
+        + struct.pack(">L", len(data))
+        + data
+        + (b"\0" * (len(data) & 1))
+    )
+
+
+RESOLUTION = struct.pack(">LHHLHH", 72 << 16, 1, 1, 72 << 16, 1, 1)  # 72 dpi, as Photoshop writes
+PHOTOSHOP = (
+    image_files.PHOTOSHOP_PREFIX
+    + _resource(0x0404, b"\x1c\x02\x00\x00\x02\x00\x04")  # an IPTC record
+    + _resource(0x03ED, RESOLUTION)
+    + _resource(0x040C, bytes(9), name=b"thumb")
+)
+
+
+def test_a_photoshop_block_is_read_without_pil_and_cut_anywhere_answers_as_pil():
+    """PIL parses a Photoshop block's resources until one is cut short, and fails the open when
+    one ends right after its code: every cut of a block of three resources answers as PIL."""
+    whole = _with_segments(_segment(0xED, PHOTOSHOP))
+    assert jpeg_size(whole) == (37, 21, None, "JPEG")
+    assert answer(whole) == through_pil(whole)
+    after_code = len(image_files.PHOTOSHOP_PREFIX) + 6
+    failing = _with_segments(_segment(0xED, PHOTOSHOP[:after_code]))
+    assert jpeg_size(failing) is None and isinstance(through_pil(failing)[0], type)
+    for cut in range(len(image_files.PHOTOSHOP_PREFIX), len(PHOTOSHOP)):
+        data = _with_segments(_segment(0xED, PHOTOSHOP[:cut]))
+        assert answer(data) == through_pil(data), cut
+
+
+def test_a_short_resolution_resource_ends_pils_parse_of_a_photoshop_block():
+    """Past a resolution resource too short to unpack, PIL reads no further: a resource after it
+    that would fail the open does not."""
+    block = image_files.PHOTOSHOP_PREFIX + _resource(0x03ED, bytes(13)) + b"8BIM\x04\x04"
+    data = _with_segments(_segment(0xED, block))
+    assert jpeg_size(data) == (37, 21, None, "JPEG")
+    assert answer(data) == through_pil(data)
+    whole = image_files.PHOTOSHOP_PREFIX + _resource(0x03ED, bytes(14)) + b"8BIM\x04\x04"
+    data = _with_segments(_segment(0xED, whole))
+    assert jpeg_size(data) is None
+    assert answer(data) == through_pil(data)
+
+
 # A directory entry: tag (the ones PIL reads are likelier), type, count, and its 4 bytes: a
 # number written in the block's byte order (an orientation, or an offset), or any bytes (a digit:
 # an ASCII X resolution, which PIL's open fails on when a resolution unit is there too).
@@ -337,6 +388,22 @@ _APP = st.one_of(
     ),
     st.tuples(st.just(0xE1), st.just(ULTRA_HDR)),
     st.tuples(st.just(0xED), st.just(b"Photoshop 3.0\x008BIM\x03\xed\x00")),
+    st.tuples(
+        st.just(0xED),
+        st.builds(
+            lambda resources, tail: image_files.PHOTOSHOP_PREFIX + b"".join(resources) + tail,
+            st.lists(
+                st.builds(
+                    _resource,
+                    st.sampled_from([0x0404, 0x03ED, 0x03ED, 0x040C]),
+                    st.sampled_from([RESOLUTION, bytes(13), b"", b"\1\2\3"]),
+                    st.sampled_from([b"", b"", b"a", b"ab"]),
+                ),
+                max_size=3,
+            ),
+            st.sampled_from([b"", b"", b"8BIM", b"8BIM\x04\x04", b"8BIM\x04\x04\x00", b"8BI"]),
+        ).flatmap(lambda block: st.sampled_from([block, block, block[:-1], block[:-7]])),
+    ),
     st.tuples(st.just(0xEE), st.sampled_from([b"Adobe\0d\0\0\0\0\1", b"Adobe\0"])),
     st.tuples(st.integers(0xE3, 0xEF), st.binary(max_size=8)),
 )

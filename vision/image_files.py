@@ -44,9 +44,10 @@ JPEG_SOS = 0xDA  # start of scan: the header ends
 JPEG_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 JPEG_PASSED = {0xC4, 0xCC, 0xDD, 0xFE}  # DHT, DAC, DRI, COM: PIL stores or skips them
 JPEG_LAYERS = {1, 3, 4}  # the component counts PIL reads (L, RGB, CMYK)
-# By APPn marker: the payloads that leave the file to PIL (a second EXIF block is one too: PIL
-# joins them, and so is a second MP index): a Photoshop block (PIL's parse of it can fail the open).
-JPEG_APPS_TO_PIL = {0xED: (b"Photoshop 3.0\x00",)}
+# A Photoshop block (APP13: its image resources, "8BIM" each), which PIL parses into
+# ``info["photoshop"]``: read as PIL reads it (``_check_photoshop``), whose parse can fail the open.
+PHOTOSHOP_PREFIX, PHOTOSHOP_RESOURCE = b"Photoshop 3.0\x00", b"8BIM"
+PHOTOSHOP_RESOLUTION, PHOTOSHOP_RESOLUTION_BYTES = 0x03ED, 14  # what PIL unpacks of it
 # An MP index (APP2, CIPA DC-007): a file with more than one image in it is PIL's MPO, but a gain
 # map JPEG (Ultra HDR: an APP1 names its gain map) stays a JPEG. Read as PIL reads it when plain
 # (``_mp_images``): the MP tags PIL knows, of their types, each once, within the index.
@@ -209,7 +210,8 @@ def jpeg_size(data: bytes) -> tuple[int, int, int | None, str] | None:
     """A JPEG's (width, height, EXIF orientation, format: JPEG or MPO), read as PIL reads them,
     when its header is plain: markers back to back from the signature to the start of scan, each
     whole, of the kinds PIL passes over or reads without an error (``JPEG_FRAMES``,
-    ``JPEG_PASSED``, quantization tables, APPn but ``JPEG_APPS_TO_PIL``), at least one 8-bit
+    ``JPEG_PASSED``, quantization tables, APPn), a Photoshop block PIL parses without an error
+    (``_check_photoshop``), at least one 8-bit
     frame of a layer count PIL reads, and an EXIF block whose first directory is whole
     (``_exif_orientation``); an orientation the EXIF block does not hold is the last XMP packet's
     (``XMP_ORIENTATION``); and an MP index read as ``_mp_images`` reads it. None for every other
@@ -236,8 +238,8 @@ def jpeg_size(data: bytes) -> tuple[int, int, int | None, str] | None:
             elif marker == 0xDB:
                 _check_quantization(body)
             elif 0xE0 <= marker <= 0xEF:
-                if body.startswith(JPEG_APPS_TO_PIL.get(marker, ())):
-                    return None
+                if marker == 0xED and body.startswith(PHOTOSHOP_PREFIX):
+                    _check_photoshop(body)
                 prefix, least = JPEG_APP_LENGTHS.get(marker, (b"", 0))
                 if len(body) < least and body.startswith(prefix):
                     return None
@@ -264,6 +266,34 @@ def jpeg_size(data: bytes) -> tuple[int, int, int | None, str] | None:
         return (*size, orientation, "MPO" if several else "JPEG")
     except _LeftToPil:
         return None
+
+
+def _check_photoshop(block: bytes) -> None:
+    """``_LeftToPil`` when PIL's parse of a Photoshop block would fail the open. PIL walks its
+    resources (each "8BIM", a 2-byte code, a name's length and name padded to even, a 4-byte size
+    and data padded to even) until one is not a resource, or until one is cut short, where its
+    unpacking raises ``struct.error``, which it catches: so does a resolution resource (0x03ED)
+    of less than 14 bytes. A resource that ends right after its code makes it read the name's
+    length past the end: an ``IndexError``, which fails the open."""
+    at = len(PHOTOSHOP_PREFIX)
+    while block[at : at + 4] == PHOTOSHOP_RESOURCE:
+        code = block[at + 4 : at + 6]
+        at += 6
+        if at > len(block):  # the code cut short: PIL stops here
+            return
+        if at == len(block):
+            raise _LeftToPil
+        at += 1 + block[at]
+        at += at & 1
+        if at + 4 > len(block):  # the size cut short
+            return
+        size = int.from_bytes(block[at : at + 4])
+        at += 4
+        short = min(size, len(block) - at) < PHOTOSHOP_RESOLUTION_BYTES  # (its data, if cut)
+        if int.from_bytes(code) == PHOTOSHOP_RESOLUTION and short:
+            return
+        at += size
+        at += at & 1
 
 
 def _mp_images(index: bytes) -> int:

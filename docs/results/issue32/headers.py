@@ -59,6 +59,38 @@ def synthetic_jpeg_with(size: int, xmp: bytes) -> bytes:
     return out.getvalue()
 
 
+def _resource(code: int, data: bytes) -> bytes:
+    """A Photoshop image resource ("8BIM", its code, an empty name, its size; data padded)."""
+    return (
+        b"8BIM"
+        + code.to_bytes(2)
+        + b"\0\0"
+        + len(data).to_bytes(4)
+        + data
+        + b"\0" * (len(data) & 1)
+    )
+
+
+def photoshop_export(size: int) -> bytes:
+    """``camera_like``, with the Photoshop block (APP13) a "Save As" writes: an IPTC record, the
+    resolution, print flags, a caption digest, a layer state and a 4 KB thumbnail."""
+    block = b"Photoshop 3.0\x00" + b"".join(
+        [
+            _resource(0x0404, b"\x1c\x02\x00\x00\x02\x00\x04" + b"\x1c\x02\x78" + bytes(90)),
+            _resource(
+                0x03ED, (72 << 16).to_bytes(4) + b"\0\1\0\1" + (72 << 16).to_bytes(4) + b"\0\1\0\1"
+            ),
+            _resource(0x03F3, bytes(9)),
+            _resource(0x0425, bytes(16)),
+            _resource(0x0400, b"\0\0"),
+            _resource(0x2710, bytes(10)),
+            _resource(0x040C, bytes(4096)),
+        ]
+    )
+    data = camera_like(size)
+    return data[:2] + b"\xff\xed" + (len(block) + 2).to_bytes(2) + block + data[2:]
+
+
 def mpo(size: int, gain_map: bool = False) -> bytes:
     """The bench's image as PIL writes a two-image MPO (an MP index in APP2); with ``gain_map``,
     an XMP packet naming a gain map as well (an Ultra HDR photo's: PIL reads it as a JPEG)."""
@@ -98,6 +130,7 @@ def main(out: str) -> None:
         "JPEG 448, EXIF (orientation 6, dpi) + ICC": camera_like(448),
         "JPEG 448, EXIF + ICC + an editor's XMP": camera_like(448, EDITOR_XMP),
         "JPEG 448, an editor's XMP alone": synthetic_jpeg_with(448, EDITOR_XMP),
+        "JPEG 448, EXIF + ICC + a Photoshop block": photoshop_export(448),
         "MPO 448 (two images, an MP index)": mpo(448),
         "JPEG 448 with a gain map (an MP index, XMP)": mpo(448, gain_map=True),
         "WebP 112 (lossy)": webp(112),
