@@ -1,9 +1,9 @@
 """A WebP's header read without PIL (``vision.image_files.webp_size``) sizes a file as PIL
 (libwebp's demuxer) does, or leaves it to PIL: over WebPs PIL writes (lossy and lossless, with
-alpha and a colour profile, and with EXIF, which goes to PIL), and over RIFF files built at random
+alpha and a colour profile, with EXIF and XMP orientations), and over RIFF files built at random
 (every chunk kind the demuxer knows and unknown ones, extended headers of any flags and canvas,
-bitstream headers with each field right or wrong, wrong RIFF lengths, cut anywhere), ``header``
-answers exactly what reading every file through PIL answers."""
+EXIF and XMP chunks, bitstream headers with each field right or wrong, wrong RIFF lengths, cut
+anywhere), ``header`` answers exactly what reading every file through PIL answers."""
 
 import io
 import struct
@@ -50,16 +50,75 @@ def _chunk(kind: bytes, body: bytes, pad: bool = True) -> bytes:
 @pytest.mark.parametrize(("mode", "options"), PLAIN, ids=[str(case) for case in PLAIN])
 def test_a_plain_webp_is_sized_without_pil(mode, options):
     data = _webp(mode, **options)
-    assert webp_size(data) == (37, 21)
+    assert webp_size(data) == (37, 21, None)
     assert answer(data) == through_pil(data) == (37, 21, "WEBP")
 
 
-def test_a_webp_with_exif_goes_to_pil_and_its_orientation_is_applied():
+def _exif(orientation: int | None) -> bytes:
+    """An EXIF block as PIL writes one ("Exif\\0\\0", then the TIFF), with a camera's tags."""
     exif = Image.Exif()
-    exif[0x0112] = 6
-    data = _webp("RGB", exif=exif.tobytes())
-    assert webp_size(data) is None
-    assert answer(data) == through_pil(data) == (21, 37, "WEBP")
+    exif[0x010F] = "maker"
+    if orientation is not None:
+        exif[0x0112] = orientation
+    return exif.tobytes()
+
+
+def _xmp(orientation: int) -> bytes:
+    return b'<x:xmpmeta><rdf:Description tiff:Orientation="%d"/></x:xmpmeta>' % orientation
+
+
+# A WebP's orientation: its EXIF chunk's, else its XMP chunk's; (EXIF, XMP, orientation)
+METADATA = {
+    "exif": (_exif(6), None, 6),  # (PIL writes the TIFF alone, as the container's specification)
+    "exif-without-an-orientation": (_exif(None), None, None),
+    "xmp": (None, _xmp(5), 5),
+    "exif-without-one-then-xmp": (_exif(None), _xmp(7), 7),
+    "exif-over-xmp": (_exif(3), _xmp(6), 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(METADATA))
+@pytest.mark.parametrize("mode", ["RGB", "RGBA"])
+def test_a_webps_exif_and_xmp_orientation_is_read_without_pil_as_pil_reads_it(case, mode):
+    exif, xmp, orientation = METADATA[case]
+    options = {"exif": exif} if exif is not None else {}
+    data = _webp(mode, **options, **({"xmp": xmp} if xmp is not None else {}))
+    assert webp_size(data) == (37, 21, orientation)
+    assert answer(data) == through_pil(data)
+    assert answer(data)[:2] == ((21, 37) if orientation in (5, 6, 7, 8) else (37, 21))
+
+
+def _chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    chunks, at = [], 12
+    while at < len(data):
+        (length,) = struct.unpack_from("<I", data, at + 4)
+        chunks.append((data[at : at + 4], data[at + 8 : at + 8 + length]))
+        at += 8 + length + (length & 1)
+    return chunks
+
+
+def test_an_exif_chunk_with_a_jpegs_prefix_is_read_as_pil_reads_it():
+    """Some writers start a WebP's EXIF chunk with the "Exif\\0\\0" of a JPEG's block, which PIL
+    strips (a second one too: that file is left to PIL)."""
+    written = _chunks(_webp("RGB", exif=_exif(6)))
+    assert [kind for kind, _ in written] == [b"VP8X", b"VP8 ", b"EXIF"]
+    (_, exif), prefix = written[2], image_files.EXIF_PREFIX
+    assert not exif.startswith(prefix)
+    for body, read in ((prefix + exif, (37, 21, 6)), (prefix + prefix + exif, None)):
+        data = _riff(b"".join(_chunk(kind, part) for kind, part in [*written[:2], (b"EXIF", body)]))
+        assert webp_size(data) == read
+        assert answer(data) == through_pil(data) == (21, 37, "WEBP")
+
+
+@pytest.mark.parametrize("flag", [image_files.WEBP_EXIF_FLAG, image_files.WEBP_XMP_FLAG])
+def test_an_exif_or_xmp_chunk_its_header_does_not_flag_holds_no_orientation(flag):
+    """libwebp's demuxer hands PIL a metadata chunk only when VP8X flags it."""
+    data = bytearray(_webp("RGB", exif=_exif(6), xmp=_xmp(6)))
+    assert data[12:16] == b"VP8X" and data[20] & flag
+    data[20] &= ~image_files.WEBP_EXIF_FLAG  # the EXIF chunk unflagged: the XMP's counts, if any
+    data[20] &= ~flag
+    assert webp_size(bytes(data)) == (37, 21, None if flag == image_files.WEBP_XMP_FLAG else 6)
+    assert answer(bytes(data)) == through_pil(bytes(data))
 
 
 @pytest.mark.parametrize("bit", range(8))
@@ -131,7 +190,7 @@ def test_an_animation_and_a_large_declared_size_answer_as_through_pil():
     assert answer(animation) == through_pil(animation) == (20, 10, "WEBP")
     huge = _webp("RGB", size=(8000, 8000))
     refused = answer(huge, max_pixels=1 << 20)
-    assert webp_size(huge) == (8000, 8000)
+    assert webp_size(huge) == (8000, 8000, None)
     assert refused == through_pil(huge, max_pixels=1 << 20)
     assert refused[0] is image_files.TooLarge
 
@@ -153,7 +212,14 @@ _LAYOUTS = st.sampled_from(
     [[b"VP8 "], [b"VP8L"], [b"VP8X", b"VP8 "], [b"VP8X", b"VP8L"], [b"VP8X", b"ICCP", b"VP8L"]]
     + [[b"VP8X", b"ALPH", b"VP8 "], [b"VP8X", b"ICCP", b"ALPH", b"VP8 "]]
     + [[b"VP8X", b"ALPH", b"VP8L"]]  # (refused: a lossless bitstream holds its own alpha)
+    + [[b"VP8X", b"VP8 ", b"EXIF"], [b"VP8X", b"VP8L", b"XMP "]]
+    + [[b"VP8X", b"ICCP", b"ALPH", b"VP8 ", b"EXIF", b"XMP "], [b"VP8X", b"VP8L", b"XMP ", b"EXIF"]]
 )
+_EXIF_BODIES = st.sampled_from(
+    [_exif(6), _exif(6)[6:], _exif(2), _exif(None), b"Exif\0\0", b"", b"II*\0junk", _exif(6)[:20]]
+    + [b"Exif\0\0" + _exif(5), _exif(7).replace(b"\x12\x01\x03\x00", b"\x12\x01\x04\x00")]
+)
+_XMP_BODIES = st.sampled_from([_xmp(6), _xmp(1), b"", b"tiff:Orientation=6", b"\xff\xfe"])
 
 
 def _vp8(draw, fault: str, width: int, height: int) -> bytes:
@@ -186,7 +252,7 @@ def _vp8l(draw, fault: str, width: int, height: int) -> bytes:
 
 
 def _vp8x(draw, fault: str, width: int, height: int) -> bytes:
-    flags = draw(st.sampled_from([0, 0x10, 0x20, 0x30]))
+    flags = draw(st.sampled_from([0, 0x10, 0x20, 0x30])) | draw(st.sampled_from([0, 4, 8, 12]))
     if fault == "flags":
         flags |= draw(st.sampled_from([0x01, 0x02, 0x04, 0x08, 0x40, 0x80]))
     reserved = b"\0\0\0"
@@ -220,6 +286,10 @@ def _webp_file(draw) -> bytes:
             body = _vp8(draw, fault, width, height)
         elif kind == b"VP8L":
             body = _vp8l(draw, fault, width, height)
+        elif kind == b"EXIF":
+            body = draw(_EXIF_BODIES)
+        elif kind == b"XMP ":
+            body = draw(_XMP_BODIES)
         else:
             body = draw(st.binary(max_size=20))
         chunks += _chunk(kind, body, pad=fault != "no_pad")

@@ -70,14 +70,20 @@ X_RESOLUTION_TAG, RESOLUTION_UNIT_TAG = 0x011A, 0x0128  # what PIL's JPEG open r
 WEBP_RIFF, WEBP_FORM = b"RIFF", b"WEBP"
 # The chunk sequences after the RIFF header that ``webp_size`` reads (libwebp's demuxer, which
 # PIL's open runs, takes each): a lossy or a lossless bitstream alone, or an extended header
-# (VP8X) with a colour profile, alpha or neither. Anything else (EXIF, XMP, an animation, unknown
-# chunks) leaves the file to PIL.
+# (VP8X) with a colour profile, alpha or neither, then an EXIF chunk, an XMP chunk, both (in the
+# container's order) or neither. Anything else (an animation, unknown chunks, another order)
+# leaves the file to PIL.
+WEBP_BITSTREAMS = (b"VP8 ", b"VP8L")
+WEBP_EXIF, WEBP_XMP = b"EXIF", b"XMP "
 WEBP_SIMPLE = ([b"VP8 "], [b"VP8L"])
 WEBP_EXTENDED = [
-    [b"VP8X", *profile, *image]
+    [b"VP8X", *profile, *image, *metadata]
     for profile in ([], [b"ICCP"])
     for image in ([b"VP8 "], [b"ALPH", b"VP8 "], [b"VP8L"])
+    for metadata in ([], [WEBP_EXIF], [WEBP_XMP], [WEBP_EXIF, WEBP_XMP])
 ]
+# VP8X's flags of the EXIF and XMP chunks: the demuxer hands PIL a chunk only when it is flagged.
+WEBP_EXIF_FLAG, WEBP_XMP_FLAG = 0x08, 0x04
 # VP8X's flags that leave the file to PIL: an animation's, and the bits no version defines (the
 # alpha, colour-profile, EXIF and XMP flags say which chunks may follow; ``WEBP_EXTENDED`` says
 # which do)
@@ -160,8 +166,8 @@ def _read_without_pil(data: bytes) -> tuple[int, int, int | None, str] | None:
         width, height, orientation, image_format = *size, None, "PNG"
     elif (jpeg := jpeg_size(data)) is not None:
         width, height, orientation, image_format = jpeg
-    elif (size := webp_size(data)) is not None:
-        width, height, orientation, image_format = *size, None, "WEBP"
+    elif (webp := webp_size(data)) is not None:
+        width, height, orientation, image_format = *webp, "WEBP"
     else:
         return None
     limit = Image.MAX_IMAGE_PIXELS  # PIL's own (above it, PIL warns or refuses)
@@ -386,13 +392,13 @@ def _exif_orientation(segment: bytes) -> int | None:
     return orientation
 
 
-def webp_size(data: bytes) -> tuple[int, int] | None:
-    """A WebP's (width, height), read as libwebp's demuxer reads them for PIL's open, when the
-    file is plain: one RIFF exactly as long as the file, its chunks back to back and whole
-    (``WEBP_SIMPLE`` or ``WEBP_EXTENDED``), a bitstream header libwebp accepts
-    (``_bitstream_size``) and, in an extended file, no ``WEBP_FLAGS_TO_PIL`` and a canvas of the
-    bitstream's size. Such a file holds no orientation (no EXIF) and one frame; None for every
-    other file (PIL reads it)."""
+def webp_size(data: bytes) -> tuple[int, int, int | None] | None:
+    """A WebP's (width, height, orientation), read as libwebp's demuxer reads them for PIL's open,
+    when the file is plain: one RIFF exactly as long as the file, its chunks back to back and
+    whole (``WEBP_SIMPLE`` or ``WEBP_EXTENDED``), a bitstream header libwebp accepts
+    (``_bitstream_size``) and, in an extended file, no ``WEBP_FLAGS_TO_PIL``, a canvas of the
+    bitstream's size, and an orientation read as ``_webp_orientation`` reads it. Such a file holds
+    one frame; None for every other file (PIL reads it)."""
     if len(data) < 20 or data[:4] != WEBP_RIFF or data[8:12] != WEBP_FORM:
         return None
     if int.from_bytes(data[4:8], "little") + 8 != len(data) or _claimed_before_webp(data):
@@ -410,17 +416,38 @@ def webp_size(data: bytes) -> tuple[int, int] | None:
         at = end
     if kinds in WEBP_SIMPLE:
         size = _bitstream_size(kinds[0], bodies[0])
-    elif kinds in WEBP_EXTENDED:
-        vp8x = bodies[0]
-        if len(vp8x) != 10 or vp8x[0] & WEBP_FLAGS_TO_PIL:
-            return None
-        canvas = (int.from_bytes(vp8x[4:7], "little") + 1, int.from_bytes(vp8x[7:10], "little") + 1)
-        size = _bitstream_size(kinds[-1], bodies[-1])
-        if size != canvas:
-            return None
-    else:
+        return None if size is None else (*size, None)
+    if kinds not in WEBP_EXTENDED:
         return None
-    return size
+    vp8x = bodies[0]
+    if len(vp8x) != 10 or vp8x[0] & WEBP_FLAGS_TO_PIL:
+        return None
+    canvas = (int.from_bytes(vp8x[4:7], "little") + 1, int.from_bytes(vp8x[7:10], "little") + 1)
+    image = next(at for at, kind in enumerate(kinds) if kind in WEBP_BITSTREAMS)
+    size = _bitstream_size(kinds[image], bodies[image])
+    if size != canvas:
+        return None
+    try:
+        return (*size, _webp_orientation(vp8x[0], dict(zip(kinds, bodies))))
+    except _LeftToPil:
+        return None
+
+
+def _webp_orientation(flags: int, chunks: dict[bytes, memoryview]) -> int | None:
+    """The orientation PIL finds in a WebP: its EXIF chunk's, read as ``_exif_orientation`` reads
+    a JPEG's (with or without the "Exif\\0\\0" a JPEG's block starts with, which PIL strips), else
+    its XMP chunk's (``XMP_ORIENTATION``), each only when VP8X flags it and it is not empty (what
+    PIL's ``info`` then holds)."""
+    exif = bytes(chunks.get(WEBP_EXIF, b"")) if flags & WEBP_EXIF_FLAG else b""
+    orientation = None
+    if exif:
+        orientation = _exif_orientation(
+            exif if exif.startswith(EXIF_PREFIX) else EXIF_PREFIX + exif
+        )
+    xmp = bytes(chunks.get(WEBP_XMP, b"")) if flags & WEBP_XMP_FLAG else b""
+    if orientation is None and xmp and (found := XMP_ORIENTATION.search(xmp)):
+        orientation = int(found[2])
+    return orientation
 
 
 def _claimed_before_webp(data: bytes) -> bool:

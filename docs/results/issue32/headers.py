@@ -30,14 +30,20 @@ EDITOR_XMP = (
 )
 
 
-def camera_like(size: int, xmp: bytes | None = None) -> bytes:
-    """A JPEG as a phone writes one: EXIF (orientation 6, dpi, make, model, date), an ICC
-    profile; with ``xmp``, that packet too (as an editor's export)."""
+def camera_exif() -> Image.Exif:
+    """A phone's EXIF block: orientation 6, dpi, make, model, date."""
     exif = Image.Exif()
     tags = {0x0112: 6, 0x011A: 72.0, 0x011B: 72.0, 0x0128: 2, 0x010F: "maker", 0x0110: "model"}
     for tag, value in tags.items():
         exif[tag] = value
     exif[0x0132] = "2026:12:06 12:00:00"
+    return exif
+
+
+def camera_like(size: int, xmp: bytes | None = None) -> bytes:
+    """A JPEG as a phone writes one: EXIF (``camera_exif``), an ICC profile; with ``xmp``, that
+    packet too (as an editor's export)."""
+    exif = camera_exif()
     out = io.BytesIO()
     Image.open(io.BytesIO(synthetic_image(size, size, 1, "JPEG"))).save(
         out,
@@ -137,6 +143,9 @@ def main(out: str) -> None:
         "WebP 448 (lossy)": webp(448),
         "WebP 448 (lossy, alpha)": webp(448, alpha=True),
         "WebP 448 (lossless)": webp(448, lossless=True),
+        "WebP 448 (lossy), EXIF (orientation 6, dpi) + XMP": webp(
+            448, exif=camera_exif().tobytes(), xmp=EDITOR_XMP
+        ),
     }
     rows = {}
     for name, data in files.items():
