@@ -397,29 +397,20 @@ def create_app(
         ``/v1/rooms/watch``, ``until_ended`` included), answered with every room: the caller
         learns each one's version."""
         rooms = [registration.room for registration in body.receivers]
-        if body.wait_s == 0:
-            return _answer(
-                _batch_results(rooms, table.register_all(body.receivers, Answer.VIEW_JSON))
-            )
-        statuses = table.register_all(body.receivers, Answer.STATUS)
-        versions = {
-            room: status.version
-            for room, status in zip(rooms, statuses)
-            if not isinstance(status, RoomError) and not status.state.terminal
-        }
-        if len(versions) == len(statuses):
-            views = await table.watch(
-                versions, body.wait_s, body.until_ended, answer=Answer.VIEW_JSON
-            )
-            return _answer(_batch_results(versions, views))
-        # a room refused or ended: answered now, each registered room with its view
-        views = table.views_json(rooms)
-        return _answer(
-            _batch_results(
-                rooms,
-                [s if isinstance(s, RoomError) else v for s, v in zip(statuses, views)],
-            )
-        )
+        registered = table.register_all(body.receivers, Answer.STATUS_AND_VIEW_JSON)
+        if body.wait_s > 0:
+            versions = {
+                room: answer[0].version
+                for room, answer in zip(rooms, registered)
+                if not isinstance(answer, RoomError) and not answer[0].state.terminal
+            }
+            if len(versions) == len(registered):  # (each room once, every one live)
+                views = await table.watch(
+                    versions, body.wait_s, body.until_ended, answer=Answer.VIEW_JSON
+                )
+                return _answer(_batch_results(versions, views))
+        views = [r if isinstance(r, RoomError) else r[1] for r in registered]
+        return _answer(_batch_results(rooms, views))
 
     @body_route(
         "/v1/rooms/begin-write",

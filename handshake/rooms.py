@@ -67,6 +67,9 @@ class Answer(enum.Enum):
 
     VIEW = "view"  # its view, a model (this process's own callers: ``handshake.access``)
     VIEW_JSON = "view_json"  # its view's JSON (``handshake.answers``): the REST API's answer
+    # its ``RoomStatus`` and its view's JSON: a REST registration's, which long-polls past the
+    # version or answers the view
+    STATUS_AND_VIEW_JSON = "status_and_view_json"
     # its view's JSON (``handshake.answers``) without the registration and the commit (a writer
     # has them): the room stream's answer to a writer
     WRITER_VIEW_JSON = "writer_view_json"
@@ -172,7 +175,7 @@ class RoomTable:
 
     def register_all(
         self, registrations: list[Registration], answer: Answer | None = None
-    ) -> list[RoomView | RoomStatus | msgspec.Raw | RoomError | None]:
+    ) -> list[RoomView | RoomStatus | msgspec.Raw | tuple | RoomError | None]:
         """``register`` for each, in one lock: each room's ``answer`` (None: nothing, as the room
         stream answers a registration only when it is refused), or why it was refused."""
         return self._each(self._register, registrations, self._answer(answer))
@@ -219,13 +222,15 @@ class RoomTable:
 
     def _answer(
         self, answer: Answer | None
-    ) -> Callable[[Room], RoomView | RoomStatus | msgspec.Raw | None]:
+    ) -> Callable[[Room], RoomView | RoomStatus | msgspec.Raw | tuple | None]:
         if answer is None:
             return lambda room: None
         if answer is Answer.STATUS:
             return self._store.status
         if answer is Answer.VIEW_JSON:
             return self._store.view_json
+        if answer is Answer.STATUS_AND_VIEW_JSON:
+            return lambda room: (self._store.status(room), self._store.view_json(room))
         if answer is Answer.WRITER_VIEW_JSON:
             return lambda room: self._store.view_json(room, False, False)
         return self._store.view

@@ -2,7 +2,10 @@
 ``webp_size``) and through PIL alone, for the tests that hold the two equal: the header, or the
 error's type and text."""
 
+import io
 import warnings
+
+from PIL import Image
 
 from vision import image_files
 from vision.image_files import header
@@ -30,3 +33,11 @@ def through_pil(data: bytes, max_pixels: int = MAX_PIXELS):
     finally:
         for name, reader in saved.items():
             setattr(image_files, name, reader)
+
+
+def orientation_through_pil(data: bytes) -> int | None:
+    """The EXIF orientation PIL finds in a file it opens, as ``header`` reads it through PIL."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Image.open(io.BytesIO(data)) as image:
+            return image_files._orientation(image)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from tests.header_answers import answer, through_pil
+from tests.header_answers import answer, orientation_through_pil, through_pil
 from tests.image_matrix import matrix
 from vision import image_files
 from vision.image_files import JPEG_SIGNATURE, XMP_PREFIX, jpeg_size
@@ -451,3 +451,6 @@ def test_any_marker_sequence_answers_as_through_pil(
     if cut is not None:
         data = data[:cut]
     assert answer(data, max_pixels=1 << 26) == through_pil(data, max_pixels=1 << 26)
+    # a file read without PIL has PIL's orientation (one of 1-4 shows in no size)
+    if (read := image_files._read_without_pil(data)) is not None:
+        assert read[2] == orientation_through_pil(data)

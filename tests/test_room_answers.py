@@ -12,6 +12,7 @@ from handshake.app import create_app
 from handshake.rooms import Answer, RoomError, RoomLimits, RoomTable
 from handshake.server import ThreadedServer
 from tests.handshake_helpers import begin, commit, registration
+from tests.waiting import eventually
 from wire.room_client import SyncHandshakeClient
 from wire.rooms import BatchResponse, EncodeTimings, FailBody, RoomResult, RoomState, RoomView
 
@@ -128,6 +129,22 @@ def test_every_rest_route_answers_the_documents_the_models_make():
             refused_c
         ] + models(d)
         assert client.register([registration(e)], wait_s=0.05) == models(e)
+        # a room twice in a registration that waits: each answered now, in its place
+        f, g = client.mint(2, 30)
+        twice = [registration(f), registration(g), registration(g, generation=2)]
+        answered = client.register(twice, wait_s=5)
+        assert answered == models(f, g) + [
+            _refusal(g, lambda: table.register(registration(g, generation=2)))
+        ]
+        (h,) = client.mint(1, 30)
+        assert client.register([registration(h), registration(h)], wait_s=5) == models(h, h)
+        # a registration that waits answers once its room changes
+        (i,) = client.mint(1, 30)
+        waiting = client.submit("register", [registration(i)], wait_s=10)
+        eventually(lambda: table.waiters == 1, "the registration waiting")
+        table.begin_write(begin(i))
+        assert waiting.result(timeout=10) == models(i)
+        assert table.view(i).state is RoomState.WRITING
     finally:
         client.close()
         server.stop()

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from tests.header_answers import answer, through_pil
+from tests.header_answers import answer, orientation_through_pil, through_pil
 from tests.image_matrix import matrix
 from vision import image_files
 from vision.image_files import WEBP_FORM, WEBP_READ_AFTER, WEBP_RIFF, webp_size
@@ -113,7 +113,7 @@ def test_an_exif_chunk_with_a_jpegs_prefix_is_read_as_pil_reads_it():
 @pytest.mark.parametrize("flag", [image_files.WEBP_EXIF_FLAG, image_files.WEBP_XMP_FLAG])
 def test_an_exif_or_xmp_chunk_its_header_does_not_flag_holds_no_orientation(flag):
     """libwebp's demuxer hands PIL a metadata chunk only when VP8X flags it."""
-    data = bytearray(_webp("RGB", exif=_exif(6), xmp=_xmp(6)))
+    data = bytearray(_webp("RGB", exif=_exif(3), xmp=_xmp(6)))
     assert data[12:16] == b"VP8X" and data[20] & flag
     data[20] &= ~image_files.WEBP_EXIF_FLAG  # the EXIF chunk unflagged: the XMP's counts, if any
     data[20] &= ~flag
@@ -306,3 +306,6 @@ def _webp_file(draw) -> bytes:
 @given(data=_webp_file())
 def test_any_riff_file_answers_as_through_pil(data):
     assert answer(data, max_pixels=1 << 26) == through_pil(data, max_pixels=1 << 26)
+    # a file read without PIL has PIL's orientation (one of 1-4 shows in no size)
+    if (read := image_files._read_without_pil(data)) is not None:
+        assert read[2] == orientation_through_pil(data)
