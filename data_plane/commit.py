@@ -61,7 +61,12 @@ class EmbeddingLayout:
 def checksum(tensor: torch.Tensor) -> int:
     """xxh3-64 of a tensor's bytes (it costs about as much CPU as a copy, so it is optional)."""
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    return xxhash.xxh3_64_intdigest(memoryview(flat.numpy()))
+    return checksum_bytes(flat.numpy())
+
+
+def checksum_bytes(data) -> int:
+    """``checksum`` of a buffer's bytes (a flat numpy array, ``bytes``)."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 class Commit(BaseModel):

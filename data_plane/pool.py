@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from data_plane.shm import SHM_DIR, ShmSegment
@@ -43,6 +44,7 @@ class MemoryRegion:
 
     def __init__(self, tensor: torch.Tensor, shm: ShmSegment | None = None):
         self.tensor = tensor
+        self.array = tensor.numpy()  # the same bytes, for numpy's copies (``byte_array``)
         self.shm = shm
         self.address = tensor.data_ptr()
         self.nbytes = tensor.numel()
@@ -162,6 +164,11 @@ class SlotPool:
     def view(self, lease: Lease) -> torch.Tensor:
         """The lease's bytes as a uint8 tensor view of the region."""
         return self.region.tensor[lease.offset : lease.offset + lease.nbytes]
+
+    def bytes_of(self, lease: Lease) -> np.ndarray:
+        """The lease's bytes as a numpy view of the region (``data_plane.transport.byte_array``:
+        no torch call)."""
+        return self.region.array[lease.offset : lease.offset + lease.nbytes]
 
     def stats(self) -> dict[str, int]:
         """Slot counts now; quarantines that have ended are reclaimed first, so a gauge built on

@@ -78,7 +78,8 @@ def _tracker_name(name: str) -> str:
 
 
 class ShmSegment:
-    """A mapped ``/dev/shm`` segment; ``tensor`` is a uint8 view of all of it."""
+    """A mapped ``/dev/shm`` segment; ``tensor`` is a uint8 view of all of it, ``array`` the same
+    as numpy (for copies through numpy: ``data_plane.transport.byte_array``)."""
 
     def __init__(self, name: str, size: int, mapping: mmap.mmap, owner: bool):
         self.name = name
@@ -90,6 +91,7 @@ class ShmSegment:
             if size
             else torch.empty(0, dtype=torch.uint8)
         )
+        self.array = self.tensor.numpy()
 
     @classmethod
     def create(cls, size: int, kind: str = "seg", name: str | None = None) -> ShmSegment:
@@ -166,6 +168,7 @@ class ShmSegment:
         torch views keep the mmap object alive, but ``mmap.close()`` would unmap under them
         (it does not refuse while a ``torch.frombuffer`` view exists), so it is never called."""
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.array = self.tensor.numpy()
         self._mmap = None
 
 

@@ -21,7 +21,7 @@ from data_plane.transport import (
     Transfer,
     TransferRefused,
     Transport,
-    as_bytes,
+    byte_array,
 )
 from wire.offers import ShmOffer
 
@@ -115,7 +115,7 @@ class ShmTransport(Transport):
             raise TransferRefused(
                 f"write [{offer.offset}, +{nbytes}) is outside segment {offer.segment}"
             )
-        segment.tensor[offer.offset : offer.offset + nbytes].copy_(as_bytes(src))
+        segment.array[offer.offset : offer.offset + nbytes] = byte_array(src)
         return CompletedTransfer(nbytes, deadline)
 
     def close(self) -> None:

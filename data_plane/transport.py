@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from data_plane.pool import Lease, MemoryRegion, SlotPool
@@ -216,6 +217,17 @@ def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
 def as_bytes(src: torch.Tensor) -> torch.Tensor:
     """A contiguous ``src`` as flat uint8 (itself when it already is)."""
     return src if src.dtype == torch.uint8 and src.dim() == 1 else src.reshape(-1).view(torch.uint8)
+
+
+def byte_array(src: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a flat numpy array: the same memory, copied first only when
+    ``src`` is not contiguous. At most one torch call that drops the GIL (a copy or checksum
+    through numpy takes it once): each one drops it and takes it back, and while another thread
+    holds it (a tower's Python) taking it back is a thread switch (py-spy --native of the worker's
+    stage thread under ``epd-bench cost``)."""
+    src = src.contiguous()  # (itself, without dropping the GIL, when contiguous already)
+    flat = src if src.dtype == torch.uint8 else src.view(torch.uint8)
+    return flat.numpy().reshape(-1)
 
 
 class CompletedTransfer(Transfer):

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from data_plane.commit import EmbeddingLayout, checksum
+from data_plane.commit import EmbeddingLayout, checksum_bytes
 from data_plane.pool import NoCapacity, SlotPool, TooLarge
 from encode_worker.device import DeviceLost
 from encode_worker.messages import EncodedBatch, Handoff, ReadyItem
@@ -85,7 +85,7 @@ class StageAndSend:
                     return
                 with self.sender.slot_freed:
                     self.sender.slot_freed.wait(0.05)
-        digest = checksum(self.ring.view(lease)) if self.with_checksum else None
+        digest = checksum_bytes(self.ring.bytes_of(lease)) if self.with_checksum else None
         return StagedItem(
             job.request_id,
             job.handshake,

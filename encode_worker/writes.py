@@ -18,7 +18,13 @@ import torch
 
 from data_plane.commit import EmbeddingLayout
 from data_plane.pool import Lease, SlotPool
-from data_plane.transport import Transfer, TransferRefused, TransferState, Transport
+from data_plane.transport import (
+    Transfer,
+    TransferRefused,
+    TransferState,
+    Transport,
+    byte_array,
+)
 from handshake.rooms import RoomError, RoomStatus
 from wire.addresses import EncodeHandshake
 from wire.modality import Modality
@@ -308,8 +314,9 @@ class Writer:
 
 
 def stage(ring: SlotPool, rows: torch.Tensor) -> Lease:
-    """Copy an item's rows into a send-ring lease (raises ``NoCapacity`` / ``TooLarge``)."""
-    flat = rows.contiguous().reshape(-1).view(torch.uint8)
-    lease = ring.lease(flat.numel())
-    ring.view(lease).copy_(flat)
+    """Copy an item's rows into a send-ring lease (raises ``NoCapacity`` / ``TooLarge``), through
+    numpy (``byte_array``)."""
+    source = byte_array(rows)
+    lease = ring.lease(source.nbytes)
+    ring.bytes_of(lease)[:] = source
     return lease
