@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from data_plane.commit import EmbeddingLayout, checksum
+from data_plane.commit import EmbeddingLayout, checksum, checksum_bytes
 from data_plane.pool import MemoryRegion, SlotPool
 from data_plane.shm_transport import ShmTransport
 from encode_worker.sender import Sender
@@ -444,3 +444,24 @@ def test_an_item_waiting_on_a_stalled_room_stream_fails_with_why(encode_side):
         loop.stop()
         standalone.stop()
         server_loop.stop()
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        torch.randn(16, 64).to(torch.bfloat16),
+        torch.randn(64, 16).t(),  # not contiguous: copied first
+        torch.arange(40, dtype=torch.int64).reshape(5, 8),
+        torch.randn(3, 7, dtype=torch.float16),
+    ],
+    ids=["bfloat16", "transposed", "int64", "float16-odd-width"],
+)
+def test_staging_through_numpy_lands_the_rows_bytes_and_their_checksum(rows):
+    """``stage`` copies through numpy views (``byte_array``, ``SlotPool.bytes_of``): the ring
+    holds the rows' bytes as torch lays them out, and their checksum is the rows'."""
+    ring = SlotPool(MemoryRegion.anonymous(1 << 20), 1 << 12, quarantine_s=5)
+    lease = stage(ring, rows)
+    expected = rows.contiguous().reshape(-1).view(torch.uint8)
+    assert lease.nbytes == expected.numel()
+    assert torch.equal(ring.view(lease), expected)
+    assert checksum_bytes(ring.bytes_of(lease)) == checksum(rows)
