@@ -217,11 +217,10 @@ def jpeg_size(data: bytes) -> tuple[int, int, int | None, str] | None:
     when its header is plain: markers back to back from the signature to the start of scan, each
     whole, of the kinds PIL passes over or reads without an error (``JPEG_FRAMES``,
     ``JPEG_PASSED``, quantization tables, APPn), a Photoshop block PIL parses without an error
-    (``_check_photoshop``), at least one 8-bit
-    frame of a layer count PIL reads, and an EXIF block whose first directory is whole
-    (``_exif_orientation``); an orientation the EXIF block does not hold is the last XMP packet's
-    (``XMP_ORIENTATION``); and an MP index read as ``_mp_images`` reads it. None for every other
-    file (PIL reads it)."""
+    (``_check_photoshop``), at least one 8-bit frame of a layer count PIL reads, and an EXIF block
+    whose first directory is whole (``_exif_orientation``); the orientation as PIL finds it in the
+    EXIF block and the last XMP packet (``_pil_orientation``); and an MP index read as
+    ``_mp_images`` reads it. None for every other file (PIL reads it)."""
     if not data.startswith(JPEG_SIGNATURE):
         return None
     try:
@@ -265,9 +264,7 @@ def jpeg_size(data: bytes) -> tuple[int, int, int | None, str] | None:
             at += 2 + length
         if size is None or not size[0] or not size[1]:
             return None
-        orientation = _exif_orientation(exif) if exif is not None else None
-        if orientation is None and xmp and (found := XMP_ORIENTATION.search(xmp)):
-            orientation = int(found[2])
+        orientation = _pil_orientation(exif, xmp)
         several = mp_index is not None and _mp_images(mp_index) > 1 and not ultra_hdr
         return (*size, orientation, "MPO" if several else "JPEG")
     except _LeftToPil:
@@ -439,12 +436,17 @@ def _webp_orientation(flags: int, chunks: dict[bytes, memoryview]) -> int | None
     its XMP chunk's (``XMP_ORIENTATION``), each only when VP8X flags it and it is not empty (what
     PIL's ``info`` then holds)."""
     exif = bytes(chunks.get(WEBP_EXIF, b"")) if flags & WEBP_EXIF_FLAG else b""
-    orientation = None
-    if exif:
-        orientation = _exif_orientation(
-            exif if exif.startswith(EXIF_PREFIX) else EXIF_PREFIX + exif
-        )
     xmp = bytes(chunks.get(WEBP_XMP, b"")) if flags & WEBP_XMP_FLAG else b""
+    if exif and not exif.startswith(EXIF_PREFIX):  # the TIFF alone, as the container has it
+        exif = EXIF_PREFIX + exif
+    return _pil_orientation(exif, xmp)
+
+
+def _pil_orientation(exif: bytes | None, xmp: bytes | None) -> int | None:
+    """The orientation as PIL's ``getexif`` finds it: the EXIF block's (``_exif_orientation``, the
+    block with its "Exif\\0\\0"), else, when it holds none (or there is none), the XMP packet's
+    (``XMP_ORIENTATION``)."""
+    orientation = _exif_orientation(exif) if exif else None
     if orientation is None and xmp and (found := XMP_ORIENTATION.search(xmp)):
         orientation = int(found[2])
     return orientation
