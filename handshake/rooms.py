@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -469,7 +469,7 @@ class RoomTable:
         """Each room's view's JSON (``handshake.answers``: the room stream pushes these; without
         the registration to the receiver that sent it), or why there is none, in one lock."""
         return self._views(
-            dict.fromkeys(room_ids, 0),
+            [(room_id, 0) for room_id in room_ids],  # (each in its place, a repeat included)
             False,
             lambda room: self._store.view_json(room, with_registration),
         )
@@ -497,7 +497,7 @@ class RoomTable:
             finally:
                 timer.cancel()
                 self._disarm(waiter, versions)
-        return self._views(versions, changed_only, self._answer(answer))
+        return self._views(versions.items(), changed_only, self._answer(answer))
 
     def _arm(self, versions: dict[int, int], loop, until_ended: bool) -> Waiter | None:
         """Register a waiter on every room, unless one already has news (ended or unknown, or,
@@ -527,13 +527,13 @@ class RoomTable:
                     room.waiters.remove(waiter)
 
     def _views(
-        self, versions: dict[int, int], changed_only: bool, view: Callable
+        self, versions: Iterable[tuple[int, int]], changed_only: bool, view: Callable
     ) -> list[RoomView | RoomStatus | msgspec.Raw | RoomError | None]:
-        """Each room's ``view``, or why there is none, in one lock; ``changed_only``: None for a
-        room still at its version."""
+        """Each room's ``view`` (``versions``: rooms and the version each was seen at), or why
+        there is none, in one lock; ``changed_only``: None for a room still at its version."""
         with self._lock:
             views = []
-            for room_id, after in versions.items():
+            for room_id, after in versions:
                 try:
                     room = self._store.get(room_id)
                 except RoomNotFound as exc:

@@ -77,6 +77,10 @@ def test_a_frame_of_views_and_refusals_parses_to_the_models_answer(monkeypatch, 
     assert RoomView.model_validate_json(bytes(writer[0])) == table.view(
         rooms["writing"]
     ).model_copy(update={"registration": None, "commit": None})
+    pending = rooms["pending"]  # a room asked for twice is answered twice, in its places
+    assert [bytes(v) for v in table.views_json([pending, 12345, pending])[::2]] == [
+        bytes(table.views_json([pending])[0])
+    ] * 2
     missing = table.views_json([12345])[0]
     assert isinstance(missing, RoomError)
     frame = answers.frame(
