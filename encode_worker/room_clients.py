@@ -18,13 +18,13 @@ import time
 from collections.abc import Callable, Iterable
 
 from encode_worker.scheduler import EncodeJob
+from epdserve.loop_threads import LoopThread
+from epdserve.wire.addresses import EncodeHandshake, Endpoint, canonical_host
+from epdserve.wire.modality import Modality
+from epdserve.wire.room_client import HandshakeClient
+from epdserve.wire.rooms import FailBody
 from handshake.access import LocalRooms, RemoteRooms
 from handshake.rooms import RoomError, RoomTable
-from loop_threads import LoopThread
-from wire.addresses import EncodeHandshake, Endpoint, canonical_host
-from wire.modality import Modality
-from wire.room_client import HandshakeClient
-from wire.rooms import FailBody
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "0.0.0.0", "::1"}

@@ -28,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from wire.addresses import EncodeHandshake
-from wire.modality import Modality
+from epdserve.wire.addresses import EncodeHandshake
+from epdserve.wire.modality import Modality
 
 if TYPE_CHECKING:
-    from vision.video import VideoPlan
+    from epdserve.vision.video import VideoPlan
 
 
 PACE_SAMPLES = 9  # the pace is the median of the last batches' (a cold first batch is no guide)

@@ -36,14 +36,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from data_plane.pool import SlotPool
-from data_plane.transport import CompletionPoller, Transport
 from encode_worker.writes import Outcome, StagedItem, Write, Writer
+from epdserve.data_plane.pool import SlotPool
+from epdserve.data_plane.transport import CompletionPoller, Transport
+from epdserve.loop_threads import LoopThread, name_os_thread
+from epdserve.wire.addresses import EncodeHandshake
+from epdserve.wire.room_client import HandshakeError
+from epdserve.wire.rooms import RoomState, RoomView
 from handshake.rooms import Answer, RoomError, RoomNotFound, RoomStatus, RoomTable
-from loop_threads import LoopThread, name_os_thread
-from wire.addresses import EncodeHandshake
-from wire.room_client import HandshakeError
-from wire.rooms import RoomState, RoomView
 
 log = logging.getLogger(__name__)
 INLINE_WRITE_BYTES = (

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from encode_worker.metrics import WorkerMetrics
     from encode_worker.room_clients import RoomFailer
     from encode_worker.scheduler import BatchQueue
-    from vision.tower import VisionTower
+    from epdserve.vision.tower import VisionTower
 
 SHUTTING_DOWN = "encode worker shutting down"
 # The process's intra-op threads as the environment set them, read before any stage sets its own.

@@ -8,13 +8,13 @@ import time
 
 import torch
 
-from data_plane.commit import EmbeddingLayout, checksum_bytes
-from data_plane.pool import NoCapacity, SlotPool, TooLarge
 from encode_worker.device import DeviceLost
 from encode_worker.messages import EncodedBatch, Handoff, ReadyItem
 from encode_worker.sender import Sender
 from encode_worker.stages import StageContext
 from encode_worker.writes import StagedItem, stage
+from epdserve.data_plane.commit import EmbeddingLayout, checksum_bytes
+from epdserve.data_plane.pool import NoCapacity, SlotPool, TooLarge
 
 
 class StageAndSend:

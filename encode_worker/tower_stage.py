@@ -13,7 +13,7 @@ from encode_worker.cache import Encoded
 from encode_worker.device import out_of_memory
 from encode_worker.messages import EncodedBatch, Handoff, Miss, PreparedBatch, ReadyItem
 from encode_worker.stages import SHUTTING_DOWN, StageContext
-from multimodal.rows import RowContractError, split_rows
+from epdserve.multimodal.rows import RowContractError, split_rows
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,6 @@ import zlib
 
 from prometheus_client import CollectorRegistry
 
-from data_plane.pool import MemoryRegion, SlotPool
-from data_plane.transport import build_transports
 from encode_worker.cache import EmbeddingCache, InFlightEncodes
 from encode_worker.config import WorkerConfig
 from encode_worker.device import TowerDevice
@@ -38,14 +36,16 @@ from encode_worker.stages import SHUTTING_DOWN, StageContext, StageThreads
 from encode_worker.staging import StageAndSend
 from encode_worker.tower_stage import TowerStage
 from encode_worker.writes import Outcome
+from epdserve.data_plane.pool import MemoryRegion, SlotPool
+from epdserve.data_plane.transport import build_transports
+from epdserve.loop_threads import LoopThread, named_thread
+from epdserve.process_settings import SettingError, check_checkpoint, check_listen
+from epdserve.vision.tower import VisionTower
+from epdserve.wire.offers import transport_spec
+from epdserve.wire.rooms import RoomState
 from handshake.app import create_app
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
-from loop_threads import LoopThread, named_thread
-from process_settings import SettingError, check_checkpoint, check_listen
-from vision.tower import VisionTower
-from wire.offers import transport_spec
-from wire.rooms import RoomState
 
 log = logging.getLogger(__name__)
 

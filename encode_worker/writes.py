@@ -16,21 +16,21 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane.commit import EmbeddingLayout
-from data_plane.pool import Lease, SlotPool
-from data_plane.transport import (
+from epdserve.data_plane.commit import EmbeddingLayout
+from epdserve.data_plane.pool import Lease, SlotPool
+from epdserve.data_plane.transport import (
     Transfer,
     TransferRefused,
     TransferState,
     Transport,
     byte_array,
 )
+from epdserve.wire.addresses import EncodeHandshake
+from epdserve.wire.modality import Modality
+from epdserve.wire.offers import TRANSPORT_NAMES
+from epdserve.wire.room_client import HandshakeError
+from epdserve.wire.rooms import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
 from handshake.rooms import RoomError, RoomStatus
-from wire.addresses import EncodeHandshake
-from wire.modality import Modality
-from wire.offers import TRANSPORT_NAMES
-from wire.room_client import HandshakeError
-from wire.rooms import BeginWrite, CommitBody, EncodeTimings, RoomState, RoomView
 
 
 @dataclass

@@ -13,11 +13,10 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 
-from handshake.rooms import RoomConflict, RoomError, RoomNotFound, RoomsFull, RoomTable
-from loop_threads import LoopThread
-from wire.room_client import HandshakeClient, HandshakeError
-from wire.room_stream import OpenOnce, RoomStreamClient
-from wire.rooms import (
+from epdserve.loop_threads import LoopThread
+from epdserve.wire.room_client import HandshakeClient, HandshakeError
+from epdserve.wire.room_stream import OpenOnce, RoomStreamClient
+from epdserve.wire.rooms import (
     MAX_BATCH,
     BeginWrite,
     CommitBody,
@@ -27,6 +26,7 @@ from wire.rooms import (
     RoomView,
     check_room_ttl,
 )
+from handshake.rooms import RoomConflict, RoomError, RoomNotFound, RoomsFull, RoomTable
 
 # a refusal's status -> the error it was raised as at the table
 REFUSALS = {error.status: error for error in (RoomNotFound, RoomConflict, RoomsFull)}

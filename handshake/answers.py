@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from wire.rooms import RoomState
+from epdserve.wire.rooms import RoomState
 
 _encode = msgspec.json.Encoder().encode
 

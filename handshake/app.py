@@ -32,11 +32,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.convertors import IntegerConvertor, register_url_convertor
 from starlette.routing import Match
 
-from handshake import answers
-from handshake.rooms import Answer, RoomError, RoomsFull, RoomTable
-from handshake.stream import POLICY_VIOLATION, RoomStream
-from metrics import LATENCY_BUCKETS, PROBE_PATHS, exposition_registry
-from wire.rooms import (
+from epdserve.metrics import LATENCY_BUCKETS, PROBE_PATHS, exposition_registry
+from epdserve.wire.rooms import (
     MAX_ROOM_ID,
     MAX_WAIT_S,
     STREAM_PATH,
@@ -51,6 +48,9 @@ from wire.rooms import (
     RoomView,
     WatchRequest,
 )
+from handshake import answers
+from handshake.rooms import Answer, RoomError, RoomsFull, RoomTable
+from handshake.stream import POLICY_VIOLATION, RoomStream
 
 MAX_BODY_BYTES = 1 << 20
 SWEEP_INTERVAL_S = 0.1

@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import msgspec
 
+from epdserve.wire.rooms import CommitBody, Registration, RoomState, RoomView
 from handshake import answers
-from wire.rooms import CommitBody, Registration, RoomState, RoomView
 
 
 class RoomError(Exception):

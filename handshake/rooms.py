@@ -26,6 +26,16 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
+from epdserve.wire.offers import drawn_room_id
+from epdserve.wire.rooms import (
+    MAX_ROOM_ID,
+    BeginWrite,
+    CommitBody,
+    FailBody,
+    Registration,
+    RoomState,
+    RoomView,
+)
 from handshake.room_store import (
     MINTED_VERSION,
     Room,
@@ -37,16 +47,6 @@ from handshake.room_store import (
     RoomStatus,
     RoomStore,
     Waiter,
-)
-from wire.offers import drawn_room_id
-from wire.rooms import (
-    MAX_ROOM_ID,
-    BeginWrite,
-    CommitBody,
-    FailBody,
-    Registration,
-    RoomState,
-    RoomView,
 )
 
 __all__ = [

@@ -16,18 +16,18 @@ import uvicorn
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from handshake.app import MAX_BODY_BYTES, HandshakeAPI, create_app
-from handshake.rooms import RoomTable
-from handshake.settings import RoomTableSettings
-from loop_threads import LoopThread
-from process_settings import Port, PositiveByteSize, SettingError, check_listen, refuse
-from process_settings.secrets import (
+from epdserve.loop_threads import LoopThread
+from epdserve.process_settings import Port, PositiveByteSize, SettingError, check_listen, refuse
+from epdserve.process_settings.secrets import (
     HANDSHAKE_TOKEN_ENV,
     HANDSHAKE_TOKEN_FILE_ENV,
     HandshakeToken,
 )
-from wire.addresses import DEFAULT_BOOTSTRAP_PORT, Endpoint
-from wire.rooms import MAX_FRAME_BYTES
+from epdserve.wire.addresses import DEFAULT_BOOTSTRAP_PORT, Endpoint
+from epdserve.wire.rooms import MAX_FRAME_BYTES
+from handshake.app import MAX_BODY_BYTES, HandshakeAPI, create_app
+from handshake.rooms import RoomTable
+from handshake.settings import RoomTableSettings
 
 log = logging.getLogger(__name__)
 

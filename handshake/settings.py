@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from epdserve.process_settings import PositiveInt, PositiveSeconds, ProcessSettings
 from handshake.rooms import RoomLimits
-from process_settings import PositiveInt, PositiveSeconds, ProcessSettings
 
 
 class RoomTableSettings(ProcessSettings):

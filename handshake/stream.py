@@ -23,9 +23,7 @@ import time
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from handshake import answers
-from handshake.rooms import Answer, RoomError, RoomTable
-from wire.rooms import (
+from epdserve.wire.rooms import (
     LOST_AFTER_REGISTRATION,
     MAX_BATCH,
     STREAM_FRAME,
@@ -38,6 +36,8 @@ from wire.rooms import (
     StreamWatchRegistered,
     StreamWatchStaged,
 )
+from handshake import answers
+from handshake.rooms import Answer, RoomError, RoomTable
 
 POLICY_VIOLATION = 1008  # WebSocket close codes (RFC 6455)
 INVALID_PAYLOAD = 1007

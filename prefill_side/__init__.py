@@ -3,10 +3,10 @@ from encode workers (SHM on the same node, Mooncake otherwise), with fallback an
 Importing it loads no encode worker, dispatcher, gateway or HTTP server; the local tower's vision
 stack only where the fallback runs."""
 
+from epdserve.wire.states import ItemState, JobState
 from prefill_side.job import ItemOutcome, ReceiveJob
 from prefill_side.receiver import PrefillReceiver
 from prefill_side.settings import ReceiverConfig, ReceiverSettings
-from wire.states import ItemState, JobState
 
 __all__ = [
     "ItemOutcome",

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import logging
 
+from epdserve.wire.addresses import Endpoint
+from epdserve.wire.room_client import HandshakeClient, HandshakeError
+from epdserve.wire.rooms import MAX_BATCH
 from prefill_side.settings import ReceiverConfig
-from wire.addresses import Endpoint
-from wire.room_client import HandshakeClient, HandshakeError
-from wire.rooms import MAX_BATCH
 
 log = logging.getLogger(__name__)
 

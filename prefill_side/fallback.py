@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from data_plane.dtypes import dtype_to_wire
-from multimodal.items import MultimodalDataItem
-from multimodal.rows import RowContractError, item_rows
+from epdserve.data_plane.dtypes import dtype_to_wire
+from epdserve.multimodal.items import MultimodalDataItem
+from epdserve.multimodal.rows import RowContractError, item_rows
 from prefill_side.settings import ReceiverConfig
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-from data_plane.pool import SlotPool
-from multimodal.items import MultimodalDataItem
+from epdserve.data_plane.pool import SlotPool
+from epdserve.multimodal.items import MultimodalDataItem
+from epdserve.wire.states import ItemState
 from prefill_side.fallback import LocalTower
 from prefill_side.job import PendingItem, ReceiveJob, set_encoded
 from prefill_side.metrics import ReceiverMetrics
 from prefill_side.settings import ReceiverConfig
-from wire.states import ItemState
 
 
 class GiveUp:

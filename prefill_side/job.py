@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane.commit import EmbeddingLayout
-from data_plane.pool import Lease, SlotPool
-from multimodal.items import MultimodalDataItem, MultimodalInputs
-from wire.addresses import EncodeHandshake
-from wire.rooms import EncodeTimings
-from wire.states import ItemState, JobState
+from epdserve.data_plane.commit import EmbeddingLayout
+from epdserve.data_plane.pool import Lease, SlotPool
+from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
+from epdserve.wire.addresses import EncodeHandshake
+from epdserve.wire.rooms import EncodeTimings
+from epdserve.wire.states import ItemState, JobState
 
 
 @dataclass

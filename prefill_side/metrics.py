@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from metrics import LATENCY_BUCKETS
+from epdserve.metrics import LATENCY_BUCKETS
 from prefill_side.receive_pool import ReceivePool
 
 OTHER_TRANSPORT = "other"  # the label of an item a writer delivered over a transport not offered

@@ -11,14 +11,14 @@ from typing import NamedTuple
 
 import torch
 
-from data_plane.commit import ContractError, accept_commit, verify_rows
-from data_plane.pool import SlotPool
-from multimodal.items import GRID_KEYS
+from epdserve.data_plane.commit import ContractError, accept_commit, verify_rows
+from epdserve.data_plane.pool import SlotPool
+from epdserve.multimodal.items import GRID_KEYS
+from epdserve.wire.rooms import RoomView
+from epdserve.wire.states import ItemState
 from prefill_side.job import PendingItem, ReceiveJob, set_encoded
 from prefill_side.metrics import ReceiverMetrics
 from prefill_side.settings import ReceiverConfig
-from wire.rooms import RoomView
-from wire.states import ItemState
 
 
 class Refusal(NamedTuple):

@@ -16,11 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from data_plane.pool import MemoryRegion, SlotPool
-from data_plane.shm import ShmError
-from data_plane.transport import TransportUnavailable, build_transports
+from epdserve.data_plane.pool import MemoryRegion, SlotPool
+from epdserve.data_plane.shm import ShmError
+from epdserve.data_plane.transport import TransportUnavailable, build_transports
+from epdserve.wire.offers import transport_spec
 from prefill_side.settings import ReceiverConfig
-from wire.offers import transport_spec
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,13 @@ from collections.abc import Callable
 import torch
 from prometheus_client import CollectorRegistry
 
-from data_plane.commit import EmbeddingLayout
-from data_plane.pool import NoCapacity, TooLarge
-from loop_threads import LoopThread
-from multimodal.items import MultimodalDataItem, MultimodalInputs
-from multimodal.rows import RowContractError, item_rows
+from epdserve.data_plane.commit import EmbeddingLayout
+from epdserve.data_plane.pool import NoCapacity, TooLarge
+from epdserve.loop_threads import LoopThread
+from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
+from epdserve.multimodal.rows import RowContractError, item_rows
+from epdserve.wire.addresses import EncodeHandshake, Endpoint
+from epdserve.wire.states import ItemState
 from prefill_side.endpoints import Endpoints
 from prefill_side.fallback import LocalTower
 from prefill_side.give_up import GiveUp
@@ -44,8 +46,6 @@ from prefill_side.publish import Publisher
 from prefill_side.receive_pool import ReceivePool
 from prefill_side.settings import ReceiverConfig
 from prefill_side.streams import EndpointStreams
-from wire.addresses import EncodeHandshake, Endpoint
-from wire.states import ItemState
 
 
 class PrefillReceiver:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from process_settings.values import PositiveByteSize, PositiveSeconds, TransportNames
-from wire.offers import DEFAULT_TRANSPORTS, DTYPE_NAMES, MAX_WIDTH
-from wire.rooms import MAX_DEADLINE_S, MAX_WAIT_S
+from epdserve.process_settings.values import PositiveByteSize, PositiveSeconds, TransportNames
+from epdserve.wire.offers import DEFAULT_TRANSPORTS, DTYPE_NAMES, MAX_WIDTH
+from epdserve.wire.rooms import MAX_DEADLINE_S, MAX_WAIT_S
 
 
 class ReceiverSettings(BaseModel):

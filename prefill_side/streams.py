@@ -22,16 +22,16 @@ import asyncio
 import logging
 import time
 
+from epdserve.wire.addresses import Endpoint
+from epdserve.wire.room_client import HandshakeError
+from epdserve.wire.room_stream import OpenOnce, RoomStreamClient
+from epdserve.wire.rooms import LOST_AFTER_REGISTRATION, Registration, RoomResult, RoomState
 from prefill_side.endpoints import Endpoints
 from prefill_side.give_up import GiveUp
 from prefill_side.job import PendingItem, ReceiveJob
 from prefill_side.publish import Publisher, Refusal
 from prefill_side.receive_pool import ReceivePool
 from prefill_side.settings import ReceiverConfig
-from wire.addresses import Endpoint
-from wire.room_client import HandshakeError
-from wire.room_stream import OpenOnce, RoomStreamClient
-from wire.rooms import LOST_AFTER_REGISTRATION, Registration, RoomResult, RoomState
 
 log = logging.getLogger(__name__)
 

@@ -4,11 +4,8 @@ import threading
 
 import zmq
 
-from dispatcher.workers import WorkerAddress
-from handshake.app import create_app
-from handshake.rooms import RoomTable
-from handshake.server import ThreadedServer
-from wire.intake import (
+from epdserve.dispatcher.workers import WorkerAddress
+from epdserve.wire.intake import (
     BATCH_MARKER,
     QUEUE_FULL_RETRY_S,
     IntakeBatch,
@@ -17,6 +14,9 @@ from wire.intake import (
     IntakeRequest,
     IntakeStatus,
 )
+from handshake.app import create_app
+from handshake.rooms import RoomTable
+from handshake.server import ThreadedServer
 
 
 class BusyWorker:

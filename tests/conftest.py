@@ -20,7 +20,7 @@ def no_new_segments():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A small full checkpoint (sharded, hub layout) of each tower family, by family name."""
-    from vision.families import FAMILIES
-    from vision.small_checkpoints import build_full
+    from epdserve.vision.families import FAMILIES
+    from epdserve.vision.small_checkpoints import build_full
 
     return {family: build_full(family, str(tmp_path_factory.mktemp(family))) for family in FAMILIES}

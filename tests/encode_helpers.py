@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data_plane.commit import EmbeddingLayout, accept_commit
-from data_plane.dtypes import dtype_to_wire
-from data_plane.pool import MemoryRegion, SlotPool
-from wire.rooms import Registration, RoomState
+from epdserve.data_plane.commit import EmbeddingLayout, accept_commit
+from epdserve.data_plane.dtypes import dtype_to_wire
+from epdserve.data_plane.pool import MemoryRegion, SlotPool
+from epdserve.wire.rooms import Registration, RoomState
 
 
 def png(height: int, width: int, seed: int) -> bytes:
@@ -134,7 +134,7 @@ class RestReceiver(Receiver):
 def dispatch_to(worker, processor, media, request_id="req-1", **options) -> list:
     """The real ``Dispatcher`` (``options``: its own) placing ``media`` on the in-process encode
     ``worker``, from this thread: the dispatched items."""
-    from dispatcher import Dispatcher, WorkerAddress, WorkerSet
+    from epdserve.dispatcher import Dispatcher, WorkerAddress, WorkerSet
 
     async def run():
         workers = WorkerSet([WorkerAddress("127.0.0.1", worker.bootstrap_port, worker.intake_port)])
@@ -154,9 +154,9 @@ def loopback_stack(tower, local_tower=None, worker=None, receiver=None):
     """A real encode worker and a real ``PrefillReceiver`` in this process, joined by one loopback
     transport (rooms over the worker's real HTTP server, items over its real ZMQ intake).
     ``worker`` / ``receiver``: overrides of their configs."""
-    from data_plane.loopback import LoopbackTransport
     from encode_worker.config import WorkerConfig
     from encode_worker.worker import EncodeWorker
+    from epdserve.data_plane.loopback import LoopbackTransport
     from prefill_side import PrefillReceiver, ReceiverConfig
 
     loopback = LoopbackTransport()

@@ -4,8 +4,8 @@ import json
 import urllib.error
 import urllib.request
 
-from wire.offers import LoopbackOffer
-from wire.rooms import BeginWrite, CommitBody, Registration
+from epdserve.wire.offers import LoopbackOffer
+from epdserve.wire.rooms import BeginWrite, CommitBody, Registration
 
 
 def registration(

@@ -7,9 +7,9 @@ import warnings
 
 from PIL import Image
 
-from vision import image_files
-from vision.image_files import header
-from vision.limits import MAX_PIXELS
+from epdserve.vision import image_files
+from epdserve.vision.image_files import header
+from epdserve.vision.limits import MAX_PIXELS
 
 FAST_PATHS = ("png_size", "jpeg_size", "webp_size")
 

@@ -10,7 +10,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from bench.images import synthetic_image
+from epdserve.testing.images import synthetic_image
 
 WIDTH, HEIGHT = 96, 64  # not square: a quarter turn changes the grid
 ORIENTATION_TAG = 0x0112

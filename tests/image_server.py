@@ -5,7 +5,7 @@ import contextlib
 import http.server
 import threading
 
-from bench.cluster import HOST
+from epdserve.testing.cluster import HOST
 
 
 @contextlib.contextmanager

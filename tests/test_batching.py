@@ -9,9 +9,9 @@ import pytest
 
 from encode_worker.config import WorkerConfig
 from encode_worker.scheduler import BatchQueue, EncodeJob
-from process_settings import SettingError
+from epdserve.process_settings import SettingError
+from epdserve.wire.addresses import EncodeHandshake
 from tests.waiting import FakeClock
-from wire.addresses import EncodeHandshake
 
 LONG_S = 60.0  # a window no test waits out: a batch that went early did not wait for it
 

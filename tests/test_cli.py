@@ -17,8 +17,8 @@ import pytest
 import torch
 from PIL import Image
 
+from epdserve.vision.small_checkpoints import build_full
 from tests.encode_helpers import png
-from vision.small_checkpoints import build_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"PYTHONPATH": ROOT, "OMP_WAIT_POLICY": "PASSIVE", "MC_LOG_LEVEL": "ERROR"}
@@ -217,7 +217,7 @@ def test_a_port_taken_after_the_checks_stops_the_worker_cleanly(checkpoint):
 import socket
 from encode_worker.config import WorkerConfig
 from encode_worker.worker import EncodeWorker
-from process_settings import SettingError
+from epdserve.process_settings import SettingError
 taken = socket.socket(); taken.bind(("127.0.0.1", 0)); taken.listen()
 config = WorkerConfig(model={checkpoint!r}, dtype="float32", bind="127.0.0.1", bootstrap_port=0,
                       intake_port=taken.getsockname()[1], transports=("shm", "mooncake"),
@@ -244,7 +244,7 @@ except SettingError as exc:
 
 
 def test_encode_worker_says_it_started_and_logs_item_failures_once(checkpoint, tmp_path):
-    from wire.intake import IntakeClient
+    from epdserve.wire.intake import IntakeClient
 
     bootstrap, intake_port = free_port(), free_port()
     log_path = tmp_path / "worker.log"
@@ -381,14 +381,15 @@ PREFILL_MISTAKES = [
 @pytest.mark.parametrize("args, expected", PREFILL_MISTAKES)
 def test_prefill_refuses_a_bad_setting_in_one_line(args, expected):
     assert_refused(
-        run("prefill_server.cli", "--host", "127.0.0.1", "--port", free_port(), *args), *expected
+        run("epdserve.prefill_server.cli", "--host", "127.0.0.1", "--port", free_port(), *args),
+        *expected,
     )
 
 
 def test_prefill_refuses_a_checkpoint_or_port_it_cannot_use(checkpoint, files, taken_port):
     assert_refused(
         run(
-            "prefill_server.cli",
+            "epdserve.prefill_server.cli",
             "--host",
             "127.0.0.1",
             "--port",
@@ -400,7 +401,7 @@ def test_prefill_refuses_a_checkpoint_or_port_it_cannot_use(checkpoint, files, t
     )
     assert_refused(
         run(
-            "prefill_server.cli",
+            "epdserve.prefill_server.cli",
             "--host",
             "127.0.0.1",
             "--port",
@@ -413,7 +414,15 @@ def test_prefill_refuses_a_checkpoint_or_port_it_cannot_use(checkpoint, files, t
         "--width 5 differs from the checkpoint's (96)",
     )
     assert_refused(
-        run("prefill_server.cli", "--host", "127.0.0.1", "--port", taken_port, "--width", "96"),
+        run(
+            "epdserve.prefill_server.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            taken_port,
+            "--width",
+            "96",
+        ),
         f"--port: cannot listen on 127.0.0.1:{taken_port}",
     )
 
@@ -424,32 +433,36 @@ def test_prefill_refuses_a_checkpoint_or_port_it_cannot_use(checkpoint, files, t
 def test_dispatch_names_the_file_it_refuses(checkpoint, files):
     workers = ["--workers", "127.0.0.1:1:1"]
     line = assert_refused(
-        run("dispatcher.cli", "--model", checkpoint, *workers, files["cat"], files["notes"]),
+        run(
+            "epdserve.dispatcher.cli", "--model", checkpoint, *workers, files["cat"], files["notes"]
+        ),
         f"{files['notes']}: not an image encode workers read",
     )
     assert "BytesIO" not in line and "image 1" not in line
     assert_refused(
-        run("dispatcher.cli", "--model", checkpoint, *workers, files["tiff"]),
+        run("epdserve.dispatcher.cli", "--model", checkpoint, *workers, files["tiff"]),
         f"{files['tiff']}: image format 'TIFF' is not accepted",
     )
     assert_refused(
-        run("dispatcher.cli", "--model", checkpoint, *workers, "/nonexistent/a.png"),
+        run("epdserve.dispatcher.cli", "--model", checkpoint, *workers, "/nonexistent/a.png"),
         "/nonexistent/a.png: No such file or directory",
     )
     assert_refused(
-        run("dispatcher.cli", "--model", files["file"], *workers, files["cat"]), "not a directory"
+        run("epdserve.dispatcher.cli", "--model", files["file"], *workers, files["cat"]),
+        "not a directory",
     )
     assert_refused(
-        run("dispatcher.cli", "--model", checkpoint, files["cat"]), "give the encode workers"
+        run("epdserve.dispatcher.cli", "--model", checkpoint, files["cat"]),
+        "give the encode workers",
     )
     assert_refused(
-        run("dispatcher.cli", "--model", checkpoint, "--workers", "h:70000", files["cat"]),
+        run("epdserve.dispatcher.cli", "--model", checkpoint, "--workers", "h:70000", files["cat"]),
         "--workers",
         "ports must be in 1..65535",
     )
     assert_refused(
         run(
-            "dispatcher.cli",
+            "epdserve.dispatcher.cli",
             "--model",
             checkpoint,
             *workers,
@@ -465,10 +478,10 @@ def test_dispatch_names_the_file_it_refuses(checkpoint, files):
 def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint, files, tmp_path):
     """The worker takes the item, and the prefill process reports it FAILED (it reserved rows of
     the wrong width: the worker refuses the write): epd-dispatch used to exit 0."""
-    from data_plane.shm_transport import ShmTransport
     from encode_worker.config import WorkerConfig
     from encode_worker.worker import EncodeWorker
-    from vision.tower import VisionTower
+    from epdserve.data_plane.shm_transport import ShmTransport
+    from epdserve.vision.tower import VisionTower
 
     worker = EncodeWorker(
         WorkerConfig(
@@ -486,7 +499,7 @@ def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint
     ).start()
     port = free_port()
     prefill = spawn(
-        "prefill_server.cli",
+        "epdserve.prefill_server.cli",
         [
             "--host",
             "127.0.0.1",
@@ -508,7 +521,7 @@ def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz", prefill)
         result = run(
-            "dispatcher.cli",
+            "epdserve.dispatcher.cli",
             "--model",
             checkpoint,
             "--workers",
@@ -537,12 +550,16 @@ def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint
     "module, args, line",
     [
         (
-            "gateway.cli",
+            "epdserve.gateway.cli",
             ["--vllm-url", "http://127.0.0.1:9", "--workers", "127.0.0.1:9:10"],
             "epd-gateway ready: http://127.0.0.1:{port}",
         ),
         ("handshake.server", [], "epd-handshake serving rooms on http://127.0.0.1:{port}"),
-        ("prefill_server.cli", ["--width", "64"], "epd-prefill ready: http://127.0.0.1:{port}"),
+        (
+            "epdserve.prefill_server.cli",
+            ["--width", "64"],
+            "epd-prefill ready: http://127.0.0.1:{port}",
+        ),
     ],
 )
 def test_a_server_says_it_is_ready_only_once_it_answers_and_stops_quietly(
@@ -552,7 +569,7 @@ def test_a_server_says_it_is_ready_only_once_it_answers_and_stops_quietly(
     script waiting for that line, may call it at once); stopped, it exits 0 without noise (no
     "nanobind: leaked" lines from the triton that torch loads)."""
     port = free_port()
-    if module == "gateway.cli":
+    if module == "epdserve.gateway.cli":
         args = [*args, "--model", checkpoint]
     process = subprocess.Popen(
         [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args],

@@ -11,12 +11,12 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.images import synthetic_image
-from metrics import exposition_registry
-from multimodal.items import MultimodalInputs
+from epdserve.metrics import exposition_registry
+from epdserve.multimodal.items import MultimodalInputs
+from epdserve.testing.images import synthetic_image
+from epdserve.vision.tower import VisionTower
 from prefill_side import JobState
 from tests.encode_helpers import dispatch_to, loopback_stack
-from vision.tower import VisionTower
 
 DASHBOARD = (
     Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ def _series(text: str) -> dict[str, set[str]]:
 @pytest.fixture(scope="module")
 def served(checkpoints) -> dict[str, set[str]]:
 
-    from gateway.app import GatewayMetrics
+    from epdserve.gateway.app import GatewayMetrics
 
     tower = VisionTower.load(checkpoints["qwen2_5_vl"])
     with loopback_stack(tower) as (worker, receiver, _):

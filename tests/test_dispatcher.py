@@ -11,20 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from bench.images import synthetic_image
-from dispatcher import Dispatcher, DispatchError, HashRing, WorkerAddress, WorkerSet
-from dispatcher.media import Media
+from epdserve.dispatcher import Dispatcher, DispatchError, HashRing, WorkerAddress, WorkerSet
+from epdserve.dispatcher.media import Media
+from epdserve.multimodal.items import Modality, MultimodalInputs
+from epdserve.testing.images import synthetic_image
+from epdserve.vision.images import image_from_bytes
+from epdserve.vision.small_checkpoints import build_full
+from epdserve.vision.tower import VisionTower
+from epdserve.wire.rooms import RoomState
 from handshake.app import create_app
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
-from multimodal.items import Modality, MultimodalInputs
 from prefill_side import ItemState, JobState
 from tests.busy_worker import BusyWorker
 from tests.encode_helpers import dispatch_to, loopback_stack, mp4
-from vision.images import image_from_bytes
-from vision.small_checkpoints import build_full
-from vision.tower import VisionTower
-from wire.rooms import RoomState
 
 # ---- the ring ----------------------------------------------------------------------------------
 
@@ -220,8 +220,8 @@ def test_mm_processor_kwargs_size_items_alike_on_both_sides_or_the_item_is_refus
     configs) given to the worker and to the dispatcher: items are sized to the smaller grid and
     delivered byte-exact; given to one side only, every item is refused at intake with the
     reason, before any encode."""
-    from dispatcher.cli import DispatchSettings
     from encode_worker.config import WorkerConfig
+    from epdserve.dispatcher.cli import DispatchSettings
 
     kwargs = '{"max_pixels": 50176}'  # 448x448 -> a 16x16 grid instead of 32x32
     config = WorkerConfig.from_command_line(
@@ -427,7 +427,7 @@ def test_a_gateway_learns_when_the_worker_holds_the_rows_or_failed_the_item(stac
     """``StagedWatch`` over the worker's room stream: a good image comes back staged (the worker
     holds its rows, no receiver yet), one whose header sizes it but whose pixels do not decode
     comes back with the worker's reason; the staged item is then delivered as ever."""
-    from dispatcher.staged import StagedWatch
+    from epdserve.dispatcher.staged import StagedWatch
 
     worker, receiver = stack
     good = synthetic_image(96, 96, 11)
@@ -461,8 +461,8 @@ def _intake_worker():
 
 
 def _intake_request(room: int, source: str = "bytes"):
-    from wire.addresses import EncodeHandshake, Endpoint
-    from wire.intake import IntakeRequest
+    from epdserve.wire.addresses import EncodeHandshake, Endpoint
+    from epdserve.wire.intake import IntakeRequest
 
     return IntakeRequest(
         request_id=f"r{room}",
@@ -479,7 +479,7 @@ def _rooms_of(metadata: bytes) -> list[int]:
 def test_a_closed_intake_client_keeps_no_caller_waiting():
     """An intake client closed while its items wait for a silent worker refuses them at once (a
     dispatcher dropping a gone worker's client), instead of leaving them to their timeout."""
-    from wire.intake import AsyncIntakeClient, IntakeRefused
+    from epdserve.wire.intake import AsyncIntakeClient, IntakeRefused
 
     silent, port = _intake_worker()
 
@@ -503,7 +503,7 @@ def test_a_reply_naming_no_room_fails_only_the_message_it_answers():
     (a room-less reply used to fail every item in flight)."""
     import threading
 
-    from wire.intake import (
+    from epdserve.wire.intake import (
         BATCH_MARKER,
         AsyncIntakeClient,
         IntakeBatchReply,
@@ -556,7 +556,7 @@ def test_items_sent_together_get_their_own_answers_in_order_within_one_timeout()
     answered), and nothing left in flight after it (the timed-out room can be sent again)."""
     import threading
 
-    from wire.intake import (
+    from epdserve.wire.intake import (
         BATCH_MARKER,
         AsyncIntakeClient,
         IntakeBatchReply,
@@ -619,7 +619,7 @@ def test_items_placed_with_a_standalone_handshake_open_their_rooms_over_its_stre
     """With ``rooms_url`` (a standalone handshake), the dispatcher opens each placement's rooms
     there over one room stream (no mint call), the worker writes into them, and the request
     arrives; an item whose drawn id is in use there fails alone, with why, and is not sent."""
-    import dispatcher.dispatch
+    from epdserve.dispatcher import dispatch as dispatch_module
 
     class CountingTable(RoomTable):
         def __init__(self):
@@ -639,7 +639,7 @@ def test_items_placed_with_a_standalone_handshake_open_their_rooms_over_its_stre
     server = ThreadedServer(create_app(table)).start()
     (in_use,) = table.mint(1, 60)
     drawn = iter([in_use, 1001, 1002, 1003])
-    monkeypatch.setattr(dispatcher.dispatch, "drawn_room_id", lambda: next(drawn))
+    monkeypatch.setattr(dispatch_module, "drawn_room_id", lambda: next(drawn))
     try:
         images = [synthetic_image(64 + 16 * i, 64, i) for i in range(4)]
         clash, *items = _dispatch(worker, tower, images, rooms_url=server.url, room_ttl_s=60)

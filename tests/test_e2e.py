@@ -13,13 +13,13 @@ import urllib.request
 import aiohttp
 import pytest
 
-from bench.cluster import ROOT, LocalCluster
-from bench.images import synthetic_image
-from dispatcher import Dispatcher, WorkerSet
-from dispatcher.cli import prefill_body
-from vision.small_checkpoints import build_vision_only
-from wire.room_client import HandshakeClient
-from wire.rooms import RoomState
+from epdserve.dispatcher import Dispatcher, WorkerSet
+from epdserve.dispatcher.cli import prefill_body
+from epdserve.testing.cluster import ROOT, LocalCluster
+from epdserve.testing.images import synthetic_image
+from epdserve.vision.small_checkpoints import build_vision_only
+from epdserve.wire.room_client import HandshakeClient
+from epdserve.wire.rooms import RoomState
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +231,7 @@ def test_epd_dispatch_sends_files_and_reports_what_the_prefill_process_received(
         [
             sys.executable,
             "-m",
-            "dispatcher.cli",
+            "epdserve.dispatcher.cli",
             "--model",
             running.model_dir,
             "--request-id",

@@ -11,19 +11,16 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from data_plane.loopback import LoopbackFault, LoopbackTransport
-from data_plane.shm import ShmTensorHandle
 from encode_worker.config import WorkerConfig
 from encode_worker.worker import EncodeWorker
-from handshake.rooms import RoomNotFound
-from multimodal.hashing import hash_feature
-from tests.encode_helpers import Receiver, png
-from tests.waiting import eventually
-from vision.images import image_from_bytes
-from vision.small_checkpoints import build_vision_only
-from vision.tower import TowerLoadError, VisionTower
-from wire.addresses import EncodeHandshake
-from wire.intake import (
+from epdserve.data_plane.loopback import LoopbackFault, LoopbackTransport
+from epdserve.data_plane.shm import ShmTensorHandle
+from epdserve.multimodal.hashing import hash_feature
+from epdserve.vision.images import image_from_bytes
+from epdserve.vision.small_checkpoints import build_vision_only
+from epdserve.vision.tower import TowerLoadError, VisionTower
+from epdserve.wire.addresses import EncodeHandshake
+from epdserve.wire.intake import (
     BATCH_MARKER,
     AsyncIntakeClient,
     IntakeBatchReply,
@@ -32,7 +29,10 @@ from wire.intake import (
     IntakeRequest,
     IntakeStatus,
 )
-from wire.rooms import RoomState
+from epdserve.wire.rooms import RoomState
+from handshake.rooms import RoomNotFound
+from tests.encode_helpers import Receiver, png
+from tests.waiting import eventually
 
 FULL_CLASSES = {
     "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,

@@ -14,22 +14,22 @@ import numpy as np
 import pytest
 import torch
 
-from data_plane.loopback import LoopbackTransport
-from data_plane.pool import MemoryRegion
-from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle
 from encode_worker.config import WorkerConfig
 from encode_worker.scheduler import BatchQueue, EncodeJob
 from encode_worker.worker import EncodeWorker
+from epdserve.data_plane.loopback import LoopbackTransport
+from epdserve.data_plane.pool import MemoryRegion
+from epdserve.data_plane.shm import ShmError, ShmSegment, ShmTensorHandle
+from epdserve.multimodal.hashing import hash_feature
+from epdserve.vision.images import image_from_bytes
+from epdserve.vision.small_checkpoints import build_full
+from epdserve.vision.tower import VisionTower
+from epdserve.wire.addresses import EncodeHandshake
+from epdserve.wire.intake import IntakeClient
+from epdserve.wire.rooms import RoomState
 from handshake.rooms import RoomConflict
-from multimodal.hashing import hash_feature
 from tests.encode_helpers import Receiver, png
 from tests.waiting import eventually
-from vision.images import image_from_bytes
-from vision.small_checkpoints import build_full
-from vision.tower import VisionTower
-from wire.addresses import EncodeHandshake
-from wire.intake import IntakeClient
-from wire.rooms import RoomState
 
 
 @pytest.fixture(scope="module")
@@ -347,10 +347,10 @@ def test_a_receiver_offer_naming_another_segment_is_not_written(no_new_segments,
     """A registration whose SHM offer names an intake handle (or any segment of ours that is not a
     receive pool) used to have the rows written into it: the write is refused, the room fails
     with the reason, and the segment's bytes stay as they were."""
-    from data_plane.shm import namespace_id
-    from data_plane.shm_transport import ShmTransport
-    from wire.offers import ShmOffer
-    from wire.rooms import Registration
+    from epdserve.data_plane.shm import namespace_id
+    from epdserve.data_plane.shm_transport import ShmTransport
+    from epdserve.wire.offers import ShmOffer
+    from epdserve.wire.rooms import Registration
 
     settings = dict(
         transports=("shm",),

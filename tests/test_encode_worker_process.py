@@ -14,16 +14,16 @@ from unittest import mock
 import pytest
 import torch
 
-from data_plane.mooncake import MooncakeTransport
-from data_plane.shm_transport import ShmTransport
+from epdserve.data_plane.mooncake import MooncakeTransport
+from epdserve.data_plane.shm_transport import ShmTransport
+from epdserve.vision.images import image_from_bytes
+from epdserve.vision.small_checkpoints import build_full
+from epdserve.vision.tower import VisionTower
+from epdserve.wire.intake import IntakeClient
+from epdserve.wire.room_client import SyncHandshakeClient
+from epdserve.wire.rooms import RoomState
 from tests.encode_helpers import RestReceiver, png
 from tests.waiting import eventually
-from vision.images import image_from_bytes
-from vision.small_checkpoints import build_full
-from vision.tower import VisionTower
-from wire.intake import IntakeClient
-from wire.room_client import SyncHandshakeClient
-from wire.rooms import RoomState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -239,7 +239,7 @@ def test_every_flag_has_an_env_var_and_the_flag_wins():
 
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
 def test_prefill_receiver_across_processes(worker_process, transport):
-    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from epdserve.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 
     process, url, intake_port, tower = worker_process
@@ -296,7 +296,7 @@ def test_prefill_receiver_across_processes(worker_process, transport):
 
 
 def test_encode_worker_killed_fails_the_job_fast_and_falls_back(checkpoint):
-    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from epdserve.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 
     tower = VisionTower.load(checkpoint)
@@ -359,7 +359,7 @@ def test_reference_prefill_process_receives_and_verifies(worker_process, checkpo
         [
             sys.executable,
             "-m",
-            "prefill_server.cli",
+            "epdserve.prefill_server.cli",
             "--host",
             "127.0.0.1",
             "--port",

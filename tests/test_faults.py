@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from bench import faults
-from bench.faults import FAST_S, FaultLab, LabConfig, lab_model, serves
+from epdserve.bench import faults
+from epdserve.bench.faults import FAST_S, FaultLab, LabConfig, lab_model, serves
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -165,13 +165,13 @@ def test_item_larger_than_the_send_ring(lab):
     refusal happens when the worker stages the rows, before any transport or peer is involved, so a
     separate process adds nothing. The oversized item's room fails at once with the reason; the
     next item arrives bit-exact."""
-    from data_plane.commit import checksum
-    from data_plane.loopback import LoopbackTransport
     from encode_worker.config import WorkerConfig
     from encode_worker.worker import EncodeWorker
+    from epdserve.data_plane.commit import checksum
+    from epdserve.data_plane.loopback import LoopbackTransport
+    from epdserve.wire.intake import IntakeClient
+    from epdserve.wire.rooms import RoomState
     from tests.encode_helpers import Receiver
-    from wire.intake import IntakeClient
-    from wire.rooms import RoomState
 
     loopback = LoopbackTransport()
     config = WorkerConfig(
@@ -240,7 +240,7 @@ def test_width_or_dtype_mismatch_between_the_sides(lab, width_delta, dtype):
     """A receiver configured with another width or dtype than worker a's tower (the receiver
     library in this process, as an engine embeds it, over SHM; the worker is the real process):
     the worker refuses to write, the item fails fast with the reason, the slot is released."""
-    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from epdserve.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 
     receiver = PrefillReceiver(

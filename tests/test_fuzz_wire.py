@@ -22,14 +22,18 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from data_plane.commit import Commit, ContractError, EmbeddingLayout, accept_commit, checksum
-from data_plane.pool import MemoryRegion, SlotPool
-from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle, validate_name
-from handshake.rooms import RoomLimits
-from prefill_server.app import PrefillRequest, create_app
-from prefill_side import ItemOutcome, JobState
-from wire import rooms as models
-from wire.intake import (
+from epdserve.data_plane.commit import (
+    Commit,
+    ContractError,
+    EmbeddingLayout,
+    accept_commit,
+    checksum,
+)
+from epdserve.data_plane.pool import MemoryRegion, SlotPool
+from epdserve.data_plane.shm import ShmError, ShmSegment, ShmTensorHandle, validate_name
+from epdserve.prefill_server.app import PrefillRequest, create_app
+from epdserve.wire import rooms as models
+from epdserve.wire.intake import (
     MAX_BATCH_ITEMS,
     MAX_METADATA_BYTES,
     IntakeRefused,
@@ -37,7 +41,9 @@ from wire.intake import (
     parse_batch,
     parse_request,
 )
-from wire.offers import MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, ShmOffer
+from epdserve.wire.offers import MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, ShmOffer
+from handshake.rooms import RoomLimits
+from prefill_side import ItemOutcome, JobState
 
 FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=1000)
 SLOW = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=200)
@@ -765,7 +771,7 @@ def real_prefill():
     listens)."""
     import socket
 
-    from data_plane.loopback import LoopbackTransport
+    from epdserve.data_plane.loopback import LoopbackTransport
     from handshake.app import create_app as handshake_app
     from handshake.rooms import RoomTable
     from handshake.server import ThreadedServer
@@ -843,9 +849,9 @@ def _encode_side(
     commit them (with a checksum one off for "corrupt"); rooms that end first are left alone, and
     so are rooms still unregistered once the request is ``over`` (after one last look). The
     checksum of the rows committed, by room (SUCCESS only)."""
-    from data_plane.dtypes import dtype_from_wire
-    from data_plane.transport import TransferState
-    from wire.rooms import BeginWrite, CommitBody, RoomState
+    from epdserve.data_plane.dtypes import dtype_from_wire
+    from epdserve.data_plane.transport import TransferState
+    from epdserve.wire.rooms import BeginWrite, CommitBody, RoomState
 
     committed, todo = {}, dict(plan)
     end = time.monotonic() + seconds

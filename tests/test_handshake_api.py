@@ -8,13 +8,13 @@ import urllib.request
 
 import pytest
 
+from epdserve.process_settings.secrets import handshake_token as load_token
+from epdserve.wire.room_client import HandshakeError, SyncHandshakeClient
+from epdserve.wire.rooms import FailBody, RoomState
 from handshake.app import create_app
 from handshake.rooms import RoomLimits, RoomTable
 from handshake.server import ThreadedServer
-from process_settings.secrets import handshake_token as load_token
 from tests.handshake_helpers import begin, commit, get_json, registration
-from wire.room_client import HandshakeError, SyncHandshakeClient
-from wire.rooms import FailBody, RoomState
 
 
 def _serve(**limits_and_token):
@@ -462,8 +462,8 @@ def test_idle_connections_outlive_the_clients_keep_alive():
     uvicorn's default (5 s) the server closed idle connections while clients still reused them: a
     request sent just then failed with "Server disconnected", and a mint (never retried) made a
     dispatcher take a healthy worker out of its ring (found by the soak)."""
+    from epdserve.wire.room_client import KEEPALIVE_S
     from handshake.server import UVICORN_OPTIONS
-    from wire.room_client import KEEPALIVE_S
 
     assert UVICORN_OPTIONS["timeout_keep_alive"] > KEEPALIVE_S
     server = ThreadedServer(create_app()).start()

@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from epdserve.wire.rooms import MAX_ROOM_ID
 from handshake.app import create_app
-from wire.rooms import MAX_ROOM_ID
 
 schema = schemathesis.openapi.from_asgi("/openapi.json", create_app())
 

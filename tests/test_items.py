@@ -6,9 +6,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from data_plane.shm import ShmTensorHandle
-from multimodal.hashing import hash_feature
-from multimodal.items import (
+from epdserve.data_plane.shm import ShmTensorHandle
+from epdserve.multimodal.hashing import hash_feature
+from epdserve.multimodal.items import (
     MM_PAD_BASE,
     MM_PAD_HASH_MASK,
     Modality,
@@ -17,8 +17,8 @@ from multimodal.items import (
     is_mm_pad_value,
     maybe_substitute_mm_pad,
 )
-from multimodal.rows import RowContractError, item_rows, split_rows
-from wire.addresses import EncodeHandshake
+from epdserve.multimodal.rows import RowContractError, item_rows, split_rows
+from epdserve.wire.addresses import EncodeHandshake
 
 
 def test_pad_value_derives_from_hash_and_is_recognised():

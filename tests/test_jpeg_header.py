@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from epdserve.vision import image_files
+from epdserve.vision.image_files import JPEG_SIGNATURE, XMP_PREFIX, jpeg_size
 from tests.header_answers import answer, orientation_through_pil, through_pil
 from tests.image_matrix import matrix
-from vision import image_files
-from vision.image_files import JPEG_SIGNATURE, XMP_PREFIX, jpeg_size
 
 
 def _jpeg(mode: str = "RGB", size=(37, 21), **options) -> bytes:

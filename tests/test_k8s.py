@@ -29,8 +29,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from dispatcher.workers import WorkerAddress
-from process_settings import ProcessSettings
+from epdserve.dispatcher.workers import WorkerAddress
+from epdserve.process_settings import ProcessSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -176,9 +176,12 @@ def parsed(container):
     with (
         mock.patch.dict(os.environ, env, clear=True),
         mock.patch(
-            "process_settings.secrets.handshake_token", lambda path: path and f"token in {path}"
+            "epdserve.process_settings.secrets.handshake_token",
+            lambda path: path and f"token in {path}",
         ),
-        mock.patch("process_settings.secrets.read_secret", lambda path, flag: f"token in {path}"),
+        mock.patch(
+            "epdserve.process_settings.secrets.read_secret", lambda path, flag: f"token in {path}"
+        ),
     ):
         return command[0], settings.from_command_line(args)
 
@@ -255,7 +258,7 @@ def served_paths(program, args) -> set[str]:
 
         app = build_app(args, ("generate",))
     elif program == "epd-gateway":
-        from gateway.app import build_app
+        from epdserve.gateway.app import build_app
 
         app = build_app(None)  # the routes alone; the gateway object is used when serving
     else:  # the encode worker serves the handshake app on its bootstrap port
@@ -811,8 +814,8 @@ def test_same_node_containers_share_one_memory_backed_dev_shm_as_one_user(render
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_graceful_termination_outlasts_in_flight_writes(rendered, variant):
-    from data_plane.mooncake import MooncakeConfig
     from encode_worker.worker import EncodeWorker
+    from epdserve.data_plane.mooncake import MooncakeConfig
     from prefill_side.settings import ReceiverConfig
 
     join_s = EncodeWorker.stop.__defaults__[0]  # the worker's thread joins
@@ -999,7 +1002,7 @@ def test_prefill_offers_mooncake_at_its_mooncake_host(tmp_path):
         [
             sys.executable,
             "-m",
-            "prefill_server.cli",
+            "epdserve.prefill_server.cli",
             "--host",
             "127.0.0.1",
             "--port",

@@ -16,12 +16,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import data_plane.loopback
-from data_plane.commit import ContractError, EmbeddingLayout, accept_commit, make_commit
-from data_plane.loopback import LoopbackFault, LoopbackTransport
-from data_plane.pool import MemoryRegion, NoCapacity, SlotPool
-from data_plane.shm_transport import ShmTransport
-from data_plane.transport import TransferState
+from epdserve.data_plane import loopback as loopback_module
+from epdserve.data_plane.commit import ContractError, EmbeddingLayout, accept_commit, make_commit
+from epdserve.data_plane.loopback import LoopbackFault, LoopbackTransport
+from epdserve.data_plane.pool import MemoryRegion, NoCapacity, SlotPool
+from epdserve.data_plane.shm_transport import ShmTransport
+from epdserve.data_plane.transport import TransferState
 from tests.waiting import FakeClock, eventually
 
 SLOT = 1 << 16
@@ -56,7 +56,7 @@ class Gate:
 def gate(monkeypatch):
     held = Gate()
     monkeypatch.setattr(
-        data_plane.loopback,
+        loopback_module,
         "threading",
         SimpleNamespace(Timer=held.timer, Event=threading.Event, Lock=threading.Lock),
     )
@@ -129,8 +129,8 @@ def test_late_bytes_land_in_the_quarantined_slot_and_never_reach_the_next_tenant
 
 @pytest.fixture(scope="module")
 def tower(tmp_path_factory):
-    from vision.small_checkpoints import build_full
-    from vision.tower import VisionTower
+    from epdserve.vision.small_checkpoints import build_full
+    from epdserve.vision.tower import VisionTower
 
     return VisionTower.load(build_full("qwen2_5_vl", str(tmp_path_factory.mktemp("q25"))))
 
@@ -143,12 +143,12 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
     its bytes land later: the receiver fails the item and quarantines the slot; the late bytes land
     in it; a request during the quarantine is refused (no slot), not given the slot; once the
     quarantine ends the next request gets the same slot, and its rows are its own, bit-exact."""
-    from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from epdserve.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+    from epdserve.vision.images import image_from_bytes
+    from epdserve.wire.intake import IntakeClient
+    from epdserve.wire.rooms import RoomState
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
     from tests.encode_helpers import loopback_stack, png
-    from vision.images import image_from_bytes
-    from wire.intake import IntakeClient
-    from wire.rooms import RoomState
 
     def rows_of(image):
         inputs = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")

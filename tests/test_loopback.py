@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from data_plane.commit import ContractError, EmbeddingLayout, accept_commit, make_commit
-from data_plane.loopback import LoopbackFault, LoopbackTransport
-from data_plane.mooncake import MooncakeConfig, MooncakeUnavailable, _load_engine_class
-from data_plane.pool import MemoryRegion, SlotPool
-from data_plane.transport import TransferRefused, TransferState
-from wire.offers import MooncakeOffer
+from epdserve.data_plane.commit import ContractError, EmbeddingLayout, accept_commit, make_commit
+from epdserve.data_plane.loopback import LoopbackFault, LoopbackTransport
+from epdserve.data_plane.mooncake import MooncakeConfig, MooncakeUnavailable, _load_engine_class
+from epdserve.data_plane.pool import MemoryRegion, SlotPool
+from epdserve.data_plane.transport import TransferRefused, TransferState
+from epdserve.wire.offers import MooncakeOffer
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_one_completion_poller_resolves_each_awaited_write_with_its_end(setup):
     deadline), whatever order they finish in; a write already over resolves at once."""
     import asyncio
 
-    from data_plane.transport import CompletionPoller
+    from epdserve.data_plane.transport import CompletionPoller
 
     transport, pool = setup
     poller = CompletionPoller()

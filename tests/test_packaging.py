@@ -13,10 +13,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_top_level_package_is_included():
+# What the wheel installs at the top level: the product card's three packages and the project's
+# one package, which holds every other module (no generic top-level name in site-packages).
+TOP_LEVEL = {"encode_worker", "prefill_side", "handshake", "epdserve"}
+
+
+def test_the_top_level_is_the_cards_three_packages_and_the_project_package():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     include = config["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"}
+    assert packages == TOP_LEVEL
     missing = [name for name in packages if not any(fnmatch.fnmatch(name, i) for i in include)]
     assert not missing, f"packages left out of pyproject.toml's include: {missing}"
 
@@ -71,9 +77,9 @@ def test_the_plain_install_is_the_receiver_an_engine_embeds():
                 if name.split(".")[0] in {BLOCKED_MODULES!r}:
                     raise ImportError("encoder-only module " + name)
         sys.meta_path.insert(0, Refuse())
-        from data_plane.shm_transport import ShmTransport
+        from epdserve.data_plane.shm_transport import ShmTransport
         from prefill_side import PrefillReceiver, ReceiverConfig
-        from wire.ec_params import TransferParams
+        from epdserve.wire.ec_params import TransferParams
         receiver = PrefillReceiver(
             ReceiverConfig(width=64, dtype="float32", pool_bytes=1 << 20, slot_bytes=1 << 16),
             transports={{"shm": ShmTransport()}},
@@ -111,10 +117,13 @@ def test_the_prefill_library_imports_only_downward():
         import prefill_side
         from prefill_side import PrefillReceiver, ReceiverConfig, ReceiverSettings
         from prefill_side.job import ReceiveJob
-        from wire.ec_params import TransferParams
+        from epdserve.wire.ec_params import TransferParams
+        def package(name):
+            parts = name.split(".")
+            return parts[1] if parts[0] == "epdserve" and len(parts) > 1 else parts[0]
         loaded = sorted(
             name for name in sys.modules
-            if name.split(".")[0] in {
+            if package(name) in {
                 "encode_worker", "dispatcher", "gateway", "vision", "bench",
                 "fastapi", "starlette", "uvicorn", "transformers", "PIL", "zmq",
             }
@@ -123,7 +132,7 @@ def test_the_prefill_library_imports_only_downward():
         import prefill_side.vllm_connector  # inside vLLM: vLLM's own stack, none of ours above
         ours = sorted(
             name for name in sys.modules
-            if name.split(".")[0] in {"encode_worker", "dispatcher", "gateway", "vision", "bench"}
+            if package(name) in {"encode_worker", "dispatcher", "gateway", "vision", "bench"}
         )
         print("CONNECTOR", ours)
         """

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from epdserve.vision import image_files
+from epdserve.vision.image_files import PNG_SIGNATURE, png_size
 from tests.header_answers import answer, through_pil
 from tests.image_matrix import matrix
-from vision import image_files
-from vision.image_files import PNG_SIGNATURE, png_size
 
 PIL_MODES = ["1", "L", "P", "RGB", "RGBA", "LA", "I;16"]
 

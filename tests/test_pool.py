@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
-from data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
+from epdserve.data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
 from tests.waiting import FakeClock
 
 SLOT = 64

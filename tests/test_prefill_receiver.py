@@ -5,15 +5,15 @@ import time
 import pytest
 import torch
 
-from data_plane.loopback import LoopbackFault
-from multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from epdserve.data_plane.loopback import LoopbackFault
+from epdserve.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from epdserve.vision.images import image_from_bytes
+from epdserve.vision.small_checkpoints import build_full
+from epdserve.vision.tower import VisionTower
+from epdserve.wire.intake import IntakeClient
 from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 from tests.encode_helpers import loopback_stack, mp4, png
 from tests.waiting import eventually
-from vision.images import image_from_bytes
-from vision.small_checkpoints import build_full
-from vision.tower import VisionTower
-from wire.intake import IntakeClient
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +146,8 @@ def test_multi_item_request_is_byte_exact_in_either_order(stack, tower, receiver
 
 def test_a_video_without_a_grid_in_the_request_gets_the_encoders_video_grid(stack, tower):
     """The commit's grid is stored under the item's own modality's key."""
-    from vision.sizing import grid_rows, sample_and_size
-    from vision.video import read_header
+    from epdserve.vision.sizing import grid_rows, sample_and_size
+    from epdserve.vision.video import read_header
 
     worker, receiver, intake, _ = stack
     video = mp4(30, 64, 64, seed=3)
@@ -509,10 +509,10 @@ def test_a_receive_pool_whose_segment_is_unlinked_stops_offering_shm_and_says_so
     once, reports it in health(), and receives over its other transport."""
     import os
 
-    from data_plane.loopback import LoopbackTransport
-    from data_plane.shm_transport import ShmTransport
     from encode_worker.config import WorkerConfig
     from encode_worker.worker import EncodeWorker
+    from epdserve.data_plane.loopback import LoopbackTransport
+    from epdserve.data_plane.shm_transport import ShmTransport
 
     loopback = LoopbackTransport()
     worker = EncodeWorker(
@@ -586,7 +586,7 @@ def test_an_shm_only_receiver_whose_segment_is_unlinked_says_it_cannot_receive(
 ):
     import os
 
-    from data_plane.shm_transport import ShmTransport
+    from epdserve.data_plane.shm_transport import ShmTransport
 
     receiver = PrefillReceiver(
         ReceiverConfig(
@@ -742,7 +742,7 @@ def test_a_slow_fallback_holds_up_no_other_item_on_the_same_stream(stack, tower,
 
 
 def test_delivered_items_are_counted_by_offered_transport_and_any_other_name_as_other():
-    from data_plane.loopback import LoopbackTransport
+    from epdserve.data_plane.loopback import LoopbackTransport
 
     receiver = PrefillReceiver(
         ReceiverConfig(width=8, dtype="float32", pool_bytes=1 << 16, slot_bytes=1 << 12),

@@ -12,16 +12,16 @@ import urllib.request
 
 import pytest
 
-from data_plane.loopback import LoopbackFault
+from epdserve.data_plane.loopback import LoopbackFault
+from epdserve.prefill_server.app import create_app
+from epdserve.vision.images import image_from_bytes
+from epdserve.vision.small_checkpoints import build_full
+from epdserve.vision.tower import VisionTower
+from epdserve.wire.intake import IntakeClient
 from handshake.server import ThreadedServer, open_listener_warning
-from prefill_server.app import create_app
 from tests.encode_helpers import loopback_stack, png
 from tests.handshake_helpers import get_json
 from tests.waiting import eventually
-from vision.images import image_from_bytes
-from vision.small_checkpoints import build_full
-from vision.tower import VisionTower
-from wire.intake import IntakeClient
 
 SLOT = 1 << 16
 

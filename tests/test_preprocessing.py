@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from encode_worker.config import WorkerConfig
+from epdserve.wire.intake import IntakeClient
+from epdserve.wire.rooms import RoomState
 from tests.encode_helpers import png
 from tests.test_encode_worker import (
     FULL_CLASSES,
@@ -18,8 +20,6 @@ from tests.test_encode_worker import (
     request,
     rows_for,
 )
-from wire.intake import IntakeClient
-from wire.rooms import RoomState
 
 SIZES = [(64, 64), (300, 200), (128, 96), (448, 448), (77, 91)]
 

@@ -7,14 +7,21 @@ answer (the table's state machine checks every view after every step:
 
 import pytest
 
+from epdserve.wire.room_client import SyncHandshakeClient
+from epdserve.wire.rooms import (
+    BatchResponse,
+    EncodeTimings,
+    FailBody,
+    RoomResult,
+    RoomState,
+    RoomView,
+)
 from handshake import answers, room_store
 from handshake.app import create_app
 from handshake.rooms import Answer, RoomError, RoomLimits, RoomTable
 from handshake.server import ThreadedServer
 from tests.handshake_helpers import begin, commit, registration
 from tests.waiting import eventually
-from wire.room_client import SyncHandshakeClient
-from wire.rooms import BatchResponse, EncodeTimings, FailBody, RoomResult, RoomState, RoomView
 
 
 def test_each_struct_has_its_models_fields_in_its_order():

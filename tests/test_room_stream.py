@@ -8,13 +8,13 @@ import asyncio
 import aiohttp
 import pytest
 
+from epdserve.wire.room_client import HandshakeClient, HandshakeError, SyncHandshakeClient
+from epdserve.wire.room_stream import RoomStreamClient
+from epdserve.wire.rooms import STREAM_PATH, RoomState
 from handshake.app import create_app
 from handshake.rooms import RoomNotFound, RoomTable
 from handshake.server import ThreadedServer
 from tests.handshake_helpers import begin, commit, registration
-from wire.room_client import HandshakeClient, HandshakeError, SyncHandshakeClient
-from wire.room_stream import RoomStreamClient
-from wire.rooms import STREAM_PATH, RoomState
 
 TOKEN = "stream-secret"
 
@@ -258,9 +258,9 @@ def test_a_dispatcher_opens_rooms_with_the_ids_it_drew_over_the_stream():
     """An open is answered per room in one frame: each new room's view (PENDING, at the TTL asked
     for), an id in use refused alone (409), a TTL over the table's maximum refused for every room
     (400); ``RemoteRooms`` gives each room's answer in order, a full table's refusal among them."""
+    from epdserve.wire.rooms import MAX_ROOM_ID
     from handshake.access import RemoteRooms
     from handshake.rooms import RoomConflict, RoomLimits, RoomsFull
-    from wire.rooms import MAX_ROOM_ID
 
     table = RoomTable(RoomLimits(max_live_rooms=4, max_ttl_s=60))
     server = ThreadedServer(create_app(table, token=TOKEN)).start()
@@ -398,8 +398,8 @@ def test_a_steps_calls_go_in_two_frames_for_the_peer_to_answer_the_first_early(c
     """Every call is sent once and in order: up to ``FRAME_ROOMS_WHOLE`` in one frame, more in two
     halves (so that the peer can answer the first while the caller sends the second: one frame per
     step puts callers in lockstep), none over the server's ``MAX_BATCH``."""
-    from wire.room_stream import FRAME_ROOMS_WHOLE, step_frames
-    from wire.rooms import MAX_BATCH
+    from epdserve.wire.room_stream import FRAME_ROOMS_WHOLE, step_frames
+    from epdserve.wire.rooms import MAX_BATCH
 
     pending = list(range(count))
     frames = []

@@ -8,18 +8,25 @@ import pathlib
 
 import pytest
 
-from data_plane.loopback import LoopbackTransport
 from encode_worker.config import WorkerConfig
 from encode_worker.worker import EncodeWorker
+from epdserve.data_plane.loopback import LoopbackTransport
+from epdserve.vision.images import image_from_bytes
+from epdserve.vision.small_checkpoints import build_vision_only
+from epdserve.wire.intake import IntakeClient, IntakeReply, IntakeStatus
+from epdserve.wire.room_client import HandshakeError, SyncHandshakeClient
+from epdserve.wire.rooms import RoomState
 from tests.encode_helpers import Receiver, png
-from vision.images import image_from_bytes
-from vision.small_checkpoints import build_vision_only
-from wire.intake import IntakeClient, IntakeReply, IntakeStatus
-from wire.room_client import HandshakeError, SyncHandshakeClient
-from wire.rooms import RoomState
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PRODUCT = ("multimodal", "data_plane", "handshake", "encode_worker", "prefill_side", "dispatcher")
+PRODUCT = (
+    "epdserve/multimodal",
+    "epdserve/data_plane",
+    "handshake",
+    "encode_worker",
+    "prefill_side",
+    "epdserve/dispatcher",
+)
 # modules that turn bytes into arbitrary objects (or code)
 UNSAFE_MODULES = {
     "pickle",

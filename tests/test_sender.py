@@ -8,20 +8,20 @@ import threading
 import pytest
 import torch
 
-from data_plane.commit import EmbeddingLayout, checksum, checksum_bytes
-from data_plane.pool import MemoryRegion, SlotPool
-from data_plane.shm_transport import ShmTransport
 from encode_worker.sender import Sender
 from encode_worker.writes import StagedItem, stage
+from epdserve.data_plane.commit import EmbeddingLayout, checksum, checksum_bytes
+from epdserve.data_plane.pool import MemoryRegion, SlotPool
+from epdserve.data_plane.shm_transport import ShmTransport
+from epdserve.loop_threads import LoopThread
+from epdserve.wire.addresses import EncodeHandshake
+from epdserve.wire.room_client import HandshakeClient, SyncHandshakeClient
+from epdserve.wire.rooms import Registration, RoomState
 from handshake.access import LocalRooms, RemoteRooms
 from handshake.app import create_app
 from handshake.rooms import RoomTable
 from handshake.server import ThreadedServer
-from loop_threads import LoopThread
 from tests.waiting import eventually
-from wire.addresses import EncodeHandshake
-from wire.room_client import HandshakeClient, SyncHandshakeClient
-from wire.rooms import Registration, RoomState
 
 
 class RecordingShm(ShmTransport):

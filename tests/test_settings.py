@@ -5,12 +5,12 @@ line naming the flag and the variable."""
 import pytest
 from pydantic import ValidationError
 
-from dispatcher.cli import DispatchSettings
 from encode_worker.config import WorkerConfig
-from gateway.settings import GatewaySettings
+from epdserve.dispatcher.cli import DispatchSettings
+from epdserve.gateway.settings import GatewaySettings
+from epdserve.prefill_server.settings import PrefillSettings
+from epdserve.process_settings import ProcessSettings, SettingError
 from handshake.server import HandshakeSettings
-from prefill_server.settings import PrefillSettings
-from process_settings import ProcessSettings, SettingError
 
 PROCESSES = [WorkerConfig, PrefillSettings, DispatchSettings, GatewaySettings, HandshakeSettings]
 REQUIRED = {
@@ -123,7 +123,7 @@ def test_an_advertised_address_cannot_be_an_unspecified_one(unspecified):
     """Peers are given ``--host`` (a worker) and ``--mooncake-host`` (a receiver) to reach the
     process at: 0.0.0.0 names no machine to them, so it is refused at start, not at the first
     write."""
-    from prefill_server.settings import PrefillSettings
+    from epdserve.prefill_server.settings import PrefillSettings
 
     why = "is an unspecified address, which peers cannot reach"
     with pytest.raises(SettingError, match=r"--host \(or EPD_HOST\): .*" + why):
@@ -177,9 +177,9 @@ def test_shared_groups_read_each_process_prefix(monkeypatch):
 
 
 HUB_PROBE = """
-from vision.tower import VisionTower
-from gateway.settings import GatewaySettings
-from process_settings import SettingError, check_checkpoint, served_name
+from epdserve.vision.tower import VisionTower
+from epdserve.gateway.settings import GatewaySettings
+from epdserve.process_settings import SettingError, check_checkpoint, served_name
 
 directory = check_checkpoint("epd-tests/tiny-qwen2_5-vl")
 print("dir", directory)
@@ -189,7 +189,7 @@ gateway = GatewaySettings.from_command_line(
     ["--model", "epd-tests/tiny-qwen2_5-vl", "--workers", "127.0.0.1", "--vllm-url", "http://v:1"]
 )
 print("gateway", gateway.served_model_name, gateway.image_processor().merge_size)
-from gateway.app import Gateway
+from epdserve.gateway.app import Gateway
 served = Gateway(gateway, gateway.image_processor(), gateway.video_processor())
 print("video_seconds", served.video_seconds)  # Qwen2.5-VL's, found by its family through the id
 try:

@@ -12,8 +12,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from data_plane.pool import MemoryRegion
-from data_plane.shm import ShmError, ShmSegment, ShmTensorHandle, namespace_id, validate_name
+from epdserve.data_plane.pool import MemoryRegion
+from epdserve.data_plane.shm import (
+    ShmError,
+    ShmSegment,
+    ShmTensorHandle,
+    namespace_id,
+    validate_name,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,7 +133,7 @@ def _gone_within(path: str, seconds: float) -> bool:
 def test_pool_owner_killed_leaves_no_segment(no_new_segments):
     child = _python("""
         import time
-        from data_plane.pool import MemoryRegion
+        from epdserve.data_plane.pool import MemoryRegion
         region = MemoryRegion.shared(1 << 20)
         print(region.shm.name, flush=True)
         time.sleep(60)
@@ -143,7 +149,7 @@ def test_handle_consumer_killed_mid_way_leaves_no_segment(no_new_segments):
     handle = ShmTensorHandle.publish(torch.arange(1000.0))
     child = _python(f"""
         import time, torch
-        from data_plane.shm import ShmTensorHandle
+        from epdserve.data_plane.shm import ShmTensorHandle
         handle = ShmTensorHandle.from_wire({handle.to_wire()!r})
         handle.attach()
         print("attached", flush=True)
@@ -170,9 +176,9 @@ def test_a_writer_lets_go_of_the_pools_of_receivers_that_are_gone(no_new_segment
     shared memory grew with every prefill process it outlived)."""
     import time
 
-    from data_plane.pool import SlotPool
-    from data_plane.shm_transport import ShmTransport
-    from data_plane.transport import TransferRefused, TransferState
+    from epdserve.data_plane.pool import SlotPool
+    from epdserve.data_plane.shm_transport import ShmTransport
+    from epdserve.data_plane.transport import TransferRefused, TransferState
 
     transport = ShmTransport()
     pools = [SlotPool(MemoryRegion.shared(1 << 20), 1 << 16, 1.0) for _ in range(2)]

@@ -1,12 +1,13 @@
-"""torch_cpu_companions: when it acts (a CPU torch beside CUDA-built companions) and that it acts in
-every interpreter of the environment (its .pth), so transformers' Qwen-VL processors import."""
+"""epdserve.torch_cpu_companions: when it acts (a CPU torch beside CUDA-built companions) and
+that it acts in every interpreter of the environment (its .pth), so transformers' Qwen-VL
+processors import."""
 
 import subprocess
 import sys
 
 import pytest
 
-import torch_cpu_companions
+from epdserve import torch_cpu_companions
 
 
 def _package(root, name: str, version_py: str) -> None:
@@ -62,7 +63,7 @@ def test_acts_in_every_interpreter():
     code included wherever torchvision is installed)."""
     code = """
 import importlib.util, json, sys
-import torch_cpu_companions as companions
+import epdserve.torch_cpu_companions as companions
 print(json.dumps({"acted": companions._acted, "plan": companions.plan(),
                   "absent": [n for n in ("torchaudio", "torchcodec")
                              if importlib.util.find_spec(n) is None]}))
@@ -79,7 +80,7 @@ if importlib.util.find_spec("torchvision") is not None:
 
     report = json.loads(result.stdout.splitlines()[0])
     assert report["acted"] is not None, (
-        "the .pth is not installed here: python -m torch_cpu_companions install"
+        "the .pth is not installed here: python -m epdserve.torch_cpu_companions install"
     )
     assert report["acted"] == report["plan"]
     for name in ("torchaudio", "torchcodec"):

@@ -11,6 +11,8 @@ import urllib.request
 import pytest
 import torch
 
+from epdserve.wire.intake import IntakeClient, IntakeStatus
+from epdserve.wire.rooms import RoomState
 from tests.encode_helpers import png
 from tests.test_encode_worker import (
     FULL_CLASSES,
@@ -21,8 +23,6 @@ from tests.test_encode_worker import (
     request,
     rows_for,
 )
-from wire.intake import IntakeClient, IntakeStatus
-from wire.rooms import RoomState
 
 LOST = "CUDA error: an illegal memory access was encountered"
 

@@ -8,9 +8,9 @@ import typing
 import pytest
 from pydantic import ValidationError
 
-from process_settings import TransportNames
-from wire.offers import MAX_OFFERS, TRANSPORT_NAMES, TRANSPORTS, transport_spec
-from wire.rooms import BeginWrite, CommitBody, Registration
+from epdserve.process_settings import TransportNames
+from epdserve.wire.offers import MAX_OFFERS, TRANSPORT_NAMES, TRANSPORTS, transport_spec
+from epdserve.wire.rooms import BeginWrite, CommitBody, Registration
 
 
 def test_registry_order_and_flags():
@@ -68,8 +68,8 @@ def test_registry_handshake_and_settings_load_without_torch():
 
 
 def test_build_transports_builds_registered_classes():
-    from data_plane.loopback import LoopbackTransport
-    from data_plane.transport import build_transports
+    from epdserve.data_plane.loopback import LoopbackTransport
+    from epdserve.data_plane.transport import build_transports
 
     built = build_transports(["loopback"])
     assert list(built) == ["loopback"] and type(built["loopback"]) is LoopbackTransport

@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 
-from bench.peer import PeerConfig, pattern, start_peer, stop_peer
-from data_plane.commit import make_commit
-from data_plane.pool import MemoryRegion
-from data_plane.transport import TransferState
-from wire.offers import MooncakeOffer, ShmOffer
+from epdserve.data_plane.commit import make_commit
+from epdserve.data_plane.pool import MemoryRegion
+from epdserve.data_plane.transport import TransferState
+from epdserve.testing.peer import PeerConfig, pattern, start_peer, stop_peer
+from epdserve.wire.offers import MooncakeOffer, ShmOffer
 
 WIDTH = 2048
 SIZES = {  # bf16 rows x 2048 = 4 KiB per row
@@ -32,7 +32,7 @@ def peer():
 
 @pytest.fixture(scope="module")
 def sender():
-    from data_plane.transport import build_transports
+    from epdserve.data_plane.transport import build_transports
 
     transports = build_transports(("shm", "mooncake"))
     region = MemoryRegion.anonymous(160 << 20)
@@ -94,7 +94,7 @@ def test_mooncake_liveness_probe_and_source_registration(peer, sender):
     offer = MooncakeOffer.model_validate(offers["mooncake"])
     assert mooncake.alive(offer.session)
     assert not mooncake.alive("127.0.0.1:1")
-    from data_plane.transport import TransferRefused
+    from epdserve.data_plane.transport import TransferRefused
 
     with pytest.raises(TransferRefused, match="registered"):
         mooncake.submit(torch.ones(WIDTH, dtype=torch.bfloat16), offer, time.monotonic() + 5)
@@ -112,7 +112,7 @@ def test_first_contact_with_a_stalled_peer_is_refused_not_hung(sender):
     import os
     import signal
 
-    from data_plane.transport import TransferRefused
+    from epdserve.data_plane.transport import TransferRefused
 
     transports, region = sender
     process, conn = start_peer(
@@ -156,7 +156,7 @@ def test_an_awaited_write_to_a_peer_that_died_goes_to_a_thread_and_fails_with_th
     and ``wait`` on a thread of the caller's finds out: FAILED, the peer gone."""
     import asyncio
 
-    from data_plane.transport import CompletionPoller
+    from epdserve.data_plane.transport import CompletionPoller
 
     transports, region = sender
     process, conn = start_peer(
@@ -249,11 +249,11 @@ ENGINE_OWNER = """
 import os, sys, time
 os.environ["MC_TRANSFER_TIMEOUT"] = "40"  # the engine's own setting, before anything of ours runs
 from mooncake.engine import TransferEngine
-from bench.peer import PeerConfig, pattern, start_peer, stop_peer
-from data_plane.commit import make_commit
-from data_plane.mooncake import MooncakeConfig, MooncakeTransport
-from wire.offers import MooncakeOffer
-from data_plane.pool import MemoryRegion
+from epdserve.testing.peer import PeerConfig, pattern, start_peer, stop_peer
+from epdserve.data_plane.commit import make_commit
+from epdserve.data_plane.mooncake import MooncakeConfig, MooncakeTransport
+from epdserve.wire.offers import MooncakeOffer
+from epdserve.data_plane.pool import MemoryRegion
 
 def main():
     config = MooncakeConfig(hostname="127.0.0.1", force_tcp=True, transfer_timeout_s=7)

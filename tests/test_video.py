@@ -10,6 +10,11 @@ import pytest
 import torch
 from transformers.video_utils import read_video_pyav
 
+from epdserve.vision.families import FAMILIES
+from epdserve.vision.sizing import DEFAULT_FPS, video_grid
+from epdserve.vision.video import BadVideo, read_header
+from epdserve.wire.intake import IntakeRequest, IntakeStatus
+from epdserve.wire.rooms import RoomState
 from tests.encode_helpers import mp4, png, video_frames
 from tests.test_encode_worker import (
     FULL_CLASSES,
@@ -19,11 +24,6 @@ from tests.test_encode_worker import (
     reference_rows,
 )
 from tests.waiting import eventually
-from vision.families import FAMILIES
-from vision.sizing import DEFAULT_FPS, video_grid
-from vision.video import BadVideo, read_header
-from wire.intake import IntakeRequest, IntakeStatus
-from wire.rooms import RoomState
 
 
 def wire_rows(out) -> torch.Tensor:

@@ -6,6 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from epdserve.vision import attention
+from epdserve.vision.families import FAMILIES
+from epdserve.vision.images import image_from_bytes
+from epdserve.vision.tower import VisionTower
+from epdserve.wire.rooms import RoomState
 from tests.encode_helpers import png
 from tests.test_encode_worker import (
     FULL_CLASSES,
@@ -15,11 +20,6 @@ from tests.test_encode_worker import (
     reference_rows,
     request,
 )
-from vision import attention
-from vision.families import FAMILIES
-from vision.images import image_from_bytes
-from vision.tower import VisionTower
-from wire.rooms import RoomState
 
 # Images of several sizes: Qwen2.5-VL windows of several lengths, sequences of several lengths.
 SIZES = [(448, 448), (300, 500), (64, 64), (224, 168)]

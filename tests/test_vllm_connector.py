@@ -25,19 +25,19 @@ from PIL import Image  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
-from bench.cluster import LocalCluster, free_port  # noqa: E402
-from bench.images import synthetic_image  # noqa: E402
-from dispatcher import Dispatcher, WorkerSet  # noqa: E402
-from dispatcher.media import Media  # noqa: E402
-from dispatcher.vllm_request import vllm_request  # noqa: E402
-from multimodal.items import Modality  # noqa: E402
+from epdserve.dispatcher import Dispatcher, WorkerSet  # noqa: E402
+from epdserve.dispatcher.media import Media  # noqa: E402
+from epdserve.dispatcher.vllm_request import vllm_request  # noqa: E402
+from epdserve.multimodal.items import Modality  # noqa: E402
+from epdserve.testing.cluster import LocalCluster, free_port  # noqa: E402
+from epdserve.testing.images import synthetic_image  # noqa: E402
+from epdserve.vision.sizing import sampled_indices  # noqa: E402
+from epdserve.vision.video import load_video_processor  # noqa: E402
+from epdserve.vision.vlm_checkpoints import IMAGE_PROMPT, VIDEO_PROMPT, cached_vlm  # noqa: E402
+from epdserve.wire.ec_params import identifier  # noqa: E402
 from tests.encode_helpers import mp4  # noqa: E402
 from tests.test_video import transformers_frames  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
-from vision.sizing import sampled_indices  # noqa: E402
-from vision.video import load_video_processor  # noqa: E402
-from vision.vlm_checkpoints import IMAGE_PROMPT, VIDEO_PROMPT, cached_vlm  # noqa: E402
-from wire.ec_params import identifier  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
 MAX_TOKENS = 8
@@ -598,7 +598,7 @@ def test_rows_of_another_count_are_never_offered(no_new_segments):
     """Rows held for an identifier are offered to a request only if they are as many as vLLM placed
     for that request's item (a client reusing an identifier for another image must not get them:
     a wrong count kills vLLM's engine); the load handed to the worker side names the held slot."""
-    from multimodal.items import MultimodalInputs
+    from epdserve.multimodal.items import MultimodalInputs
     from prefill_side.vllm_connector.scheduler import Received as _Received
     from prefill_side.vllm_connector.scheduler import SchedulerSide as _SchedulerSide
     from prefill_side.vllm_connector.settings import ConnectorSettings
@@ -645,7 +645,7 @@ def test_worker_side_checks_before_writing(no_new_segments):
     """The model runner's half copies a load's rows into the encoder cache only when rows, width
     and dtype are what vLLM expects, and the bytes lie inside the segment; anything else raises
     with the reason and leaves the encoder cache untouched."""
-    from data_plane.shm import ShmSegment, namespace_id
+    from epdserve.data_plane.shm import ShmSegment, namespace_id
     from prefill_side.vllm_connector.loads import ConnectorContractError, Load
     from prefill_side.vllm_connector.worker import WorkerSide as _WorkerSide
 
@@ -690,7 +690,7 @@ def test_tensor_parallel_ranks_load_the_same_rows_or_none(no_new_segments):
     from the pool; a rank on another node (another /dev/shm) gets the rows from its peer, bit for
     bit; a load that breaks the contract fails on both ranks alike, and so does a pool no rank can
     map; neither rank ever waits for the other in vain."""
-    from data_plane.shm import ShmSegment, namespace_id
+    from epdserve.data_plane.shm import ShmSegment, namespace_id
     from prefill_side.vllm_connector.loads import Load
     from tests.loading_ranks import WIDTH, run_ranks
 
@@ -729,8 +729,8 @@ def test_tensor_parallel_ranks_load_the_same_rows_or_none(no_new_segments):
 def test_vllm_request_from_dispatched_items():
     """The gateway's request: one identifier per placeholder (a repeat reuses it), grids alone or
     the images, one room per distinct item; an unplaced item without its image is refused."""
-    from dispatcher.media import DispatchedItem
-    from wire.addresses import EncodeHandshake
+    from epdserve.dispatcher.media import DispatchedItem
+    from epdserve.wire.addresses import EncodeHandshake
 
     room = EncodeHandshake(bootstrap_room=7, bootstrap_host="10.0.0.5", bootstrap_port=8990)
     placed = DispatchedItem(

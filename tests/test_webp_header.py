@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from epdserve.vision import image_files
+from epdserve.vision.image_files import WEBP_FORM, WEBP_READ_AFTER, WEBP_RIFF, webp_size
 from tests.header_answers import answer, orientation_through_pil, through_pil
 from tests.image_matrix import matrix
-from vision import image_files
-from vision.image_files import WEBP_FORM, WEBP_READ_AFTER, WEBP_RIFF, webp_size
 
 PLAIN = [
     ("RGB", {}),

@@ -46,12 +46,12 @@ import torch
 from pydantic import ValidationError
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
 
-from data_plane.dtypes import dtype_to_wire
+from epdserve.data_plane.dtypes import dtype_to_wire
+from epdserve.wire.ec_params import MODEL_TYPES
 from prefill_side.vllm_connector.loads import LoadedMetadata, LoadMetadata
 from prefill_side.vllm_connector.scheduler import SchedulerSide, kv_connector_transfer_engine
 from prefill_side.vllm_connector.settings import ConnectorSettings
 from prefill_side.vllm_connector.worker import LoadingGroup, WorkerSide, model_device
-from wire.ec_params import MODEL_TYPES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,8 +76,8 @@ def model_row_width(vllm_config: VllmConfig) -> tuple[int, torch.dtype]:
 
 
 # The project's loggers a connector's work logs to (a request's failure and fallback reasons:
-# prefill_side; its transports and wire: data_plane, wire)
-LIBRARY_LOGGERS = ("prefill_side", "data_plane", "wire")
+# prefill_side; its transports and wire: epdserve.data_plane, epdserve.wire)
+LIBRARY_LOGGERS = ("prefill_side", "epdserve")
 
 
 def _log_as_vllm() -> None:

@@ -10,8 +10,8 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from data_plane.dtypes import dtype_from_wire
-from wire.ec_params import Identifier
+from epdserve.data_plane.dtypes import dtype_from_wire
+from epdserve.wire.ec_params import Identifier
 
 
 class ConnectorContractError(RuntimeError):

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import ValidationError
 
-from data_plane.shm import namespace_id
-from multimodal.items import MultimodalDataItem, MultimodalInputs
+from epdserve.data_plane.shm import namespace_id
+from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
+from epdserve.wire.ec_params import DeliveryReport, Identifier, ItemDelivery, TransferParams
+from epdserve.wire.modality import BY_VLLM_NAME
+from epdserve.wire.states import ItemState, JobState
 from prefill_side.vllm_connector.loads import Load
 from prefill_side.vllm_connector.settings import ConnectorSettings
-from wire.ec_params import DeliveryReport, Identifier, ItemDelivery, TransferParams
-from wire.modality import BY_VLLM_NAME
-from wire.states import ItemState, JobState
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -89,10 +89,10 @@ class SchedulerSide:
         """``loading_ranks``: the model-runner ranks that load each item's rows (the first
         pipeline stage's tensor-parallel ranks); a slot is held until each of them reported its
         load done."""
-        from data_plane.mooncake import MooncakeConfig
-        from data_plane.transport import build_transports
+        from epdserve.data_plane.mooncake import MooncakeConfig
+        from epdserve.data_plane.transport import build_transports
+        from epdserve.process_settings.secrets import handshake_token
         from prefill_side import PrefillReceiver, ReceiverConfig
-        from process_settings.secrets import handshake_token
 
         config = ReceiverConfig(
             **settings.receiver_settings(),
@@ -102,7 +102,7 @@ class SchedulerSide:
             zero_copy=True,
         )
         if settings.mooncake_engine == "kv_connector" and "mooncake" in settings.transports:
-            from data_plane.mooncake import MooncakeTransport
+            from epdserve.data_plane.mooncake import MooncakeTransport
 
             engine, host = kv_connector_transfer_engine()
             configs = {"mooncake": MooncakeConfig(hostname=host)}
@@ -125,7 +125,7 @@ class SchedulerSide:
         if settings.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            from metrics import exposition_registry
+            from epdserve.metrics import exposition_registry
 
             try:
                 self.metrics_server, _ = start_http_server(

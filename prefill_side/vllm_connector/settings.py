@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from epdserve.process_settings.groups import ReceiverTransportSettings
 from prefill_side.settings import ReceiverSettings
-from process_settings.groups import ReceiverTransportSettings
 
 
 class ConnectorSettings(ReceiverSettings, ReceiverTransportSettings):

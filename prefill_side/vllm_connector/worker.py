@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from data_plane.dtypes import dtype_from_wire, dtype_to_wire
-from data_plane.shm import ShmError, ShmSegment, namespace_id
+from epdserve.data_plane.dtypes import dtype_from_wire, dtype_to_wire
+from epdserve.data_plane.shm import ShmError, ShmSegment, namespace_id
 from prefill_side.vllm_connector.loads import ConnectorContractError, Load, LoadedMetadata
 
 if TYPE_CHECKING:

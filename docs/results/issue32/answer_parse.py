@@ -11,11 +11,11 @@ import sys
 import timeit
 
 import msgspec
+from wire.rooms import BatchResponse
 
 from handshake import answers
 from handshake.rooms import RoomLimits, RoomTable
 from tests.handshake_helpers import begin, commit, registration
-from wire.rooms import BatchResponse
 
 ROOMS, FRAMES = 8, 3000
 

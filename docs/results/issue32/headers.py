@@ -8,9 +8,8 @@ import statistics
 import sys
 import timeit
 
-from PIL import Image
-
 from bench.images import synthetic_image
+from PIL import Image
 from vision import image_files
 
 # An editor's XMP packet (as Lightroom writes one: its tools, dates and the TIFF orientation as

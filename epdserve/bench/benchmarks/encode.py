@@ -1,0 +1,546 @@
+"""`epd-bench encode`: the encode worker on its device, side by side with its tower alone, and
+what delivery costs it.
+
+**Tower alone** (``--tower-batches``): the tower on pixels already on its device, images/s per
+batch size, on the varlen attention path and on transformers' reference loop, the same inputs and
+calls otherwise.
+
+**The pipeline**: every configuration runs the same real ``EncodeWorker`` (ZMQ intake, prepare /
+tower / stage threads, the scheduler's batching, send ring, checksum, the sender on the handshake
+loop, begin write and commit in the worker's own room table); only the sink differs:
+
+* ``delivered``: a ``PrefillReceiver`` in another process registers every room over HTTP,
+  long-polls, and verifies and copies out each item written over ``--transport``;
+* ``null``: the bench registers every room in the worker's table in-process, offering a sink
+  that completes each write without moving a byte, started as the measured transport is (on the
+  handshake loop, as a copy for SHM, in the background for Mooncake).
+
+The clock runs from minting the rooms (registration included) until the last item is published
+by the receiver (``delivered``) or committed (``null``). Each configuration (batches as the
+device's default budget forms them, and of 1 item) has its own worker, started and warmed up
+once; rounds are interleaved (the order reversed every other round) and the median is reported,
+with the batch sizes the scheduler really formed (the worker's ``epd_encoder_batch_items``
+histogram over the timed rounds), the bench process's CPU per item (the worker and its intake
+client) and, on a GPU, the share of time it was busy (NVML, sampled every 20 ms).
+
+The tower: by default a small Qwen2.5-VL-architecture one whose output width is a real one (3584,
+as Qwen2.5-VL-7B), so the bytes moved per item are real (448x448 -> 256 rows x 3584: 3.7 MB in
+float32, the default on the CPU, where small bf16 towers run several times slower); with
+``--full-size``, ``--family``'s released vision config (``bench.towers.FULL_SIZE``), built on
+the fly with random weights, for a GPU.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from epdserve.bench.benchmarks.results import write_json
+from epdserve.bench.benchmarks.rounds import in_round
+from epdserve.bench.benchmarks.towers import (
+    DEFAULT_CACHE,
+    bench_tower,
+    full_size_tower,
+    noise_images,
+    parse_size,
+)
+from epdserve.data_plane.transport import CompletedTransfer, Transfer, Transport
+from epdserve.wire.offers import LoopbackOffer
+from epdserve.wire.rooms import Registration, RoomState
+
+SINKS = ("delivered", "null")
+TOWER_BATCHES = (1, 8, 32)
+GPU_SAMPLE_S = 0.02
+
+
+class NullSink(Transport):
+    """A transport whose writes complete inside ``submit`` without touching a byte, started by the
+    sender from where it starts the transport it stands in for: on its loop as a copy
+    (``copies_in_submit``: SHM) or as a write in the background (``in_background``: Mooncake to a
+    peer already reached). Its writes are over inside ``submit``, so the completion poller that
+    awaits a Mooncake write is not part of the null sink's path."""
+
+    name = "loopback"  # the sender picks transports by offer kind; the bench offers LoopbackOffers
+
+    def __init__(self, copies_in_submit: bool, in_background: bool = False):
+        self.copies_in_submit = copies_in_submit
+        self.in_background = in_background
+
+    def submits_in_background(self, offer) -> bool:
+        return self.in_background
+
+    def register(self, region) -> None:
+        pass
+
+    def offer(self, pool, lease) -> LoopbackOffer:
+        return LoopbackOffer(kind="loopback", region=0, offset=lease.offset, capacity=lease.nbytes)
+
+    def reachable(self, offer) -> bool:
+        return True
+
+    def _submit(self, src: torch.Tensor, nbytes: int, offer, deadline: float) -> Transfer:
+        return CompletedTransfer(nbytes, deadline)
+
+
+def _receiver_main(conn, pool_bytes: int, width: int, dtype: str, transport: str) -> None:
+    """The prefill side: the project's receiver library, one job per round for all its items."""
+    from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
+    from epdserve.wire.modality import Modality
+    from prefill_side import PrefillReceiver, ReceiverConfig
+
+    receiver = PrefillReceiver(
+        ReceiverConfig(
+            width=width,
+            dtype=dtype,
+            pool_bytes=pool_bytes,
+            transports=(transport,),
+            item_timeout_s=300,
+        )
+    )
+    conn.send("ready")
+    try:
+        while (message := conn.recv()) is not None:
+            port, rooms, rows = message
+            items = [
+                MultimodalDataItem(
+                    Modality.IMAGE,
+                    offsets=[[0, rows - 1]],
+                    encode_handshake={
+                        "bootstrap_room": room,
+                        "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": port,
+                    },
+                )
+                for room in rooms
+            ]
+            job = receiver.start("bench", MultimodalInputs(items))
+            job.wait(600)
+            conn.send((time.monotonic(), [o.state == "DONE" for o in job.outcomes]))
+    finally:
+        receiver.close()
+
+
+@dataclass
+class Config:
+    sink: str  # "delivered" | "null"
+    batch_items: int | None  # None: the device's default budget
+    items_per_s: list[float] = field(default_factory=list)  # one per timed round
+    cpu_ms_per_item: list[float] = field(default_factory=list)  # the bench process's
+    gpu_busy_percent: list[float] = field(default_factory=list)  # on a GPU
+    batches: Counter = field(
+        default_factory=Counter
+    )  # histogram bucket -> batches, timed rounds only
+
+    @property
+    def name(self) -> str:
+        return f"{self.sink}_{'single' if self.batch_items == 1 else 'batched'}"
+
+
+def _batch_buckets(worker) -> Counter:
+    """The worker's own ``epd_encoder_batch_items`` histogram, per bucket ("1", "2", "3-4", ...):
+    how many tower batches of that many items it ran, ever."""
+    (metric,) = worker.metrics.batch_items.collect()
+    buckets, below, previous = Counter(), 0, 0.0
+    for sample in metric.samples:
+        if sample.name.endswith("_bucket"):
+            upper = float(sample.labels["le"])
+            low = int(previous) + 1
+            if upper == float("inf"):
+                label = f">{int(previous)}"
+            else:
+                label = str(low) if low == int(upper) else f"{low}-{int(upper)}"
+            buckets[label] = int(sample.value) - below
+            below, previous = int(sample.value), upper
+    return buckets
+
+
+class GpuBusy:
+    """The share of time the GPU ran a kernel while a block ran (NVML's utilization, sampled every
+    ``GPU_SAMPLE_S`` on a thread); None on the CPU."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self) -> GpuBusy:
+        if self.device.type == "cuda":
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(GPU_SAMPLE_S):
+            self.samples.append(float(torch.cuda.utilization(self.device)))
+
+    @property
+    def percent(self) -> float | None:
+        return statistics.mean(self.samples) if self.samples else None
+
+
+class EncodeBench:
+    """One worker per configuration, started once, and the receiver process, for every round."""
+
+    def __init__(
+        self,
+        tower,
+        images: list[bytes],
+        transport: str,
+        receiver_conn,
+        configs,
+        worker_settings: dict | None = None,
+    ):
+        from encode_worker.config import WorkerConfig
+        from encode_worker.worker import EncodeWorker
+        from epdserve.vision.images import image_from_bytes
+
+        self.tower = tower
+        self.receiver = receiver_conn
+        self.dtype = str(tower.dtype).removeprefix("torch.")
+        grid = tower.processor(images=[image_from_bytes(images[0])], return_tensors="pt")[
+            "image_grid_thw"
+        ]
+        self.rows = tower.rows_per_item(grid)[0]
+        self.nbytes = self.rows * tower.info.wire_width * tower.dtype.itemsize
+        self.workers = {}
+        for config in sorted(configs, key=lambda c: c.sink):  # "delivered" first: see below
+            settings = WorkerConfig(
+                model=tower.model_id,
+                dtype=self.dtype,
+                device=str(tower.device),
+                bind="127.0.0.1",
+                bootstrap_port=0,
+                intake_port=0,
+                batch_items=config.batch_items,
+                cache_bytes=0,
+                ring_bytes=max(256 << 20, 4 * self.nbytes),
+                ring_slot_bytes=1 << 20,
+                **(worker_settings or {}),
+            )
+            settings = settings.model_copy(
+                update={"queue_items": max(settings.queue_items, len(images))}
+            )
+            transports = None  # the worker builds the real ones
+            if config.sink == "null":  # it runs where the delivered configuration's transport runs
+                measured = self.workers[("delivered", config.batch_items)].transports[transport]
+                transports = {
+                    "loopback": NullSink(
+                        measured.copies_in_submit, in_background=not measured.copies_in_submit
+                    )
+                }
+            self.workers[(config.sink, config.batch_items)] = EncodeWorker(
+                settings, tower=tower, transports=transports
+            ).start()
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.stop()
+
+    def round(self, config: Config, images: list[bytes]) -> tuple[float, int, Counter]:
+        """One timed round: (items/s, items not delivered, batches the scheduler formed)."""
+        from epdserve.wire.intake import IntakeClient
+
+        worker = self.workers[(config.sink, config.batch_items)]
+        intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+        before = _batch_buckets(worker)
+        try:
+            started = time.monotonic()
+            rooms = worker.table.mint(len(images), 300)
+            if config.sink == "delivered":
+                self.receiver.send((worker.bootstrap_port, rooms, self.rows))
+            else:
+                for room in rooms:
+                    worker.table.register(
+                        Registration(
+                            room=room,
+                            generation=1,
+                            rows=self.rows,
+                            width=self.tower.info.wire_width,
+                            dtype=self.dtype,
+                            offers=[
+                                LoopbackOffer(
+                                    kind="loopback", region=0, offset=0, capacity=self.nbytes
+                                )
+                            ],
+                        )
+                    )
+            for index, (room, image) in enumerate(zip(rooms, images)):
+                body = {
+                    "request_id": f"b{index}",
+                    "source": "bytes",
+                    "encode_handshake": {
+                        "bootstrap_room": room,
+                        "bootstrap_host": "127.0.0.1",
+                        "bootstrap_port": worker.bootstrap_port,
+                    },
+                }
+                while not intake.send(body, image).ok:
+                    time.sleep(0.005)
+            if config.sink == "delivered":
+                finished, done = (
+                    self.receiver.recv()
+                )  # CLOCK_MONOTONIC: one clock for the processes of a host
+                delivered = sum(done)
+            else:
+                finished, delivered = worker.loop.run(_committed(worker.table, rooms))
+        finally:
+            intake.close()
+        return (
+            len(images) / (finished - started),
+            len(images) - delivered,
+            _batch_buckets(worker) - before,
+        )
+
+
+async def _committed(table, rooms: list[int]) -> tuple[float, int]:
+    """On the worker's loop, until every room has ended: (when the last one did, how many ended in
+    SUCCESS)."""
+    versions = {room: 0 for room in rooms}
+    success = 0
+    while versions:
+        for room, view in zip(list(versions), await table.watch(versions, 1.0)):
+            if view.state.terminal:
+                success += view.state is RoomState.SUCCESS
+                del versions[room]
+            else:
+                versions[room] = view.version
+    return time.monotonic(), success
+
+
+def pipeline(
+    tower,
+    images: list[bytes],
+    transport: str = "shm",
+    rounds: int = 3,
+    batches: tuple[int | None, ...] = (None, 1),
+    pool_bytes: int = 512 << 20,
+    worker_settings: dict | None = None,
+    progress=print,
+) -> dict:
+    """The worker delivering ``images`` into a receiver process and into a null sink, at each of
+    ``batches`` (None: the device's default budget), interleaved rounds; medians and ratios.
+    ``worker_settings``: ``WorkerConfig`` fields over the bench's."""
+    context = mp.get_context("spawn")
+    conn, child = context.Pipe()
+    dtype = str(tower.dtype).removeprefix("torch.")
+    receiver = context.Process(
+        target=_receiver_main,
+        daemon=True,
+        args=(child, pool_bytes, tower.info.wire_width, dtype, transport),
+    )
+    receiver.start()
+    child.close()
+    assert conn.recv() == "ready"
+    configs = [Config(sink, batch) for batch in batches for sink in SINKS]
+    failures = 0
+    bench = None
+    try:
+        bench = EncodeBench(tower, images, transport, conn, configs, worker_settings)
+        for config in configs:  # warm-up: first connections and mappings, the tower's first calls
+            bench.round(config, images[:8])
+        for round_index in range(rounds):
+            for config in in_round(configs, round_index):
+                cpu_before = time.process_time()
+                with GpuBusy(str(tower.device)) as busy:
+                    rate, failed, formed = bench.round(config, images)
+                config.cpu_ms_per_item.append(
+                    1000 * (time.process_time() - cpu_before) / len(images)
+                )
+                if busy.percent is not None:
+                    config.gpu_busy_percent.append(busy.percent)
+                config.items_per_s.append(rate)
+                config.batches += formed
+                failures += failed
+            progress(
+                f"  round {round_index + 1}/{rounds}: "
+                + ", ".join(f"{c.name} {c.items_per_s[-1]:.1f}/s" for c in configs)
+            )
+    finally:
+        if bench is not None:
+            bench.close()
+        conn.send(None)
+        receiver.join(30)
+    median = {c.name: statistics.median(c.items_per_s) for c in configs}
+    ratios = {}
+    for kind in ("batched", "single"):
+        if f"null_{kind}" in median:
+            ratios[f"delivered/null ({kind})"] = (
+                median[f"delivered_{kind}"] / median[f"null_{kind}"]
+            )
+    if "null_single" in median and "null_batched" in median:
+        ratios["batched/single (delivered)"] = (
+            median["delivered_batched"] / median["delivered_single"]
+        )
+        ratios["batched/single (null sink)"] = median["null_batched"] / median["null_single"]
+    return {
+        "items": len(images),
+        "rounds": rounds,
+        "transport": transport,
+        "configs": {
+            c.name: {
+                "sink": c.sink,
+                "batch_items_max": c.batch_items or "device default",
+                "items_per_s": median[c.name],
+                "items_per_s_rounds": c.items_per_s,
+                "cpu_ms_per_item": statistics.median(c.cpu_ms_per_item),
+                "gpu_busy_percent": (
+                    statistics.median(c.gpu_busy_percent) if c.gpu_busy_percent else None
+                ),
+                "batches": {label: n for label, n in c.batches.items() if n},
+                "items_per_batch_mean": _mean_batch(c.batches, len(images) * rounds),
+            }
+            for c in configs
+        },
+        "ratios": ratios,
+        "failed_items": failures,
+    }
+
+
+def _mean_batch(batches: Counter, items: int) -> float | None:
+    count = sum(batches.values())
+    return items / count if count else None
+
+
+def tower_alone(
+    towers: dict, images: list[bytes], batches=TOWER_BATCHES, reps: int = 5
+) -> dict[str, dict]:
+    """Each tower of ``towers`` (name -> VisionTower: the same weights, another attention path)
+    on the same prepared pixels, already on its device: images/s per batch size (median of
+    ``reps`` calls, each waited for), the paths interleaved per batch size."""
+    from epdserve.vision.images import image_from_bytes
+
+    out = {}
+    for batch in batches:
+        if batch > len(images):
+            continue
+        first = next(iter(towers.values()))
+        inputs = first.processor(
+            images=[image_from_bytes(data) for data in images[:batch]], return_tensors="pt"
+        )
+        pixel_values = inputs["pixel_values"].to(first.device, first.dtype)
+        grid_thw = inputs["image_grid_thw"]
+        seconds = {name: [] for name in towers}
+        for name, tower in towers.items():  # warm-up: kernels chosen, memory grown
+            _timed_encode(tower, pixel_values, grid_thw)
+        for rep in range(reps):
+            for name, tower in in_round(list(towers.items()), rep):
+                seconds[name].append(_timed_encode(tower, pixel_values, grid_thw))
+        out[f"batch {batch}"] = {
+            name: {
+                "ms_per_batch": round(1000 * statistics.median(times), 3),
+                "images_per_s": round(batch / statistics.median(times), 1),
+            }
+            for name, times in seconds.items()
+        }
+    return out
+
+
+def _timed_encode(tower, pixel_values, grid_thw) -> float:
+    started = time.perf_counter()
+    out = tower.encode(pixel_values, grid_thw)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
+    return time.perf_counter() - started
+
+
+def load_towers(args) -> dict:
+    """The benchmark's tower, once per attention path asked for (one set of weights on disk)."""
+    from epdserve.vision.tower import VisionTower
+
+    if args.full_size:
+        directory = os.path.join(DEFAULT_CACHE, f"full-{args.family}-{args.dtype}")
+        if not os.path.exists(os.path.join(directory, "model.safetensors")):
+            full_size_tower(args.family, directory, args.device, args.dtype)
+    else:
+        directory = bench_tower(args.depth, args.hidden, args.width)
+    return {
+        path: VisionTower.load(directory, args.dtype, args.device, vision_attention=path)
+        for path in args.paths
+    }
+
+
+def main(args) -> int:
+    from epdserve.data_plane.dtypes import dtype_from_wire
+    from epdserve.vision import attention
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    worker_path = attention.resolve(args.vision_attention, args.device, dtype_from_wire(args.dtype))
+    args.paths = ["varlen", "reference"] if args.tower_batches else [worker_path]
+    towers = load_towers(args)
+    worker_tower = towers[worker_path]
+    print(
+        f"epd-bench encode: tower {worker_tower.info.family} "
+        f"({'full size' if args.full_size else f'depth {args.depth} hidden {args.hidden}'}, out "
+        f"width {worker_tower.info.wire_width}, {args.dtype} on {args.device}, attention "
+        f"{worker_tower.attention_kernel}), transport {args.transport}, {args.rounds} rounds"
+    )
+    report = {"device": args.device, "dtype": args.dtype, "family": worker_tower.info.family}
+    report["tower"] = (
+        {"full_size": args.family}
+        if args.full_size
+        else {"depth": args.depth, "hidden": args.hidden, "out_width": args.width}
+    )
+    report["attention"] = {name: tower.attention_kernel for name, tower in towers.items()}
+    report["sizes"] = {}
+    failed = 0
+    for size in args.sizes.split(","):
+        width, height = parse_size(size)
+        images = noise_images(args.items, width, height)
+        entry = report["sizes"][size] = {}
+        if args.tower_batches:
+            batches = tuple(int(b) for b in args.tower_batches.split(","))
+            entry["tower_alone"] = tower_alone(towers, images, batches)
+            _print_tower(size, entry["tower_alone"])
+        single = () if args.no_single else (1,)
+        entry["pipeline"] = pipeline(
+            worker_tower, images, args.transport, args.rounds, (None, *single)
+        )
+        _print_pipeline(size, entry["pipeline"])
+        failed += entry["pipeline"]["failed_items"]
+    write_json(args.json, report)
+    return 0 if not failed else 1
+
+
+def _print_tower(size: str, rows: dict) -> None:
+    print(f"\n{size}: tower alone, images/s")
+    for batch, paths in rows.items():
+        cells = ", ".join(f"{name} {value['images_per_s']:.1f}" for name, value in paths.items())
+        ratio = ""
+        if "varlen" in paths and "reference" in paths:
+            speedup = paths["varlen"]["images_per_s"] / paths["reference"]["images_per_s"]
+            ratio = f" (varlen/reference {speedup:.2f})"
+        print(f"  {batch:9s} {cells}{ratio}")
+
+
+def _print_pipeline(size: str, report: dict) -> None:
+    print(
+        f"\n{size}: pipeline\n{'configuration':18s} {'items/s':>8s}  {'per round':24s} "
+        f"{'CPU ms/item':>11s} {'GPU busy':>8s}  batches formed (items: count), mean"
+    )
+    for name, row in report["configs"].items():
+        rounds = " ".join(f"{v:.1f}" for v in row["items_per_s_rounds"])
+        batches = " ".join(f"{label}:{n}" for label, n in row["batches"].items())
+        mean = row["items_per_batch_mean"]
+        busy = f"{row['gpu_busy_percent']:.0f} %" if row["gpu_busy_percent"] is not None else "-"
+        print(
+            f"  {name:16s} {row['items_per_s']:8.1f}  {rounds:24s} "
+            f"{row['cpu_ms_per_item']:11.2f} {busy:>8s}  {batches}, {mean or 0:.2f}"
+        )
+    print("ratios (medians, same run):")
+    for name, value in report["ratios"].items():
+        print(f"  {name:28s} {value:5.2f}")
+    if report["failed_items"]:
+        print(f"FAILED items: {report['failed_items']}")

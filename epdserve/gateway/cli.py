@@ -1,0 +1,51 @@
+"""`epd-gateway`: OpenAI's chat completions API in front of encode workers and vLLM.
+
+    epd-gateway --model /models/Qwen2.5-VL-7B-Instruct --vllm-url http://prefill:8000 \\
+        --dns epd-encode-workers.default.svc.cluster.local
+
+Its flags, ``EPD_GATEWAY_<FLAG>`` environment variables and ``--help`` come from
+``gateway.settings.GatewaySettings``. A mistake in the command line is one line on stderr and
+exit status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from epdserve.gateway.settings import GatewaySettings
+from epdserve.process_settings import SettingError, check_listen, exit_process, refuse
+
+
+def main(argv: list[str] | None = None) -> int:
+    from epdserve.gateway.app import Gateway, build_app
+    from handshake.server import serve
+
+    try:
+        settings = GatewaySettings.from_command_line(argv)
+        processor, video_processor = settings.image_processor(), settings.video_processor()
+        check_listen(settings.host, settings.port, "--port")
+        gateway = Gateway(settings, processor, video_processor)
+    except SettingError as exc:
+        return refuse(GatewaySettings.PROG, exc)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    serve(
+        build_app(gateway),
+        settings.host,
+        settings.port,
+        ready=lambda: logging.getLogger(settings.PROG).info(
+            "%s ready: http://%s:%d (/v1/chat/completions, /v1/models, /health, /readyz, /metrics) "
+            "in front of vLLM at %s",
+            settings.PROG,
+            settings.host,
+            settings.port,
+            settings.vllm_url,
+        ),
+    )
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The gateway's Prometheus families, each labelled ``model_name``: requests by outcome, images by
+encoder, colocated fallbacks by reason, dispatch time, time to first token, requests in flight."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from epdserve.metrics import LATENCY_BUCKETS
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        self.requests = Counter(
+            "epd_gateway_requests",
+            "Chat requests by outcome",
+            labels + ["outcome"],
+            registry=self.registry,
+        )
+        self.images = Counter(
+            "epd_gateway_images",
+            "Images and videos by who encoded them (encode_worker, colocated)",
+            labels + ["encoder"],
+            registry=self.registry,
+        )
+        self.colocated = Counter(
+            "epd_gateway_colocated_fallbacks",
+            "Images sent to vLLM inline instead of an encode worker, by reason",
+            labels + ["reason"],
+            registry=self.registry,
+        )
+        self.dispatch = Histogram(
+            "epd_gateway_dispatch_seconds",
+            "Request start -> every image placed",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.staged = Histogram(
+            "epd_gateway_stage_wait_seconds",
+            "Every image placed -> every image's rows held by its encode worker (or its room "
+            "ended), before the request goes to vLLM",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.first_token = Histogram(
+            "epd_gateway_time_to_first_token_seconds",
+            "Request start -> first token relayed (streaming) or the answer",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "epd_gateway_requests_in_flight",
+            "Chat requests being served now",
+            labels,
+            registry=self.registry,
+        )
+        self.model_name = model_name
+
+    def count(self, outcome: str) -> None:
+        self.requests.labels(self.model_name, outcome).inc()

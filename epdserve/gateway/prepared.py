@@ -1,0 +1,101 @@
+"""A chat request ready for vLLM (``PreparedChat``): the client's body, its images and videos,
+where each was placed; the body vLLM gets as the items stand; the ``epd`` report the answer
+carries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from PIL import Image
+from pydantic import BaseModel
+
+from epdserve.dispatcher.media import DispatchedItem
+from epdserve.gateway.chat import EncodedMedia, InlineMedia, MediaRef, rewrite
+from epdserve.wire.ec_params import DeliveryReport, ItemDelivery, identifier
+from epdserve.wire.modality import Modality
+
+
+@dataclass
+class PreparedChat:
+    """A request ready for vLLM: the client's body, its images and videos, and where each was
+    placed."""
+
+    request_id: str
+    original: dict  # the client's body
+    stream: bool
+    refs: list[MediaRef] = field(default_factory=list)
+    items: list[DispatchedItem] = field(default_factory=list)  # one per distinct item
+    of_ref: list[int] = field(default_factory=list)  # the item of each image or video part
+    dispatch_s: float = 0.0
+    staged_s: float = 0.0  # placed -> every placed item's rows held by its worker
+    video_seconds: bool = False  # the model's positions take a video's seconds per patch
+
+    @property
+    def placed(self) -> list[DispatchedItem]:
+        """The items an encode worker delivers (they have a room)."""
+        return [item for item in self.items if item.worker is not None]
+
+    def vllm_body(self) -> dict:
+        """The body for vLLM as the items stand: a placed item as its grid and identifier, with
+        its room in ``ec_transfer_params``; any other inline (vLLM encodes it)."""
+        media, rooms = [], {}
+        for ref, index in zip(self.refs, self.of_ref):
+            item = self.items[index]
+            if item.worker is not None:
+                key = identifier(item.content_hash)
+                seconds = item.seconds_per_grid_t if self.video_seconds else None
+                media.append(EncodedMedia(key, item.grid_thw, ref.kind, seconds))
+                rooms[key] = item.encode_handshake.model_dump()
+            else:
+                media.append(InlineMedia.of(ref, item.data, _media_type(item)))
+        return rewrite(self.original, self.refs, media, rooms) if self.refs else self.original
+
+    def report(self, delivery: DeliveryReport | None) -> GatewayReport:
+        images = []
+        for item in self.items:
+            key = identifier(item.content_hash)
+            images.append(
+                ImageReport(
+                    identifier=key,
+                    encoder="encode_worker" if item.worker else "colocated",
+                    worker=item.worker,
+                    rows=item.rows,
+                    error=item.error,
+                    dispatch_ms=round(item.dispatch_s * 1e3, 3),
+                    delivery=delivery.items.get(key) if delivery is not None else None,
+                )
+            )
+        return GatewayReport(
+            request_id=self.request_id,
+            dispatch_ms=round(self.dispatch_s * 1e3, 3),
+            staged_ms=round(self.staged_s * 1e3, 3),
+            images=images,
+        )
+
+
+class ImageReport(BaseModel):
+    """One distinct image of a request: who encoded it, and how its rows reached vLLM."""
+
+    identifier: str  # its content hash, vLLM's identifier of the item
+    encoder: Literal["encode_worker", "colocated"]
+    worker: str | None  # the encode worker that took it
+    rows: int
+    error: str | None  # why it went to vLLM inline instead
+    dispatch_ms: float  # request start -> the worker's acknowledgement
+    delivery: ItemDelivery | None = None  # the EPD connector's report (non-streaming answers)
+
+
+class GatewayReport(BaseModel):
+    """The ``epd`` field the gateway adds to a non-streaming answer."""
+
+    request_id: str  # the gateway's id (the encode workers' logs name items by it)
+    dispatch_ms: float  # request start -> every image placed (or not)
+    staged_ms: float  # placed -> every placed image's rows held by its worker, before vLLM
+    images: list[ImageReport]
+
+
+def _media_type(item: DispatchedItem) -> str:
+    if item.modality is Modality.VIDEO:  # PyAV's container names
+        return "video/webm" if "webm" in item.image_format else "video/mp4"
+    return Image.MIME.get(item.image_format, "application/octet-stream")

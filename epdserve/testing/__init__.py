@@ -1,0 +1,3 @@
+"""The process harness the tests, the benchmarks and the demo share: every role as a real
+process on loopback (`cluster`), a transfer peer process (`peer`), vLLM servers with the EPD
+connector (`vllm_servers`), and synthetic images (`images`)."""

@@ -1,0 +1,275 @@
+"""Every EPD role as its own process on this machine: what `make demo`, `epd-bench e2e` and the
+integration tests run. Each process is the real command (`epd-handshake`, `epd-encode-worker`,
+`epd-prefill`, `epd-gateway`) on 127.0.0.1 with free ports, its output in a log file. ``start_*``
+spawn (they start in parallel); ``wait_ready()`` waits until each answers its readiness URL;
+``stop()`` sends SIGTERM (then SIGKILL after a grace period) and reports each exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from epdserve.dispatcher.workers import WorkerAddress
+from epdserve.wire.addresses import Endpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOST = "127.0.0.1"
+
+
+async def metric_total(session, url: str, name: str, **labels: str) -> float | None:
+    """The sum of a role's ``name`` samples (its ``/metrics`` at ``url``, read with the aiohttp
+    ``session``) whose labels include ``labels``; None when it has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(url + "/metrics") as response:
+        text = await response.text()
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    ]
+    return sum(values) if values else None
+
+
+def free_port(host: str = HOST) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Role:
+    name: str
+    process: subprocess.Popen
+    url: str  # its HTTP endpoint (rooms, /healthz, /metrics)
+    ready_path: str
+    log_path: str
+    ready: bool = False
+    worker: WorkerAddress | None = None  # encode workers: how a dispatcher reaches it
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+
+class LocalCluster:
+    def __init__(self, model_dir: str, dtype: str = "float32", log_dir: str | None = None):
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="epd-cluster-")
+        self.roles: list[Role] = []
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- roles -----------------------------------------------------------------------------
+
+    # ``env`` adds environment variables to a role's process; ``prefix`` runs it under another
+    # command (the fault tests start one in a private mount namespace with ``unshare``).
+
+    def start_handshake(
+        self, name: str = "handshake", extra: tuple[str, ...] = (), **launch
+    ) -> Role:
+        port = free_port()
+        return self._start(
+            name,
+            ["handshake.server", "--host", HOST, "--port", str(port), *extra],
+            Endpoint(HOST, port).url("http"),
+            ready_path="/healthz",
+            **launch,
+        )
+
+    def start_encode_worker(
+        self,
+        name: str = "encode-worker",
+        transports: str = "shm,mooncake",
+        cache_bytes: int = 1 << 30,
+        extra: tuple[str, ...] = (),
+        host: str = HOST,
+        module: str = "encode_worker.cli",
+        **launch,
+    ) -> Role:
+        """``host``: the loopback address it listens on and names itself by (``::1`` for IPv6);
+        ``module``: what runs it (``bench.stand_in_worker`` for the control plane's ceiling)."""
+        bootstrap, intake = free_port(host), free_port(host)
+        address = WorkerAddress(host, bootstrap, intake)
+        role = self._start(
+            name,
+            [
+                module,
+                "--model",
+                self.model_dir,
+                "--dtype",
+                self.dtype,
+                "--host",
+                host,
+                "--bind",
+                host,
+                "--bootstrap-port",
+                str(bootstrap),
+                "--intake-port",
+                str(intake),
+                "--transports",
+                transports,
+                "--cache-bytes",
+                str(cache_bytes),
+                "--ring-bytes",
+                str(256 << 20),
+                *extra,
+            ],
+            address.url,
+            ready_path="/readyz",
+            **launch,
+        )
+        role.worker = address
+        return role
+
+    def start_prefill(
+        self,
+        name: str = "prefill",
+        transports: str = "shm,mooncake",
+        pool_bytes: int = 512 << 20,
+        extra: tuple[str, ...] = (),
+        **launch,
+    ) -> Role:
+        port = free_port()
+        return self._start(
+            name,
+            [
+                "epdserve.prefill_server.cli",
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--model",
+                self.model_dir,
+                "--dtype",
+                self.dtype,
+                "--transports",
+                transports,
+                "--pool-bytes",
+                str(pool_bytes),
+                *extra,
+            ],
+            Endpoint(HOST, port).url("http"),
+            ready_path="/healthz",
+            **launch,
+        )
+
+    def start_gateway(
+        self,
+        vllm_url: str,
+        workers: list[WorkerAddress],
+        name: str = "gateway",
+        extra: tuple[str, ...] = (),
+        **launch,
+    ) -> Role:
+        """``epd-gateway`` in front of ``vllm_url`` (ready once it serves: vLLM may still be
+        starting)."""
+        port = free_port()
+        return self._start(
+            name,
+            [
+                "epdserve.gateway.cli",
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--model",
+                self.model_dir,
+                "--vllm-url",
+                vllm_url,
+                "--workers",
+                ",".join(str(w) for w in workers),
+                *extra,
+            ],
+            Endpoint(HOST, port).url("http"),
+            ready_path="/health",
+            **launch,
+        )
+
+    def _start(
+        self,
+        name: str,
+        module_args: list[str],
+        url: str,
+        ready_path: str,
+        env: dict | None = None,
+        prefix: tuple[str, ...] = (),
+    ) -> Role:
+        env = {
+            **os.environ,
+            "PYTHONPATH": ROOT,
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "MC_LOG_LEVEL": "ERROR",
+            **(env or {}),
+        }
+        log_path = os.path.join(self.log_dir, f"{name}.log")
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                [*prefix, sys.executable, "-m", *module_args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        role = Role(name, process, url, ready_path, log_path)
+        self.roles.append(role)
+        return role
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        """Until every role started so far answers 200 on its readiness URL."""
+        end = time.monotonic() + timeout_s
+        for role in self.roles:
+            while not role.ready:
+                if not role.alive():
+                    raise RuntimeError(
+                        f"{role.name} exited with {role.process.returncode} while starting:\n"
+                        f"{role.log_tail()}"
+                    )
+                if time.monotonic() > end:
+                    raise TimeoutError(
+                        f"{role.name} was not ready within {timeout_s} s:\n{role.log_tail()}"
+                    )
+                try:
+                    with urllib.request.urlopen(role.url + role.ready_path, timeout=1) as response:
+                        role.ready = response.status == 200
+                except OSError:
+                    time.sleep(0.1)
+
+    # ---- ending ----------------------------------------------------------------------------
+
+    def kill(self, role: Role, signum: int = signal.SIGKILL) -> None:
+        if role.alive():
+            role.process.send_signal(signum)
+            role.process.wait(30)
+
+    def stop(self, grace_s: float = 30.0) -> dict[str, int]:
+        """SIGTERM to every role still running, SIGKILL after ``grace_s``; exit code per role."""
+        for role in self.roles:
+            if role.alive():
+                role.process.send_signal(signal.SIGTERM)
+        codes = {}
+        for role in self.roles:
+            try:
+                codes[role.name] = role.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                role.process.kill()
+                codes[role.name] = role.process.wait(10)
+        self.roles.clear()
+        return codes

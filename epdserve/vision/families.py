@@ -1,0 +1,226 @@
+"""The vision-language families the encode workers serve, one entry each: a new family is one
+``TowerFamily`` here (its transformers classes, its sizing rules, what its forward derives from
+an item's grid, and the shape of a small test checkpoint).
+
+What a family's rows look like follows from its config at load time (``tower.TowerInfo``): the
+output width (``out_hidden_size`` or ``hidden_size``), the DeepStack levels (Qwen3-VL's
+``deepstack_visual_indexes``, concatenated on each row as vLLM lays them out) and the merge size
+(rows per image = patches / merge²).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionTransformerPretrainedModel,
+)
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.vision_utils import (
+    get_vision_cu_seqlens,
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
+    get_vision_window_index,
+)
+
+from epdserve.vision.sizing import QWEN_VL, Sizing
+
+
+def _longest(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def _grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
+    """What a Qwen-VL tower's forward derives from ``grid_thw`` (rotary positions, sequence
+    boundaries and the longest sequence), computed on the CPU by transformers' own helpers and
+    passed to the forward, which then takes them as they are: on a GPU, its ``.tolist()`` and
+    ``.item()`` calls on a device ``grid_thw`` would each wait for the GPU to drain."""
+    cu_seqlens = get_vision_cu_seqlens(grid_thw)
+    return {
+        "position_ids": get_vision_position_ids(grid_thw, tower.spatial_merge_size),
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": _longest(cu_seqlens),
+    }
+
+
+def _windowed_grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
+    """Qwen2.5-VL's, with its attention windows."""
+    window_index, cu_window_seqlens = get_vision_window_index(
+        grid_thw, tower.spatial_merge_size, tower.window_size, tower.patch_size
+    )
+    return _grid_inputs(tower, grid_thw) | {
+        "window_index": window_index,
+        "cu_window_seqlens": cu_window_seqlens,
+        "max_window_seqlen": _longest(cu_window_seqlens),
+    }
+
+
+def _position_table_grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
+    """Qwen3-VL's, with its learned position table's interpolation per patch."""
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        grid_thw,
+        num_grid_per_side=tower.num_grid_per_side,
+        mode=tower.interpolation_mode,
+        align_corners=tower.interpolation_align_corners,
+        spatial_merge_size=tower.config.spatial_merge_size,
+    )
+    return _grid_inputs(tower, grid_thw) | {"interp_indices": indices, "interp_weights": weights}
+
+
+@dataclass(frozen=True)
+class TowerFamily:
+    model_type: str  # the checkpoint's config.json model_type (a vision-only one adds "_vision")
+    vision_config: type  # the tower's transformers config class
+    tower: type  # the tower's transformers model class (loaded alone, out of the full checkpoint)
+    vlm_config: type  # the full model's config and class (small test checkpoints)
+    vlm: type
+    # A small test tower's vision config: real patch, temporal and merge sizes, shrunk depth and
+    # widths.
+    small_vision_config: Callable[[int, int, int], dict]  # (out_width, depth, width) -> kwargs
+    small_image_processor: Callable[[], Qwen2VLImageProcessorPil]
+    # Its video processor: the real sizes and sampling (2 fps), a smaller pixel budget per frame.
+    small_video_processor: Callable[[], Qwen2VLVideoProcessor | Qwen3VLVideoProcessor]
+    # the model's positions take each video's seconds per temporal patch (second_per_grid_ts)
+    video_seconds: bool = False
+    # (tower, CPU grid_thw) -> the forward's keyword arguments derived from the grid
+    grid_inputs: Callable[[torch.nn.Module, torch.Tensor], dict] = _grid_inputs
+    # an item's patch grid from its sizes, and its rows (the processors' rules)
+    sizing: Sizing = QWEN_VL
+
+
+def _qwen2_image_processor() -> Qwen2VLImageProcessorPil:
+    return Qwen2VLImageProcessorPil(
+        patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=3136, max_pixels=1003520
+    )
+
+
+def _qwen2_video_processor() -> Qwen2VLVideoProcessor:
+    return Qwen2VLVideoProcessor(
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=3136,
+        max_pixels=64 * 28 * 28,
+        fps=2.0,
+        cap_pixels_per_frame=False,
+    )
+
+
+# Qwen3-VL's patches and normalisation, as its image and video processors take them.
+QWEN3_PATCHES = dict(
+    patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3
+)
+
+FAMILIES: dict[str, TowerFamily] = {
+    family.model_type: family
+    for family in (
+        TowerFamily(
+            "qwen2_vl",
+            Qwen2VLVisionConfig,
+            Qwen2VisionTransformerPretrainedModel,
+            Qwen2VLConfig,
+            Qwen2VLForConditionalGeneration,
+            lambda out_width, depth, width: dict(
+                depth=depth, embed_dim=width, hidden_size=out_width, num_heads=2, mlp_ratio=2
+            ),
+            _qwen2_image_processor,
+            _qwen2_video_processor,
+        ),
+        TowerFamily(
+            "qwen2_5_vl",
+            Qwen2_5_VLVisionConfig,
+            Qwen2_5_VisionTransformerPretrainedModel,
+            Qwen2_5_VLConfig,
+            Qwen2_5_VLForConditionalGeneration,
+            lambda out_width, depth, width: dict(
+                depth=depth,
+                hidden_size=width,
+                out_hidden_size=out_width,
+                num_heads=2,
+                intermediate_size=2 * width,
+                fullatt_block_indexes=[depth - 1],
+                window_size=112,
+            ),
+            _qwen2_image_processor,
+            _qwen2_video_processor,
+            video_seconds=True,
+            grid_inputs=_windowed_grid_inputs,
+        ),
+        TowerFamily(
+            "qwen3_vl",
+            Qwen3VLVisionConfig,
+            Qwen3VLVisionModel,
+            Qwen3VLConfig,
+            Qwen3VLForConditionalGeneration,
+            lambda out_width, depth, width: dict(
+                depth=depth,
+                hidden_size=width,
+                out_hidden_size=out_width,
+                num_heads=2,
+                intermediate_size=2 * width,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=list(range(min(depth, 2))),
+            ),
+            lambda: Qwen2VLImageProcessorPil(
+                **QWEN3_PATCHES, size={"shortest_edge": 65536, "longest_edge": 16777216}
+            ),
+            lambda: Qwen3VLVideoProcessor(
+                **QWEN3_PATCHES,
+                size={"shortest_edge": 4096, "longest_edge": 4 * 64 * 32 * 32},
+                fps=2.0,
+                cap_pixels_per_frame=False,
+            ),
+            grid_inputs=_position_table_grid_inputs,
+        ),
+    )
+}
+
+
+def family(name: str) -> TowerFamily:
+    """The family named ``name``; ``ValueError`` listing the known ones otherwise."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown family {name!r}; expected one of {', '.join(FAMILIES)}"
+        ) from None
+
+
+class TowerLoadError(RuntimeError):
+    """The checkpoint cannot give a complete tower of a supported family."""
+
+
+def detect_family(directory: str) -> str:
+    """The family of the checkpoint in ``directory`` (its ``config.json``'s ``model_type``; a
+    vision-only checkpoint's ends in ``_vision``); ``TowerLoadError`` for another."""
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            model_type = json.load(f).get("model_type", "")
+    except (OSError, ValueError) as exc:
+        raise TowerLoadError(f"cannot read {path}: {exc}") from exc
+    name = model_type.removesuffix("_vision")
+    if name not in FAMILIES:
+        raise TowerLoadError(
+            f"model_type {model_type!r} is not a supported tower ({sorted(FAMILIES)})"
+        )
+    return name

@@ -1,0 +1,176 @@
+"""The Qwen-VL families' sizing rules: an image's or a video's patch grid from its sizes alone, as
+the checkpoint's processors will make it (so a dispatcher sizes an item from its header, and the
+worker that decodes it agrees), its rows, and which of a video's frames are sampled (the video
+processor's ``sample_frames``: by fps, clamped to its ``min_frames`` / ``max_frames`` and rounded
+to its temporal patch size, at its ``fps`` or ``DEFAULT_FPS``); a video sized from its container
+header within a worker's limits, before anything is decoded (``plan_video_file``). A family names
+its rules in the registry (``TowerFamily.sizing``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from epdserve.vision.images import BadItem
+from epdserve.vision.video import BadVideo, VideoHeader, VideoPlan, read_header
+
+# qwen-vl-utils' sampling rate, for a video processor whose config names none (Qwen2-VL's).
+DEFAULT_FPS = 2.0
+
+
+def grid_rows(grid_thw: Sequence[int], merge_size: int) -> int:
+    """Rows of an item of patch grid ``(t, h, w)``: its patches over ``merge_size**2``."""
+    t, h, w = (int(v) for v in grid_thw)
+    return t * h * w // merge_size**2
+
+
+def image_grid(processor, height: int, width: int) -> tuple[int, int, int]:
+    """The ``(t, h, w)`` patch grid a Qwen-VL image processor makes of a ``height x width`` image
+    (its ``image_grid_thw``), from the size alone; rows = ``t * h * w // merge_size**2``.
+    Raises ``ValueError`` for an image the processor cannot resize (too small, extreme aspect)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    patch = processor.patch_size
+    resized_h, resized_w = smart_resize(
+        height,
+        width,
+        factor=patch * processor.merge_size,
+        min_pixels=processor.size["shortest_edge"],
+        max_pixels=processor.size["longest_edge"],
+    )
+    return 1, resized_h // patch, resized_w // patch
+
+
+def sampled_indices(processor, frames: int, fps: float) -> list[int]:
+    """The frame indices ``processor`` (a Qwen-VL video processor) samples from a video of
+    ``frames`` frames at ``fps``; ``BadVideo`` when it cannot sample it (too few frames)."""
+    from transformers.video_utils import VideoMetadata
+
+    metadata = VideoMetadata(total_num_frames=frames, fps=fps)
+    try:
+        indices = processor.sample_frames(metadata, fps=processor.fps or DEFAULT_FPS)
+    except ValueError as exc:
+        raise BadVideo(f"cannot sample {frames} frames at {fps} fps: {exc}") from None
+    indices = [int(i) for i in np.asarray(indices).tolist()]
+    if not indices:
+        raise BadVideo(f"sampling {frames} frames at {fps} fps leaves none")
+    return indices
+
+
+def sample_and_size(
+    processor, header: VideoHeader, sizing: Sizing
+) -> tuple[list[int], tuple[int, int, int]]:
+    """The frames ``processor`` samples from a video with this header, and the grid it makes of
+    them by the family's ``sizing``: a video file's size, as the dispatcher and the encode worker
+    both take it."""
+    indices = sampled_indices(processor, header.frames, header.fps)
+    return indices, sizing.video_grid(processor, len(indices), header.height, header.width)
+
+
+def video_grid(processor, frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """The ``(t, h, w)`` patch grid ``processor`` makes of ``frames`` sampled frames of
+    ``height x width`` (its ``video_grid_thw``), from the sizes alone; rows =
+    ``t * h * w // merge_size**2``. ``BadVideo`` for a video it cannot resize."""
+    from transformers import Qwen2VLVideoProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize as resize_2
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+        Qwen3VLVideoProcessor,
+    )
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as resize_3
+
+    patch, merge = processor.patch_size, processor.merge_size
+    temporal = processor.temporal_patch_size
+    factor = patch * merge
+    min_pixels, max_pixels = processor.size["shortest_edge"], processor.size["longest_edge"]
+    capped = bool(processor.cap_pixels_per_frame)
+    try:
+        if isinstance(processor, Qwen3VLVideoProcessor):
+            if capped:  # as Qwen3VLVideoProcessor.resize caps it
+                per_frame = max(
+                    min(processor.max_video_tokens * factor * factor, max_pixels // frames),
+                    int(min_pixels * 1.05),
+                )
+                max_pixels = per_frame * frames
+            resized_h, resized_w = resize_3(
+                frames, height, width, temporal, factor, min_pixels, max_pixels
+            )
+        elif isinstance(processor, Qwen2VLVideoProcessor):
+            if capped:  # as Qwen2VLVideoProcessor.resize caps it
+                total = int(processor.max_video_tokens * factor * factor * 0.9)
+                max_pixels = max(
+                    min(max_pixels, total * temporal // frames), int(min_pixels * 1.05)
+                )
+            resized_h, resized_w = resize_2(height, width, factor, min_pixels, max_pixels)
+        else:
+            raise BadVideo(f"no video sizing for {type(processor).__name__}")
+    except ValueError as exc:
+        if isinstance(exc, BadVideo):
+            raise
+        raise BadVideo(f"a {width}x{height} video cannot be resized for the tower: {exc}") from None
+    return -(-frames // temporal), resized_h // patch, resized_w // patch
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """A family's sizing rules, as the registry names them."""
+
+    image_grid: Callable[..., tuple[int, int, int]]  # (processor, height, width)
+    video_grid: Callable[..., tuple[int, int, int]]  # (processor, frames, height, width)
+    rows: Callable[[Sequence[int], int], int]  # (grid, merge size)
+
+
+QWEN_VL = Sizing(image_grid, video_grid, grid_rows)
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What a worker decodes of one video (``WorkerConfig``'s ``--max-video-*`` and
+    ``--max-image-pixels`` for a frame): its memory is bounded before anything is decoded."""
+
+    frame_pixels: int
+    seconds: float
+    frames: int  # sampled frames
+    pixels: int  # all the sampled frames' pixels
+
+
+def plan_video_file(data: bytes, processor, limits: VideoLimits, sizing: Sizing) -> VideoPlan:
+    """Size an encoded video from its container header (MP4/MOV) and the video processor's
+    sampling, by the family's ``sizing``; ``BadItem`` for one out of limits or unreadable."""
+    header = read_header(data)
+    if header.duration_s > limits.seconds:
+        raise BadItem(
+            f"video of {header.duration_s:.1f} s is longer than this worker decodes "
+            f"({limits.seconds:g} s)"
+        )
+    indices, grid = sample_and_size(processor, header, sizing)
+    pixels = _within(limits, len(indices), header.height, header.width)
+    return VideoPlan(tuple(indices), grid, pixels)
+
+
+def plan_video_frames(
+    shape: list[int], processor, limits: VideoLimits, sizing: Sizing
+) -> VideoPlan:
+    """Size already-decoded, already-sampled frames, uint8 ``[T, H, W, 3]``, by the family's
+    ``sizing``."""
+    frames, height, width = shape[0], shape[1], shape[2]
+    pixels = _within(limits, frames, height, width)
+    return VideoPlan(None, sizing.video_grid(processor, frames, height, width), pixels)
+
+
+def _within(limits: VideoLimits, frames: int, height: int, width: int) -> int:
+    """The frames' decoded pixels; ``BadItem`` past any of ``limits``."""
+    if frames > limits.frames:
+        raise BadItem(f"{frames} video frames are more than this worker encodes ({limits.frames})")
+    if height * width > limits.frame_pixels:
+        raise BadItem(
+            f"video frames of {width}x{height} are larger than this worker decodes "
+            f"({limits.frame_pixels} pixels)"
+        )
+    if frames * height * width > limits.pixels:
+        raise BadItem(
+            f"{frames} frames of {width}x{height} are more pixels than this worker decodes of "
+            f"one video ({limits.pixels})"
+        )
+    return frames * height * width

@@ -1,0 +1,191 @@
+"""The vision tower: transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL towers, loaded alone.
+
+``VisionTower.load(dir)`` reads a full VLM checkpoint (weights under ``visual.`` or
+``model.visual.``) or a vision-only one, and refuses to start when any tower weight is missing
+(transformers would only warn and random-initialise it). The image and video processors come from
+the same directory, so the encode worker and the prefill side agree on rows per item. A video goes
+through the same tower (its frames as temporal patches, ``video_grid_thw``), so images and videos
+share a batch.
+
+Wire layout: one ``[rows, width]`` tensor per item. For Qwen3-VL the DeepStack levels travel in
+the same rows, concatenated on the hidden dimension (as vLLM does):
+``[rows, out_width * (1 + levels)]``; the receiver cuts it back into ``encoded`` and
+``encoded_deepstack`` (``ReceiverConfig.deepstack_width``).
+
+Batching changes no bit: on CPUs where oneMKL's small-M GEMM kernels round differently from its
+large-M ones (some AVX-512/AMX Xeons), the sums would depend on the batch. Importing this module
+therefore defaults ``MKL_CBWR`` to ``AUTO,STRICT`` (oneMKL's strict reproducibility mode, read at
+its first call): GEMM results do not depend on M or the thread count, for a few percent of
+GEMM speed (docs/performance.md). Set ``MKL_CBWR`` yourself to choose otherwise. GPU kernels are
+not covered: see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # before torch runs its first GEMM (see above)
+
+import torch  # noqa: E402
+from transformers import AutoImageProcessor  # noqa: E402
+from transformers.utils import logging as hf_logging
+
+from epdserve.data_plane.dtypes import dtype_from_wire
+from epdserve.multimodal.rows import split_rows
+from epdserve.process_settings import VisionAttention
+from epdserve.vision import attention
+from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family
+from epdserve.vision.images import image_from_bytes, image_from_pixels
+from epdserve.vision.video import load_video_processor
+
+# Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).
+KEY_MAPPING = {r"^model\.visual\.": "", r"^visual\.": ""}
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
+@dataclass(frozen=True)
+class TowerInfo:
+    family: str
+    out_width: int  # main embedding width (the LLM's hidden size)
+    deepstack_levels: int  # 0 except Qwen3-VL
+    merge: int
+    patch_size: int
+
+    @property
+    def wire_width(self) -> int:
+        return self.out_width * (1 + self.deepstack_levels)
+
+
+class VisionTower:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        info: TowerInfo,
+        processor,
+        dtype: torch.dtype,
+        device: str,
+        model_id: str,
+        video_processor=None,
+        attention_path: attention.AttentionPath = "reference",
+    ):
+        self.model = model
+        self.info = info
+        self.processor = processor
+        self.video_processor = video_processor  # None: video items are refused
+        self.dtype = dtype
+        self.device = device
+        self.model_id = model_id
+        self.attention_path = attention_path
+        self.attention_kernel = attention.kernel(device, dtype, attention_path)
+        self._grid_inputs = FAMILIES[info.family].grid_inputs
+        self.sizing = FAMILIES[info.family].sizing  # an item's grid from its sizes, its rows
+        self._on_gpu = torch.device(device).type == "cuda"
+        attention.use(model, attention_path)
+
+    @classmethod
+    def load(
+        cls,
+        directory: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        processor_kwargs: dict | None = None,
+        vision_attention: VisionAttention = "auto",
+    ) -> VisionTower:
+        """The tower of ``directory``'s checkpoint with its image and video processors, each
+        with ``processor_kwargs`` (``--mm-processor-kwargs``) over its config; its attention
+        as ``vision_attention`` says (``vision.attention``)."""
+        family = detect_family(directory)
+        config_class, tower_class = FAMILIES[family].vision_config, FAMILIES[family].tower
+        torch_dtype = dtype_from_wire(dtype)
+        config = config_class.from_pretrained(directory)
+        with _quiet_transformers():  # the LLM's weights are "unexpected" here, by design
+            model, info = tower_class.from_pretrained(
+                directory,
+                config=config,
+                dtype=torch_dtype,
+                key_mapping=KEY_MAPPING,
+                output_loading_info=True,
+                local_files_only=True,
+            )
+        if info["missing_keys"]:
+            missing = sorted(info["missing_keys"])
+            raise TowerLoadError(
+                f"{len(missing)} tower weights missing from {directory} (e.g. {missing[:3]}); "
+                "refusing to run a randomly initialised tower"
+            )
+        model = model.to(device).eval()
+        kwargs = processor_kwargs or {}
+        processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True, **kwargs)
+        video_processor = load_video_processor(directory, kwargs)
+        out_width = getattr(config, "out_hidden_size", None) or config.hidden_size
+        levels = len(getattr(config, "deepstack_visual_indexes", None) or [])
+        tower_info = TowerInfo(
+            family, out_width, levels, config.spatial_merge_size, config.patch_size
+        )
+        return cls(
+            model,
+            tower_info,
+            processor,
+            torch_dtype,
+            device,
+            model_id=os.path.abspath(directory),
+            video_processor=video_processor,
+            attention_path=attention.resolve(vision_attention, device, torch_dtype),
+        )
+
+    def rows_per_item(self, grid_thw: torch.Tensor) -> list[int]:
+        return [self.sizing.rows(grid, self.info.merge) for grid in grid_thw.tolist()]
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Packed wire rows ``[sum rows, wire_width]`` for a batch of items, in item order, on the
+        tower's device. What the forward derives from the grid is computed here on the CPU, so
+        on a GPU the call only queues kernels: it returns before they have run."""
+        grid = grid_thw.cpu()
+        derived = {
+            name: self._to_device(value) if torch.is_tensor(value) else value
+            for name, value in self._grid_inputs(self.model, grid).items()
+        }
+        out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid, **derived)
+        if isinstance(out, torch.Tensor):
+            return out
+        merged = out.pooler_output
+        if self.info.deepstack_levels:
+            merged = torch.cat([merged, *out.deepstack_features], dim=1)
+        return merged
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor on the tower's device. To a GPU through pinned memory: a copy from
+        pageable memory would wait for the work already queued on the stream."""
+        if self._on_gpu:
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    def image_inputs(self, image: bytes | bytearray | torch.Tensor):
+        """The image processor's inputs (``pixel_values``, ``image_grid_thw``) for one image: an
+        encoded file, or raw uint8 ``[H, W, 3]`` pixels (``BadItem`` for one that is neither)."""
+        picture = (
+            image_from_bytes(image)
+            if isinstance(image, (bytes, bytearray))
+            else image_from_pixels(image)
+        )
+        return self.processor(images=[picture], return_tensors="pt")
+
+    def encode_items(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """One ``[rows_i, wire_width]`` tensor per item (views of one packed output)."""
+        return split_rows(self.encode(pixel_values, grid_thw), self.rows_per_item(grid_thw))
