@@ -56,8 +56,9 @@ def test_cli_transports_flag_reads_the_registry():
 def test_registry_handshake_and_settings_load_without_torch():
     """The standalone handshake server and the room clients stay light: no torch in them."""
     code = (
-        "import sys, wire.offers, wire.rooms, handshake.server, wire.room_client, "
-        "wire.addresses, process_settings, encode_worker.config; print('torch' in sys.modules)"
+        "import sys, epdserve.wire.offers, epdserve.wire.rooms, handshake.server, "
+        "epdserve.wire.room_client, epdserve.wire.addresses, epdserve.process_settings, "
+        "encode_worker.config; print('torch' in sys.modules)"
     )
     assert (
         subprocess.run(

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from epdserve.dispatcher.workers import WorkerAddress
 from epdserve.wire.addresses import Endpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the checkout's root (epdserve/testing/cluster.py is three levels below it): the roles run its code
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOST = "127.0.0.1"
 
 
