@@ -12,6 +12,7 @@ import pytest
 
 from epdserve.bench import compare
 from epdserve.bench.cli import build_parser
+from tests.waiting import eventually
 
 BENCHMARKS = ["transfer", "handshake", "cost"]
 
@@ -346,3 +347,38 @@ def test_unknown_revisions_and_used_output_directories_are_refused(repo, tmp_pat
     assert run_compare(repo, used) == 1
     assert "holds files already" in capsys.readouterr().err
     assert git(repo, "worktree", "list", "--porcelain").count("worktree ") == 1
+
+
+def test_a_run_past_its_timeout_is_ended_with_the_processes_it_started(repo, tmp_path, capsys):
+    repo, _, _ = repo
+    pids = tmp_path / "pids"
+    hang = textwrap.dedent(
+        f"""\
+        import subprocess, time
+        child = subprocess.Popen(["sleep", "600"])
+        with open({str(pids)!r}, "a") as f:
+            f.write(f"{{child.pid}}\\n")
+        time.sleep(600)
+        """
+    )
+    (repo / "epdserve" / "bench" / "cli.py").write_text(hang)
+    git(repo, "commit", "-q", "-am", "B hangs")
+    out = tmp_path / "out"
+    args = build_parser().parse_args(
+        ["compare", "--repo", str(repo), "--out", str(out), "--python", sys.executable]
+        + ["--timeout-s", "2", "--rounds", "1", "HEAD~1", "HEAD", "--", "transfer"]
+    )
+    assert compare.main(args, args.benchmarks) == 1
+    runs = {run["side"]: run for run in load(out / "summary.json")["runs"]}
+    assert runs["b"]["timed_out"] and runs["b"]["json"] is None
+    assert not runs["a"]["timed_out"] and runs["a"]["json"]
+    assert "round 1 B (HEAD = " in capsys.readouterr().out
+    (child,) = [int(pid) for pid in pids.read_text().split()]
+    # the benchmark's own child went with it: its session was ended
+    eventually(lambda: not os.path.exists(f"/proc/{child}") or zombie(child), "child ended", 10)
+    assert git(repo, "worktree", "list", "--porcelain").count("worktree ") == 1
+
+
+def zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"

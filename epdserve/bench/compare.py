@@ -92,11 +92,11 @@ class Run:
 
 
 def flatten(report, prefix: str = "") -> dict[str, float]:
-    """Every number in a benchmark's JSON by its path: dict keys joined with dots, a list's rows
-    of dicts named by their ``LABEL_KEYS`` (which are then no figures of theirs; by position when
-    the labels do not tell the rows apart), rows
-    of one round (``ROUND_KEY``) and lists of plain numbers (per-round values) left out: the
-    run's own medians are its figures. Booleans, strings and nulls are not figures."""
+    """Every number in a benchmark's JSON by its path: dict keys joined with dots; a list's rows
+    of dicts named by their ``LABEL_KEYS`` (which are then no figures of theirs), or by position
+    when the labels do not tell the rows apart; rows of one round (``ROUND_KEY``) and lists of
+    plain numbers (per-round values) left out, the run's own medians being its figures.
+    Booleans, strings and nulls are not figures."""
     figures: dict[str, float] = {}
     if isinstance(report, dict):
         for key, value in report.items():
