@@ -1,4 +1,5 @@
-"""`epd-bench`: the project's benchmarks, one subcommand each."""
+"""`epd-bench`: the project's benchmarks, one subcommand each, and `compare`, which runs one of
+them at two git revisions side by side."""
 
 from __future__ import annotations
 
@@ -225,6 +226,43 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_argument("--size", type=int, default=224, help="square image side in pixels")
     batching.add_argument("--rounds", type=int, default=3)
     batching.add_argument("--json", default=None)
+    compare = sub.add_parser(
+        "compare",
+        usage="epd-bench compare [options] A B [--] BENCHMARK [ARGS...]",
+        help="one benchmark at two git revisions, side by side: medians and B/A ratios",
+        description="Runs `epd-bench BENCHMARK ARGS...` in a git worktree of revision A and one "
+        "of B (PYTHONPATH at each, this interpreter), rounds interleaved (A B, B A, ...) or at "
+        "once; writes each run's JSON and log and summary.json (every figure's values, medians "
+        "and B/A) to --out, prints the figures that moved, removes the worktrees.",
+    )
+    compare.add_argument("a", help="revision A, the baseline (a commit, branch or tag)")
+    compare.add_argument("b", help="revision B")
+    compare.add_argument(
+        "benchmark_args",
+        nargs=argparse.REMAINDER,
+        help="the benchmark and its arguments as epd-bench takes them, without --json",
+    )
+    compare.add_argument("--out", required=True, help="a new or empty directory for the results")
+    compare.add_argument("--rounds", type=int, default=3, help="runs per revision, interleaved")
+    compare.add_argument(
+        "--at-once",
+        action="store_true",
+        help="run a round's two sides at the same time (same pace, half the machine each)",
+    )
+    compare.add_argument(
+        "--harness",
+        choices=("own", "b"),
+        default="own",
+        help="benchmark code each side runs: its own, or B's on both (only the product differs)",
+    )
+    compare.add_argument(
+        "--timeout-s", type=float, default=3600.0, help="the most one run may take"
+    )
+    compare.add_argument(
+        "--python", default=sys.executable, help="the interpreter both sides run under"
+    )
+    compare.add_argument("--repo", default=".", help="a directory inside the git repository")
+    compare.set_defaults(benchmarks=[name for name in sub.choices if name != "compare"])
     return parser
 
 
@@ -280,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         from epdserve.bench.benchmarks import handshake
 
         return handshake.main(args)
+    if args.command == "compare":
+        from epdserve.bench import compare
+
+        return compare.main(args, args.benchmarks)
     return 2
 
 
