@@ -39,8 +39,7 @@ class Encoded:
 @dataclass(frozen=True)
 class CacheKey:
     content_hash: int
-    model_id: str
-    preprocess_id: str
+    model: str  # the worker's compact model fingerprint: the rows' model, dtype and preprocessing
 
 
 class EmbeddingCache:

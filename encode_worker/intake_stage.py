@@ -28,6 +28,8 @@ from epdserve.wire.intake import (
     BATCH_MARKER,
     QUEUE_FULL_RETRY_S,
     IntakeBatchReply,
+    IntakeGate,
+    IntakeIncompatible,
     IntakeRefused,
     IntakeReply,
     IntakeRequest,
@@ -51,11 +53,17 @@ class Intake:
         self,
         context: StageContext,
         served_model: str,
+        fingerprint: str,
         in_flight: InFlightRooms,
         item_log: RateLimitedLog,
     ):
         config = self.config = context.config
-        self.served_model = served_model
+        self.gate = IntakeGate(
+            max_payload_bytes=config.max_payload_bytes,
+            token=config.intake_token,
+            model=served_model,
+            fingerprint=fingerprint,
+        )
         self.tower = context.tower
         self.queue = context.queue
         self.in_flight = in_flight
@@ -115,9 +123,7 @@ class Intake:
     def accept(self, frames: list[bytes]) -> IntakeReply:
         """One item's message (its frames)."""
         try:
-            request, payload = parse_request(
-                frames, self.config.max_payload_bytes, self.config.intake_token, self.served_model
-            )
+            request, payload = parse_request(frames, self.gate)
         except IntakeRefused as exc:
             return self._refused(exc)
         return self._accept(request, payload)
@@ -126,9 +132,7 @@ class Intake:
         """A batch message's frames (after the marker): its reply's frames, one answer per item;
         a single refusal without a room when the frames cannot be matched to items."""
         try:
-            parsed = parse_batch(
-                frames, self.config.max_payload_bytes, self.config.intake_token, self.served_model
-            )
+            parsed = parse_batch(frames, self.gate)
         except IntakeRefused as exc:
             return [self._refused(exc).frame()]
         self.metrics.message_items.observe(len(parsed))
@@ -157,7 +161,12 @@ class Intake:
         """The reply to an item refused before it was read (its room untouched)."""
         self.metrics.count(Modality.IMAGE, IntakeStatus.REFUSED)
         self.item_log.warning("intake refused an item (room %s): %s", refusal.room, refusal)
-        return IntakeReply(status=IntakeStatus.REFUSED, room=refusal.room, reason=str(refusal))
+        return IntakeReply(
+            status=IntakeStatus.REFUSED,
+            room=refusal.room,
+            reason=str(refusal),
+            incompatible=isinstance(refusal, IntakeIncompatible),
+        )
 
     def _accept(self, request: IntakeRequest, payload: bytes | None) -> IntakeReply:
         room = request.encode_handshake.bootstrap_room

@@ -34,12 +34,13 @@ class Prepare:
     device (``TowerDevice.preparing``: uploads overlap the tower's work); with
     ``--preprocess-device tower``, an image's resize and normalisation run there too."""
 
-    def __init__(self, context: StageContext, preprocess_id: str, out: Handoff[PreparedBatch]):
+    def __init__(self, context: StageContext, model: str, out: Handoff[PreparedBatch]):
+        """``model``: the worker's compact model fingerprint, which keys its cache."""
         config = context.config
         self.queue = context.queue
         self.tower = context.tower
         self.device = context.device
-        self.preprocess_id = preprocess_id
+        self.model = model
         self.encodes = context.encodes
         self.max_image_pixels = config.max_image_pixels
         self.failer = context.failer
@@ -80,7 +81,7 @@ class Prepare:
             try:
                 # SHM pixels are read first: their claimed hash is checked before it keys anything
                 shm_pixels = self._shm_pixels(job) if job.source == "shm" else None
-                key = CacheKey(job.content_hash, self.tower.model_id, self.preprocess_id)
+                key = CacheKey(job.content_hash, self.model)
                 cached, leads = self.encodes.claim(key, job)
                 if cached is not None:
                     job.timings.update(queue_s=time.monotonic() - job.received_at, cache_hit=True)

@@ -115,7 +115,10 @@ class Sender:
         on_outcome: Callable[[Outcome], None] = lambda outcome: None,
         inline_write_bytes: int = INLINE_WRITE_BYTES,
         local_table: RoomTable | None = None,
+        fingerprint: str | None = None,
     ):
+        """``fingerprint``: the compact fingerprint of the model whose rows it delivers
+        (``Writer``)."""
         self.rooms_for = rooms_for
         # this worker's own table: intake opens rooms there, whatever name the sender gave it
         self.local_table = local_table
@@ -130,6 +133,7 @@ class Sender:
             write_timeout_s,
             inline_write_bytes,
             self._closing,
+            fingerprint,
         )
         self.slot_freed = self.writer.slot_freed
         self.reap = self.writer.reap

@@ -14,10 +14,8 @@ table, metrics) and their lifecycle; each stage owns its thread's work and nothi
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-import zlib
 
 from prometheus_client import CollectorRegistry
 
@@ -40,6 +38,7 @@ from epdserve.data_plane.pool import MemoryRegion, SlotPool
 from epdserve.data_plane.transport import build_transports
 from epdserve.loop_threads import LoopThread, named_thread
 from epdserve.process_settings import SettingError, check_checkpoint, check_listen
+from epdserve.vision.fingerprint import tower_fingerprint
 from epdserve.vision.tower import VisionTower
 from epdserve.wire.offers import transport_spec
 from epdserve.wire.rooms import RoomState
@@ -63,12 +62,9 @@ class EncodeWorker:
             config.vision_attention,
         )
         self.device = TowerDevice(self.tower.device)
-        processors = [self.tower.processor.to_dict()]
-        if self.tower.video_processor is not None:
-            processors.append(self.tower.video_processor.to_dict())
-        self.preprocess_id = format(
-            zlib.crc32(json.dumps(processors, sort_keys=True, default=str).encode()), "08x"
-        )
+        # what this worker's rows are (weights, dtype, preprocessing: read from what it loaded),
+        # checked against every item's and receiver's model before a row is computed or written
+        self.fingerprint = tower_fingerprint(self.tower)
         self.served_model = config.served_model_name
         self.cache = EmbeddingCache(config.cache_bytes)
         self.encodes = InFlightEncodes(self.cache)
@@ -112,6 +108,7 @@ class EncodeWorker:
             not_ready=self.not_ready,
             registry=registry,
             model_name=self.served_model,
+            fingerprint=self.fingerprint,
         )
         self.loop = LoopThread(
             "handshake"
@@ -143,6 +140,7 @@ class EncodeWorker:
             config.send_workers,
             on_outcome=self._on_outcome,
             local_table=self.table,
+            fingerprint=self.fingerprint.compact,
         )
         self._item_log = item_log
         self._stopping = threading.Event()
@@ -171,8 +169,10 @@ class EncodeWorker:
             StageThreads.for_device(self.device),
             self._stopping,
         )
-        self.intake = Intake(context, self.served_model, self.in_flight, item_log)
-        self.prepare = Prepare(context, self.preprocess_id, self._prepared)
+        self.intake = Intake(
+            context, self.served_model, self.fingerprint.compact, self.in_flight, item_log
+        )
+        self.prepare = Prepare(context, self.fingerprint.compact, self._prepared)
         self.tower_stage = TowerStage(context, self._prepared, self._encoded)
         self.stage_and_send = StageAndSend(context, self.ring, self.sender, self._encoded)
         self._threads: list[threading.Thread] = []

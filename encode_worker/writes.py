@@ -26,6 +26,7 @@ from epdserve.data_plane.transport import (
     byte_array,
 )
 from epdserve.wire.addresses import EncodeHandshake
+from epdserve.wire.fingerprint import say_compact_differences
 from epdserve.wire.modality import Modality
 from epdserve.wire.offers import TRANSPORT_NAMES
 from epdserve.wire.room_client import HandshakeError
@@ -89,8 +90,12 @@ class Writer:
         write_timeout_s: float,
         inline_write_bytes: int,
         closing: threading.Event,
+        fingerprint: str | None = None,
     ):
+        """``fingerprint``: the compact fingerprint of the model whose rows this writes: a room
+        registered for another model is failed, not written; every commit carries it."""
         self.ring = ring
+        self.fingerprint = fingerprint
         self.transports = transports
         self.rooms_for = rooms_for
         self.receiver_wait_s = receiver_wait_s
@@ -146,6 +151,16 @@ class Writer:
                 item, view.state, None, view.reason or "room ended before a receiver came"
             )
         registration = view.registration
+        theirs = registration.fingerprint
+        if theirs is not None and self.fingerprint is not None and theirs != self.fingerprint:
+            return self.fail(
+                item,
+                "incompatible: "
+                + say_compact_differences(
+                    self.fingerprint, theirs, "the encode worker", "the receiving engine"
+                ),
+                settled=True,
+            )
         reserved = EmbeddingLayout(registration.rows, registration.width, registration.dtype)
         if reserved != item.layout:
             return self.fail(
@@ -236,6 +251,7 @@ class Writer:
             shm_segment=getattr(write.offer, "segment", None),
             writer=self.writer_id,
             timings=EncodeTimings(**item.timings),
+            fingerprint=self.fingerprint,
         )
 
     def committed(self, item: StagedItem, write: Write, view: RoomView | RoomStatus) -> Outcome:

@@ -33,6 +33,7 @@ from starlette.convertors import IntegerConvertor, register_url_convertor
 from starlette.routing import Match
 
 from epdserve.metrics import LATENCY_BUCKETS, PROBE_PATHS, exposition_registry
+from epdserve.wire.fingerprint import ModelFingerprint
 from epdserve.wire.rooms import (
     MAX_ROOM_ID,
     MAX_WAIT_S,
@@ -321,11 +322,15 @@ def create_app(
     not_ready: Callable[[], str | None] = lambda: None,
     registry: CollectorRegistry | None = None,
     model_name: str | None = None,
+    fingerprint: ModelFingerprint | None = None,
 ) -> HandshakeAPI:
     """The handshake app over ``table``. An embedding process (the encode worker) gates ``/readyz``
     with ``not_ready`` (why it is not ready, or None), adds its own metrics to ``/metrics``
-    through ``registry`` and names the model every family is labelled with (``model_name``; a
-    standalone room authority serves none)."""
+    through ``registry``, names the model every family is labelled with (``model_name``; a
+    standalone room authority serves none) and says in every ``/readyz`` answer which model its
+    rows are (``fingerprint``: a dispatcher keeps a worker of another model than its engine's out
+    of rotation)."""
+    model = {"model": fingerprint.model_dump(mode="json")} if fingerprint is not None else {}
     table = table or RoomTable()
     metrics = HandshakeMetrics(table, registry)
     served = exposition_registry(metrics.registry, model_name)
@@ -502,17 +507,18 @@ def create_app(
         """Readiness: the embedding process's own check, and a room table with room for one more."""
         reason = not_ready()
         if reason is not None:
-            return JSONResponse({"ready": False, "reason": reason}, status_code=503)
+            return JSONResponse({"ready": False, "reason": reason, **model}, status_code=503)
         if table.full():
             return JSONResponse(
                 {
                     "ready": False,
                     "reason": f"room table full: {table.limits.max_live_rooms} "
                     "live rooms, no room can be minted",
+                    **model,
                 },
                 status_code=503,
             )
-        return {"ready": True, "live_rooms": table.live_rooms}
+        return {"ready": True, "live_rooms": table.live_rooms, **model}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():

@@ -1,8 +1,9 @@
-"""An item whose room succeeded: its commit checked (generation, layout, checksum, the encoder's
-grid against the request's), its rows published into ``encoded`` (a copy, or with ``zero_copy``
-a view of the slot held until the engine releases the job), its slot freed. Synchronous: a commit
-that fails a check comes back as a ``Refusal`` for the caller to give the item up with (the give-up
-may run the local tower: the caller puts it on a task of its own)."""
+"""An item whose room succeeded: its commit checked (the model that computed the rows against
+the engine's, generation, layout, checksum, the encoder's grid against the request's), its rows
+published into ``encoded`` (a copy, or with ``zero_copy`` a view of the slot held until the engine
+releases the job), its slot freed. Synchronous: a commit that fails a check comes back as a
+``Refusal`` for the caller to give the item up with (the give-up may run the local tower: the
+caller puts it on a task of its own)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from epdserve.data_plane.commit import ContractError, accept_commit, verify_rows
 from epdserve.data_plane.pool import SlotPool
 from epdserve.multimodal.items import GRID_KEYS
+from epdserve.wire.fingerprint import say_compact_differences
 from epdserve.wire.rooms import RoomView
 from epdserve.wire.states import ItemState
 from prefill_side.job import PendingItem, ReceiveJob, set_encoded
@@ -42,6 +44,20 @@ class Publisher:
             self.pool.release(entry.lease)
             return None
         commit = view.commit
+        mine = self.config.model_fingerprint
+        if mine is not None and commit.fingerprint != mine:
+            # the write has ended (it committed): no byte can still land, the slot is free
+            return Refusal(
+                "rows from another model refused: "
+                + (
+                    say_compact_differences(
+                        mine, commit.fingerprint, "this engine", "the encode worker"
+                    )
+                    if commit.fingerprint is not None
+                    else "the encode worker did not say which model computed them"
+                ),
+                quarantine=False,
+            )
         try:
             rows = accept_commit(
                 self.pool, entry.lease, entry.layout, commit, verify_checksum=False

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from epdserve.process_settings.values import PositiveByteSize, PositiveSeconds, TransportNames
+from epdserve.wire.fingerprint import CompactFingerprint
 from epdserve.wire.offers import DEFAULT_TRANSPORTS, DTYPE_NAMES, MAX_WIDTH
 from epdserve.wire.rooms import MAX_DEADLINE_S, MAX_WAIT_S
 
@@ -66,6 +67,10 @@ class ReceiverConfig(ReceiverSettings):
     )
     handshake_token: str | None = None
     zero_copy: bool = False  # encoded = a view of the slot, held until job.release()
+    # The compact fingerprint of the engine's model (epdserve.wire.fingerprint): every room is
+    # registered with it, and rows committed under another (or under none) are refused. None: no
+    # model check (a receiver that runs no model of its own).
+    model_fingerprint: CompactFingerprint | None = None
 
     @model_validator(mode="after")
     def _would_work(self) -> ReceiverConfig:

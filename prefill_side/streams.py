@@ -120,6 +120,7 @@ class EndpointStreams:
                 dtype=entry.layout.dtype,
                 offers=self.receive_pool.offers(entry.lease),
                 deadline_s=self.config.item_timeout_s,
+                fingerprint=self.config.model_fingerprint,
             )
             for entry in entries
         )

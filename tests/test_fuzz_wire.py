@@ -36,6 +36,7 @@ from epdserve.wire import rooms as models
 from epdserve.wire.intake import (
     MAX_BATCH_ITEMS,
     MAX_METADATA_BYTES,
+    IntakeGate,
     IntakeRefused,
     IntakeRequest,
     parse_batch,
@@ -105,7 +106,9 @@ def _intake_dicts():
 
 def _check_intake(frames, max_payload, token):
     try:
-        request, payload = parse_request(frames, max_payload, token, "m")
+        request, payload = parse_request(
+            frames, IntakeGate(max_payload_bytes=max_payload, token=token, model="m")
+        )
     except IntakeRefused as exc:
         assert str(exc)
         return False
@@ -154,17 +157,19 @@ def test_intake_truncated_and_oversized(cut, extra):
     metadata = json.dumps(valid).encode()
     if cut < len(metadata):
         with pytest.raises(IntakeRefused):
-            parse_request([metadata[:cut], b"\x00" * 12], 64, None, "m")
+            parse_request(
+                [metadata[:cut], b"\x00" * 12], IntakeGate(max_payload_bytes=64, model="m")
+            )
     assert _check_intake([metadata, b"\x00" * 12], 12, None)
     with pytest.raises(IntakeRefused):
         parse_request(
             [json.dumps({**valid, "source": "bytes"}).encode(), b"\x00" * (12 + extra)],
-            12,
-            None,
-            "m",
+            IntakeGate(max_payload_bytes=12, model="m"),
         )
     with pytest.raises(IntakeRefused):
-        parse_request([b" " * (MAX_METADATA_BYTES + extra)], 12, None, "m")
+        parse_request(
+            [b" " * (MAX_METADATA_BYTES + extra)], IntakeGate(max_payload_bytes=12, model="m")
+        )
 
 
 @FAST
@@ -179,7 +184,7 @@ def test_intake_batches(items, payloads, token):
     item is parsed as it would be alone, with the payload frame it is matched to."""
     frames = [json.dumps({"items": items}).encode(), *payloads]
     try:
-        parsed = parse_batch(frames, 64, token, "m")
+        parsed = parse_batch(frames, IntakeGate(max_payload_bytes=64, token=token, model="m"))
     except IntakeRefused as exc:
         assert exc.room is None and str(exc)
         return

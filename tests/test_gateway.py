@@ -532,21 +532,21 @@ def test_models_health_and_text_only(stack):
 def test_data_parallel_engines_each_take_rows_with_a_receiver_of_their_own(tmp_path):
     """vLLM with --data-parallel-size 2 (two engines behind one server): requests through the
     gateway land on either engine, each engine's own receiver takes its requests' rows (its
-    metrics on metrics_port + its rank), and every answer equals vLLM's colocated one."""
+    metrics on http_port + its rank), and every answer equals vLLM's colocated one."""
     from epdserve.bench.benchmarks.vllm import Server
 
     model = cached_vlm("qwen2_vl")
     cluster = LocalCluster(model, log_dir=str(tmp_path))
     worker = cluster.start_encode_worker("worker", transports="shm")
-    metrics_port = free_port()
-    while free_port() == metrics_port + 1:  # the second engine's port must be free too
-        metrics_port = free_port()
+    http_port = free_port()
+    while free_port() == http_port + 1:  # the second engine's port must be free too
+        http_port = free_port()
     config = {
         **CONNECTOR,
         "ec_connector_extra_config": {
             **CONNECTOR["ec_connector_extra_config"],
             "transports": ["shm"],
-            "metrics_port": metrics_port,
+            "http_port": http_port,
         },
     }
     server = Server(
@@ -589,7 +589,7 @@ def test_data_parallel_engines_each_take_rows_with_a_receiver_of_their_own(tmp_p
         assert answers == [ask(direct, image) for image in images]
         engines = [
             metric(f"http://127.0.0.1:{port}", "epd_prefill_items_total", outcome="done")
-            for port in (metrics_port, metrics_port + 1)
+            for port in (http_port, http_port + 1)
         ]
         assert sum(engines) == len(images) and all(engines), engines
         client.close()

@@ -232,11 +232,11 @@ def listening_ports(program, args) -> dict[str, int]:
     if program == "epd-encode-worker":
         return {"bootstrap": args.bootstrap_port, "intake": args.intake_port}
     if program == VLLM:  # vLLM's API, and the receiver's metrics in vLLM's EngineCore
-        return {"vllm": args.port, "epd-metrics": args.connector.metrics_port}
+        return {"vllm": args.port, "epd-metrics": args.connector.http_port}
     return {"http": args.port}
 
 
-def metrics_port_names(program) -> set[str]:
+def http_port_names(program) -> set[str]:
     """The container ports, by name, that serve ``program``'s /metrics."""
     return {"epd-encode-worker": {"bootstrap"}, VLLM: {"vllm", "epd-metrics"}}.get(
         program, {"http"}
@@ -530,7 +530,7 @@ def test_ports_agree_between_args_container_ports_probes_and_annotations(rendere
             declared = {p["name"]: p["containerPort"] for p in container["ports"]}
             assert declared == listening_ports(program, args), (name, container["name"])
             pod_ports += declared.values()
-            metrics_ports |= {declared[port] for port in metrics_port_names(program)}
+            metrics_ports |= {declared[port] for port in http_port_names(program)}
             paths = served_paths(program, args)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if probe in container:
@@ -686,7 +686,7 @@ def test_network_policies_open_each_port_to_its_peers_only(rendered, variant):
             elif program == VLLM:  # same-node: the pod's own gateway calls it over loopback
                 expected = {"monitoring"} if colocated else {"dispatcher", "monitoring"}
                 assert admitted(policies, template, args.port) == expected
-                assert admitted(policies, template, args.connector.metrics_port) == {"monitoring"}
+                assert admitted(policies, template, args.connector.http_port) == {"monitoring"}
             elif program == "epd-gateway":  # the front door: clients from anywhere
                 assert admitted(policies, template, args.port) == set(SOURCES)
                 assert admitted(policies, template, args.port + 1) == set()
@@ -867,7 +867,7 @@ def test_service_monitors_scrape_real_ports(rendered, variant):
     for name, template in pod_specs(objects):
         for container in containers(template):
             program, _ = parsed(container)
-            for port in metrics_port_names(program):
+            for port in http_port_names(program):
                 assert (id(template), port) in scraped, f"{name}: {program}'s {port} not scraped"
 
 

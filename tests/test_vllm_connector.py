@@ -114,16 +114,14 @@ class Stack:
             for name in transports
         }
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.metrics_port = free_port()
+        self.http_port = free_port()
         # vLLM's CPU ranks each bind their OpenMP threads to cores of their own: one core each
         # here (one NUMA node, which vLLM would otherwise refuse to split)
         binding = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel_size)))}
         try:
             with _environment(binding if tensor_parallel_size > 1 else {}):
                 self.llm = LLM(
-                    **engine_args(
-                        self.model, {"metrics_port": self.metrics_port, **(settings or {})}
-                    ),
+                    **engine_args(self.model, {"http_port": self.http_port, **(settings or {})}),
                     distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
                     tensor_parallel_size=tensor_parallel_size,
                     **engine_extra,
@@ -189,7 +187,7 @@ class Stack:
         """``epd_prefill_items_total`` as the connector's metrics port serves it (the model's name
         on it, as vLLM names the model)."""
         labels = {"transport": transport, "outcome": outcome, "model_name": self.model}
-        return scraped(f"http://127.0.0.1:{self.metrics_port}", "epd_prefill_items_total", labels)
+        return scraped(f"http://127.0.0.1:{self.http_port}", "epd_prefill_items_total", labels)
 
     def pool_idle(self) -> bool:
         stats = self.connector.receiver.pool.stats()
@@ -594,6 +592,20 @@ class _Request:
         return self.mm_features[index].mm_position.get_num_embeds()
 
 
+def _engine_description(width: int, dtype: str):
+    from epdserve.wire.fingerprint import EngineDescription, ModelFingerprint, RowLayout
+
+    fingerprint = ModelFingerprint(
+        model_type="qwen2_vl",
+        architecture="0" * 16,
+        weights="1" * 16,
+        dtype=dtype,
+        preprocessing={},
+        layout=RowLayout(width=width, deepstack_levels=0, merge=2),
+    )
+    return EngineDescription(served_model_name="m", fingerprint=fingerprint)
+
+
 def test_rows_of_another_count_are_never_offered(no_new_segments):
     """Rows held for an identifier are offered to a request only if they are as many as vLLM placed
     for that request's item (a client reusing an identifier for another image must not get them:
@@ -607,6 +619,7 @@ def test_rows_of_another_count_are_never_offered(no_new_segments):
         ConnectorSettings(pool_bytes=1 << 20, slot_bytes=1 << 12, transports=["shm"]),
         width=128,
         dtype="float32",
+        engine=_engine_description(width=128, dtype="float32"),
         loading_ranks=2,  # tensor parallel size 2: both ranks must report the load
     )
     try:

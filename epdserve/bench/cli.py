@@ -263,6 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--repo", default=".", help="a directory inside the git repository")
     compare.set_defaults(benchmarks=[name for name in sub.choices if name != "compare"])
+    fingerprint = sub.add_parser(
+        "fingerprint",
+        help="start-up cost of a model fingerprint: a full-size tower's weights digest",
+    )
+    fingerprint.add_argument(
+        "--family", default="qwen2_5_vl", help="qwen2_vl, qwen2_5_vl or qwen3_vl (released config)"
+    )
+    fingerprint.add_argument("--dtype", default="bfloat16", help="the checkpoint's stored dtype")
+    fingerprint.add_argument("--rounds", type=int, default=3, help="rounds per level (median)")
+    fingerprint.add_argument("--json", default=None)
     return parser
 
 
@@ -314,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         from epdserve.bench.benchmarks import batching
 
         return batching.main(args)
+    if args.command == "fingerprint":
+        from epdserve.bench.benchmarks import fingerprint
+
+        return fingerprint.main(args)
     if args.command == "handshake":
         from epdserve.bench.benchmarks import handshake
 

@@ -35,9 +35,10 @@ def _start(settings: PrefillSettings):
     # memory
     if all(transport_spec(name).needs_shm_pool for name in settings.transports):
         check_shm_space(settings.pool_bytes, "--pool-bytes")
-    tower = None
+    tower = fingerprint = None
     width, deepstack = settings.width, settings.deepstack_width
     if settings.model:
+        from epdserve.vision.fingerprint import tower_fingerprint
         from epdserve.vision.tower import TowerLoadError, VisionTower
 
         directory = check_checkpoint(settings.model)
@@ -61,6 +62,8 @@ def _start(settings: PrefillSettings):
                     f"{flag} {given} differs from the checkpoint's ({own}); leave it out"
                 )
         width, deepstack = tower.info.wire_width, tower.info.out_width * tower.info.deepstack_levels
+        # its own model: rooms registered with it, rows committed under another refused
+        fingerprint = tower_fingerprint(tower.tower).compact
     if width <= 0:
         raise SettingError("give --width (or --model to read it from the checkpoint)")
     if deepstack >= width:
@@ -75,6 +78,7 @@ def _start(settings: PrefillSettings):
             deepstack_width=deepstack,
             fallback=settings.fallback,
             handshake_token=settings.handshake_token,
+            model_fingerprint=fingerprint,
         )
         # Mooncake advertises the address encode workers reach (the pod IP), not loopback.
         configs = settings.transport_configs(settings.mooncake_host)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from epdserve.wire.addresses import EncodeHandshake
+from epdserve.wire.fingerprint import CompactFingerprint, say_compact_differences
 from epdserve.wire.json_fields import json_float, json_int
 from epdserve.wire.modality import EncodedModality, Modality
 
@@ -51,6 +52,9 @@ class IntakeRequest(BaseModel):
     model: str | None = Field(
         default=None, max_length=256
     )  # refused unless it names this worker's model
+    # The fingerprint of the model the item is encoded for (the engine's, as the dispatcher read
+    # it there): refused, as incompatible, unless it is this worker's own.
+    fingerprint: CompactFingerprint | None = None
     modality: EncodedModality = Modality.IMAGE
     # xxh3-128 of the payload's bytes (the image file, or the raw uint8 pixels); the worker computes
     # it itself and refuses an item whose claimed hash differs. Required for SHM-backed pixels.
@@ -102,6 +106,9 @@ class IntakeReply(BaseModel):
     reason: str | None = None  # why, when not accepted
     # set on a refusal that may succeed later (busy: queue full, or its wait past the deadline)
     retry_after_s: json_float(ge=0, le=MAX_RETRY_AFTER_S) | None = None
+    # set on a refusal because the item is for another model than this worker's (its
+    # fingerprint): no item for that model will be taken
+    incompatible: bool = False
 
     @computed_field
     @property
@@ -141,6 +148,10 @@ class IntakeRefused(ValueError):
         self.room = room
 
 
+class IntakeIncompatible(IntakeRefused):
+    """Refused because the item is for another model than the worker's (its fingerprint)."""
+
+
 class IntakeBusy(IntakeRefused):
     """Refused by the client itself: too many messages in flight to that worker already (as a
     full queue there, worth retrying after ``retry_after_s``)."""
@@ -148,9 +159,18 @@ class IntakeBusy(IntakeRefused):
     retry_after_s = QUEUE_FULL_RETRY_S
 
 
-def parse_request(
-    frames: list[bytes], max_payload_bytes: int, token: str | None, model: str | None = None
-) -> tuple[IntakeRequest, bytes | None]:
+class IntakeGate(BaseModel):
+    """What a worker's intake checks every item against: payload size, token, served model name
+    and model fingerprint."""
+
+    model_config = ConfigDict(frozen=True)
+    max_payload_bytes: int
+    token: str | None = None
+    model: str | None = None  # the served model name
+    fingerprint: str | None = None  # the worker's compact fingerprint
+
+
+def parse_request(frames: list[bytes], gate: IntakeGate) -> tuple[IntakeRequest, bytes | None]:
     """Validate one item's frames (identity already removed)."""
     if not 1 <= len(frames) <= 2:
         raise IntakeRefused(f"expected [metadata, payload] frames, got {len(frames)}")
@@ -161,12 +181,12 @@ def parse_request(
     except ValidationError as exc:
         raise IntakeRefused(f"bad metadata: {exc.errors(include_url=False)[:3]}") from None
     payload = frames[1] if len(frames) == 2 else None
-    check_request(request, payload, max_payload_bytes, token, model)
+    check_request(request, payload, gate)
     return request, payload
 
 
 def parse_batch(
-    frames: list[bytes], max_payload_bytes: int, token: str | None, model: str | None = None
+    frames: list[bytes], gate: IntakeGate
 ) -> list[tuple[IntakeRequest, bytes | None] | IntakeRefused]:
     """Validate a batch's frames (identity and ``BATCH_MARKER`` removed): per item, its request
     and payload, or why it is refused (every item, naming its room, when the payload frames are
@@ -192,7 +212,7 @@ def parse_batch(
     for request in items:
         payload = next(payloads) if request.source != "shm" else None
         try:
-            check_request(request, payload, max_payload_bytes, token, model)
+            check_request(request, payload, gate)
         except IntakeRefused as exc:
             parsed.append(exc)
             continue
@@ -200,22 +220,31 @@ def parse_batch(
     return parsed
 
 
-def check_request(
-    request: IntakeRequest,
-    payload: bytes | None,
-    max_payload_bytes: int,
-    token: str | None,
-    model: str | None,
-) -> None:
-    """An item's request against its payload frame, the intake token and the served model;
-    ``IntakeRefused`` (with the room) when they do not fit."""
+def check_request(request: IntakeRequest, payload: bytes | None, gate: IntakeGate) -> None:
+    """An item's request against its payload frame and the worker's ``gate``: token, served model
+    and fingerprint; ``IntakeRefused`` (with the room) when they do not fit."""
     room = request.encode_handshake.bootstrap_room
-    if token is not None and not hmac.compare_digest(
-        (request.token or "").encode(), token.encode()
+    max_payload_bytes = gate.max_payload_bytes
+    if gate.token is not None and not hmac.compare_digest(
+        (request.token or "").encode(), gate.token.encode()
     ):
         raise IntakeRefused("missing or wrong intake token", room)
-    if request.model is not None and request.model != model:
-        raise IntakeRefused(f"unknown model {request.model!r}: this worker serves {model!r}", room)
+    if request.model is not None and request.model != gate.model:
+        raise IntakeRefused(
+            f"unknown model {request.model!r}: this worker serves {gate.model!r}", room
+        )
+    if (
+        request.fingerprint is not None
+        and gate.fingerprint is not None
+        and request.fingerprint != gate.fingerprint
+    ):
+        raise IntakeIncompatible(
+            "incompatible: "
+            + say_compact_differences(
+                gate.fingerprint, request.fingerprint, "this worker", "the engine"
+            ),
+            room,
+        )
     if request.source == "shm":
         if request.shm is None or payload is not None:
             raise IntakeRefused("source 'shm' needs the 'shm' handle and no payload frame", room)

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from epdserve.wire.fingerprint import CompactFingerprint
 from epdserve.wire.json_fields import JsonBool, json_float, json_int
 from epdserve.wire.offers import (
     DTYPE_NAMES,
@@ -79,6 +80,9 @@ class Registration(_Body):
     dtype: str = Field(pattern=DTYPE_PATTERN)
     offers: list[Offer] = Field(min_length=1, max_length=MAX_OFFERS)
     deadline_s: json_float(gt=0, le=MAX_DEADLINE_S) | None = None
+    # the receiving engine's model (its compact fingerprint): a writer of another model's rows
+    # fails the room instead of writing
+    fingerprint: CompactFingerprint | None = None
 
     @property
     def nbytes(self) -> int:
@@ -159,6 +163,9 @@ class CommitBody(_Body):
     timings: EncodeTimings | None = None
     # the writer that began the write; a commit naming another writer is refused
     writer: WriterId | None = None
+    # the model that computed the rows (the writer's compact fingerprint): a receiver whose engine
+    # runs another refuses them
+    fingerprint: CompactFingerprint | None = None
 
 
 class CommitRequest(_Body):

@@ -18,7 +18,11 @@ items).
 Two halves, as vLLM splits every connector:
 
 * Scheduler side (the EngineCore process): one ``PrefillReceiver`` whose receive pool is a
-  ``/dev/shm`` segment, in zero-copy mode (rows stay in their slot). ``ensure_cache_available``
+  ``/dev/shm`` segment, in zero-copy mode (rows stay in their slot), registering every room with
+  the fingerprint of the model vLLM loaded (``engine_model``: its checkpoint's vision weights, its
+  vision config, dtype and processors) and refusing rows committed under another: rows of another
+  model never reach vLLM's encoder cache. ``http_port`` serves the receiver's metrics and that
+  model's description (``/v1/engine``: a gateway in front reads it). ``ensure_cache_available``
   starts a receive job the first time the scheduler sees a request with rooms, and defers the
   request (returns False, never blocks) until every item with a room has settled. An item that
   arrived is offered to vLLM (``has_cache_item``) only if its rows are exactly the count vLLM
@@ -48,6 +52,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECCo
 
 from epdserve.data_plane.dtypes import dtype_to_wire
 from epdserve.wire.ec_params import MODEL_TYPES
+from prefill_side.vllm_connector.engine_model import engine_description
 from prefill_side.vllm_connector.loads import LoadedMetadata, LoadMetadata
 from prefill_side.vllm_connector.scheduler import SchedulerSide, kv_connector_transfer_engine
 from prefill_side.vllm_connector.settings import ConnectorSettings
@@ -128,7 +133,7 @@ class EPDConnector(ECConnectorBase):
                 self.settings.for_data_parallel_rank(parallel.data_parallel_rank_local or 0),
                 self.width,
                 self.dtype,
-                vllm_config.model_config.served_model_name,
+                engine_description(vllm_config, width, deepstack_levels=0),
                 loading_ranks=parallel.tensor_parallel_size,
             )
         else:

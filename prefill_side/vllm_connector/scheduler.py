@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from epdserve.data_plane.shm import namespace_id
 from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
 from epdserve.wire.ec_params import DeliveryReport, Identifier, ItemDelivery, TransferParams
+from epdserve.wire.fingerprint import EngineDescription
 from epdserve.wire.modality import BY_VLLM_NAME
 from epdserve.wire.states import ItemState, JobState
 from prefill_side.vllm_connector.loads import Load
@@ -83,12 +84,13 @@ class SchedulerSide:
         settings: ConnectorSettings,
         width: int,
         dtype: str,
-        model_name: str = "unnamed",
+        engine: EngineDescription,
         loading_ranks: int = 1,
     ):
-        """``loading_ranks``: the model-runner ranks that load each item's rows (the first
-        pipeline stage's tensor-parallel ranks); a slot is held until each of them reported its
-        load done."""
+        """``engine``: the model this engine runs (rooms registered with its fingerprint, rows of
+        another refused; served on ``http_port``). ``loading_ranks``: the model-runner ranks that
+        load each item's rows (the first pipeline stage's tensor-parallel ranks); a slot is held
+        until each of them reported its load done."""
         from epdserve.data_plane.mooncake import MooncakeConfig
         from epdserve.data_plane.transport import build_transports
         from epdserve.process_settings.secrets import handshake_token
@@ -100,6 +102,7 @@ class SchedulerSide:
             dtype=dtype,
             handshake_token=handshake_token(settings.handshake_token_file),
             zero_copy=True,
+            model_fingerprint=engine.fingerprint.compact,
         )
         if settings.mooncake_engine == "kv_connector" and "mooncake" in settings.transports:
             from epdserve.data_plane.mooncake import MooncakeTransport
@@ -121,23 +124,24 @@ class SchedulerSide:
         self.segment = self.receiver.pool.region.shm.name
         self.namespace = namespace_id()
         self.loading_ranks = loading_ranks
-        self.metrics_server = None
-        if settings.metrics_port is not None:
-            from prometheus_client import start_http_server
-
+        self.engine = engine
+        self.http = None
+        if settings.http_port is not None:
             from epdserve.metrics import exposition_registry
+            from prefill_side.vllm_connector.http import ConnectorHttp
 
             try:
-                self.metrics_server, _ = start_http_server(
-                    settings.metrics_port,
-                    addr=settings.metrics_host,
-                    registry=exposition_registry(self.receiver.registry, model_name),
+                self.http = ConnectorHttp(
+                    settings.http_host,
+                    settings.http_port,
+                    exposition_registry(self.receiver.registry, engine.served_model_name),
+                    engine,
                 )
             except OSError as exc:
                 self.receiver.close()
                 raise ValueError(
-                    f"EPDConnector: cannot serve metrics on {settings.metrics_host} port "
-                    f"{settings.metrics_port}: {exc}"
+                    f"EPDConnector: cannot serve on {settings.http_host} port "
+                    f"{settings.http_port} (http_port): {exc}"
                 ) from None
         self.width, self.dtype = width, dtype
         self.requests: dict[str, Received] = {}  # request id -> the receive it takes rows from
@@ -159,9 +163,8 @@ class SchedulerSide:
             received.job.release()
         self.requests.clear()
         self.by_rooms.clear()
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-            self.metrics_server.server_close()
+        if self.http is not None:
+            self.http.close()
         self.receiver.close()
 
     def ensure(self, request: Request) -> bool:

@@ -22,21 +22,22 @@ class ConnectorSettings(ReceiverSettings, ReceiverTransportSettings):
     # process has one engine, whose host (VLLM_HOST_IP), devices and protocol are that
     # connector's; the three mooncake_* settings above are then refused.
     mooncake_engine: Literal["own", "kv_connector"] = "own"
-    # The receiver's metrics (Prometheus, each family labelled model_name) on this port of the
-    # process the scheduler runs in: vLLM's own /metrics is served by its API server process,
-    # which does not see this one's registries. None: not served. A data-parallel engine serves
-    # its own on this port plus its local data-parallel rank.
-    metrics_port: int | None = Field(None, ge=1, le=65535)
-    # The address metrics_port binds: loopback unless set (vLLM's --host is its API server's,
-    # which this process does not see); a pod whose metrics are scraped sets 0.0.0.0.
-    metrics_host: str = Field("127.0.0.1", min_length=1, max_length=255)
+    # The connector's HTTP port in the process the scheduler runs in (vllm_connector.http): the
+    # receiver's metrics (Prometheus, each family labelled model_name; vLLM's own /metrics is
+    # served by its API server process, which does not see this one's registries) and
+    # /v1/engine, the model this engine runs (a gateway reads it). None: not served. A
+    # data-parallel engine serves its own on this port plus its local data-parallel rank.
+    http_port: int | None = Field(None, ge=1, le=65535)
+    # The address http_port binds: loopback unless set (vLLM's --host is its API server's,
+    # which this process does not see); a pod scraped or read by a gateway sets 0.0.0.0.
+    http_host: str = Field("127.0.0.1", min_length=1, max_length=255)
 
     def for_data_parallel_rank(self, rank: int) -> ConnectorSettings:
-        """The settings of one data-parallel engine: ``metrics_port`` moved up by its local rank
+        """The settings of one data-parallel engine: ``http_port`` moved up by its local rank
         (engines on one host serve their receivers on ports of their own)."""
-        if self.metrics_port is None or rank == 0:
+        if self.http_port is None or rank == 0:
             return self
-        return self.model_copy(update={"metrics_port": self.metrics_port + rank})
+        return self.model_copy(update={"http_port": self.http_port + rank})
 
     @model_validator(mode="after")
     def _one_owner_of_the_engines_settings(self) -> ConnectorSettings:
