@@ -2,7 +2,6 @@
 prefill processes (`epd-prefill`), and the dispatcher here, over Mooncake TCP and SHM."""
 
 import asyncio
-import glob
 import json
 import os
 import subprocess
@@ -20,12 +19,13 @@ from epdserve.testing.images import synthetic_image
 from epdserve.vision.small_checkpoints import build_vision_only
 from epdserve.wire.room_client import HandshakeClient
 from epdserve.wire.rooms import RoomState
+from tests.segments import left_since, segments
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = build_vision_only("qwen2_5_vl", str(tmp_path_factory.mktemp("tower")), out_width=512)
-    before = set(glob.glob("/dev/shm/epd-*"))
+    before = segments()
     with LocalCluster(model) as running:
         roles = {
             "a": running.start_encode_worker("worker-a"),
@@ -53,7 +53,7 @@ def cluster(tmp_path_factory):
         ("worker-a", "worker-b", "prefill-mooncake", "prefill-shm"), 0
     )  # clean SIGTERM exits
     time.sleep(0.2)
-    assert set(glob.glob("/dev/shm/epd-*")) - before == set()
+    assert left_since(before) == set()
 
 
 def _processor(cluster):
@@ -182,7 +182,7 @@ def test_a_worker_leaving_mid_run_fails_its_items_fast_and_the_rest_move_on(clus
             assert row["fallback"] is False and row["verified"] is True
     assert elapsed < 10
     assert all(item.worker == roles["a"].worker.name and item.error is None for item in after)
-    assert status[roles["c"].worker.name] != "healthy"
+    assert status[roles["c"].worker.name] != "ready"
 
 
 def test_a_request_larger_than_the_receive_pool_is_refused_and_frees_its_rooms(cluster):

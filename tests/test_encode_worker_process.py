@@ -1,7 +1,6 @@
 """`epd-encode-worker` as its own process: real Mooncake TCP and SHM writes into this process,
 readiness and metrics over HTTP, and a clean SIGTERM."""
 
-import glob
 import os
 import signal
 import socket
@@ -23,6 +22,7 @@ from epdserve.wire.intake import IntakeClient
 from epdserve.wire.room_client import SyncHandshakeClient
 from epdserve.wire.rooms import RoomState
 from tests.encode_helpers import RestReceiver, png
+from tests.segments import left_since, segments
 from tests.waiting import eventually
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,7 +118,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker_process(checkpoint):
-    before = set(glob.glob("/dev/shm/epd-*"))
+    before = segments()
     process, url, intake = spawn_worker(checkpoint)
     try:
         yield process, url, intake, VisionTower.load(checkpoint)
@@ -127,7 +127,7 @@ def worker_process(checkpoint):
             process.send_signal(signal.SIGTERM)
             process.wait(30)
     assert process.returncode == 0
-    assert set(glob.glob("/dev/shm/epd-*")) - before == set()
+    assert left_since(before) == set()
 
 
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
