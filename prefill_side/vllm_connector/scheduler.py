@@ -107,9 +107,10 @@ class SchedulerSide:
         if settings.mooncake_engine == "kv_connector" and "mooncake" in settings.transports:
             from epdserve.data_plane.mooncake import MooncakeTransport
 
-            engine, host = kv_connector_transfer_engine()
+            transfer_engine, host = kv_connector_transfer_engine()
             configs = {"mooncake": MooncakeConfig(hostname=host)}
-            MooncakeTransport.adopt(engine, configs["mooncake"])  # build_transports finds it
+            # build_transports finds it
+            MooncakeTransport.adopt(transfer_engine, configs["mooncake"])
         else:
             configs = settings.transport_configs(settings.mooncake_host)
         self.receiver = PrefillReceiver(
