@@ -23,9 +23,15 @@ class BusyWorker:
     """A worker whose rooms are real (a handshake server) and whose intake refuses every item
     busy (``reason``) with ``retry_after_s``, counting the messages it is sent."""
 
-    def __init__(self, reason: str = "queue full", retry_after_s: float = QUEUE_FULL_RETRY_S):
+    def __init__(
+        self,
+        reason: str = "queue full",
+        retry_after_s: float = QUEUE_FULL_RETRY_S,
+        fingerprint=None,
+    ):
+        """``fingerprint``: the model it says it serves in /readyz (None: it says none)."""
         self.table = RoomTable()
-        self.server = ThreadedServer(create_app(self.table)).start()
+        self.server = ThreadedServer(create_app(self.table, fingerprint=fingerprint)).start()
         self.items = 0  # items refused (a dispatcher sends an item in a batch message)
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)

@@ -198,3 +198,23 @@ def loopback_stack(tower, local_tower=None, worker=None, receiver=None):
     finally:
         prefill.close()
         encode_worker.stop()
+
+
+def other_weights(model: str, directory) -> str:
+    """A copy of the checkpoint ``model`` in ``directory`` (give it ``model``'s folder name: the
+    same served name) whose vision weights are others: the same architecture, another model."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, directory)
+    generator = torch.Generator().manual_seed(5)
+    for path in directory.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if name.startswith(("visual.", "model.visual.")) and tensor.is_floating_point():
+                noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+                tensors[name] = tensor + (0.05 * noise).to(tensor.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return str(directory)

@@ -551,8 +551,11 @@ def test_dispatch_exits_non_zero_when_the_prefill_process_fails_items(checkpoint
     [
         (
             "epdserve.gateway.cli",
-            ["--vllm-url", "http://127.0.0.1:9", "--workers", "127.0.0.1:9:10"],
-            "epd-gateway ready: http://127.0.0.1:{port}",
+            [
+                *("--vllm-url", "http://127.0.0.1:9", "--engine-url", "http://127.0.0.1:9"),
+                *("--workers", "127.0.0.1:9:10"),
+            ],
+            "epd-gateway serving: http://127.0.0.1:{port}",
         ),
         ("handshake.server", [], "epd-handshake serving rooms on http://127.0.0.1:{port}"),
         (

@@ -7,8 +7,10 @@ colocated answer to the same images (vLLM's tower, called directly)."""
 import base64
 import concurrent.futures
 import io
+import json
 import os
 import signal
+import urllib.error
 import urllib.request
 
 import pytest
@@ -22,7 +24,7 @@ from epdserve.dispatcher.workers import WorkerAddress  # noqa: E402
 from epdserve.testing.cluster import HOST, LocalCluster, free_port  # noqa: E402
 from epdserve.testing.images import synthetic_image  # noqa: E402
 from epdserve.vision.vlm_checkpoints import cached_vlm  # noqa: E402
-from tests.encode_helpers import mp4, webm  # noqa: E402
+from tests.encode_helpers import mp4, other_weights, webm  # noqa: E402
 from tests.image_server import serving  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
@@ -39,6 +41,19 @@ CONNECTOR = {
         "quarantine_s": 2,
     },
 }
+
+
+def readiness(url: str) -> tuple[int, dict]:
+    """A gateway's (or worker's) ``/readyz``: its status and its JSON."""
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as answer:
+        return answer.code, json.loads(answer.read())
+
+
+def knows_the_engine(gateway) -> bool:
+    return "engine" in readiness(gateway.url)[1]
 
 
 def data_uri(image: bytes, kind: str = "png") -> str:
@@ -87,21 +102,23 @@ class Stack:
             extra=("--distributed-executor-backend", "mp"),
         )
         self.gateway = self.cluster.start_gateway(
-            self.vllm.url,
+            self.vllm,
             [self.worker.worker],
             extra=("--allow-private-urls", "--max-image-bytes", "1M"),
         )
         # a worker that can reach no receiver (it offers loopback only): every room it takes fails
         self.stranger = self.cluster.start_encode_worker("worker-loopback", transports="loopback")
         self.retrying = self.cluster.start_gateway(
-            self.vllm.url, [self.stranger.worker], name="gateway-retrying"
+            self.vllm, [self.stranger.worker], name="gateway-retrying"
         )
         nobody = WorkerAddress(HOST, free_port(), free_port())  # no worker listens there
         self.lonely = self.cluster.start_gateway(
-            self.vllm.url, [nobody], name="gateway-without-workers"
+            self.vllm, [nobody], name="gateway-without-workers"
         )
         self.cluster.wait_ready()
         eventually(self.vllm.healthy, "the vLLM server answering /health", seconds=300)
+        for gateway in (self.gateway, self.retrying, self.lonely):
+            eventually(lambda: knows_the_engine(gateway), f"{gateway.name} reading vLLM's engine")
         from epdserve.bench.benchmarks.vllm import descendants
 
         assert len(descendants(self.vllm.process.pid)) >= 2, (
@@ -559,10 +576,11 @@ def test_data_parallel_engines_each_take_rows_with_a_receiver_of_their_own(tmp_p
         {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # a core for each engine's model runner
         ("--data-parallel-size", "2"),
     )
-    gateway = cluster.start_gateway(server.url, [worker.worker])
+    gateway = cluster.start_gateway(server, [worker.worker])
     try:
         cluster.wait_ready()
         eventually(server.healthy, "the vLLM server answering /health", seconds=300)
+        eventually(lambda: knows_the_engine(gateway), "the gateway reading vLLM's engine")
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0)
         direct = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
 
@@ -598,3 +616,259 @@ def test_data_parallel_engines_each_take_rows_with_a_receiver_of_their_own(tmp_p
         server.stop()
         codes = cluster.stop()
     assert codes == {name: 0 for name in codes}, codes
+
+
+# ---- one model on every side -------------------------------------------------------------------
+
+
+class OtherModels:
+    """Encode workers that run another model than vLLM's, under the name vLLM serves (what an
+    operator's rollout gets wrong), beside the stack's own worker: the same architecture with
+    other weights in a folder of the same name, Qwen2.5-VL renamed to it, the model with other
+    processor settings, the model in another dtype. A gateway in front of all of them and the
+    stack's worker, one in front of these alone."""
+
+    # what each differs in, as the gateway says it
+    DIFFERENCES = {
+        "weights": "the vision weights differ",
+        "family": "(qwen2_5_vl against qwen2_vl)",
+        "preprocessing": 'the image preprocessing differs: size {"longest_edge": 100352',
+        "dtype": "the dtype differs: bfloat16 (the worker), float32 (the engine)",
+    }
+
+    def __init__(self, stack: Stack, scratch):
+        cluster, name = stack.cluster, os.path.basename(stack.model)
+        self.workers = {
+            "weights": cluster.start_encode_worker(
+                "worker-other-weights",
+                transports="shm",
+                model=other_weights(stack.model, scratch / name),
+            ),
+            "family": cluster.start_encode_worker(
+                "worker-other-family",
+                transports="shm",
+                model=cached_vlm("qwen2_5_vl"),
+                extra=("--served-model-name", name),
+            ),
+            "preprocessing": cluster.start_encode_worker(
+                "worker-other-preprocessing",
+                transports="shm",
+                extra=("--mm-processor-kwargs", '{"max_pixels": 100352}'),
+            ),
+            "dtype": cluster.start_encode_worker(
+                "worker-other-dtype", transports="shm", dtype="bfloat16"
+            ),
+        }
+        addresses = [role.worker for role in self.workers.values()]
+        self.everyone = cluster.start_gateway(
+            stack.vllm, [stack.worker.worker, *addresses], name="gateway-every-worker"
+        )
+        self.others = cluster.start_gateway(stack.vllm, addresses, name="gateway-other-models")
+        cluster.wait_ready()
+        for gateway in (self.everyone, self.others):
+            eventually(
+                lambda: readiness(gateway.url)[0] == 200, f"{gateway.name} ready", seconds=60
+            )
+
+
+@pytest.fixture(scope="module")
+def other_models(stack, tmp_path_factory):
+    return OtherModels(stack, tmp_path_factory.mktemp("other-models"))
+
+
+def test_a_worker_of_another_model_is_out_of_rotation_and_says_what_differs(stack, other_models):
+    """Other weights under the same name, another family renamed to it, other processor
+    settings, another dtype: each worker is ready itself, and the gateway keeps it out of
+    rotation, says why in /readyz (the part that differs, with both sides' values) and counts it;
+    the worker of vLLM's model is in rotation."""
+    status, ready = readiness(other_models.everyone.url)
+    assert status == 200 and ready["engine"]["model_type"] == "qwen2_vl"
+    workers = ready["encode_workers"]
+    assert workers[stack.worker.worker.name] == "ready"
+    for case, role in other_models.workers.items():
+        assert readiness(role.url)[0] == 200  # ready on its own
+        said = workers[role.worker.name]
+        assert said.startswith("incompatible: ") and OtherModels.DIFFERENCES[case] in said, said
+    url = other_models.everyone.url
+    assert metric(url, "epd_gateway_encode_workers", state="incompatible") == 4
+    assert metric(url, "epd_gateway_encode_workers", state="ready") == 1
+
+
+def test_images_for_workers_of_another_model_get_vllms_own_answer(stack, other_models):
+    """A gateway whose workers all run another model than vLLM's: every image goes to vLLM
+    inline, the answer equals vLLM's colocated one, the answer says why, and no worker was sent
+    an item (nothing encoded for nothing)."""
+    client = openai.OpenAI(
+        base_url=other_models.others.url + "/v1", api_key="-", max_retries=0, timeout=120
+    )
+    images = [data_uri(synthetic_image(112, 84, seed=90)), data_uri(synthetic_image(84, 84, 91))]
+    try:
+        answer = stack.ask(client, images)
+    finally:
+        client.close()
+    assert answer.choices[0].message.content == stack.colocated(images)
+    for report in answer.model_extra["epd"]["images"]:
+        assert report["encoder"] == "colocated"
+        assert "incompatible: " in report["error"], report["error"]
+    url = other_models.others.url
+    assert metric(url, "epd_gateway_colocated_fallbacks_total", reason="no_compatible_worker") == 2
+    for role in other_models.workers.values():
+        assert metric(role.url, "epd_encoder_intake_total") == 0
+
+
+def test_a_wrong_worker_replaced_by_a_right_one_serves_the_same_image_right(stack, tmp_path):
+    """One worker address behind a gateway that starts first: the gateway says it waits for it;
+    a worker of other weights comes up there (out of rotation: the image is vLLM's own answer);
+    it is replaced by a worker of vLLM's model at the same address, which joins, and the same
+    image, under another prompt too, is now encoded by it and still equals vLLM's own answer."""
+    cluster = stack.cluster
+    address = WorkerAddress(HOST, free_port(), free_port())
+    gateway = cluster.start_gateway(
+        stack.vllm, [address], name="gateway-swap", extra=("--worker-wait-s", "600")
+    )
+    cluster.wait_ready()
+    eventually(
+        lambda: "waiting up to 600 s" in readiness(gateway.url)[1]["status"],
+        "the gateway, knowing vLLM's engine, waiting for its worker",
+    )
+    status, ready = readiness(gateway.url)
+    assert status == 503 and "waiting up to 600 s for encode workers" in ready["status"]
+    assert "unreachable" in ready["encode_workers"][address.name]
+    name = os.path.basename(stack.model)
+    wrong = cluster.start_encode_worker(
+        "worker-swap-wrong",
+        transports="shm",
+        model=other_weights(stack.model, tmp_path / name),
+        address=address,
+    )
+    cluster.wait_ready()
+    eventually(lambda: readiness(gateway.url)[0] == 200, "the gateway ready once it knows")
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    image = data_uri(synthetic_image(100, 100, seed=93))
+    try:
+        first = stack.ask(client, [image])
+        (report,) = first.model_extra["epd"]["images"]
+        assert report["encoder"] == "colocated" and "the vision weights differ" in report["error"]
+        assert first.choices[0].message.content == stack.colocated([image])
+        cluster.kill(wrong, signal.SIGTERM)
+        right = cluster.start_encode_worker("worker-swap-right", transports="shm", address=address)
+        cluster.wait_ready()
+        eventually(
+            lambda: readiness(gateway.url)[1]["encode_workers"][address.name] == "ready",
+            "the right worker in rotation",
+        )
+        again = stack.ask(client, [image])
+        (report,) = again.model_extra["epd"]["images"]
+        assert report["encoder"] == "encode_worker" and report["delivery"]["state"] == "DONE"
+        assert again.choices[0].message.content == first.choices[0].message.content
+        other_prompt = client.chat.completions.create(
+            model=stack.model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": image}},
+                    ],
+                }
+            ],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+        )
+        direct = stack.direct.chat.completions.create(
+            model=stack.model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": image}},
+                    ],
+                }
+            ],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+        )
+        assert other_prompt.choices[0].message.content == direct.choices[0].message.content
+        assert metric(right.url, "epd_encoder_intake_total") >= 2
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    "flag, value, said",
+    [
+        ("--mm-processor-kwargs", '{"max_pixels": 100352}', "differs from vLLM's"),
+        ("--limit-mm-per-prompt", '{"image": 8}', "differs from vLLM's"),
+    ],
+)
+def test_a_gateway_whose_flags_disagree_with_vllm_refuses_to_serve(stack, flag, value, said):
+    """Processor settings or per-prompt limits given to the gateway and not to vLLM: the gateway
+    reads vLLM's, refuses to serve (exit 1) and says what differs."""
+    gateway = stack.cluster.start_gateway(
+        stack.vllm,
+        [stack.worker.worker],
+        name=f"gateway-refusing{flag.replace('-', '_')}",
+        extra=(flag, value),
+    )
+    assert gateway.process.wait(120) == 1
+    with open(gateway.log_path) as log:
+        said_all = log.read()
+    assert f"epd-gateway: error: cannot serve vLLM at {stack.vllm.url}: {flag}" in said_all
+    assert said in said_all and "Traceback" not in said_all
+    stack.cluster.roles.remove(gateway)
+
+
+def test_more_images_than_vllm_takes_cost_no_encode(stack):
+    """vLLM's --limit-mm-per-prompt (4 here), read from vLLM: 5 images are refused by the gateway
+    (400) before any is sent to a worker."""
+    intake = metric(stack.worker.url, "epd_encoder_intake_total")
+    images = [data_uri(synthetic_image(64, 64 + i, seed=94 + i)) for i in range(5)]
+    with pytest.raises(openai.BadRequestError) as refused:
+        stack.ask(stack.client, images)
+    assert "At most 4 image(s) may be provided in one prompt, got 5" in refused.value.message
+    assert metric(stack.worker.url, "epd_encoder_intake_total") == intake
+
+
+def test_a_worker_killed_under_load_costs_no_request(stack):
+    """20 requests at once through a gateway whose one worker is killed (SIGKILL) while they are
+    served: every request is answered, each equal to vLLM's own answer; the ones the worker had
+    not delivered fall back at once: their reasons say the worker's connection or room stream
+    closed, none waited out the intake timeout (set to 120 s here, so one that did would fail the
+    test's own wait)."""
+    cluster = stack.cluster
+    doomed = cluster.start_encode_worker("worker-killed", transports="shm")
+    gateway = cluster.start_gateway(
+        stack.vllm,
+        [doomed.worker],
+        name="gateway-kill",
+        extra=("--intake-timeout-s", "120", "--stage-wait-s", "120"),
+    )
+    cluster.wait_ready()
+    eventually(lambda: readiness(gateway.url)[0] == 200, "the gateway ready", seconds=60)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="-", max_retries=0, timeout=100)
+    images = [data_uri(synthetic_image(112, 84 + 2 * i, seed=400 + i)) for i in range(20)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(images)) as pool:
+            answers = [pool.submit(stack.ask, client, [image]) for image in images]
+            eventually(
+                lambda: metric(doomed.url, "epd_encoder_intake_total") >= 4,
+                "the worker taking the first items",
+            )
+            cluster.kill(doomed)
+            answers = [answer.result(timeout=100) for answer in answers]
+    finally:
+        client.close()
+        cluster.roles.remove(doomed)
+    assert [a.choices[0].message.content for a in answers] == [
+        stack.colocated([image]) for image in images
+    ]
+    fell_back = [
+        report["error"]
+        for answer in answers
+        for report in answer.model_extra["epd"]["images"]
+        if report["encoder"] == "colocated"
+    ]
+    assert fell_back, "the kill came after every image was delivered"
+    for reason in fell_back:
+        assert "within" not in reason, reason  # none waited out a timeout

@@ -4,10 +4,12 @@ a 500), with vLLM unreachable."""
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -187,12 +189,40 @@ def test_redirects_are_bounded(image_server):
         asyncio.run(load(image_server + "/redirect/3", 2))
 
 
-def gateway_in_process(model: str, vllm_url: str | None = None, **settings):
-    """A ``Gateway`` (model name "m") over a small Qwen2-VL checkpoint built at ``model``, with
-    vLLM at ``vllm_url`` (default: a port where nothing listens) and no encode worker unless
-    ``workers`` names some."""
-    from transformers import AutoImageProcessor
+# vLLM's per-prompt limits, as the engine below says them
+LIMITS = {"image": 4, "video": 1}
 
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """The engine description the EPD connector would serve (``/v1/engine``) for vLLM running the
+    small Qwen2-VL checkpoint ``gateway_in_process`` builds (its seed makes every build the same
+    model), with ``LIMITS``: the description, served (``url``)."""
+    from epdserve.vision.fingerprint import tower_fingerprint
+    from epdserve.vision.small_checkpoints import build_full
+    from epdserve.vision.tower import VisionTower
+    from epdserve.wire.fingerprint import EngineDescription
+
+    model = build_full("qwen2_vl", str(tmp_path_factory.mktemp("engine-model")))
+    description = EngineDescription(
+        served_model_name="m",
+        fingerprint=tower_fingerprint(VisionTower.load(model)),
+        limit_mm_per_prompt=LIMITS,
+    )
+    document = description.model_dump_json().encode()
+    with serving({"/v1/engine": ("application/json", document)}) as url:
+        yield SimpleNamespace(url=url, description=description)
+
+
+@pytest.fixture(scope="module")
+def engine_url(engine):
+    return engine.url
+
+
+def gateway_in_process(model: str, engine_url: str, vllm_url: str | None = None, **settings):
+    """A ``Gateway`` (model name "m") over a small Qwen2-VL checkpoint built at ``model``, in
+    front of the engine ``engine_url`` describes, with vLLM at ``vllm_url`` (default: a port where
+    nothing listens) and no encode worker unless ``workers`` names some."""
     from epdserve.gateway.app import Gateway, GatewaySettings
     from epdserve.vision.small_checkpoints import build_full
 
@@ -201,25 +231,35 @@ def gateway_in_process(model: str, vllm_url: str | None = None, **settings):
     config = GatewaySettings(
         model=model,
         vllm_url=vllm_url or f"http://{HOST}:{free_port()}",
+        engine_url=engine_url,
         served_model_name="m",
+        worker_wait_s=0,
         **settings,
     )
-    return Gateway(config, AutoImageProcessor.from_pretrained(model))
+    return Gateway(config)
 
 
-@pytest.fixture(scope="module")
-def app_without_vllm(tmp_path_factory):
-    """The gateway app in-process: vLLM at a port where nothing listens, no encode worker."""
+@contextlib.contextmanager
+def serving_in_process(gateway):
+    """A ``TestClient`` of ``gateway``'s app, once the gateway is ready (it has read its engine
+    and probed its workers)."""
     from fastapi.testclient import TestClient
 
     from epdserve.gateway.app import build_app
+    from tests.waiting import eventually
 
-    gateway = gateway_in_process(
-        str(tmp_path_factory.mktemp("model")),
-        max_body_bytes=1 << 20,
-        limit_mm_per_prompt='{"image": 4, "video": 1}',
-    )
     with TestClient(build_app(gateway)) as client:
+        eventually(lambda: gateway.not_ready() is None, "the gateway ready")
+        yield client
+
+
+@pytest.fixture(scope="module")
+def app_without_vllm(tmp_path_factory, engine_url):
+    """The gateway app in-process: vLLM at a port where nothing listens, no encode worker."""
+    gateway = gateway_in_process(
+        str(tmp_path_factory.mktemp("model")), engine_url, max_body_bytes=1 << 20
+    )
+    with serving_in_process(gateway) as client:
         yield client
 
 
@@ -312,16 +352,13 @@ def test_bodies_that_are_not_json_or_too_large(app_without_vllm):
     )
 
 
-def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path):
+def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path, engine_url):
     """With vLLM not answering (a socket that accepts and never replies), the one request the
     gateway may hold waits; the next gets 503 with Retry-After at once; the held one ends with
     502 when its time is up."""
     import socket
     import threading
 
-    from fastapi.testclient import TestClient
-
-    from epdserve.gateway.app import build_app
     from tests.waiting import eventually
 
     silent = socket.socket()
@@ -329,13 +366,14 @@ def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path):
     silent.listen(8)
     gateway = gateway_in_process(
         str(tmp_path),
+        engine_url,
         f"http://{HOST}:{silent.getsockname()[1]}",
         max_in_flight=1,
         request_timeout_s=3,
     )
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
     try:
-        with TestClient(build_app(gateway)) as client:
+        with serving_in_process(gateway) as client:
             held = {}
             waiting = threading.Thread(
                 target=lambda: held.setdefault(
@@ -378,8 +416,11 @@ def test_slow_uploads_and_hang_ups_hold_nothing(tmp_path):
 
     build_full("qwen2_vl", str(tmp_path / "model"))
     cluster = LocalCluster(str(tmp_path / "model"), log_dir=str(tmp_path))
+    unreachable = SimpleNamespace(  # no vLLM, no engine listens there
+        url=f"http://{HOST}:{free_port()}", engine_url=f"http://{HOST}:{free_port()}"
+    )
     gateway = cluster.start_gateway(
-        f"http://{HOST}:{free_port()}",
+        unreachable,
         [WorkerAddress(HOST, free_port(), free_port())],
         extra=("--max-in-flight", "4", "--body-timeout-s", "2"),
     )
@@ -454,8 +495,9 @@ def test_unknown_paths_and_wrong_methods_answer_in_openais_shape(app_without_vll
 
 
 def test_more_images_than_vllm_takes_are_refused_before_any_encode(app_without_vllm):
-    """--limit-mm-per-prompt (vLLM's): 5 images where 4 are taken is a 400 at once, before any
-    worker encodes them (vLLM would refuse the request after the workers had)."""
+    """vLLM's --limit-mm-per-prompt, read from its engine (the gateway is given none): 5 images
+    where 4 are taken is a 400 at once, before any worker encodes them (vLLM would refuse the
+    request after the workers had)."""
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     answer = app_without_vllm.post(
         "/v1/chat/completions",
@@ -465,16 +507,13 @@ def test_more_images_than_vllm_takes_are_refused_before_any_encode(app_without_v
     assert "At most 4 image(s) may be provided in one prompt, got 5" in answer.text
 
 
-def test_bodies_being_received_are_bounded_in_bytes(tmp_path):
+def test_bodies_being_received_are_bounded_in_bytes(tmp_path, engine_url):
     """--max-receiving-bytes: a body that would take the bytes being received past it is refused
     (503, Retry-After), and the bytes come back once a body is in."""
-    from fastapi.testclient import TestClient
 
-    from epdserve.gateway.app import build_app
-
-    gateway = gateway_in_process(str(tmp_path), max_receiving_bytes=1000)
+    gateway = gateway_in_process(str(tmp_path), engine_url, max_receiving_bytes=1000)
     small = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
-    with TestClient(build_app(gateway)) as client:
+    with serving_in_process(gateway) as client:
         refused = client.post("/v1/chat/completions", content=small + " " * 2000)
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
         assert "--max-receiving-bytes" in refused.json()["error"]["message"]
@@ -483,19 +522,20 @@ def test_bodies_being_received_are_bounded_in_bytes(tmp_path):
 
 
 def test_a_request_the_busy_encode_workers_cannot_take_in_time_is_refused_with_retry_after(
-    tmp_path,
+    tmp_path, engine
 ):
     """Every worker refuses the image as busy past its deadline: the request is refused (503,
     Retry-After from the worker's), not sent to vLLM inline (vLLM being unreachable, a 502 would
     mean it was), and no room is left behind."""
-    from fastapi.testclient import TestClient
 
-    from epdserve.gateway.app import build_app
-
-    busy = BusyWorker("busy: about 40.0 s of work queued ahead", retry_after_s=19.2)
+    busy = BusyWorker(
+        "busy: about 40.0 s of work queued ahead",
+        retry_after_s=19.2,
+        fingerprint=engine.description.fingerprint,
+    )
     try:
-        gateway = gateway_in_process(str(tmp_path), workers=(busy.address,))
-        with TestClient(build_app(gateway)) as client:
+        gateway = gateway_in_process(str(tmp_path), engine.url, workers=(busy.address,))
+        with serving_in_process(gateway) as client:
             image = base64.b64encode(synthetic_image(64, 64, 1)).decode()
             content = [
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image}},

@@ -124,7 +124,7 @@ def test_a_worker_on_ipv6_loopback_delivers(tmp_path, no_new_segments):
         async def run():
             workers = WorkerSet([address], check_timeout_s=2)
             await workers.refresh()
-            assert workers.status() == {address.name: "healthy"}
+            assert workers.status() == {address.name: "ready"}
             dispatcher = Dispatcher(workers, AutoImageProcessor.from_pretrained(model))
             try:
                 items = await dispatcher.dispatch(

@@ -419,11 +419,10 @@ def test_gateway_reaches_vllm_and_the_encoders_and_all_three_serve_one_checkpoin
         assert engine.served_model_name == [name], (
             "what clients send as `model`, the gateway's name too"
         )
-    (limits,) = {json.dumps(engine.limit_mm_per_prompt, sort_keys=True) for _, engine in engines}
     for template, gateway in gateways:
         assert gateway.model == model
-        assert json.dumps(gateway.limit_mm_per_prompt, sort_keys=True) == limits, (
-            "the gateway refuses what vLLM would, before the workers encode it"
+        assert gateway.limit_mm_per_prompt is None and not gateway.mm_processor_kwargs, (
+            "the gateway takes vLLM's limits and processor settings from vLLM (--engine-url)"
         )
         assert (gateway.served_model_name or os.path.basename(gateway.model)) == name, (
             "intake refuses other names"
@@ -437,6 +436,12 @@ def test_gateway_reaches_vllm_and_the_encoders_and_all_three_serve_one_checkpoin
         ]
         assert reached and len(reached) == len(local if colocated else engines), gateway.vllm_url
         assert bool(local) == colocated and ("127.0.0.1" in gateway.vllm_url) == colocated
+        described = [  # and the same engines' connectors describe what they run
+            e
+            for t, e in (local if colocated else engines)
+            if _service_port(objects, gateway.engine_url, t) == e.connector.http_port
+        ]
+        assert len(described) == len(reached), gateway.engine_url
         # the encode workers: its own pod's only (SHM reaches no other pod), else the headless
         # Service
         if colocated:
@@ -686,7 +691,7 @@ def test_network_policies_open_each_port_to_its_peers_only(rendered, variant):
             elif program == VLLM:  # same-node: the pod's own gateway calls it over loopback
                 expected = {"monitoring"} if colocated else {"dispatcher", "monitoring"}
                 assert admitted(policies, template, args.port) == expected
-                assert admitted(policies, template, args.connector.http_port) == {"monitoring"}
+                assert admitted(policies, template, args.connector.http_port) == expected
             elif program == "epd-gateway":  # the front door: clients from anywhere
                 assert admitted(policies, template, args.port) == set(SOURCES)
                 assert admitted(policies, template, args.port + 1) == set()

@@ -18,7 +18,10 @@ REQUIRED = {
     PrefillSettings: [],
     HandshakeSettings: [],
     DispatchSettings: ["--model", "m", "--workers", "h", "a.png"],
-    GatewaySettings: ["--model", "m", "--workers", "h", "--vllm-url", "http://v:8000"],
+    GatewaySettings: [
+        *("--model", "m", "--workers", "h"),
+        *("--vllm-url", "http://v:8000", "--engine-url", "http://v:8001"),
+    ],
 }
 
 
@@ -160,7 +163,10 @@ def test_shared_groups_read_each_process_prefix(monkeypatch):
     monkeypatch.setenv("EPD_GATEWAY_WORKERS", "10.0.0.5,[fd00::6]:9000:9001")
     monkeypatch.setenv("EPD_DISPATCH_DNS", "epd-encode-workers")
     gateway = GatewaySettings.from_command_line(
-        ["--model", "/models/Qwen2.5-VL-7B-Instruct", "--vllm-url", "http://v:8000/"]
+        [
+            *("--model", "/models/Qwen2.5-VL-7B-Instruct"),
+            *("--vllm-url", "http://v:8000/", "--engine-url", "http://v:8001"),
+        ]
     )
     assert [(w.host, w.bootstrap_port, w.intake_port) for w in gateway.workers] == [
         ("10.0.0.5", 8990, 8999),
@@ -186,12 +192,18 @@ print("dir", directory)
 print("family", VisionTower.load(directory).info.family)
 print("name", served_name("epd-tests/tiny-qwen2_5-vl"))
 gateway = GatewaySettings.from_command_line(
-    ["--model", "epd-tests/tiny-qwen2_5-vl", "--workers", "127.0.0.1", "--vllm-url", "http://v:1"]
+    ["--model", "epd-tests/tiny-qwen2_5-vl", "--workers", "127.0.0.1", "--vllm-url", "http://v:1",
+     "--engine-url", "http://v:2"]
 )
 print("gateway", gateway.served_model_name, gateway.image_processor().merge_size)
-from epdserve.gateway.app import Gateway
-served = Gateway(gateway, gateway.image_processor(), gateway.video_processor())
-print("video_seconds", served.video_seconds)  # Qwen2.5-VL's, found by its family through the id
+from epdserve.gateway.engine import EngineModel
+from epdserve.vision.fingerprint import tower_fingerprint
+from epdserve.wire.fingerprint import EngineDescription
+engine = EngineModel.agree(gateway, EngineDescription(
+    served_model_name="m", fingerprint=tower_fingerprint(VisionTower.load(directory))
+))
+# Qwen2.5-VL's, found by its family through the id
+print("video_seconds", engine.family.video_seconds and engine.video_processor is not None)
 try:
     check_checkpoint("epd-tests/not-cached")
 except SettingError as exc:

@@ -541,6 +541,51 @@ def test_worker_killed_mid_request(stack):
     eventually(stack.pool_idle, "every slot back in the pool", seconds=30)
 
 
+def test_rows_of_another_model_never_enter_the_engine(stack, tmp_path):
+    """A worker of other vision weights under the same name, sent the item by a dispatcher that
+    does not say the engine's model (so intake takes it): the worker fails the room when vLLM's
+    receiver registers it for its own model, no row is written or offered; the request with its
+    image gets vLLM's own tokens, the report says why; the one with its grid alone fails alone;
+    the same image from the engine's own model's worker is served right afterwards."""
+    from tests.encode_helpers import other_weights
+
+    wrong = stack.cluster.start_encode_worker(
+        "worker-other-weights",
+        transports="shm",
+        model=other_weights(stack.model, tmp_path / os.path.basename(stack.model)),
+    )
+    stack.cluster.wait_ready()
+    for carries_image in (True, False):
+        image = synthetic_image(96, 84, seed=81 + carries_image)
+        colocated = stack.colocated(prompt_for(1), [image])
+        items = stack.dispatch([image], wrong)
+        request, params = vllm_request(
+            prompt_for(1),
+            items,
+            images=[Image.open(io.BytesIO(image)).convert("RGB")] if carries_image else None,
+        )
+        failed = stack.items("failed", "none")
+        output = stack.run(request, params)
+        assert stack.items("failed", "none") == failed + 1
+        if carries_image:
+            assert list(output.outputs[0].token_ids) == colocated
+            (delivery,) = output.ec_transfer_params["items"].values()
+            assert delivery["state"] == "FAILED" and "incompatible" in delivery["reason"]
+            assert "the vision weights" in delivery["reason"], delivery["reason"]
+        else:
+            assert output.outputs[0].finish_reason == "error"
+    eventually(
+        lambda: scraped(wrong.url, "epd_encoder_items_total", {"outcome": "failed"}) == 2,
+        "the wrong worker failing both rooms",
+    )
+    assert scraped(wrong.url, "epd_encoder_bytes_total", {}) == 0  # no row written
+    items = stack.dispatch([image], stack.workers["shm"])
+    assert list(stack.run(*vllm_request(prompt_for(1), items)).outputs[0].token_ids) == colocated
+    stack.cluster.kill(wrong, signal.SIGTERM)
+    stack.cluster.roles.remove(wrong)
+    eventually(stack.pool_idle, "every slot back in the pool", seconds=30)
+
+
 @pytest.fixture(scope="module")
 def tp_stack(tmp_path_factory):
     """Qwen2-VL (4 heads, 2 KV heads) on two tensor-parallel ranks, each a process of its own."""

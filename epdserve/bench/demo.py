@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             extra=("--distributed-executor-backend", "mp", "--enable-per-request-metrics"),
         )
         gateways = {
-            path: cluster.start_gateway(vllm.url, [worker.worker], name=f"gateway-{path}")
+            path: cluster.start_gateway(vllm, [worker.worker], name=f"gateway-{path}")
             for path, worker in workers.items()
         }
         cluster.wait_ready()

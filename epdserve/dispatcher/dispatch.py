@@ -38,6 +38,7 @@ from epdserve.wire.addresses import EncodeHandshake, Endpoint
 from epdserve.wire.intake import (
     AsyncIntakeClient,
     IntakeBusy,
+    IntakeLost,
     IntakeRefused,
     IntakeReply,
     IntakeRequest,
@@ -74,8 +75,12 @@ class Dispatcher:
         max_attempts: int = 3,
         sizing: Sizing = QWEN_VL,
         max_image_pixels: int = MAX_PIXELS,
+        fingerprint: str | None = None,
     ):
+        """``fingerprint``: the engine's model (compact): every item says it, and a worker of
+        another model refuses it (and leaves the ring)."""
         self.workers = workers
+        self.fingerprint = fingerprint
         self.sizer = MediaSizer(processor, video_processor, sizing, max_image_pixels)
         self.rooms_url = rooms_url  # a standalone room authority; None: rooms at each item's worker
         self.served_model = served_model
@@ -89,6 +94,12 @@ class Dispatcher:
         self._intakes: dict[str, AsyncIntakeClient] = {}
         # a worker that refused busy is not sent more until then (its answer would be the same)
         self._busy_until: dict[str, float] = {}
+
+    def size_for(self, processor, video_processor, sizing: Sizing, fingerprint: str | None) -> None:
+        """From now on, size items with these processors and rules, and send them for the model
+        of ``fingerprint`` (the engine's changed)."""
+        self.sizer = MediaSizer(processor, video_processor, sizing, self.sizer.max_image_pixels)
+        self.fingerprint = fingerprint
 
     async def close(self) -> None:
         if self._authority_rooms is not None:
@@ -164,8 +175,10 @@ class Dispatcher:
             if item.worker is None:
                 item.encode_handshake = None  # its rooms were not opened, are cancelled, or expire
                 if item.error is None:
-                    item.error = "no healthy encode worker" + (
-                        f" (tried {', '.join(item.attempts)})" if item.attempts else ""
+                    item.error = (
+                        f"no encode worker took it (tried {', '.join(item.attempts)})"
+                        if item.attempts
+                        else self.workers.why_none()
                     )
         return items
 
@@ -261,6 +274,7 @@ class Dispatcher:
                 IntakeRequest(
                     request_id=f"{request_id}.{item.index}",
                     model=self.served_model,
+                    fingerprint=self.fingerprint,
                     modality=item.modality,
                     content_hash=item.content_hash,
                     encode_handshake=item.encode_handshake,
@@ -286,10 +300,15 @@ class Dispatcher:
             return _IntakeOutcome(str(reply), unanswered=True)
         if isinstance(reply, IntakeBusy):
             return _IntakeOutcome(str(reply), self._busy(address, reply.retry_after_s))
+        if isinstance(reply, IntakeLost):  # the worker is gone: placed elsewhere at once
+            self.workers.mark_down(address, str(reply))
+            return _IntakeOutcome(str(reply), unanswered=True)
         if isinstance(reply, IntakeRefused):
             return _IntakeOutcome(str(reply))
         if reply.status is IntakeStatus.ACCEPTED:
             return _IntakeOutcome(None)
+        if reply.incompatible:
+            self.workers.mark_incompatible(address, reply.reason)
         if reply.retry_after_s is not None:
             self._busy(address, reply.retry_after_s)
         return _IntakeOutcome(f"refused: {reply.reason}", reply.retry_after_s)

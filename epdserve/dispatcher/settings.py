@@ -108,24 +108,26 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken, ModelNaming):
         except TowerLoadError as exc:
             raise SettingError(f"--model {self.model}: {exc}") from None
 
-    def image_processor(self):
-        """``--model``'s image processor (checked: a checkpoint directory with its config)."""
+    def image_processor(self, processor_kwargs: dict | None = None):
+        """``--model``'s image processor (checked: a checkpoint directory with its config), with
+        ``processor_kwargs`` over its config (default: ``--mm-processor-kwargs``)."""
         from transformers import AutoImageProcessor
 
         directory = check_checkpoint(self.model, weights=False)
+        kwargs = self.mm_processor_kwargs if processor_kwargs is None else processor_kwargs
         try:
-            return AutoImageProcessor.from_pretrained(
-                directory, local_files_only=True, **self.mm_processor_kwargs
-            )
+            return AutoImageProcessor.from_pretrained(directory, local_files_only=True, **kwargs)
         except (OSError, ValueError) as exc:
             raise SettingError(
                 f"--model {self.model}: cannot read its image processor config: {exc}"
             ) from None
 
-    def video_processor(self):
-        """``--model``'s video processor; None (logged) when the checkpoint has none."""
+    def video_processor(self, processor_kwargs: dict | None = None):
+        """``--model``'s video processor (``processor_kwargs`` as ``image_processor``'s); None
+        (logged) when the checkpoint has none."""
         from epdserve.vision.video import load_video_processor
 
         return load_video_processor(
-            check_checkpoint(self.model, weights=False), self.mm_processor_kwargs
+            check_checkpoint(self.model, weights=False),
+            self.mm_processor_kwargs if processor_kwargs is None else processor_kwargs,
         )

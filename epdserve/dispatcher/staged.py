@@ -3,14 +3,18 @@ for a receiver (``RoomView.staged``), watched over one room stream per worker en
 forwards the request then, so that the engine waits for a write (a millisecond) rather than for an
 encode, stepping its loop all the while.
 
-An item whose room ends first (the worker failed it) comes back with the reason: the gateway sends
-it to the engine inline. An item not staged within the wait, or whose stream broke, is forwarded
-as it is: the engine's connector waits for it, and falls back, as it would have without this."""
+An item whose room ends first (the worker failed it), or whose worker's stream closed (the worker
+stopped or died: ``lost`` is told, and the gateway takes the worker out of rotation), comes back
+with the reason: the gateway sends it to the engine inline. An item not staged within the wait is
+forwarded as it is: the engine's connector waits for it, and falls back, as it would have without
+this."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
 from epdserve.dispatcher.media import DispatchedItem
 from epdserve.wire.addresses import Endpoint
@@ -22,13 +26,24 @@ log = logging.getLogger(__name__)
 MAX_STREAMS = 256  # worker endpoints with an open stream; the oldest is closed beyond
 
 
+class _Lost(NamedTuple):
+    reason: str  # why the stream its room was watched over closed
+
+
 class StagedWatch:
-    def __init__(self, token: str | None, timeout_s: float = 5.0):
+    def __init__(
+        self,
+        token: str | None,
+        timeout_s: float = 5.0,
+        lost: Callable[[Endpoint, str], None] = lambda endpoint, reason: None,
+    ):
+        """``lost(endpoint, reason)``: a worker endpoint's stream closed under waiting items."""
         self.token = token
         self.timeout_s = timeout_s  # opening a stream
+        self.lost = lost
         self._streams: dict[Endpoint, tuple[HandshakeClient, RoomStreamClient]] = {}
         self._opening = OpenOnce()
-        self._waiting: dict[tuple[Endpoint, int], asyncio.Future[RoomResult | None]] = {}
+        self._waiting: dict[tuple[Endpoint, int], asyncio.Future[RoomResult | _Lost]] = {}
         self._readers: set[asyncio.Task] = set()
 
     async def until_staged(self, items: list[DispatchedItem], wait_s: float) -> dict[int, str]:
@@ -73,7 +88,9 @@ class StagedWatch:
             result = future.result() if future.done() else None
             if result is None:
                 continue
-            if not result.ok:
+            if isinstance(result, _Lost):
+                ended[index] = result.reason
+            elif not result.ok:
                 ended[index] = f"room lost at its encode worker: {result.error}"
             elif not result.view.staged:
                 view = result.view
@@ -120,8 +137,13 @@ class StagedWatch:
                     future = self._waiting.pop((endpoint, result.room), None)
                     if future is not None and not future.done():
                         future.set_result(result)
-        except HandshakeError as exc:  # what waits on it is forwarded as it is
+        except HandshakeError as exc:  # what waits on it goes to the engine inline
             log.info("room stream to %s closed: %s", endpoint, exc)
+            lost = _Lost(f"its encode worker's room stream closed ({exc}): the worker is gone")
+            waited = False
             for (where, _), future in list(self._waiting.items()):
                 if where == endpoint and not future.done():
-                    future.set_result(None)
+                    future.set_result(lost)
+                    waited = True
+            if waited:
+                self.lost(endpoint, lost.reason)

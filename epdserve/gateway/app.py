@@ -1,5 +1,12 @@
 """The gateway's HTTP face: OpenAI's chat completions in front of encode workers and vLLM.
 
+Before any request: what vLLM runs is read from vLLM itself (``engine``: its model's fingerprint,
+its processor kwargs and per-prompt limits, from the EPD connector's ``/v1/engine``) and followed;
+the gateway sizes items as vLLM would, refuses to serve when its own flags or checkpoint disagree
+with vLLM's, and keeps a worker of another model out of rotation. It is ready once it knows the
+engine and has probed its workers (and, for ``--worker-wait-s`` from then, waited for those still
+starting).
+
 Per request (``Gateway.chat``): read the body (bounded), find its images and videos, load each
 (``media``), hash and size each distinct one and place it on an encode worker (``dispatcher``),
 rewrite the body so vLLM gets each placed item as its patch grid and identifier, with the rooms in
@@ -40,8 +47,9 @@ from starlette.requests import ClientDisconnect
 from epdserve.dispatcher.dispatch import Dispatcher
 from epdserve.dispatcher.media import DispatchError, Media
 from epdserve.dispatcher.staged import StagedWatch
-from epdserve.dispatcher.workers import WorkerSet
+from epdserve.dispatcher.workers import INCOMPATIBLE, READY, WorkerSet
 from epdserve.gateway.chat import BodyBudget, ChatRequest, ChatRequestError, media_refs, read_chat
+from epdserve.gateway.engine import EngineMismatch, EngineModel, EngineUnreadable, read_engine
 from epdserve.gateway.errors import OpenAIError, UpstreamRefusal
 from epdserve.gateway.media import MediaError, MediaFetcher
 from epdserve.gateway.metrics import GatewayMetrics
@@ -59,37 +67,30 @@ from epdserve.wire.ec_params import DeliveryReport
 from epdserve.wire.modality import BY_VLLM_NAME
 
 log = logging.getLogger(__name__)
+ENGINE_INTERVAL_S = 2.0  # how often the engine's description is read again once known
+ENGINE_RETRY_S = 0.5  # ... while it is not known yet
 
 
 class Gateway:
     def __init__(
         self,
         settings: GatewaySettings,
-        processor,
-        video_processor=None,
         registry: CollectorRegistry | None = None,
+        on_refusal=lambda reason: None,
     ):
-        """``processor`` / ``video_processor``: the checkpoint's (no video processor: videos are
-        refused, 400)."""
+        """``on_refusal(reason)``: called once when the gateway's flags or checkpoint disagree
+        with the engine's (the process then stops: ``epd-gateway`` exits 1); until then, and
+        after, the gateway is not ready."""
         self.settings = settings
-        family = settings.family()
-        # the model's positions take a video's seconds per temporal patch (Qwen2.5-VL)
-        self.video_seconds = video_processor is not None and family.video_seconds
         self.workers = WorkerSet(
             list(settings.workers), settings.dns, settings.bootstrap_port, settings.intake_port
         )
-        self.dispatcher = Dispatcher(
-            self.workers,
-            processor,
-            video_processor,
-            rooms_url=settings.rooms_url,
-            served_model=settings.served_model_name,
-            handshake_token=settings.handshake_token,
-            intake_token=settings.intake_token,
-            intake_timeout_s=settings.intake_timeout_s,
-            sizing=family.sizing,
-            max_image_pixels=settings.max_image_pixels,
-        )
+        self.engine: EngineModel | None = None  # what vLLM runs, once read from vLLM
+        self.engine_known_at = 0.0
+        self.engine_problem = f"vLLM's engine not read yet ({settings.engine_url})"
+        self.refused: str | None = None
+        self.on_refusal = on_refusal
+        self.dispatcher: Dispatcher | None = None  # made once the engine is known
         self.reading = BodyBudget(settings.max_receiving_bytes)
         self.fetcher = MediaFetcher(
             settings.max_image_bytes,
@@ -102,7 +103,7 @@ class Gateway:
         self.upstream = Upstream(settings.vllm_url, settings.request_timeout_s)
         # rooms at a standalone authority say nothing of the workers' rows: no wait then
         self.staged = (
-            StagedWatch(settings.handshake_token)
+            StagedWatch(settings.handshake_token, lost=self._worker_lost)
             if settings.stage_wait_s > 0 and settings.rooms_url is None
             else None
         )
@@ -110,14 +111,15 @@ class Gateway:
 
     async def start(self) -> None:
         await self.upstream.start()
-        await self.workers.refresh()
+        self._spawn(self._follow_engine())
         self._spawn(self.workers.run())
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.dispatcher.close()
+        if self.dispatcher is not None:
+            await self.dispatcher.close()
         if self.staged is not None:
             await self.staged.close()
         await self.workers.close()
@@ -129,6 +131,91 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    # ---- the engine and readiness ------------------------------------------------------------
+
+    async def _follow_engine(self) -> None:
+        """Read the engine's description until known, then again every ``ENGINE_INTERVAL_S``."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            while self.refused is None:
+                try:
+                    self._learn(await read_engine(session, self.settings.engine_url))
+                except EngineUnreadable as exc:
+                    if self.engine is None:
+                        self.engine_problem = str(exc)
+                await asyncio.sleep(ENGINE_INTERVAL_S if self.engine else ENGINE_RETRY_S)
+
+    def _learn(self, description) -> None:
+        """The engine as vLLM describes it now: sizing made to agree with it, its model the one
+        items are sent for and workers are judged by; a disagreement refuses to serve."""
+        if self.engine is not None and description == self.engine.description:
+            return
+        try:
+            engine = EngineModel.agree(self.settings, description)
+        except EngineMismatch as exc:
+            self.refused = f"cannot serve vLLM at {self.settings.vllm_url}: {exc}"
+            log.error("%s", self.refused)
+            self.on_refusal(self.refused)
+            return
+        if self.engine is None:
+            log.info(
+                "vLLM runs %s (model %s; limits %s)",
+                description.served_model_name,
+                engine.fingerprint,
+                engine.limits,
+            )
+            self.engine_known_at = time.monotonic()
+            self.dispatcher = Dispatcher(
+                self.workers,
+                engine.processor,
+                engine.video_processor,
+                rooms_url=self.settings.rooms_url,
+                served_model=self.settings.served_model_name,
+                handshake_token=self.settings.handshake_token,
+                intake_token=self.settings.intake_token,
+                intake_timeout_s=self.settings.intake_timeout_s,
+                sizing=engine.family.sizing,
+                max_image_pixels=self.settings.max_image_pixels,
+                fingerprint=engine.fingerprint,
+            )
+        else:
+            log.warning("vLLM's model changed: now %s", engine.fingerprint)
+            self.dispatcher.size_for(
+                engine.processor, engine.video_processor, engine.family.sizing, engine.fingerprint
+            )
+        self.engine = engine
+        self.workers.set_engine(description.fingerprint)
+
+    def _worker_lost(self, endpoint, reason: str) -> None:
+        """A worker's room stream closed under waiting items: it leaves the ring now, not at
+        its next check."""
+        if endpoint.authority in self.workers.status():
+            self.workers.mark_down(self.workers.address(endpoint.authority), reason)
+
+    def not_ready(self) -> str | None:
+        """Why the gateway should get no requests now, or None: it must know the engine, have
+        probed its workers since, and (for ``--worker-wait-s`` from then) have seen each worker
+        ready or of another model."""
+        if self.refused is not None:
+            return self.refused
+        if self.engine is None:
+            return self.engine_problem
+        if self.workers.rounds == 0:
+            return "probing the encode workers"
+        waited = time.monotonic() - self.engine_known_at
+        if not self.workers.settled() and waited < self.settings.worker_wait_s:
+            return f"waiting up to {self.settings.worker_wait_s:g} s for encode workers to start"
+        return None
+
+    @property
+    def video_seconds(self) -> bool:
+        """Whether the model's positions take a video's seconds per temporal patch (Qwen2.5-VL)."""
+        engine = self.engine
+        return (
+            engine is not None
+            and engine.video_processor is not None
+            and (engine.family.video_seconds)
+        )
 
     # ---- one chat request -------------------------------------------------------------------
 
@@ -173,6 +260,13 @@ class Gateway:
             refs = media_refs(chat)
         except ChatRequestError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
+        if refs and (self.engine is None or self.refused is not None):
+            raise OpenAIError(
+                503,
+                f"the gateway is not ready: {self.not_ready()}",
+                kind="overloaded",
+                retry_after_s=1,
+            )
         self._within_limits(refs)
         prepared = PreparedChat(
             f"gw-{uuid.uuid4().hex}", body, chat.stream, refs, video_seconds=self.video_seconds
@@ -210,11 +304,14 @@ class Gateway:
             if (
                 item.worker is None
             ):  # no worker tried at all: none was healthy; else each tried one refused
+                states = self.workers.states()
                 reason = (
                     "format"
                     if item.encoded_by_vllm
                     else "dispatch_failed"
                     if item.attempts
+                    else "no_compatible_worker"
+                    if states[INCOMPATIBLE] and not states[READY]
                     else "no_healthy_worker"
                 )
                 self.metrics.colocated.labels(self.metrics.model_name, reason).inc()
@@ -243,16 +340,16 @@ class Gateway:
         )
 
     def _within_limits(self, refs: list) -> None:
-        """vLLM's per-prompt limits, checked before any worker encodes an item vLLM would
-        refuse the request for."""
-        limits = self.settings.limit_mm_per_prompt or {}
+        """vLLM's per-prompt limits (as vLLM says them), checked before any worker encodes an
+        item vLLM would refuse the request for."""
+        limits = self.engine.limits if self.engine is not None else {}
         for kind, limit in limits.items():
             count = sum(ref.kind == kind for ref in refs)
             if count > limit:
                 raise OpenAIError(
                     400,
                     f"At most {limit} {kind}(s) may be provided in one prompt, got {count} "
-                    "(--limit-mm-per-prompt, as vLLM's)",
+                    "(vLLM's --limit-mm-per-prompt)",
                 )
 
     def _cancel(self, prepared: PreparedChat, reason: str) -> None:
@@ -539,14 +636,32 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/readyz")
     async def ready() -> Response:
-        if await gateway.upstream.ready():
-            return JSONResponse({"status": "ready", "encode_workers": gateway.workers.status()})
-        return JSONResponse(
-            {"status": f"vLLM at {gateway.settings.vllm_url} is not healthy"}, status_code=503
+        """Ready once the gateway knows vLLM's engine, has probed its workers and vLLM is
+        healthy; each worker's state either way (an incompatible one with what differs)."""
+        workers = gateway.workers.status()
+        engine = gateway.engine
+        model = (
+            {
+                "engine": {
+                    "model_type": engine.description.fingerprint.model_type,
+                    "fingerprint": engine.fingerprint,
+                }
+            }
+            if engine is not None
+            else {}
         )
+        reason = gateway.not_ready()
+        if reason is None and not await gateway.upstream.ready():
+            reason = f"vLLM at {gateway.settings.vllm_url} is not healthy"
+        if reason is not None:
+            return JSONResponse(
+                {"status": reason, **model, "encode_workers": workers}, status_code=503
+            )
+        return JSONResponse({"status": "ready", **model, "encode_workers": workers})
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        gateway.metrics.workers_now(gateway.workers.states())
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

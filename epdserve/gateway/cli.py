@@ -1,7 +1,7 @@
 """`epd-gateway`: OpenAI's chat completions API in front of encode workers and vLLM.
 
     epd-gateway --model /models/Qwen2.5-VL-7B-Instruct --vllm-url http://prefill:8000 \\
-        --dns epd-encode-workers.default.svc.cluster.local
+        --engine-url http://prefill:8001 --dns epd-encode-workers.default.svc.cluster.local
 
 Its flags, ``EPD_GATEWAY_<FLAG>`` environment variables and ``--help`` come from
 ``gateway.settings.GatewaySettings``. A mistake in the command line is one line on stderr and
@@ -11,6 +11,8 @@ exit status 1.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 
 from epdserve.gateway.settings import GatewaySettings
@@ -23,9 +25,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         settings = GatewaySettings.from_command_line(argv)
-        processor, video_processor = settings.image_processor(), settings.video_processor()
+        settings.family()  # --model is a checkpoint of a supported family
         check_listen(settings.host, settings.port, "--port")
-        gateway = Gateway(settings, processor, video_processor)
+        # flags or a checkpoint that disagree with vLLM's engine: stop, and exit 1 (below)
+        gateway = Gateway(settings, on_refusal=lambda _: os.kill(os.getpid(), signal.SIGTERM))
     except SettingError as exc:
         return refuse(GatewaySettings.PROG, exc)
     logging.basicConfig(
@@ -36,14 +39,18 @@ def main(argv: list[str] | None = None) -> int:
         settings.host,
         settings.port,
         ready=lambda: logging.getLogger(settings.PROG).info(
-            "%s ready: http://%s:%d (/v1/chat/completions, /v1/models, /health, /readyz, /metrics) "
-            "in front of vLLM at %s",
+            "%s serving: http://%s:%d (/v1/chat/completions, /v1/models, /health, /readyz, "
+            "/metrics) in front of vLLM at %s; /readyz says ready once vLLM's engine (%s) is read "
+            "and the encode workers probed",
             settings.PROG,
             settings.host,
             settings.port,
             settings.vllm_url,
+            settings.engine_url,
         ),
     )
+    if gateway.refused is not None:
+        exit_process(refuse(GatewaySettings.PROG, gateway.refused))
     exit_process(0)
 
 

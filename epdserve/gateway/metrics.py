@@ -1,5 +1,6 @@
 """The gateway's Prometheus families, each labelled ``model_name``: requests by outcome, images by
-encoder, colocated fallbacks by reason, dispatch time, time to first token, requests in flight."""
+encoder, colocated fallbacks by reason, dispatch time, time to first token, requests in flight,
+encode workers by state (an incompatible one serves another model than vLLM's)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,18 @@ class GatewayMetrics:
             labels,
             registry=self.registry,
         )
+        self.workers = Gauge(
+            "epd_gateway_encode_workers",
+            "Encode workers by state: ready (in rotation), unready, incompatible (another model "
+            "than vLLM's: /readyz says what differs)",
+            labels + ["state"],
+            registry=self.registry,
+        )
         self.model_name = model_name
+
+    def workers_now(self, states: dict[str, int]) -> None:
+        for state, count in states.items():
+            self.workers.labels(self.model_name, state).set(count)
 
     def count(self, outcome: str) -> None:
         self.requests.labels(self.model_name, outcome).inc()

@@ -60,6 +60,16 @@ class GatewaySettings(EncodeWorkerTargets):
     vllm_url: HttpUrl = Field(
         description="the vLLM OpenAI server with the EPD connector, http://host:port"
     )
+    engine_url: HttpUrl = Field(
+        description="the EPD connector's HTTP port in vLLM (its http_port), http://host:port: "
+        "the gateway reads there what vLLM runs (/v1/engine: the model's fingerprint, "
+        "--mm-processor-kwargs, --limit-mm-per-prompt) and follows it"
+    )
+    worker_wait_s: NonNegativeSeconds = Field(
+        30.0,
+        description="once vLLM's engine is known, stay not ready up to this long while an encode "
+        "worker is still starting (unreachable or not ready); each worker's state is in /readyz",
+    )
     max_image_bytes: ByteSize = Field(
         20 << 20, description="largest image taken (data URI or fetched)"
     )
@@ -77,8 +87,9 @@ class GatewaySettings(EncodeWorkerTargets):
     )
     limit_mm_per_prompt: MediaLimits = Field(
         None,
-        description='vLLM\'s --limit-mm-per-prompt (JSON, e.g. {"image": 8, "video": 0}): '
-        "a request with more is refused here (400) before any worker encodes it",
+        description='items of each modality per prompt (JSON, e.g. {"image": 8}): vLLM\'s '
+        "own (read from the engine) unless given, and then it must be the same; a request "
+        "with more is refused here (400) before any worker encodes it",
     )
     max_body_bytes: ByteSize = Field(100 << 20, description="largest request body taken")
     max_receiving_bytes: ByteSize = Field(
@@ -112,7 +123,9 @@ class GatewaySettings(EncodeWorkerTargets):
     )
 
     @model_validator(mode="after")
-    def _vllm_url_given(self) -> GatewaySettings:
-        if self.vllm_url is None:
-            raise SettingError(f"--vllm-url (or {self.env_name('vllm_url')}) is required")
+    def _vllm_urls_given(self) -> GatewaySettings:
+        for name in ("vllm_url", "engine_url"):
+            if getattr(self, name) is None:
+                flag = "--" + name.replace("_", "-")
+                raise SettingError(f"{flag} (or {self.env_name(name)}) is required")
         return self

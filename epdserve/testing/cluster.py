@@ -103,20 +103,25 @@ class LocalCluster:
         extra: tuple[str, ...] = (),
         host: str = HOST,
         module: str = "encode_worker.cli",
+        model: str | None = None,
+        dtype: str | None = None,
+        address: WorkerAddress | None = None,
         **launch,
     ) -> Role:
         """``host``: the loopback address it listens on and names itself by (``::1`` for IPv6);
-        ``module``: what runs it (``bench.stand_in_worker`` for the control plane's ceiling)."""
-        bootstrap, intake = free_port(host), free_port(host)
-        address = WorkerAddress(host, bootstrap, intake)
+        ``module``: what runs it (``bench.stand_in_worker`` for the control plane's ceiling);
+        ``model`` / ``dtype``: its own, other than the cluster's; ``address``: its ports (a
+        worker that takes a stopped one's place), else free ones."""
+        address = address or WorkerAddress(host, free_port(host), free_port(host))
+        host, bootstrap, intake = address.host, address.bootstrap_port, address.intake_port
         role = self._start(
             name,
             [
                 module,
                 "--model",
-                self.model_dir,
+                model or self.model_dir,
                 "--dtype",
-                self.dtype,
+                dtype or self.dtype,
                 "--host",
                 host,
                 "--bind",
@@ -174,14 +179,15 @@ class LocalCluster:
 
     def start_gateway(
         self,
-        vllm_url: str,
+        vllm,
         workers: list[WorkerAddress],
         name: str = "gateway",
         extra: tuple[str, ...] = (),
         **launch,
     ) -> Role:
-        """``epd-gateway`` in front of ``vllm_url`` (ready once it serves: vLLM may still be
-        starting)."""
+        """``epd-gateway`` in front of ``vllm`` (a ``testing.vllm_servers.Server`` with the EPD
+        connector: its API and its engine description), ready once it serves (vLLM may still be
+        starting: the gateway's /readyz says when it is ready to take requests)."""
         port = free_port()
         return self._start(
             name,
@@ -194,7 +200,9 @@ class LocalCluster:
                 "--model",
                 self.model_dir,
                 "--vllm-url",
-                vllm_url,
+                vllm.url,
+                "--engine-url",
+                vllm.engine_url,
                 "--workers",
                 ",".join(str(w) for w in workers),
                 *extra,

@@ -98,7 +98,14 @@ class Server:
             json.dumps({"image": images_per_prompt, "video": 1}),
             *extra,
         ]
+        self.engine_url = None  # the EPD connector's http_port, where it runs one
         if ec_config is not None:
+            if ec_config.get("ec_connector") == "EPDConnector":
+                extra_config = ec_config.get("ec_connector_extra_config") or {}
+                if "http_port" not in extra_config:
+                    extra_config = {**extra_config, "http_port": free_port()}
+                    ec_config = {**ec_config, "ec_connector_extra_config": extra_config}
+                self.engine_url = f"http://127.0.0.1:{extra_config['http_port']}"
             command += ["--ec-transfer-config", json.dumps(ec_config)]
         env = {
             **os.environ,

@@ -152,6 +152,11 @@ class IntakeIncompatible(IntakeRefused):
     """Refused because the item is for another model than the worker's (its fingerprint)."""
 
 
+class IntakeLost(IntakeRefused):
+    """No answer will come: the connection to the worker's intake closed (the worker stopped or
+    died) while the message was unanswered."""
+
+
 class IntakeBusy(IntakeRefused):
     """Refused by the client itself: too many messages in flight to that worker already (as a
     full queue there, worth retrying after ``retry_after_s``)."""
@@ -304,7 +309,9 @@ class AsyncIntakeClient:
     the one-item form); each reply is matched to its item by room (a dispatcher never has two
     items for one room in flight). A reply that names no room (the worker could not read the
     message's metadata) fails the items of the message it answers: the worker answers messages
-    in the order they came, so that is the oldest message not answered yet."""
+    in the order they came, so that is the oldest message not answered yet. When the connection
+    to the worker closes (ZMQ's socket monitor: the worker stopped or died), every item not
+    answered yet fails at once with ``IntakeLost``, instead of waiting out its timeout."""
 
     def __init__(self, endpoint: str, timeout_s: float = 5.0, max_in_flight: int = 1024):
         import zmq
@@ -324,6 +331,8 @@ class AsyncIntakeClient:
         # flight until answered or timed out, so there are at most max_in_flight of them)
         self._unanswered: collections.deque[list[int]] = collections.deque(maxlen=max_in_flight)
         self._reader: asyncio.Task | None = None
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._watcher: asyncio.Task | None = None
 
     async def send(self, request: IntakeRequest, payload: bytes | None = None) -> IntakeReply:
         """Send one item (in this loop step's batch); its reply. Raises ``TimeoutError`` when the
@@ -362,6 +371,8 @@ class AsyncIntakeClient:
             return answers
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_replies())
+        if self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch_connection())
         try:
             await self._all_answered([a for a in answers if isinstance(a, asyncio.Future)])
         finally:
@@ -454,6 +465,23 @@ class AsyncIntakeClient:
             if future is not None and not future.done():
                 future.set_exception(IntakeRefused(refusal, room))
 
+    async def _watch_connection(self) -> None:
+        """Fail every item not answered yet when the connection to the worker closes: what was
+        sent on it is lost with the worker (a DEALER would reconnect and wait for an answer
+        that never comes)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            parse_monitor_message(await self._monitor.recv_multipart())  # EVENT_DISCONNECTED
+            self._unanswered.clear()
+            lost = (
+                f"the connection to encode worker intake {self.endpoint} closed before it "
+                "answered (the worker stopped or died)"
+            )
+            for room, future in list(self._waiting.items()):
+                if not future.done():
+                    future.set_exception(IntakeLost(lost, room))
+
     async def _read_replies(self) -> None:
         while self._waiting:
             frames = await self._socket.recv_multipart()
@@ -470,10 +498,13 @@ class AsyncIntakeClient:
 
     def close(self) -> None:
         """Close the socket; items not answered yet are refused at once, unsent ones dropped."""
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
         self._unsent, self._unsent_bytes = [], 0
         for room, future in list(self._waiting.items()):
             if not future.done():
                 future.set_exception(IntakeRefused(f"intake client {self.endpoint} closed", room))
+        self._socket.disable_monitor()
+        self._monitor.close(0)
         self._socket.close(0)

@@ -107,9 +107,9 @@ def run(args) -> dict:
             extra=("--distributed-executor-backend", "mp"),
         )
         gateways = {
-            "gateway-epd": cluster.start_gateway(server.url, [worker.worker], name="gateway-epd"),
+            "gateway-epd": cluster.start_gateway(server, [worker.worker], name="gateway-epd"),
             "gateway-colocated": cluster.start_gateway(
-                server.url,
+                server,
                 [WorkerAddress(HOST, free_port(), free_port())],
                 name="gateway-colocated",
             ),
