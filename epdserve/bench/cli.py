@@ -226,6 +226,26 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_argument("--size", type=int, default=224, help="square image side in pixels")
     batching.add_argument("--rounds", type=int, default=3)
     batching.add_argument("--json", default=None)
+    kill = sub.add_parser(
+        "worker-kill",
+        help="requests in flight when their encode worker is killed: time to their answer",
+    )
+    kill.add_argument("--requests", type=int, default=20, help="requests sent at once")
+    kill.add_argument("--kill-after", type=int, default=4, help="items the worker takes first")
+    kill.add_argument("--size", type=int, default=112, help="square image side in pixels")
+    kill.add_argument("--max-tokens", type=int, default=4)
+    kill.add_argument("--rounds", type=int, default=3)
+    kill.add_argument("--json", default=None)
+    fingerprint = sub.add_parser(
+        "fingerprint",
+        help="start-up cost of a model fingerprint: a full-size tower's weights digest",
+    )
+    fingerprint.add_argument(
+        "--family", default="qwen2_5_vl", help="qwen2_vl, qwen2_5_vl or qwen3_vl (released config)"
+    )
+    fingerprint.add_argument("--dtype", default="bfloat16", help="the checkpoint's stored dtype")
+    fingerprint.add_argument("--rounds", type=int, default=3, help="rounds per level (median)")
+    fingerprint.add_argument("--json", default=None)
     compare = sub.add_parser(
         "compare",
         usage="epd-bench compare [options] A B [--] BENCHMARK [ARGS...]",
@@ -263,16 +283,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--repo", default=".", help="a directory inside the git repository")
     compare.set_defaults(benchmarks=[name for name in sub.choices if name != "compare"])
-    fingerprint = sub.add_parser(
-        "fingerprint",
-        help="start-up cost of a model fingerprint: a full-size tower's weights digest",
-    )
-    fingerprint.add_argument(
-        "--family", default="qwen2_5_vl", help="qwen2_vl, qwen2_5_vl or qwen3_vl (released config)"
-    )
-    fingerprint.add_argument("--dtype", default="bfloat16", help="the checkpoint's stored dtype")
-    fingerprint.add_argument("--rounds", type=int, default=3, help="rounds per level (median)")
-    fingerprint.add_argument("--json", default=None)
     return parser
 
 
@@ -324,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         from epdserve.bench.benchmarks import batching
 
         return batching.main(args)
+    if args.command == "worker-kill":
+        from epdserve.bench.benchmarks import worker_kill
+
+        return worker_kill.main(args)
     if args.command == "fingerprint":
         from epdserve.bench.benchmarks import fingerprint
 

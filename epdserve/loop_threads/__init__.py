@@ -1,7 +1,7 @@
 """Threads of our own: event loops on threads, for the packages that run asyncio work beside
 threads (the handshake server's and clients', the encode worker's sender, the prefill
 receiver's), and threads named where the OS shows them. Every loop is uvloop's (uvicorn[standard]
-brings it; why: docs/performance.md, "Event loops")."""
+brings it; why: docs/performance.md, "Choices these measurements settled")."""
 
 from __future__ import annotations
 
