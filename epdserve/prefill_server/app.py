@@ -26,6 +26,7 @@ from epdserve.wire.rooms import EncodeTimings
 from epdserve.wire.states import ItemState
 from handshake.app import BodyLimit
 from prefill_side import PrefillReceiver
+from prefill_side.job import ItemOutcome, ReceiveJob
 
 MAX_IMAGE_B64 = 48 << 20
 MAX_BODY_BYTES = 256 << 20  # a request's whole body: items, and image bytes when they travel
@@ -116,96 +117,26 @@ def create_app(
     )
     async def prefill(body: PrefillRequest):
         """Receive every item's rows; report per item."""
-        items = []
-        for index, entry in enumerate(body.items):
-            try:
-                feature = (
-                    base64.b64decode(entry.image_b64, validate=True) if entry.image_b64 else None
-                )
-            except ValueError:  # answered in the shape of the 422 the schema declares
-                return JSONResponse(
-                    {
-                        "detail": [
-                            {
-                                "type": "value_error",
-                                "loc": ["body", "items", index, "image_b64"],
-                                "msg": "image_b64 is not base64",
-                            }
-                        ]
-                    },
-                    status_code=422,
-                )
-            items.append(
-                MultimodalDataItem(
-                    entry.modality,
-                    offsets=[list(span) for span in entry.offsets],
-                    feature=feature,
-                    model_specific_data={
-                        GRID_KEYS[entry.modality]: torch.tensor([list(entry.grid_thw)])
-                    }
-                    if entry.grid_thw
-                    else {},
-                    encode_handshake=entry.encode_handshake.model_dump()
-                    if entry.encode_handshake
-                    else None,
-                )
-            )
+        try:
+            items = _data_items(body.items)
+        except _NotBase64 as bad:
+            return bad.answer()
         job = receiver.start(body.request_id, MultimodalInputs(items))
-        ended = asyncio.wrap_future(job.future)
-        # asyncio.wait, not wait_for: a timed-out wait_for cancels the wrapper, and with it the
-        # job's own future (the request then got a 500 instead of its report)
-        if not (await asyncio.wait({ended}, timeout=body.timeout_s))[0]:
-            job.abort(
-                f"timed out: not received within the request's timeout_s ({body.timeout_s:g} s)"
-            )
-            await ended  # at once: abort settles every item
+        await _settled(job, body.timeout_s)
         if local_tower is not None:
             await _encode_colocated(receiver, job)
+        verify = body.verify and local_tower is not None
         reports = []
         for item, outcome in zip(items, job.outcomes):
-            verified = None
-            if (
-                body.verify
-                and local_tower is not None
-                and item.encoded is not None
-                and item.feature is not None
-                and outcome.transport != "local"
-            ):
-                try:
-                    expected = await asyncio.get_running_loop().run_in_executor(
-                        None, receiver.encode_locally, item
-                    )
-                    verified = bool(torch.equal(_wire_rows(item), expected))
-                except (
-                    RowContractError
-                ):  # the local tower's processor disagrees on the rows or the grid
-                    verified = False
-            encoded = item.encoded
-            wire = _wire_rows(item) if encoded is not None else None
-            reports.append(
-                ItemReport(
-                    index=outcome.index,
-                    state=outcome.state,
-                    rows=encoded.shape[0] if encoded is not None else None,
-                    width=wire.shape[1] if wire is not None else None,
-                    transport=outcome.transport,
-                    seconds=outcome.seconds,
-                    reason=outcome.reason,
-                    fallback=outcome.fallback,
-                    verified=verified,
-                    encoder=outcome.encoder,
-                    checksum=checksum(wire) if wire is not None else None,
-                )
-            )
-        return Response(
-            PrefillResponse(
-                request_id=body.request_id,
-                state=job.poll().value,
-                items=reports,
-                started_monotonic=job.started,
-            ).model_dump_json(),
-            media_type="application/json",
+            verified = await _verified(receiver, item, outcome) if verify else None
+            reports.append(_report(item, outcome, verified))
+        report = PrefillResponse(
+            request_id=body.request_id,
+            state=job.poll().value,
+            items=reports,
+            started_monotonic=job.started,
         )
+        return Response(report.model_dump_json(), media_type="application/json")
 
     liveness_errors = {503: {"description": "No transport left: this process cannot receive"}}
 
@@ -251,6 +182,95 @@ def _summary(health: dict) -> dict:
             key: stats[key] for key in ("slots", "free_slots", "leased_slots", "quarantined_slots")
         },
     }
+
+
+class _NotBase64(ValueError):
+    """An item's ``image_b64`` that is not base64."""
+
+    def __init__(self, index: int):
+        super().__init__(f"item {index}: image_b64 is not base64")
+        self.index = index
+
+    def answer(self) -> JSONResponse:
+        """In the shape of the 422 the schema declares."""
+        error = {
+            "type": "value_error",
+            "loc": ["body", "items", self.index, "image_b64"],
+            "msg": "image_b64 is not base64",
+        }
+        return JSONResponse({"detail": [error]}, status_code=422)
+
+
+def _data_items(entries: list[PrefillItem]) -> list[MultimodalDataItem]:
+    """The receiver's items for a request's (their image bytes decoded); ``_NotBase64`` names the
+    first whose ``image_b64`` is not base64."""
+    items = []
+    for index, entry in enumerate(entries):
+        try:
+            feature = base64.b64decode(entry.image_b64, validate=True) if entry.image_b64 else None
+        except ValueError:
+            raise _NotBase64(index) from None
+        grid = entry.grid_thw
+        grids = {GRID_KEYS[entry.modality]: torch.tensor([list(grid)])} if grid else {}
+        handshake = entry.encode_handshake.model_dump() if entry.encode_handshake else None
+        offsets = [list(span) for span in entry.offsets]
+        items.append(
+            MultimodalDataItem(
+                entry.modality,
+                offsets=offsets,
+                feature=feature,
+                model_specific_data=grids,
+                encode_handshake=handshake,
+            )
+        )
+    return items
+
+
+async def _settled(job: ReceiveJob, timeout_s: float) -> None:
+    """Until every item of ``job`` has settled; past ``timeout_s`` the job is aborted (the items not
+    yet settled FAILED, with why)."""
+    ended = asyncio.wrap_future(job.future)
+    # asyncio.wait, not wait_for: a timed-out wait_for cancels the wrapper, and with it the job's
+    # own future (the request then got a 500 instead of its report)
+    if not (await asyncio.wait({ended}, timeout=timeout_s))[0]:
+        job.abort(f"timed out: not received within the request's timeout_s ({timeout_s:g} s)")
+        await ended  # at once: abort settles every item
+
+
+async def _verified(
+    receiver: PrefillReceiver, item: MultimodalDataItem, outcome: ItemOutcome
+) -> bool | None:
+    """Whether the rows received for ``item`` are the local tower's for its image (False when the
+    local processor disagrees on the rows or the grid); None for an item with nothing to compare:
+    no rows, no image bytes, or rows the local tower made itself."""
+    if item.encoded is None or item.feature is None or outcome.transport == "local":
+        return None
+    try:
+        expected = await asyncio.get_running_loop().run_in_executor(
+            None, receiver.encode_locally, item
+        )
+        return bool(torch.equal(_wire_rows(item), expected))
+    except RowContractError:
+        return False
+
+
+def _report(item: MultimodalDataItem, outcome: ItemOutcome, verified: bool | None) -> ItemReport:
+    """One item's report: its outcome, the rows it ended with and their checksum."""
+    encoded = item.encoded
+    wire = _wire_rows(item) if encoded is not None else None
+    return ItemReport(
+        index=outcome.index,
+        state=outcome.state,
+        rows=encoded.shape[0] if encoded is not None else None,
+        width=wire.shape[1] if wire is not None else None,
+        transport=outcome.transport,
+        seconds=outcome.seconds,
+        reason=outcome.reason,
+        fallback=outcome.fallback,
+        verified=verified,
+        encoder=outcome.encoder,
+        checksum=checksum(wire) if wire is not None else None,
+    )
 
 
 async def _encode_colocated(receiver: PrefillReceiver, job) -> None:
