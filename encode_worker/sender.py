@@ -43,7 +43,7 @@ from epdserve.loop_threads import LoopThread, name_os_thread
 from epdserve.wire.addresses import EncodeHandshake
 from epdserve.wire.room_client import HandshakeError
 from epdserve.wire.rooms import RoomState, RoomView
-from handshake.rooms import Answer, RoomError, RoomNotFound, RoomStatus, RoomTable
+from handshake.rooms import RoomError, RoomNotFound, RoomStatus, RoomTable
 
 log = logging.getLogger(__name__)
 INLINE_WRITE_BYTES = (
@@ -395,7 +395,7 @@ class Sender:
         """A batch call on this process's table, each room answered as a ``RoomStatus``; its
         crash becomes each body's error."""
         try:
-            return call(bodies, answer=Answer.STATUS)
+            return call(bodies)
         except Exception as exc:
             log.exception("a batch room call crashed")
             return [exc] * len(bodies)

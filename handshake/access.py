@@ -49,12 +49,12 @@ class LocalRooms:
     async def wait_registered(self, room: int, wait_s: float) -> RoomView | None:
         """The room's view once a receiver has registered it (or it has ended); None when it is
         still waiting for one after ``wait_s`` (or changed otherwise: staged)."""
-        view = self.table.view(room)
-        if view.state is RoomState.PENDING:
-            (view,) = await self.table.watch({room: view.version}, wait_s)
-            if isinstance(view, RoomError):
-                raise view
-        return None if view.state is RoomState.PENDING else view
+        status = self.table.status(room)
+        if status.state is RoomState.PENDING:
+            (status,) = await self.table.watch({room: status.version}, wait_s)
+            if isinstance(status, RoomError):
+                raise status
+        return None if status.state is RoomState.PENDING else status.view()
 
     def begin_write(self, write: BeginWrite) -> RoomView:
         return self.table.begin_write(write)

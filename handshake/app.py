@@ -50,7 +50,7 @@ from epdserve.wire.rooms import (
     WatchRequest,
 )
 from handshake import answers
-from handshake.rooms import Answer, RoomError, RoomsFull, RoomTable
+from handshake.rooms import RoomError, RoomsFull, RoomStatus, RoomTable
 from handshake.stream import POLICY_VIOLATION, RoomStream
 
 MAX_BODY_BYTES = 1 << 20
@@ -303,15 +303,17 @@ def _answer(results: list[answers.ResultJson]) -> Response:
     return Response(answers.frame(results), media_type="application/json")
 
 
-def _batch_results(rooms, views: list) -> list[answers.ResultJson]:
+def _batch_results(
+    rooms, statuses: list[RoomStatus | RoomError | None]
+) -> list[answers.ResultJson]:
     """Per room, in ``rooms``' order, its view's JSON or why it was refused; a room without news
     (None: ``changed_only``) left out."""
     return [
-        answers.refused(room, str(v), v.status)
-        if isinstance(v, RoomError)
-        else answers.viewed(room, v)
-        for room, v in zip(rooms, views)
-        if v is not None
+        answers.refused(room, str(status), status.status)
+        if isinstance(status, RoomError)
+        else answers.viewed(room, status.view_json())
+        for room, status in zip(rooms, statuses)
+        if status is not None
     ]
 
 
@@ -402,20 +404,17 @@ def create_app(
         ``/v1/rooms/watch``, ``until_ended`` included), answered with every room: the caller
         learns each one's version."""
         rooms = [registration.room for registration in body.receivers]
-        registered = table.register_all(body.receivers, Answer.STATUS_AND_VIEW_JSON)
+        registered = table.register_all(body.receivers)
         if body.wait_s > 0:
             versions = {
-                room: answer[0].version
-                for room, answer in zip(rooms, registered)
-                if not isinstance(answer, RoomError) and not answer[0].state.terminal
+                room: status.version
+                for room, status in zip(rooms, registered)
+                if not isinstance(status, RoomError) and not status.state.terminal
             }
             if len(versions) == len(registered):  # (each room once, every one live)
-                views = await table.watch(
-                    versions, body.wait_s, body.until_ended, answer=Answer.VIEW_JSON
-                )
-                return _answer(_batch_results(versions, views))
-        views = [r if isinstance(r, RoomError) else r[1] for r in registered]
-        return _answer(_batch_results(rooms, views))
+                statuses = await table.watch(versions, body.wait_s, body.until_ended)
+                return _answer(_batch_results(versions, statuses))
+        return _answer(_batch_results(rooms, registered))
 
     @body_route(
         "/v1/rooms/begin-write",
@@ -426,7 +425,7 @@ def create_app(
         """A sender starts writing (REGISTERED -> WRITING); a cancelled room answers CANCELLED
         instead."""
         rooms = [write.room for write in body.writes]
-        return _answer(_batch_results(rooms, table.begin_writes(body.writes, Answer.VIEW_JSON)))
+        return _answer(_batch_results(rooms, table.begin_writes(body.writes)))
 
     @body_route(
         "/v1/rooms/commit", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -435,7 +434,7 @@ def create_app(
         """A sender's write completed: generation, layout, checksum. Stale generations are
         refused."""
         rooms = [commit.room for commit in body.commits]
-        return _answer(_batch_results(rooms, table.commit_all(body.commits, Answer.VIEW_JSON)))
+        return _answer(_batch_results(rooms, table.commit_all(body.commits)))
 
     @body_route(
         "/v1/rooms/fail", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -444,7 +443,7 @@ def create_app(
         """Fail rooms with a reason the other side can read; ``settled`` if no byte can still
         land."""
         rooms = [failure.room for failure in body.failures]
-        return _answer(_batch_results(rooms, table.fail_all(body.failures, Answer.VIEW_JSON)))
+        return _answer(_batch_results(rooms, table.fail_all(body.failures)))
 
     @body_route(
         "/v1/rooms/cancel", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -452,9 +451,7 @@ def create_app(
     async def cancel(body: CancelRequest):
         """Cancel rooms; one being written stays WRITING (cancel_requested) until the writer's
         outcome."""
-        return _answer(
-            _batch_results(body.rooms, table.cancel_all(body.rooms, body.reason, Answer.VIEW_JSON))
-        )
+        return _answer(_batch_results(body.rooms, table.cancel_all(body.rooms, body.reason)))
 
     @body_route(
         "/v1/rooms/watch", response_model=BatchResponse, responses={**BODY_ERRORS, **AUTH_ERRORS}
@@ -466,9 +463,7 @@ def create_app(
         return _answer(
             _batch_results(
                 versions,
-                await table.watch(
-                    versions, body.wait_s, body.until_ended, body.changed_only, Answer.VIEW_JSON
-                ),
+                await table.watch(versions, body.wait_s, body.until_ended, body.changed_only),
             )
         )
 
@@ -491,10 +486,10 @@ def create_app(
         wait_s: float = Query(0.0, ge=0, le=MAX_WAIT_S),
     ):
         """One room; with ``wait_s`` it long-polls until its version passes ``after_version``."""
-        (view,) = await table.watch({room: after_version}, wait_s, answer=Answer.VIEW_JSON)
-        if isinstance(view, RoomError):
-            return JSONResponse({"detail": str(view)}, status_code=view.status)
-        return Response(bytes(view), media_type="application/json")
+        (status,) = await table.watch({room: after_version}, wait_s)
+        if isinstance(status, RoomError):
+            return JSONResponse({"detail": str(status)}, status_code=status.status)
+        return Response(bytes(status.view_json()), media_type="application/json")
 
     @app.get("/health")  # as vLLM and SGLang name it
     @app.get("/healthz")

@@ -37,7 +37,7 @@ from epdserve.wire.rooms import (
     StreamWatchStaged,
 )
 from handshake import answers
-from handshake.rooms import Answer, RoomError, RoomTable
+from handshake.rooms import RoomError, RoomStatus, RoomTable
 
 POLICY_VIOLATION = 1008  # WebSocket close codes (RFC 6455)
 INVALID_PAYLOAD = 1007
@@ -127,7 +127,7 @@ class RoomStream:
                 if isinstance(frame, StreamRegister):
                     self._register(frame)
                 elif isinstance(frame, StreamOpen):
-                    self._answer(self.table.open_all(frame.rooms, frame.ttl_s), frame.rooms)
+                    self._answer(frame.rooms, self.table.open_all(frame.rooms, frame.ttl_s))
                 elif isinstance(frame, StreamCancel):
                     self._cancel(frame)
                 elif isinstance(frame, StreamWatchStaged):
@@ -135,14 +135,14 @@ class RoomStream:
                 elif isinstance(frame, StreamWatchRegistered):
                     self._watch(frame.rooms, _RegisteredOrEnded)
                 elif isinstance(frame, StreamBeginWrite):
-                    self._answer(
-                        self.table.begin_writes(frame.writes, answer=Answer.WRITER_VIEW_JSON),
+                    self._answer_writer(
                         [write.room for write in frame.writes],
+                        self.table.begin_writes(frame.writes),
                     )
                 else:
-                    self._answer(
-                        self.table.commit_all(frame.commits, answer=Answer.WRITER_VIEW_JSON),
+                    self._answer_writer(
                         [commit.room for commit in frame.commits],
+                        self.table.commit_all(frame.commits),
                     )
                 self.observe(STREAM_PATH, frame.op, time.perf_counter() - started)
                 if len(self._out) + len(self._ended) + len(self._registered) > MAX_UNSENT:
@@ -193,11 +193,11 @@ class RoomStream:
             self.ended(room)
 
     def _register(self, frame: StreamRegister) -> None:
-        refusals = self.table.register_all(frame.receivers)
-        for registration, refused in zip(frame.receivers, refusals):
+        registered = self.table.register_all(frame.receivers)
+        for registration, status in zip(frame.receivers, registered):
             room = registration.room
-            if refused is not None:
-                self._refuse(room, refused)
+            if isinstance(status, RoomError):
+                self._refuse(room, status)
             elif room not in self._listening:  # (else a retry of a registration it holds)
                 self._listen(room, _EndOf(self, room))
 
@@ -212,20 +212,24 @@ class RoomStream:
             self.ended(room)
 
     def _cancel(self, frame: StreamCancel) -> None:
-        for room, refused in zip(
-            frame.rooms, self.table.cancel_all(frame.rooms, frame.reason, answer=None)
-        ):
-            if refused is not None:
-                self._refuse(room, refused)
+        for room, status in zip(frame.rooms, self.table.cancel_all(frame.rooms, frame.reason)):
+            if isinstance(status, RoomError):
+                self._refuse(room, status)
 
     def _refuse(self, room: int, error: RoomError) -> None:
         self._out.append(answers.refused(room, str(error), error.status))
         self._news.set()
 
-    def _answer(self, results: list, rooms: list[int]) -> None:
-        """Calls answered per room (an open, a writer's begin or commit): each room's view or
-        why it was refused, in the next frame."""
-        self._out += _pushed(rooms, results)
+    def _answer(self, rooms: list[int], statuses: list[RoomStatus | RoomError]) -> None:
+        """A call answered per room (an open): each room's view or why it was refused, in the
+        next frame."""
+        self._out += _pushed(rooms, statuses)
+        self._news.set()
+
+    def _answer_writer(self, rooms: list[int], statuses: list[RoomStatus | RoomError]) -> None:
+        """A writer's call answered per room (a begin, a commit): each room's view without the
+        registration and the commit (the writer has them), or why it was refused."""
+        self._out += _pushed(rooms, statuses, with_registration=False, with_commit=False)
         self._news.set()
 
     async def _write(self) -> None:
@@ -239,22 +243,27 @@ class RoomStream:
             # a registered room whose end cannot be told is lost; a watched one unknown, or gone
             results += _pushed(
                 ended,
-                self.table.views_json(ended, with_registration=False),
-                LOST_AFTER_REGISTRATION,
+                self.table.statuses(ended),
+                with_registration=False,
+                refused_status=LOST_AFTER_REGISTRATION,
             )
-            results += _pushed(registered, self.table.views_json(registered))
+            results += _pushed(registered, self.table.statuses(registered))
             for start in range(0, len(results), MAX_BATCH):  # a frame within the peer's limit
                 await self.websocket.send_text(answers.frame(results[start : start + MAX_BATCH]))
 
 
 def _pushed(
-    rooms: list[int], views: list, refused_status: int | None = None
+    rooms: list[int],
+    statuses: list[RoomStatus | RoomError],
+    with_registration: bool = True,
+    with_commit: bool = True,
+    refused_status: int | None = None,
 ) -> list[answers.ResultJson]:
-    """Each room's view (its JSON) as pushed, or why there is none (with ``refused_status``, else
-    the error's own)."""
+    """Each room's view (its JSON: ``RoomStatus.view_json``) as pushed, or why there is none (with
+    ``refused_status``, else the error's own)."""
     return [
-        answers.refused(room, str(view), refused_status or view.status)
-        if isinstance(view, RoomError)
-        else answers.viewed(room, view)
-        for room, view in zip(rooms, views)
+        answers.refused(room, str(status), refused_status or status.status)
+        if isinstance(status, RoomError)
+        else answers.viewed(room, status.view_json(with_registration, with_commit))
+        for room, status in zip(rooms, statuses)
     ]

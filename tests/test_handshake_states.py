@@ -114,10 +114,10 @@ class RoomMachine(RuleBasedStateMachine):
         """The room stream's answer made without a model (``handshake.answers``) is the view's
         document, in whatever state the steps left the room."""
         rooms = list(self.seen)
-        for room, document in zip(rooms, self.table.views_json(rooms)):
-            if isinstance(document, RoomError):
+        for room, status in zip(rooms, self.table.statuses(rooms)):
+            if isinstance(status, RoomError):
                 continue
-            assert RoomView.model_validate_json(bytes(document)) == self.table.view(room)
+            assert RoomView.model_validate_json(bytes(status.view_json())) == self.table.view(room)
 
 
 TestRoomMachine = RoomMachine.TestCase

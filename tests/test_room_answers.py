@@ -18,7 +18,7 @@ from epdserve.wire.rooms import (
 )
 from handshake import answers, room_store
 from handshake.app import create_app
-from handshake.rooms import Answer, RoomError, RoomLimits, RoomTable
+from handshake.rooms import RoomError, RoomLimits, RoomTable
 from handshake.server import ThreadedServer
 from tests.handshake_helpers import begin, commit, registration
 from tests.waiting import eventually
@@ -74,24 +74,25 @@ def test_a_frame_of_views_and_refusals_parses_to_the_models_answer(monkeypatch, 
     ids = list(rooms.values())
     assert {table.view(room).state for room in ids} == set(RoomState) - {RoomState.EXPIRED}
     for whole in (True, False):
-        documents = table.views_json(ids, with_registration=whole)
+        documents = [status.view_json(with_registration=whole) for status in table.statuses(ids)]
         for room, document in zip(ids, documents):
             expected = table.view(room)
             if not whole:
                 expected = expected.model_copy(update={"registration": None})
             assert RoomView.model_validate_json(bytes(document)) == expected
-    writer = table.commit_all([commit(rooms["writing"])], answer=Answer.WRITER_VIEW_JSON)
-    assert RoomView.model_validate_json(bytes(writer[0])) == table.view(
+    (writer,) = table.commit_all([commit(rooms["writing"])])
+    writers_view = writer.view_json(with_registration=False, with_commit=False)
+    assert RoomView.model_validate_json(bytes(writers_view)) == table.view(
         rooms["writing"]
     ).model_copy(update={"registration": None, "commit": None})
     pending = rooms["pending"]  # a room asked for twice is answered twice, in its places
-    assert [bytes(v) for v in table.views_json([pending, 12345, pending])[::2]] == [
-        bytes(table.views_json([pending])[0])
+    assert [bytes(s.view_json()) for s in table.statuses([pending, 12345, pending])[::2]] == [
+        bytes(table.status(pending).view_json())
     ] * 2
-    missing = table.views_json([12345])[0]
+    (missing,) = table.statuses([12345])
     assert isinstance(missing, RoomError)
     frame = answers.frame(
-        [answers.viewed(room, document) for room, document in zip(ids, table.views_json(ids))]
+        [answers.viewed(room, s.view_json()) for room, s in zip(ids, table.statuses(ids))]
         + [answers.refused(12345, str(missing), missing.status)]
     )
     assert BatchResponse.model_validate_json(frame) == BatchResponse(

@@ -344,10 +344,10 @@ def test_opens_whose_stream_ended_before_their_answer_are_cancelled_and_again_wh
     server = ThreadedServer(create_app(table, token=TOKEN)).start()
     answer, dropped = room_stream.RoomStream._answer, []
 
-    def end_before_the_first_answer(stream, answers, rooms):
+    def end_before_the_first_answer(stream, rooms, statuses):
         if dropped:
-            return answer(stream, answers, rooms)
-        dropped.append(list(zip(rooms, [type(a).__name__ for a in answers])))
+            return answer(stream, rooms, statuses)
+        dropped.append(list(zip(rooms, [type(status).__name__ for status in statuses])))
         stream._closing = asyncio.ensure_future(stream.websocket.close())
 
     monkeypatch.setattr(room_stream.RoomStream, "_answer", end_before_the_first_answer)
@@ -385,8 +385,8 @@ def test_opens_whose_stream_ended_before_their_answer_are_cancelled_and_again_wh
         again, opened = asyncio.run(scenario())
     finally:
         server.stop()
-    # (an opened room's answer is its view's JSON: handshake.answers)
-    assert dropped == [[(11, "Raw"), (12, "Raw"), (13, "RoomsFull")]]
+    # (an opened room's answer is the room as the open left it: its view's JSON goes out)
+    assert dropped == [[(11, "RoomStatus"), (12, "RoomStatus"), (13, "RoomsFull")]]
     assert table.view(11).reason == table.view(12).reason == table.view(13).reason
     assert table.view(11).reason == LOST_OPEN_REASON
     assert isinstance(again, RoomConflict) and "lost" in str(again)
