@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=3, help="interleaved rounds (median per level)"
     )
     handshake.add_argument("--json", default=None, help="write the results to this file")
+    headers = sub.add_parser(
+        "headers", help="image header reads: us per image, the product's and Pillow's, vs budget"
+    )
+    headers.add_argument("--rounds", type=int, default=7, help="interleaved rounds (medians)")
+    headers.add_argument("--calls", type=int, default=2000, help="reads per file, reader, round")
+    headers.add_argument("--json", default=None, help="write the results to this file")
     encode = sub.add_parser(
         "encode",
         help="encode worker items/s: its tower alone, delivery vs a null sink, batched vs single",
@@ -346,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         from epdserve.bench.benchmarks import handshake
 
         return handshake.main(args)
+    if args.command == "headers":
+        from epdserve.bench.benchmarks import headers
+
+        return headers.main(args)
     if args.command == "compare":
         from epdserve.bench import compare
 
