@@ -6,11 +6,13 @@ transparency (RGBA, LA, PA, or a ``transparency`` entry: a palette's or a PNG's 
 composited onto white, and any other mode converted as PIL converts it.
 
 ``header`` sizes an image from its header alone (the size as displayed: EXIF orientations 5-8
-swap width and height); ``decode_rgb`` decodes it by the same rules. A plain PNG's, JPEG's or
-WebP's header is read here without PIL (``png_size``, ``jpeg_size``, ``webp_size``: the dispatcher
-and every worker's intake read one per image, and PIL's open costs ~9 us of it for a PNG, ~18 for a
-JPEG, 43-78 for a WebP); every other file, and every one these readers find anything unusual in,
-goes through PIL."""
+swap width and height), as PIL opens it (lazily: nothing decoded); ``to_rgb`` makes an opened image
+what vLLM hands its processor. A plain WebP's header is read here without PIL (``webp_size``):
+PIL's WebP open sets up libwebp's animation decoder and its canvas, so it costs with the pixel
+count, ~100 us at 448x448 and 600-900 us at 1920x1080 against under 10 us here, where the 500 us a
+gateway process has per image at 2,000 images/s must cover everything; a PNG's or a JPEG's open
+costs 17-130 us (``epd-bench headers``, ``docs/results/headers.json``). Every other WebP goes
+through PIL."""
 
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ import functools
 import io
 import re
 import struct
-import zlib
 from typing import NamedTuple
 
 from PIL import Image, ImageOps
@@ -29,44 +30,13 @@ from epdserve.vision.limits import IMAGE_FORMATS, MAX_SIDE
 ORIENTATION_TAG = 0x0112  # EXIF Orientation
 TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}  # turned by a quarter: width and height swap
 BACKGROUND = (255, 255, 255)  # what vLLM composites transparent pixels onto
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# The (bit depth, colour type) pairs PIL reads (``PngImagePlugin._MODES``).
-PNG_MODES = {(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (8, 2), (16, 2), (1, 3), (2, 3), (4, 3)}
-PNG_MODES |= {(8, 3), (8, 4), (16, 4), (8, 6), (16, 6)}
-# The chunks ``png_size`` passes over before the image data, each with the least length PIL's
-# reader takes without an error (tRNS: by colour type, below). Any other chunk (an eXIf, a text,
-# a colour profile, an animation's) leaves the file to PIL.
-PNG_PLAIN_CHUNKS = {b"PLTE": 0, b"tRNS": 0, b"gAMA": 4, b"cHRM": 32, b"sRGB": 1, b"pHYs": 9}
-PNG_TRNS_LENGTHS = {0: 2, 2: 6}  # a grey key is 2 bytes, a truecolour one 6
-JPEG_SIGNATURE = b"\xff\xd8\xff"
-JPEG_SOS = 0xDA  # start of scan: the header ends
-# The frame markers PIL sizes an image by (``JpegImagePlugin.MARKER``'s SOF handlers, less DHP).
-JPEG_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-JPEG_PASSED = {0xC4, 0xCC, 0xDD, 0xFE}  # DHT, DAC, DRI, COM: PIL stores or skips them
-JPEG_LAYERS = {1, 3, 4}  # the component counts PIL reads (L, RGB, CMYK)
-# A Photoshop block (APP13: its image resources, "8BIM" each), which PIL parses into
-# ``info["photoshop"]``: read as PIL reads it (``_check_photoshop``), whose parse can fail the open.
-PHOTOSHOP_PREFIX, PHOTOSHOP_RESOURCE = b"Photoshop 3.0\x00", b"8BIM"
-PHOTOSHOP_RESOLUTION, PHOTOSHOP_RESOLUTION_BYTES = 0x03ED, 14  # what PIL unpacks of it
-# An MP index (APP2, CIPA DC-007): a file with more than one image in it is PIL's MPO, but a gain
-# map JPEG (Ultra HDR: an APP1 names its gain map) stays a JPEG. Read as PIL reads it when plain
-# (``_mp_images``): the MP tags PIL knows, of their types, each once, within the index.
-MPF_PREFIX = b"MPF\x00"
-ULTRA_HDR_MARK = b' hdrgm:Version="'
-MP_NUMBER_OF_IMAGES, MP_ENTRY = 0xB001, 0xB002
-MP_TAGS = {0xB000: (7, 4), MP_NUMBER_OF_IMAGES: (4, 1), MP_ENTRY: (7, None), 0xB004: (4, 1)}
-MP_ENTRY_BYTES = 16
-# An XMP packet (APP1): PIL keeps the last one's bytes after the prefix, and takes an orientation
-# from them, as Image.getexif() finds it, when the EXIF block holds none (or there is none).
-XMP_PREFIX = b"http://ns.adobe.com/xap/1.0/\x00"
+# An XMP packet: Pillow takes an orientation from it, as Image.getexif() finds it, when the EXIF
+# block holds none (or there is none).
 XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')
-# By APPn marker: a payload prefix, and the least payload PIL reads after it without an error.
-JPEG_APP_LENGTHS = {0xE0: (b"JFIF", 7), 0xE2: (b"ICC_PROFILE\x00", 14), 0xEE: (b"Adobe", 7)}
-EXIF_PREFIX = b"Exif\x00\x00"
+EXIF_PREFIX = b"Exif\x00\x00"  # a JPEG's EXIF block starts with it; a WebP's may
 TIFF_ORDERS = {b"II*\x00": "<", b"MM\x00*": ">"}
 TIFF_UNIT_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8}
-TIFF_SHORT, TIFF_RATIONAL = 3, 5
-X_RESOLUTION_TAG, RESOLUTION_UNIT_TAG = 0x011A, 0x0128  # what PIL's JPEG open reads a dpi from
+TIFF_SHORT = 3
 WEBP_RIFF, WEBP_FORM = b"RIFF", b"WEBP"
 # The chunk sequences after the RIFF header that ``webp_size`` reads (libwebp's demuxer, which
 # PIL's open runs, takes each): a lossy or a lossless bitstream alone, or an extended header
@@ -144,13 +114,14 @@ def header(data: bytes, max_pixels: int, any_format: bool = False) -> ImageHeade
     """The image's displayed size and format, from its header; ``ValueError`` as ``open_image``,
     ``TooLarge`` for an image above ``max_pixels`` or ``MAX_SIDE`` a side (checked before anything
     else is read)."""
-    plain = _read_without_pil(data)
-    if plain is not None:
-        width, height, orientation, image_format = plain
+    webp = webp_size(data)
+    limit = Image.MAX_IMAGE_PIXELS  # PIL's own (above it, PIL warns or refuses)
+    if webp is not None and (limit is None or webp[0] * webp[1] <= limit):
+        width, height, orientation = webp
         check_size(width, height, max_pixels)
         if orientation in TRANSPOSED_ORIENTATIONS:
             width, height = height, width
-        return ImageHeader(width, height, image_format)
+        return ImageHeader(width, height, "WEBP")
     with open_image(data, any_format) as image:
         width, height = image.size
         check_size(width, height, max_pixels)
@@ -159,205 +130,14 @@ def header(data: bytes, max_pixels: int, any_format: bool = False) -> ImageHeade
         return ImageHeader(width, height, image.format)
 
 
-def _read_without_pil(data: bytes) -> tuple[int, int, int | None, str] | None:
-    """A plain file's (width, height, EXIF orientation, format) from the PIL-free readers, when
-    PIL would open it without a word (within its ``MAX_IMAGE_PIXELS``); None: PIL reads it."""
-    if (size := png_size(data)) is not None:
-        width, height, orientation, image_format = *size, None, "PNG"
-    elif (jpeg := jpeg_size(data)) is not None:
-        width, height, orientation, image_format = jpeg
-    elif (webp := webp_size(data)) is not None:
-        width, height, orientation, image_format = *webp, "WEBP"
-    else:
-        return None
-    limit = Image.MAX_IMAGE_PIXELS  # PIL's own (above it, PIL warns or refuses)
-    if limit is not None and width * height > limit:
-        return None
-    return width, height, orientation, image_format
-
-
-def png_size(data: bytes) -> tuple[int, int] | None:
-    """A PNG's (width, height), read as PIL reads them, when its header is plain: the signature,
-    an IHDR of a mode PIL reads, then only ``PNG_PLAIN_CHUNKS`` up to the first IDAT, every CRC
-    right. Such a file holds no orientation (no eXIf) and PIL opens it to the same size; None
-    for every other file (PIL reads it, and says what is wrong with it)."""
-    if not data.startswith(PNG_SIGNATURE):
-        return None
-    size, at = None, len(PNG_SIGNATURE)
-    while at + 8 <= len(data):
-        length, kind = struct.unpack_from(">I4s", data, at)
-        if kind == b"IDAT":
-            return size
-        end = at + 8 + length
-        if end + 4 > len(data):
-            return None
-        if size is None:
-            if kind != b"IHDR" or length != 13:
-                return None
-            width, height, depth, colour, _, filtering = struct.unpack_from(">IIBBBB", data, at + 8)
-            if (depth, colour) not in PNG_MODES or filtering or not width or not height:
-                return None
-            size = (width, height)
-        elif length < PNG_PLAIN_CHUNKS.get(kind, 1 << 32):
-            return None
-        elif kind == b"tRNS" and length < PNG_TRNS_LENGTHS.get(colour, 0):
-            return None
-        if zlib.crc32(memoryview(data)[at + 4 : end]) != int.from_bytes(data[end : end + 4]):
-            return None
-        at = end + 4
-    return None
-
-
 class _LeftToPil(Exception):
     """Something a plain header does not hold: PIL reads the file (and says what is wrong)."""
 
 
-def jpeg_size(data: bytes) -> tuple[int, int, int | None, str] | None:
-    """A JPEG's (width, height, EXIF orientation, format: JPEG or MPO), read as PIL reads them,
-    when its header is plain: markers back to back from the signature to the start of scan, each
-    whole, of the kinds PIL passes over or reads without an error (``JPEG_FRAMES``,
-    ``JPEG_PASSED``, quantization tables, APPn), a Photoshop block PIL parses without an error
-    (``_check_photoshop``), at least one 8-bit frame of a layer count PIL reads, and an EXIF block
-    whose first directory is whole (``_exif_orientation``); the orientation as PIL finds it in the
-    EXIF block and the last XMP packet (``_pil_orientation``); and an MP index read as
-    ``_mp_images`` reads it. None for every other file (PIL reads it)."""
-    if not data.startswith(JPEG_SIGNATURE):
-        return None
-    try:
-        size, exif, xmp, mp_index, ultra_hdr, at = None, None, None, None, False, 2
-        while True:
-            if at + 4 > len(data) or data[at] != 0xFF:
-                return None
-            marker, length = data[at + 1], int.from_bytes(data[at + 2 : at + 4])
-            body = data[at + 4 : at + 2 + length]
-            if length < 2 or len(body) != length - 2:
-                return None
-            if marker == JPEG_SOS:
-                break
-            if marker in JPEG_FRAMES:
-                if len(body) < 6 or (len(body) - 6) % 3 or body[0] != 8:
-                    return None  # (PIL reads the components after the 6 bytes 3 at a time)
-                if body[5] not in JPEG_LAYERS:
-                    return None
-                size = (int.from_bytes(body[3:5]), int.from_bytes(body[1:3]))
-            elif marker == 0xDB:
-                _check_quantization(body)
-            elif 0xE0 <= marker <= 0xEF:
-                if marker == 0xED and body.startswith(PHOTOSHOP_PREFIX):
-                    _check_photoshop(body)
-                prefix, least = JPEG_APP_LENGTHS.get(marker, (b"", 0))
-                if len(body) < least and body.startswith(prefix):
-                    return None
-                if marker == 0xE1 and body.startswith(EXIF_PREFIX):
-                    if exif is not None:
-                        return None
-                    exif = body
-                elif marker == 0xE1 and body.startswith(XMP_PREFIX):
-                    xmp = body[len(XMP_PREFIX) :]
-                elif marker == 0xE2 and body.startswith(MPF_PREFIX):
-                    if mp_index is not None:
-                        return None
-                    mp_index = body[len(MPF_PREFIX) :]
-                ultra_hdr = ultra_hdr or (marker == 0xE1 and ULTRA_HDR_MARK in body)
-            elif marker not in JPEG_PASSED:
-                return None
-            at += 2 + length
-        if size is None or not size[0] or not size[1]:
-            return None
-        orientation = _pil_orientation(exif, xmp)
-        several = mp_index is not None and _mp_images(mp_index) > 1 and not ultra_hdr
-        return (*size, orientation, "MPO" if several else "JPEG")
-    except _LeftToPil:
-        return None
-
-
-def _check_photoshop(block: bytes) -> None:
-    """``_LeftToPil`` when PIL's parse of a Photoshop block would fail the open. PIL walks its
-    resources (each "8BIM", a 2-byte code, a name's length and name padded to even, a 4-byte size
-    and data padded to even) until one is not a resource, or until one is cut short, where its
-    unpacking raises ``struct.error``, which it catches: so does a resolution resource (0x03ED)
-    of less than 14 bytes. A resource that ends right after its code makes it read the name's
-    length past the end: an ``IndexError``, which fails the open."""
-    at = len(PHOTOSHOP_PREFIX)
-    while block[at : at + 4] == PHOTOSHOP_RESOURCE:
-        code = block[at + 4 : at + 6]
-        at += 6
-        if at > len(block):  # the code cut short: PIL stops here
-            return
-        if at == len(block):
-            raise _LeftToPil
-        at += 1 + block[at]
-        at += at & 1
-        if at + 4 > len(block):  # the size cut short
-            return
-        size = int.from_bytes(block[at : at + 4])
-        at += 4
-        short = min(size, len(block) - at) < PHOTOSHOP_RESOLUTION_BYTES  # (its data, if cut)
-        if int.from_bytes(code) == PHOTOSHOP_RESOLUTION and short:
-            return
-        at += size
-        at += at & 1
-
-
-def _mp_images(index: bytes) -> int:
-    """The number of images an MP index names, as PIL's ``_getmp`` reads it, when the index is
-    plain: a classic TIFF header, its first directory whole and followed by the next one's offset,
-    of the tags ``MP_TAGS`` only (each once, of its type and count, its value within the index),
-    the number of images and as many whole entries, each of a JPEG image."""
-    order = TIFF_ORDERS.get(index[:4])
-    if order is None or len(index) < 8:
-        raise _LeftToPil
-    (directory,) = struct.unpack_from(order + "L", index, 4)
-    if directory < 8 or directory + 2 > len(index):
-        raise _LeftToPil
-    (count,) = struct.unpack_from(order + "H", index, directory)
-    if directory + 2 + 12 * count + 4 > len(index):
-        raise _LeftToPil
-    values, out_of_line = {}, 0
-    for entry in range(directory + 2, directory + 2 + 12 * count, 12):
-        tag, kind, items, inline = struct.unpack_from(order + "HHL4s", index, entry)
-        expected = MP_TAGS.get(tag)
-        if expected is None or tag in values or kind != expected[0] or not items:
-            raise _LeftToPil
-        if expected[1] is not None and items != expected[1]:
-            raise _LeftToPil
-        nbytes = items * TIFF_UNIT_BYTES[kind]
-        if nbytes <= 4:
-            values[tag] = inline[:nbytes]
-            continue
-        (offset,) = struct.unpack(order + "L", inline)
-        out_of_line += nbytes
-        if offset + nbytes > len(index) or out_of_line > len(index):
-            raise _LeftToPil
-        values[tag] = index[offset : offset + nbytes]
-    if MP_NUMBER_OF_IMAGES not in values or MP_ENTRY not in values:
-        raise _LeftToPil
-    (images,) = struct.unpack(order + "L", values[MP_NUMBER_OF_IMAGES])
-    entries = values[MP_ENTRY]
-    if MP_ENTRY_BYTES * images > len(entries):
-        raise _LeftToPil
-    for at in range(0, MP_ENTRY_BYTES * images, MP_ENTRY_BYTES):
-        (attribute,) = struct.unpack_from(order + "L", entries, at)
-        if (attribute >> 24) & 7:  # not a JPEG image: PIL reads the file as a JPEG, and warns
-            raise _LeftToPil
-    return images
-
-
-def _check_quantization(body: bytes) -> None:
-    """A DQT's tables, each whole (PIL refuses the file otherwise)."""
-    while body:
-        table = 1 + (64 if body[0] < 16 else 128)
-        if len(body) < table:
-            raise _LeftToPil
-        body = body[table:]
-
-
-def _exif_orientation(segment: bytes) -> int | None:
-    """The orientation in an EXIF block's first directory, as PIL reads it, when that directory
-    is whole (its entries and their out-of-line values within the block), of known types, with
-    each tag once and the orientation one SHORT; and when the dpi PIL's open reads from it (a
-    resolution unit and an X resolution) is one RATIONAL."""
-    tiff = segment[len(EXIF_PREFIX) :]
+def _exif_orientation(tiff: bytes) -> int | None:
+    """The orientation in an EXIF block's TIFF (after any "Exif\\0\\0"), as PIL's ``getexif`` reads
+    it, when its first directory is whole (its entries and their out-of-line values within
+    the block), of known types, with each tag once and the orientation one SHORT."""
     if not tiff:
         return None
     order = TIFF_ORDERS.get(tiff[:4])
@@ -369,13 +149,13 @@ def _exif_orientation(segment: bytes) -> int | None:
     (count,) = struct.unpack_from(order + "H", tiff, directory)
     if directory + 2 + 12 * count > len(tiff):
         raise _LeftToPil
-    types, orientation = {}, None
+    tags, orientation = set(), None
     for entry in range(directory + 2, directory + 2 + 12 * count, 12):
         tag, kind, values, inline = struct.unpack_from(order + "HHL4s", tiff, entry)
         unit = TIFF_UNIT_BYTES.get(kind)
-        if unit is None or tag in types:
+        if unit is None or tag in tags:
             raise _LeftToPil
-        types[tag] = (kind, values)
+        tags.add(tag)
         nbytes = unit * values
         if nbytes > 4 and struct.unpack(order + "L", inline)[0] + nbytes > len(tiff):
             raise _LeftToPil  # PIL stops reading the directory there
@@ -383,9 +163,6 @@ def _exif_orientation(segment: bytes) -> int | None:
             if (kind, values) != (TIFF_SHORT, 1):
                 raise _LeftToPil
             (orientation,) = struct.unpack_from(order + "H", inline)
-    one_rational = (TIFF_RATIONAL, 1)
-    if RESOLUTION_UNIT_TAG in types and types.get(X_RESOLUTION_TAG, one_rational) != one_rational:
-        raise _LeftToPil
     return orientation
 
 
@@ -431,22 +208,13 @@ def webp_size(data: bytes) -> tuple[int, int, int | None] | None:
 
 
 def _webp_orientation(flags: int, chunks: dict[bytes, memoryview]) -> int | None:
-    """The orientation PIL finds in a WebP: its EXIF chunk's, read as ``_exif_orientation`` reads
-    a JPEG's (with or without the "Exif\\0\\0" a JPEG's block starts with, which PIL strips), else
-    its XMP chunk's (``XMP_ORIENTATION``), each only when VP8X flags it and it is not empty (what
-    PIL's ``info`` then holds)."""
+    """The orientation PIL's ``getexif`` finds in a WebP: its EXIF chunk's (``_exif_orientation``;
+    the chunk with or without the "Exif\\0\\0" a JPEG's block starts with, which PIL strips),
+    else, when it holds none (or there is none), its XMP chunk's (``XMP_ORIENTATION``); each chunk
+    only when VP8X flags it and it is not empty (what PIL's ``info`` then holds)."""
     exif = bytes(chunks.get(WEBP_EXIF, b"")) if flags & WEBP_EXIF_FLAG else b""
     xmp = bytes(chunks.get(WEBP_XMP, b"")) if flags & WEBP_XMP_FLAG else b""
-    if exif and not exif.startswith(EXIF_PREFIX):  # the TIFF alone, as the container has it
-        exif = EXIF_PREFIX + exif
-    return _pil_orientation(exif, xmp)
-
-
-def _pil_orientation(exif: bytes | None, xmp: bytes | None) -> int | None:
-    """The orientation as PIL's ``getexif`` finds it: the EXIF block's (``_exif_orientation``, the
-    block with its "Exif\\0\\0"), else, when it holds none (or there is none), the XMP packet's
-    (``XMP_ORIENTATION``)."""
-    orientation = _exif_orientation(exif) if exif else None
+    orientation = _exif_orientation(exif.removeprefix(EXIF_PREFIX))
     if orientation is None and xmp and (found := XMP_ORIENTATION.search(xmp)):
         orientation = int(found[2])
     return orientation
