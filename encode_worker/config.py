@@ -24,7 +24,12 @@ from epdserve.process_settings import (
     TransportNames,
     VisionAttention,
 )
-from epdserve.process_settings.groups import ModelNaming, TransportSettings
+from epdserve.process_settings.groups import (
+    ClosedListener,
+    ModelNaming,
+    RoomEndpointPolicy,
+    TransportSettings,
+)
 from epdserve.process_settings.secrets import HandshakeToken, IntakeToken
 from epdserve.vision.limits import MAX_PIXELS
 from epdserve.wire.addresses import DEFAULT_BOOTSTRAP_PORT, DEFAULT_INTAKE_PORT
@@ -64,7 +69,15 @@ DEVICE_DEFAULTS = {
 }
 
 
-class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken, ModelNaming, TransportSettings):
+class WorkerConfig(
+    RoomTableSettings,
+    HandshakeToken,
+    IntakeToken,
+    ModelNaming,
+    RoomEndpointPolicy,
+    ClosedListener,
+    TransportSettings,
+):
     """EPD encode worker: runs a vision tower over batches of items and delivers each item's rows
     to the prefill receiver that reserved memory for it."""
 
@@ -204,4 +217,8 @@ class WorkerConfig(RoomTableSettings, HandshakeToken, IntakeToken, ModelNaming, 
                 f"--batch-pixels {self.batch_pixels} is below --max-image-pixels "
                 f"{self.max_image_pixels}"
             )
+        self.closed(
+            self.bind,
+            {"--token-file": self.handshake_token, "--intake-token-file": self.intake_token},
+        )
         return self

@@ -178,6 +178,10 @@ class Intake:
         refusal = self._past_its_deadline(request)
         if refusal is not None:
             return refusal
+        if request.open_room_ttl_s is None:  # its room lives elsewhere: is that a room of ours?
+            unvouched = self.failer.rooms.refusal(request.encode_handshake)
+            if unvouched is not None:
+                return self._refuse(request, unvouched, log_it=True)
         if not self.in_flight.claim(room):
             return self._refuse(
                 request, f"room {room} already has an item in flight here", log_it=True

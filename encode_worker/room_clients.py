@@ -22,6 +22,7 @@ from epdserve.loop_threads import LoopThread
 from epdserve.wire.addresses import EncodeHandshake, Endpoint, canonical_host
 from epdserve.wire.modality import Modality
 from epdserve.wire.room_client import HandshakeClient
+from epdserve.wire.room_signatures import RoomEndpoints, UnsignedRooms
 from epdserve.wire.rooms import FailBody
 from handshake.access import LocalRooms, RemoteRooms
 from handshake.rooms import RoomError, RoomTable
@@ -100,6 +101,7 @@ class RoomClients:
         local_port: Callable[[], int],
         token: str | None,
         timeout_s: float,
+        unsigned_rooms: UnsignedRooms = "loopback",
     ):
         self.table = table
         self.loop = loop
@@ -108,6 +110,7 @@ class RoomClients:
         self._bootstrap_port = 0
         self._local_rooms = LocalRooms(table)
         self._token = token
+        self._endpoints = RoomEndpoints(token, unsigned_rooms)
         self._timeout_s = timeout_s
         self._remote: dict[Endpoint, RemoteRooms] = {}
         self._lock = threading.Lock()
@@ -119,9 +122,18 @@ class RoomClients:
             self._bootstrap_port = self._local_port()
         return self._bootstrap_port
 
+    def is_local(self, handshake: EncodeHandshake) -> bool:
+        key = handshake.endpoint
+        return key.host in self._local_hosts and key.port == self.bootstrap_port
+
+    def refusal(self, handshake: EncodeHandshake) -> str | None:
+        """Why a room at another endpoint must not be reached (nothing is sent there), or None:
+        this worker's own, or signed by the deployment (``wire.room_signatures``)."""
+        return None if self.is_local(handshake) else self._endpoints.refusal(handshake)
+
     def __call__(self, handshake: EncodeHandshake) -> LocalRooms | RemoteRooms:
         key = handshake.endpoint
-        if key.host in self._local_hosts and key.port == self.bootstrap_port:
+        if self.is_local(handshake):
             return self._local_rooms
         with self._lock:
             remote = self._remote.get(key)

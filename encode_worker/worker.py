@@ -120,6 +120,7 @@ class EncodeWorker:
             lambda: self.bootstrap_port,
             config.handshake_token,
             config.room_timeout_s,
+            config.unsigned_rooms,
         )
         item_log = RateLimitedLog(log)
         self.in_flight = InFlightRooms()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import inspect
 import json
 import time
@@ -32,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.convertors import IntegerConvertor, register_url_convertor
 from starlette.routing import Match
 
+from epdserve.bearer_auth import bearer_matches
 from epdserve.metrics import LATENCY_BUCKETS, PROBE_PATHS, exposition_registry
 from epdserve.wire.fingerprint import ModelFingerprint
 from epdserve.wire.rooms import (
@@ -274,10 +274,9 @@ class HandshakeAPI(FastAPI):
         time)."""
         if self.token is None or not scope["path"].startswith("/v1"):
             return True
-        given = (headers if headers is not None else dict(scope["headers"])).get(
-            b"authorization", b""
+        return bearer_matches(
+            headers if headers is not None else dict(scope["headers"]), self.token
         )
-        return hmac.compare_digest(given, b"Bearer " + self.token)
 
 
 async def _read_body(receive) -> bytes:

@@ -4,7 +4,6 @@ embedding."""
 from __future__ import annotations
 
 import concurrent.futures
-import ipaddress
 import logging
 import signal
 import sys
@@ -13,17 +12,20 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import uvicorn
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from epdserve.bearer_auth import BearerAuth
 from epdserve.loop_threads import LoopThread
 from epdserve.process_settings import Port, PositiveByteSize, SettingError, check_listen, refuse
+from epdserve.process_settings.groups import ClosedListener
 from epdserve.process_settings.secrets import (
     HANDSHAKE_TOKEN_ENV,
     HANDSHAKE_TOKEN_FILE_ENV,
     HandshakeToken,
 )
 from epdserve.wire.addresses import DEFAULT_BOOTSTRAP_PORT, Endpoint
+from epdserve.wire.room_signatures import is_loopback
 from epdserve.wire.rooms import MAX_FRAME_BYTES
 from handshake.app import MAX_BODY_BYTES, HandshakeAPI, create_app
 from handshake.rooms import RoomTable
@@ -47,35 +49,31 @@ UVICORN_OPTIONS = dict(
 )
 
 
+def _guarded(app) -> bool:
+    """Whether ``app``'s ``/v1`` routes need a bearer token: the handshake app's own, or
+    ``BearerAuth`` with a token in its middleware."""
+    if isinstance(app, HandshakeAPI):
+        return app.token is not None
+    return any(
+        m.cls is BearerAuth and m.kwargs.get("token") for m in getattr(app, "user_middleware", ())
+    )
+
+
 def open_listener_warning(app, host: str) -> str | None:
     """The warning a listener deserves when anyone who reaches it may use it: bound beyond loopback
-    and without a token (the handshake app without a bearer token; any other app, such as
-    epd-prefill's, has none). None when it is bound to loopback or needs a token."""
-    if host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
+    (``--insecure-listen``) and without a token. None when it is bound to loopback or needs a
+    token."""
+    if is_loopback(host) or _guarded(app):
         return None
-    if isinstance(app, HandshakeAPI) and app.token is not None:
-        return None
-    if isinstance(app, HandshakeAPI):
-        remedy = (
-            f"set a bearer token (--token-file, ${HANDSHAKE_TOKEN_FILE_ENV} or "
-            f"${HANDSHAKE_TOKEN_ENV}) or keep "
-            "the port private"
-        )
-    else:
-        remedy = "it has no authentication of its own: keep the port private"
+    remedy = (
+        f"set a bearer token (--token-file, ${HANDSHAKE_TOKEN_FILE_ENV} or "
+        f"${HANDSHAKE_TOKEN_ENV}; the gateway's --api-key-file) or keep the port private"
+    )
     return (
         f"INSECURE: {app.title} listens on {host} and takes requests from anyone who reaches the "
         "port, "
         f"with no token; {remedy} (a NetworkPolicy, or bind 127.0.0.1)"
     )
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _warn_if_open(app, host: str) -> None:
@@ -158,7 +156,7 @@ class ThreadedServer:
             self.loop.stop(10)
 
 
-class HandshakeSettings(RoomTableSettings, HandshakeToken):
+class HandshakeSettings(RoomTableSettings, HandshakeToken, ClosedListener):
     """Standalone bootstrap-room handshake service."""
 
     model_config = SettingsConfigDict(env_prefix="EPD_HANDSHAKE_")
@@ -171,6 +169,11 @@ class HandshakeSettings(RoomTableSettings, HandshakeToken):
     max_body_bytes: PositiveByteSize = Field(
         MAX_BODY_BYTES, description="largest accepted request body (bytes; K, M, G suffixes)"
     )
+
+    @model_validator(mode="after")
+    def _closed(self) -> HandshakeSettings:
+        self.closed(self.host, {"--token-file": self.handshake_token})
+        return self
 
 
 def main(argv: list[str] | None = None) -> int:

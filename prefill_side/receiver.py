@@ -36,6 +36,7 @@ from epdserve.loop_threads import LoopThread
 from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
 from epdserve.multimodal.rows import RowContractError, item_rows
 from epdserve.wire.addresses import EncodeHandshake, Endpoint
+from epdserve.wire.room_signatures import RoomEndpoints
 from epdserve.wire.states import ItemState
 from prefill_side.endpoints import Endpoints
 from prefill_side.fallback import LocalTower
@@ -71,6 +72,8 @@ class PrefillReceiver:
         self.metrics = ReceiverMetrics(self.registry, self.receive_pool)
         self.local = LocalTower(config, local_tower)
         self.endpoints = Endpoints(config)
+        # the room endpoints it calls: those the deployment signed (or loopback, without a token)
+        self.room_endpoints = RoomEndpoints(config.handshake_token, config.unsigned_rooms)
         give_up = GiveUp(config, self.pool, self.metrics, self.local)
         self.give_up = give_up
         self.streams = EndpointStreams(
@@ -181,6 +184,10 @@ class PrefillReceiver:
                 handshake = _room_address(item)
             except (TypeError, ValueError) as exc:  # no room to cancel: the address names none
                 refused.append((index, item, f"invalid encode_handshake: {exc}"))
+                continue
+            vouched = self.room_endpoints.refusal(handshake)
+            if vouched is not None:  # nothing is sent there: not a registration, not a cancel
+                refused.append((index, item, vouched))
                 continue
             room = (handshake.endpoint, handshake.bootstrap_room)
             if room in rooms:  # the room is the earlier item's: refuse this one, leave the room

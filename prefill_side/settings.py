@@ -6,15 +6,16 @@ the DeepStack columns, the fallback, the room API's token, zero-copy)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from epdserve.process_settings.groups import RoomEndpointPolicy
 from epdserve.process_settings.values import PositiveByteSize, PositiveSeconds, TransportNames
 from epdserve.wire.fingerprint import CompactFingerprint
 from epdserve.wire.offers import DEFAULT_TRANSPORTS, DTYPE_NAMES, MAX_WIDTH
 from epdserve.wire.rooms import MAX_DEADLINE_S, MAX_WAIT_S
 
 
-class ReceiverSettings(BaseModel):
+class ReceiverSettings(RoomEndpointPolicy):
     transports: TransportNames = Field(
         DEFAULT_TRANSPORTS,
         description="transports offered to the encode workers, comma-separated, in order of "

@@ -596,3 +596,37 @@ def test_a_server_says_it_is_ready_only_once_it_answers_and_stops_quietly(
         rest, _ = process.communicate(timeout=60)
     assert process.returncode == 0
     assert "nanobind" not in rest and "Traceback" not in rest, rest[-3000:]
+
+
+# ---- closed by default -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "module, args, missing",
+    [
+        (
+            "encode_worker.cli",
+            ["--model", "{checkpoint}", "--bind", "0.0.0.0"],
+            "--token-file and --intake-token-file",
+        ),
+        ("handshake.server", ["--host", "0.0.0.0"], "--token-file"),
+        ("epdserve.prefill_server.cli", ["--host", "0.0.0.0", "--width", "64"], "--token-file"),
+        (
+            "epdserve.gateway.cli",
+            [
+                *("--host", "0.0.0.0", "--model", "{checkpoint}", "--workers", "127.0.0.1"),
+                *("--vllm-url", "http://127.0.0.1:9", "--engine-url", "http://127.0.0.1:9"),
+            ],
+            "--api-key-file",
+        ),
+    ],
+)
+def test_a_process_listening_beyond_loopback_needs_its_token(checkpoint, module, args, missing):
+    """Every process that listens refuses to start beyond loopback without the token that guards
+    its ports, saying which flag gives it; --insecure-listen is the lab's way past it."""
+    args = [arg.format(checkpoint=checkpoint) for arg in args]
+    environment = {
+        name: "" for name in ("EPD_HANDSHAKE_TOKEN", "EPD_HANDSHAKE_TOKEN_FILE", "EPD_INTAKE_TOKEN")
+    }
+    line = assert_refused(run(module, *args, env=environment), "beyond loopback", missing)
+    assert "--insecure-listen" in line

@@ -29,6 +29,7 @@ from tests.image_server import serving  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
 MAX_TOKENS = 8
+VLLM_API_KEY = "vllm-key-of-the-tests"  # vLLM's --api-key: the gateway sends it, from its file
 CONNECTOR = {
     "ec_connector": "EPDConnector",
     "ec_connector_module_path": "prefill_side.vllm_connector",
@@ -84,12 +85,28 @@ def image_server():
         yield url
 
 
+def deployment_secrets(directory: str) -> dict:
+    """The deployment's secrets, in every process's environment, as a cluster's processes get
+    them: the handshake token (rooms are signed), the intake token, vLLM's API key (vLLM reads it
+    from ``VLLM_API_KEY``, the gateway from a file)."""
+    path = os.path.join(directory, "vllm-api-key")
+    with open(path, "w") as f:
+        f.write(VLLM_API_KEY)
+    return {
+        "EPD_HANDSHAKE_TOKEN": "handshake-token-of-the-tests",
+        "EPD_INTAKE_TOKEN": "intake-token-of-the-tests",
+        "VLLM_API_KEY": VLLM_API_KEY,
+        "EPD_GATEWAY_VLLM_API_KEY_FILE": path,
+    }
+
+
 class Stack:
     def __init__(self, log_dir: str):
         from epdserve.bench.benchmarks.vllm import Server
 
+        secrets = deployment_secrets(log_dir)
         self.model = cached_vlm("qwen2_vl")
-        self.cluster = LocalCluster(self.model, log_dir=log_dir)
+        self.cluster = LocalCluster(self.model, log_dir=log_dir, env=secrets)
         self.worker = self.cluster.start_encode_worker("worker", transports="shm")
         self.vllm = Server(
             "vllm",
@@ -98,6 +115,7 @@ class Stack:
             CONNECTOR,
             "float32",
             1024,
+            env=secrets,
             images_per_prompt=4,
             extra=("--distributed-executor-backend", "mp"),
         )
@@ -128,7 +146,7 @@ class Stack:
             base_url=self.gateway.url + "/v1", api_key="-", max_retries=0, timeout=120
         )
         self.direct = openai.OpenAI(
-            base_url=self.vllm.url + "/v1", api_key="-", max_retries=0, timeout=120
+            base_url=self.vllm.url + "/v1", api_key=VLLM_API_KEY, max_retries=0, timeout=120
         )
 
     def stop(self) -> list[int]:
@@ -872,3 +890,41 @@ def test_a_worker_killed_under_load_costs_no_request(stack):
     assert fell_back, "the kill came after every image was delivered"
     for reason in fell_back:
         assert "within" not in reason, reason  # none waited out a timeout
+
+
+# ---- no credential where a request points --------------------------------------------------------
+
+
+@pytest.mark.parametrize("signature", [None, "v1.99999999999." + "0" * 64])
+def test_a_request_straight_to_vllm_naming_another_endpoint_sends_it_nothing(stack, signature):
+    """vLLM's API reached without the gateway, a request naming an attacker's room endpoint in
+    ec_transfer_params (unsigned, or with a forged signature): the connector refuses that address,
+    the endpoint receives no request (so no token), and the image falls back to vLLM's own tower:
+    the answer equals vLLM's colocated one and the report says why."""
+    from tests.image_server import recording
+
+    image = data_uri(synthetic_image(90, 90, seed=97))
+    uuid = "a" * 32
+    with recording() as (port, seen):
+        room = {"bootstrap_room": 4242, "bootstrap_host": HOST, "bootstrap_port": port}
+        if signature is not None:
+            room["signature"] = signature
+        answer = stack.direct.chat.completions.create(
+            model=stack.model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": image}, "uuid": uuid},
+                        {"type": "text", "text": "Describe the pictures."},
+                    ],
+                }
+            ],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            extra_body={"ec_transfer_params": {"rooms": {uuid: room}}},
+        )
+        assert seen == [], seen
+    assert answer.choices[0].message.content == stack.colocated([image])
+    (delivery,) = answer.model_extra["ec_transfer_params"]["items"].values()
+    assert delivery["state"] == "FAILED" and "signature" in delivery["reason"]

@@ -230,6 +230,7 @@ def gateway_in_process(model: str, engine_url: str, vllm_url: str | None = None,
     settings.setdefault("workers", (WorkerAddress(HOST, free_port(), free_port()),))
     config = GatewaySettings(
         model=model,
+        host=HOST,
         vllm_url=vllm_url or f"http://{HOST}:{free_port()}",
         engine_url=engine_url,
         served_model_name="m",
@@ -575,3 +576,125 @@ def test_an_image_in_a_format_workers_do_not_decode_goes_to_vllm_within_the_same
     huge = ask(Image.new("1", (12000, 12000)), compression="packbits")
     assert huge.status_code == 400, huge.text
     assert "12000x12000 pixels is larger than accepted" in huge.json()["error"]["message"]
+
+
+def test_the_gateway_asks_for_its_api_key_and_serves_docs_only_when_asked(tmp_path, engine_url):
+    """--api-key-file: a /v1 call without the key (or with another) is refused 401 in OpenAI's
+    shape before anything is read; with it, it is served (here: vLLM unreachable, 502); probes
+    and metrics stay open. /docs and /openapi.json are served only with --docs."""
+    gateway = gateway_in_process(str(tmp_path / "a"), engine_url, api_key="the-key")
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
+    with serving_in_process(gateway) as client:
+        for headers in ({}, {"Authorization": "Bearer another"}, {"Authorization": "the-key"}):
+            refused = client.post("/v1/chat/completions", content=body, headers=headers)
+            assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+            assert refused.json()["error"]["type"] == "authentication_error"
+        assert client.get("/v1/models").status_code == 401
+        served = client.post(
+            "/v1/chat/completions", content=body, headers={"Authorization": "Bearer the-key"}
+        )
+        assert served.status_code == 502
+        assert client.get("/health").status_code == 200
+        assert client.get("/metrics").status_code == 200
+        assert client.get("/docs").status_code == 404
+        assert client.get("/openapi.json").status_code == 404
+    documented = gateway_in_process(str(tmp_path / "b"), engine_url, docs=True)
+    with serving_in_process(documented) as client:
+        assert client.get("/docs").status_code == 200
+        assert client.get("/openapi.json").status_code == 200
+
+
+@contextlib.contextmanager
+def slow_stream(events: int, every_s: float):
+    """A stand-in for vLLM's chat completions that streams ``events`` chunks, one every
+    ``every_s`` seconds, then ``[DONE]``: its URL."""
+    import http.server
+    import threading
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for index in range(events):
+                chunk = {
+                    "id": "c",
+                    "object": "chat.completion.chunk",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"content": f"t{index} "},
+                            "finish_reason": "length" if index == events - 1 else None,
+                        }
+                    ],
+                }
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(every_s)
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
+        def log_message(self, *args):
+            return
+
+    server = http.server.ThreadingHTTPServer((HOST, 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{HOST}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def test_a_stream_in_flight_when_the_gateway_is_told_to_stop_completes(tmp_path):
+    """SIGTERM to a gateway while it relays a stream of 8 s (--drain-s 20; the drain was 5 s): the
+    stream goes on to its last chunk and [DONE], no new connection is taken meanwhile, and the
+    gateway then exits 0."""
+    import signal
+    import socket
+
+    from epdserve.testing.cluster import LocalCluster
+    from epdserve.vision.small_checkpoints import build_full
+    from tests.waiting import eventually
+
+    build_full("qwen2_vl", str(tmp_path / "model"))
+    cluster = LocalCluster(str(tmp_path / "model"), log_dir=str(tmp_path))
+    with slow_stream(events=20, every_s=0.4) as vllm_url:
+        gateway = cluster.start_gateway(
+            SimpleNamespace(url=vllm_url, engine_url=f"http://{HOST}:{free_port()}"),
+            [WorkerAddress(HOST, free_port(), free_port())],
+            extra=("--drain-s", "20"),
+        )
+        try:
+            cluster.wait_ready()
+            body = json.dumps(
+                {"model": "m", "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+            )
+            request = urllib.request.Request(
+                gateway.url + "/v1/chat/completions", data=body.encode(), method="POST"
+            )
+            lines = []
+            with urllib.request.urlopen(request, timeout=30) as stream:
+                lines.append(stream.readline())  # the first event is on its way: stop now
+                gateway.process.send_signal(signal.SIGTERM)
+                port = int(gateway.url.rsplit(":", 1)[1])
+
+                def listener_closed() -> bool:
+                    try:
+                        socket.create_connection((HOST, port), timeout=5).close()
+                    except OSError:
+                        return True
+                    return False
+
+                eventually(listener_closed, "the gateway taking no new connection")
+                lines += stream.read().splitlines(keepends=True)
+            events = [line for line in lines if line.startswith(b"data: ")]
+            assert len(events) == 21 and events[-1] == b"data: [DONE]\n", events
+            assert b'"finish_reason": "length"' in events[-2]
+            assert gateway.process.wait(30) == 0
+        finally:
+            cluster.stop()

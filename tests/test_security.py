@@ -194,3 +194,46 @@ def test_frames_over_the_size_bounds_are_dropped_or_refused(locked_worker):
         assert fresh.send(_request(worker, room, "intake-s3cret"), png(64, 64, 2)).ok
     finally:
         fresh.close()
+
+
+def test_intake_reaches_no_room_endpoint_the_deployment_did_not_sign(locked_worker):
+    """An item whose room lives at another endpoint, unsigned or signed with another token's key:
+    refused at intake, and that endpoint gets no request (nor the worker's bearer token); signed
+    with the deployment's key, the same address is taken."""
+    from epdserve.wire.addresses import EncodeHandshake
+    from epdserve.wire.room_signatures import RoomSigner
+    from tests.image_server import recording
+
+    worker, _ = locked_worker
+    intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
+    try:
+        with recording() as (port, seen):
+            address = EncodeHandshake(
+                bootstrap_room=77, bootstrap_host="127.0.0.1", bootstrap_port=port
+            )
+            for handshake, why in (
+                (address, "is not signed by the deployment"),
+                (RoomSigner("another-token").sign(address, 60), "is not the deployment's"),
+            ):
+                body = {**_request(worker, 77, "intake-s3cret")}
+                body["encode_handshake"] = handshake.model_dump(exclude_none=True)
+                reply = intake.send(body, png(64, 64, 2))
+                assert reply.status is IntakeStatus.REFUSED and why in reply.reason, reply
+            assert seen == []
+            signed = RoomSigner("rooms-s3cret").sign(address, 60)
+            body = {**_request(worker, 78, "intake-s3cret")}
+            body["encode_handshake"] = signed.model_copy(update={"bootstrap_room": 78}).model_dump()
+            assert intake.send(body, png(64, 64, 3)).status is IntakeStatus.REFUSED  # room moved
+            body["encode_handshake"] = (
+                RoomSigner("rooms-s3cret")
+                .sign(
+                    EncodeHandshake(
+                        bootstrap_room=78, bootstrap_host="127.0.0.1", bootstrap_port=port
+                    ),
+                    60,
+                )
+                .model_dump()
+            )
+            assert intake.send(body, png(64, 64, 4)).ok
+    finally:
+        intake.close()

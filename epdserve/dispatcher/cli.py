@@ -141,7 +141,9 @@ async def run(args: DispatchSettings) -> int:
         ]
         if args.prefill:
             output["prefill"] = await _post(
-                args.prefill, prefill_body(args.request_id, items, args.verify)
+                args.prefill,
+                prefill_body(args.request_id, items, args.verify),
+                args.handshake_token,
             )
             failed += [
                 f"{_name(args.images, report.get('index'))}: prefill {report.get('state')}: "
@@ -170,11 +172,13 @@ def _name(paths: list[str], index) -> str:
     return paths[index] if isinstance(index, int) and 0 <= index < len(paths) else f"item {index}"
 
 
-async def _post(url: str, body: dict) -> dict:
-    """``POST /v1/prefill``: the prefill process's report; an answer that is not one is an error."""
+async def _post(url: str, body: dict, token: str | None) -> dict:
+    """``POST /v1/prefill`` (``token``: the handshake token, epd-prefill's bearer): the prefill
+    process's report; an answer that is not one is an error."""
     import aiohttp
 
-    async with aiohttp.ClientSession() as session:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession(headers=headers) as session:
         async with session.post(url.rstrip("/") + "/v1/prefill", json=body) as response:
             text = await response.text()
             if response.status != 200:

@@ -46,6 +46,7 @@ from epdserve.wire.intake import (
 )
 from epdserve.wire.offers import drawn_room_id
 from epdserve.wire.room_client import HandshakeClient, HandshakeError
+from epdserve.wire.room_signatures import RoomSigner
 from epdserve.wire.rooms import RoomView
 from handshake.access import RemoteRooms
 
@@ -85,6 +86,9 @@ class Dispatcher:
         self.rooms_url = rooms_url  # a standalone room authority; None: rooms at each item's worker
         self.served_model = served_model
         self.handshake_token = handshake_token
+        # each room's address signed with the handshake token's key: the deployment's processes
+        # call only signed endpoints (wire.room_signatures)
+        self.signer = RoomSigner(handshake_token) if handshake_token else None
         self.intake_token = intake_token
         self.room_ttl_s = room_ttl_s
         self.intake_timeout_s = intake_timeout_s
@@ -244,6 +248,8 @@ class Dispatcher:
             items, rooms = [items[i] for i in kept], [rooms[i] for i in kept]
         for item, room in zip(items, rooms):
             item.encode_handshake = EncodeHandshake.at(endpoint, room)
+            if self.signer is not None:
+                item.encode_handshake = self.signer.sign(item.encode_handshake, self.room_ttl_s)
         replies = await self._send(request_id, address, items)
         left_live: dict[str, list[int]] = {}  # the reason -> the rooms that may be live for it
         for item, reply in zip(items, replies):

@@ -44,6 +44,7 @@ from prometheus_client import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from epdserve.bearer_auth import BearerAuth
 from epdserve.dispatcher.dispatch import Dispatcher
 from epdserve.dispatcher.media import DispatchError, Media
 from epdserve.dispatcher.staged import StagedWatch
@@ -100,7 +101,9 @@ class Gateway:
             settings.max_video_bytes,
         )
         self.metrics = GatewayMetrics(settings.served_model_name, registry)
-        self.upstream = Upstream(settings.vllm_url, settings.request_timeout_s)
+        self.upstream = Upstream(
+            settings.vllm_url, settings.request_timeout_s, settings.vllm_api_key
+        )
         # rooms at a standalone authority say nothing of the workers' rows: no wait then
         self.staged = (
             StagedWatch(settings.handshake_token, lost=self._worker_lost)
@@ -609,8 +612,18 @@ def build_app(gateway: Gateway) -> FastAPI:
         finally:
             await gateway.close()
 
-    app = FastAPI(title="EPD gateway", version="1", lifespan=lifespan)
+    docs = gateway.settings.docs
+    app = FastAPI(
+        title="EPD gateway",
+        version="1",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.add_middleware(InFlightLimit, gateway=gateway)
+    # clients' /v1 calls carry the API key (--api-key-file), as vLLM's --api-key asks
+    app.add_middleware(BearerAuth, token=gateway.settings.api_key)
     app.state.gateway = gateway
 
     @app.exception_handler(StarletteHTTPException)

@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         build_app(gateway),
         settings.host,
         settings.port,
+        graceful_s=settings.drain_s,  # answers in flight, streams included, finish first
         ready=lambda: logging.getLogger(settings.PROG).info(
             "%s serving: http://%s:%d (/v1/chat/completions, /v1/models, /health, /readyz, "
             "/metrics) in front of vLLM at %s; /readyz says ready once vLLM's engine (%s) is read "

@@ -7,7 +7,7 @@ import json
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
-from pydantic_settings import NoDecode, SettingsConfigDict
+from pydantic_settings import CliSuppress, NoDecode, SettingsConfigDict
 
 from epdserve.dispatcher.settings import EncodeWorkerTargets, HttpUrl
 from epdserve.process_settings import (
@@ -19,6 +19,8 @@ from epdserve.process_settings import (
     PositiveSeconds,
     SettingError,
 )
+from epdserve.process_settings.groups import ClosedListener
+from epdserve.process_settings.secrets import read_secret
 from epdserve.wire.modality import BY_VLLM_NAME
 
 
@@ -47,7 +49,7 @@ def _media_limits(value: object) -> dict[str, int] | None:
 MediaLimits = Annotated[dict[str, int] | None, NoDecode, BeforeValidator(_media_limits)]
 
 
-class GatewaySettings(EncodeWorkerTargets):
+class GatewaySettings(EncodeWorkerTargets, ClosedListener):
     """OpenAI's chat completions API in front of encode workers and vLLM. --model is the
     checkpoint vLLM serves, read for its image processor config only (rows per image, as the
     encode workers compute them)."""
@@ -57,6 +59,22 @@ class GatewaySettings(EncodeWorkerTargets):
 
     host: str = Field("0.0.0.0", min_length=1, description="address to listen on")
     port: Port = Field(8000, description="port to listen on")
+    api_key_file: str | None = Field(
+        None,
+        description="file holding the API key clients send (Authorization: Bearer) to /v1, as "
+        "vLLM's --api-key; needed to listen beyond loopback (or --insecure-listen)",
+    )
+    api_key: CliSuppress[str | None] = Field(None, repr=False, exclude=True)
+    vllm_api_key_file: str | None = Field(
+        None, description="file holding vLLM's --api-key, sent with every call to vLLM"
+    )
+    vllm_api_key: CliSuppress[str | None] = Field(None, repr=False, exclude=True)
+    docs: bool = Field(False, description="serve /docs and /openapi.json")
+    drain_s: PositiveSeconds = Field(
+        25.0,
+        description="on SIGTERM, how long answers in flight (streams included) may take to "
+        "finish before the gateway stops; keep it below the pod's terminationGracePeriodSeconds",
+    )
     vllm_url: HttpUrl = Field(
         description="the vLLM OpenAI server with the EPD connector, http://host:port"
     )
@@ -121,6 +139,20 @@ class GatewaySettings(EncodeWorkerTargets):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="debug, info, warning, error"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_keys(cls, data):
+        if isinstance(data, dict):
+            for key, path in (("api_key", "api_key_file"), ("vllm_api_key", "vllm_api_key_file")):
+                if not data.get(key) and data.get(path):
+                    data = {**data, key: read_secret(data[path], "--" + path.replace("_", "-"))}
+        return data
+
+    @model_validator(mode="after")
+    def _closed(self) -> GatewaySettings:
+        self.closed(self.host, {"--api-key-file": self.api_key})
+        return self
 
     @model_validator(mode="after")
     def _vllm_urls_given(self) -> GatewaySettings:

@@ -16,15 +16,18 @@ class Upstream:
     """The vLLM OpenAI server the gateway forwards to: one pooled session for the gateway's life
     (opened by ``start``, closed by ``close``), each call bounded by ``--request-timeout-s``."""
 
-    def __init__(self, url: str, request_timeout_s: float):
+    def __init__(self, url: str, request_timeout_s: float, api_key: str | None = None):
+        """``api_key``: vLLM's ``--api-key``, sent with every call."""
         self.url = url
         self.request_timeout_s = request_timeout_s
+        self.api_key = api_key
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
             connector=aiohttp.TCPConnector(limit=0),
+            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None,
         )
 
     async def close(self) -> None:

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from epdserve.bearer_auth import BearerAuth
 from epdserve.data_plane.commit import checksum
 from epdserve.metrics import exposition_registry
 from epdserve.multimodal.items import GRID_KEYS, MultimodalDataItem, MultimodalInputs
@@ -99,6 +100,8 @@ def create_app(
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    # /v1/prefill takes the handshake token as its bearer, as the room API does
+    app.add_middleware(BearerAuth, token=receiver.config.handshake_token)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc: RequestValidationError):

@@ -18,12 +18,18 @@ from epdserve.process_settings import (
     PositiveInt,
     SettingError,
 )
-from epdserve.process_settings.groups import ModelNaming, ReceiverTransportSettings
+from epdserve.process_settings.groups import (
+    ClosedListener,
+    ModelNaming,
+    ReceiverTransportSettings,
+)
 from epdserve.process_settings.secrets import HandshakeToken
 from prefill_side.settings import ReceiverSettings
 
 
-class PrefillSettings(HandshakeToken, ReceiverSettings, ReceiverTransportSettings, ModelNaming):
+class PrefillSettings(
+    HandshakeToken, ReceiverSettings, ReceiverTransportSettings, ModelNaming, ClosedListener
+):
     """Reference prefill process: receives each item's rows from the encode workers. Rows arrive in
     the encode workers' dtype: --dtype must be theirs, and --width their tower's row width (--model
     gives it). A mismatch fails every item."""
@@ -62,6 +68,8 @@ class PrefillSettings(HandshakeToken, ReceiverSettings, ReceiverTransportSetting
 
     @model_validator(mode="after")
     def _consistent(self) -> PrefillSettings:
+        # its /v1/prefill takes the handshake token as its bearer
+        self.closed(self.host, {"--token-file": self.handshake_token})
         if self.slot_bytes > self.pool_bytes:
             raise SettingError(
                 f"--slot-bytes {self.slot_bytes} is larger than --pool-bytes {self.pool_bytes}"

@@ -1,7 +1,9 @@
 """Settings that several processes take alike, each group declared once (its fields' types,
 defaults and descriptions) and mixed into each process's settings class: the model's public name
 and processor overrides (``ModelNaming``: the encode worker, the dispatcher, the gateway,
-``epd-prefill``), and the transports' own settings (``TransportSettings``: every process that
+``epd-prefill``), the room endpoints a process calls (``RoomEndpointPolicy``: the encode worker and
+every receiver), a listener closed without its tokens (``ClosedListener``: every process that
+listens), and the transports' own settings (``TransportSettings``: every process that
 builds transports; ``ReceiverTransportSettings`` adds the address a receiver's Mooncake engine is
 reached at). The receiver's own group is ``prefill_side.settings.ReceiverSettings``."""
 
@@ -9,8 +11,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, model_validator
 
+from epdserve.process_settings.base import SettingError
 from epdserve.process_settings.checks import served_name
 from epdserve.process_settings.values import AdvertisedHost, ProcessorKwargs
+from epdserve.wire.room_signatures import UnsignedRooms, is_loopback
 
 
 class ModelNaming(BaseModel):
@@ -38,6 +42,40 @@ class ModelNaming(BaseModel):
         if not self.served_model_name and model:
             object.__setattr__(self, "served_model_name", served_name(model))
         return self
+
+
+class ClosedListener(BaseModel):
+    """A process that listens beyond loopback needs its tokens: it refuses to start without them,
+    unless told it listens open on purpose (a lab on a private network)."""
+
+    insecure_listen: bool = Field(
+        False,
+        description="listen beyond loopback without the tokens that guard this process's "
+        "ports (a lab on a private network; never a cluster): the start is refused otherwise",
+    )
+
+    def closed(self, host: str, tokens: dict[str, str | None]) -> None:
+        """``SettingError`` when ``host`` is beyond loopback and a token of ``tokens`` (its flag
+        -> its value) is missing, unless ``insecure_listen``."""
+        missing = [flag for flag, token in tokens.items() if not token]
+        if missing and not is_loopback(host) and not self.insecure_listen:
+            raise SettingError(
+                f"listening on {host} (beyond loopback) without {' and '.join(missing)}: anyone "
+                "who reaches the port could use it; give the token, listen on 127.0.0.1, or pass "
+                "--insecure-listen for a lab on a private network"
+            )
+
+
+class RoomEndpointPolicy(BaseModel):
+    """Which room endpoints a process calls with its bearer token (``wire.room_signatures``): with
+    a handshake token, only those whose address the deployment signed; without one, loopback
+    ones unless ``unsigned_rooms`` says any."""
+
+    unsigned_rooms: UnsignedRooms = Field(
+        "loopback",
+        description="without a handshake token, the room endpoints called unsigned: loopback "
+        "(the default) or any (a lab on a private network, never a cluster)",
+    )
 
 
 class TransportSettings(BaseModel):

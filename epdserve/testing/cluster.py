@@ -66,9 +66,17 @@ class Role:
 
 
 class LocalCluster:
-    def __init__(self, model_dir: str, dtype: str = "float32", log_dir: str | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        log_dir: str | None = None,
+        env: dict | None = None,
+    ):
+        """``env``: added to every role's environment (the deployment's tokens, say)."""
         self.model_dir = model_dir
         self.dtype = dtype
+        self.env = env or {}
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="epd-cluster-")
         self.roles: list[Role] = []
 
@@ -226,6 +234,7 @@ class LocalCluster:
             "PYTHONPATH": ROOT,
             "OMP_WAIT_POLICY": "PASSIVE",
             "MC_LOG_LEVEL": "ERROR",
+            **self.env,
             **(env or {}),
         }
         log_path = os.path.join(self.log_dir, f"{name}.log")

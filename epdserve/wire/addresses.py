@@ -127,6 +127,9 @@ class EncodeHandshake(BaseModel):
     bootstrap_room: json_int(ge=1, le=MAX_ROOM_ID)  # rooms are minted in [1, MAX_ROOM_ID]
     bootstrap_host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:\-\[\]_]+$")
     bootstrap_port: json_int(ge=1, le=65535)
+    # the deployment's signature of this address (wire.room_signatures): a process with a handshake
+    # token calls no room endpoint whose address is not signed with it
+    signature: str | None = Field(None, pattern=r"^v1\.[0-9]{1,12}\.[0-9a-f]{64}$")
 
     @classmethod
     def at(cls, endpoint: Endpoint, room: int) -> EncodeHandshake:
