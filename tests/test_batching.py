@@ -94,7 +94,7 @@ def test_draining_the_queue_ends_a_waiting_batch():
 @pytest.mark.parametrize("window", ["-0.001", "0.5"])
 def test_the_window_is_bounded(window, tmp_path):
     with pytest.raises((SettingError, ValueError)):
-        WorkerConfig(model=str(tmp_path), batch_window_s=window)
+        WorkerConfig(model=str(tmp_path), bind="127.0.0.1", batch_window_s=window)
 
 
 def test_the_wait_a_queued_item_would_have_follows_the_pace_measured_under_a_backlog():

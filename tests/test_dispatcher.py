@@ -225,7 +225,7 @@ def test_mm_processor_kwargs_size_items_alike_on_both_sides_or_the_item_is_refus
 
     kwargs = '{"max_pixels": 50176}'  # 448x448 -> a 16x16 grid instead of 32x32
     config = WorkerConfig.from_command_line(
-        ["--model", tower.model_id, "--mm-processor-kwargs", kwargs]
+        ["--model", tower.model_id, "--bind", "127.0.0.1", "--mm-processor-kwargs", kwargs]
     )
     settings = DispatchSettings.from_command_line(
         [

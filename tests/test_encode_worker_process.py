@@ -228,7 +228,9 @@ def test_probes_and_metrics(worker_process, checkpoint):
 def test_every_flag_has_an_env_var_and_the_flag_wins():
     from encode_worker.config import WorkerConfig
 
-    with mock.patch.dict(os.environ, {"EPD_BATCH_ITEMS": "3", "EPD_CHECKSUM": "0"}):
+    with mock.patch.dict(
+        os.environ, {"EPD_BATCH_ITEMS": "3", "EPD_CHECKSUM": "0", "EPD_BIND": "127.0.0.1"}
+    ):
         assert WorkerConfig.from_command_line(["--model", "m"]).batch_items == 3
         assert not WorkerConfig.from_command_line(["--model", "m"]).checksum
         flags = WorkerConfig.from_command_line(["--model", "m", "--batch-items", "5", "--checksum"])

@@ -12,6 +12,7 @@ import json
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import schemathesis
@@ -610,6 +611,7 @@ class _StubJob:
 
 class _StubReceiver:
     registry = CollectorRegistry()
+    config = SimpleNamespace(handshake_token=None)  # its /v1 open, as a receiver's without one
 
     def start(self, request_id, inputs):
         return _StubJob(inputs)

@@ -927,4 +927,4 @@ def test_a_request_straight_to_vllm_naming_another_endpoint_sends_it_nothing(sta
         assert seen == [], seen
     assert answer.choices[0].message.content == stack.colocated([image])
     (delivery,) = answer.model_extra["ec_transfer_params"]["items"].values()
-    assert delivery["state"] == "FAILED" and "signature" in delivery["reason"]
+    assert delivery["state"] == "FAILED" and "sign" in delivery["reason"]

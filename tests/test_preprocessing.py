@@ -128,16 +128,18 @@ def test_an_unexpected_preprocessing_error_fails_only_its_item(qwen25_full, monk
 
 
 def test_device_defaults_fill_a_gpu_and_keep_the_cpu_s(tmp_path):
-    cpu = WorkerConfig(model=str(tmp_path))
+    cpu = WorkerConfig(model=str(tmp_path), bind="127.0.0.1")
     assert (cpu.batch_patches, cpu.batch_items, cpu.queue_items, cpu.preprocess_workers) == (
         16384,
         8,
         4096,
         1,
     )
-    gpu = WorkerConfig(model=str(tmp_path), device="cuda:1")
+    gpu = WorkerConfig(model=str(tmp_path), bind="127.0.0.1", device="cuda:1")
     assert (gpu.batch_patches, gpu.batch_items, gpu.queue_items) == (32768, 64, 16384)
     assert 1 <= gpu.preprocess_workers <= 8
-    told = WorkerConfig(model=str(tmp_path), device="cuda", batch_items=16, preprocess_workers=3)
+    told = WorkerConfig(
+        model=str(tmp_path), bind="127.0.0.1", device="cuda", batch_items=16, preprocess_workers=3
+    )
     assert (told.batch_items, told.preprocess_workers, told.batch_patches) == (16, 3, 32768)
-    assert WorkerConfig(model=str(tmp_path)).vision_attention == "auto"
+    assert WorkerConfig(model=str(tmp_path), bind="127.0.0.1").vision_attention == "auto"
