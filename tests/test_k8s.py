@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import types
 import urllib.request
 from pathlib import Path
 from unittest import mock
@@ -142,35 +143,57 @@ def container_env(container) -> dict[str, str]:
 
 
 def expanded(arg: str, env: dict[str, str]) -> str:
-    """``arg`` as the kubelet passes it: each $(VAR) replaced by the container's env VAR (an
-    undefined one would stay literal: refused here)."""
+    """``arg`` (of a command or args) as the kubelet passes it: each $(VAR) replaced by the
+    container's env VAR (an undefined one would stay literal: refused here), ``$$`` by ``$``."""
 
     def value(match):
+        if match.group(0) == "$$":
+            return "$"
         assert match.group(1) in env, (
             f"$({match.group(1)}) in {arg!r} names no env of the container"
         )
         return env[match.group(1)]
 
-    return re.sub(r"\$\((\w+)\)", value, arg)
+    return re.sub(r"\$\$|\$\((\w+)\)", value, arg)
+
+
+SHELL = ["/bin/sh", "-c"]
+
+
+def launched(container) -> tuple[str, str | None, list[str]]:
+    """(program, shell script or None, args) as the container starts them: the program itself,
+    or ``/bin/sh -c SCRIPT PROGRAM`` whose script ends by exec'ing it with the args ("$@")."""
+    env = container_env(container)
+    command = [expanded(part, env) for part in container["command"]]
+    args = [expanded(arg, env) for arg in container.get("args", [])]
+    if command[: len(SHELL)] == SHELL:
+        script, program = command[len(SHELL) :]
+        assert script.rstrip().endswith(f'exec {program} "$@"'), script
+        return program, script, args
+    (program,) = command
+    return program, None, args
+
+
+def file_read_by(script: str) -> str:
+    """The one file a wrapper script reads (``$(cat FILE)``)."""
+    (path,) = re.findall(r"\$\(cat (\S+)\)", script)
+    return path
 
 
 def parsed(container):
     """The container's command + args through the program's own parser, under its env."""
-    command = container["command"]
+    program, _, args = launched(container)
     env = container_env(container)
-    args = [expanded(arg, env) for arg in container.get("args", [])]
-    if command == [VLLM]:
+    if program == VLLM:
         return VLLM, vllm_serve(tuple(args))
-    assert len(command) == 1 and command[0] in SCRIPTS, (
-        f"{command} is not one of the console scripts {SCRIPTS}"
-    )
-    module = importlib.import_module(SCRIPTS[command[0]].split(":")[0])
+    assert program in SCRIPTS, f"{program} is not one of the console scripts {SCRIPTS}"
+    module = importlib.import_module(SCRIPTS[program].split(":")[0])
     (settings,) = [
         value
         for value in vars(module).values()
         if isinstance(value, type)
         and issubclass(value, ProcessSettings)
-        and getattr(value, "PROG", None) == command[0]
+        and getattr(value, "PROG", None) == program
     ]
     # the token files are secrets mounted in the cluster only: read as their path here
     with (
@@ -182,8 +205,11 @@ def parsed(container):
         mock.patch(
             "epdserve.process_settings.secrets.read_secret", lambda path, flag: f"token in {path}"
         ),
+        mock.patch(  # the gateway's API keys
+            "epdserve.gateway.settings.read_secret", lambda path, flag: f"key in {path}"
+        ),
     ):
-        return command[0], settings.from_command_line(args)
+        return program, settings.from_command_line(args)
 
 
 @functools.cache
@@ -220,10 +246,20 @@ def mooncake_choices(program, args) -> tuple[str, bool]:
     return args.mooncake_ib_device, bool(args.mooncake_force_tcp)
 
 
-def token_files(program, args) -> list[str]:
-    if program == VLLM:
-        return [args.connector.handshake_token_file]
-    if program in ("epd-encode-worker", "epd-gateway"):
+def token_files(container) -> list[str]:
+    """Every secret file the container reads: its tokens and API keys."""
+    program, script, _ = launched(container)
+    args = parsed(container)[1]
+    if program == VLLM:  # the handshake token; the API key, through the wrapper
+        return [args.connector.handshake_token_file, file_read_by(script)]
+    if program == "epd-gateway":
+        return [
+            args.token_file,
+            args.intake_token_file,
+            args.api_key_file,
+            args.vllm_api_key_file,
+        ]
+    if program == "epd-encode-worker":
         return [args.token_file, args.intake_token_file]
     return [args.token_file]
 
@@ -260,7 +296,9 @@ def served_paths(program, args) -> set[str]:
     elif program == "epd-gateway":
         from epdserve.gateway.app import build_app
 
-        app = build_app(None)  # the routes alone; the gateway object is used when serving
+        # the routes its settings give (/docs only with --docs); the rest of the gateway
+        # object is used when serving
+        app = build_app(types.SimpleNamespace(settings=args))
     else:  # the encode worker serves the handshake app on its bootstrap port
         from handshake.app import create_app
 
@@ -298,7 +336,7 @@ def test_one_images_entry_per_image_retags_every_container(rendered):
     for variant in VARIANTS:
         for _, template in pod_specs(rendered[variant]):
             for container in containers(template):
-                image = VLLM_IMAGE if container["command"] == [VLLM] else IMAGE
+                image = VLLM_IMAGE if launched(container)[0] == VLLM else IMAGE
                 expected = RETAGGED[image] if variant.endswith("+components") else f"{image}:0.1.0"
                 assert container["image"] == expected, container["name"]
 
@@ -552,6 +590,7 @@ def test_ports_agree_between_args_container_ports_probes_and_annotations(rendere
                 assert probed == {"readinessProbe": "/health", "livenessProbe": "/health"}
             if program == "epd-gateway":  # ready: vLLM's /health is 200
                 assert probed == {"readinessProbe": "/readyz", "livenessProbe": "/health"}
+                assert not {"/docs", "/openapi.json"} & paths, "no API docs on the public port"
         assert len(pod_ports) == len(set(pod_ports)), f"{name}: two containers listen on one port"
         annotations = template["metadata"]["annotations"]
         assert (
@@ -740,25 +779,136 @@ def mounts(template, container):
     return [(m, volumes[m["name"]]) for m in container.get("volumeMounts", [])]
 
 
+def secret_key(template, container, path: str) -> str:
+    """The key of the epd-tokens Secret that ``path`` is in ``container``; the mount checked."""
+    (found,) = [
+        (m, v) for m, v in mounts(template, container) if path.startswith(m["mountPath"] + "/")
+    ]
+    mount, volume = found
+    assert mount["readOnly"] is True and volume["secret"]["secretName"] == "epd-tokens"
+    assert volume["secret"]["defaultMode"] & 0o077 <= 0o040, "readable by its group at most"
+    key_paths = {item["path"]: item["key"] for item in volume["secret"]["items"]}
+    return key_paths[path[len(mount["mountPath"]) + 1 :]]
+
+
+def visible_keys(template, container) -> set[str]:
+    """Every key of a Secret the container mounts."""
+    return {
+        item["key"]
+        for _, volume in mounts(template, container)
+        if "secret" in volume
+        for item in volume["secret"]["items"]
+    }
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_token_files_are_secret_keys_mounted_read_only(rendered, variant):
+def test_each_container_mounts_the_secret_keys_it_reads_and_no_other(rendered, variant):
+    for name, template in pod_specs(rendered[variant]):
+        for container in containers(template):
+            program, _ = parsed(container)
+            paths = token_files(container)
+            assert all(paths), f"{program} runs without a token or key"
+            read = {secret_key(template, container, path) for path in paths}
+            assert len(read) == len(paths) and visible_keys(template, container) == read, (
+                name,
+                program,
+            )
+            for entry in container.get("env", []):  # tokens and keys never in env
+                assert "secretKeyRef" not in entry.get("valueFrom", {}), entry
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_vllm_runs_with_an_api_key_from_a_file_and_the_gateway_sends_it(rendered, variant):
+    keys = {}
     for _, template in pod_specs(rendered[variant]):
         for container in containers(template):
-            program, args = parsed(container)
-            for path in token_files(program, args):
-                assert path, f"{program} runs without a token"
-                (found,) = [
-                    (m, v)
-                    for m, v in mounts(template, container)
-                    if path.startswith(m["mountPath"] + "/")
-                ]
-                mount, volume = found
-                assert mount["readOnly"] is True and volume["secret"]["secretName"] == "epd-tokens"
-                assert volume["secret"]["defaultMode"] & 0o077 <= 0o040, (
-                    "token readable by its group at most"
-                )
-                key_paths = {item["path"]: item["key"] for item in volume["secret"]["items"]}
-                assert path[len(mount["mountPath"]) + 1 :] in key_paths
+            program, script, args = launched(container)
+            if program == VLLM:  # the key is in no arg or env of the pod spec
+                assert script and parsed(container)[1].api_key is None
+                assert "--api-key" not in " ".join(args)
+                assert "VLLM_API_KEY" not in container_env(container)
+                keys["vllm"] = secret_key(template, container, file_read_by(script))
+            if program == "epd-gateway":
+                gateway = parsed(container)[1]
+                keys["sent"] = secret_key(template, container, gateway.vllm_api_key_file)
+                keys["clients"] = secret_key(template, container, gateway.api_key_file)
+    assert keys == {"vllm": "vllm-api-key", "sent": "vllm-api-key", "clients": "gateway-api-key"}
+
+
+def _fake_vllm(directory: Path) -> Path:
+    """An executable ``vllm`` in ``directory`` that writes its key and argv to $OUT (JSON)."""
+    directory.mkdir()
+    program = directory / VLLM
+    program.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        "with open(os.environ['OUT'], 'w') as out:\n"
+        "    json.dump({'key': os.environ.get('VLLM_API_KEY'), 'argv': sys.argv[1:]}, out)\n"
+    )
+    program.chmod(0o755)
+    return directory
+
+
+def test_the_vllm_wrapper_exports_the_key_and_passes_the_args_as_they_are(rendered, tmp_path):
+    """The containers' own shell command, run with a stand-in for vllm and the Secret's file in
+    a directory of the test's: the key arrives in VLLM_API_KEY, the args arrive unchanged; a
+    missing or empty key file stops it before vllm runs."""
+    runs = {}
+    for variant in OVERLAYS:
+        for template in (t for _, t in pod_specs(rendered[variant])):
+            for container in containers(template):
+                program, script, args = launched(container)
+                if program == VLLM:
+                    (mount,) = [
+                        m["mountPath"]
+                        for m, _ in mounts(template, container)
+                        if file_read_by(script).startswith(m["mountPath"] + "/")
+                    ]
+                    runs[script, tuple(args)] = mount
+    assert len({script for script, _ in runs}) == 1, "one wrapper, written alike everywhere"
+    bin_dir = _fake_vllm(tmp_path / "bin")
+    for index, ((script, args), mount) in enumerate(runs.items()):
+        tokens = tmp_path / f"tokens{index}"
+        tokens.mkdir()
+        local = script.replace(mount + "/", f"{tokens}/")
+        key_file = Path(file_read_by(local))
+        out = tmp_path / f"out{index}.json"
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out)}
+
+        def run():
+            return subprocess.run(
+                [*SHELL, local, VLLM, *args], env=env, capture_output=True, text=True, timeout=30
+            )
+
+        key_file.write_text("k3y-from-the-secret\n")
+        result = run()
+        assert result.returncode == 0, result.stderr
+        assert json.loads(out.read_text()) == {"key": "k3y-from-the-secret", "argv": list(args)}
+        out.unlink()
+        for content in ("", "\n"):
+            key_file.write_text(content)
+            result = run()
+            assert result.returncode != 0 and "is empty" in result.stderr and not out.exists()
+        key_file.unlink()
+        result = run()
+        assert result.returncode != 0 and str(key_file) in result.stderr and not out.exists()
+
+
+def test_the_docs_create_the_secret_with_every_key_the_manifests_mount(rendered):
+    mounted = {
+        item["key"]
+        for variant in VARIANTS
+        for _, template in pod_specs(rendered[variant])
+        for volume in template["spec"]["volumes"]
+        if volume.get("secret", {}).get("secretName") == "epd-tokens"
+        for item in volume["secret"]["items"]
+    }
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    (command,) = re.findall(
+        r"kubectl -n epd create secret generic epd-tokens(?:[^\n]*\\\n)+[^\n]*", docs
+    )
+    assert set(re.findall(r"--from-literal=([\w-]+)=", command)) == mounted
+    assert mounted == {"handshake-token", "intake-token", "vllm-api-key", "gateway-api-key"}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -923,7 +1073,7 @@ def _commands_by_image(rendered) -> dict[str, set[str]]:
     for variant in OVERLAYS:
         for _, template in pod_specs(rendered[variant]):
             for container in containers(template):
-                commands[container["image"].rsplit(":", 1)[0]].add(container["command"][0])
+                commands[container["image"].rsplit(":", 1)[0]].add(launched(container)[0])
     return commands
 
 
