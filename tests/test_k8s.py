@@ -11,8 +11,10 @@ memory sizes are checked against what the parsed programs do.
 """
 
 import concurrent.futures
+import dataclasses
 import functools
 import importlib
+import ipaddress
 import json
 import os
 import re
@@ -120,8 +122,20 @@ def containers(template):
 
 
 def selects(selector: dict, labels: dict) -> bool:
-    assert set(selector) <= {"matchLabels"}, f"only matchLabels is evaluated here: {selector}"
-    return all(labels.get(key) == value for key, value in selector.get("matchLabels", {}).items())
+    """Whether a label selector (matchLabels and matchExpressions, ANDed) selects ``labels``."""
+    assert set(selector) <= {"matchLabels", "matchExpressions"}, selector
+    operators = {
+        "In": lambda key, values: labels.get(key) in values,
+        "NotIn": lambda key, values: labels.get(key) not in values,
+        "Exists": lambda key, values: key in labels,
+        "DoesNotExist": lambda key, values: key not in labels,
+    }
+    return all(
+        labels.get(key) == value for key, value in selector.get("matchLabels", {}).items()
+    ) and all(
+        operators[e["operator"]](e["key"], e.get("values", []))
+        for e in selector.get("matchExpressions", [])
+    )
 
 
 def port_number(port, container) -> int:
@@ -642,111 +656,307 @@ def test_dispatcher_discovers_ready_encoders_through_a_headless_service(rendered
 
 # ---- NetworkPolicies -----------------------------------------------------------------------------
 
-SOURCES = {  # who may knock: (namespace labels, pod labels)
-    "dispatcher": (
-        NAMESPACE,
+MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}  # the Prometheus Operator's pods
+
+
+@dataclasses.dataclass(eq=False)
+class Peer:
+    """One end of a connection: a pod (its namespace's labels and its own; ``programs``: what a
+    pod of ours runs, each program's parsed settings and container) or an address outside the
+    cluster (no labels, ``namespace`` None)."""
+
+    name: str
+    address: str
+    namespace: dict | None = None
+    labels: dict | None = None
+    programs: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def ours(self) -> bool:
+        return self.namespace == NAMESPACE
+
+
+OUTSIDE = [  # every peer outside the namespace the tests try
+    Peer("client", "10.2.0.7", {"kubernetes.io/metadata.name": "ingress"}, {"app": "ingress"}),
+    Peer("prometheus", "10.2.0.8", MONITORING, PROMETHEUS),
+    Peer("grafana", "10.2.0.9", MONITORING, {"app.kubernetes.io/name": "grafana"}),
+    Peer(
+        "kube-dns",
+        "10.2.0.10",
+        {"kubernetes.io/metadata.name": "kube-system"},
+        {"k8s-app": "kube-dns"},
+    ),
+    # a pod of another namespace carrying the dispatcher's labels
+    Peer(
+        "impostor",
+        "10.2.0.11",
+        {"kubernetes.io/metadata.name": "other"},
         {"app.kubernetes.io/part-of": "epd", "app.kubernetes.io/component": "dispatcher"},
     ),
-    "prefill": (
-        NAMESPACE,
-        {"app.kubernetes.io/part-of": "epd", "app.kubernetes.io/component": "prefill"},
+    Peer("public IPv4", "93.184.215.14"),
+    Peer("public IPv6", "2606:2800:21f:cb07:6820:80da:af6b:8b2c"),
+    *(
+        Peer(address, address)
+        for address in (
+            "10.0.0.1",
+            "172.16.0.1",
+            "192.168.0.1",
+            "100.64.0.1",  # CGNAT
+            "127.0.0.1",
+            "0.0.0.1",
+            "169.254.169.254",  # cloud metadata
+            "::1",
+            "fd00::1",
+            "fe80::1",
+            "::ffff:10.0.0.1",
+            "::ffff:169.254.169.254",
+            "fd00:ec2::254",  # AWS's metadata over IPv6
+        )
     ),
-    "encode": (
-        NAMESPACE,
-        {"app.kubernetes.io/part-of": "epd", "app.kubernetes.io/component": "encode"},
-    ),
-    "monitoring": (
-        {"kubernetes.io/metadata.name": "monitoring"},
-        {"app.kubernetes.io/name": "prometheus"},
-    ),
-    "stranger": (NAMESPACE, {"app": "something-else"}),
+]
+# A pod of the namespace that is none of ours: the default deny leaves it nothing.
+STRANGER = Peer("stranger", "10.1.9.9", NAMESPACE, {"app": "something-else"})
+
+# Every connection the path needs, written once: (from, to, port): why. A program names the pods
+# that run it (same-node: one pod runs three, which talk over loopback: no flow); "anyone" is every
+# peer outside the namespace; "every EPD pod" is each of ours. A port is the receiving program's
+# container port by name, or "mooncake" (its pinned Mooncake range, where it runs Mooncake), "dns"
+# (UDP and TCP 53) or "web" (TCP 80 and 443). Nothing else may pass: tests below.
+FLOWS = {
+    ("anyone", "epd-gateway", "http"): "clients call the OpenAI API (Prometheus its /metrics)",
+    ("epd-gateway", "epd-encode-worker", "bootstrap"): "the gateway opens rooms, reads /readyz",
+    ("epd-gateway", "epd-encode-worker", "intake"): "the gateway sends the items",
+    ("epd-gateway", VLLM, "vllm"): "chat requests, vLLM's /health",
+    ("epd-gateway", VLLM, "epd-metrics"): "/v1/engine: what vLLM runs",
+    (VLLM, "epd-encode-worker", "bootstrap"): "the connector registers each room's slots",
+    ("epd-encode-worker", VLLM, "mooncake"): "the rows, written into the receive pool",
+    (VLLM, "epd-encode-worker", "mooncake"): "Mooncake's RDMA set-up calls the writer back",
+    ("epd-gateway", "epd-handshake", "http"): "rooms at the standalone room service",
+    ("epd-encode-worker", "epd-handshake", "http"): "the workers' room streams",
+    (VLLM, "epd-handshake", "http"): "the connector registers the rooms there",
+    ("prometheus", "epd-encode-worker", "bootstrap"): "the encoder's /metrics",
+    ("prometheus", VLLM, "vllm"): "vLLM's /metrics",
+    ("prometheus", VLLM, "epd-metrics"): "the receiver's /metrics",
+    ("prometheus", "epd-handshake", "http"): "the room service's /metrics",
+    ("every EPD pod", "kube-dns", "dns"): "Service names, the hosts of image URLs",
+    ("epd-gateway", "internet", "web"): "image and video URLs",
 }
 
 
-def opens(entry, template, port: int) -> bool:
-    """Whether a NetworkPolicy port entry covers TCP ``port`` of the pod ``template``."""
-    if entry.get("protocol", "TCP") != "TCP":
-        return False
-    numbers = [
-        port_number(entry["port"], c)
-        for c in containers(template)
-        if isinstance(entry["port"], int) or any(p.get("name") == entry["port"] for p in c["ports"])
+def our_pods(objects) -> list[Peer]:
+    return [
+        Peer(
+            name,
+            f"10.1.0.{index}",
+            NAMESPACE,
+            template["metadata"]["labels"],
+            {program: (args, c) for c in containers(template) for program, args in [parsed(c)]},
+        )
+        for index, (name, template) in enumerate(pod_specs(objects), start=1)
     ]
-    return any(low <= port <= entry.get("endPort", low) for low in numbers)
 
 
-def peer_admits(peer, namespace: dict, pod: dict) -> bool:
-    assert "ipBlock" not in peer
-    if "namespaceSelector" not in peer and namespace != NAMESPACE:
-        return False  # a bare podSelector means pods of the policy's own namespace
-    return selects(peer.get("namespaceSelector", {}), namespace) and selects(
-        peer.get("podSelector", {}), pod
+def members(role: str, pods: list[Peer]) -> list[Peer]:
+    if role == "anyone":
+        return list(OUTSIDE)
+    if role == "every EPD pod":
+        return pods
+    if role == "internet":
+        return [peer for peer in OUTSIDE if peer.name.startswith("public ")]
+    named = [peer for peer in OUTSIDE if peer.name == role]
+    return named or [pod for pod in pods if role in pod.programs]
+
+
+def flow_ports(port: str, role: str, target: Peer) -> list[tuple[str, int]]:
+    """(protocol, number) of the ``port`` of ``role`` at ``target``."""
+    if port == "dns":
+        return [("UDP", 53), ("TCP", 53)]
+    if port == "web":
+        return [("TCP", 80), ("TCP", 443)]
+    args, container = target.programs[role]
+    if port == "mooncake":
+        if not runs_mooncake(container):
+            return []
+        low, high = mooncake_range(container)
+        return [("TCP", number) for number in range(low, high + 1)]
+    return [("TCP", listening_ports(role, args)[port])]
+
+
+def needed(pods: list[Peer]) -> dict[tuple[str, str, str, int], str]:
+    """Every (from, to, protocol, port) the path needs among ``pods`` and OUTSIDE, and why."""
+    out = {}
+    for (source, target, port), why in FLOWS.items():
+        for sender in members(source, pods):
+            for receiver in members(target, pods):
+                if sender is receiver:  # one pod: loopback; replicas never call each other
+                    continue
+                for protocol, number in flow_ports(port, target, receiver):
+                    out[(sender.name, receiver.name, protocol, number)] = why
+    return out
+
+
+def peer_matches(peer: dict, other: Peer) -> bool:
+    """Whether a NetworkPolicy peer (from/to entry) covers ``other``."""
+    if "ipBlock" in peer:
+        address, block = ipaddress.ip_address(other.address), peer["ipBlock"]
+        return address in ipaddress.ip_network(block["cidr"]) and not any(
+            address in ipaddress.ip_network(excepted) for excepted in block.get("except", [])
+        )
+    if other.namespace is None:  # outside the cluster: no labels to select it by
+        return False
+    if "namespaceSelector" in peer:
+        in_namespace = selects(peer["namespaceSelector"], other.namespace)
+    else:  # a bare podSelector selects in the policy's own namespace
+        in_namespace = other.ours
+    return in_namespace and selects(peer.get("podSelector", {}), other.labels)
+
+
+def ports_cover(entries: list | None, protocol: str, port: int) -> bool:
+    if not entries:
+        return True
+    for entry in entries:
+        assert isinstance(entry.get("port", 0), int), f"named ports are not evaluated: {entry}"
+    return any(
+        entry.get("protocol", "TCP") == protocol
+        and ("port" not in entry or entry["port"] <= port <= entry.get("endPort", entry["port"]))
+        for entry in entries
     )
 
 
-def admitted(policies, template, port: int) -> set[str]:
-    """The SOURCES that ingress NetworkPolicies let reach ``port`` of the pod ``template``."""
-    labels = template["metadata"]["labels"]
+def allows(policies, direction: str, pod: Peer, other: Peer, protocol: str, port: int) -> bool:
+    """Whether the policies selecting ``pod`` let it send to (Egress) or take from (Ingress)
+    ``other`` on the receiver's ``protocol`` ``port``. A pod no policy selects is open."""
+    if not pod.ours:
+        return True  # its own namespace's business
     mine = [
-        p
-        for p in policies
-        if selects(p["spec"]["podSelector"], labels) and "Ingress" in p["spec"]["policyTypes"]
+        policy
+        for policy in policies
+        if direction in policy["spec"]["policyTypes"]
+        and selects(policy["spec"]["podSelector"], pod.labels)
     ]
-    assert mine, f"pod {labels} is selected by no NetworkPolicy: it is open to anyone"
-    allowed = set()
-    for rule in (rule for policy in mine for rule in policy["spec"].get("ingress", [])):
-        if "ports" in rule and not any(opens(entry, template, port) for entry in rule["ports"]):
-            continue
-        allowed |= {
-            source
-            for source, (namespace, pod) in SOURCES.items()
-            if "from" not in rule or any(peer_admits(peer, namespace, pod) for peer in rule["from"])
-        }
-    return allowed
+    rules_key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    return not mine or any(
+        ports_cover(rule.get("ports"), protocol, port)
+        and (not rule.get(peers_key) or any(peer_matches(p, other) for p in rule[peers_key]))
+        for policy in mine
+        for rule in policy["spec"].get(rules_key, [])
+    )
+
+
+def allowed_flows(objects) -> set[tuple[str, str, str, int]]:
+    """Every (from, to, protocol, port) the NetworkPolicies let pass, among our pods, STRANGER and
+    OUTSIDE, on every port a container declares, a policy names (and one past each end of its
+    ranges) and a few common ones."""
+    policies = of_kind(objects, "NetworkPolicy")
+    for policy in policies:
+        assert {"Ingress", "Egress"} >= set(policy["spec"]["policyTypes"]) > set(), policy
+    numbers = {22, 53, 80, 443, 6443, 8080}
+    for _, template in pod_specs(objects):
+        numbers |= {p["containerPort"] for c in containers(template) for p in c.get("ports", [])}
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []) + policy["spec"].get("egress", []):
+            for entry in rule.get("ports", []):
+                low = entry.get("port", 1)
+                numbers |= set(range(low - 1, entry.get("endPort", low) + 2))
+    everyone = our_pods(objects) + [STRANGER] + OUTSIDE
+    return {
+        (sender.name, receiver.name, protocol, number)
+        for sender in everyone
+        for receiver in everyone
+        if sender.ours or receiver.ours
+        for protocol in ("TCP", "UDP")
+        for number in numbers
+        if allows(policies, "Egress", sender, receiver, protocol, number)
+        and allows(policies, "Ingress", receiver, sender, protocol, number)
+    }
+
+
+def flow_differences(objects) -> tuple[set, set]:
+    """(allowed but not needed, needed but not allowed)."""
+    allowed, wanted = allowed_flows(objects), needed(our_pods(objects))
+    return allowed - wanted.keys(), wanted.keys() - allowed
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_network_policies_open_each_port_to_its_peers_only(rendered, variant):
-    objects = rendered[variant]
-    policies = of_kind(objects, "NetworkPolicy")
-    colocated = variant.startswith("same-node")
-    ((low, high),) = {
-        mooncake_range(c)
-        for _, t in pod_specs(objects)
-        for c in containers(t)
-        if "MC_MIN_RPC_PORT" in container_env(c)
-    }
-    for _, template in pod_specs(objects):
-        role = template["metadata"]["labels"]["app.kubernetes.io/component"]
-        for container in containers(template):
-            program, args = parsed(container)
-            if program == "epd-encode-worker":
-                assert admitted(policies, template, args.bootstrap_port) == {
-                    "prefill",
-                    "dispatcher",
-                    "monitoring",
-                }
-                assert admitted(policies, template, args.intake_port) == {"dispatcher"}
-            elif program == VLLM:  # same-node: the pod's own gateway calls it over loopback
-                expected = {"monitoring"} if colocated else {"dispatcher", "monitoring"}
-                assert admitted(policies, template, args.port) == expected
-                assert admitted(policies, template, args.connector.http_port) == expected
-            elif program == "epd-gateway":  # the front door: clients from anywhere
-                assert admitted(policies, template, args.port) == set(SOURCES)
-                assert admitted(policies, template, args.port + 1) == set()
-            else:
-                assert admitted(policies, template, args.port) == {
-                    "dispatcher",
-                    "prefill",
-                    "encode",
-                    "monitoring",
-                }
-            peer = {"encode": {"prefill"}, "prefill": {"encode"}}.get(role, set())
-            expected = peer if any(runs_mooncake(c) for c in containers(template)) else set()
-            for port in (low, high):
-                assert admitted(policies, template, port) == expected, (role, port)
-            assert admitted(policies, template, high + 1) == set()
-            assert admitted(policies, template, low - 1) == set()
+def test_network_policies_allow_exactly_the_flows_the_path_needs(rendered, variant):
+    extra, missing = flow_differences(rendered[variant])
+    assert not extra, f"allowed, and no flow of FLOWS: {sorted(extra)[:20]}"
+    assert not missing, f"needed, and not allowed: {sorted(missing)[:20]}"
+
+
+def _without(objects, change):
+    """A deep copy of ``objects`` with ``change`` applied to each NetworkPolicy."""
+    copy = json.loads(json.dumps(objects))
+    for policy in of_kind(copy, "NetworkPolicy"):
+        change(policy)
+    return copy
+
+
+def test_the_flow_check_fails_on_a_policy_too_open_or_too_closed(rendered):
+    objects = rendered["tcp+components"]
+
+    def whole_monitoring_namespace(policy):  # Prometheus admitted by namespace
+        for rule in policy["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                if peer.get("podSelector") == {"matchLabels": PROMETHEUS}:
+                    del peer["podSelector"]
+
+    extra, missing = flow_differences(_without(objects, whole_monitoring_namespace))
+    assert {source for source, *_ in extra} == {"grafana"} and not missing
+
+    def no_default_deny(policy):
+        if policy["metadata"]["name"] == "epd-default-deny":
+            policy["spec"]["podSelector"] = {"matchLabels": {"nothing": "selected"}}
+
+    extra, _ = flow_differences(_without(objects, no_default_deny))
+    assert {("stranger", "public IPv4", "TCP", 443), ("client", "stranger", "TCP", 22)} <= extra
+
+    def no_dns(policy):
+        if policy["metadata"]["name"] == "epd-dns":
+            policy["spec"]["egress"] = []
+
+    extra, missing = flow_differences(_without(objects, no_dns))
+    assert not extra and {target for _, target, *_ in missing} == {"kube-dns"}
+
+    def fetches_everywhere(policy):
+        if policy["metadata"]["name"] == "epd-gateway-fetches":
+            for rule in policy["spec"]["egress"]:
+                for peer in rule["to"]:
+                    peer["ipBlock"].pop("except")
+
+    extra, missing = flow_differences(_without(objects, fetches_everywhere))
+    reached = {target for source, target, *_ in extra if source == "epd-gateway"}
+    assert {"169.254.169.254", "10.0.0.1", "::ffff:10.0.0.1", "fd00:ec2::254"} <= reached
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_default_deny_selects_every_pod_in_and_out(rendered, variant):
+    policies = of_kind(rendered[variant], "NetworkPolicy")
+    denies = [
+        p
+        for p in policies
+        if p["spec"]["podSelector"] == {}
+        and not p["spec"].get("ingress")
+        and not p["spec"].get("egress")
+    ]
+    assert len(denies) == 1 and set(denies[0]["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    for name, template in pod_specs(rendered[variant]):
+        labels = template["metadata"]["labels"]
+        assert all(selects(d["spec"]["podSelector"], labels) for d in denies), name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_peers_in_other_namespaces_are_admitted_by_pod_not_by_namespace(rendered, variant):
+    for policy in of_kind(rendered[variant], "NetworkPolicy"):
+        for rule in policy["spec"].get("ingress", []) + policy["spec"].get("egress", []):
+            for peer in rule.get("from", []) + rule.get("to", []):
+                if "namespaceSelector" in peer:
+                    assert peer.get("podSelector", {}).get("matchLabels"), (
+                        f"{policy['metadata']['name']} admits a whole namespace: {peer}"
+                    )
+                    if peer["namespaceSelector"] == {"matchLabels": MONITORING}:
+                        assert peer["podSelector"] == {"matchLabels": PROMETHEUS}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -755,7 +965,7 @@ def test_mooncake_ports_are_pinned_to_the_range_the_policies_open(rendered, vari
     ranges = {
         (entry["port"], entry["endPort"])
         for policy in of_kind(objects, "NetworkPolicy")
-        for rule in policy["spec"]["ingress"]
+        for rule in policy["spec"].get("ingress", []) + policy["spec"].get("egress", [])
         for entry in rule.get("ports", [])
         if "endPort" in entry
     }
