@@ -25,6 +25,7 @@ import time
 import tomllib
 import types
 import urllib.request
+from fractions import Fraction
 from pathlib import Path
 from unittest import mock
 
@@ -324,6 +325,14 @@ def memory_bytes(quantity: str) -> int:
     units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "": 1}
     number, unit = re.fullmatch(r"(\d+)([KMG]i)?", quantity).groups()
     return int(number) * units[unit or ""]
+
+
+def amount(quantity) -> Fraction:
+    """A Kubernetes resource quantity as a number (cpu "500m" = 1/2, memory "1Gi" = 2**30)."""
+    units = {"m": Fraction(1, 1000), "": 1, "k": 10**3, "M": 10**6, "G": 10**9}
+    units |= {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    number, unit = re.fullmatch(r"(\d+)(m|k|M|G|Ki|Mi|Gi|Ti)?", str(quantity)).groups()
+    return int(number) * Fraction(units[unit or ""])
 
 
 # ---- schemas -----------------------------------------------------------------------------------
@@ -1199,6 +1208,116 @@ def test_graceful_termination_outlasts_in_flight_writes(rendered, variant):
             )
 
 
+def drain_s(program, args) -> float | None:
+    """How long ``program`` lets answers in flight finish after SIGTERM (None: it serves none)."""
+    if program == "epd-gateway":
+        return args.drain_s
+    if program == VLLM:  # vLLM's --shutdown-timeout (0: abort them)
+        return args.shutdown_timeout
+    return None
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_answers_in_flight_at_sigterm_finish_within_the_grace_period(rendered, variant):
+    served = set()
+    for name, template in pod_specs(rendered[variant]):
+        grace = template["spec"]["terminationGracePeriodSeconds"]
+        for container in containers(template):
+            program, args = parsed(container)
+            drain = drain_s(program, args)
+            if drain is None:
+                continue
+            served.add(program)
+            pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+            assert drain > 0 and pre_stop + drain + 10 <= grace, (name, program, drain, grace)
+    assert served == {"epd-gateway", VLLM}
+
+
+def qos_class(template) -> str:
+    """The pod's QoS class, as the kubelet computes it."""
+    resources = [c.get("resources", {}) for c in containers(template)]
+    if all(
+        kind in r.get("limits", {})
+        and amount(r.get("requests", {}).get(kind, r["limits"][kind])) == amount(r["limits"][kind])
+        for r in resources
+        for kind in ("cpu", "memory")
+    ):
+        return "Guaranteed"
+    if any(r.get("requests") or r.get("limits") for r in resources):
+        return "Burstable"
+    return "BestEffort"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_pods_are_guaranteed(rendered, variant):
+    gpu_pods = 0
+    for name, template in pod_specs(rendered[variant]):
+        if not any("nvidia.com/gpu" in c["resources"]["limits"] for c in containers(template)):
+            continue
+        gpu_pods += 1
+        assert qos_class(template) == "Guaranteed", name
+        for container in containers(template):
+            resources = container["resources"]
+            assert {k: amount(v) for k, v in resources["requests"].items()} == {
+                k: amount(v) for k, v in resources["limits"].items()
+            }, (name, container["name"])
+    assert gpu_pods == (1 if variant.startswith("same-node") else 2)
+
+
+def test_qos_class_tells_burstable_from_guaranteed(rendered):
+    (gateway,) = [t for n, t in pod_specs(rendered["tcp"]) if n == "epd-gateway"]
+    assert qos_class(gateway) == "Burstable"
+    (encode,) = [t for n, t in pod_specs(rendered["tcp"]) if n == "epd-encode-worker"]
+    encode = json.loads(json.dumps(encode))
+    assert qos_class(encode) == "Guaranteed"
+    encode["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "7500m"
+    assert qos_class(encode) == "Burstable"
+
+
+def deployment(objects, name: str) -> dict:
+    (found,) = [d for d in of_kind(objects, "Deployment") if d["metadata"]["name"] == name]
+    return found
+
+
+def budgets_of(objects, template) -> list[dict]:
+    return [
+        pdb
+        for pdb in of_kind(objects, "PodDisruptionBudget")
+        if selects(pdb["spec"]["selector"], template["metadata"]["labels"])
+    ]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rollouts_and_drains_keep_a_vllm_engine_and_a_gateway_serving(rendered, variant):
+    objects = rendered[variant]
+    for workload in of_kind(objects, "Deployment"):
+        template, spec = workload["spec"]["template"], workload["spec"]
+        programs = {parsed(c)[0] for c in containers(template)}
+        replicas = spec.get("replicas")  # none: the HPA's
+        for pdb in budgets_of(objects, template):  # a budget never blocks every eviction
+            if "minAvailable" in pdb["spec"]:
+                assert replicas is None or pdb["spec"]["minAvailable"] < replicas
+            else:
+                assert pdb["spec"]["maxUnavailable"] >= 1
+        if programs == {VLLM} or programs == {"epd-gateway"}:
+            # a new pod first, then an old one goes: the last ready one never goes first
+            assert spec["strategy"] == {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            }, workload["metadata"]["name"]
+        if programs == {"epd-gateway"}:
+            assert replicas >= 2 and len(budgets_of(objects, template)) == 1
+    if variant.split("+")[0] in ("tcp", "rdma"):  # two engines, one kept through disruptions
+        engine = deployment(objects, "epd-prefill")
+        assert engine["spec"]["replicas"] >= 2
+        (pdb,) = budgets_of(objects, engine["spec"]["template"])
+        assert pdb["spec"] == {"minAvailable": 1, "selector": engine["spec"]["selector"]}
+    if variant.split("+")[0] in ("base", "tensor-parallel"):  # one engine, and so no budget
+        engine = deployment(objects, "epd-prefill")
+        assert engine["spec"]["replicas"] == 1
+        assert not budgets_of(objects, engine["spec"]["template"])
+
+
 # ---- components ----------------------------------------------------------------------------------
 
 
@@ -1252,8 +1371,7 @@ def test_hpa_scales_the_encoders_on_a_metric_they_export(rendered):
     assert int(metric["pods"]["target"]["averageValue"]) < parsed(container)[1].queue_items, (
         "scale before intake refuses"
     )
-    (pdb,) = of_kind(objects, "PodDisruptionBudget")
-    assert selects(pdb["spec"]["selector"], encode["spec"]["template"]["metadata"]["labels"])
+    (pdb,) = budgets_of(objects, encode["spec"]["template"])
     assert hpa["spec"]["minReplicas"] > pdb["spec"]["maxUnavailable"]
 
 
