@@ -548,18 +548,8 @@ def test_images_are_pinned_and_every_container_is_bounded_and_unprivileged(rende
                 security["allowPrivilegeEscalation"] is False
                 and security["readOnlyRootFilesystem"] is True
             )
-            assert security["capabilities"]["drop"] == ["ALL"]
-            added = security["capabilities"].get("add", [])
-            if variant.startswith("rdma") and runs_mooncake(container):
-                assert added == ["IPC_LOCK"], "RDMA registration pins memory"
-                assert spec["securityContext"]["runAsUser"] == 0, (
-                    "added capabilities reach root processes only"
-                )
-            else:
-                assert added == [] and spec["securityContext"]["runAsNonRoot"] is True, (
-                    name,
-                    container["name"],
-                )
+            # no capability at all, RDMA included (its locked-memory limit is the runtime's)
+            assert security["capabilities"] == {"drop": ["ALL"]}, (name, container["name"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -581,6 +571,155 @@ def test_encode_workers_get_a_gpu_and_rdma_pods_get_the_hca(rendered, variant):
             hca, force_tcp = mooncake_choices(program, args)
             assert bool(hca) == rdma
             assert force_tcp == (variant.startswith("tcp") and runs_mooncake(container))
+
+
+# ---- Pod Security Admission ----------------------------------------------------------------------
+
+NAMESPACE_FILE = K8S / "namespace.yaml"
+# The Pod Security Standards' "restricted" profile (which includes "baseline"), as Kubernetes 1.30
+# enforces it: https://kubernetes.io/docs/concepts/security/pod-security-standards/
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+SAFE_SYSCTLS = {
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+}
+SELINUX_TYPES = {
+    None,
+    "",
+    "container_t",
+    "container_init_t",
+    "container_kvm_t",
+    "container_engine_t",
+}
+CONFINED = {"RuntimeDefault", "Localhost"}
+
+
+def restricted_violations(template) -> list[str]:
+    """What keeps the pod ``template`` out of Pod Security "restricted" (empty: it passes)."""
+    spec = template["spec"]
+    pod = spec.get("securityContext", {})
+    found = [key for key in ("hostNetwork", "hostPID", "hostIPC") if spec.get(key)]
+    found += [
+        f"volume {v['name']}: {sorted(set(v) - {'name'})}"
+        for v in spec.get("volumes", [])
+        if not set(v) - {"name"} <= RESTRICTED_VOLUMES
+    ]
+    found += [
+        f"sysctl {s['name']}" for s in pod.get("sysctls", []) if s["name"] not in SAFE_SYSCTLS
+    ]
+    if pod.get("runAsUser") == 0:
+        found.append("pod runAsUser 0")
+    if pod.get("windowsOptions", {}).get("hostProcess"):
+        found.append("hostProcess")
+    annotations = template["metadata"].get("annotations", {})
+    for key, value in annotations.items():
+        if key.startswith("container.apparmor.security.beta.kubernetes.io/"):
+            if value != "runtime/default" and not value.startswith("localhost/"):
+                found.append(f"AppArmor {value}")
+    for container in (
+        spec.get("initContainers", []) + spec["containers"] + spec.get("ephemeralContainers", [])
+    ):
+        name, own = container["name"], container.get("securityContext", {})
+
+        def setting(key, default=None):
+            return own.get(key, pod.get(key, default))
+
+        if own.get("privileged"):
+            found.append(f"{name}: privileged")
+        if own.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation not false")
+        if setting("runAsNonRoot") is not True:
+            found.append(f"{name}: runAsNonRoot not true")
+        if own.get("runAsUser") == 0:
+            found.append(f"{name}: runAsUser 0")
+        if setting("seccompProfile", {}).get("type") not in CONFINED:
+            found.append(f"{name}: seccomp not RuntimeDefault or Localhost")
+        if setting("appArmorProfile", {}).get("type", "RuntimeDefault") not in CONFINED:
+            found.append(f"{name}: AppArmor unconfined")
+        selinux = setting("seLinuxOptions", {})
+        if selinux.get("type") not in SELINUX_TYPES or {"user", "role"} & set(selinux):
+            found.append(f"{name}: SELinux options")
+        if own.get("procMount", "Default") != "Default":
+            found.append(f"{name}: procMount")
+        capabilities = own.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []):
+            found.append(f"{name}: capabilities not dropped (ALL)")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: adds {capabilities['add']}")
+        found += [
+            f"{name}: hostPort {p['hostPort']}"
+            for p in container.get("ports", [])
+            if p.get("hostPort")
+        ]
+    return found
+
+
+def test_the_namespace_enforces_restricted_and_is_applied_apart_from_the_overlays(rendered):
+    (namespace,) = yaml.safe_load_all(NAMESPACE_FILE.read_text())
+    for version in (MIN_KUBERNETES, kubernetes_validate.latest_version() + ".0"):
+        kubernetes_validate.validate(namespace, version, strict=True)
+    assert namespace["metadata"]["name"] == NAMESPACE["kubernetes.io/metadata.name"]
+    labels = namespace["metadata"]["labels"]
+    for mode in ("enforce", "audit", "warn"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted"
+    assert labels["pod-security.kubernetes.io/enforce-version"] == "v" + MIN_KUBERNETES[:4]
+    for variant in VARIANTS:  # namespaced objects only: `kubectl -n <ns> apply -k` places them
+        assert not of_kind(rendered[variant], "Namespace")
+        assert all("namespace" not in o["metadata"] for o in rendered[variant])
+    # the docs apply the file, or label an existing namespace alike
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    assert "kubectl apply -f k8s/namespace.yaml" in docs
+    (command,) = re.findall(r"kubectl label --overwrite namespace epd(?:[^\n]*\\\n)+[^\n]*", docs)
+    assert dict(re.findall(r"(pod-security\.kubernetes\.io/[\w-]+)=([\w.]+)", command)) == labels
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_pod_passes_pod_security_restricted(rendered, variant):
+    for name, template in pod_specs(rendered[variant]):
+        assert restricted_violations(template) == [], name
+
+
+def test_the_restricted_check_refuses_what_restricted_refuses(rendered):
+    (template,) = [t for n, t in pod_specs(rendered["rdma"]) if n == "epd-encode-worker"]
+
+    def changed(change):
+        copy = json.loads(json.dumps(template))
+        change(copy["spec"], copy["spec"]["containers"][0])
+        return restricted_violations(copy)
+
+    def root_with_ipc_lock(pod, container):  # what the RDMA overlay used to be
+        pod["securityContext"] |= {"runAsNonRoot": False, "runAsUser": 0}
+        container["securityContext"]["capabilities"]["add"] = ["IPC_LOCK"]
+
+    assert len(changed(root_with_ipc_lock)) == 3
+    assert changed(lambda pod, c: pod.update(hostNetwork=True)) == ["hostNetwork"]
+    assert changed(lambda pod, c: pod["volumes"].append({"name": "h", "hostPath": {"path": "/"}}))
+    assert changed(lambda pod, c: c["ports"][0].update(hostPort=8990))
+    assert changed(lambda pod, c: c["securityContext"].update(privileged=True))
+    assert changed(lambda pod, c: c["securityContext"].pop("allowPrivilegeEscalation"))
+    assert changed(lambda pod, c: c["securityContext"].update(capabilities={}))
+    assert changed(lambda pod, c: pod["securityContext"].pop("seccompProfile"))
+    assert changed(lambda pod, c: pod["securityContext"].pop("runAsNonRoot"))
+    assert not changed(
+        lambda pod, c: c["securityContext"]["capabilities"].update(add=["NET_BIND_SERVICE"])
+    )
 
 
 # ---- ports ---------------------------------------------------------------------------------------
