@@ -7,7 +7,11 @@ kubelet's $(VAR) expansion done), so a manifest cannot name a flag or an env val
 does not take: the EPD programs' parsers, and for vLLM `vllm serve`'s own parser and checks, its
 `--ec-transfer-config` as vLLM's ECTransferConfig, and that config's ec_connector_extra_config as
 the EPD connector's ConnectorSettings. Ports, probes, Services, NetworkPolicies, Secrets and
-memory sizes are checked against what the parsed programs do.
+memory sizes are checked against what the parsed programs do: the NetworkPolicies are evaluated
+as a CNI enforces them and must allow exactly the flows the path needs (``FLOWS``), every pod
+passes Pod Security "restricted" (k8s/namespace.yaml enforces it), rollouts and drains keep a
+vLLM engine and a gateway serving, answers in flight finish within the grace period, GPU pods are
+Guaranteed, and each container mounts the Secret keys it reads and no other.
 """
 
 import concurrent.futures
