@@ -17,6 +17,7 @@ behaviours".
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -34,6 +35,8 @@ from epdserve.data_plane.transport import (
     TransportUnavailable,
 )
 from epdserve.wire.offers import MooncakeOffer
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "Mooncake is not usable here: {error}. On CPU hosts: pip install '.[mooncake-cpu]' "
@@ -273,6 +276,16 @@ class MooncakeTransport(Transport):
                     + (" (overlaps a registered region)" if rc == -7 else "")
                 )
             self._regions.append(region)
+        log.info(
+            "Mooncake registered %d MiB at %s: %s",
+            region.nbytes >> 20,
+            self.session,
+            "TCP (forced)"
+            if self.config.force_tcp
+            else f"RDMA devices {self.config.device_names}"
+            if self.config.device_names
+            else "RDMA devices found, or TCP where there are none",
+        )
 
     def offer(self, pool: SlotPool, lease: Lease) -> MooncakeOffer:
         if not any(r is pool.region for r in self._regions):
