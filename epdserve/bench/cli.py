@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--transport", choices=("shm", "mooncake"), default="shm")
     encode.add_argument("--rounds", type=int, default=3)
     encode.add_argument("--json", default=None)
+    grid_inputs = sub.add_parser(
+        "grid-inputs",
+        help="the tower thread's CPU per batch for the forward's grid-derived inputs: "
+        "transformers' helpers over the batch vs assembled from per-grid parts",
+    )
+    grid_inputs.add_argument("--rounds", type=int, default=30, help="interleaved rounds (median)")
+    grid_inputs.add_argument("--json", default=None)
     receive = sub.add_parser(
         "receive", help="receive-path overhead per item beyond the raw transfer"
     )
@@ -300,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         from epdserve.bench.benchmarks import transfer
 
         return transfer.main(args)
+    if args.command == "grid-inputs":
+        from epdserve.bench.benchmarks import grid_inputs
+
+        return grid_inputs.main(args)
     if args.command == "receive":
         from epdserve.bench.benchmarks import receive
 

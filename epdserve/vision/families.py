@@ -1,6 +1,6 @@
 """The vision-language families the encode workers serve, one entry each: a new family is one
 ``TowerFamily`` here (its transformers classes, its sizing rules, what its forward derives from
-an item's grid, and the shape of a small test checkpoint).
+an item's grid (``vision.grid_inputs``), and the shape of a small test checkpoint).
 
 What a family's rows look like follows from its config at load time (``tower.TowerInfo``): the
 output width (``out_hidden_size`` or ``hidden_size``), the DeepStack levels (Qwen3-VL's
@@ -15,7 +15,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -35,55 +34,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-from transformers.vision_utils import (
-    get_vision_cu_seqlens,
-    get_vision_interpolation_indices_and_weights,
-    get_vision_position_ids,
-    get_vision_window_index,
-)
 
 from epdserve.vision.sizing import QWEN_VL, Sizing
-
-
-def _longest(cu_seqlens: torch.Tensor) -> int:
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-
-
-def _grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
-    """What a Qwen-VL tower's forward derives from ``grid_thw`` (rotary positions, sequence
-    boundaries and the longest sequence), computed on the CPU by transformers' own helpers and
-    passed to the forward, which then takes them as they are: on a GPU, its ``.tolist()`` and
-    ``.item()`` calls on a device ``grid_thw`` would each wait for the GPU to drain."""
-    cu_seqlens = get_vision_cu_seqlens(grid_thw)
-    return {
-        "position_ids": get_vision_position_ids(grid_thw, tower.spatial_merge_size),
-        "cu_seqlens": cu_seqlens,
-        "max_seqlen": _longest(cu_seqlens),
-    }
-
-
-def _windowed_grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
-    """Qwen2.5-VL's, with its attention windows."""
-    window_index, cu_window_seqlens = get_vision_window_index(
-        grid_thw, tower.spatial_merge_size, tower.window_size, tower.patch_size
-    )
-    return _grid_inputs(tower, grid_thw) | {
-        "window_index": window_index,
-        "cu_window_seqlens": cu_window_seqlens,
-        "max_window_seqlen": _longest(cu_window_seqlens),
-    }
-
-
-def _position_table_grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
-    """Qwen3-VL's, with its learned position table's interpolation per patch."""
-    indices, weights = get_vision_interpolation_indices_and_weights(
-        grid_thw,
-        num_grid_per_side=tower.num_grid_per_side,
-        mode=tower.interpolation_mode,
-        align_corners=tower.interpolation_align_corners,
-        spatial_merge_size=tower.config.spatial_merge_size,
-    )
-    return _grid_inputs(tower, grid_thw) | {"interp_indices": indices, "interp_weights": weights}
 
 
 @dataclass(frozen=True)
@@ -101,8 +53,10 @@ class TowerFamily:
     small_video_processor: Callable[[], Qwen2VLVideoProcessor | Qwen3VLVideoProcessor]
     # the model's positions take each video's seconds per temporal patch (second_per_grid_ts)
     video_seconds: bool = False
-    # (tower, CPU grid_thw) -> the forward's keyword arguments derived from the grid
-    grid_inputs: Callable[[torch.nn.Module, torch.Tensor], dict] = _grid_inputs
+    # what its forward derives from the grid besides positions and sequences (vision.grid_inputs):
+    # attention windows (Qwen2.5-VL), a learned position table resampled per grid (Qwen3-VL)
+    windows: bool = False
+    position_table: bool = False
     # an item's patch grid from its sizes, and its rows (the processors' rules)
     sizing: Sizing = QWEN_VL
 
@@ -163,7 +117,7 @@ FAMILIES: dict[str, TowerFamily] = {
             _qwen2_image_processor,
             _qwen2_video_processor,
             video_seconds=True,
-            grid_inputs=_windowed_grid_inputs,
+            windows=True,
         ),
         TowerFamily(
             "qwen3_vl",
@@ -189,7 +143,7 @@ FAMILIES: dict[str, TowerFamily] = {
                 fps=2.0,
                 cap_pixels_per_frame=False,
             ),
-            grid_inputs=_position_table_grid_inputs,
+            position_table=True,
         ),
     )
 }

@@ -37,6 +37,7 @@ from epdserve.multimodal.rows import split_rows
 from epdserve.process_settings import VisionAttention
 from epdserve.vision import attention
 from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family
+from epdserve.vision.grid_inputs import GridInputs
 from epdserve.vision.images import image_from_bytes, image_from_pixels
 from epdserve.vision.video import load_video_processor
 
@@ -90,8 +91,9 @@ class VisionTower:
         self.model_id = model_id
         self.attention_path = attention_path
         self.attention_kernel = attention.kernel(device, dtype, attention_path)
-        self._grid_inputs = FAMILIES[info.family].grid_inputs
-        self.sizing = FAMILIES[info.family].sizing  # an item's grid from its sizes, its rows
+        family = FAMILIES[info.family]
+        self._grid_inputs = GridInputs(model, family.windows, family.position_table)
+        self.sizing = family.sizing  # an item's grid from its sizes, its rows
         self._on_gpu = torch.device(device).type == "cuda"
         attention.use(model, attention_path)
 
@@ -152,12 +154,13 @@ class VisionTower:
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Packed wire rows ``[sum rows, wire_width]`` for a batch of items, in item order, on the
-        tower's device. What the forward derives from the grid is computed here on the CPU, so
-        on a GPU the call only queues kernels: it returns before they have run."""
+        tower's device. What the forward derives from the grid is assembled here on the CPU
+        (``vision.grid_inputs``), so on a GPU the call only queues kernels: it returns before
+        they have run."""
         grid = grid_thw.cpu()
         derived = {
             name: self._to_device(value) if torch.is_tensor(value) else value
-            for name, value in self._grid_inputs(self.model, grid).items()
+            for name, value in self._grid_inputs(grid).items()
         }
         out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid, **derived)
         if isinstance(out, torch.Tensor):
