@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     grid_inputs.add_argument("--rounds", type=int, default=30, help="interleaved rounds (median)")
     grid_inputs.add_argument("--json", default=None)
+    patch_embed = sub.add_parser(
+        "patch-embed",
+        help="the towers' patch embedding: transformers' Conv3d vs one matrix product",
+    )
+    patch_embed.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    patch_embed.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
+    patch_embed.add_argument("--json", default=None)
     receive = sub.add_parser(
         "receive", help="receive-path overhead per item beyond the raw transfer"
     )
@@ -311,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         from epdserve.bench.benchmarks import grid_inputs
 
         return grid_inputs.main(args)
+    if args.command == "patch-embed":
+        from epdserve.bench.benchmarks import patch_embed
+
+        return patch_embed.main(args)
     if args.command == "receive":
         from epdserve.bench.benchmarks import receive
 

@@ -35,7 +35,7 @@ from transformers.utils import logging as hf_logging
 from epdserve.data_plane.dtypes import dtype_from_wire
 from epdserve.multimodal.rows import split_rows
 from epdserve.process_settings import VisionAttention
-from epdserve.vision import attention
+from epdserve.vision import attention, patch_embedding
 from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family
 from epdserve.vision.grid_inputs import GridInputs
 from epdserve.vision.images import image_from_bytes, image_from_pixels
@@ -96,6 +96,8 @@ class VisionTower:
         self.sizing = family.sizing  # an item's grid from its sizes, its rows
         self._on_gpu = torch.device(device).type == "cuda"
         attention.use(model, attention_path)
+        if attention_path == "varlen":  # the fast path; the reference stays transformers' own
+            patch_embedding.as_matmul(model.patch_embed)
 
     @classmethod
     def load(
