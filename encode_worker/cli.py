@@ -36,6 +36,7 @@ def start(config: WorkerConfig):
     check_memory(config.ring_bytes, "--ring-bytes")
     from encode_worker.worker import EncodeWorker
     from epdserve.data_plane.mooncake import MooncakeUnavailable  # torch: after the quick checks
+    from epdserve.vision.compilation import CompileUnavailable
     from epdserve.vision.tower import TowerLoadError, VisionTower
 
     try:
@@ -45,7 +46,11 @@ def start(config: WorkerConfig):
             config.device,
             config.mm_processor_kwargs,
             config.vision_attention,
+            config.compile,
+            config.compile_cache_dir,
         )
+    except CompileUnavailable as exc:
+        raise SettingError(f"--compile {config.compile}: {exc}") from None
     except (
         TowerLoadError,
         OSError,
@@ -69,14 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(WorkerConfig.PROG, exc)
     config = worker.config
     logging.info(
-        "encode worker ready: model %s (served as %r, %s on %s, attention: %s); rooms, /readyz "
-        "and /metrics on "
+        "encode worker ready: model %s (served as %r, %s on %s, attention: %s, compiled: %s); "
+        "rooms, /readyz and /metrics on "
         "http://%s:%d (bound to %s); intake on tcp://%s:%d; transports %s",
         config.model,
         worker.served_model,
         config.dtype,
         config.device,
         worker.tower.attention_kernel,
+        worker.tower.compile_reason if worker.tower.compiled else "no",
         config.host,
         worker.bootstrap_port,
         config.bind,

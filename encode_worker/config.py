@@ -21,6 +21,7 @@ from epdserve.process_settings import (
     PositiveInt,
     PositiveSeconds,
     SettingError,
+    TowerCompile,
     TransportNames,
     VisionAttention,
 )
@@ -93,6 +94,20 @@ class WorkerConfig(
         "Flash varlen on CUDA in bf16/fp16, padded SDPA elsewhere), reference (transformers' "
         "per-sequence loop; bit-exact batch invariance on the CPU), auto (varlen where Flash "
         "runs: CUDA, compute capability 8.0 on, bf16/fp16)",
+    )
+    compile: TowerCompile = Field(
+        "auto",
+        description="torch.compile of the tower's blocks and mergers on the varlen path (dynamic "
+        "shapes; compiled and warmed up over the batch shapes the worker forms before /readyz "
+        "says ready): on, off, auto (on where Inductor's GPU backend runs: CUDA with Triton and "
+        "a C compiler; the reason logged once when off)",
+    )
+    compile_cache_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="directory of torch.compile's cache (Inductor's and Triton's compiled code), "
+        "kept across restarts: a worker started again over it loads its graphs instead of "
+        "compiling them (default: Inductor's, under the temp directory)",
     )
     preprocess_workers: PositiveInt | None = Field(
         None,

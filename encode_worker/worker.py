@@ -60,6 +60,8 @@ class EncodeWorker:
             config.device,
             config.mm_processor_kwargs,
             config.vision_attention,
+            config.compile,
+            config.compile_cache_dir,
         )
         self.device = TowerDevice(self.tower.device)
         # what this worker's rows are (weights, dtype, preprocessing: read from what it loaded),
@@ -178,6 +180,7 @@ class EncodeWorker:
         self.stage_and_send = StageAndSend(context, self.ring, self.sender, self._encoded)
         self._threads: list[threading.Thread] = []
         self.server: ThreadedServer | None = None
+        self.warmed_up: dict | None = None  # a compiled tower's warm-up, once started
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -204,6 +207,9 @@ class EncodeWorker:
 
     def _listen(self) -> None:
         config = self.config
+        self.warmed_up = self.tower.warm_up(config.batch_items, config.batch_patches)
+        if self.warmed_up is not None:
+            log.info("compiled tower warmed up: %s", self.warmed_up)
         self.health.probe()
         if config.bootstrap_port:
             check_listen(config.bind, config.bootstrap_port, "bootstrap port")

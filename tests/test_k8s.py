@@ -1305,6 +1305,27 @@ def test_shm_and_memory_limits_hold_the_pools(rendered, variant):
                 )
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_encode_workers_keep_their_compile_cache_on_a_volume_of_its_own(rendered, variant):
+    """A restarted worker finds its compiled tower where it left it: --compile-cache-dir is a
+    writable, bounded volume, not the root filesystem (read-only) nor the /tmp scratch."""
+    workers = 0
+    for _, template in pod_specs(rendered[variant]):
+        for container in containers(template):
+            program, args = parsed(container)
+            if program != "epd-encode-worker":
+                continue
+            workers += 1
+            (mount, volume), *others = [
+                (m, v)
+                for m, v in mounts(template, container)
+                if m["mountPath"] == args.compile_cache_dir
+            ]
+            assert not others and not mount.get("readOnly")
+            assert volume.get("persistentVolumeClaim") or volume["emptyDir"]["sizeLimit"]
+    assert workers
+
+
 def test_same_node_containers_share_one_memory_backed_dev_shm_as_one_user(rendered):
     for variant in ("same-node", "same-node+components"):
         (template,) = [t for n, t in pod_specs(rendered[variant]) if n == "epd-encode-worker"]

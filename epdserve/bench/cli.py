@@ -70,9 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the worker's tower attention (auto: varlen where Flash runs)",
     )
     encode.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the worker's tower compiled (varlen path; auto: on CUDA with Triton and a C "
+        "compiler); with --tower-batches also timed alone beside the eager paths",
+    )
+    encode.add_argument(
         "--tower-batches",
         default="",
-        help="comma-separated batch sizes: also time the tower alone, varlen against reference",
+        help="comma-separated batch sizes: also time the tower alone, varlen against reference "
+        "(and compiled)",
     )
     encode.add_argument(
         "--no-single", action="store_true", help="the pipeline at the batch budget only"

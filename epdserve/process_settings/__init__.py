@@ -32,6 +32,7 @@ from epdserve.process_settings.values import (
     PositiveInt,
     PositiveSeconds,
     ProcessorKwargs,
+    TowerCompile,
     TransportNames,
     VisionAttention,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "PositiveSeconds",
     "ProcessSettings",
     "SettingError",
+    "TowerCompile",
     "TransportNames",
     "VisionAttention",
     "check_checkpoint",

@@ -149,3 +149,6 @@ TransportNames = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_transport
 # The vision tower's attention (vision.attention): one call per layer, transformers' loop,
 # or the first on CUDA only.
 VisionAttention = Literal["auto", "varlen", "reference"]
+# Regional torch.compile of the tower (vision.compilation): on, off, or on where it runs
+# (CUDA with Triton and a C compiler).
+TowerCompile = Literal["auto", "on", "off"]

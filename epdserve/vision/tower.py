@@ -23,7 +23,9 @@ not covered: see docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from dataclasses import dataclass
 
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # before torch runs its first GEMM (see above)
@@ -34,13 +36,14 @@ from transformers.utils import logging as hf_logging
 
 from epdserve.data_plane.dtypes import dtype_from_wire
 from epdserve.multimodal.rows import split_rows
-from epdserve.process_settings import VisionAttention
-from epdserve.vision import attention, patch_embedding
+from epdserve.process_settings import TowerCompile, VisionAttention
+from epdserve.vision import attention, compilation, patch_embedding
 from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family
 from epdserve.vision.grid_inputs import GridInputs
 from epdserve.vision.images import image_from_bytes, image_from_pixels
 from epdserve.vision.video import load_video_processor
 
+log = logging.getLogger(__name__)
 # Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).
 KEY_MAPPING = {r"^model\.visual\.": "", r"^visual\.": ""}
 
@@ -81,6 +84,8 @@ class VisionTower:
         model_id: str,
         video_processor=None,
         attention_path: attention.AttentionPath = "reference",
+        compile: TowerCompile = "off",
+        compile_cache_dir: str | None = None,
     ):
         self.model = model
         self.info = info
@@ -98,6 +103,13 @@ class VisionTower:
         attention.use(model, attention_path)
         if attention_path == "varlen":  # the fast path; the reference stays transformers' own
             patch_embedding.as_matmul(model.patch_embed)
+        # --compile: whether its blocks and mergers are compiled, and why or why not
+        self.compile_choice = compile
+        self.compiled, self.compile_reason = compilation.resolve(compile, device, attention_path)
+        if self.compiled:
+            compilation.compile_regions(model, compile_cache_dir)
+        elif compile != "off":
+            compilation.say_once(self.compile_reason)
 
     @classmethod
     def load(
@@ -107,10 +119,13 @@ class VisionTower:
         device: str = "cpu",
         processor_kwargs: dict | None = None,
         vision_attention: VisionAttention = "auto",
+        compile: TowerCompile = "off",
+        compile_cache_dir: str | None = None,
     ) -> VisionTower:
         """The tower of ``directory``'s checkpoint with its image and video processors, each
         with ``processor_kwargs`` (``--mm-processor-kwargs``) over its config; its attention
-        as ``vision_attention`` says (``vision.attention``)."""
+        as ``vision_attention`` says (``vision.attention``), compiled as ``compile`` says
+        (``vision.compilation``; ``CompileUnavailable`` for ``on`` where it cannot be)."""
         family = detect_family(directory)
         config_class, tower_class = FAMILIES[family].vision_config, FAMILIES[family].tower
         torch_dtype = dtype_from_wire(dtype)
@@ -148,6 +163,8 @@ class VisionTower:
             model_id=os.path.abspath(directory),
             video_processor=video_processor,
             attention_path=attention.resolve(vision_attention, device, torch_dtype),
+            compile=compile,
+            compile_cache_dir=compile_cache_dir,
         )
 
     def rows_per_item(self, grid_thw: torch.Tensor) -> list[int]:
@@ -171,6 +188,44 @@ class VisionTower:
         if self.info.deepstack_levels:
             merged = torch.cat([merged, *out.deepstack_features], dim=1)
         return merged
+
+    def warm_up(self, batch_items: int, batch_patches: int) -> dict | None:
+        """Compile every graph a worker of this batch budget needs before it serves: one batch
+        of each shape ``compilation.warm_up_grids`` names, waited for. What it ran and compiled,
+        or None for a tower that is not compiled (nothing to warm up). Under ``auto``, a
+        compile that fails leaves the tower eager (the reason logged); under ``on`` it raises."""
+        if not self.compiled:
+            return None
+        try:
+            return self._warm_up(batch_items, batch_patches)
+        except Exception as exc:
+            if self.compile_choice != "auto":
+                raise
+            log.exception("compiling the vision tower failed: running it eagerly")
+            compilation.uncompile_regions(self.model)
+            self.compiled = False
+            self.compile_reason = f"compiling failed: {type(exc).__name__}: {exc}"[:500]
+            return None
+
+    def _warm_up(self, batch_items: int, batch_patches: int) -> dict:
+        def grid(width: int, height: int) -> tuple[int, int, int]:
+            return self.sizing.image_grid(self.processor, height, width)
+
+        batches = compilation.warm_up_grids(
+            grid(224, 224), grid(200, 300), grid(448, 448), self.info.merge, batch_items,
+            batch_patches,
+        )  # fmt: skip
+        patch_width = self.model.patch_embed.proj.weight[0].numel()
+        started, graphs = time.monotonic(), compilation.graphs_compiled()
+        for batch in batches:
+            grid_thw = torch.tensor(batch)
+            pixels = torch.zeros(int(grid_thw.prod(dim=1).sum()), patch_width)
+            self.encode(pixels, grid_thw).cpu()
+        return {
+            "seconds": round(time.monotonic() - started, 2),
+            "graphs_compiled": compilation.graphs_compiled() - graphs,
+            "batches": [compilation.describe(batch) for batch in batches],
+        }
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A CPU tensor on the tower's device. To a GPU through pinned memory: a copy from

@@ -457,7 +457,8 @@ def _timed_encode(tower, pixel_values, grid_thw) -> float:
 
 
 def load_towers(args) -> dict:
-    """The benchmark's tower, once per attention path asked for (one set of weights on disk)."""
+    """The benchmark's tower, once per attention path asked for (one set of weights on disk),
+    and the varlen path compiled (``compiled``) where ``--compile`` resolves on."""
     from epdserve.vision.tower import VisionTower
 
     if args.full_size:
@@ -466,10 +467,17 @@ def load_towers(args) -> dict:
             full_size_tower(args.family, directory, args.device, args.dtype)
     else:
         directory = bench_tower(args.depth, args.hidden, args.width)
-    return {
+    towers = {
         path: VisionTower.load(directory, args.dtype, args.device, vision_attention=path)
         for path in args.paths
     }
+    if "varlen" in args.paths and args.compile != "off":
+        compiled = VisionTower.load(
+            directory, args.dtype, args.device, vision_attention="varlen", compile=args.compile
+        )
+        if compiled.compiled:
+            towers["compiled"] = compiled
+    return towers
 
 
 def main(args) -> int:
@@ -480,12 +488,13 @@ def main(args) -> int:
     worker_path = attention.resolve(args.vision_attention, args.device, dtype_from_wire(args.dtype))
     args.paths = ["varlen", "reference"] if args.tower_batches else [worker_path]
     towers = load_towers(args)
-    worker_tower = towers[worker_path]
+    worker_tower = towers.get("compiled", towers[worker_path])
     print(
         f"epd-bench encode: tower {worker_tower.info.family} "
         f"({'full size' if args.full_size else f'depth {args.depth} hidden {args.hidden}'}, out "
         f"width {worker_tower.info.wire_width}, {args.dtype} on {args.device}, attention "
-        f"{worker_tower.attention_kernel}), transport {args.transport}, {args.rounds} rounds"
+        f"{worker_tower.attention_kernel}, compiled: {worker_tower.compile_reason}), transport "
+        f"{args.transport}, {args.rounds} rounds"
     )
     report = {"device": args.device, "dtype": args.dtype, "family": worker_tower.info.family}
     report["tower"] = (
@@ -494,6 +503,7 @@ def main(args) -> int:
         else {"depth": args.depth, "hidden": args.hidden, "out_width": args.width}
     )
     report["attention"] = {name: tower.attention_kernel for name, tower in towers.items()}
+    report["compile"] = worker_tower.compile_reason
     report["sizes"] = {}
     failed = 0
     for size in args.sizes.split(","):
@@ -522,6 +532,9 @@ def _print_tower(size: str, rows: dict) -> None:
         if "varlen" in paths and "reference" in paths:
             speedup = paths["varlen"]["images_per_s"] / paths["reference"]["images_per_s"]
             ratio = f" (varlen/reference {speedup:.2f})"
+        if "compiled" in paths and "varlen" in paths:
+            speedup = paths["compiled"]["images_per_s"] / paths["varlen"]["images_per_s"]
+            ratio += f" (compiled/varlen {speedup:.2f})"
         print(f"  {batch:9s} {cells}{ratio}")
 
 
