@@ -64,8 +64,11 @@ def _max_abs_ratio(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def test_the_warm_up_compiles_few_graphs_that_every_block_shares(compiled):
+    from torch._dynamo.utils import counters
+
     warmed_up, tower = compiled["warmed_up"], compiled["tower"]
     assert tower.compiled and "Inductor" in tower.compile_reason
+    assert not counters["graph_break"]  # each block and merger is one graph
     # one sequence, equal sequences, unequal ones, a one-row merger, the merger: whatever the
     # depth (4 blocks here, 32 at full size), the blocks share their graphs
     assert 1 <= warmed_up["graphs_compiled"] <= 6, warmed_up
@@ -240,3 +243,31 @@ def test_compile_flags_come_from_the_settings():
     assert WorkerConfig(model="/m").compile == "auto"
     with pytest.raises(SettingError, match="--compile"):
         WorkerConfig.from_command_line(["--model", "/m", "--compile", "sometimes"])
+
+
+def test_the_flash_branch_compiles_into_one_graph_per_block(compiled, monkeypatch):
+    """The branch a GPU takes (PyTorch's Flash varlen kernel), taken here on the CPU with a
+    stand-in kernel of varlen_attn's signature: Dynamo traces the whole block, the branch's
+    choice included, without a graph break, and the rows equal the padded path's."""
+    from torch._dynamo.utils import counters
+
+    from epdserve.vision import attention
+
+    calls = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):  # [N, H, D] each
+        calls.append(1)
+        packed = (t.transpose(0, 1)[None] for t in (q, k, v))
+        return attention._padded_sdpa(*packed, cu_q, max_q, scale)
+
+    monkeypatch.setattr(attention, "_VARLEN_ATTN", [(stand_in, True)])
+    monkeypatch.setattr(attention, "_FLASH_RUNS", {("cpu", None, torch.float32)})
+    directory = compiled["directory"]
+    tower = VisionTower.load(directory, vision_attention="varlen", compile="on")
+    breaks = sum(counters["graph_break"].values())
+    for seed, grids in enumerate([[(1, 16, 16), (1, 22, 14)], [(1, 32, 32)]]):
+        pixels, grid_thw = _inputs(grids, seed)
+        got = tower.encode(pixels, grid_thw)
+        assert _max_abs_ratio(got, compiled["eager"].encode(pixels, grid_thw)) <= FLOAT32_BOUND
+    assert calls  # traced through the stand-in (Dynamo calls it while tracing)
+    assert sum(counters["graph_break"].values()) == breaks

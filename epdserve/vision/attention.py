@@ -49,12 +49,21 @@ def resolve(choice: VisionAttention, device: str, dtype: torch.dtype) -> Attenti
     return choice
 
 
+# Where the Flash kernel runs, as (device type, index, dtype): decided by ``use`` for each tower,
+# outside any compiled region, and only read by ``varlen_attention`` (a set lookup Dynamo folds
+# into a guard, where asking the device would break its graph).
+_FLASH_RUNS: set[tuple[str, int | None, torch.dtype]] = set()
+
+
 def use(model: torch.nn.Module, path: AttentionPath) -> None:
     """Set ``model``'s vision attention to ``path``. The config's setter, not
     ``set_attn_implementation``: that one would look for a Flash Attention package or hub kernel
     for any name containing "flash"."""
     if path == "varlen":
         AttentionInterface.register(VARLEN, varlen_attention)  # a dict entry: idempotent
+        weight = next(model.parameters())
+        if flash_available(weight.device, weight.dtype):
+            _FLASH_RUNS.add((weight.device.type, weight.device.index, weight.dtype))
     model.config._attn_implementation = VARLEN if path == "varlen" else REFERENCE
 
 
@@ -86,7 +95,7 @@ def varlen_attention(
         raise ValueError(f"{VARLEN} needs cu_seqlens: call it through the Qwen-VL vision towers")
     if max_length_q is None:  # a Python int when the tower precomputed it (no device sync)
         max_length_q = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
-    if flash_available(query.device, query.dtype):
+    if (query.device.type, query.device.index, query.dtype) in _FLASH_RUNS:
         out = _flash(query, key, value, cu_seq_lens_q, int(max_length_q), scaling)
     else:
         out = _padded_sdpa(query, key, value, cu_seq_lens_q, int(max_length_q), scaling)
@@ -111,16 +120,22 @@ def _capability(index: int | None) -> tuple[int, int]:
 @functools.cache
 def _varlen_attn() -> tuple[Callable, bool] | None:
     """PyTorch's varlen_attn and whether it takes ``scale`` (2.11 on; 2.10 has only the
-    default), or None before 2.10."""
+    default), or None before 2.10; kept in ``_VARLEN_ATTN`` for ``_flash`` (a global read, which
+    Dynamo traces, where ``inspect`` would break its graph)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn, "scale" in inspect.signature(varlen_attn).parameters
+    found = varlen_attn, "scale" in inspect.signature(varlen_attn).parameters
+    _VARLEN_ATTN[:] = [found]
+    return found
+
+
+_VARLEN_ATTN: list[tuple[Callable, bool]] = []  # _varlen_attn's answer, once found
 
 
 def _flash(query, key, value, cu_seqlens, max_len, scaling):
-    varlen_attn, takes_scale = _varlen_attn()
+    varlen_attn, takes_scale = _VARLEN_ATTN[0]
     # [1, H, N, D] -> [N, H, D]: the layout varlen_attn takes (its last dimension contiguous)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     cu = cu_seqlens.to(torch.int32)
