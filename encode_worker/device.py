@@ -10,9 +10,10 @@ On CUDA:
   resize and normalisation) on a stream of its own, and waits for that stream alone
   (``TowerDevice.preparing``), so uploads overlap the tower's work;
 * a batch's rows are copied to pinned host memory on a copy stream, after the batch, one host
-  tensor per item; one event marks the end (``TowerDevice.download``). The thread that stages
-  the rows waits for that event (``QueuedBatch.wait``), once per batch; the tower thread is
-  already queuing the next batch meanwhile.
+  tensor per item; events mark the batch's start, the end of its tower call (its GPU time:
+  ``epd_encoder_encode_seconds``) and the end of its copies (``TowerDevice.download``). The
+  thread that stages the rows waits for that last event (``QueuedBatch.wait``), once per batch;
+  the tower thread is already queuing the next batch meanwhile.
 
 Memory that a stream other than its allocator's reads is marked with ``record_stream``, so the
 caching allocator does not hand it out again before that stream has passed the read.
@@ -38,14 +39,15 @@ def out_of_memory(exc: BaseException) -> bool:
 
 class QueuedBatch:
     """A batch's tower call and row copies, queued: ``wait`` returns once the rows are in host
-    memory, with the seconds the device spent on the batch (its tower call and copies).
-    ``on_done`` runs once: on the CPU, where the batch is done when it is made, at once; on CUDA
-    in the first waiter's thread."""
+    memory, with the seconds the device spent running the tower on the batch (on CUDA, from the
+    batch's start to the end of its tower call on the compute stream: the GPU's busy time, the
+    copies after it overlapping the next batch). ``on_done`` runs once: on the CPU, where the
+    batch is done when it is made, at once; on CUDA in the first waiter's thread."""
 
     def __init__(
         self,
         seconds: float | None = None,
-        events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+        events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None = None,
         on_done: Callable[[float], None] = lambda seconds: None,
     ):
         self._seconds = seconds
@@ -63,12 +65,12 @@ class QueuedBatch:
         with self._lock:
             if not self._done:
                 if self._events is not None:
-                    started, finished = self._events
+                    started, computed, copied = self._events
                     try:
-                        finished.synchronize()
+                        copied.synchronize()
                     except RuntimeError as exc:
                         raise DeviceLost(f"GPU failed while encoding: {exc}") from exc
-                    self._seconds = started.elapsed_time(finished) / 1000
+                    self._seconds = started.elapsed_time(computed) / 1000
                 self._done = True
                 self._on_done(self._seconds)
                 self._on_done = self._events = None  # they hold the batch: let it go
@@ -127,6 +129,8 @@ class TowerDevice:
         copies have read it. On the CPU the rows are already there (``seconds``: the tower's)."""
         if not self.is_cuda:
             return items, QueuedBatch(seconds, on_done=on_done)
+        computed = torch.cuda.Event(enable_timing=True)  # the tower's end on the compute stream
+        computed.record(self._compute)
         self._copy.wait_stream(self._compute)
         hosts = []
         with torch.cuda.stream(self._copy):
@@ -137,7 +141,7 @@ class TowerDevice:
                 hosts.append(host)
         finished = torch.cuda.Event(enable_timing=True, blocking=True)  # waited for asleep
         finished.record(self._copy)
-        return hosts, QueuedBatch(events=(started, finished), on_done=on_done)
+        return hosts, QueuedBatch(events=(started, computed, finished), on_done=on_done)
 
     def release_cached(self) -> None:
         """Hand the allocator's cached blocks back (after an out-of-memory error)."""

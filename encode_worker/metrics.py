@@ -56,7 +56,8 @@ class WorkerMetrics:
         )
         self.encode_seconds = Histogram(
             "epd_encoder_encode_seconds",
-            "Tower time per batch",
+            "Tower time per batch (on a GPU its time on the compute stream: the sum over time is "
+            "the share of time the GPU ran the tower)",
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )

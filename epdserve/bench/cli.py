@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument(
         "--no-single", action="store_true", help="the pipeline at the batch budget only"
     )
+    encode.add_argument(
+        "--instant-tower",
+        action="store_true",
+        help="the worker's CPU budget: a tower that returns its rows at once, the GPU's batch "
+        "budget; CPU per image by thread and the rate it could feed an infinitely fast GPU",
+    )
     encode.add_argument("--transport", choices=("shm", "mooncake"), default="shm")
     encode.add_argument("--rounds", type=int, default=3)
     encode.add_argument("--json", default=None)

@@ -30,6 +30,7 @@ import os
 import time
 
 from epdserve.bench.benchmarks.results import write_json
+from epdserve.bench.benchmarks.threads_cpu import delta, threads_cpu_s
 from epdserve.testing.images import synthetic_image
 
 # ms of CPU per item, by images per request (1, or several) and process
@@ -43,28 +44,6 @@ RECEIVER_THREAD = "prefill-receive"  # the receiver's loop thread ("prefill-rece
 # cuts it (15 bytes)
 CONFIGS = ((1, "shm"), (8, "shm"), (1, "mooncake"), (8, "mooncake"))
 POOL = 4096  # distinct images, cycled (the worker's cache is off)
-
-
-def _cpu_s(stat_path: str) -> float:
-    """User + system CPU seconds of a process or thread, from its ``stat`` file."""
-    with open(stat_path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _threads_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name (the OS's: ``loop_threads.name_os_thread``) of process
-    ``pid``, threads of one name summed; the process's own total under ``"*"``."""
-    by_name = {"*": _cpu_s(f"/proc/{pid}/stat")}
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/comm") as f:
-                name = f.read().strip()
-            seconds = _cpu_s(f"/proc/{pid}/task/{task}/stat")
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-        by_name[name] = by_name.get(name, 0.0) + seconds
-    return by_name
 
 
 async def _worker_cpu_s(session, url: str) -> dict[str, float]:
@@ -81,10 +60,6 @@ async def _worker_cpu_s(session, url: str) -> dict[str, float]:
             raise RuntimeError(f"{url}/metrics has no {name}")
         counted[key] = value
     return counted
-
-
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {name: after[name] - before.get(name, 0.0) for name in after}
 
 
 def measure(
@@ -155,16 +130,16 @@ def measure(
                 stop_at = time.monotonic() + 2.0  # warm-up
                 await asyncio.gather(*(client(session) for _ in range(concurrency)))
                 delivered = failed = 0
-                before = {role: _threads_cpu_s(pid) for role, pid in pids.items()}
+                before = {role: threads_cpu_s(pid) for role, pid in pids.items()}
                 counted_before = await _worker_cpu_s(session, worker.url)
                 started = time.monotonic()
                 stop_at = started + seconds
                 await asyncio.gather(*(client(session) for _ in range(concurrency)))
                 wall = time.monotonic() - started
-                after = {role: _threads_cpu_s(pid) for role, pid in pids.items()}
-                counted = _delta(await _worker_cpu_s(session, worker.url), counted_before)
+                after = {role: threads_cpu_s(pid) for role, pid in pids.items()}
+                counted = delta(await _worker_cpu_s(session, worker.url), counted_before)
             return {
-                "cpu_s": {role: _delta(after[role], before[role]) for role in pids},
+                "cpu_s": {role: delta(after[role], before[role]) for role in pids},
                 "worker_counted_cpu_s": counted,
                 "delivered": delivered,
                 "failed": failed,

@@ -20,8 +20,15 @@ by the receiver (``delivered``) or committed (``null``). Each configuration (bat
 device's default budget forms them, and of 1 item) has its own worker, started and warmed up
 once; rounds are interleaved (the order reversed every other round) and the median is reported,
 with the batch sizes the scheduler really formed (the worker's ``epd_encoder_batch_items``
-histogram over the timed rounds), the bench process's CPU per item (the worker and its intake
-client) and, on a GPU, the share of time it was busy (NVML, sampled every 20 ms).
+histogram over the timed rounds), CPU per item by thread of the worker (``cpu_budget.GROUPS``;
+the bench's own threads apart) and, on a GPU, the share of the round's wall time the GPU ran the
+tower (the sum of the batches' compute-stream time between CUDA events,
+``epd_encoder_encode_seconds``), with NVML's utilization sampled every 20 ms beside it.
+
+**The CPU budget** (``--instant-tower``): the same pipeline around a tower that returns its rows
+at once (``towers.instant_tower``), at the GPU's batch budget: the worker's CPU per image by
+thread, and the rate one worker process could feed an infinitely fast GPU, with the thread that
+stops it first (``cpu_budget.feed_rate``).
 
 The tower: by default a small Qwen2.5-VL-architecture one whose output width is a real one (3584,
 as Qwen2.5-VL-7B), so the bytes moved per item are real (448x448 -> 256 rows x 3584: 3.7 MB in
@@ -42,12 +49,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from epdserve.bench.benchmarks import cpu_budget
 from epdserve.bench.benchmarks.results import write_json
 from epdserve.bench.benchmarks.rounds import in_round
+from epdserve.bench.benchmarks.threads_cpu import delta, threads_cpu_s
 from epdserve.bench.benchmarks.towers import (
     DEFAULT_CACHE,
     bench_tower,
     full_size_tower,
+    instant_tower,
     noise_images,
     parse_size,
 )
@@ -56,6 +66,7 @@ from epdserve.wire.offers import LoopbackOffer
 from epdserve.wire.rooms import Registration, RoomState
 
 SINKS = ("delivered", "null")
+RECEIVER_SLOT_BYTES = 1 << 20  # the receiver's pool slots
 TOWER_BATCHES = (1, 8, 32)
 GPU_SAMPLE_S = 0.02
 
@@ -100,6 +111,7 @@ def _receiver_main(conn, pool_bytes: int, width: int, dtype: str, transport: str
             width=width,
             dtype=dtype,
             pool_bytes=pool_bytes,
+            slot_bytes=RECEIVER_SLOT_BYTES,
             transports=(transport,),
             item_timeout_s=300,
         )
@@ -132,8 +144,10 @@ class Config:
     sink: str  # "delivered" | "null"
     batch_items: int | None  # None: the device's default budget
     items_per_s: list[float] = field(default_factory=list)  # one per timed round
-    cpu_ms_per_item: list[float] = field(default_factory=list)  # the bench process's
-    gpu_busy_percent: list[float] = field(default_factory=list)  # on a GPU
+    # ms of CPU per item by thread group of this process (cpu_budget.GROUPS), one per round
+    cpu_ms_by_thread: list[dict[str, float]] = field(default_factory=list)
+    gpu_busy_percent: list[float] = field(default_factory=list)  # the batches' GPU time / wall
+    nvml_busy_percent: list[float] = field(default_factory=list)  # NVML's utilization sampled
     batches: Counter = field(
         default_factory=Counter
     )  # histogram bucket -> batches, timed rounds only
@@ -162,8 +176,9 @@ def _batch_buckets(worker) -> Counter:
 
 
 class GpuBusy:
-    """The share of time the GPU ran a kernel while a block ran (NVML's utilization, sampled every
-    ``GPU_SAMPLE_S`` on a thread); None on the CPU."""
+    """NVML's utilization of the GPU while a block ran, sampled every ``GPU_SAMPLE_S`` on a thread
+    (NVML averages each reading over its own 1/6 to 1 s window: edges are blurred); None on the
+    CPU."""
 
     def __init__(self, device: str):
         self.device = torch.device(device)
@@ -205,16 +220,11 @@ class EncodeBench:
     ):
         from encode_worker.config import WorkerConfig
         from encode_worker.worker import EncodeWorker
-        from epdserve.vision.images import image_from_bytes
 
         self.tower = tower
         self.receiver = receiver_conn
         self.dtype = str(tower.dtype).removeprefix("torch.")
-        grid = tower.processor(images=[image_from_bytes(images[0])], return_tensors="pt")[
-            "image_grid_thw"
-        ]
-        self.rows = tower.rows_per_item(grid)[0]
-        self.nbytes = self.rows * tower.info.wire_width * tower.dtype.itemsize
+        self.rows, self.nbytes = _item_size(tower, images[0])
         self.workers = {}
         for config in sorted(configs, key=lambda c: c.sink):  # "delivered" first: see below
             settings = WorkerConfig(
@@ -249,13 +259,15 @@ class EncodeBench:
         for worker in self.workers.values():
             worker.stop()
 
-    def round(self, config: Config, images: list[bytes]) -> tuple[float, int, Counter]:
-        """One timed round: (items/s, items not delivered, batches the scheduler formed)."""
+    def round(self, config: Config, images: list[bytes]) -> Round:
+        """One timed round, its clock from minting the rooms to the last item's end."""
         from epdserve.wire.intake import IntakeClient
 
         worker = self.workers[(config.sink, config.batch_items)]
         intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
         before = _batch_buckets(worker)
+        tower_s = _histogram_sum(worker.metrics.encode_seconds)
+        threads = threads_cpu_s(os.getpid())
         try:
             started = time.monotonic()
             rooms = worker.table.mint(len(images), 300)
@@ -298,11 +310,31 @@ class EncodeBench:
                 finished, delivered = worker.loop.run(_committed(worker.table, rooms))
         finally:
             intake.close()
-        return (
-            len(images) / (finished - started),
-            len(images) - delivered,
-            _batch_buckets(worker) - before,
+        wall = finished - started
+        return Round(
+            items_per_s=len(images) / wall,
+            failed=len(images) - delivered,
+            batches=_batch_buckets(worker) - before,
+            cpu_ms_by_thread=cpu_budget.by_group(
+                delta(threads_cpu_s(os.getpid()), threads), len(images)
+            ),
+            tower_busy=(_histogram_sum(worker.metrics.encode_seconds) - tower_s) / wall,
         )
+
+
+@dataclass(frozen=True)
+class Round:
+    items_per_s: float
+    failed: int  # items not delivered
+    batches: Counter  # the batches the scheduler formed (histogram bucket -> count)
+    cpu_ms_by_thread: dict[str, float]  # this process's CPU per item by thread group
+    tower_busy: float  # the batches' tower time (on a GPU: CUDA events) over the round's wall
+
+
+def _histogram_sum(histogram) -> float:
+    """The running sum of a prometheus Histogram (its ``_sum`` sample)."""
+    (metric,) = histogram.collect()
+    return next(sample.value for sample in metric.samples if sample.name.endswith("_sum"))
 
 
 async def _committed(table, rooms: list[int]) -> tuple[float, int]:
@@ -326,13 +358,18 @@ def pipeline(
     transport: str = "shm",
     rounds: int = 3,
     batches: tuple[int | None, ...] = (None, 1),
-    pool_bytes: int = 512 << 20,
+    pool_bytes: int | None = None,
     worker_settings: dict | None = None,
     progress=print,
 ) -> dict:
     """The worker delivering ``images`` into a receiver process and into a null sink, at each of
     ``batches`` (None: the device's default budget), interleaved rounds; medians and ratios.
-    ``worker_settings``: ``WorkerConfig`` fields over the bench's."""
+    ``worker_settings``: ``WorkerConfig`` fields over the bench's. The receiver's pool holds a
+    whole round (its job reserves every item at once, each in whole slots) unless
+    ``pool_bytes`` says otherwise."""
+    if pool_bytes is None:
+        slots = -(-_item_size(tower, images[0])[1] // RECEIVER_SLOT_BYTES)
+        pool_bytes = max(256 << 20, (len(images) + 8) * slots * RECEIVER_SLOT_BYTES)
     context = mp.get_context("spawn")
     conn, child = context.Pipe()
     dtype = str(tower.dtype).removeprefix("torch.")
@@ -351,19 +388,19 @@ def pipeline(
         bench = EncodeBench(tower, images, transport, conn, configs, worker_settings)
         for config in configs:  # warm-up: first connections and mappings, the tower's first calls
             bench.round(config, images[:8])
+        on_gpu = torch.device(str(tower.device)).type == "cuda"
         for round_index in range(rounds):
             for config in in_round(configs, round_index):
-                cpu_before = time.process_time()
-                with GpuBusy(str(tower.device)) as busy:
-                    rate, failed, formed = bench.round(config, images)
-                config.cpu_ms_per_item.append(
-                    1000 * (time.process_time() - cpu_before) / len(images)
-                )
-                if busy.percent is not None:
-                    config.gpu_busy_percent.append(busy.percent)
-                config.items_per_s.append(rate)
-                config.batches += formed
-                failures += failed
+                with GpuBusy(str(tower.device)) as nvml:
+                    measured = bench.round(config, images)
+                config.cpu_ms_by_thread.append(measured.cpu_ms_by_thread)
+                if on_gpu:
+                    config.gpu_busy_percent.append(100 * measured.tower_busy)
+                if nvml.percent is not None:
+                    config.nvml_busy_percent.append(nvml.percent)
+                config.items_per_s.append(measured.items_per_s)
+                config.batches += measured.batches
+                failures += measured.failed
             progress(
                 f"  round {round_index + 1}/{rounds}: "
                 + ", ".join(f"{c.name} {c.items_per_s[-1]:.1f}/s" for c in configs)
@@ -395,10 +432,12 @@ def pipeline(
                 "batch_items_max": c.batch_items or "device default",
                 "items_per_s": median[c.name],
                 "items_per_s_rounds": c.items_per_s,
-                "cpu_ms_per_item": statistics.median(c.cpu_ms_per_item),
-                "gpu_busy_percent": (
-                    statistics.median(c.gpu_busy_percent) if c.gpu_busy_percent else None
-                ),
+                "cpu_ms_per_item_by_thread": {
+                    name: round(statistics.median(r[name] for r in c.cpu_ms_by_thread), 4)
+                    for name in c.cpu_ms_by_thread[0]
+                },
+                "gpu_busy_percent": _median_or_none(c.gpu_busy_percent),
+                "nvml_busy_percent": _median_or_none(c.nvml_busy_percent),
                 "batches": {label: n for label, n in c.batches.items() if n},
                 "items_per_batch_mean": _mean_batch(c.batches, len(images) * rounds),
             }
@@ -407,6 +446,19 @@ def pipeline(
         "ratios": ratios,
         "failed_items": failures,
     }
+
+
+def _item_size(tower, image: bytes) -> tuple[int, int]:
+    """An image's rows and their bytes (a round's images are all of one size)."""
+    from epdserve.vision.images import image_from_bytes
+
+    grid = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
+    rows = tower.rows_per_item(grid["image_grid_thw"])[0]
+    return rows, rows * tower.info.wire_width * tower.dtype.itemsize
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _mean_batch(batches: Counter, items: int) -> float | None:
@@ -486,6 +538,9 @@ def main(args) -> int:
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     worker_path = attention.resolve(args.vision_attention, args.device, dtype_from_wire(args.dtype))
+    if args.instant_tower:
+        args.paths, args.compile = [worker_path], "off"
+        return budget_main(args, instant_tower(load_towers(args)[worker_path]))
     args.paths = ["varlen", "reference"] if args.tower_batches else [worker_path]
     towers = load_towers(args)
     worker_tower = towers.get("compiled", towers[worker_path])
@@ -524,6 +579,58 @@ def main(args) -> int:
     return 0 if not failed else 1
 
 
+def gpu_budget_settings() -> dict:
+    """The worker's batch budget and preprocessing threads on CUDA (``DEVICE_DEFAULTS``), for a
+    worker whose tower runs elsewhere: what it would form and run feeding a GPU."""
+    from encode_worker.config import DEVICE_DEFAULTS
+
+    cuda = DEVICE_DEFAULTS["cuda"]
+    return {"batch_patches": cuda.batch_patches, "preprocess_workers": cuda.preprocess_workers}
+
+
+def cpu_budget_run(tower, size: str, items: int, transport: str, rounds: int, progress=print):
+    """The pipeline around ``tower`` (an ``instant_tower``) at the GPU's batch budget, with what
+    each configuration's CPU per item by thread allows (``cpu_budget.feed_rate``)."""
+    from encode_worker.config import DEVICE_DEFAULTS, WorkerConfig
+
+    settings = gpu_budget_settings()
+    batch = DEVICE_DEFAULTS["cuda"].batch_items
+    images = noise_images(items, *parse_size(size))
+    result = pipeline(tower, images, transport, rounds, (batch,), worker_settings=settings,
+                      progress=progress)  # fmt: skip
+    config = WorkerConfig(model=tower.model_id, batch_items=batch, **settings)
+    result["settings"] = settings | {"batch_items": batch, "send_workers": config.send_workers}
+    result["cpu_budget"] = {
+        name: cpu_budget.feed_rate(row["cpu_ms_per_item_by_thread"], config)
+        for name, row in result["configs"].items()
+    }
+    return result
+
+
+def budget_main(args, tower) -> int:
+    print(
+        f"epd-bench encode --instant-tower: the worker around a tower that returns at once "
+        f"(rows {tower.info.wire_width} wide, {args.dtype}), GPU batch budget, transport "
+        f"{args.transport}, {args.items} images per round, {args.rounds} rounds"
+    )
+    report = {"dtype": args.dtype, "instant_tower": True, "cores": os.cpu_count(), "sizes": {}}
+    failed = 0
+    for size in args.sizes.split(","):
+        result = report["sizes"][size] = cpu_budget_run(
+            tower, size, args.items, args.transport, args.rounds
+        )
+        _print_pipeline(size, result)
+        for name, budget in result["cpu_budget"].items():
+            print(
+                f"  {name}: the worker could feed {budget['items_per_s']:.0f} images/s, stopped "
+                f"first by {budget['stopped_first_by']} ({budget['worker_ms_per_item']:.2f} ms "
+                f"of the worker's CPU per image on {budget['cores']} cores)"
+            )
+        failed += result["failed_items"]
+    write_json(args.json, report)
+    return 0 if not failed else 1
+
+
 def _print_tower(size: str, rows: dict) -> None:
     print(f"\n{size}: tower alone, images/s")
     for batch, paths in rows.items():
@@ -541,17 +648,25 @@ def _print_tower(size: str, rows: dict) -> None:
 def _print_pipeline(size: str, report: dict) -> None:
     print(
         f"\n{size}: pipeline\n{'configuration':18s} {'items/s':>8s}  {'per round':24s} "
-        f"{'CPU ms/item':>11s} {'GPU busy':>8s}  batches formed (items: count), mean"
+        f"{'worker CPU ms/item':>18s} {'GPU busy':>8s} {'NVML':>5s}  batches formed (items: "
+        "count), mean"
     )
     for name, row in report["configs"].items():
         rounds = " ".join(f"{v:.1f}" for v in row["items_per_s_rounds"])
         batches = " ".join(f"{label}:{n}" for label, n in row["batches"].items())
         mean = row["items_per_batch_mean"]
-        busy = f"{row['gpu_busy_percent']:.0f} %" if row["gpu_busy_percent"] is not None else "-"
+        busy, nvml = (
+            f"{row[key]:.0f} %" if row[key] is not None else "-"
+            for key in ("gpu_busy_percent", "nvml_busy_percent")
+        )
+        by_thread = row["cpu_ms_per_item_by_thread"]
+        worker_ms = sum(ms for thread, ms in by_thread.items() if thread != cpu_budget.OTHER)
         print(
             f"  {name:16s} {row['items_per_s']:8.1f}  {rounds:24s} "
-            f"{row['cpu_ms_per_item']:11.2f} {busy:>8s}  {batches}, {mean or 0:.2f}"
+            f"{worker_ms:18.2f} {busy:>8s} {nvml:>5s}  {batches}, {mean or 0:.2f}"
         )
+        threads = ", ".join(f"{thread} {ms:.3f}" for thread, ms in by_thread.items() if ms)
+        print(f"    CPU ms/item by thread: {threads}")
     print("ratios (medians, same run):")
     for name, value in report["ratios"].items():
         print(f"  {name:28s} {value:5.2f}")

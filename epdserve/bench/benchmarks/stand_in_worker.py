@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from encode_worker import cli
 from encode_worker.messages import TowerInputs
 from encode_worker.prepare import Prepare
+from epdserve.bench.benchmarks.towers import free_encode
 from epdserve.vision.tower import VisionTower
 
 _inputs_by_grid: dict[tuple[int, int, int] | None, TowerInputs] = {}
@@ -30,19 +29,9 @@ def _tower_inputs_once_per_grid(self: Prepare, job, shm_pixels) -> TowerInputs:
     return inputs
 
 
-def _free_encode(self: VisionTower, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-    rows = sum(self.rows_per_item(grid_thw))
-    zeros = getattr(self, "_stand_in_rows", None)
-    if zeros is None or zeros.shape[0] < rows:
-        zeros = self._stand_in_rows = torch.zeros(
-            max(rows, 4096), self.info.wire_width, dtype=self.dtype
-        )
-    return zeros[:rows]
-
-
 def main() -> int:
     Prepare._tower_inputs = _tower_inputs_once_per_grid
-    VisionTower.encode = _free_encode
+    VisionTower.encode = free_encode
     return cli.main(sys.argv[1:])
 
 
