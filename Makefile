@@ -58,27 +58,31 @@ bench: setup
 	-$(VENV)/bin/epd-bench cost --json bench-results/cost.json
 
 # The lent GPU machine (docs/performance.md, "On a GPU") has torch, torchvision, transformers' own
-# dependencies and numpy, but no network and none of the packages below: `make gpu-wheels` (here,
-# where PyPI is reachable) puts them in .whl/ (about 16 MB), which travels with the checkout;
-# `make gpu-check` (there) installs them beside the machine's own packages and runs the check,
-# under five minutes, writing docs/results/gpu/gpu-check.json. Its dry run on a CPU machine, with
-# small towers: `.venv/bin/python -m epdserve.bench.gpu_check OUT_DIR --small`.
+# dependencies and numpy, but no network and maybe none of the packages below: `make gpu-wheels`
+# (here, where PyPI is reachable) puts them in .whl/ for Python 3.11 to 3.13 (about 22 MB), which
+# travels with the checkout. `make gpu-check` (there) runs the check, which installs the wheels
+# that suit its Python into .site/, says in a preflight what the machine has and what it can run,
+# and writes every step's JSON into GPU_CHECK_OUT ($OUT, the directory that comes back, where it
+# is set) as it goes, within six minutes. Without make: `python3 -m epdserve.bench.gpu OUT_DIR`.
+# Its dry run here, small towers on the CPU: `.venv/bin/python -m epdserve.bench.gpu OUT --dry-run`.
 GPU_WHEELS := pydantic pydantic-core pydantic-settings annotated-types typing-inspection \
 	python-dotenv pyzmq fastapi starlette uvicorn annotated-doc transformers msgspec
+GPU_PYTHONS := 3.11 3.12 3.13
 # the GPU machine's own interpreter, with its CUDA torch
 GPU_PYTHON ?= python3
+GPU_CHECK_OUT ?= $(or $(OUT),docs/results/gpu)
 
 gpu-wheels: setup
 	rm -rf .whl
-	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-	  $$($(VPY) -m pip freeze | grep -iE '^($(shell echo $(GPU_WHEELS) | tr ' -' '|.'))==')
+	for version in $(GPU_PYTHONS); do \
+	  $(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version $$version \
+	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	    -d .whl $$($(VPY) -m pip freeze | grep -iE '^($(shell echo $(GPU_WHEELS) | tr ' -' '|.'))==') \
+	    || exit 1; \
+	done
 
 gpu-check:
-	@test -n "$$(ls .whl/*.whl 2>/dev/null)" || { echo "error: no wheels in .whl/: run 'make gpu-wheels' where PyPI is reachable, and carry .whl/ along" >&2; exit 1; }
-	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
-	@mkdir -p docs/results/gpu
-	PYTHONPATH=$(CURDIR)/.site:$(CURDIR) $(GPU_PYTHON) -m epdserve.bench.gpu_check docs/results/gpu
+	$(GPU_PYTHON) -m epdserve.bench.gpu $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .whl .site

@@ -178,16 +178,22 @@ def _batch_buckets(worker) -> Counter:
 class GpuBusy:
     """NVML's utilization of the GPU while a block ran, sampled every ``GPU_SAMPLE_S`` on a thread
     (NVML averages each reading over its own 1/6 to 1 s window: edges are blurred); None on the
-    CPU."""
+    CPU, and where NVML does not answer (``unavailable`` says why)."""
 
     def __init__(self, device: str):
         self.device = torch.device(device)
         self.samples: list[float] = []
+        self.unavailable: str | None = None
         self._stop = threading.Event()
         self._thread = None
 
     def __enter__(self) -> GpuBusy:
         if self.device.type == "cuda":
+            try:
+                torch.cuda.utilization(self.device)  # NVML (pynvml) answers, or says why not
+            except Exception as exc:  # pynvml missing, or its own NVMLError: said, not sampled
+                self.unavailable = f"{type(exc).__name__}: {exc}"
+                return self
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
