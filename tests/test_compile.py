@@ -227,6 +227,7 @@ def test_compile_on_the_reference_path_is_refused_in_one_line(compiled):
         dtype="float32",
         vision_attention="reference",
         compile="on",
+        bind="127.0.0.1",
         bootstrap_port=0,
         intake_port=0,
         transports="loopback",
@@ -236,13 +237,14 @@ def test_compile_on_the_reference_path_is_refused_in_one_line(compiled):
 
 
 def test_compile_flags_come_from_the_settings():
+    loopback = ["--model", "/m", "--bind", "127.0.0.1"]
     config = WorkerConfig.from_command_line(
-        ["--model", "/m", "--compile", "off", "--compile-cache-dir", "/var/cache/epd"]
+        [*loopback, "--compile", "off", "--compile-cache-dir", "/var/cache/epd"]
     )
     assert (config.compile, config.compile_cache_dir) == ("off", "/var/cache/epd")
-    assert WorkerConfig(model="/m").compile == "auto"
+    assert WorkerConfig(model="/m", bind="127.0.0.1").compile == "auto"
     with pytest.raises(SettingError, match="--compile"):
-        WorkerConfig.from_command_line(["--model", "/m", "--compile", "sometimes"])
+        WorkerConfig.from_command_line([*loopback, "--compile", "sometimes"])
 
 
 def test_the_flash_branch_compiles_into_one_graph_per_block(compiled, monkeypatch):

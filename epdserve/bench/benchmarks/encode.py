@@ -604,7 +604,7 @@ def cpu_budget_run(tower, size: str, items: int, transport: str, rounds: int, pr
     images = noise_images(items, *parse_size(size))
     result = pipeline(tower, images, transport, rounds, (batch,), worker_settings=settings,
                       progress=progress)  # fmt: skip
-    config = WorkerConfig(model=tower.model_id, batch_items=batch, **settings)
+    config = WorkerConfig(model=tower.model_id, bind="127.0.0.1", batch_items=batch, **settings)
     result["settings"] = settings | {"batch_items": batch, "send_workers": config.send_workers}
     result["cpu_budget"] = {
         name: cpu_budget.feed_rate(row["cpu_ms_per_item_by_thread"], config)
