@@ -20,13 +20,16 @@ from epdserve.process_settings import SettingError, check_listen, exit_process, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # the settings before anything heavy: a mistake is answered at once
+        settings = GatewaySettings.from_command_line(argv)
+        check_listen(settings.host, settings.port, "--port")
+    except SettingError as exc:
+        return refuse(GatewaySettings.PROG, exc)
     from epdserve.gateway.app import Gateway, build_app
     from handshake.server import serve
 
     try:
-        settings = GatewaySettings.from_command_line(argv)
         settings.family()  # --model is a checkpoint of a supported family
-        check_listen(settings.host, settings.port, "--port")
         # flags or a checkpoint that disagree with vLLM's engine: stop, and exit 1 (below)
         gateway = Gateway(settings, on_refusal=lambda _: os.kill(os.getpid(), signal.SIGTERM))
     except SettingError as exc:

@@ -20,6 +20,7 @@ from epdserve.data_plane.commit import checksum
 from epdserve.metrics import exposition_registry
 from epdserve.multimodal.items import GRID_KEYS, MultimodalDataItem, MultimodalInputs
 from epdserve.multimodal.rows import RowContractError
+from epdserve.prefill_server.settings import MAX_BODY_BYTES
 from epdserve.wire.addresses import EncodeHandshake
 from epdserve.wire.json_fields import JsonBool, json_float, json_int
 from epdserve.wire.modality import EncodedModality, Modality
@@ -30,7 +31,6 @@ from prefill_side import PrefillReceiver
 from prefill_side.job import ItemOutcome, ReceiveJob
 
 MAX_IMAGE_B64 = 48 << 20
-MAX_BODY_BYTES = 256 << 20  # a request's whole body: items, and image bytes when they travel
 
 
 class PrefillItem(BaseModel):

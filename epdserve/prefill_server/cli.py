@@ -6,14 +6,12 @@ from __future__ import annotations
 import os
 import sys
 
-from epdserve.prefill_server.app import TowerCalls, create_app
 from epdserve.prefill_server.settings import PrefillSettings
 from epdserve.process_settings import (
     SettingError,
     exit_process,
     refuse,
 )
-from prefill_side import PrefillReceiver, ReceiverConfig
 
 
 def _start(settings: PrefillSettings):
@@ -21,6 +19,7 @@ def _start(settings: PrefillSettings):
     ``SettingError`` with the one line to print."""
     from epdserve.data_plane.shm import ShmError
     from epdserve.data_plane.transport import TransportUnavailable, build_transports
+    from epdserve.prefill_server.app import TowerCalls
     from epdserve.process_settings import (
         check_checkpoint,
         check_listen,
@@ -28,6 +27,7 @@ def _start(settings: PrefillSettings):
         check_shm_space,
     )
     from epdserve.wire.offers import transport_spec
+    from prefill_side import PrefillReceiver, ReceiverConfig
 
     check_listen(settings.host, settings.port, "--port")
     check_memory(settings.pool_bytes, "--pool-bytes")
@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         receiver, tower = _start(settings)
     except SettingError as exc:
         return refuse(PrefillSettings.PROG, exc)
+    from epdserve.prefill_server.app import create_app
+
     config = receiver.config
     try:
         app = create_app(receiver, tower, settings.max_body_bytes, settings.served_model_name)

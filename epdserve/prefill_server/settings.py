@@ -9,7 +9,6 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from epdserve.prefill_server.app import MAX_BODY_BYTES
 from epdserve.process_settings import (
     Dtype,
     NonNegativeInt,
@@ -25,6 +24,8 @@ from epdserve.process_settings.groups import (
 )
 from epdserve.process_settings.secrets import HandshakeToken
 from prefill_side.settings import ReceiverSettings
+
+MAX_BODY_BYTES = 256 << 20  # a request's whole body: items, and image bytes when they travel
 
 
 class PrefillSettings(
