@@ -7,7 +7,7 @@ TORCH_PIN := torch==2.13.0
 # Quiet, no OpenMP spin-wait between co-located processes (notes P1).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup demo test bench clean sysdeps gpu-wheels gpu-check
+.PHONY: setup demo test test-fast bench clean sysdeps gpu-wheels gpu-check
 
 setup: sysdeps $(STAMP)
 
@@ -36,10 +36,18 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VPY) -m epdserve.bench.demo
 
+# Everything, vLLM and every process included, on two pytest workers (a module's tests on one:
+# its engine or cluster is made once); the 20 slowest tests are printed, so a slowdown shows.
 test: setup
 	$(VPY) -m ruff check .
 	$(VPY) -m ruff format --check .
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n 2 --dist loadscope --durations=20
+
+# The fast lane, for iteration: no vLLM, no process started, nothing compiled; Hypothesis's dev
+# profile (a tenth of the examples).
+test-fast: setup
+	HYPOTHESIS_PROFILE=dev $(VPY) -m pytest -q -n 2 --dist loadscope --durations=10 \
+	  -m "not vllm and not processes and not compile"
 
 bench: setup
 	@mkdir -p bench-results

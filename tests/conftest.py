@@ -5,6 +5,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import pytest  # noqa: E402
 
+import tests.profiles  # noqa: E402,F401  (Hypothesis's profile: HYPOTHESIS_PROFILE)
 from tests.segments import left_since, segments  # noqa: E402
 
 

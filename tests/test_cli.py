@@ -20,6 +20,8 @@ from PIL import Image
 from epdserve.vision.small_checkpoints import build_full
 from tests.encode_helpers import png
 
+pytestmark = pytest.mark.processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"PYTHONPATH": ROOT, "OMP_WAIT_POLICY": "PASSIVE", "MC_LOG_LEVEL": "ERROR"}
 

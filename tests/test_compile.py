@@ -22,6 +22,8 @@ from epdserve.vision.tower import VisionTower
 from tests.test_encode_worker import make_worker
 from tests.waiting import eventually
 
+pytestmark = pytest.mark.compile
+
 # float32: compiled rows against eager ones, max abs difference over the rows' largest value
 # (measured: 1.5e-7 to 2.2e-7 on values up to ~3; Inductor fuses the element-wise work, so its
 # float operations come in another order)

@@ -25,11 +25,12 @@ from handshake.server import ThreadedServer
 from prefill_side import ItemState, JobState
 from tests.busy_worker import BusyWorker
 from tests.encode_helpers import dispatch_to, loopback_stack, mp4
+from tests.profiles import examples
 
 # ---- the ring ----------------------------------------------------------------------------------
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(
     members=st.sets(st.text("abcdef0123456789:.", min_size=1, max_size=12), min_size=2, max_size=8),
     keys=st.lists(st.integers(0, (1 << 128) - 1), min_size=1, max_size=40),

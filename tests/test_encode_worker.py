@@ -612,13 +612,11 @@ def test_items_waiting_for_their_receivers_do_not_hold_up_an_item_whose_receiver
         processed = tower.processor(images=[image_from_bytes(image)], return_tensors="pt")
         rows = tower.encode_items(processed["pixel_values"], processed["image_grid_thw"])[0]
         receiver.reserve(room, rows.shape[0], rows.shape[1], rows.dtype)
-        started = time.monotonic()
         assert intake.send(request(worker, room, "ready"), image).ok
         state, got, view = receiver.wait(room, timeout=10)
         assert state is RoomState.SUCCESS, view.reason
-        assert (
-            torch.equal(got, rows) and time.monotonic() - started < 5
-        )  # not after the late ones' 20 s
+        # delivered within the wait above, long before the late ones' 20 s
+        assert torch.equal(got, rows)
         assert all(
             worker.table.view(r).state is RoomState.PENDING for r in late
         )  # still waiting, as they may
@@ -834,9 +832,11 @@ def test_a_burst_beyond_the_old_queue_waits_for_the_tower_and_is_delivered(qwen2
     try:
         replies = _burst(worker, receiver, tower, 150, seed=5000)
         assert [reply.status for _, reply in replies] == [IntakeStatus.ACCEPTED] * 150
-        assert worker.queue.seconds_per_patch is not None  # the backlog was measured
         for room, _ in replies:
             assert receiver.wait(room, timeout=120)[0] is RoomState.SUCCESS
+        # every item is delivered: the batches taken while the others queued measured the pace
+        # (asked before that, the tower may not have finished a batch yet on a busy machine)
+        assert worker.queue.seconds_per_patch is not None
     finally:
         worker.stop()
         receiver.close()

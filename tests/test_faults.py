@@ -17,9 +17,15 @@ import time
 import pytest
 
 from epdserve.bench import faults
-from epdserve.bench.faults import FAST_S, FaultLab, LabConfig, lab_model, serves
+from epdserve.bench.faults import FaultLab, LabConfig, lab_model, serves
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.processes, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+# An affected room fails by the fault's detection (a broken stream, a dead peer, a refused
+# contract), which the fault lab's runs put near a second (FAST_S, the soak's goal); on its item
+# timeout it would fail after LabConfig.item_timeout_s (20 s). The tests tell the two apart with
+# half the timeout, which a loaded machine's slower detection still keeps far below.
+BEFORE_ITS_TIMEOUT_S = LabConfig.__dataclass_fields__["item_timeout_s"].default / 2
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +77,14 @@ def assert_no_leaks(lab, prefill="prefill"):
 
 
 def assert_fast(outcome):
+    """Every affected room failed, by the fault's detection rather than its item timeout: long
+    before that timeout (how fast, against ``FAST_S``, is the soak's measure: epd-bench soak)."""
     assert outcome.affected, outcome
     for entry in outcome.affected:
         assert entry["state"] != "DONE", outcome.as_dict()
-        assert entry["ttf_s"] is not None and entry["ttf_s"] <= FAST_S, outcome.as_dict()
+        assert entry["ttf_s"] is not None and entry["ttf_s"] < BEFORE_ITS_TIMEOUT_S, (
+            outcome.as_dict()
+        )
 
 
 def assert_siblings_exact(outcome, delivered_at_least):
@@ -213,7 +223,7 @@ def test_item_larger_than_the_send_ring(lab):
             assert reply.ok, reply
         state, _, view = receiver.wait(rooms[0])
         assert state is RoomState.FAILED and "larger than the send ring" in view.reason
-        assert time.monotonic() - started < FAST_S + 1  # includes encoding both images
+        assert time.monotonic() - started < BEFORE_ITS_TIMEOUT_S  # not at the receiver's wait
         state, rows, _ = receiver.wait(rooms[1])
         assert state is RoomState.SUCCESS and checksum(rows) == lab.reference(small.data)
         assert worker.ring.stats()["leased_slots"] == 0
@@ -272,7 +282,7 @@ def test_width_or_dtype_mismatch_between_the_sides(lab, width_delta, dtype):
     try:
         job, elapsed = asyncio.run(go())
         assert job.poll() is JobState.FAILED and "contract mismatch" in job.reasons[0], job.reasons
-        assert elapsed < FAST_S + 1  # includes the encode
+        assert elapsed < BEFORE_ITS_TIMEOUT_S  # at the registration's check, not its timeout
         assert (
             receiver.pool.stats()["leased_slots"] == 0
             and receiver.pool.stats()["quarantined_slots"] == 0
@@ -357,7 +367,10 @@ def test_malformed_frames_and_bodies_are_refused_and_every_listener_keeps_servin
     )
     assert outcome.notes["bad_shm_handle"]["room"] == "FAILED"
     assert "cannot open SHM segment" in outcome.notes["bad_shm_handle"]["reason"]
-    assert all(entry["ttf_s"] is not None and entry["ttf_s"] < FAST_S for entry in outcome.affected)
+    assert all(
+        entry["ttf_s"] is not None and entry["ttf_s"] < BEFORE_ITS_TIMEOUT_S
+        for entry in outcome.affected
+    )
     assert outcome.notes["serves_after"]
     assert_no_leaks(lab)
 

@@ -46,9 +46,10 @@ from epdserve.wire.intake import (
 from epdserve.wire.offers import MAX_ROOM_ID, MAX_ROWS, MAX_WIDTH, ShmOffer
 from handshake.rooms import RoomLimits
 from prefill_side import ItemOutcome, JobState
+from tests.profiles import examples
 
-FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=1000)
-SLOW = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=200)
+FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=examples(1000))
+SLOW = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=examples(200))
 
 # JSON values with the numbers that break naive parsers: huge, negative, fractional, near
 # 2**63/2**64
@@ -700,7 +701,7 @@ prefill_schema = schemathesis.openapi.from_asgi("/openapi.json", PREFILL_APP)
 
 
 @prefill_schema.parametrize()
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=list(HealthCheck))
 def test_prefill_api_has_no_5xx(case):
     from schemathesis.specs.openapi.checks import positive_data_acceptance
 
@@ -915,7 +916,7 @@ def _prefill_declared(app) -> set[str]:
     return _PREFILL_DECLARED
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     _mostly(
         _real_bodies.map(lambda body: ("json", body)),

@@ -30,6 +30,7 @@ from epdserve.testing.cluster import HOST, free_port
 from epdserve.testing.images import synthetic_image
 from tests.busy_worker import BusyWorker
 from tests.image_server import serving
+from tests.profiles import examples
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +324,9 @@ BODY = st.one_of(
 
 
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(150),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(body=BODY)
 def test_any_body_gets_an_openai_answer(app_without_vllm, body):
@@ -403,6 +406,7 @@ def test_requests_beyond_max_in_flight_are_refused_at_once(tmp_path, engine_url)
         silent.close()
 
 
+@pytest.mark.processes
 def test_slow_uploads_and_hang_ups_hold_nothing(tmp_path):
     """A real epd-gateway process (vLLM unreachable), --max-in-flight 4: 16 connections that send
     half a body and stall do not take its places (a full request is still served, here with vLLM's
@@ -650,6 +654,7 @@ def slow_stream(events: int, every_s: float):
         thread.join(10)
 
 
+@pytest.mark.processes
 def test_a_stream_in_flight_when_the_gateway_is_told_to_stop_completes(tmp_path):
     """SIGTERM to a gateway while it relays a stream of 8 s (--drain-s 20; the drain was 5 s): the
     stream goes on to its last chunk and [DONE], no new connection is taken meanwhile, and the

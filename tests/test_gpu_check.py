@@ -22,6 +22,8 @@ from epdserve.vision.patch_embedding import as_matmul
 from epdserve.vision.small_checkpoints import vision_config
 from tests.waiting import eventually
 
+pytestmark = pytest.mark.processes
+
 MAIN_STEPS = [step.name for step in plan.steps((plan.MAIN,))]
 
 

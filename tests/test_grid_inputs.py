@@ -10,6 +10,7 @@ from epdserve.bench.benchmarks.grid_inputs import whole_batch
 from epdserve.vision.families import FAMILIES
 from epdserve.vision.grid_inputs import GridInputs
 from epdserve.vision.small_checkpoints import vision_config
+from tests.profiles import examples
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,9 @@ grids = st.lists(
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(60),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(batch=grids)
 def test_assembled_inputs_equal_the_helpers_over_the_whole_batch(towers, family, batch):

@@ -12,12 +12,13 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from epdserve.wire.rooms import MAX_ROOM_ID
 from handshake.app import create_app
+from tests.profiles import examples
 
 schema = schemathesis.openapi.from_asgi("/openapi.json", create_app())
 
 
 @schema.parametrize()
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_conforms(case):
     case.call_and_validate(excluded_checks=[positive_data_acceptance])
 

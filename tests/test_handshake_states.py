@@ -8,6 +8,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 from epdserve.wire.rooms import Registration, RoomState, RoomView
 from handshake.rooms import RoomConflict, RoomError, RoomLimits, RoomNotFound, RoomsFull, RoomTable
 from tests.handshake_helpers import begin, commit, registration
+from tests.profiles import examples
 
 RANK = {RoomState.PENDING: 0, RoomState.REGISTERED: 1, RoomState.WRITING: 2}
 LIMITS = RoomLimits(max_live_rooms=6, max_tombstones=4, tombstone_ttl_s=5.0)
@@ -121,7 +122,9 @@ class RoomMachine(RuleBasedStateMachine):
 
 
 TestRoomMachine = RoomMachine.TestCase
-TestRoomMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestRoomMachine.settings = settings(
+    max_examples=examples(200), stateful_step_count=40, deadline=None
+)
 
 
 def _cancelled_while_writing():
@@ -215,7 +218,7 @@ def test_a_long_poll_answers_on_a_change_made_on_its_own_loop_and_after_its_wait
 
         started = time.monotonic()
         (view,) = await table.watch({quiet: version}, 0.2)
-        assert view.state is RoomState.PENDING and 0.15 <= time.monotonic() - started < 2
+        assert view.state is RoomState.PENDING and time.monotonic() - started >= 0.15  # waited
 
         abandoned = asyncio.ensure_future(table.watch({dropped: version}, 5.0))
         await asyncio.sleep(0)

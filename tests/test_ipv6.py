@@ -107,6 +107,7 @@ def test_a_room_named_with_and_without_brackets_is_one_room_to_the_receiver():
 
 
 @pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+@pytest.mark.processes
 def test_a_worker_on_ipv6_loopback_delivers(tmp_path, no_new_segments):
     from transformers import AutoImageProcessor
 

@@ -1628,6 +1628,7 @@ def test_vllm_dockerfile_adds_the_project_to_vllms_own_image(rendered):
 # ---- the flag the manifests needed ---------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_prefill_offers_mooncake_at_its_mooncake_host(tmp_path):
     """epd-prefill advertises --mooncake-host in its offers (the manifests pass the pod IP)."""
     from handshake.app import create_app

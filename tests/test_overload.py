@@ -3,9 +3,13 @@ dispatcher into real worker and prefill processes (``bench.overload``, the bench
 every item ends DONE or FAILED with a reason, none is lost or hangs, and the worker's refusals were
 explicit. Behaviour only: no timing is asserted."""
 
+import pytest
+
 from epdserve.bench.benchmarks.overload import phase
 from epdserve.bench.benchmarks.towers import bench_tower
 from epdserve.testing.images import synthetic_image
+
+pytestmark = pytest.mark.processes
 
 
 def test_a_burst_larger_than_the_queue_loses_no_item():

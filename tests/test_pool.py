@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from epdserve.data_plane.pool import MemoryRegion, NoCapacity, SlotPool, TooLarge
+from tests.profiles import examples
 from tests.waiting import FakeClock
 
 SLOT = 64
@@ -103,7 +104,9 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolMachine.settings = settings(
+    max_examples=examples(150), stateful_step_count=40, deadline=None
+)
 
 
 def test_exhaustion_answers_at_once_and_too_large_is_distinct():

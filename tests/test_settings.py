@@ -213,6 +213,7 @@ except SettingError as exc:
 """
 
 
+@pytest.mark.processes
 def test_a_hugging_face_model_id_resolves_through_the_hub_cache(checkpoints, tmp_path):
     """``--model org/name`` (vLLM's habit) takes the checkpoint from the Hugging Face cache, offline
     here (``HF_HUB_OFFLINE=1``); its default public name is the id, as vLLM's; one not cached is one

@@ -24,6 +24,7 @@ from epdserve.vision.image_files import (
 )
 from tests.header_answers import answer, orientation_through_pil, through_pil
 from tests.image_matrix import matrix
+from tests.profiles import examples
 
 PLAIN = [
     ("RGB", {}),
@@ -327,7 +328,7 @@ def _webp_file(draw) -> bytes:
     return data
 
 
-@settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(2000), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=_webp_file())
 def test_any_riff_file_answers_as_through_pil(data):
     sized = answer(data, max_pixels=1 << 26)
