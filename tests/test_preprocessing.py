@@ -3,6 +3,7 @@
 named and niced as the media stages; one item's failure its own."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -64,14 +65,17 @@ def test_parallel_or_on_device_preprocessing_gives_the_same_rows_bit_for_bit(qwe
 
 
 def _thread_nice(name: str) -> list[int]:
-    """The nice values of this process's threads named ``name`` where the OS shows them."""
+    """The nice values of this process's pool threads named ``name`` (Python's ``name_N``), each
+    checked to carry ``name`` where the OS shows it too. Threads those start inherit the OS name
+    (OpenMP's, at a thread's first torch call), so the OS's list alone would count them."""
     values = []
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+    for thread in threading.enumerate():
+        if not thread.name.startswith(name + "_") or thread.native_id is None:
+            continue
         try:
-            with open(f"/proc/{os.getpid()}/task/{task}/comm") as f:
-                if f.read().strip() != name:
-                    continue
-            values.append(os.getpriority(os.PRIO_PROCESS, int(task)))
+            with open(f"/proc/{os.getpid()}/task/{thread.native_id}/comm") as f:
+                assert f.read().strip() == name, thread.name
+            values.append(os.getpriority(os.PRIO_PROCESS, thread.native_id))
         except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
             continue
     return values
