@@ -25,3 +25,20 @@ def checkpoints(tmp_path_factory):
     from epdserve.vision.small_checkpoints import build_full
 
     return {family: build_full(family, str(tmp_path_factory.mktemp(family))) for family in FAMILIES}
+
+
+# The longest modules first (vLLM's engines, then compiles and process clusters): two xdist
+# workers then end together instead of one starting an engine while the other has finished. A
+# module's tests stay together, in their order (its module fixtures are made once).
+HEAVIEST_FIRST = ("vllm", "compile", "processes")
+
+
+def pytest_collection_modifyitems(items):
+    def lane(item) -> int:
+        marks = {mark.name for mark in item.iter_markers()}
+        return next((i for i, name in enumerate(HEAVIEST_FIRST) if name in marks), 3)
+
+    module_lane: dict[str, int] = {}
+    for item in items:
+        module_lane[item.path] = min(lane(item), module_lane.get(item.path, 3))
+    items.sort(key=lambda item: module_lane[item.path])
