@@ -242,7 +242,7 @@ def closed_cleanly(running: Stack):
     assert segments_of(pids) == []
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def stack(request, tmp_path_factory):
     running = Stack(request.param, str(tmp_path_factory.mktemp(f"logs-{request.param}")))
     with closed_cleanly(running):
@@ -392,9 +392,14 @@ def test_a_video_and_an_image_in_one_request_equal_colocated(stack, transport):
     seed = 71 if transport == "shm" else 75
     video, image = mp4(25, 64, 96, seed=seed), synthetic_image(84, 84, seed=seed + 1)
     items = stack.dispatch([Media(video, Modality.VIDEO), image], stack.workers[transport])
-    # 4 of 25 frames (2 fps, rounded down to temporal pairs), 56x84 after resizing; sampled at
-    # 1.6 fps, so 1.25 s per temporal patch (Qwen2.5-VL's positions take it)
-    assert items[0].grid_thw == (2, 4, 6) and items[0].seconds_per_grid_t == 1.25
+    if stack.family == "qwen3_vl":
+        # 5 of 25 frames (2 fps, min 4), the last temporal patch padded with the last frame,
+        # 64x96 (patches of 16); the prompt times each patch (mean of its frames at 10 fps)
+        assert items[0].grid_thw == (3, 4, 6) and items[0].patch_times == (0.3, 1.5, 2.4)
+    else:
+        # 4 of 25 frames (2 fps, rounded down to temporal pairs), 56x84 after resizing; sampled
+        # at 1.6 fps, so 1.25 s per temporal patch (Qwen2.5-VL's positions take it)
+        assert items[0].grid_thw == (2, 4, 6) and items[0].seconds_per_grid_t == 1.25
     prompt = f"Describe {VIDEO_PROMPT} and {IMAGE_PROMPT}."
     before = stack.items("done", transport)
     output = stack.run(*vllm_request(prompt, items, model_type=stack.family))
@@ -414,7 +419,7 @@ def test_a_video_and_an_image_in_one_request_equal_colocated(stack, transport):
         {
             "prompt": prompt,
             "multi_modal_data": {
-                "video": [(frames, metadata) if stack.family == "qwen2_5_vl" else frames],
+                "video": [(frames, metadata) if stack.family != "qwen2_vl" else frames],
                 "image": [Image.open(io.BytesIO(image)).convert("RGB")],
             },
         }
@@ -586,10 +591,38 @@ def test_rows_of_another_model_never_enter_the_engine(stack, tmp_path):
     eventually(stack.pool_idle, "every slot back in the pool", seconds=30)
 
 
+def test_a_worker_of_another_family_is_refused(stack):
+    """An encode worker of another family's checkpoint (Qwen3-VL's rows carry two DeepStack
+    levels, the Qwen2 families' none): the room fails on the fingerprint with the row layout in
+    the reason, nothing is written, and vLLM's own tower encodes the image (same tokens)."""
+    other = "qwen2_vl" if stack.family == "qwen3_vl" else "qwen3_vl"
+    wrong = stack.cluster.start_encode_worker(
+        f"worker-{other}", transports="shm", model=cached_vlm(other)
+    )
+    stack.cluster.wait_ready()
+    image = synthetic_image(112, 112, seed=91)
+    # sized by a dispatcher of the worker's model (one of the engine's is refused at intake: the
+    # two processors grid the image differently)
+    items = dispatch(cached_vlm(other), wrong, [image], f"{other}-{next(stack.ids)}")
+    request, params = vllm_request(
+        prompt_for(1), items, images=[Image.open(io.BytesIO(image)).convert("RGB")]
+    )
+    output = stack.run(request, params)
+    assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(1), [image])
+    (delivery,) = output.ec_transfer_params["items"].values()
+    reason = delivery["reason"]
+    assert delivery["state"] == "FAILED" and "the row layout" in reason, reason
+    assert scraped(wrong.url, "epd_encoder_bytes_total", {}) == 0  # no row written
+    stack.cluster.kill(wrong, signal.SIGTERM)
+    stack.cluster.roles.remove(wrong)
+    eventually(stack.pool_idle, "every slot back in the pool", seconds=30)
+
+
 @pytest.fixture(scope="module")
 def tp_stack(tmp_path_factory):
-    """Qwen2-VL (4 heads, 2 KV heads) on two tensor-parallel ranks, each a process of its own."""
-    running = Stack("qwen2_vl", str(tmp_path_factory.mktemp("logs-tp")), tensor_parallel_size=2)
+    """Qwen3-VL (4 heads, 2 KV heads; rows of the main embedding and two DeepStack levels) on two
+    tensor-parallel ranks, each a process of its own."""
+    running = Stack("qwen3_vl", str(tmp_path_factory.mktemp("logs-tp")), tensor_parallel_size=2)
     with closed_cleanly(running):
         yield running
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import (
     Qwen2_5_VLConfig,
@@ -53,12 +53,18 @@ class TowerFamily:
     small_video_processor: Callable[[], Qwen2VLVideoProcessor | Qwen3VLVideoProcessor]
     # the model's positions take each video's seconds per temporal patch (second_per_grid_ts)
     video_seconds: bool = False
+    # the prompt gives each temporal patch of a video its time ("<1.2 seconds>" before each
+    # frame's placeholders): a request with the grid alone carries them (sizing.patch_times)
+    video_timestamps: bool = False
     # what its forward derives from the grid besides positions and sequences (vision.grid_inputs):
     # attention windows (Qwen2.5-VL), a learned position table resampled per grid (Qwen3-VL)
     windows: bool = False
     position_table: bool = False
     # an item's patch grid from its sizes, and its rows (the processors' rules)
     sizing: Sizing = QWEN_VL
+    # a small test VLM's text config beyond the shared one (vlm_checkpoints.build_vlm): heads of
+    # 32 and the rope its language model takes
+    small_text: dict = field(default_factory=dict)
 
 
 def _qwen2_image_processor() -> Qwen2VLImageProcessorPil:
@@ -144,9 +150,27 @@ FAMILIES: dict[str, TowerFamily] = {
                 cap_pixels_per_frame=False,
             ),
             position_table=True,
+            video_timestamps=True,
+            # Qwen3's attention takes its head size from the config; interleaved mrope
+            small_text=dict(
+                head_dim=32,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 5000000.0,
+                    "mrope_section": [4, 6, 6],
+                    "mrope_interleaved": True,
+                },
+            ),
         ),
     )
 }
+
+
+def row_shape(vision_config) -> tuple[int, int]:
+    """One row of a tower of ``vision_config``: its main width (the LLM's hidden size) and its
+    DeepStack levels, each as wide again, concatenated after it (vLLM's layout)."""
+    out_width = getattr(vision_config, "out_hidden_size", None) or vision_config.hidden_size
+    return out_width, len(getattr(vision_config, "deepstack_visual_indexes", None) or [])
 
 
 def family(name: str) -> TowerFamily:

@@ -38,7 +38,7 @@ from epdserve.data_plane.dtypes import dtype_from_wire
 from epdserve.multimodal.rows import split_rows
 from epdserve.process_settings import TowerCompile, VisionAttention
 from epdserve.vision import attention, compilation, patch_embedding
-from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family
+from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family, row_shape
 from epdserve.vision.grid_inputs import GridInputs
 from epdserve.vision.images import image_from_bytes, image_from_pixels
 from epdserve.vision.video import load_video_processor
@@ -149,8 +149,7 @@ class VisionTower:
         kwargs = processor_kwargs or {}
         processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True, **kwargs)
         video_processor = load_video_processor(directory, kwargs)
-        out_width = getattr(config, "out_hidden_size", None) or config.hidden_size
-        levels = len(getattr(config, "deepstack_visual_indexes", None) or [])
+        out_width, levels = row_shape(config)
         tower_info = TowerInfo(
             family, out_width, levels, config.spatial_merge_size, config.patch_size
         )

@@ -25,7 +25,6 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from epdserve.vision.families import FAMILIES
 from epdserve.vision.small_checkpoints import save_processors, vision_config
-from epdserve.wire.ec_params import MODEL_TYPES
 
 DEFAULT_CACHE = os.path.expanduser("~/.cache/epd-encode-worker")
 # Bump when what build_vlm writes changes, so cached directories of an older layout are not reused.
@@ -126,8 +125,8 @@ def build_vlm(
     """A full ``...ForConditionalGeneration`` checkpoint (float32) with tokenizer, image and
     video processors in ``directory``. ``hidden``: the LLM's width = the tower's output width =
     the width of every embedding row; heads of 32 (vLLM's CPU attention takes that head size)."""
-    if family not in MODEL_TYPES:
-        raise ValueError(f"unknown family {family!r}; expected one of {MODEL_TYPES}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
     if hidden % 64:
         raise ValueError(f"hidden {hidden} must be a multiple of 64 (heads of 32, two KV heads)")
     torch.manual_seed(seed)
@@ -150,6 +149,7 @@ def build_vlm(
             "mrope_section": [4, 6, 6],
         },
     )
+    text.update(FAMILIES[family].small_text)
     config_class, model_class = FAMILIES[family].vlm_config, FAMILIES[family].vlm
     config = config_class(
         vision_config=vision_config(family, out_width=hidden, width=tower_width),
