@@ -31,6 +31,7 @@ from epdserve.dispatcher.vllm_request import vllm_request  # noqa: E402
 from epdserve.multimodal.items import Modality  # noqa: E402
 from epdserve.testing.cluster import LocalCluster, free_port  # noqa: E402
 from epdserve.testing.images import synthetic_image  # noqa: E402
+from epdserve.vision.families import VLLM_MODEL_TYPES  # noqa: E402
 from epdserve.vision.sizing import sampled_indices  # noqa: E402
 from epdserve.vision.video import load_video_processor  # noqa: E402
 from epdserve.vision.vlm_checkpoints import IMAGE_PROMPT, VIDEO_PROMPT, cached_vlm  # noqa: E402
@@ -242,7 +243,7 @@ def closed_cleanly(running: Stack):
     assert segments_of(pids) == []
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=VLLM_MODEL_TYPES)
 def stack(request, tmp_path_factory):
     running = Stack(request.param, str(tmp_path_factory.mktemp(f"logs-{request.param}")))
     with closed_cleanly(running):

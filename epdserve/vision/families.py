@@ -1,6 +1,8 @@
 """The vision-language families the encode workers serve, one entry each: a new family is one
 ``TowerFamily`` here (its transformers classes, its sizing rules, what its forward derives from
-an item's grid (``vision.grid_inputs``), and the shape of a small test checkpoint).
+an item's grid (``vision.grid_inputs``), the shape of a small test checkpoint, and whether its
+rows go through vLLM's EPD connector: ``VLLM_MODEL_TYPES``). ``docs/models.md`` lists them with
+every multimodal architecture vLLM registers (``vision.vllm_architectures``).
 
 What a family's rows look like follows from its config at load time (``tower.TowerInfo``): the
 output width (``out_hidden_size`` or ``hidden_size``), the DeepStack levels (Qwen3-VL's
@@ -65,6 +67,9 @@ class TowerFamily:
     # a small test VLM's text config beyond the shared one (vlm_checkpoints.build_vlm): heads of
     # 32 and the rope its language model takes
     small_text: dict = field(default_factory=dict)
+    # its rows go into vLLM through the EPD connector (run end to end by
+    # tests/test_vllm_connector.py); vLLM knows the model by ``vlm.__name__``, its architecture
+    through_vllm: bool = False
 
 
 def _qwen2_image_processor() -> Qwen2VLImageProcessorPil:
@@ -90,6 +95,22 @@ QWEN3_PATCHES = dict(
     patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3
 )
 
+
+def _qwen3_image_processor() -> Qwen2VLImageProcessorPil:
+    return Qwen2VLImageProcessorPil(
+        **QWEN3_PATCHES, size={"shortest_edge": 65536, "longest_edge": 16777216}
+    )
+
+
+def _qwen3_video_processor() -> Qwen3VLVideoProcessor:
+    return Qwen3VLVideoProcessor(
+        **QWEN3_PATCHES,
+        size={"shortest_edge": 4096, "longest_edge": 4 * 64 * 32 * 32},
+        fps=2.0,
+        cap_pixels_per_frame=False,
+    )
+
+
 FAMILIES: dict[str, TowerFamily] = {
     family.model_type: family
     for family in (
@@ -104,6 +125,7 @@ FAMILIES: dict[str, TowerFamily] = {
             ),
             _qwen2_image_processor,
             _qwen2_video_processor,
+            through_vllm=True,
         ),
         TowerFamily(
             "qwen2_5_vl",
@@ -124,6 +146,7 @@ FAMILIES: dict[str, TowerFamily] = {
             _qwen2_video_processor,
             video_seconds=True,
             windows=True,
+            through_vllm=True,
         ),
         TowerFamily(
             "qwen3_vl",
@@ -140,17 +163,11 @@ FAMILIES: dict[str, TowerFamily] = {
                 num_position_embeddings=64,
                 deepstack_visual_indexes=list(range(min(depth, 2))),
             ),
-            lambda: Qwen2VLImageProcessorPil(
-                **QWEN3_PATCHES, size={"shortest_edge": 65536, "longest_edge": 16777216}
-            ),
-            lambda: Qwen3VLVideoProcessor(
-                **QWEN3_PATCHES,
-                size={"shortest_edge": 4096, "longest_edge": 4 * 64 * 32 * 32},
-                fps=2.0,
-                cap_pixels_per_frame=False,
-            ),
+            _qwen3_image_processor,
+            _qwen3_video_processor,
             position_table=True,
             video_timestamps=True,
+            through_vllm=True,
             # Qwen3's attention takes its head size from the config; interleaved mrope
             small_text=dict(
                 head_dim=32,
@@ -164,6 +181,12 @@ FAMILIES: dict[str, TowerFamily] = {
         ),
     )
 }
+
+
+# The model types whose encoder rows the EPD connector hands vLLM: one tensor per item, as the
+# encode workers write them; a row is the text hidden size wide, and as many times again as the
+# tower has DeepStack levels (``row_shape``).
+VLLM_MODEL_TYPES = tuple(name for name, entry in FAMILIES.items() if entry.through_vllm)
 
 
 def row_shape(vision_config) -> tuple[int, int]:

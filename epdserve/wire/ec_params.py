@@ -11,11 +11,6 @@ from epdserve.wire.rooms import EncodeTimings
 from epdserve.wire.states import ItemState
 
 Identifier = str  # vLLM's multimodal identifier of an item (its multi_modal_uuids value)
-# The architectures whose encoder rows the EPD connector hands vLLM: one tensor per item, as the
-# encode workers write them, run end to end by the tests; a row is the text hidden size wide, and
-# as many times again as the tower has DeepStack levels (Qwen3-VL: vLLM's layout, the levels
-# concatenated after the main embedding).
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def identifier(content_hash: int) -> Identifier:
