@@ -64,7 +64,7 @@ def test_each_difference_is_named(qwen25, tmp_path, change, part, said):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_the_engine_fingerprint_is_the_model_vllm_loaded(family):
     """The connector's fingerprint, from vLLM's own config and the processors its multimodal
     registry builds (with its --mm-processor-kwargs), equals the worker's for the same checkpoint
@@ -88,8 +88,8 @@ def test_the_engine_fingerprint_is_the_model_vllm_loaded(family):
     worker = tower_fingerprint(VisionTower.load(directory, processor_kwargs=kwargs))
     assert worker == engine.fingerprint
     default = tower_fingerprint(VisionTower.load(directory))
-    # max_pixels: Qwen3-VL's video processor sizes frames by its own size setting
-    changed = ["preprocessing"] if family == "qwen3_vl" else ["preprocessing", "video"]
+    # max_pixels: Qwen3-VL's (and Qwen3.5's) video processor sizes frames by its own size setting
+    changed = ["preprocessing"] if family.startswith("qwen3") else ["preprocessing", "video"]
     assert compact_differences(default.compact, engine.fingerprint.compact) == changed
 
 

@@ -24,6 +24,8 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
     Qwen2VLVideoProcessor,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
@@ -33,6 +35,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 )
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -70,6 +74,9 @@ class TowerFamily:
     # its rows go into vLLM through the EPD connector (run end to end by
     # tests/test_vllm_connector.py); vLLM knows the model by ``vlm.__name__``, its architecture
     through_vllm: bool = False
+    # the dtype vLLM's CPU build runs its language model in: bfloat16 where its CPU kernels take
+    # no other (Qwen3.5's Gated DeltaNet layers); tests run engine and workers in it
+    cpu_dtype: str = "float32"
 
 
 def _qwen2_image_processor() -> Qwen2VLImageProcessorPil:
@@ -175,6 +182,44 @@ FAMILIES: dict[str, TowerFamily] = {
                     "rope_type": "default",
                     "rope_theta": 5000000.0,
                     "mrope_section": [4, 6, 6],
+                    "mrope_interleaved": True,
+                },
+            ),
+        ),
+        TowerFamily(
+            "qwen3_5",
+            Qwen3_5VisionConfig,
+            Qwen3_5VisionModel,
+            Qwen3_5Config,
+            Qwen3_5ForConditionalGeneration,
+            lambda out_width, depth, width: dict(
+                depth=depth,
+                hidden_size=width,
+                out_hidden_size=out_width,
+                num_heads=2,
+                intermediate_size=2 * width,
+                num_position_embeddings=64,
+            ),
+            _qwen3_image_processor,
+            _qwen3_video_processor,
+            position_table=True,
+            video_timestamps=True,
+            through_vllm=True,
+            cpu_dtype="bfloat16",
+            # Qwen3.5's language model: Gated DeltaNet (linear attention) layers, then full
+            # attention with a partial, interleaved mrope
+            small_text=dict(
+                head_dim=32,
+                layer_types=["linear_attention", "full_attention"],
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 10000000.0,
+                    "partial_rotary_factor": 0.5,
+                    "mrope_section": [2, 3, 3],
                     "mrope_interleaved": True,
                 },
             ),
