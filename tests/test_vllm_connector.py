@@ -606,7 +606,8 @@ def test_a_worker_of_another_family_is_refused(stack):
     """An encode worker of another family's checkpoint (Qwen3-VL's rows carry two DeepStack
     levels, the Qwen2 families' none): the room fails on the fingerprint with the row layout in
     the reason, nothing is written, and vLLM's own tower encodes the image (same tokens)."""
-    other = "qwen2_vl" if stack.family == "qwen3_vl" else "qwen3_vl"
+    deepstack = "deepstack_visual_indexes" in FAMILIES[stack.family].small_vision_config(128, 2, 64)
+    other = "qwen2_vl" if deepstack else "qwen3_vl"
     wrong = stack.cluster.start_encode_worker(
         f"worker-{other}", transports="shm", model=cached_vlm(other)
     )

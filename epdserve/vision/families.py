@@ -28,6 +28,8 @@ from transformers import (
     Qwen3_5ForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
@@ -40,6 +42,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
 from epdserve.vision.sizing import QWEN_VL, Sizing
 
@@ -77,6 +81,9 @@ class TowerFamily:
     # the dtype vLLM's CPU build runs its language model in: bfloat16 where its CPU kernels take
     # no other (Qwen3.5's Gated DeltaNet layers); tests run engine and workers in it
     cpu_dtype: str = "float32"
+    # the hub's layout of tensors transformers saves in another (name suffix -> the dims to swap),
+    # applied to the small test VLM's checkpoint so vLLM's loader reads it as a real one
+    hub_transposes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _qwen2_image_processor() -> Qwen2VLImageProcessorPil:
@@ -178,6 +185,47 @@ FAMILIES: dict[str, TowerFamily] = {
             # Qwen3's attention takes its head size from the config; interleaved mrope
             small_text=dict(
                 head_dim=32,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 5000000.0,
+                    "mrope_section": [4, 6, 6],
+                    "mrope_interleaved": True,
+                },
+            ),
+        ),
+        TowerFamily(
+            "qwen3_vl_moe",
+            Qwen3VLMoeVisionConfig,
+            Qwen3VLMoeVisionModel,
+            Qwen3VLMoeConfig,
+            Qwen3VLMoeForConditionalGeneration,
+            lambda out_width, depth, width: dict(
+                depth=depth,
+                hidden_size=width,
+                out_hidden_size=out_width,
+                num_heads=2,
+                intermediate_size=2 * width,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=list(range(min(depth, 2))),
+            ),
+            _qwen3_image_processor,
+            _qwen3_video_processor,
+            position_table=True,
+            video_timestamps=True,
+            through_vllm=True,
+            # the hub stores each layer's fused experts transposed: [experts, in, out]
+            hub_transposes={
+                "experts.gate_up_proj": (1, 2),
+                "experts.down_proj": (1, 2),
+            },
+            # Qwen3-VL's tower; a language model of sparse experts (Qwen3-VL-30B-A3B's layout)
+            small_text=dict(
+                head_dim=32,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=64,
+                decoder_sparse_step=1,
+                norm_topk_prob=True,  # vLLM reads it (Qwen3-VL-30B-A3B's config states it)
                 rope_parameters={
                     "rope_type": "default",
                     "rope_theta": 5000000.0,

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
@@ -166,11 +167,13 @@ def build_vlm(
     ):  # wide text weights: greedy tokens then follow the image (at transformers'
         # 0.02 init the tiny LLM answers most images with one repeated token, so equal tokens prove
         # little)
-        for parameter in [*model.model.language_model.parameters(), model.lm_head.weight]:
-            if parameter.dim() == 2:
+        language = model.model.language_model
+        for name, parameter in [*language.named_parameters(), ("lm_head", model.lm_head.weight)]:
+            if parameter.dim() == 2 or ".experts." in name:  # matrices; a MoE layer's experts
                 parameter.normal_(0.0, TEXT_INIT_STD)
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory)
+    _to_hub_layout(directory, FAMILIES[family].hub_transposes)
     GenerationConfig(
         bos_token_id=text["bos_token_id"],
         eos_token_id=text["eos_token_id"],
@@ -180,6 +183,22 @@ def build_vlm(
     save_processors(family, directory)
     build_tokenizer(directory)
     return directory
+
+
+def _to_hub_layout(directory: str, transposes: dict[str, tuple[int, int]]) -> None:
+    """The saved tensors named ``...<suffix>`` transposed as ``transposes`` says, in place."""
+    if not transposes:
+        return
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(directory, name)
+        tensors = load_file(path)
+        for key, tensor in tensors.items():
+            for suffix, dims in transposes.items():
+                if key.endswith(suffix):
+                    tensors[key] = tensor.transpose(*dims).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
 
 
 def cached_vlm(
