@@ -1,13 +1,15 @@
-"""Small full Qwen2-VL / Qwen2.5-VL checkpoints with a tokenizer, built offline, for running vLLM.
+"""Small full checkpoints of each family (``vision.families``) with a tokenizer, built offline, for
+running vLLM.
 
 A vLLM engine needs what a hub checkpoint holds: the model (``config.json`` + safetensors), the
 image and video processor configs and a tokenizer whose special tokens (``<|vision_start|>``,
 ``<|image_pad|>``, ...) carry the ids the config names. ``build_vlm`` writes all of it with the
 real transformers classes (random weights; the tower is ``small_checkpoints.vision_config``'s, so
-rows per image are the production ones) and a byte-level BPE tokenizer trained in memory on a
-fixed text, so two builds with the same arguments are identical. ``cached_vlm`` builds once per
-configuration under ``~/.cache/epd-encode-worker`` (an atomic rename: concurrent builders never
-see half a directory) and returns the directory.
+rows per image are the production ones; the family's text config and hub tensor layout,
+``TowerFamily.small_text`` / ``hub_transposes``) and a byte-level BPE tokenizer trained in
+memory on a fixed text, so two builds with the same arguments are identical. ``cached_vlm``
+builds once per configuration under ``~/.cache/epd-encode-worker`` (an atomic rename: concurrent
+builders never see half a directory) and returns the directory.
 
 The same directory serves the encode worker (``--model``: it reads the ``visual.`` weights and the
 image processor) and vLLM (``LLM(model=...)``), so both place the same rows per image.
