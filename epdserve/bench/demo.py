@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m epdserve.bench.demo", description=__doc__.split("\n\n")[0]
     )
-    from epdserve.vision.families import FAMILIES, VLLM_MODEL_TYPES
+    from epdserve.vision.families import FAMILIES
+    from epdserve.wire.ec_params import MODEL_TYPES
 
     parser.add_argument(
         "--model",
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--family",
         default="qwen2_vl",
-        choices=VLLM_MODEL_TYPES,
+        choices=MODEL_TYPES,
         help="the tiny default model's architecture (docs/models.md)",
     )
     parser.add_argument(

@@ -1,8 +1,9 @@
 """The vision-language families the encode workers serve, one entry each: a new family is one
 ``TowerFamily`` here (its transformers classes, its sizing rules, what its forward derives from
-an item's grid (``vision.grid_inputs``), the shape of a small test checkpoint, and whether its
-rows go through vLLM's EPD connector: ``VLLM_MODEL_TYPES``). ``docs/models.md`` lists them with
-every multimodal architecture vLLM registers (``vision.vllm_architectures``).
+an item's grid (``vision.grid_inputs``) and the shape of a small test checkpoint); the ones whose
+rows go through vLLM's EPD connector are also named in ``wire.ec_params.MODEL_TYPES`` (checked
+here). ``docs/models.md`` lists them with every multimodal architecture vLLM registers
+(``vision.vllm_architectures``).
 
 What a family's rows look like follows from its config at load time (``tower.TowerInfo``): the
 output width (``out_hidden_size`` or ``hidden_size``), the DeepStack levels (Qwen3-VL's
@@ -46,6 +47,7 @@ from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLM
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
 from epdserve.vision.sizing import QWEN_VL, Sizing
+from epdserve.wire.ec_params import MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,6 @@ class TowerFamily:
     # a small test VLM's text config beyond the shared one (vlm_checkpoints.build_vlm): heads of
     # 32 and the rope its language model takes
     small_text: dict = field(default_factory=dict)
-    # its rows go into vLLM through the EPD connector (run end to end by
-    # tests/test_vllm_connector.py); vLLM knows the model by ``vlm.__name__``, its architecture
-    through_vllm: bool = False
     # the dtype vLLM's CPU build runs its language model in: bfloat16 where its CPU kernels take
     # no other (Qwen3.5's Gated DeltaNet layers); tests run engine and workers in it
     cpu_dtype: str = "float32"
@@ -139,7 +138,6 @@ FAMILIES: dict[str, TowerFamily] = {
             ),
             _qwen2_image_processor,
             _qwen2_video_processor,
-            through_vllm=True,
         ),
         TowerFamily(
             "qwen2_5_vl",
@@ -160,7 +158,6 @@ FAMILIES: dict[str, TowerFamily] = {
             _qwen2_video_processor,
             video_seconds=True,
             windows=True,
-            through_vllm=True,
         ),
         TowerFamily(
             "qwen3_vl",
@@ -181,7 +178,6 @@ FAMILIES: dict[str, TowerFamily] = {
             _qwen3_video_processor,
             position_table=True,
             video_timestamps=True,
-            through_vllm=True,
             # Qwen3's attention takes its head size from the config; interleaved mrope
             small_text=dict(
                 head_dim=32,
@@ -212,7 +208,6 @@ FAMILIES: dict[str, TowerFamily] = {
             _qwen3_video_processor,
             position_table=True,
             video_timestamps=True,
-            through_vllm=True,
             # the hub stores each layer's fused experts transposed: [experts, in, out]
             hub_transposes={
                 "experts.gate_up_proj": (1, 2),
@@ -252,7 +247,6 @@ FAMILIES: dict[str, TowerFamily] = {
             _qwen3_video_processor,
             position_table=True,
             video_timestamps=True,
-            through_vllm=True,
             cpu_dtype="bfloat16",
             # Qwen3.5's language model: Gated DeltaNet (linear attention) layers, then full
             # attention with a partial, interleaved mrope
@@ -276,17 +270,9 @@ FAMILIES: dict[str, TowerFamily] = {
 }
 
 
-# The model types whose encoder rows the EPD connector hands vLLM: one tensor per item, as the
-# encode workers write them; a row is the text hidden size wide, and as many times again as the
-# tower has DeepStack levels (``row_shape``).
-VLLM_MODEL_TYPES = tuple(name for name, entry in FAMILIES.items() if entry.through_vllm)
-
-
-def row_shape(vision_config) -> tuple[int, int]:
-    """One row of a tower of ``vision_config``: its main width (the LLM's hidden size) and its
-    DeepStack levels, each as wide again, concatenated after it (vLLM's layout)."""
-    out_width = getattr(vision_config, "out_hidden_size", None) or vision_config.hidden_size
-    return out_width, len(getattr(vision_config, "deepstack_visual_indexes", None) or [])
+unknown = set(MODEL_TYPES) - set(FAMILIES)
+if unknown:
+    raise RuntimeError(f"wire.ec_params.MODEL_TYPES names no family {sorted(unknown)}")
 
 
 def family(name: str) -> TowerFamily:

@@ -38,10 +38,11 @@ from epdserve.data_plane.dtypes import dtype_from_wire
 from epdserve.multimodal.rows import split_rows
 from epdserve.process_settings import TowerCompile, VisionAttention
 from epdserve.vision import attention, compilation, patch_embedding
-from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family, row_shape
+from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family
 from epdserve.vision.grid_inputs import GridInputs
 from epdserve.vision.images import image_from_bytes, image_from_pixels
 from epdserve.vision.video import load_video_processor
+from epdserve.wire.ec_params import row_shape
 
 log = logging.getLogger(__name__)
 # Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).

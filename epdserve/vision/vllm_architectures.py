@@ -9,6 +9,7 @@ from __future__ import annotations
 import transformers
 
 from epdserve.vision.families import FAMILIES
+from epdserve.wire.ec_params import MODEL_TYPES
 
 # vLLM's model modules whose models take audio and no image or video: nothing for an encode
 # worker of vision towers to encode.
@@ -52,7 +53,7 @@ def status(architecture: str, module: str) -> str:
     ``module``)."""
     for name, entry in FAMILIES.items():
         if entry.vlm.__name__ == architecture:
-            if entry.through_vllm:
+            if name in MODEL_TYPES:
                 return f"supported (`{name}`)"
             return f"encode worker only (`{name}`): the vLLM connector refuses it, not yet tested"
     if module in AUDIO_ONLY:

@@ -51,7 +51,7 @@ from pydantic import ValidationError
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
 
 from epdserve.data_plane.dtypes import dtype_to_wire
-from epdserve.vision.families import VLLM_MODEL_TYPES, row_shape
+from epdserve.wire.ec_params import MODEL_TYPES, row_shape
 from prefill_side.vllm_connector.engine_model import engine_description
 from prefill_side.vllm_connector.loads import LoadedMetadata, LoadMetadata
 from prefill_side.vllm_connector.scheduler import SchedulerSide, kv_connector_transfer_engine
@@ -75,10 +75,10 @@ def model_row_width(vllm_config: VllmConfig) -> tuple[int, int, torch.dtype]:
     model_config = vllm_config.model_config
     hf_config = model_config.hf_config
     model_type = hf_config.model_type
-    if model_type not in VLLM_MODEL_TYPES:
+    if model_type not in MODEL_TYPES:
         raise ValueError(
             f"EPDConnector: model type {model_type!r} is not supported (supported: "
-            f"{', '.join(VLLM_MODEL_TYPES)}; docs/models.md)"
+            f"{', '.join(MODEL_TYPES)}; docs/models.md)"
         )
     out_width, levels = row_shape(hf_config.vision_config)
     hidden = model_config.get_hidden_size()
