@@ -119,6 +119,10 @@ class Stack:
             for name in transports
         }
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM keeps one worker-side EC connector per process, a global it reuses: an engine
+        # started here while another's is still open (pytest closes a module's last stack of one
+        # fixture only at the module's end) would load rows with that one's width and dtype
+        _drop_vllms_worker_connector()
         self.http_port = free_port()
         # vLLM's CPU ranks each bind their OpenMP threads to cores of their own: one core each
         # here (one NUMA node, which vLLM would otherwise refuse to split)
@@ -142,13 +146,8 @@ class Stack:
         self.ids = iter(range(1 << 30))
 
     def close(self) -> None:
-        from vllm.distributed.ec_transfer import ensure_ec_transfer_shutdown
-
         self.engine.engine_core.shutdown()
-        # vLLM keeps a process's worker-side EC connector in a global that its in-process engine
-        # does not always drop on shutdown; the next engine here would reuse it (another model's
-        # row width and dtype)
-        ensure_ec_transfer_shutdown()
+        _drop_vllms_worker_connector()
         self.cluster.stop()
 
     def dispatch(self, images: list[bytes], worker) -> list:
@@ -205,6 +204,13 @@ class Stack:
     def pool_idle(self) -> bool:
         stats = self.connector.receiver.pool.stats()
         return stats["leased_slots"] == 0 and stats["quarantined_slots"] == 0
+
+
+def _drop_vllms_worker_connector() -> None:
+    """Shuts down and forgets the worker-side EC connector vLLM holds for this process."""
+    from vllm.distributed.ec_transfer import ensure_ec_transfer_shutdown
+
+    ensure_ec_transfer_shutdown()
 
 
 def scraped(url: str, name: str, labels: dict) -> float:
