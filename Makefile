@@ -4,6 +4,8 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
+# `make demo FAMILY=qwen3_vl`: the tiny model's architecture (docs/models.md)
+FAMILY ?= qwen2_vl
 # Quiet, no OpenMP spin-wait between co-located processes (notes P1).
 export OMP_WAIT_POLICY ?= PASSIVE
 
@@ -34,7 +36,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: setup
-	$(VPY) -m epdserve.bench.demo
+	$(VPY) -m epdserve.bench.demo --family $(FAMILY)
 
 # Everything, vLLM and every process included, on two pytest workers (a module's tests on one:
 # its engine or cluster is made once); the 20 slowest tests are printed, so a slowdown shows.

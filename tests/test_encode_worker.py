@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
 from encode_worker.config import WorkerConfig
@@ -16,6 +15,7 @@ from encode_worker.worker import EncodeWorker
 from epdserve.data_plane.loopback import LoopbackFault, LoopbackTransport
 from epdserve.data_plane.shm import ShmTensorHandle
 from epdserve.multimodal.hashing import hash_feature
+from epdserve.vision.families import FAMILIES
 from epdserve.vision.images import image_from_bytes
 from epdserve.vision.small_checkpoints import build_vision_only
 from epdserve.vision.tower import TowerLoadError, VisionTower
@@ -34,11 +34,7 @@ from handshake.rooms import RoomNotFound
 from tests.encode_helpers import Receiver, png
 from tests.waiting import eventually
 
-FULL_CLASSES = {
-    "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
-    "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-    "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
-}
+FULL_CLASSES = {name: entry.vlm for name, entry in FAMILIES.items()}
 SIZES = [(64, 64), (300, 200), (128, 96)]
 
 

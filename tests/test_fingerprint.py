@@ -6,9 +6,11 @@ written or published."""
 import pytest
 import torch
 
+from epdserve.vision.families import FAMILIES
 from epdserve.vision.fingerprint import tower_fingerprint
 from epdserve.vision.small_checkpoints import build_full, save_processors
 from epdserve.vision.tower import VisionTower
+from epdserve.wire.ec_params import MODEL_TYPES
 from epdserve.wire.fingerprint import PARTS, compact_differences
 from epdserve.wire.intake import IntakeClient, IntakeStatus
 from epdserve.wire.rooms import RoomState
@@ -64,7 +66,7 @@ def test_each_difference_is_named(qwen25, tmp_path, change, part, said):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", MODEL_TYPES)
 def test_the_engine_fingerprint_is_the_model_vllm_loaded(family):
     """The connector's fingerprint, from vLLM's own config and the processors its multimodal
     registry builds (with its --mm-processor-kwargs), equals the worker's for the same checkpoint
@@ -72,23 +74,27 @@ def test_the_engine_fingerprint_is_the_model_vllm_loaded(family):
     from vllm.config import ModelConfig, VllmConfig
 
     from epdserve.vision.vlm_checkpoints import cached_vlm
+    from prefill_side.vllm_connector import model_row_width
     from prefill_side.vllm_connector.engine_model import engine_description
 
     directory = cached_vlm(family)
     kwargs = {"max_pixels": 100352}
     model_config = ModelConfig(model=directory, dtype="float32", mm_processor_kwargs=kwargs)
-    engine = engine_description(
-        VllmConfig(model_config=model_config), model_config.get_hidden_size(), 0
-    )
+    vllm_config = VllmConfig(model_config=model_config)
+    width, levels, _ = model_row_width(vllm_config)
+    # Qwen3-VL's rows: the main embedding and its two DeepStack levels, each the LLM's width
+    deepstack = "deepstack_visual_indexes" in FAMILIES[family].small_vision_config(128, 2, 64)
+    assert (width, levels) == ((128 * 3, 2) if deepstack else (128, 0))
+    engine = engine_description(vllm_config, width, levels)
     assert engine.mm_processor_kwargs == kwargs
     assert engine.limit_mm_per_prompt == {"image": 999, "video": 999}  # vLLM's defaults
     worker = tower_fingerprint(VisionTower.load(directory, processor_kwargs=kwargs))
     assert worker == engine.fingerprint
     default = tower_fingerprint(VisionTower.load(directory))
-    assert compact_differences(default.compact, engine.fingerprint.compact) == [
-        "preprocessing",
-        "video",
-    ]
+    # max_pixels: Qwen3-VL's video processor (Qwen3.5's too) sizes frames by its own size setting
+    qwen3_video = FAMILIES[family].video_timestamps
+    changed = ["preprocessing"] if qwen3_video else ["preprocessing", "video"]
+    assert compact_differences(default.compact, engine.fingerprint.compact) == changed
 
 
 def _another_models(fingerprint) -> str:

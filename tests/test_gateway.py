@@ -105,11 +105,11 @@ def deployment_secrets(directory: str) -> dict:
 
 
 class Stack:
-    def __init__(self, log_dir: str):
+    def __init__(self, log_dir: str, family: str = "qwen2_vl"):
         from epdserve.bench.benchmarks.vllm import Server
 
         secrets = deployment_secrets(log_dir)
-        self.model = cached_vlm("qwen2_vl")
+        self.model = cached_vlm(family)
         self.cluster = LocalCluster(self.model, log_dir=log_dir, env=secrets)
         self.worker = self.cluster.start_encode_worker("worker", transports="shm")
         self.vllm = Server(
@@ -193,6 +193,11 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     running = Stack(str(tmp_path_factory.mktemp("gateway-logs")))
+    yield from stopped_cleanly(running)
+
+
+def stopped_cleanly(running: Stack):
+    """Yields ``running``, then stops it and waits for every segment of its processes to go."""
     try:
         yield running
     finally:
@@ -525,6 +530,54 @@ def test_a_video_and_an_image_through_the_gateway(stack):
     assert [item["encoder"] for item in report] == ["encode_worker"] * 2
     assert [item["delivery"]["state"] for item in report] == ["DONE"] * 2
     assert report[0]["rows"] == 12  # (2, 4, 6) patches / 4
+    assert answer.usage.completion_tokens == MAX_TOKENS
+    other = ask(mp4(25, 64, 96, seed=83))
+    assert other.choices[0].message.content != answer.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def qwen3_stack(tmp_path_factory):
+    """The same deployment serving a tiny Qwen3-VL (rows with DeepStack levels; a prompt that
+    times each temporal patch of a video)."""
+    running = Stack(str(tmp_path_factory.mktemp("gateway-qwen3-logs")), family="qwen3_vl")
+    yield from stopped_cleanly(running)
+
+
+def test_qwen3_vl_images_and_a_video_through_the_gateway(qwen3_stack):
+    """Qwen3-VL behind the gateway: images of two sizes, one repeated, equal vLLM's colocated
+    answer; a video beside an image goes with its grid and its patches' times (the
+    ``timestamps`` vLLM's prompt needs), both delivered by the worker, and another video gives
+    another answer."""
+    stack = qwen3_stack
+    a, b = data_uri(synthetic_image(140, 84, seed=61)), data_uri(synthetic_image(84, 112, seed=62))
+    answer = stack.ask(stack.client, [a, b, a])
+    report = answer.model_extra["epd"]["images"]
+    assert [image["delivery"]["state"] for image in report] == ["DONE"] * 2
+    assert answer.choices[0].message.content == stack.colocated([a, b, a])
+
+    def ask(video: bytes):
+        video_uri = "data:video/mp4;base64," + base64.b64encode(video).decode()
+        return stack.client.chat.completions.create(
+            model=stack.model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "video_url", "video_url": {"url": video_uri}},
+                        {"type": "image_url", "image_url": {"url": b}},
+                        {"type": "text", "text": "Describe the video and the picture."},
+                    ],
+                }
+            ],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+        )
+
+    answer = ask(mp4(25, 64, 96, seed=82))
+    report = answer.model_extra["epd"]["images"]
+    assert [item["encoder"] for item in report] == ["encode_worker"] * 2
+    assert [item["delivery"]["state"] for item in report] == ["DONE"] * 2
+    assert report[0]["rows"] == 18  # (3, 4, 6) patches / 4
     assert answer.usage.completion_tokens == MAX_TOKENS
     other = ask(mp4(25, 64, 96, seed=83))
     assert other.choices[0].message.content != answer.choices[0].message.content

@@ -33,10 +33,14 @@ from epdserve.dispatcher.vllm_request import vllm_request  # noqa: E402
 from epdserve.multimodal.items import Modality  # noqa: E402
 from epdserve.testing.cluster import LocalCluster, free_port  # noqa: E402
 from epdserve.testing.images import synthetic_image  # noqa: E402
+from epdserve.vision.families import FAMILIES  # noqa: E402
 from epdserve.vision.sizing import sampled_indices  # noqa: E402
 from epdserve.vision.video import load_video_processor  # noqa: E402
 from epdserve.vision.vlm_checkpoints import IMAGE_PROMPT, VIDEO_PROMPT, cached_vlm  # noqa: E402
-from epdserve.wire.ec_params import identifier  # noqa: E402
+from epdserve.wire.ec_params import (
+    MODEL_TYPES,  # noqa: E402
+    identifier,  # noqa: E402
+)
 from tests.encode_helpers import mp4  # noqa: E402
 from tests.test_video import transformers_frames  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
@@ -54,7 +58,7 @@ SETTINGS = {
 }
 
 
-def engine_args(model: str, settings: dict | None = None, **extra) -> dict:
+def engine_args(model: str, settings: dict | None = None, dtype: str = "float32", **extra) -> dict:
     config = {
         "ec_connector": "EPDConnector",
         "ec_connector_module_path": "prefill_side.vllm_connector",
@@ -63,7 +67,7 @@ def engine_args(model: str, settings: dict | None = None, **extra) -> dict:
     }
     return dict(
         model=model,
-        dtype="float32",
+        dtype=dtype,
         enforce_eager=True,
         max_model_len=1024,
         max_num_seqs=8,
@@ -112,12 +116,17 @@ class Stack:
     ):
         self.family = family
         self.model = cached_vlm(family)
-        self.cluster = LocalCluster(self.model, log_dir=log_dir)
+        dtype = FAMILIES[family].cpu_dtype
+        self.cluster = LocalCluster(self.model, dtype=dtype, log_dir=log_dir)
         self.workers = {
             name: self.cluster.start_encode_worker(f"worker-{name}", transports=name)
             for name in transports
         }
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM keeps one worker-side EC connector per process, a global it reuses: an engine
+        # started here while another's is still open (pytest closes a module's last stack of one
+        # fixture only at the module's end) would load rows with that one's width and dtype
+        _drop_vllms_worker_connector()
         self.http_port = free_port()
         # vLLM's CPU ranks each bind their OpenMP threads to cores of their own: one core each
         # here (one NUMA node, which vLLM would otherwise refuse to split)
@@ -127,7 +136,9 @@ class Stack:
                 from vllm import LLM
 
                 self.llm = LLM(
-                    **engine_args(self.model, {"http_port": self.http_port, **(settings or {})}),
+                    **engine_args(
+                        self.model, {"http_port": self.http_port, **(settings or {})}, dtype
+                    ),
                     distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
                     tensor_parallel_size=tensor_parallel_size,
                     **engine_extra,
@@ -142,6 +153,7 @@ class Stack:
 
     def close(self) -> None:
         self.engine.engine_core.shutdown()
+        _drop_vllms_worker_connector()
         self.cluster.stop()
 
     def dispatch(self, images: list[bytes], worker) -> list:
@@ -203,6 +215,13 @@ class Stack:
         return stats["leased_slots"] == 0 and stats["quarantined_slots"] == 0
 
 
+def _drop_vllms_worker_connector() -> None:
+    """Shuts down and forgets the worker-side EC connector vLLM holds for this process."""
+    from vllm.distributed.ec_transfer import ensure_ec_transfer_shutdown
+
+    ensure_ec_transfer_shutdown()
+
+
 def scraped(url: str, name: str, labels: dict) -> float:
     """The samples ``name`` whose labels include ``labels`` on ``url``'s /metrics, summed (0 when
     there are none)."""
@@ -251,7 +270,14 @@ def closed_cleanly(running: Stack):
     assert segments_of(pids) == []
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+# The families vLLM's CPU build runs in float32, where the encode worker's rows and vLLM's own
+# tower's agree closely enough for every comparison below; the bfloat16 ones (vLLM's CPU kernels
+# take no other) run the smaller set at the end of this module.
+FLOAT32 = [name for name in MODEL_TYPES if FAMILIES[name].cpu_dtype == "float32"]
+BFLOAT16 = [name for name in MODEL_TYPES if FAMILIES[name].cpu_dtype == "bfloat16"]
+
+
+@pytest.fixture(scope="module", params=FLOAT32)
 def stack(request, tmp_path_factory):
     running = Stack(request.param, str(tmp_path_factory.mktemp(f"logs-{request.param}")))
     with closed_cleanly(running):
@@ -401,9 +427,14 @@ def test_a_video_and_an_image_in_one_request_equal_colocated(stack, transport):
     seed = 71 if transport == "shm" else 75
     video, image = mp4(25, 64, 96, seed=seed), synthetic_image(84, 84, seed=seed + 1)
     items = stack.dispatch([Media(video, Modality.VIDEO), image], stack.workers[transport])
-    # 4 of 25 frames (2 fps, rounded down to temporal pairs), 56x84 after resizing; sampled at
-    # 1.6 fps, so 1.25 s per temporal patch (Qwen2.5-VL's positions take it)
-    assert items[0].grid_thw == (2, 4, 6) and items[0].seconds_per_grid_t == 1.25
+    if FAMILIES[stack.family].video_timestamps:
+        # 5 of 25 frames (2 fps, min 4), the last temporal patch padded with the last frame,
+        # 64x96 (patches of 16); the prompt times each patch (mean of its frames at 10 fps)
+        assert items[0].grid_thw == (3, 4, 6) and items[0].patch_times == (0.3, 1.5, 2.4)
+    else:
+        # 4 of 25 frames (2 fps, rounded down to temporal pairs), 56x84 after resizing; sampled
+        # at 1.6 fps, so 1.25 s per temporal patch (Qwen2.5-VL's positions take it)
+        assert items[0].grid_thw == (2, 4, 6) and items[0].seconds_per_grid_t == 1.25
     prompt = f"Describe {VIDEO_PROMPT} and {IMAGE_PROMPT}."
     before = stack.items("done", transport)
     output = stack.run(*vllm_request(prompt, items, model_type=stack.family))
@@ -423,7 +454,7 @@ def test_a_video_and_an_image_in_one_request_equal_colocated(stack, transport):
         {
             "prompt": prompt,
             "multi_modal_data": {
-                "video": [(frames, metadata) if stack.family == "qwen2_5_vl" else frames],
+                "video": [(frames, metadata) if stack.family != "qwen2_vl" else frames],
                 "image": [Image.open(io.BytesIO(image)).convert("RGB")],
             },
         }
@@ -595,10 +626,39 @@ def test_rows_of_another_model_never_enter_the_engine(stack, tmp_path):
     eventually(stack.pool_idle, "every slot back in the pool", seconds=30)
 
 
+def test_a_worker_of_another_family_is_refused(stack):
+    """An encode worker of another family's checkpoint (Qwen3-VL's rows carry two DeepStack
+    levels, the Qwen2 families' none): the room fails on the fingerprint with the row layout in
+    the reason, nothing is written, and vLLM's own tower encodes the image (same tokens)."""
+    deepstack = "deepstack_visual_indexes" in FAMILIES[stack.family].small_vision_config(128, 2, 64)
+    other = "qwen2_vl" if deepstack else "qwen3_vl"
+    wrong = stack.cluster.start_encode_worker(
+        f"worker-{other}", transports="shm", model=cached_vlm(other)
+    )
+    stack.cluster.wait_ready()
+    image = synthetic_image(112, 112, seed=91)
+    # sized by a dispatcher of the worker's model (one of the engine's is refused at intake: the
+    # two processors grid the image differently)
+    items = dispatch(cached_vlm(other), wrong, [image], f"{other}-{next(stack.ids)}")
+    request, params = vllm_request(
+        prompt_for(1), items, images=[Image.open(io.BytesIO(image)).convert("RGB")]
+    )
+    output = stack.run(request, params)
+    assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(1), [image])
+    (delivery,) = output.ec_transfer_params["items"].values()
+    reason = delivery["reason"]
+    assert delivery["state"] == "FAILED" and "the row layout" in reason, reason
+    assert scraped(wrong.url, "epd_encoder_bytes_total", {}) == 0  # no row written
+    stack.cluster.kill(wrong, signal.SIGTERM)
+    stack.cluster.roles.remove(wrong)
+    eventually(stack.pool_idle, "every slot back in the pool", seconds=30)
+
+
 @pytest.fixture(scope="module")
 def tp_stack(tmp_path_factory):
-    """Qwen2-VL (4 heads, 2 KV heads) on two tensor-parallel ranks, each a process of its own."""
-    running = Stack("qwen2_vl", str(tmp_path_factory.mktemp("logs-tp")), tensor_parallel_size=2)
+    """Qwen3-VL (4 heads, 2 KV heads; rows of the main embedding and two DeepStack levels) on two
+    tensor-parallel ranks, each a process of its own."""
+    running = Stack("qwen3_vl", str(tmp_path_factory.mktemp("logs-tp")), tensor_parallel_size=2)
     with closed_cleanly(running):
         yield running
 
@@ -851,3 +911,99 @@ def test_vllm_request_from_dispatched_items():
         assert data["video_grid_thw"].tolist() == [[2, 4, 6]]
         assert (data["second_per_grid_ts"].tolist() if seconds else None) == seconds
         assert ("second_per_grid_ts" in data) == (seconds is not None)
+
+
+@pytest.fixture(scope="module", params=BFLOAT16)
+def bf16_stack(request, tmp_path_factory):
+    """A family vLLM's CPU build runs in bfloat16 only (Qwen3.5: its Gated DeltaNet kernels), the
+    encode workers too: vLLM's tower and transformers' round differently there, so its answers
+    are compared where the tokens are the same image's (colocated, fallback) or where the small
+    model's greedy tokens do not turn on the last bits of a row (the images below)."""
+    running = Stack(request.param, str(tmp_path_factory.mktemp(f"logs-{request.param}")))
+    with closed_cleanly(running):
+        yield running
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_bfloat16_family_images_equal_colocated(bf16_stack, transport):
+    """Images of two sizes and aspect ratios, one repeated (A, B, A), grids alone, over
+    ``transport``: two rooms, three placeholders, tokens equal the colocated run; another
+    image's rows give other tokens."""
+    stack = bf16_stack
+    a, b = synthetic_image(112, 84, seed=12), synthetic_image(56, 84, seed=32)
+    items = stack.dispatch([a, b], stack.workers[transport])
+    before = stack.items("done", transport)
+    output = stack.run(*vllm_request(prompt_for(3), items, order=[0, 1, 0]))
+    assert list(output.outputs[0].token_ids) == stack.colocated(prompt_for(3), [a, b, a])
+    assert stack.items("done", transport) == before + 2
+    other = stack.dispatch([synthetic_image(112, 84, seed=22)], stack.workers[transport])
+    tokens = list(stack.run(*vllm_request(prompt_for(1), other)).outputs[0].token_ids)
+    assert tokens != stack.colocated(prompt_for(1), [a])
+    eventually(stack.pool_idle, "every slot back in the pool", seconds=10)
+
+
+def test_bfloat16_family_video_equals_colocated(bf16_stack):
+    """An MP4 and an image, grids (and the video's patch times) alone: tokens equal vLLM's
+    colocated run of the same frames and image."""
+    stack = bf16_stack
+    video, image = mp4(25, 64, 96, seed=71), synthetic_image(84, 84, seed=72)
+    items = stack.dispatch([Media(video, Modality.VIDEO), image], stack.workers["shm"])
+    assert items[0].grid_thw == (3, 4, 6) and items[0].patch_times == (0.3, 1.5, 2.4)
+    prompt = f"Describe {VIDEO_PROMPT} and {IMAGE_PROMPT}."
+    output = stack.run(*vllm_request(prompt, items, model_type=stack.family))
+    processor = load_video_processor(stack.model)
+    metadata = {
+        "fps": 10.0,
+        "total_num_frames": 25,
+        "duration": 2.5,
+        "frames_indices": sampled_indices(processor, 25, 10.0),
+        "video_backend": "pyav",
+        "do_sample_frames": False,
+    }
+    frames = transformers_frames(processor, video)
+    colocated = stack.run(
+        {
+            "prompt": prompt,
+            "multi_modal_data": {
+                "video": [(frames, metadata)],
+                "image": [Image.open(io.BytesIO(image)).convert("RGB")],
+            },
+        }
+    )
+    assert list(output.outputs[0].token_ids) == list(colocated.outputs[0].token_ids)
+    eventually(stack.pool_idle, "every slot back in the pool", seconds=10)
+
+
+def test_bfloat16_family_refuses_another_familys_worker_and_falls_back(bf16_stack):
+    """A worker of another family (Qwen3-VL's rows carry DeepStack levels): refused on the
+    fingerprint with the row layout in the reason; vLLM's own tower encodes the image (tokens
+    equal colocated); a worker killed before delivering: the same fallback."""
+    stack = bf16_stack
+    wrong = stack.cluster.start_encode_worker(
+        "worker-qwen3_vl", transports="shm", model=cached_vlm("qwen3_vl"), dtype="bfloat16"
+    )
+    doomed = stack.cluster.start_encode_worker("worker-doomed", transports="shm")
+    stack.cluster.wait_ready()
+    image = synthetic_image(112, 112, seed=91)
+    pil = [Image.open(io.BytesIO(image)).convert("RGB")]
+    colocated = stack.colocated(prompt_for(1), [image])
+    items = dispatch(cached_vlm("qwen3_vl"), wrong, [image], f"qwen3_vl-{next(stack.ids)}")
+    output = stack.run(*vllm_request(prompt_for(1), items, images=pil))
+    assert list(output.outputs[0].token_ids) == colocated
+    (delivery,) = output.ec_transfer_params["items"].values()
+    assert delivery["state"] == "FAILED" and "the row layout" in delivery["reason"]
+    assert scraped(wrong.url, "epd_encoder_bytes_total", {}) == 0
+    image = synthetic_image(84, 112, seed=92)
+    colocated = stack.colocated(prompt_for(1), [image])
+    items = stack.dispatch([image], doomed)
+    doomed.process.send_signal(signal.SIGSTOP)
+    failed = stack.items("failed", "none")
+    output = stack.run(
+        *vllm_request(prompt_for(1), items, images=[Image.open(io.BytesIO(image)).convert("RGB")]),
+        on_first_step=lambda: stack.cluster.kill(doomed),
+    )
+    assert stack.items("failed", "none") == failed + 1
+    assert list(output.outputs[0].token_ids) == colocated
+    stack.cluster.kill(wrong, signal.SIGTERM)
+    stack.cluster.roles.remove(wrong)
+    eventually(stack.pool_idle, "every slot back in the pool", seconds=30)

@@ -2,13 +2,13 @@
 encode worker, every role its own process on this machine.
 
 Starts two encode workers (one writes over same-node SHM, one over Mooncake TCP as if on another
-node), vLLM's OpenAI server on CPU with the EPD connector (a tiny Qwen2-VL-architecture
-checkpoint built on first run and cached), and one `epd-gateway` per worker; then sends chat
-requests with images through the official `openai` client and prints, per request, the text,
-the token ids, whether they equal vLLM's own colocated answer to the same images, and where the
-time went. Then stops every process and checks that no SHM segment is left.
+node), vLLM's OpenAI server on CPU with the EPD connector (a tiny checkpoint of the ``--family``
+architecture, Qwen2-VL by default, built on first run and cached), and one `epd-gateway` per
+worker; then sends chat requests with images through the official `openai` client and prints,
+per request, the text, the token ids, whether they equal vLLM's own colocated answer to the same
+images, and where the time went. Then stops every process and checks that no SHM segment is left.
 
-    python -m epdserve.bench.demo [--model DIR] [--dtype float32]
+    python -m epdserve.bench.demo [--family qwen2_vl | --model DIR] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ its encoder cache and prefills.
 """
 
 
-def default_model() -> str:
+def default_model(family: str) -> str:
     from epdserve.vision.vlm_checkpoints import cached_vlm
 
-    return cached_vlm("qwen2_vl")
+    return cached_vlm(family)
 
 
 def _data_uri(image: bytes, fmt: str) -> str:
@@ -158,15 +158,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m epdserve.bench.demo", description=__doc__.split("\n\n")[0]
     )
+    from epdserve.vision.families import FAMILIES
+    from epdserve.wire.ec_params import MODEL_TYPES
+
     parser.add_argument(
         "--model",
         default=None,
-        help="checkpoint directory of a Qwen2-VL / Qwen2.5-VL model "
-        "(default: a tiny Qwen2-VL-architecture model with a tokenizer, built on first run and "
-        "cached)",
+        help="checkpoint directory of a model the connector takes (docs/models.md; default: a "
+        "tiny model of --family with a tokenizer, built on first run and cached)",
     )
-    parser.add_argument("--dtype", default="float32", help="vLLM's and the encode workers' dtype")
+    parser.add_argument(
+        "--family",
+        default="qwen2_vl",
+        choices=MODEL_TYPES,
+        help="the tiny default model's architecture (docs/models.md)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="vLLM's and the encode workers' dtype (default: the one vLLM's CPU build runs the "
+        "family in: float32, bfloat16 for qwen3_5)",
+    )
     args = parser.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = FAMILIES[args.family].cpu_dtype
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             "equal\nvLLM's own colocated answer to the same images. --model DIR serves a real "
             "checkpoint.\n"
         )
-    model = args.model or default_model()
+    model = args.model or default_model(args.family)
     before = set(glob.glob("/dev/shm/epd-*"))
     log_dir = tempfile.mkdtemp(prefix="epd-demo-")
     cluster = LocalCluster(model, args.dtype, log_dir=log_dir)

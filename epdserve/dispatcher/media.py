@@ -13,7 +13,7 @@ from epdserve.multimodal.items import GRID_KEYS, MultimodalDataItem
 from epdserve.vision.image_files import FormatNotTaken
 from epdserve.vision.image_files import header as image_header
 from epdserve.vision.limits import MAX_PIXELS
-from epdserve.vision.sizing import QWEN_VL, Sizing, sample_and_size
+from epdserve.vision.sizing import QWEN_VL, Sizing, patch_times, sample_and_size
 from epdserve.vision.video import BadVideo, ContainerNotTaken, frame_size, read_header
 from epdserve.wire.addresses import EncodeHandshake
 from epdserve.wire.modality import Modality
@@ -59,6 +59,9 @@ class DispatchedItem:
     # a video's seconds per temporal patch (temporal patch size / the sampled frames' rate), as
     # transformers' Qwen2.5-VL processor computes it (its positions, second_per_grid_ts)
     seconds_per_grid_t: float | None = None
+    # a video's time of each temporal patch (sizing.patch_times), for models whose prompt
+    # states it (Qwen3-VL)
+    patch_times: tuple[float, ...] | None = None
 
     def to_mm_item(self, start: int) -> MultimodalDataItem:
         """The item as a prefill engine holds it: placeholders at ``[start, start + rows)``,
@@ -212,4 +215,5 @@ class MediaSizer:
             image_format="MP4/MOV",
             modality=Modality.VIDEO,
             seconds_per_grid_t=processor.temporal_patch_size / sampled_fps,
+            patch_times=patch_times(indices, header.fps, processor.temporal_patch_size),
         )

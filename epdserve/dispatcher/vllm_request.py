@@ -27,9 +27,9 @@ def vllm_request(
     its metadata where the model needs it), sent along so that vLLM's tower encodes an item whose
     room fails; None sends the patch grids alone (the prefill engine decodes and preprocesses
     nothing; a failed room fails the request). ``model_type``: the served model's
-    (``FAMILIES``: whether a video's seconds per temporal patch go along). ``ValueError`` when an
-    item has no room (the dispatcher could not place it) and no media is sent: nothing could
-    encode it."""
+    (``FAMILIES``: whether a video's seconds per temporal patch, or its patches' times, go
+    along). ``ValueError`` when an item has no room (the dispatcher could not place it) and no
+    media is sent: nothing could encode it."""
     order = list(range(len(items))) if order is None else order
     if images is None and any(item.encode_handshake is None or item.error for item in items):
         raise ValueError(
@@ -56,5 +56,7 @@ def vllm_request(
             data[name]["second_per_grid_ts"] = torch.tensor(
                 [items[i].seconds_per_grid_t for i in placed]
             )
+        if modality is Modality.VIDEO and FAMILIES[model_type].video_timestamps:
+            data[name]["timestamps"] = [torch.tensor(items[i].patch_times) for i in placed]
     request = {"prompt": prompt, "multi_modal_data": data, "multi_modal_uuids": uuids}
     return request, ({"rooms": rooms} if rooms else None)

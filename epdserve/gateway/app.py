@@ -220,6 +220,16 @@ class Gateway:
             and (engine.family.video_seconds)
         )
 
+    @property
+    def video_timestamps(self) -> bool:
+        """Whether the model's prompt states each temporal patch's time (Qwen3-VL, Qwen3.5)."""
+        engine = self.engine
+        return (
+            engine is not None
+            and engine.video_processor is not None
+            and engine.family.video_timestamps
+        )
+
     # ---- one chat request -------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
@@ -272,7 +282,12 @@ class Gateway:
             )
         self._within_limits(refs)
         prepared = PreparedChat(
-            f"gw-{uuid.uuid4().hex}", body, chat.stream, refs, video_seconds=self.video_seconds
+            f"gw-{uuid.uuid4().hex}",
+            body,
+            chat.stream,
+            refs,
+            video_seconds=self.video_seconds,
+            video_timestamps=self.video_timestamps,
         )
         if not refs:
             return prepared

@@ -111,17 +111,20 @@ def media_refs(request: ChatRequest) -> list[MediaRef]:
 class EncodedMedia:
     """An item whose rows the encode workers deliver: the part vLLM gets names it by identifier
     and carries its patch grid (a video's also its seconds per temporal patch, where the model's
-    positions take them)."""
+    positions take them, and each temporal patch's time, where its prompt states them)."""
 
     identifier: str
     grid_thw: tuple[int, int, int]
     kind: str = "image"
     seconds_per_grid_t: float | None = None
+    patch_times: tuple[float, ...] | None = None
 
     def part(self) -> dict:
         embeds: dict = {f"{self.kind}_grid_thw": list(self.grid_thw)}
         if self.seconds_per_grid_t is not None:
             embeds["second_per_grid_ts"] = [self.seconds_per_grid_t]
+        if self.patch_times is not None:
+            embeds["timestamps"] = list(self.patch_times)
         return {
             "type": f"{self.kind}_embeds",
             f"{self.kind}_embeds": embeds,

@@ -30,6 +30,7 @@ class PreparedChat:
     dispatch_s: float = 0.0
     staged_s: float = 0.0  # placed -> every placed item's rows held by its worker
     video_seconds: bool = False  # the model's positions take a video's seconds per patch
+    video_timestamps: bool = False  # the model's prompt states each temporal patch's time
 
     @property
     def placed(self) -> list[DispatchedItem]:
@@ -45,7 +46,8 @@ class PreparedChat:
             if item.worker is not None:
                 key = identifier(item.content_hash)
                 seconds = item.seconds_per_grid_t if self.video_seconds else None
-                media.append(EncodedMedia(key, item.grid_thw, ref.kind, seconds))
+                times = item.patch_times if self.video_timestamps else None
+                media.append(EncodedMedia(key, item.grid_thw, ref.kind, seconds, times))
                 rooms[key] = item.encode_handshake.model_dump()
             else:
                 media.append(InlineMedia.of(ref, item.data, _media_type(item)))

@@ -1,6 +1,9 @@
 """The vision-language families the encode workers serve, one entry each: a new family is one
 ``TowerFamily`` here (its transformers classes, its sizing rules, what its forward derives from
-an item's grid (``vision.grid_inputs``), and the shape of a small test checkpoint).
+an item's grid (``vision.grid_inputs``) and the shape of a small test checkpoint); the ones whose
+rows go through vLLM's EPD connector are also named in ``wire.ec_params.MODEL_TYPES`` (checked
+here). ``docs/models.md`` lists them with every multimodal architecture vLLM registers
+(``vision.vllm_architectures``).
 
 What a family's rows look like follows from its config at load time (``tower.TowerInfo``): the
 output width (``out_hidden_size`` or ``hidden_size``), the DeepStack levels (Qwen3-VL's
@@ -13,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import (
     Qwen2_5_VLConfig,
@@ -22,8 +25,12 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
     Qwen2VLVideoProcessor,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
@@ -31,11 +38,16 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 )
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
 from epdserve.vision.sizing import QWEN_VL, Sizing
+from epdserve.wire.ec_params import MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -53,12 +65,24 @@ class TowerFamily:
     small_video_processor: Callable[[], Qwen2VLVideoProcessor | Qwen3VLVideoProcessor]
     # the model's positions take each video's seconds per temporal patch (second_per_grid_ts)
     video_seconds: bool = False
+    # the prompt gives each temporal patch of a video its time ("<1.2 seconds>" before each
+    # frame's placeholders): a request with the grid alone carries them (sizing.patch_times)
+    video_timestamps: bool = False
     # what its forward derives from the grid besides positions and sequences (vision.grid_inputs):
     # attention windows (Qwen2.5-VL), a learned position table resampled per grid (Qwen3-VL)
     windows: bool = False
     position_table: bool = False
     # an item's patch grid from its sizes, and its rows (the processors' rules)
     sizing: Sizing = QWEN_VL
+    # a small test VLM's text config beyond the shared one (vlm_checkpoints.build_vlm): heads of
+    # 32 and the rope its language model takes
+    small_text: dict = field(default_factory=dict)
+    # the dtype vLLM's CPU build runs its language model in: bfloat16 where its CPU kernels take
+    # no other (Qwen3.5's Gated DeltaNet layers); tests run engine and workers in it
+    cpu_dtype: str = "float32"
+    # the hub's layout of tensors transformers saves in another (name suffix -> the dims to swap),
+    # applied to the small test VLM's checkpoint so vLLM's loader reads it as a real one
+    hub_transposes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _qwen2_image_processor() -> Qwen2VLImageProcessorPil:
@@ -83,6 +107,22 @@ def _qwen2_video_processor() -> Qwen2VLVideoProcessor:
 QWEN3_PATCHES = dict(
     patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3
 )
+
+
+def _qwen3_image_processor() -> Qwen2VLImageProcessorPil:
+    return Qwen2VLImageProcessorPil(
+        **QWEN3_PATCHES, size={"shortest_edge": 65536, "longest_edge": 16777216}
+    )
+
+
+def _qwen3_video_processor() -> Qwen3VLVideoProcessor:
+    return Qwen3VLVideoProcessor(
+        **QWEN3_PATCHES,
+        size={"shortest_edge": 4096, "longest_edge": 4 * 64 * 32 * 32},
+        fps=2.0,
+        cap_pixels_per_frame=False,
+    )
+
 
 FAMILIES: dict[str, TowerFamily] = {
     family.model_type: family
@@ -134,19 +174,105 @@ FAMILIES: dict[str, TowerFamily] = {
                 num_position_embeddings=64,
                 deepstack_visual_indexes=list(range(min(depth, 2))),
             ),
-            lambda: Qwen2VLImageProcessorPil(
-                **QWEN3_PATCHES, size={"shortest_edge": 65536, "longest_edge": 16777216}
-            ),
-            lambda: Qwen3VLVideoProcessor(
-                **QWEN3_PATCHES,
-                size={"shortest_edge": 4096, "longest_edge": 4 * 64 * 32 * 32},
-                fps=2.0,
-                cap_pixels_per_frame=False,
-            ),
+            _qwen3_image_processor,
+            _qwen3_video_processor,
             position_table=True,
+            video_timestamps=True,
+            # Qwen3's attention takes its head size from the config; interleaved mrope
+            small_text=dict(
+                head_dim=32,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 5000000.0,
+                    "mrope_section": [4, 6, 6],
+                    "mrope_interleaved": True,
+                },
+            ),
+        ),
+        TowerFamily(
+            "qwen3_vl_moe",
+            Qwen3VLMoeVisionConfig,
+            Qwen3VLMoeVisionModel,
+            Qwen3VLMoeConfig,
+            Qwen3VLMoeForConditionalGeneration,
+            lambda out_width, depth, width: dict(
+                depth=depth,
+                hidden_size=width,
+                out_hidden_size=out_width,
+                num_heads=2,
+                intermediate_size=2 * width,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=list(range(min(depth, 2))),
+            ),
+            _qwen3_image_processor,
+            _qwen3_video_processor,
+            position_table=True,
+            video_timestamps=True,
+            # the hub stores each layer's fused experts transposed: [experts, in, out]
+            hub_transposes={
+                "experts.gate_up_proj": (1, 2),
+                "experts.down_proj": (1, 2),
+            },
+            # Qwen3-VL's tower; a language model of sparse experts (Qwen3-VL-30B-A3B's layout)
+            small_text=dict(
+                head_dim=32,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=64,
+                decoder_sparse_step=1,
+                norm_topk_prob=True,  # vLLM reads it (Qwen3-VL-30B-A3B's config states it)
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 5000000.0,
+                    "mrope_section": [4, 6, 6],
+                    "mrope_interleaved": True,
+                },
+            ),
+        ),
+        TowerFamily(
+            "qwen3_5",
+            Qwen3_5VisionConfig,
+            Qwen3_5VisionModel,
+            Qwen3_5Config,
+            Qwen3_5ForConditionalGeneration,
+            lambda out_width, depth, width: dict(
+                depth=depth,
+                hidden_size=width,
+                out_hidden_size=out_width,
+                num_heads=2,
+                intermediate_size=2 * width,
+                num_position_embeddings=64,
+            ),
+            _qwen3_image_processor,
+            _qwen3_video_processor,
+            position_table=True,
+            video_timestamps=True,
+            cpu_dtype="bfloat16",
+            # Qwen3.5's language model: Gated DeltaNet (linear attention) layers, then full
+            # attention with a partial, interleaved mrope
+            small_text=dict(
+                head_dim=32,
+                layer_types=["linear_attention", "full_attention"],
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 10000000.0,
+                    "partial_rotary_factor": 0.5,
+                    "mrope_section": [2, 3, 3],
+                    "mrope_interleaved": True,
+                },
+            ),
         ),
     )
 }
+
+
+unknown = set(MODEL_TYPES) - set(FAMILIES)
+if unknown:
+    raise RuntimeError(f"wire.ec_params.MODEL_TYPES names no family {sorted(unknown)}")
 
 
 def family(name: str) -> TowerFamily:

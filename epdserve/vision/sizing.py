@@ -59,6 +59,16 @@ def sampled_indices(processor, frames: int, fps: float) -> list[int]:
     return indices
 
 
+def patch_times(indices: Sequence[int], fps: float, temporal: int) -> tuple[float, ...]:
+    """Each temporal patch's time in seconds, for a video sampled at frame ``indices`` of a
+    ``fps`` stream: the mean of its first and last frame's times, the last patch padded with the
+    last frame (as Qwen3-VL's processors, transformers' and vLLM's, time them)."""
+    padded = list(indices) + [indices[-1]] * (-len(indices) % temporal)
+    return tuple(
+        (padded[i] + padded[i + temporal - 1]) / fps / 2 for i in range(0, len(padded), temporal)
+    )
+
+
 def sample_and_size(
     processor, header: VideoHeader, sizing: Sizing
 ) -> tuple[list[int], tuple[int, int, int]]:

@@ -42,6 +42,7 @@ from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family
 from epdserve.vision.grid_inputs import GridInputs
 from epdserve.vision.images import image_from_bytes, image_from_pixels
 from epdserve.vision.video import load_video_processor
+from epdserve.wire.ec_params import row_shape
 
 log = logging.getLogger(__name__)
 # Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).
@@ -149,8 +150,7 @@ class VisionTower:
         kwargs = processor_kwargs or {}
         processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True, **kwargs)
         video_processor = load_video_processor(directory, kwargs)
-        out_width = getattr(config, "out_hidden_size", None) or config.hidden_size
-        levels = len(getattr(config, "deepstack_visual_indexes", None) or [])
+        out_width, levels = row_shape(config)
         tower_info = TowerInfo(
             family, out_width, levels, config.spatial_merge_size, config.patch_size
         )

@@ -1,13 +1,15 @@
-"""Small full Qwen2-VL / Qwen2.5-VL checkpoints with a tokenizer, built offline, for running vLLM.
+"""Small full checkpoints of each family (``vision.families``) with a tokenizer, built offline, for
+running vLLM.
 
 A vLLM engine needs what a hub checkpoint holds: the model (``config.json`` + safetensors), the
 image and video processor configs and a tokenizer whose special tokens (``<|vision_start|>``,
 ``<|image_pad|>``, ...) carry the ids the config names. ``build_vlm`` writes all of it with the
 real transformers classes (random weights; the tower is ``small_checkpoints.vision_config``'s, so
-rows per image are the production ones) and a byte-level BPE tokenizer trained in memory on a
-fixed text, so two builds with the same arguments are identical. ``cached_vlm`` builds once per
-configuration under ``~/.cache/epd-encode-worker`` (an atomic rename: concurrent builders never
-see half a directory) and returns the directory.
+rows per image are the production ones; the family's text config and hub tensor layout,
+``TowerFamily.small_text`` / ``hub_transposes``) and a byte-level BPE tokenizer trained in
+memory on a fixed text, so two builds with the same arguments are identical. ``cached_vlm``
+builds once per configuration under ``~/.cache/epd-encode-worker`` (an atomic rename: concurrent
+builders never see half a directory) and returns the directory.
 
 The same directory serves the encode worker (``--model``: it reads the ``visual.`` weights and the
 image processor) and vLLM (``LLM(model=...)``), so both place the same rows per image.
@@ -20,12 +22,12 @@ import shutil
 import tempfile
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from epdserve.vision.families import FAMILIES
 from epdserve.vision.small_checkpoints import save_processors, vision_config
-from epdserve.wire.ec_params import MODEL_TYPES
 
 DEFAULT_CACHE = os.path.expanduser("~/.cache/epd-encode-worker")
 # Bump when what build_vlm writes changes, so cached directories of an older layout are not reused.
@@ -126,8 +128,8 @@ def build_vlm(
     """A full ``...ForConditionalGeneration`` checkpoint (float32) with tokenizer, image and
     video processors in ``directory``. ``hidden``: the LLM's width = the tower's output width =
     the width of every embedding row; heads of 32 (vLLM's CPU attention takes that head size)."""
-    if family not in MODEL_TYPES:
-        raise ValueError(f"unknown family {family!r}; expected one of {MODEL_TYPES}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
     if hidden % 64:
         raise ValueError(f"hidden {hidden} must be a multiple of 64 (heads of 32, two KV heads)")
     torch.manual_seed(seed)
@@ -150,6 +152,7 @@ def build_vlm(
             "mrope_section": [4, 6, 6],
         },
     )
+    text.update(FAMILIES[family].small_text)
     config_class, model_class = FAMILIES[family].vlm_config, FAMILIES[family].vlm
     config = config_class(
         vision_config=vision_config(family, out_width=hidden, width=tower_width),
@@ -166,11 +169,13 @@ def build_vlm(
     ):  # wide text weights: greedy tokens then follow the image (at transformers'
         # 0.02 init the tiny LLM answers most images with one repeated token, so equal tokens prove
         # little)
-        for parameter in [*model.model.language_model.parameters(), model.lm_head.weight]:
-            if parameter.dim() == 2:
+        language = model.model.language_model
+        for name, parameter in [*language.named_parameters(), ("lm_head", model.lm_head.weight)]:
+            if parameter.dim() == 2 or ".experts." in name:  # matrices; a MoE layer's experts
                 parameter.normal_(0.0, TEXT_INIT_STD)
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory)
+    _to_hub_layout(directory, FAMILIES[family].hub_transposes)
     GenerationConfig(
         bos_token_id=text["bos_token_id"],
         eos_token_id=text["eos_token_id"],
@@ -180,6 +185,22 @@ def build_vlm(
     save_processors(family, directory)
     build_tokenizer(directory)
     return directory
+
+
+def _to_hub_layout(directory: str, transposes: dict[str, tuple[int, int]]) -> None:
+    """The saved tensors named ``...<suffix>`` transposed as ``transposes`` says, in place."""
+    if not transposes:
+        return
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(directory, name)
+        tensors = load_file(path)
+        for key, tensor in tensors.items():
+            for suffix, dims in transposes.items():
+                if key.endswith(suffix):
+                    tensors[key] = tensor.transpose(*dims).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
 
 
 def cached_vlm(

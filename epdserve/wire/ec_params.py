@@ -11,10 +11,18 @@ from epdserve.wire.rooms import EncodeTimings
 from epdserve.wire.states import ItemState
 
 Identifier = str  # vLLM's multimodal identifier of an item (its multi_modal_uuids value)
-# The architectures whose encoder rows the EPD connector hands vLLM: one [rows, text hidden size]
-# tensor per item, as the encode workers write them, run end to end by the tests (Qwen3-VL's
-# DeepStack rows: not yet).
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# The model types (``vision.families`` entries) whose encoder rows the EPD connector hands vLLM,
+# each run end to end by tests/test_vllm_connector.py; here, below the vision stack, because the
+# connector inside vLLM imports nothing above the prefill wing. A row is ``row_shape`` wide.
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+
+
+def row_shape(vision_config) -> tuple[int, int]:
+    """One row of a tower of ``vision_config`` (a transformers vision config, or vLLM's copy of
+    it): its main width (the LLM's hidden size) and its DeepStack levels, each as wide again,
+    concatenated after it (vLLM's ``embed_multimodal`` layout)."""
+    out_width = getattr(vision_config, "out_hidden_size", None) or vision_config.hidden_size
+    return out_width, len(getattr(vision_config, "deepstack_visual_indexes", None) or [])
 
 
 def identifier(content_hash: int) -> Identifier:

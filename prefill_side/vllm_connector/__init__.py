@@ -51,7 +51,7 @@ from pydantic import ValidationError
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
 
 from epdserve.data_plane.dtypes import dtype_to_wire
-from epdserve.wire.ec_params import MODEL_TYPES
+from epdserve.wire.ec_params import MODEL_TYPES, row_shape
 from prefill_side.vllm_connector.engine_model import engine_description
 from prefill_side.vllm_connector.loads import LoadedMetadata, LoadMetadata
 from prefill_side.vllm_connector.scheduler import SchedulerSide, kv_connector_transfer_engine
@@ -67,17 +67,27 @@ if TYPE_CHECKING:
 __all__ = ["ConnectorSettings", "EPDConnector", "kv_connector_transfer_engine"]
 
 
-def model_row_width(vllm_config: VllmConfig) -> tuple[int, torch.dtype]:
-    """Width and dtype of one encoder row of the served model (what vLLM's encoder cache holds);
-    ``ValueError`` for a model this connector does not support."""
+def model_row_width(vllm_config: VllmConfig) -> tuple[int, int, torch.dtype]:
+    """Width, DeepStack levels and dtype of one encoder row of the served model (what vLLM's
+    encoder cache holds: the main embedding and each DeepStack level as wide again, side by side,
+    as its ``embed_multimodal`` returns them); ``ValueError`` for a model this connector does not
+    support, or a tower whose rows are not the language model's width."""
     model_config = vllm_config.model_config
-    model_type = model_config.hf_config.model_type
+    hf_config = model_config.hf_config
+    model_type = hf_config.model_type
     if model_type not in MODEL_TYPES:
         raise ValueError(
             f"EPDConnector: model type {model_type!r} is not supported (supported: "
-            f"{', '.join(MODEL_TYPES)})"
+            f"{', '.join(MODEL_TYPES)}; docs/models.md)"
         )
-    return model_config.get_hidden_size(), model_config.dtype
+    out_width, levels = row_shape(hf_config.vision_config)
+    hidden = model_config.get_hidden_size()
+    if out_width != hidden:
+        raise ValueError(
+            f"EPDConnector: the tower's rows are {out_width} wide, the language model's hidden "
+            f"size is {hidden}"
+        )
+    return out_width * (1 + levels), levels, model_config.dtype
 
 
 # The project's loggers a connector's work logs to (a request's failure and fallback reasons:
@@ -118,7 +128,7 @@ class EPDConnector(ECConnectorBase):
                 "EPDConnector: context parallelism is not supported (its ranks would load each "
                 "item too, and are not counted); tensor, pipeline and data parallelism are"
             )
-        width, dtype = model_row_width(vllm_config)
+        width, levels, dtype = model_row_width(vllm_config)
         self.width, self.dtype = width, dtype_to_wire(dtype)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config
         try:
@@ -133,7 +143,7 @@ class EPDConnector(ECConnectorBase):
                 self.settings.for_data_parallel_rank(parallel.data_parallel_rank_local or 0),
                 self.width,
                 self.dtype,
-                engine_description(vllm_config, width, deepstack_levels=0),
+                engine_description(vllm_config, width, deepstack_levels=levels),
                 loading_ranks=parallel.tensor_parallel_size,
             )
         else:
