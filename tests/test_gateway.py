@@ -535,10 +535,11 @@ def test_a_video_and_an_image_through_the_gateway(stack):
     assert other.choices[0].message.content != answer.choices[0].message.content
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def qwen3_stack(tmp_path_factory):
     """The same deployment serving a tiny Qwen3-VL (rows with DeepStack levels; a prompt that
-    times each temporal patch of a video)."""
+    times each temporal patch of a video), for its one test: closed after it, not kept beside the
+    module's engine."""
     running = Stack(str(tmp_path_factory.mktemp("gateway-qwen3-logs")), family="qwen3_vl")
     yield from stopped_cleanly(running)
 
