@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     overload.add_argument("--requests", type=int, default=200, help="requests started at once")
     overload.add_argument("--images-per-request", type=int, default=10)
     overload.add_argument(
+        "--waves", type=int, default=2, help="bursts, each once the last has ended"
+    )
+    overload.add_argument(
         "--workers", default="1,2", help="comma-separated encode worker counts, one phase each"
     )
     overload.add_argument("--size", type=int, default=224, help="square image side in pixels")
