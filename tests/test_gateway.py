@@ -24,6 +24,7 @@ from epdserve.dispatcher.workers import WorkerAddress  # noqa: E402
 from epdserve.testing.cluster import HOST, LocalCluster, free_port  # noqa: E402
 from epdserve.testing.images import synthetic_image  # noqa: E402
 from epdserve.vision.vlm_checkpoints import cached_vlm  # noqa: E402
+from tests.busy_worker import BusyWorker  # noqa: E402
 from tests.encode_helpers import mp4, other_weights, webm  # noqa: E402
 from tests.image_server import serving  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
@@ -133,9 +134,18 @@ class Stack:
         self.lonely = self.cluster.start_gateway(
             self.vllm, [nobody], name="gateway-without-workers"
         )
+        # a worker of vLLM's model that refuses every item busy, past the item's deadline
+        self.busy = BusyWorker(
+            "busy: about 40.0 s of work queued ahead, over the 30 s this item may wait",
+            retry_after_s=10.0,
+            fingerprint=_fingerprint(self.model),
+        )
+        self.overflowing = self.cluster.start_gateway(
+            self.vllm, [self.busy.address], name="gateway-of-busy-workers"
+        )
         self.cluster.wait_ready()
         eventually(self.vllm.healthy, "the vLLM server answering /health", seconds=300)
-        for gateway in (self.gateway, self.retrying, self.lonely):
+        for gateway in (self.gateway, self.retrying, self.lonely, self.overflowing):
             eventually(lambda: knows_the_engine(gateway), f"{gateway.name} reading vLLM's engine")
         from epdserve.bench.benchmarks.vllm import descendants
 
@@ -161,6 +171,7 @@ class Stack:
         self.direct.close()
         self.vllm.stop()
         codes = self.cluster.stop()
+        self.busy.stop()
         assert codes == {name: 0 for name in codes}, codes
         return pids
 
@@ -184,6 +195,14 @@ class Stack:
     def colocated(self, urls: list[str]) -> str:
         """vLLM's own answer (its tower on the images), without the gateway."""
         return self.ask(self.direct, urls).choices[0].message.content
+
+
+def _fingerprint(model: str):
+    """The fingerprint of ``model``'s tower, as its encode workers say it."""
+    from epdserve.vision.fingerprint import tower_fingerprint
+    from epdserve.vision.tower import VisionTower
+
+    return tower_fingerprint(VisionTower.load(model))
 
 
 @pytest.fixture(scope="module")
@@ -440,6 +459,33 @@ def test_no_healthy_worker_falls_back_to_colocated(stack):
         )
         == 1
     )
+
+
+def test_images_the_busy_workers_cannot_take_in_time_are_encoded_by_vllm_inline(stack):
+    """Every worker refuses the image busy, past its deadline: it overflows to vLLM's own tower
+    (within --max-inline-patches) instead of a 503, streamed or not; the answers equal
+    colocated, the report says why, the placements are counted, and the inline patches are
+    released once vLLM is past the prefill."""
+    url = stack.overflowing.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+    image = data_uri(synthetic_image(112, 84, seed=91))
+    try:
+        answer = stack.ask(client, [image])
+        chunks = list(stack.ask(client, [image], stream=True))
+    finally:
+        client.close()
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    for (report,) in (answer.model_extra["epd"]["images"], chunks[-1].model_extra["epd"]["images"]):
+        assert report["encoder"] == "colocated" and report["reason"] == "workers_busy"
+        assert "the encode workers are busy (" in report["error"]
+    assert answer.choices[0].message.content == streamed == stack.colocated([image])
+    assert metric(url, "epd_gateway_placements_total", route="vllm", reason="workers_busy") == 2
+    assert metric(url, "epd_gateway_requests_total", outcome="ok") == 2
+    assert metric(url, "epd_gateway_inline_patches") == 0
+    # the image's patches: its rows times the 2x2 merge
+    assert metric(url, "epd_gateway_inline_patches_peak") == report["rows"] * 4
+    # the second request's image was not sent: the worker is busy for its retry-after
+    assert stack.busy.items == 1 and stack.busy.table.live_rooms == 0
 
 
 def test_an_image_in_a_format_workers_do_not_decode_is_encoded_by_vllm(stack):

@@ -522,12 +522,14 @@ def test_bodies_being_received_are_bounded_in_bytes(tmp_path, engine_url):
         assert gateway.reading.held == 0
 
 
-def test_a_request_the_busy_encode_workers_cannot_take_in_time_is_refused_with_retry_after(
-    tmp_path, engine
+@pytest.mark.parametrize("max_inline_patches", [0, 10**6])
+def test_images_the_busy_encode_workers_cannot_take_in_time_overflow_within_the_inline_cap(
+    tmp_path, engine, max_inline_patches
 ):
-    """Every worker refuses the image as busy past its deadline: the request is refused (503,
-    Retry-After from the worker's), not sent to vLLM inline (vLLM being unreachable, a 502 would
-    mean it was), and no room is left behind."""
+    """Every worker refuses the image as busy past its deadline. Under --max-inline-patches it
+    goes to vLLM inline (vLLM being unreachable, the answer is the 502 that says it was sent) and
+    its patches are released once the call ended; past it (0: never) the request is refused (503,
+    Retry-After from the worker's), not sent to vLLM. Either way counted, no room left behind."""
 
     busy = BusyWorker(
         "busy: about 40.0 s of work queued ahead",
@@ -535,7 +537,12 @@ def test_a_request_the_busy_encode_workers_cannot_take_in_time_is_refused_with_r
         fingerprint=engine.description.fingerprint,
     )
     try:
-        gateway = gateway_in_process(str(tmp_path), engine.url, workers=(busy.address,))
+        gateway = gateway_in_process(
+            str(tmp_path),
+            engine.url,
+            workers=(busy.address,),
+            max_inline_patches=max_inline_patches,
+        )
         with serving_in_process(gateway) as client:
             image = base64.b64encode(synthetic_image(64, 64, 1)).decode()
             content = [
@@ -546,12 +553,29 @@ def test_a_request_the_busy_encode_workers_cannot_take_in_time_is_refused_with_r
                 "/v1/chat/completions",
                 json={"model": "m", "messages": [{"role": "user", "content": content}]},
             )
-        assert answer.status_code == 503, answer.text
-        assert answer.headers["retry-after"] == "20"
-        assert "the encode workers are busy" in answer.json()["error"]["message"]
+            metrics = client.get("/metrics").text
+        if max_inline_patches:
+            assert answer.status_code == 502, answer.text  # vLLM's: it was sent inline
+            assert 'route="vllm"' in _series(metrics, "epd_gateway_placements_total", "1.0")
+            assert gateway.inline.patches == 0 and gateway.inline.peak == 16  # 64x64: 4x4
+        else:
+            assert answer.status_code == 503, answer.text
+            assert answer.headers["retry-after"] == "20"
+            message = answer.json()["error"]["message"]
+            assert "the encode workers are busy" in message and "--max-inline-patches 0" in message
+            refused = _series(metrics, "epd_gateway_placements_total", "1.0")
+            assert 'route="refused"' in refused and 'reason="inline_full"' in refused
+            assert gateway.inline.peak == 0
         assert busy.items == 1 and busy.table.live_rooms == 0
     finally:
         busy.stop()
+
+
+def _series(metrics: str, name: str, value: str) -> str:
+    """The one series of ``name`` in the exposition ``metrics`` (which has that ``value``)."""
+    (line,) = [line for line in metrics.splitlines() if line.startswith(name + "{")]
+    assert line.endswith(" " + value), line
+    return line
 
 
 def test_an_image_in_a_format_workers_do_not_decode_goes_to_vllm_within_the_same_limits(

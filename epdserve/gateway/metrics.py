@@ -1,5 +1,6 @@
 """The gateway's Prometheus families, each labelled ``model_name``: requests by outcome, images by
-encoder, colocated fallbacks by reason, dispatch time, time to first token, requests in flight,
+encoder, colocated fallbacks by reason, placements by route and reason, the patches vLLM encodes
+inline, dispatch time, time to first token, requests in flight,
 encode workers by state (an incompatible one serves another model than vLLM's)."""
 
 from __future__ import annotations
@@ -29,6 +30,26 @@ class GatewayMetrics:
             "epd_gateway_colocated_fallbacks",
             "Images sent to vLLM inline instead of an encode worker, by reason",
             labels + ["reason"],
+            registry=self.registry,
+        )
+        self.placements = Counter(
+            "epd_gateway_placements",
+            "Images and videos by where they were encoded (route: encode_worker, vllm, refused) "
+            "and why (gateway.placement.Reason)",
+            labels + ["route", "reason"],
+            registry=self.registry,
+        )
+        self.inline_patches = Gauge(
+            "epd_gateway_inline_patches",
+            "Tower patches of the images vLLM encodes inline now (requests before their first "
+            "token); overflow of busy encode workers stays under --max-inline-patches",
+            labels,
+            registry=self.registry,
+        )
+        self.inline_patches_peak = Gauge(
+            "epd_gateway_inline_patches_peak",
+            "The most tower patches vLLM encoded inline at once since the gateway started",
+            labels,
             registry=self.registry,
         )
         self.dispatch = Histogram(
@@ -67,6 +88,13 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.model_name = model_name
+
+    def placed(self, route: str, reason: str) -> None:
+        self.placements.labels(self.model_name, route, reason).inc()
+
+    def inline_now(self, patches: int, peak: int) -> None:
+        self.inline_patches.labels(self.model_name).set(patches)
+        self.inline_patches_peak.labels(self.model_name).set(peak)
 
     def workers_now(self, states: dict[str, int]) -> None:
         for state, count in states.items():

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from epdserve.dispatcher.media import DispatchedItem
 from epdserve.gateway.chat import EncodedMedia, InlineMedia, MediaRef, rewrite
+from epdserve.gateway.placement import Reason
 from epdserve.wire.ec_params import DeliveryReport, ItemDelivery, identifier
 from epdserve.wire.modality import Modality
 
@@ -30,6 +31,8 @@ class PreparedChat:
     dispatch_s: float = 0.0
     staged_s: float = 0.0  # placed -> every placed item's rows held by its worker
     video_seconds: bool = False  # the model's positions take a video's seconds per patch
+    reasons: dict[int, Reason] = field(default_factory=dict)  # why each item went where it did
+    inline_patches: int = 0  # of the items vLLM encodes inline, held in the gateway's budget
 
     @property
     def placed(self) -> list[DispatchedItem]:
@@ -59,6 +62,7 @@ class PreparedChat:
                 ImageReport(
                     identifier=key,
                     encoder="encode_worker" if item.worker else "colocated",
+                    reason=self.reasons.get(item.index),
                     worker=item.worker,
                     rows=item.rows,
                     error=item.error,
@@ -79,6 +83,7 @@ class ImageReport(BaseModel):
 
     identifier: str  # its content hash, vLLM's identifier of the item
     encoder: Literal["encode_worker", "colocated"]
+    reason: Reason | None = None  # why there (gateway.placement.Reason)
     worker: str | None  # the encode worker that took it
     rows: int
     error: str | None  # why it went to vLLM inline instead

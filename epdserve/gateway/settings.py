@@ -131,6 +131,12 @@ class GatewaySettings(EncodeWorkerTargets, ClosedListener):
         "at most this; 0: at once), so that vLLM waits for a write, not an encode; rooms at the "
         "workers only (not with --rooms-url)",
     )
+    max_inline_patches: NonNegativeInt = Field(
+        16384,
+        description="tower patches vLLM encodes inline at once for images the busy encode "
+        "workers would keep past their deadline (overflow); past it such a request gets 503 and "
+        "Retry-After (0: never overflow)",
+    )
     retry_colocated: bool = Field(
         True,
         description="when a request's encode-worker images fail inside vLLM, "
