@@ -26,6 +26,7 @@ from epdserve.gateway.chat import (
     rewrite,
 )
 from epdserve.gateway.media import MediaError, MediaFetcher
+from epdserve.process_settings import SettingError
 from epdserve.testing.cluster import HOST, free_port
 from epdserve.testing.images import synthetic_image
 from tests.busy_worker import BusyWorker
@@ -569,6 +570,54 @@ def test_images_the_busy_encode_workers_cannot_take_in_time_overflow_within_the_
         assert busy.items == 1 and busy.table.live_rooms == 0
     finally:
         busy.stop()
+
+
+def test_placement_min_items_sends_requests_of_fewer_images_to_vllm_whole(tmp_path, engine):
+    """--placement min-items=2 (SGLang's rule): a one-image request goes to vLLM inline without a
+    word to the workers (vLLM being unreachable, the 502 says it was sent), counted as few_items;
+    a two-image request goes to the workers (here busy: it overflows)."""
+    busy = BusyWorker(
+        "busy: about 40.0 s of work queued ahead",
+        retry_after_s=19.2,  # past the intake timeout: not tried again
+        fingerprint=engine.description.fingerprint,
+    )
+    try:
+        gateway = gateway_in_process(
+            str(tmp_path), engine.url, workers=(busy.address,), placement="min-items=2"
+        )
+        with serving_in_process(gateway) as client:
+
+            def ask(seeds):
+                content = [
+                    {
+                        "type": "image_url",
+                        "image_url": {
+                            "url": "data:image/png;base64,"
+                            + base64.b64encode(synthetic_image(64, 64, seed)).decode()
+                        },
+                    }
+                    for seed in seeds
+                ]
+                return client.post(
+                    "/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": content}]},
+                )
+
+            assert ask([1]).status_code == 502
+            assert busy.items == 0
+            few = _series(client.get("/metrics").text, "epd_gateway_placements_total", "1.0")
+            assert 'route="vllm"' in few and 'reason="few_items"' in few
+            assert ask([2, 3]).status_code == 502
+            assert busy.items == 2
+        assert gateway.inline.patches == 0
+    finally:
+        busy.stop()
+
+
+@pytest.mark.parametrize("placement", ["min-items=0", "cost", "min-items=x", "min-items=1000"])
+def test_placement_outside_its_forms_is_refused(tmp_path, engine_url, placement):
+    with pytest.raises((SettingError, ValueError)):
+        gateway_in_process(str(tmp_path), engine_url, placement=placement)
 
 
 def _series(metrics: str, name: str, value: str) -> str:

@@ -55,7 +55,7 @@ from epdserve.gateway.engine import EngineMismatch, EngineModel, EngineUnreadabl
 from epdserve.gateway.errors import OpenAIError, UpstreamRefusal
 from epdserve.gateway.media import MediaError, MediaFetcher
 from epdserve.gateway.metrics import GatewayMetrics
-from epdserve.gateway.placement import InlineBudget, Reason, Route, busy, patches
+from epdserve.gateway.placement import InlineBudget, Reason, Route, busy, min_items, patches
 from epdserve.gateway.prepared import PreparedChat
 from epdserve.gateway.settings import GatewaySettings
 from epdserve.gateway.upstream import (
@@ -297,7 +297,11 @@ class Gateway:
                 [refs[prepared.of_ref.index(i)].param for i in range(len(distinct))],
                 vllm_decodes=True,
             )
-            await self.dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
+            if len(prepared.items) < min_items(self.settings.placement):
+                for item in prepared.items:  # vLLM encodes them: nothing is sent to the workers
+                    self._inline(prepared, item, Reason.FEW_ITEMS)
+            else:
+                await self.dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
         except DispatchError as exc:
             raise OpenAIError(400, str(exc)) from None
         prepared.dispatch_s = time.monotonic() - started

@@ -4,12 +4,14 @@ there past its deadline) overflows inline while vLLM's tower has room under ``--
 patches`` (``InlineBudget``: the patches of the images vLLM encodes inline at once, so a burst
 does not move the whole encode load onto the prefill GPU), and is refused (503) past it. Every
 decision is counted by route and reason (``epd_gateway_placements_total{route,reason}``) and said
-in the answer's ``epd`` report."""
+in the answer's ``epd`` report. ``--placement min-items=N`` (SGLang's static rule) sends a request
+of fewer than N distinct images to vLLM inline whole."""
 
 from __future__ import annotations
 
 import enum
 import math
+import re
 
 from epdserve.dispatcher.media import DispatchedItem
 
@@ -22,6 +24,7 @@ class Route(str, enum.Enum):
 
 class Reason(str, enum.Enum):
     PLACED = "placed"  # an encode worker took it
+    FEW_ITEMS = "few_items"  # --placement min-items=N: a request of fewer images
     WORKERS_BUSY = "workers_busy"  # every worker would keep it past its deadline: overflow
     INLINE_FULL = "inline_full"  # ... and vLLM encodes --max-inline-patches inline already
     FORMAT = "format"  # a format no worker decodes
@@ -30,6 +33,17 @@ class Reason(str, enum.Enum):
     DISPATCH_FAILED = "dispatch_failed"  # the workers tried refused it (not busy) or failed
     ENCODE_FAILED = "encode_failed"  # its worker failed it after taking it
     DELIVERY_FAILED = "delivery_failed"  # its delivery failed inside vLLM (retried inline)
+
+
+# --placement: ``workers`` (every image an encode worker takes), or SGLang's static rule
+# ``min-items=N`` (a request of fewer than N distinct images is encoded by vLLM inline)
+PLACEMENT_PATTERN = r"^(workers|min-items=[1-9][0-9]{0,2})$"
+
+
+def min_items(placement: str) -> int:
+    """The fewest distinct images a request needs for them to go to the encode workers."""
+    match = re.fullmatch(r"min-items=(\d+)", placement)
+    return int(match.group(1)) if match else 1
 
 
 def patches(item: DispatchedItem) -> int:

@@ -10,6 +10,7 @@ from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import CliSuppress, NoDecode, SettingsConfigDict
 
 from epdserve.dispatcher.settings import EncodeWorkerTargets, HttpUrl
+from epdserve.gateway.placement import PLACEMENT_PATTERN
 from epdserve.process_settings import (
     ByteSize,
     NonNegativeInt,
@@ -130,6 +131,13 @@ class GatewaySettings(EncodeWorkerTargets, ClosedListener):
         description="forward a request once its encode workers hold its items' rows (waiting "
         "at most this; 0: at once), so that vLLM waits for a write, not an encode; rooms at the "
         "workers only (not with --rooms-url)",
+    )
+    placement: str = Field(
+        "workers",
+        pattern=PLACEMENT_PATTERN,
+        description="where images are encoded: workers (on the encode workers whenever one "
+        "takes them), or min-items=N (a request of fewer than N distinct images is encoded by "
+        "vLLM inline, SGLang's adaptive dispatch rule)",
     )
     max_inline_patches: NonNegativeInt = Field(
         16384,
