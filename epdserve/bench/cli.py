@@ -198,6 +198,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=3, help="interleaved rounds (median per path and size)"
     )
     gateway.add_argument("--max-tokens", type=int, default=4)
+    gateway.add_argument(
+        "--scenario",
+        choices=("latency", "burst"),
+        default="latency",
+        help="latency: added TTFT per path; burst: more than the encode tier takes in time, "
+        "refused (--max-inline-patches 0) against overflowed to vLLM inline",
+    )
+    gateway.add_argument(
+        "--burst-requests", type=int, default=24, help="burst: requests at once per gateway"
+    )
+    gateway.add_argument("--images", type=int, default=4, help="burst: images per request")
+    gateway.add_argument("--size", type=int, default=224, help="burst: square image side")
+    gateway.add_argument(
+        "--queue-items", type=int, default=16, help="burst: the encode worker's queue"
+    )
+    gateway.add_argument(
+        "--pause-s", type=float, default=3.0, help="burst: idle time after each burst"
+    )
     gateway.add_argument("--json", default=None)
     coalesce = sub.add_parser(
         "coalesce",
@@ -360,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return vllm.main(args)
     if args.command == "gateway":
+        if args.scenario == "burst":
+            from epdserve.bench.benchmarks import gateway_burst
+
+            args.requests = args.burst_requests
+            return gateway_burst.main(args)
         from epdserve.bench.benchmarks import gateway
 
         return gateway.main(args)
