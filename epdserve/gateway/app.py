@@ -246,6 +246,9 @@ class Gateway:
             if limit is not None and not limit.admit(request.scope):
                 return limit.refusal()
             prepared = await self._prepare(body, chat)
+            # the request's end releases its inline patches at the latest, even where its stream
+            # never started (the client gone before its first byte)
+            request.scope[InFlightLimit.ON_END] = lambda: self._release_inline(prepared)
         except OpenAIError as exc:
             self.metrics.count("overloaded" if exc.kind == "overloaded" else "refused")
             return exc.response()
@@ -606,10 +609,12 @@ class InFlightLimit:
     """ASGI middleware: at most ``max_in_flight`` chat requests at once, counted from the moment
     a request's body is in (``Gateway.chat`` admits it then: a slow upload holds no place) to
     the last byte of the answer (a stream included); one more is refused at once with 503 and
-    ``Retry-After``."""
+    ``Retry-After``. A request's end, however it ends, also calls what the gateway left in its
+    scope at ``ON_END``."""
 
     SCOPE_KEY = "epd.in_flight"  # the limit, in a chat request's ASGI scope
     ADMITTED = "epd.admitted"
+    ON_END = "epd.on_end"  # called once the request has ended (its answer sent, or not)
 
     def __init__(self, app, gateway: Gateway):
         self.app, self.gateway = app, gateway
@@ -623,6 +628,9 @@ class InFlightLimit:
         try:
             await self.app(scope, receive, send)
         finally:
+            on_end = scope.get(self.ON_END)
+            if on_end is not None:
+                on_end()
             if scope.get(self.ADMITTED):
                 self.count -= 1
                 self.gauge.dec()
