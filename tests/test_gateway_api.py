@@ -614,7 +614,7 @@ def test_placement_min_items_sends_requests_of_fewer_images_to_vllm_whole(tmp_pa
         busy.stop()
 
 
-@pytest.mark.parametrize("placement", ["min-items=0", "cost", "min-items=x", "min-items=1000"])
+@pytest.mark.parametrize("placement", ["min-items=0", "costs", "min-items=x", "min-items=1000"])
 def test_placement_outside_its_forms_is_refused(tmp_path, engine_url, placement):
     with pytest.raises((SettingError, ValueError)):
         gateway_in_process(str(tmp_path), engine_url, placement=placement)

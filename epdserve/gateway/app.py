@@ -55,7 +55,16 @@ from epdserve.gateway.engine import EngineMismatch, EngineModel, EngineUnreadabl
 from epdserve.gateway.errors import OpenAIError, UpstreamRefusal
 from epdserve.gateway.media import MediaError, MediaFetcher
 from epdserve.gateway.metrics import GatewayMetrics
-from epdserve.gateway.placement import InlineBudget, Reason, Route, busy, min_items, patches
+from epdserve.gateway.placement import (
+    COST,
+    InlineBudget,
+    PlacementCosts,
+    Reason,
+    Route,
+    busy,
+    min_items,
+    patches,
+)
 from epdserve.gateway.prepared import PreparedChat
 from epdserve.gateway.settings import GatewaySettings
 from epdserve.gateway.upstream import (
@@ -104,6 +113,7 @@ class Gateway:
         )
         self.metrics = GatewayMetrics(settings.served_model_name, registry)
         self.inline = InlineBudget(settings.max_inline_patches)
+        self.costs = PlacementCosts()
         self.upstream = Upstream(
             settings.vllm_url, settings.request_timeout_s, settings.vllm_api_key
         )
@@ -303,7 +313,7 @@ class Gateway:
             if len(prepared.items) < min_items(self.settings.placement):
                 for item in prepared.items:  # vLLM encodes them: nothing is sent to the workers
                     self._inline(prepared, item, Reason.FEW_ITEMS)
-            else:
+            elif not self._decided_inline(prepared):
                 await self.dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
         except DispatchError as exc:
             raise OpenAIError(400, str(exc)) from None
@@ -313,7 +323,9 @@ class Gateway:
         states = self.workers.states()
         for item in prepared.items:
             if item.worker is not None:
-                self._placed(prepared, item, Route.ENCODE_WORKER, Reason.PLACED)
+                decided = prepared.prediction
+                reason = decided.reason if decided is not None else Reason.PLACED
+                self._placed(prepared, item, Route.ENCODE_WORKER, reason)
             elif item.index not in prepared.reasons:  # (overflow is decided already)
                 reason = (
                     Reason.FORMAT
@@ -326,6 +338,43 @@ class Gateway:
                 )
                 self._inline(prepared, item, reason)
         return prepared
+
+    def _decided_inline(self, prepared: PreparedChat) -> bool:
+        """``--placement cost``: whether the request's images go to vLLM inline, predicted
+        sooner there (or probed), then counted; the prediction kept for its report and for its
+        error once the first token came."""
+        if self.settings.placement != COST:
+            return False
+        encodable = [item for item in prepared.items if not item.encoded_by_vllm]
+        if not encodable:
+            return False
+        prepared.prediction = self.costs.decide(
+            sum(patches(item) for item in encodable), self.inline.patches
+        )
+        if prepared.prediction.route is not Route.VLLM:
+            return False
+        for item in encodable:
+            self._inline(prepared, item, prepared.prediction.reason)
+        return True
+
+    def _first_token(self, prepared: PreparedChat, started: float) -> None:
+        """The request's first token (or answer) came: its time counted, and learned as its
+        route's cost where all its images took one route."""
+        seconds = time.monotonic() - started
+        self.metrics.first_token.labels(self.metrics.model_name).observe(seconds)
+        if not prepared.items:
+            return
+        placed = len(prepared.placed)
+        if 0 < placed < len(prepared.items):
+            return  # both routes: the time is neither's
+        route = Route.ENCODE_WORKER if placed else Route.VLLM
+        self.costs.observe(route, sum(patches(item) for item in prepared.items), seconds)
+        self.metrics.costs_now(self.costs.costs())
+        prediction = prepared.prediction
+        if prediction is not None and prediction.route is route and prediction.taken_s > 0:
+            self.metrics.prediction_error.labels(self.metrics.model_name, route.value).observe(
+                seconds / prediction.taken_s
+            )
 
     def _overflow(self, prepared: PreparedChat) -> None:
         """The items every worker refused as busy (their wait there past their deadline) go to
@@ -443,7 +492,7 @@ class Gateway:
             payload = call.result()
         except (OpenAIError, UpstreamRefusal) as exc:
             return self._upstream_failed(prepared, exc)
-        self.metrics.first_token.labels(self.metrics.model_name).observe(time.monotonic() - started)
+        self._first_token(prepared, started)
         self.metrics.count("ok")
         return Response(payload, media_type="application/json")
 
@@ -574,9 +623,7 @@ class Gateway:
                 if waiting_first and first_token_or_error(event) == "token":
                     waiting_first = False
                     self._release_inline(prepared)
-                    self.metrics.first_token.labels(self.metrics.model_name).observe(
-                        time.monotonic() - started
-                    )
+                    self._first_token(prepared, started)
                 yield event
             outcome = "ok"
         except (

@@ -136,8 +136,9 @@ class GatewaySettings(EncodeWorkerTargets, ClosedListener):
         "workers",
         pattern=PLACEMENT_PATTERN,
         description="where images are encoded: workers (on the encode workers whenever one "
-        "takes them), or min-items=N (a request of fewer than N distinct images is encoded by "
-        "vLLM inline, SGLang's adaptive dispatch rule)",
+        "takes them), cost (by the route whose time to first token, learned from the recent "
+        "requests, is predicted sooner), or min-items=N (a request of fewer than N distinct "
+        "images is encoded by vLLM inline, SGLang's adaptive dispatch rule)",
     )
     max_inline_patches: NonNegativeInt = Field(
         16384,
