@@ -27,6 +27,7 @@ from epdserve.vision.vlm_checkpoints import cached_vlm  # noqa: E402
 from tests.busy_worker import BusyWorker  # noqa: E402
 from tests.encode_helpers import mp4, other_weights, webm  # noqa: E402
 from tests.image_server import serving  # noqa: E402
+from tests.slow_worker import DELAY_FILE  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
 MAX_TOKENS = 8
@@ -143,9 +144,24 @@ class Stack:
         self.overflowing = self.cluster.start_gateway(
             self.vllm, [self.busy.address], name="gateway-of-busy-workers"
         )
+        # a worker a test slows at once (its tower sleeps the seconds in ``delay_file``), behind
+        # a gateway that places by cost
+        self.delay_file = os.path.join(log_dir, "tower-delay-s")
+        self.slowed = self.cluster.start_encode_worker(
+            "worker-slowed",
+            transports="shm",
+            module="tests.slow_worker",
+            env={DELAY_FILE: self.delay_file},
+        )
+        self.costed = self.cluster.start_gateway(
+            self.vllm,
+            [self.slowed.worker],
+            name="gateway-by-cost",
+            extra=("--placement", "cost"),
+        )
         self.cluster.wait_ready()
         eventually(self.vllm.healthy, "the vLLM server answering /health", seconds=300)
-        for gateway in (self.gateway, self.retrying, self.lonely, self.overflowing):
+        for gateway in (self.gateway, self.retrying, self.lonely, self.overflowing, self.costed):
             eventually(lambda: knows_the_engine(gateway), f"{gateway.name} reading vLLM's engine")
         from epdserve.bench.benchmarks.vllm import descendants
 
@@ -486,6 +502,54 @@ def test_images_the_busy_workers_cannot_take_in_time_are_encoded_by_vllm_inline(
     assert metric(url, "epd_gateway_inline_patches_peak") == report["rows"] * 4
     # the second request's image was not sent: the worker is busy for its retry-after
     assert stack.busy.items == 1 and stack.busy.table.live_rooms == 0
+
+
+@pytest.mark.vllm
+def test_placement_by_cost_keeps_idle_workers_and_leaves_a_slowed_one_for_vllm(stack):
+    """--placement cost: with its worker idle, images go to it (predicted sooner than vLLM's
+    tower, whose prior is slow); once the worker's tower is slowed (a test fault), its measured
+    cost grows and within a few requests images go to vLLM's own tower. Every answer equals
+    colocated; the report carries both predictions; the learned costs and the prediction errors
+    are exported."""
+    url = stack.costed.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+
+    def placed(seed: int) -> dict:
+        image = data_uri(synthetic_image(112, 84, seed=seed))
+        answer = stack.ask(client, [image])
+        assert answer.choices[0].message.content == stack.colocated([image])
+        (report,) = answer.model_extra["epd"]["images"]
+        assert report["predicted_encode_worker_ms"] > 0 and report["predicted_vllm_ms"] > 0
+        return report
+
+    try:
+        for seed in (201, 202):
+            report = placed(seed)
+            assert report["encoder"] == "encode_worker" and report["reason"] == "sooner", report
+            assert report["predicted_encode_worker_ms"] < report["predicted_vllm_ms"], report
+        with open(stack.delay_file, "w") as file:
+            file.write("6")
+        routes = []
+        for seed in range(210, 216):  # the slowed worker's cost is learned in a few requests
+            report = placed(seed)
+            routes.append(report["encoder"])
+            if report["encoder"] == "colocated":
+                break
+        assert routes[-1] == "colocated", f"still sent to the slowed worker: {routes}"
+        assert report["reason"] == "sooner", report
+        assert report["predicted_vllm_ms"] < report["predicted_encode_worker_ms"], report
+    finally:
+        with open(stack.delay_file, "w") as file:
+            file.write("0")
+        client.close()
+    assert metric(url, "epd_gateway_placements_total", route="vllm", reason="sooner") == 1
+    assert metric(
+        url, "epd_gateway_placement_cost_seconds", route="encode_worker", size_class="1024"
+    ) > metric(url, "epd_gateway_placement_cost_seconds", route="vllm", size_class="1024")
+    assert (
+        metric(url, "epd_gateway_placement_prediction_error_ratio_count", route="encode_worker")
+        == 2 + len(routes) - 1
+    )
 
 
 def test_an_image_in_a_format_workers_do_not_decode_is_encoded_by_vllm(stack):
