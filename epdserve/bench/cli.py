@@ -206,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
         "refused (--max-inline-patches 0) against overflowed to vLLM inline",
     )
     gateway.add_argument(
+        "--compare",
+        choices=("inline-cap", "placement"),
+        default="inline-cap",
+        help="burst: refused against overflowed (inline-cap), or --placement workers against "
+        "cost (placement)",
+    )
+    gateway.add_argument(
         "--burst-requests", type=int, default=24, help="burst: requests at once per gateway"
     )
     gateway.add_argument("--images", type=int, default=4, help="burst: images per request")

@@ -1,12 +1,15 @@
 """`epd-bench gateway --scenario burst`: a burst the encode tier cannot take in time, refused (503)
-against overflowed to vLLM's own tower within `--max-inline-patches`.
+against overflowed to vLLM's own tower within `--max-inline-patches` (``--compare inline-cap``),
+or placed by ``--placement workers`` against ``cost`` (``--compare placement``).
 
 One vLLM OpenAI server (with the EPD connector), one encode worker whose queue holds
 ``queue_items`` items (more are refused busy: queue full), and two gateways in front of it that
-differ only in ``--max-inline-patches``: ``refuse`` (0: a request with an image the busy workers
-refused is refused, 503) and ``overflow`` (the default cap: such images go to vLLM inline). Per
-round, each gateway gets the same burst (``requests`` streaming requests of ``images`` fresh
-``size`` images each, all at once; gateways in alternating order, the worker idle before each);
+differ only in the compared flag. ``inline-cap``: ``refuse`` (``--max-inline-patches 0``: a
+request with an image the busy workers refused is refused, 503) and ``overflow`` (the default
+cap: such images go to vLLM inline); ``placement``: ``workers`` and ``cost``, both with the
+default cap (``--burst-requests 1``: the idle system, one request at a time). Per round, each
+gateway gets the same burst (``requests`` streaming requests of ``images`` fresh ``size``
+images each, all at once; gateways in alternating order, the worker idle before each);
 per policy: requests refused, TTFT p50 / p99 of the requests served, images per route and reason
 (``epd_gateway_placements_total``), and the most patches vLLM encoded inline at once against
 the cap (``epd_gateway_inline_patches_peak``).
@@ -23,7 +26,14 @@ import time
 from epdserve.bench.benchmarks.results import write_json
 from epdserve.bench.benchmarks.rounds import in_round
 
-POLICIES = {"refuse": "0", "overflow": "16384"}  # --max-inline-patches
+# the gateways' flags, per policy, per comparison
+COMPARISONS = {
+    "inline-cap": {
+        "refuse": ("--max-inline-patches", "0"),
+        "overflow": ("--max-inline-patches", "16384"),
+    },
+    "placement": {"workers": ("--placement", "workers"), "cost": ("--placement", "cost")},
+}
 
 
 async def _request(session, url: str, model: str, images: list[bytes], max_tokens: int) -> dict:
@@ -97,6 +107,7 @@ def run(args) -> dict:
         "ec_role": "ec_consumer",
         "ec_connector_extra_config": {"pool_bytes": 256 << 20, "transports": ["shm"]},
     }
+    policies = COMPARISONS[args.compare]
     server, rows, peaks = None, [], {}
     try:
         print(f"epd-bench gateway --scenario burst: starting (logs in {log_dir})", flush=True)
@@ -120,9 +131,9 @@ def run(args) -> dict:
                 server,
                 [worker.worker],
                 name=f"gateway-{policy}",
-                extra=("--max-inline-patches", cap, "--intake-timeout-s", "1"),
+                extra=(*flags, "--intake-timeout-s", "1"),
             )
-            for policy, cap in POLICIES.items()
+            for policy, flags in policies.items()
         }
         cluster.wait_ready()
         failed = _wait_healthy([server], timeout_s=600)
@@ -142,7 +153,7 @@ def run(args) -> dict:
                 for role in gateways.values():  # one untimed request each (first-use costs)
                     await _request(session, role.url, model, fresh(), args.max_tokens)
                 for round_index in range(args.rounds):
-                    for policy in in_round(list(POLICIES), round_index):
+                    for policy in in_round(list(policies), round_index):
                         url = gateways[policy].url
                         async with session.get(url + "/metrics") as response:
                             before = _placements(await response.text())
@@ -184,7 +195,7 @@ def run(args) -> dict:
         if server is not None:
             codes["vllm"] = server.process.returncode
     summary = {}
-    for policy in POLICIES:
+    for policy in policies:
         mine = [row for row in rows if row["policy"] == policy]
         ttft = [t for row in mine for t in row["ttft_s"]]
         routes: dict[str, float] = {}
@@ -192,7 +203,7 @@ def run(args) -> dict:
             for key, count in row["placements"].items():
                 routes[key] = routes.get(key, 0.0) + count
         summary[policy] = {
-            "max_inline_patches": int(POLICIES[policy]),
+            "flags": " ".join(policies[policy]),
             "requests": len(mine) * args.requests,
             "refused": sum(row["refused"] for row in mine),
             "other_errors": sum(row["other_errors"] for row in mine),
@@ -203,6 +214,7 @@ def run(args) -> dict:
         }
     return {
         "config": {
+            "compare": args.compare,
             "model": model,
             "requests": args.requests,
             "images": args.images,
@@ -222,7 +234,7 @@ def main(args) -> int:
     for policy, row in report["summary"].items():
         p50, p99 = row["ttft_p50_s"], row["ttft_p99_s"]
         print(
-            f"{policy:>9s} (--max-inline-patches {row['max_inline_patches']}): refused "
+            f"{policy:>9s} ({row['flags']}): refused "
             f"{row['refused']} of {row['requests']}; TTFT p50 / p99 "
             f"{p50 if p50 is None else round(p50, 3)} / {p99 if p99 is None else round(p99, 3)} s; "
             f"images {row['placements']}; inline patches peak {row['inline_patches_peak']}"
