@@ -572,6 +572,54 @@ def test_images_the_busy_encode_workers_cannot_take_in_time_overflow_within_the_
         busy.stop()
 
 
+@pytest.mark.parametrize("max_inline_patches", [0, 10**6])
+def test_placement_by_cost_sends_images_inline_only_within_the_inline_cap(
+    tmp_path, engine, max_inline_patches
+):
+    """--placement cost with vLLM's tower measured sooner: under the cap the image goes to vLLM
+    inline without a word to the workers (vLLM being unreachable, the 502 says it was sent),
+    counted as sooner, its patches released after; past it (0) it goes to the workers after all
+    (here busy, and overflow past the cap too: 503), counted as inline_full."""
+    from epdserve.gateway.placement import Route
+
+    busy = BusyWorker(
+        "busy: about 40.0 s of work queued ahead",
+        retry_after_s=19.2,  # past the intake timeout: not tried again
+        fingerprint=engine.description.fingerprint,
+    )
+    try:
+        gateway = gateway_in_process(
+            str(tmp_path),
+            engine.url,
+            workers=(busy.address,),
+            placement="cost",
+            max_inline_patches=max_inline_patches,
+        )
+        gateway.costs.observe(Route.VLLM, 16, 0.1)
+        gateway.costs.observe(Route.ENCODE_WORKER, 16, 2.0)
+        with serving_in_process(gateway) as client:
+            image = base64.b64encode(synthetic_image(64, 64, 4)).decode()
+            content = [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}
+            ]
+            answer = client.post(
+                "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": content}]},
+            )
+            placed = _series(client.get("/metrics").text, "epd_gateway_placements_total", "1.0")
+        if max_inline_patches:
+            assert answer.status_code == 502, answer.text
+            assert 'route="vllm"' in placed and 'reason="sooner"' in placed
+            assert busy.items == 0 and gateway.inline.peak == 16
+        else:
+            assert answer.status_code == 503, answer.text
+            assert 'route="refused"' in placed and 'reason="inline_full"' in placed
+            assert busy.items == 1 and gateway.inline.peak == 0
+        assert gateway.inline.patches == 0 and busy.table.live_rooms == 0
+    finally:
+        busy.stop()
+
+
 def test_placement_min_items_sends_requests_of_fewer_images_to_vllm_whole(tmp_path, engine):
     """--placement min-items=2 (SGLang's rule): a one-image request goes to vLLM inline without a
     word to the workers (vLLM being unreachable, the 502 says it was sent), counted as few_items;

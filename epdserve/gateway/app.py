@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -341,20 +342,25 @@ class Gateway:
 
     def _decided_inline(self, prepared: PreparedChat) -> bool:
         """``--placement cost``: whether the request's images go to vLLM inline, predicted
-        sooner there (or probed), then counted; the prediction kept for its report and for its
-        error once the first token came."""
+        sooner there (or probed) and within ``--max-inline-patches`` (else to the workers,
+        ``inline_full``), then counted; the prediction kept for its report and for its error
+        once the first token came."""
         if self.settings.placement != COST:
             return False
         encodable = [item for item in prepared.items if not item.encoded_by_vllm]
         if not encodable:
             return False
-        prepared.prediction = self.costs.decide(
-            sum(patches(item) for item in encodable), self.inline.patches
-        )
+        wanted = sum(patches(item) for item in encodable)
+        prepared.prediction = self.costs.decide(wanted, self.inline.patches)
         if prepared.prediction.route is not Route.VLLM:
             return False
+        if not self.inline.overflow(wanted):  # vLLM encodes --max-inline-patches inline already
+            prepared.prediction = dataclasses.replace(
+                prepared.prediction, route=Route.ENCODE_WORKER, reason=Reason.INLINE_FULL
+            )
+            return False
         for item in encodable:
-            self._inline(prepared, item, prepared.prediction.reason)
+            self._inline(prepared, item, prepared.prediction.reason, held=True)
         return True
 
     def _first_token(self, prepared: PreparedChat, started: float) -> None:

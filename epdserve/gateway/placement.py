@@ -42,7 +42,9 @@ class Reason(str, enum.Enum):
     SOONER = "sooner"  # --placement cost: the route predicted sooner
     PROBE = "probe"  # --placement cost: the other route, so that its cost stays measured
     WORKERS_BUSY = "workers_busy"  # every worker would keep it past its deadline: overflow
-    INLINE_FULL = "inline_full"  # ... and vLLM encodes --max-inline-patches inline already
+    # vLLM encodes --max-inline-patches inline already: refused (the workers busy), or to the
+    # workers (--placement cost predicted vLLM sooner)
+    INLINE_FULL = "inline_full"
     FORMAT = "format"  # a format no worker decodes
     NO_HEALTHY_WORKER = "no_healthy_worker"
     NO_COMPATIBLE_WORKER = "no_compatible_worker"  # the workers serve another model
