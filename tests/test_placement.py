@@ -64,6 +64,15 @@ def test_costs_are_per_size_class():
     assert costs.costs() == {("encode_worker", "1024"): 0.3, ("encode_worker", "16384"): 3.0}
 
 
+def test_no_probe_while_vllm_encodes_inline_for_others():
+    costs = PlacementCosts()
+    decided = [costs.decide(100, inline_patches=64) for _ in range(2 * PROBE_EVERY)]
+    assert {d.reason for d in decided} == {Reason.SOONER}
+    assert costs.decide(100, inline_patches=0).reason is Reason.SOONER  # the 33rd
+    costs.decisions = PROBE_EVERY - 1
+    assert costs.decide(100, inline_patches=0).reason is Reason.PROBE
+
+
 def test_inline_patches_ahead_delay_vllms_route_at_its_measured_pace():
     costs = PlacementCosts()
     costs.observe(Route.VLLM, 1000, 1.0)  # 1 ms per patch

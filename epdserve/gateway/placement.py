@@ -13,7 +13,8 @@ requests whose images all went there (their queue wait, encode, transfer and the
 gateway measured them); via vLLM's own tower, the same median of the requests encoded inline, plus
 the inline patches vLLM encodes ahead of it at that route's measured pace. Both are learned per
 size class (the request's patches), start from conservative priors (the workers sooner), and
-every ``PROBE_EVERY``-th decision takes the other route so that its cost stays measured (a route
+every ``PROBE_EVERY``-th decision, while vLLM encodes nothing inline, takes the other route so
+that its cost stays measured (a route
 that became slower or faster is seen within a few requests). The predictions of the routes are
 in the ``epd`` report per image; the measured over the predicted time is a histogram."""
 
@@ -160,14 +161,15 @@ class PlacementCosts:
     def decide(self, patches: int, inline_patches: int) -> Prediction:
         """The route for a request of ``patches`` while vLLM encodes ``inline_patches`` inline
         for other requests: the one predicted sooner, or every ``PROBE_EVERY``-th time the
-        other."""
+        other, unless vLLM encodes inline for others already (a probe in a burst would slow
+        every request in the engine)."""
         workers_s = self.cost_s(Route.ENCODE_WORKER, patches)
         vllm_s = self.cost_s(Route.VLLM, patches) + inline_patches * self.pace_s(
             Route.VLLM, patches
         )
         sooner = Route.ENCODE_WORKER if workers_s <= vllm_s else Route.VLLM
         self.decisions += 1
-        if self.decisions % PROBE_EVERY == 0:
+        if self.decisions % PROBE_EVERY == 0 and inline_patches == 0:
             later = Route.VLLM if sooner is Route.ENCODE_WORKER else Route.ENCODE_WORKER
             return Prediction(workers_s, vllm_s, later, Reason.PROBE)
         return Prediction(workers_s, vllm_s, sooner, Reason.SOONER)

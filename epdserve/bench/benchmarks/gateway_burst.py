@@ -172,6 +172,9 @@ def run(args) -> dict:
                                 "policy": policy,
                                 "refused": sum(a["status"] == 503 for a in answers),
                                 "other_errors": sum(a["status"] not in (200, 503) for a in answers),
+                                "other_statuses": [
+                                    a["status"] for a in answers if a["status"] not in (200, 503)
+                                ],
                                 "ttft_s": [a["ttft_s"] for a in answers if a["ttft_s"] is not None],
                                 "placements": {
                                     key: after[key] - before.get(key, 0.0)
