@@ -175,7 +175,8 @@ class Intake:
         # before the header, the hash and the room: a busy worker refuses cheaply
         if not self.queue.has_room(len(payload) if payload is not None else 0):
             return self._refuse(request, "queue full", retry_after_s=QUEUE_FULL_RETRY_S)
-        refusal = self._past_its_deadline(request)
+        predicted_wait_s = self.queue.wait_s()
+        refusal = self._past_its_deadline(request, predicted_wait_s)
         if refusal is not None:
             return refusal
         if request.open_room_ttl_s is None:  # its room lives elsewhere: is that a room of ours?
@@ -197,6 +198,8 @@ class Intake:
             self.failer.fail(request.encode_handshake, str(exc), request.modality, counted=False)
             self.metrics.count(request.modality, IntakeStatus.FAILED)
             return IntakeReply(status=IntakeStatus.FAILED, room=room, reason=str(exc))
+        if predicted_wait_s is not None:
+            job.timings["predicted_queue_s"] = predicted_wait_s
         if not self.queue.put(job):  # room was checked above: the queue closed meanwhile
             self.in_flight.release(room)
             if request.open_room_ttl_s is not None:
@@ -205,11 +208,13 @@ class Intake:
         self.metrics.count(request.modality, IntakeStatus.ACCEPTED)
         return IntakeReply(status=IntakeStatus.ACCEPTED, room=room)
 
-    def _past_its_deadline(self, request: IntakeRequest) -> IntakeReply | None:
-        """The refusal of an item that would wait for the tower longer than it may (the work
-        queued ahead at the measured pace, against ``max_queue_wait_s`` and half its room's
-        lifetime), with when the queue will have room for it; None when it may wait."""
-        wait_s = self.queue.wait_s()
+    def _past_its_deadline(
+        self, request: IntakeRequest, wait_s: float | None
+    ) -> IntakeReply | None:
+        """The refusal of an item that would wait ``wait_s`` for the tower (the work queued
+        ahead at the measured pace; None: not measured yet) when that is longer than it may
+        (``max_queue_wait_s`` and half its room's lifetime), with when the queue will have room
+        for it; None when it may wait."""
         if wait_s is None:
             return None
         may_wait_s = self.config.max_queue_wait_s

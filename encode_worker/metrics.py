@@ -16,6 +16,10 @@ from epdserve.wire.intake import IntakeStatus
 from epdserve.wire.modality import Modality
 from epdserve.wire.rooms import RoomState
 
+# waits shorter than this are the batching window and preprocessing, not a queue: no ratio
+PREDICTION_FLOOR_S = 0.1
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
+
 
 class WorkerMetrics:
     """The worker's families (``model_name`` is added to each where they are served). An item is
@@ -83,6 +87,13 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.queue_wait_prediction_ratio = Histogram(
+            "epd_encoder_queue_wait_prediction_ratio",
+            "Intake's estimate of an item's queue wait over the wait it had (items that waited "
+            f"or were predicted to wait {PREDICTION_FLOOR_S:g} s or more; 1: right)",
+            buckets=PREDICTION_RATIO_BUCKETS,
+            registry=registry,
+        )
         self.receiver_wait_seconds = Histogram(
             "epd_encoder_receiver_wait_seconds",
             "Rows staged to the receiver registered (or the wait ended)",
@@ -118,6 +129,17 @@ class WorkerMetrics:
         if series is None:
             series = self._series[key] = family.labels(*labels)
         return series
+
+    def queue_wait(self, timings: dict[str, float | bool]) -> None:
+        """An item's queue wait and, where intake predicted it and either is past the noise
+        floor, the prediction's ratio to it."""
+        actual = timings.get("queue_s")
+        if actual is None:
+            return
+        self.queue_seconds.observe(actual)
+        predicted = timings.get("predicted_queue_s")
+        if predicted is not None and max(actual, predicted) >= PREDICTION_FLOOR_S:
+            self.queue_wait_prediction_ratio.observe(predicted / max(actual, 1e-3))
 
     def count(self, modality: Modality, status: IntakeStatus | RoomState) -> None:
         """One item's intake answer (``epd_encoder_intake_total{result}``) or room end

@@ -9,8 +9,15 @@ at once, so the dispatcher learns it (backpressure) instead of waiting.
 How long a new job would wait (``wait_s``): the patches queued ahead of it times the pipeline's
 measured seconds per patch, sampled whenever its consumer comes back for a batch and finds jobs
 that waited (the pace of the slowest stage behind the queue, under the backlog this estimate is
-for): the median of the last batches' samples, none until there are three. Intake refuses a job
-that would wait past its deadline.
+for). A sample is *quiet* when no job was queued while it was taken: a burst's arrival (intake,
+the room API, receivers registering) takes the CPU from the pipeline, and the batches of its
+first seconds ran 3-8x slower than the ones after (``epd-bench overload``, 2,000 items at once:
+their median refused items the burst had time for). The work queued ahead drains once the
+arrivals stop, at the quiet pace. So the pace is the lower quartile of the quiet samples of the
+last ``PACE_WINDOW_S`` of backlog once there are three; where arrivals filled the whole window
+(sustained load: the contention lasts), the lower quartile of all its samples; else unknown (no
+refusal for the wait). A pipeline slowed for good slows every sample, and the estimate follows
+within the window. Intake refuses a job that would wait past its deadline.
 
 The batching window: a batch that is not full (its item cap, or a budget the next job would
 pass) waits for more jobs until ``window_s`` after its oldest job arrived, then goes as it is.
@@ -21,12 +28,11 @@ already waited in the queue behind a busy tower does not wait again.
 from __future__ import annotations
 
 import collections
-import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from epdserve.wire.addresses import EncodeHandshake
 from epdserve.wire.modality import Modality
@@ -35,8 +41,21 @@ if TYPE_CHECKING:
     from epdserve.vision.video import VideoPlan
 
 
-PACE_SAMPLES = 9  # the pace is the median of the last batches' (a cold first batch is no guide)
+PACE_WINDOW_S = 10.0  # the backlog's time the pace is measured over (a burst arrives in ~1-3 s)
 MIN_PACE_SAMPLES = 3
+MAX_PACE_SAMPLES = 1024  # bounds the window where batches are short (a GPU's: ~10 ms)
+
+
+class _PaceSample(NamedTuple):
+    seconds: float  # the consumer's time on the batch
+    per_patch: float
+    quiet: bool  # no job was queued meanwhile
+
+
+def lower_quartile(samples) -> float:
+    """The sample a quarter of the way up the sorted samples (the fastest of up to four)."""
+    ordered = sorted(samples)
+    return ordered[(len(ordered) - 1) // 4]
 
 
 @dataclass
@@ -82,11 +101,16 @@ class BatchQueue:
         self.clock = clock
         self.nbytes = 0
         self.patches = 0  # of the jobs queued
-        self._pace_samples: collections.deque[float] = collections.deque(maxlen=PACE_SAMPLES)
-        # their median, made per batch measured: every job's intake reads it
+        # the batches measured, the last PACE_WINDOW_S of them
+        self._pace_samples: collections.deque[_PaceSample] = collections.deque(
+            maxlen=MAX_PACE_SAMPLES
+        )
+        self._pace_span_s = 0.0  # their seconds
+        self._puts = 0  # jobs queued so far (a sample is quiet when none came meanwhile)
+        # their lower quartile, made per batch measured: every job's intake reads it
         self.seconds_per_patch: float | None = None  # the pipeline's pace (None: too few yet)
-        # when the last batch was taken and its patches, if it left jobs behind
-        self._taken: tuple[float, int] | None = None
+        # when the last batch was taken, its patches and the puts so far, if it left jobs behind
+        self._taken: tuple[float, int, int] | None = None
         self._jobs: collections.deque[EncodeJob] = collections.deque()
         self._ready = threading.Condition()
         self.closed = False
@@ -118,6 +142,7 @@ class BatchQueue:
             if not self._has_room(job.nbytes):
                 return False
             self._jobs.append(job)
+            self._puts += 1
             self.nbytes += job.nbytes
             self.patches += job.patches
             self._ready.notify()
@@ -133,10 +158,9 @@ class BatchQueue:
                 self._taken = None
                 return []
             if self._taken is not None:  # the consumer was busy with the last batch until now
-                seconds, patches = self.clock() - self._taken[0], self._taken[1]
-                self._pace_samples.append(seconds / max(1, patches))
-                if len(self._pace_samples) >= MIN_PACE_SAMPLES:
-                    self.seconds_per_patch = statistics.median(self._pace_samples)
+                taken_at, patches, puts = self._taken
+                seconds = self.clock() - taken_at
+                self._measured(_PaceSample(seconds, seconds / max(1, patches), puts == self._puts))
             if self.window_s and not self.closed:
                 until = self._jobs[0].received_at + self.window_s
                 self._ready.wait_for(
@@ -148,8 +172,29 @@ class BatchQueue:
                 self.nbytes -= job.nbytes
                 self.patches -= job.patches
             # the next take times this batch if the consumer is busy until then: jobs wait
-            self._taken = (self.clock(), sum(job.patches for job in batch)) if self._jobs else None
+            self._taken = (
+                (self.clock(), sum(job.patches for job in batch), self._puts)
+                if self._jobs
+                else None
+            )
             return batch
+
+    def _measured(self, sample: _PaceSample) -> None:
+        """One batch's sample: the window keeps the last ``PACE_WINDOW_S`` of them."""
+        samples = self._pace_samples
+        if len(samples) == samples.maxlen:
+            self._pace_span_s -= samples[0].seconds
+        samples.append(sample)
+        self._pace_span_s += sample.seconds
+        while self._pace_span_s - samples[0].seconds >= PACE_WINDOW_S:
+            self._pace_span_s -= samples.popleft().seconds
+        quiet = [s.per_patch for s in samples if s.quiet]
+        if len(quiet) >= MIN_PACE_SAMPLES:
+            self.seconds_per_patch = lower_quartile(quiet)
+        elif self._pace_span_s >= PACE_WINDOW_S:  # arrivals all along: that is the pace
+            self.seconds_per_patch = lower_quartile([s.per_patch for s in samples])
+        else:
+            self.seconds_per_patch = None
 
     def _batch_size(self) -> int:
         """How many jobs from the head make the next batch (at least one)."""

@@ -278,8 +278,7 @@ class EncodeWorker:
             self._item_log.warning(
                 "room %d %s: %s", outcome.room, outcome.state.value, outcome.reason
             )
-        if "queue_s" in outcome.timings:
-            self.metrics.queue_seconds.observe(outcome.timings["queue_s"])
+        self.metrics.queue_wait(outcome.timings)
         if "wait_s" in outcome.timings:
             self.metrics.receiver_wait_seconds.observe(outcome.timings["wait_s"])
         if outcome.state is RoomState.SUCCESS and outcome.transport:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from encode_worker.config import WorkerConfig
-from encode_worker.scheduler import BatchQueue, EncodeJob
+from encode_worker.scheduler import PACE_WINDOW_S, BatchQueue, EncodeJob
 from epdserve.process_settings import SettingError
 from epdserve.wire.addresses import EncodeHandshake
 from tests.waiting import FakeClock
@@ -97,24 +97,71 @@ def test_the_window_is_bounded(window, tmp_path):
         WorkerConfig(model=str(tmp_path), bind="127.0.0.1", batch_window_s=window)
 
 
-def test_the_wait_a_queued_item_would_have_follows_the_pace_measured_under_a_backlog():
-    """Unknown until the consumer came back three times to jobs that waited; then the patches
-    queued times the median seconds per patch of the last batches (a slow first batch is no
-    guide); a take after the queue had emptied (an idle pipeline) is no sample."""
+def _take_at(queue: BatchQueue, clock: FakeClock, now: float, arriving: int = 0) -> int:
+    """Queue ``arriving`` jobs of 100 patches, then take a batch at ``now``: its size."""
+    for _ in range(arriving):
+        assert queue.put(job(queue._puts + 1000, patches=100))
+    clock.now = now
+    return len(queue.take_batch(0))
+
+
+def test_the_wait_a_queued_item_would_have_follows_the_quiet_pace_measured_under_a_backlog():
+    """Unknown until the consumer came back three times to jobs that waited with none arriving
+    meanwhile (a burst's arrival slows the batches taken while it lasts, not the drain after);
+    then the patches queued times the lower quartile of those batches' seconds per patch; a take
+    after the queue had emptied (an idle pipeline) is no sample."""
     clock = FakeClock()
     queue = BatchQueue(max_items=64, patch_budget=400, batch_items=4, clock=clock)
-    for index in range(20):
+    for index in range(24):
         assert queue.put(job(index, patches=100))
-    for now in (0.0, 4.0, 4.4, 4.8):  # batches of 400 patches: 4 s (cold), then 0.4 s each
-        clock.now = now
-        assert queue.wait_s() is None or now == 4.8
-        assert len(queue.take_batch(0)) == 4
-    assert queue.patches == 400
-    assert queue.seconds_per_patch == pytest.approx(0.001)  # median of 0.01, 0.001, 0.001
-    assert queue.wait_s() == pytest.approx(400 * 0.001)
-    clock.now = 5.0
-    assert len(queue.take_batch(0)) == 4  # the last: the queue is empty behind it
-    assert queue.put(job(30, patches=100))
-    clock.now = 100.0  # idle meanwhile: no sample of 95 s
+    # batches of 400 patches: 0.8 s twice while jobs arrive, then 0.2-0.24 s each
+    assert _take_at(queue, clock, 0.0) == 4
+    for now in (0.8, 1.6):
+        assert _take_at(queue, clock, now, arriving=4) == 4
+        assert queue.wait_s() is None
+    for now in (1.8, 2.04):
+        assert _take_at(queue, clock, now) == 4
+        assert queue.wait_s() is None  # one, then two quiet samples
+    assert _take_at(queue, clock, 2.24) == 4
+    # the lower quartile of 0.0005, 0.0006, 0.0005 (the median of all five: 0.0006)
+    assert queue.seconds_per_patch == pytest.approx(0.0005)
+    assert queue.patches == 800 and queue.wait_s() == pytest.approx(800 * 0.0005)
+    assert _take_at(queue, clock, 2.44) == 4
+    assert _take_at(queue, clock, 2.64) == 4  # the last: the queue is empty behind it
+    assert queue.put(job(40, patches=100))
+    clock.now = 100.0  # idle meanwhile: no sample of 97 s
     assert len(queue.take_batch(0)) == 1
-    assert queue.seconds_per_patch == pytest.approx(0.001) and queue.wait_s() == 0.0
+    assert queue.seconds_per_patch == pytest.approx(0.0005) and queue.wait_s() == 0.0
+
+
+def test_under_arrivals_that_last_the_window_their_pace_is_the_pace():
+    """Jobs arriving while every batch is taken, for ``PACE_WINDOW_S``: the contention lasts,
+    and the estimate is the lower quartile of those batches."""
+    clock = FakeClock()
+    queue = BatchQueue(max_items=128, patch_budget=100, batch_items=1, clock=clock)
+    assert queue.put(job(0, patches=100)) and queue.put(job(1, patches=100))
+    now = 0.0
+    _take_at(queue, clock, now)
+    while now < PACE_WINDOW_S:  # 0.4 s per batch, a job arriving during each
+        assert queue.wait_s() is None
+        now = round(now + 0.4, 6)
+        _take_at(queue, clock, now, arriving=1)
+    assert queue.seconds_per_patch == pytest.approx(0.004)
+
+
+def test_a_pipeline_slowed_for_good_is_followed_within_the_window():
+    """Every batch slow for ``PACE_WINDOW_S``: the estimate is theirs."""
+    clock = FakeClock()
+    queue = BatchQueue(max_items=256, patch_budget=100, batch_items=1, clock=clock)
+    for index in range(200):
+        assert queue.put(job(index, patches=100))
+    now = 0.0
+    for _ in range(5):  # 0.1 s per batch
+        _take_at(queue, clock, now)
+        now = round(now + 0.1, 6)
+    assert queue.seconds_per_patch == pytest.approx(0.001)
+    slowed = now
+    while now < slowed + PACE_WINDOW_S + 0.4:  # 0.4 s per batch from now on
+        _take_at(queue, clock, now)
+        now = round(now + 0.4, 6)
+    assert queue.seconds_per_patch == pytest.approx(0.004)

@@ -830,7 +830,7 @@ def test_a_burst_beyond_the_old_queue_waits_for_the_tower_and_is_delivered(qwen2
         assert [reply.status for _, reply in replies] == [IntakeStatus.ACCEPTED] * 150
         for room, _ in replies:
             assert receiver.wait(room, timeout=120)[0] is RoomState.SUCCESS
-        # every item is delivered: the batches taken while the others queued measured the pace
+        # every item is delivered: the backlog's drain once the burst had arrived was measured
         # (asked before that, the tower may not have finished a batch yet on a busy machine)
         assert worker.queue.seconds_per_patch is not None
     finally:

@@ -26,8 +26,10 @@ from epdserve.dispatcher.workers import WorkerAddress  # noqa: E402
 from epdserve.testing.cluster import HOST, LocalCluster, free_port  # noqa: E402
 from epdserve.testing.images import synthetic_image  # noqa: E402
 from epdserve.vision.vlm_checkpoints import cached_vlm  # noqa: E402
+from tests.busy_worker import BusyWorker  # noqa: E402
 from tests.encode_helpers import mp4, other_weights, webm  # noqa: E402
 from tests.image_server import serving  # noqa: E402
+from tests.slow_worker import DELAY_FILE  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -137,9 +139,33 @@ class Stack:
         self.lonely = self.cluster.start_gateway(
             self.vllm, [nobody], name="gateway-without-workers"
         )
+        # a worker of vLLM's model that refuses every item busy, past the item's deadline
+        self.busy = BusyWorker(
+            "busy: about 40.0 s of work queued ahead, over the 30 s this item may wait",
+            retry_after_s=10.0,
+            fingerprint=_fingerprint(self.model),
+        )
+        self.overflowing = self.cluster.start_gateway(
+            self.vllm, [self.busy.address], name="gateway-of-busy-workers"
+        )
+        # a worker a test slows at once (its tower sleeps the seconds in ``delay_file``), behind
+        # a gateway that places by cost
+        self.delay_file = os.path.join(log_dir, "tower-delay-s")
+        self.slowed = self.cluster.start_encode_worker(
+            "worker-slowed",
+            transports="shm",
+            module="tests.slow_worker",
+            env={DELAY_FILE: self.delay_file},
+        )
+        self.costed = self.cluster.start_gateway(
+            self.vllm,
+            [self.slowed.worker],
+            name="gateway-by-cost",
+            extra=("--placement", "cost"),
+        )
         self.cluster.wait_ready()
         eventually(self.vllm.healthy, "the vLLM server answering /health", seconds=300)
-        for gateway in (self.gateway, self.retrying, self.lonely):
+        for gateway in (self.gateway, self.retrying, self.lonely, self.overflowing, self.costed):
             eventually(lambda: knows_the_engine(gateway), f"{gateway.name} reading vLLM's engine")
         from epdserve.bench.benchmarks.vllm import descendants
 
@@ -165,6 +191,7 @@ class Stack:
         self.direct.close()
         self.vllm.stop()
         codes = self.cluster.stop()
+        self.busy.stop()
         assert codes == {name: 0 for name in codes}, codes
         return pids
 
@@ -188,6 +215,14 @@ class Stack:
     def colocated(self, urls: list[str]) -> str:
         """vLLM's own answer (its tower on the images), without the gateway."""
         return self.ask(self.direct, urls).choices[0].message.content
+
+
+def _fingerprint(model: str):
+    """The fingerprint of ``model``'s tower, as its encode workers say it."""
+    from epdserve.vision.fingerprint import tower_fingerprint
+    from epdserve.vision.tower import VisionTower
+
+    return tower_fingerprint(VisionTower.load(model))
 
 
 @pytest.fixture(scope="module")
@@ -448,6 +483,81 @@ def test_no_healthy_worker_falls_back_to_colocated(stack):
             stack.lonely.url, "epd_gateway_colocated_fallbacks_total", reason="no_healthy_worker"
         )
         == 1
+    )
+
+
+def test_images_the_busy_workers_cannot_take_in_time_are_encoded_by_vllm_inline(stack):
+    """Every worker refuses the image busy, past its deadline: it overflows to vLLM's own tower
+    (within --max-inline-patches) instead of a 503, streamed or not; the answers equal
+    colocated, the report says why, the placements are counted, and the inline patches are
+    released once vLLM is past the prefill."""
+    url = stack.overflowing.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+    image = data_uri(synthetic_image(112, 84, seed=91))
+    try:
+        answer = stack.ask(client, [image])
+        chunks = list(stack.ask(client, [image], stream=True))
+    finally:
+        client.close()
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    for (report,) in (answer.model_extra["epd"]["images"], chunks[-1].model_extra["epd"]["images"]):
+        assert report["encoder"] == "colocated" and report["reason"] == "workers_busy"
+        assert "the encode workers are busy (" in report["error"]
+    assert answer.choices[0].message.content == streamed == stack.colocated([image])
+    assert metric(url, "epd_gateway_placements_total", route="vllm", reason="workers_busy") == 2
+    assert metric(url, "epd_gateway_requests_total", outcome="ok") == 2
+    assert metric(url, "epd_gateway_inline_patches") == 0
+    # the image's patches: its rows times the 2x2 merge
+    assert metric(url, "epd_gateway_inline_patches_peak") == report["rows"] * 4
+    # the second request's image was not sent: the worker is busy for its retry-after
+    assert stack.busy.items == 1 and stack.busy.table.live_rooms == 0
+
+
+@pytest.mark.vllm
+def test_placement_by_cost_keeps_idle_workers_and_leaves_a_slowed_one_for_vllm(stack):
+    """--placement cost: with its worker idle, images go to it (predicted sooner than vLLM's
+    tower, whose prior is slow); once the worker's tower is slowed (a test fault), its measured
+    cost grows and within a few requests images go to vLLM's own tower. Every answer equals
+    colocated; the report carries both predictions; the learned costs and the prediction errors
+    are exported."""
+    url = stack.costed.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+
+    def placed(seed: int) -> dict:
+        image = data_uri(synthetic_image(112, 84, seed=seed))
+        answer = stack.ask(client, [image])
+        assert answer.choices[0].message.content == stack.colocated([image])
+        (report,) = answer.model_extra["epd"]["images"]
+        assert report["predicted_encode_worker_ms"] > 0 and report["predicted_vllm_ms"] > 0
+        return report
+
+    try:
+        for seed in (201, 202):
+            report = placed(seed)
+            assert report["encoder"] == "encode_worker" and report["reason"] == "sooner", report
+            assert report["predicted_encode_worker_ms"] < report["predicted_vllm_ms"], report
+        with open(stack.delay_file, "w") as file:
+            file.write("6")
+        routes = []
+        for seed in range(210, 216):  # the slowed worker's cost is learned in a few requests
+            report = placed(seed)
+            routes.append(report["encoder"])
+            if report["encoder"] == "colocated":
+                break
+        assert routes[-1] == "colocated", f"still sent to the slowed worker: {routes}"
+        assert report["reason"] == "sooner", report
+        assert report["predicted_vllm_ms"] < report["predicted_encode_worker_ms"], report
+    finally:
+        with open(stack.delay_file, "w") as file:
+            file.write("0")
+        client.close()
+    assert metric(url, "epd_gateway_placements_total", route="vllm", reason="sooner") == 1
+    assert metric(
+        url, "epd_gateway_placement_cost_seconds", route="encode_worker", size_class="1024"
+    ) > metric(url, "epd_gateway_placement_cost_seconds", route="vllm", size_class="1024")
+    assert (
+        metric(url, "epd_gateway_placement_prediction_error_ratio_count", route="encode_worker")
+        == 2 + len(routes) - 1
     )
 
 

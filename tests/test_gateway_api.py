@@ -26,6 +26,7 @@ from epdserve.gateway.chat import (
     rewrite,
 )
 from epdserve.gateway.media import MediaError, MediaFetcher
+from epdserve.process_settings import SettingError
 from epdserve.testing.cluster import HOST, free_port
 from epdserve.testing.images import synthetic_image
 from tests.busy_worker import BusyWorker
@@ -526,12 +527,14 @@ def test_bodies_being_received_are_bounded_in_bytes(tmp_path, engine_url):
         assert gateway.reading.held == 0
 
 
-def test_a_request_the_busy_encode_workers_cannot_take_in_time_is_refused_with_retry_after(
-    tmp_path, engine
+@pytest.mark.parametrize("max_inline_patches", [0, 10**6])
+def test_images_the_busy_encode_workers_cannot_take_in_time_overflow_within_the_inline_cap(
+    tmp_path, engine, max_inline_patches
 ):
-    """Every worker refuses the image as busy past its deadline: the request is refused (503,
-    Retry-After from the worker's), not sent to vLLM inline (vLLM being unreachable, a 502 would
-    mean it was), and no room is left behind."""
+    """Every worker refuses the image as busy past its deadline. Under --max-inline-patches it
+    goes to vLLM inline (vLLM being unreachable, the answer is the 502 that says it was sent) and
+    its patches are released once the call ended; past it (0: never) the request is refused (503,
+    Retry-After from the worker's), not sent to vLLM. Either way counted, no room left behind."""
 
     busy = BusyWorker(
         "busy: about 40.0 s of work queued ahead",
@@ -539,7 +542,12 @@ def test_a_request_the_busy_encode_workers_cannot_take_in_time_is_refused_with_r
         fingerprint=engine.description.fingerprint,
     )
     try:
-        gateway = gateway_in_process(str(tmp_path), engine.url, workers=(busy.address,))
+        gateway = gateway_in_process(
+            str(tmp_path),
+            engine.url,
+            workers=(busy.address,),
+            max_inline_patches=max_inline_patches,
+        )
         with serving_in_process(gateway) as client:
             image = base64.b64encode(synthetic_image(64, 64, 1)).decode()
             content = [
@@ -550,12 +558,125 @@ def test_a_request_the_busy_encode_workers_cannot_take_in_time_is_refused_with_r
                 "/v1/chat/completions",
                 json={"model": "m", "messages": [{"role": "user", "content": content}]},
             )
-        assert answer.status_code == 503, answer.text
-        assert answer.headers["retry-after"] == "20"
-        assert "the encode workers are busy" in answer.json()["error"]["message"]
+            metrics = client.get("/metrics").text
+        if max_inline_patches:
+            assert answer.status_code == 502, answer.text  # vLLM's: it was sent inline
+            assert 'route="vllm"' in _series(metrics, "epd_gateway_placements_total", "1.0")
+            assert gateway.inline.patches == 0 and gateway.inline.peak == 16  # 64x64: 4x4
+        else:
+            assert answer.status_code == 503, answer.text
+            assert answer.headers["retry-after"] == "20"
+            message = answer.json()["error"]["message"]
+            assert "the encode workers are busy" in message and "--max-inline-patches 0" in message
+            refused = _series(metrics, "epd_gateway_placements_total", "1.0")
+            assert 'route="refused"' in refused and 'reason="inline_full"' in refused
+            assert gateway.inline.peak == 0
         assert busy.items == 1 and busy.table.live_rooms == 0
     finally:
         busy.stop()
+
+
+@pytest.mark.parametrize("max_inline_patches", [0, 10**6])
+def test_placement_by_cost_sends_images_inline_only_within_the_inline_cap(
+    tmp_path, engine, max_inline_patches
+):
+    """--placement cost with vLLM's tower measured sooner: under the cap the image goes to vLLM
+    inline without a word to the workers (vLLM being unreachable, the 502 says it was sent),
+    counted as sooner, its patches released after; past it (0) it goes to the workers after all
+    (here busy, and overflow past the cap too: 503), counted as inline_full."""
+    from epdserve.gateway.placement import Route
+
+    busy = BusyWorker(
+        "busy: about 40.0 s of work queued ahead",
+        retry_after_s=19.2,  # past the intake timeout: not tried again
+        fingerprint=engine.description.fingerprint,
+    )
+    try:
+        gateway = gateway_in_process(
+            str(tmp_path),
+            engine.url,
+            workers=(busy.address,),
+            placement="cost",
+            max_inline_patches=max_inline_patches,
+        )
+        gateway.costs.observe(Route.VLLM, 16, 0.1)
+        gateway.costs.observe(Route.ENCODE_WORKER, 16, 2.0)
+        with serving_in_process(gateway) as client:
+            image = base64.b64encode(synthetic_image(64, 64, 4)).decode()
+            content = [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}
+            ]
+            answer = client.post(
+                "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": content}]},
+            )
+            placed = _series(client.get("/metrics").text, "epd_gateway_placements_total", "1.0")
+        if max_inline_patches:
+            assert answer.status_code == 502, answer.text
+            assert 'route="vllm"' in placed and 'reason="sooner"' in placed
+            assert busy.items == 0 and gateway.inline.peak == 16
+        else:
+            assert answer.status_code == 503, answer.text
+            assert 'route="refused"' in placed and 'reason="inline_full"' in placed
+            assert busy.items == 1 and gateway.inline.peak == 0
+        assert gateway.inline.patches == 0 and busy.table.live_rooms == 0
+    finally:
+        busy.stop()
+
+
+def test_placement_min_items_sends_requests_of_fewer_images_to_vllm_whole(tmp_path, engine):
+    """--placement min-items=2 (SGLang's rule): a one-image request goes to vLLM inline without a
+    word to the workers (vLLM being unreachable, the 502 says it was sent), counted as few_items;
+    a two-image request goes to the workers (here busy: it overflows)."""
+    busy = BusyWorker(
+        "busy: about 40.0 s of work queued ahead",
+        retry_after_s=19.2,  # past the intake timeout: not tried again
+        fingerprint=engine.description.fingerprint,
+    )
+    try:
+        gateway = gateway_in_process(
+            str(tmp_path), engine.url, workers=(busy.address,), placement="min-items=2"
+        )
+        with serving_in_process(gateway) as client:
+
+            def ask(seeds):
+                content = [
+                    {
+                        "type": "image_url",
+                        "image_url": {
+                            "url": "data:image/png;base64,"
+                            + base64.b64encode(synthetic_image(64, 64, seed)).decode()
+                        },
+                    }
+                    for seed in seeds
+                ]
+                return client.post(
+                    "/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": content}]},
+                )
+
+            assert ask([1]).status_code == 502
+            assert busy.items == 0
+            few = _series(client.get("/metrics").text, "epd_gateway_placements_total", "1.0")
+            assert 'route="vllm"' in few and 'reason="few_items"' in few
+            assert ask([2, 3]).status_code == 502
+            assert busy.items == 2
+        assert gateway.inline.patches == 0
+    finally:
+        busy.stop()
+
+
+@pytest.mark.parametrize("placement", ["min-items=0", "costs", "min-items=x", "min-items=1000"])
+def test_placement_outside_its_forms_is_refused(tmp_path, engine_url, placement):
+    with pytest.raises((SettingError, ValueError)):
+        gateway_in_process(str(tmp_path), engine_url, placement=placement)
+
+
+def _series(metrics: str, name: str, value: str) -> str:
+    """The one series of ``name`` in the exposition ``metrics`` (which has that ``value``)."""
+    (line,) = [line for line in metrics.splitlines() if line.startswith(name + "{")]
+    assert line.endswith(" " + value), line
+    return line
 
 
 def test_an_image_in_a_format_workers_do_not_decode_goes_to_vllm_within_the_same_limits(

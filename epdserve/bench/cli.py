@@ -198,6 +198,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=3, help="interleaved rounds (median per path and size)"
     )
     gateway.add_argument("--max-tokens", type=int, default=4)
+    gateway.add_argument(
+        "--scenario",
+        choices=("latency", "burst"),
+        default="latency",
+        help="latency: added TTFT per path; burst: more than the encode tier takes in time, "
+        "refused (--max-inline-patches 0) against overflowed to vLLM inline",
+    )
+    gateway.add_argument(
+        "--compare",
+        choices=("inline-cap", "placement"),
+        default="inline-cap",
+        help="burst: refused against overflowed (inline-cap), or --placement workers against "
+        "cost (placement)",
+    )
+    gateway.add_argument(
+        "--burst-requests", type=int, default=24, help="burst: requests at once per gateway"
+    )
+    gateway.add_argument("--images", type=int, default=4, help="burst: images per request")
+    gateway.add_argument("--size", type=int, default=224, help="burst: square image side")
+    gateway.add_argument(
+        "--queue-items", type=int, default=16, help="burst: the encode worker's queue"
+    )
+    gateway.add_argument(
+        "--pause-s", type=float, default=3.0, help="burst: idle time after each burst"
+    )
     gateway.add_argument("--json", default=None)
     coalesce = sub.add_parser(
         "coalesce",
@@ -217,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     overload.add_argument("--requests", type=int, default=200, help="requests started at once")
     overload.add_argument("--images-per-request", type=int, default=10)
+    overload.add_argument(
+        "--waves", type=int, default=2, help="bursts, each once the last has ended"
+    )
     overload.add_argument(
         "--workers", default="1,2", help="comma-separated encode worker counts, one phase each"
     )
@@ -357,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return vllm.main(args)
     if args.command == "gateway":
+        if args.scenario == "burst":
+            from epdserve.bench.benchmarks import gateway_burst
+
+            args.requests = args.burst_requests
+            return gateway_burst.main(args)
         from epdserve.bench.benchmarks import gateway
 
         return gateway.main(args)

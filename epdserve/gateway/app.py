@@ -13,8 +13,9 @@ rewrite the body so vLLM gets each placed item as its patch grid and identifier,
 ``ec_transfer_params`` (``chat.rewrite``), wait until the workers hold every placed item's rows
 (``stage_wait_s``: vLLM then waits for a write, not an encode), forward it to vLLM and relay the
 answer, streamed or not. An item no worker took goes to vLLM inline (vLLM's own tower: colocated; a
-video is then decoded and sampled by vLLM's own video loader), unless the workers refused it as
-busy: then the request is refused (503, Retry-After). A request whose delivery fails inside
+video is then decoded and sampled by vLLM's own video loader); one the workers refused as busy
+overflows inline within ``--max-inline-patches``, past which the request is refused (503,
+Retry-After) (``placement``). A request whose delivery fails inside
 vLLM (vLLM answers 500, or its stream's first event is an error) is sent once more with every item
 inline when ``retry_colocated``. A client that leaves, or a vLLM refusal, cancels the request's
 rooms at once (the workers drop those items).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -54,6 +56,16 @@ from epdserve.gateway.engine import EngineMismatch, EngineModel, EngineUnreadabl
 from epdserve.gateway.errors import OpenAIError, UpstreamRefusal
 from epdserve.gateway.media import MediaError, MediaFetcher
 from epdserve.gateway.metrics import GatewayMetrics
+from epdserve.gateway.placement import (
+    COST,
+    InlineBudget,
+    PlacementCosts,
+    Reason,
+    Route,
+    busy,
+    min_items,
+    patches,
+)
 from epdserve.gateway.prepared import PreparedChat
 from epdserve.gateway.settings import GatewaySettings
 from epdserve.gateway.upstream import (
@@ -101,6 +113,8 @@ class Gateway:
             settings.max_video_bytes,
         )
         self.metrics = GatewayMetrics(settings.served_model_name, registry)
+        self.inline = InlineBudget(settings.max_inline_patches)
+        self.costs = PlacementCosts()
         self.upstream = Upstream(
             settings.vllm_url, settings.request_timeout_s, settings.vllm_api_key
         )
@@ -253,6 +267,9 @@ class Gateway:
             if limit is not None and not limit.admit(request.scope):
                 return limit.refusal()
             prepared = await self._prepare(body, chat)
+            # the request's end releases its inline patches at the latest, even where its stream
+            # never started (the client gone before its first byte)
+            request.scope[InFlightLimit.ON_END] = lambda: self._release_inline(prepared)
         except OpenAIError as exc:
             self.metrics.count("overloaded" if exc.kind == "overloaded" else "refused")
             return exc.response()
@@ -309,53 +326,130 @@ class Gateway:
                 [refs[prepared.of_ref.index(i)].param for i in range(len(distinct))],
                 vllm_decodes=True,
             )
-            await self.dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
+            if len(prepared.items) < min_items(self.settings.placement):
+                for item in prepared.items:  # vLLM encodes them: nothing is sent to the workers
+                    self._inline(prepared, item, Reason.FEW_ITEMS)
+            elif not self._decided_inline(prepared):
+                await self.dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
         except DispatchError as exc:
             raise OpenAIError(400, str(exc)) from None
         prepared.dispatch_s = time.monotonic() - started
         self.metrics.dispatch.labels(self.metrics.model_name).observe(prepared.dispatch_s)
-        self._unless_busy(prepared)
+        self._overflow(prepared)
+        states = self.workers.states()
         for item in prepared.items:
-            self.metrics.images.labels(
-                self.metrics.model_name, "encode_worker" if item.worker else "colocated"
-            ).inc()
-            if (
-                item.worker is None
-            ):  # no worker tried at all: none was healthy; else each tried one refused
-                states = self.workers.states()
+            if item.worker is not None:
+                decided = prepared.prediction
+                reason = decided.reason if decided is not None else Reason.PLACED
+                self._placed(prepared, item, Route.ENCODE_WORKER, reason)
+            elif item.index not in prepared.reasons:  # (overflow is decided already)
                 reason = (
-                    "format"
+                    Reason.FORMAT
                     if item.encoded_by_vllm
-                    else "dispatch_failed"
+                    else Reason.DISPATCH_FAILED
                     if item.attempts
-                    else "no_compatible_worker"
+                    else Reason.NO_COMPATIBLE_WORKER
                     if states[INCOMPATIBLE] and not states[READY]
-                    else "no_healthy_worker"
+                    else Reason.NO_HEALTHY_WORKER
                 )
-                self.metrics.colocated.labels(self.metrics.model_name, reason).inc()
+                self._inline(prepared, item, reason)
         return prepared
 
-    def _unless_busy(self, prepared: PreparedChat) -> None:
-        """A request with an item every worker refused as busy (its wait there past its
-        deadline) is refused whole, with when to retry, and its placed items' rooms cancelled:
-        the encode tier is up and will take it later, and moving a burst onto vLLM's own tower
-        would slow every other request of the engine. (An item that no worker took for any
-        other reason, a dead or refusing tier, goes to vLLM inline.)"""
-        busy = [
-            item.retry_after_s
-            for item in prepared.items
-            if item.worker is None and item.retry_after_s is not None
-        ]
-        if not busy:
+    def _decided_inline(self, prepared: PreparedChat) -> bool:
+        """``--placement cost``: whether the request's images go to vLLM inline, predicted
+        sooner there (or probed) and within ``--max-inline-patches`` (else to the workers,
+        ``inline_full``), then counted; the prediction kept for its report and for its error
+        once the first token came."""
+        if self.settings.placement != COST:
+            return False
+        encodable = [item for item in prepared.items if not item.encoded_by_vllm]
+        if not encodable:
+            return False
+        wanted = sum(patches(item) for item in encodable)
+        prepared.prediction = self.costs.decide(wanted, self.inline.patches)
+        if prepared.prediction.route is not Route.VLLM:
+            return False
+        if not self.inline.overflow(wanted):  # vLLM encodes --max-inline-patches inline already
+            prepared.prediction = dataclasses.replace(
+                prepared.prediction, route=Route.ENCODE_WORKER, reason=Reason.INLINE_FULL
+            )
+            return False
+        for item in encodable:
+            self._inline(prepared, item, prepared.prediction.reason, held=True)
+        return True
+
+    def _first_token(self, prepared: PreparedChat, started: float) -> None:
+        """The request's first token (or answer) came: its time counted, and learned as its
+        route's cost where all its images took one route."""
+        seconds = time.monotonic() - started
+        self.metrics.first_token.labels(self.metrics.model_name).observe(seconds)
+        if not prepared.items:
             return
+        placed = len(prepared.placed)
+        if 0 < placed < len(prepared.items):
+            return  # both routes: the time is neither's
+        route = Route.ENCODE_WORKER if placed else Route.VLLM
+        self.costs.observe(route, sum(patches(item) for item in prepared.items), seconds)
+        self.metrics.costs_now(self.costs.costs())
+        prediction = prepared.prediction
+        if prediction is not None and prediction.route is route and prediction.taken_s > 0:
+            self.metrics.prediction_error.labels(self.metrics.model_name, route.value).observe(
+                seconds / prediction.taken_s
+            )
+
+    def _overflow(self, prepared: PreparedChat) -> None:
+        """The items every worker refused as busy (their wait there past their deadline) go to
+        vLLM inline if their patches fit under ``--max-inline-patches`` with those vLLM encodes
+        inline already; else the request is refused whole, with when to retry, and its placed
+        items' rooms cancelled: the encode tier is up and will take it later."""
+        refused = [item for item in prepared.items if busy(item)]
+        if not refused:
+            return
+        if self.inline.overflow(sum(patches(item) for item in refused)):
+            for item in refused:
+                item.error = f"the encode workers are busy ({item.error}); vLLM encoded it"
+                self._inline(prepared, item, Reason.WORKERS_BUSY, held=True)
+            return
+        for item in refused:
+            self.metrics.placed(Route.REFUSED.value, Reason.INLINE_FULL.value)
         self._cancel(prepared, "the encode workers are busy: request refused")
         raise OpenAIError(
             503,
-            f"{len(busy)} of the request's {len(prepared.items)} images cannot be encoded "
-            "within their deadline: the encode workers are busy; retry later",
+            f"{len(refused)} of the request's {len(prepared.items)} images cannot be encoded "
+            "within their deadline: the encode workers are busy and vLLM encodes "
+            f"{self.inline.patches} patches inline already (--max-inline-patches "
+            f"{self.inline.max_patches}); retry later",
             kind="overloaded",
-            retry_after_s=max(1, math.ceil(min(busy))),
+            retry_after_s=max(1, math.ceil(min(item.retry_after_s for item in refused))),
         )
+
+    def _placed(
+        self, prepared: PreparedChat, item, route: Route, reason: Reason, moved: bool = False
+    ) -> None:
+        """Where the item goes and why, counted (``moved``: a placed item sent inline after
+        all: a placement again, not another image)."""
+        prepared.reasons[item.index] = reason
+        self.metrics.placed(route.value, reason.value)
+        if not moved:
+            encoder = "encode_worker" if route is Route.ENCODE_WORKER else "colocated"
+            self.metrics.images.labels(self.metrics.model_name, encoder).inc()
+
+    def _inline(
+        self, prepared: PreparedChat, item, reason: Reason, held: bool = False, moved: bool = False
+    ) -> None:
+        """The item goes to vLLM inline: counted, and its patches held until the request's
+        prefill is over (``held``: taken from the budget already)."""
+        self._placed(prepared, item, Route.VLLM, reason, moved)
+        self.metrics.colocated.labels(self.metrics.model_name, reason.value).inc()
+        if not held:
+            self.inline.hold(patches(item))
+        prepared.inline_patches += patches(item)
+
+    def _release_inline(self, prepared: PreparedChat) -> None:
+        """The request's prefill is over (its first token, its answer, or its end): vLLM
+        encodes its inline items no more. Once per request."""
+        self.inline.release(prepared.inline_patches)
+        prepared.inline_patches = 0
 
     def _within_limits(self, refs: list) -> None:
         """vLLM's per-prompt limits (as vLLM says them), checked before any worker encodes an
@@ -409,14 +503,17 @@ class Gateway:
     # ---- non-streaming ------------------------------------------------------------------------
 
     async def _complete(self, request: Request, prepared: PreparedChat, started: float) -> Response:
-        call = await self._until_client_leaves(request, self._call(prepared), prepared)
+        try:
+            call = await self._until_client_leaves(request, self._call(prepared), prepared)
+        finally:
+            self._release_inline(prepared)
         if call is None:
             return Response(status_code=499)
         try:
             payload = call.result()
         except (OpenAIError, UpstreamRefusal) as exc:
             return self._upstream_failed(prepared, exc)
-        self.metrics.first_token.labels(self.metrics.model_name).observe(time.monotonic() - started)
+        self._first_token(prepared, started)
         self.metrics.count("ok")
         return Response(payload, media_type="application/json")
 
@@ -433,11 +530,11 @@ class Gateway:
         for item in prepared.placed:
             reason = ended.get(item.index)
             if reason is not None:
-                self.metrics.colocated.labels(self.metrics.model_name, "encode_failed").inc()
                 item.worker, item.error = (
                     None,
                     f"the encode worker ({item.worker}) failed it, {reason}; vLLM encoded it",
                 )
+                self._inline(prepared, item, Reason.ENCODE_FAILED, moved=True)
 
     async def _call(self, prepared: PreparedChat) -> bytes:
         """vLLM's answer (``UpstreamRefusal`` for another status than 200); on a failed EPD
@@ -473,21 +570,27 @@ class Gateway:
             prepared.request_id,
         )
         for item in prepared.placed:
-            self.metrics.colocated.labels(self.metrics.model_name, "delivery_failed").inc()
             item.worker, item.error = (
                 None,
                 f"delivery failed in vLLM (worker {item.worker}); vLLM encoded it",
             )
+            self._inline(prepared, item, Reason.DELIVERY_FAILED, moved=True)
 
     # ---- streaming ----------------------------------------------------------------------------
 
     async def _stream(self, request: Request, prepared: PreparedChat, started: float) -> Response:
-        opened = await self._until_client_leaves(request, self._open(prepared), prepared)
+        try:
+            opened = await self._until_client_leaves(request, self._open(prepared), prepared)
+        except BaseException:
+            self._release_inline(prepared)
+            raise
         if opened is None:
+            self._release_inline(prepared)
             return Response(status_code=499)
         try:
             response, held, events = opened.result()
         except (OpenAIError, UpstreamRefusal) as exc:
+            self._release_inline(prepared)
             return self._upstream_failed(prepared, exc)
         return StreamingResponse(
             self._relay(response, held, events, prepared, started), media_type="text/event-stream"
@@ -540,9 +643,8 @@ class Gateway:
                     event = with_report(event, report)
                 if waiting_first and first_token_or_error(event) == "token":
                     waiting_first = False
-                    self.metrics.first_token.labels(self.metrics.model_name).observe(
-                        time.monotonic() - started
-                    )
+                    self._release_inline(prepared)
+                    self._first_token(prepared, started)
                 yield event
             outcome = "ok"
         except (
@@ -558,6 +660,7 @@ class Gateway:
             }
             yield f"data: {json.dumps({'error': error})}\n\n".encode()
         finally:
+            self._release_inline(prepared)
             response.close()  # before the end: vLLM sees the connection drop and aborts the request
             if outcome != "ok":
                 self._cancel(prepared, outcome.replace("_", " "))
@@ -574,10 +677,12 @@ class InFlightLimit:
     """ASGI middleware: at most ``max_in_flight`` chat requests at once, counted from the moment
     a request's body is in (``Gateway.chat`` admits it then: a slow upload holds no place) to
     the last byte of the answer (a stream included); one more is refused at once with 503 and
-    ``Retry-After``."""
+    ``Retry-After``. A request's end, however it ends, also calls what the gateway left in its
+    scope at ``ON_END``."""
 
     SCOPE_KEY = "epd.in_flight"  # the limit, in a chat request's ASGI scope
     ADMITTED = "epd.admitted"
+    ON_END = "epd.on_end"  # called once the request has ended (its answer sent, or not)
 
     def __init__(self, app, gateway: Gateway):
         self.app, self.gateway = app, gateway
@@ -591,6 +696,9 @@ class InFlightLimit:
         try:
             await self.app(scope, receive, send)
         finally:
+            on_end = scope.get(self.ON_END)
+            if on_end is not None:
+                on_end()
             if scope.get(self.ADMITTED):
                 self.count -= 1
                 self.gauge.dec()
@@ -690,6 +798,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         gateway.metrics.workers_now(gateway.workers.states())
+        gateway.metrics.inline_now(gateway.inline.patches, gateway.inline.peak)
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,12 +1,17 @@
 """The gateway's Prometheus families, each labelled ``model_name``: requests by outcome, images by
-encoder, colocated fallbacks by reason, dispatch time, time to first token, requests in flight,
-encode workers by state (an incompatible one serves another model than vLLM's)."""
+encoder, colocated fallbacks by reason, placements by route and reason, the patches vLLM encodes
+inline, each route's learned cost and the error of its predictions (``--placement cost``),
+dispatch time, time to first token, requests in flight, encode workers by state (an incompatible
+one serves another model than vLLM's)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from epdserve.metrics import LATENCY_BUCKETS
+
+# measured over predicted: a quarter .. eight times
+ERROR_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 
 
 class GatewayMetrics:
@@ -29,6 +34,41 @@ class GatewayMetrics:
             "epd_gateway_colocated_fallbacks",
             "Images sent to vLLM inline instead of an encode worker, by reason",
             labels + ["reason"],
+            registry=self.registry,
+        )
+        self.placements = Counter(
+            "epd_gateway_placements",
+            "Images and videos by where they were encoded (route: encode_worker, vllm, refused) "
+            "and why (gateway.placement.Reason)",
+            labels + ["route", "reason"],
+            registry=self.registry,
+        )
+        self.inline_patches = Gauge(
+            "epd_gateway_inline_patches",
+            "Tower patches of the images vLLM encodes inline now (requests before their first "
+            "token); overflow of busy encode workers stays under --max-inline-patches",
+            labels,
+            registry=self.registry,
+        )
+        self.inline_patches_peak = Gauge(
+            "epd_gateway_inline_patches_peak",
+            "The most tower patches vLLM encoded inline at once since the gateway started",
+            labels,
+            registry=self.registry,
+        )
+        self.placement_cost = Gauge(
+            "epd_gateway_placement_cost_seconds",
+            "--placement cost: each route's learned time to first token (the median of its "
+            "recent requests) by size class (the request's tower patches, at most)",
+            labels + ["route", "size_class"],
+            registry=self.registry,
+        )
+        self.prediction_error = Histogram(
+            "epd_gateway_placement_prediction_error_ratio",
+            "--placement cost: a request's measured time to first token over the one predicted "
+            "for the route it took (1: right; above: slower than predicted)",
+            labels + ["route"],
+            buckets=ERROR_RATIO_BUCKETS,
             registry=self.registry,
         )
         self.dispatch = Histogram(
@@ -67,6 +107,17 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.model_name = model_name
+
+    def placed(self, route: str, reason: str) -> None:
+        self.placements.labels(self.model_name, route, reason).inc()
+
+    def inline_now(self, patches: int, peak: int) -> None:
+        self.inline_patches.labels(self.model_name).set(patches)
+        self.inline_patches_peak.labels(self.model_name).set(peak)
+
+    def costs_now(self, costs: dict[tuple[str, str], float]) -> None:
+        for (route, size_class), seconds in costs.items():
+            self.placement_cost.labels(self.model_name, route, size_class).set(seconds)
 
     def workers_now(self, states: dict[str, int]) -> None:
         for state, count in states.items():

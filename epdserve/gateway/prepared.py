@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from epdserve.dispatcher.media import DispatchedItem
 from epdserve.gateway.chat import EncodedMedia, InlineMedia, MediaRef, rewrite
+from epdserve.gateway.placement import Prediction, Reason
 from epdserve.wire.ec_params import DeliveryReport, ItemDelivery, identifier
 from epdserve.wire.modality import Modality
 
@@ -31,6 +32,9 @@ class PreparedChat:
     staged_s: float = 0.0  # placed -> every placed item's rows held by its worker
     video_seconds: bool = False  # the model's positions take a video's seconds per patch
     video_timestamps: bool = False  # the model's prompt states each temporal patch's time
+    reasons: dict[int, Reason] = field(default_factory=dict)  # why each item went where it did
+    inline_patches: int = 0  # of the items vLLM encodes inline, held in the gateway's budget
+    prediction: Prediction | None = None  # --placement cost: each route's time to first token
 
     @property
     def placed(self) -> list[DispatchedItem]:
@@ -55,16 +59,20 @@ class PreparedChat:
 
     def report(self, delivery: DeliveryReport | None) -> GatewayReport:
         images = []
+        predicted = self.prediction
         for item in self.items:
             key = identifier(item.content_hash)
             images.append(
                 ImageReport(
                     identifier=key,
                     encoder="encode_worker" if item.worker else "colocated",
+                    reason=self.reasons.get(item.index),
                     worker=item.worker,
                     rows=item.rows,
                     error=item.error,
                     dispatch_ms=round(item.dispatch_s * 1e3, 3),
+                    predicted_encode_worker_ms=_ms(predicted and predicted.encode_worker_s),
+                    predicted_vllm_ms=_ms(predicted and predicted.vllm_s),
                     delivery=delivery.items.get(key) if delivery is not None else None,
                 )
             )
@@ -81,10 +89,15 @@ class ImageReport(BaseModel):
 
     identifier: str  # its content hash, vLLM's identifier of the item
     encoder: Literal["encode_worker", "colocated"]
+    reason: Reason | None = None  # why there (gateway.placement.Reason)
     worker: str | None  # the encode worker that took it
     rows: int
     error: str | None  # why it went to vLLM inline instead
     dispatch_ms: float  # request start -> the worker's acknowledgement
+    # --placement cost: the request's time to first token predicted by each route (None: the
+    # policy did not predict it)
+    predicted_encode_worker_ms: float | None = None
+    predicted_vllm_ms: float | None = None
     delivery: ItemDelivery | None = None  # the EPD connector's report (non-streaming answers)
 
 
@@ -95,6 +108,10 @@ class GatewayReport(BaseModel):
     dispatch_ms: float  # request start -> every image placed (or not)
     staged_ms: float  # placed -> every placed image's rows held by its worker, before vLLM
     images: list[ImageReport]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
 
 
 def _media_type(item: DispatchedItem) -> str:

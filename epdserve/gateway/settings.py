@@ -10,6 +10,7 @@ from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import CliSuppress, NoDecode, SettingsConfigDict
 
 from epdserve.dispatcher.settings import EncodeWorkerTargets, HttpUrl
+from epdserve.gateway.placement import PLACEMENT_PATTERN
 from epdserve.process_settings import (
     ByteSize,
     NonNegativeInt,
@@ -130,6 +131,20 @@ class GatewaySettings(EncodeWorkerTargets, ClosedListener):
         description="forward a request once its encode workers hold its items' rows (waiting "
         "at most this; 0: at once), so that vLLM waits for a write, not an encode; rooms at the "
         "workers only (not with --rooms-url)",
+    )
+    placement: str = Field(
+        "workers",
+        pattern=PLACEMENT_PATTERN,
+        description="where images are encoded: workers (on the encode workers whenever one "
+        "takes them), cost (by the route whose time to first token, learned from the recent "
+        "requests, is predicted sooner), or min-items=N (a request of fewer than N distinct "
+        "images is encoded by vLLM inline, SGLang's adaptive dispatch rule)",
+    )
+    max_inline_patches: NonNegativeInt = Field(
+        16384,
+        description="tower patches vLLM encodes inline at once for images the busy encode "
+        "workers would keep past their deadline (overflow); past it such a request gets 503 and "
+        "Retry-After (0: never overflow)",
     )
     retry_colocated: bool = Field(
         True,

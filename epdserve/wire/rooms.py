@@ -144,6 +144,9 @@ class EncodeTimings(_Body):
     wait_s: json_float(ge=0, le=86400) = 0.0  # rows staged -> the item's receiver registered
     transfer_s: json_float(ge=0, le=86400) = 0.0  # the write itself
     cache_hit: JsonBool = False
+    # intake's estimate of queue_s (the work queued ahead at the measured pace); None: the pace
+    # was not measured yet
+    predicted_queue_s: json_float(ge=0, le=86400) | None = None
 
 
 class CommitBody(_Body):
