@@ -27,9 +27,10 @@ def checkpoints(tmp_path_factory):
     return {family: build_full(family, str(tmp_path_factory.mktemp(family))) for family in FAMILIES}
 
 
-# The longest modules first (vLLM's engines, then compiles and process clusters): two xdist
-# workers then end together instead of one starting an engine while the other has finished. A
-# module's tests stay together, in their order (its module fixtures are made once).
+# The longest modules first (vLLM's engines, then compiles and process clusters; within a lane, the
+# module of most tests first): two xdist workers then end together instead of one starting an
+# engine while the other has finished. A module's tests stay together, in their order (its
+# module fixtures are made once).
 HEAVIEST_FIRST = ("vllm", "compile", "processes")
 
 
@@ -39,6 +40,8 @@ def pytest_collection_modifyitems(items):
         return next((i for i, name in enumerate(HEAVIEST_FIRST) if name in marks), 3)
 
     module_lane: dict[str, int] = {}
+    module_tests: dict[str, int] = {}
     for item in items:
         module_lane[item.path] = min(lane(item), module_lane.get(item.path, 3))
-    items.sort(key=lambda item: module_lane[item.path])
+        module_tests[item.path] = module_tests.get(item.path, 0) + 1
+    items.sort(key=lambda item: (module_lane[item.path], -module_tests[item.path]))

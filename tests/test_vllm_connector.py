@@ -275,6 +275,9 @@ def closed_cleanly(running: Stack):
 # take no other) run the smaller set at the end of this module.
 FLOAT32 = [name for name in MODEL_TYPES if FAMILIES[name].cpu_dtype == "float32"]
 BFLOAT16 = [name for name in MODEL_TYPES if FAMILIES[name].cpu_dtype == "bfloat16"]
+# The connector's own behaviour (bad parameters, failures, logs, n > 1) is the same whatever the
+# family: those tests run on the first two families, the rows and tokens tests on every one.
+connector_behaviour = pytest.mark.parametrize("stack", FLOAT32[:2], indirect=True)
 
 
 @pytest.fixture(scope="module", params=FLOAT32)
@@ -374,6 +377,7 @@ def test_the_kv_connectors_engine_is_asked_for_only_where_it_can_be():
         kv_connector_transfer_engine()
 
 
+@connector_behaviour
 def test_embeddings_are_used(stack):
     """The same request with another image's rows gives other tokens (equal tokens above are not
     the tiny model ignoring the image)."""
@@ -400,6 +404,7 @@ def test_multi_image_with_a_repeat(stack):
     assert stack.pool_idle()
 
 
+@connector_behaviour
 def test_n_completions_share_one_delivery(stack):
     """``n`` = 2: vLLM runs two child requests with the parent's rooms; they share one
     registration and one delivery (a second registration of the room was refused, failing the
@@ -468,6 +473,7 @@ def test_a_video_and_an_image_in_one_request_equal_colocated(stack, transport):
     assert stack.pool_idle()
 
 
+@connector_behaviour
 def test_the_connectors_reasons_are_logged_as_vllm_logs_its_own(stack):
     """A request's failure reason goes through vLLM's own log handler, with the time and level
     vLLM prints (it reached Python's last resort before: the bare message)."""
@@ -489,6 +495,7 @@ def test_the_connectors_reasons_are_logged_as_vllm_logs_its_own(stack):
     assert re.search(r"\d\d-\d\d \d\d:\d\d:\d\d", text), text
 
 
+@connector_behaviour
 def test_request_without_rooms_is_untouched(stack):
     """A request with no ec_transfer_params is vLLM's own: no receive job, same tokens as always."""
     image = synthetic_image(84, 84, seed=41)
@@ -498,6 +505,7 @@ def test_request_without_rooms_is_untouched(stack):
     assert stack.items("done", "shm") + stack.items("done", "mooncake") == jobs
 
 
+@connector_behaviour
 def test_bad_transfer_params_fail_that_request_only(stack):
     """ec_transfer_params that do not validate fail that request with a logged reason; the next
     request is served."""
@@ -515,6 +523,7 @@ def test_bad_transfer_params_fail_that_request_only(stack):
     )
 
 
+@connector_behaviour
 def test_wrong_row_count_is_refused_before_vllm(stack):
     """The request's grid says 6 rows but the worker is sent a 112x112 image (16 rows): the room
     fails on the contract, vLLM never sees the rows, and the request fails alone when it carries
@@ -548,6 +557,7 @@ def test_wrong_row_count_is_refused_before_vllm(stack):
     eventually(stack.pool_idle, "the failed rooms' slots back in the pool", seconds=30)
 
 
+@connector_behaviour
 def test_worker_killed_mid_request(stack):
     """Encode workers are stopped before they can deliver and killed once the engine started
     receiving: the request with its image falls back to vLLM's tower (same tokens), the one with
@@ -581,6 +591,7 @@ def test_worker_killed_mid_request(stack):
     eventually(stack.pool_idle, "every slot back in the pool", seconds=30)
 
 
+@connector_behaviour
 def test_rows_of_another_model_never_enter_the_engine(stack, tmp_path):
     """A worker of other vision weights under the same name, sent the item by a dispatcher that
     does not say the engine's model (so intake takes it): the worker fails the room when vLLM's
