@@ -8,6 +8,23 @@ import pytest  # noqa: E402
 import tests.profiles  # noqa: E402,F401  (Hypothesis's profile: HYPOTHESIS_PROFILE)
 from tests.segments import left_since, segments  # noqa: E402
 
+SEGMENTS_BEFORE = pytest.StashKey[set[str]]()
+
+
+def pytest_sessionstart(session):
+    session.config.stash[SEGMENTS_BEFORE] = segments()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The run fails if it left a segment behind; in xdist's controller, once every worker is
+    done, this counts the gone processes' that the workers' own checks leave to it."""
+    left = left_since(session.config.stash[SEGMENTS_BEFORE])
+    if left and not hasattr(session.config, "workerinput"):
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(f"leaked SHM segments: {sorted(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 @pytest.fixture
 def no_new_segments():
