@@ -33,7 +33,9 @@ def _rank(index: int, size: int, init_file: str, loads, elsewhere: set[int], res
                 side.load(step, cache)
             except Exception as exc:  # noqa: BLE001 - reported to the test, per step
                 outcome["errors"].append(f"{type(exc).__name__}: {exc}")
-        outcome["cache"] = {key: value.clone() for key, value in cache.items()}
+        # by value (numpy pickles its bytes): a torch tensor would go as a file descriptor that
+        # this process serves, and it may have exited when the test reads the queue
+        outcome["cache"] = {key: value.numpy().copy() for key, value in cache.items()}
         outcome["loaded"] = side.take_loaded().load_ids
     except Exception:  # noqa: BLE001 - the test shows the rank's traceback
         outcome["traceback"] = traceback.format_exc()
@@ -67,4 +69,5 @@ def run_ranks(loads, elsewhere=(), size: int = 2, timeout_s: float = 120) -> lis
             os.unlink(init_file)
     for index, outcome in outcomes.items():
         assert "traceback" not in outcome, f"rank {index}:\n{outcome['traceback']}"
+        outcome["cache"] = {key: torch.from_numpy(rows) for key, rows in outcome["cache"].items()}
     return [outcomes[index] for index in range(size)]
