@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from epdserve.testing.cluster import free_port
 from epdserve.vision.small_checkpoints import build_full
 from tests.encode_helpers import png
 
@@ -75,12 +76,6 @@ def assert_refused(result, *expected):
     for text in expected:
         assert text in lines[0], lines[0]
     return lines[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

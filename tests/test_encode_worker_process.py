@@ -3,7 +3,6 @@ readiness and metrics over HTTP, and a clean SIGTERM."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 
 from epdserve.data_plane.mooncake import MooncakeTransport
 from epdserve.data_plane.shm_transport import ShmTransport
+from epdserve.testing.cluster import free_port
 from epdserve.vision.images import image_from_bytes
 from epdserve.vision.small_checkpoints import build_full
 from epdserve.vision.tower import VisionTower
@@ -28,12 +28,6 @@ from tests.waiting import eventually
 pytestmark = pytest.mark.processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, seconds: float = 60, path: str = "/readyz") -> None:

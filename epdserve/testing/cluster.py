@@ -8,6 +8,7 @@ spawn (they start in parallel); ``wait_ready()`` waits until each answers its re
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,8 +42,31 @@ async def metric_total(session, url: str, name: str, **labels: str) -> float | N
     return sum(values) if values else None
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out itself (to ``bind(0)`` and to outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
 def free_port(host: str = HOST) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    """A port free on ``host`` now, chosen at random below the kernel's ephemeral range: a port
+    ``bind(0)`` returned could be handed to another process's outgoing connection (or its own
+    ``bind(0)``) before a server binds it, which two test processes at once made happen."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = 10000
+    high = _ephemeral_ports().start
+    for port in random.sample(range(low, high), min(200, high - low)):
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as s:  # the low range taken: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 
