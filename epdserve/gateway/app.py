@@ -1,11 +1,7 @@
 """The gateway's HTTP face: OpenAI's chat completions in front of encode workers and vLLM.
 
-Before any request: what vLLM runs is read from vLLM itself (``engine``: its model's fingerprint,
-its processor kwargs and per-prompt limits, from the EPD connector's ``/v1/engine``) and followed;
-the gateway sizes items as vLLM would, refuses to serve when its own flags or checkpoint disagree
-with vLLM's, and keeps a worker of another model out of rotation. It is ready once it knows the
-engine and has probed its workers (and, for ``--worker-wait-s`` from then, waited for those still
-starting).
+Before any request: what vLLM runs is read from vLLM itself and followed (``readiness``); the
+gateway is ready once it knows the engine and has probed its workers.
 
 Per request (``Gateway.chat``): read the body (bounded), find its images and videos, load each
 (``media``), hash and size each distinct one and place it on an encode worker (``dispatcher``),
@@ -47,12 +43,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from epdserve.bearer_auth import BearerAuth
-from epdserve.dispatcher.dispatch import Dispatcher
 from epdserve.dispatcher.media import DispatchError, Media
 from epdserve.dispatcher.staged import StagedWatch
 from epdserve.dispatcher.workers import INCOMPATIBLE, READY, WorkerSet
 from epdserve.gateway.chat import BodyBudget, ChatRequest, ChatRequestError, media_refs, read_chat
-from epdserve.gateway.engine import EngineMismatch, EngineModel, EngineUnreadable, read_engine
 from epdserve.gateway.errors import OpenAIError, UpstreamRefusal
 from epdserve.gateway.media import MediaError, MediaFetcher
 from epdserve.gateway.metrics import GatewayMetrics
@@ -67,6 +61,7 @@ from epdserve.gateway.placement import (
     patches,
 )
 from epdserve.gateway.prepared import PreparedChat
+from epdserve.gateway.readiness import Readiness
 from epdserve.gateway.settings import GatewaySettings
 from epdserve.gateway.upstream import (
     FINISHING,
@@ -80,8 +75,6 @@ from epdserve.wire.ec_params import DeliveryReport
 from epdserve.wire.modality import BY_VLLM_NAME
 
 log = logging.getLogger(__name__)
-ENGINE_INTERVAL_S = 2.0  # how often the engine's description is read again once known
-ENGINE_RETRY_S = 0.5  # ... while it is not known yet
 
 
 class Gateway:
@@ -98,12 +91,7 @@ class Gateway:
         self.workers = WorkerSet(
             list(settings.workers), settings.dns, settings.bootstrap_port, settings.intake_port
         )
-        self.engine: EngineModel | None = None  # what vLLM runs, once read from vLLM
-        self.engine_known_at = 0.0
-        self.engine_problem = f"vLLM's engine not read yet ({settings.engine_url})"
-        self.refused: str | None = None
-        self.on_refusal = on_refusal
-        self.dispatcher: Dispatcher | None = None  # made once the engine is known
+        self.readiness = Readiness(settings, self.workers, on_refusal)
         self.reading = BodyBudget(settings.max_receiving_bytes)
         self.fetcher = MediaFetcher(
             settings.max_image_bytes,
@@ -120,7 +108,7 @@ class Gateway:
         )
         # rooms at a standalone authority say nothing of the workers' rows: no wait then
         self.staged = (
-            StagedWatch(settings.handshake_token, lost=self._worker_lost)
+            StagedWatch(settings.handshake_token, lost=self.readiness.worker_lost)
             if settings.stage_wait_s > 0 and settings.rooms_url is None
             else None
         )
@@ -128,15 +116,15 @@ class Gateway:
 
     async def start(self) -> None:
         await self.upstream.start()
-        self._spawn(self._follow_engine())
+        self._spawn(self.readiness.follow())
         self._spawn(self.workers.run())
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.dispatcher is not None:
-            await self.dispatcher.close()
+        if self.readiness.dispatcher is not None:
+            await self.readiness.dispatcher.close()
         if self.staged is not None:
             await self.staged.close()
         await self.workers.close()
@@ -149,100 +137,9 @@ class Gateway:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # ---- the engine and readiness ------------------------------------------------------------
-
-    async def _follow_engine(self) -> None:
-        """Read the engine's description until known, then again every ``ENGINE_INTERVAL_S``."""
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-            while self.refused is None:
-                try:
-                    self._learn(await read_engine(session, self.settings.engine_url))
-                except EngineUnreadable as exc:
-                    if self.engine is None:
-                        self.engine_problem = str(exc)
-                await asyncio.sleep(ENGINE_INTERVAL_S if self.engine else ENGINE_RETRY_S)
-
-    def _learn(self, description) -> None:
-        """The engine as vLLM describes it now: sizing made to agree with it, its model the one
-        items are sent for and workers are judged by; a disagreement refuses to serve."""
-        if self.engine is not None and description == self.engine.description:
-            return
-        try:
-            engine = EngineModel.agree(self.settings, description)
-        except EngineMismatch as exc:
-            self.refused = f"cannot serve vLLM at {self.settings.vllm_url}: {exc}"
-            log.error("%s", self.refused)
-            self.on_refusal(self.refused)
-            return
-        if self.engine is None:
-            log.info(
-                "vLLM runs %s (model %s; limits %s)",
-                description.served_model_name,
-                engine.fingerprint,
-                engine.limits,
-            )
-            self.engine_known_at = time.monotonic()
-            self.dispatcher = Dispatcher(
-                self.workers,
-                engine.processor,
-                engine.video_processor,
-                rooms_url=self.settings.rooms_url,
-                served_model=self.settings.served_model_name,
-                handshake_token=self.settings.handshake_token,
-                intake_token=self.settings.intake_token,
-                intake_timeout_s=self.settings.intake_timeout_s,
-                sizing=engine.family.sizing,
-                max_image_pixels=self.settings.max_image_pixels,
-                fingerprint=engine.fingerprint,
-            )
-        else:
-            log.warning("vLLM's model changed: now %s", engine.fingerprint)
-            self.dispatcher.size_for(
-                engine.processor, engine.video_processor, engine.family.sizing, engine.fingerprint
-            )
-        self.engine = engine
-        self.workers.set_engine(description.fingerprint)
-
-    def _worker_lost(self, endpoint, reason: str) -> None:
-        """A worker's room stream closed under waiting items: it leaves the ring now, not at
-        its next check."""
-        if endpoint.authority in self.workers.status():
-            self.workers.mark_down(self.workers.address(endpoint.authority), reason)
-
     def not_ready(self) -> str | None:
-        """Why the gateway should get no requests now, or None: it must know the engine, have
-        probed its workers since, and (for ``--worker-wait-s`` from then) have seen each worker
-        ready or of another model."""
-        if self.refused is not None:
-            return self.refused
-        if self.engine is None:
-            return self.engine_problem
-        if self.workers.rounds == 0:
-            return "probing the encode workers"
-        waited = time.monotonic() - self.engine_known_at
-        if not self.workers.settled() and waited < self.settings.worker_wait_s:
-            return f"waiting up to {self.settings.worker_wait_s:g} s for encode workers to start"
-        return None
-
-    @property
-    def video_seconds(self) -> bool:
-        """Whether the model's positions take a video's seconds per temporal patch (Qwen2.5-VL)."""
-        engine = self.engine
-        return (
-            engine is not None
-            and engine.video_processor is not None
-            and (engine.family.video_seconds)
-        )
-
-    @property
-    def video_timestamps(self) -> bool:
-        """Whether the model's prompt states each temporal patch's time (Qwen3-VL, Qwen3.5)."""
-        engine = self.engine
-        return (
-            engine is not None
-            and engine.video_processor is not None
-            and engine.family.video_timestamps
-        )
+        """Why the gateway should get no requests now, or None (``Readiness.not_ready``)."""
+        return self.readiness.not_ready()
 
     # ---- one chat request -------------------------------------------------------------------
 
@@ -290,7 +187,8 @@ class Gateway:
             refs = media_refs(chat)
         except ChatRequestError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
-        if refs and (self.engine is None or self.refused is not None):
+        readiness = self.readiness
+        if refs and (readiness.engine is None or readiness.refused is not None):
             raise OpenAIError(
                 503,
                 f"the gateway is not ready: {self.not_ready()}",
@@ -303,8 +201,8 @@ class Gateway:
             body,
             chat.stream,
             refs,
-            video_seconds=self.video_seconds,
-            video_timestamps=self.video_timestamps,
+            video_seconds=readiness.video_seconds,
+            video_timestamps=readiness.video_timestamps,
         )
         if not refs:
             return prepared
@@ -321,7 +219,8 @@ class Gateway:
             media = Media(data, BY_VLLM_NAME[ref.kind])
             prepared.of_ref.append(distinct.setdefault(media, len(distinct)))
         try:
-            prepared.items = self.dispatcher.describe(
+            dispatcher = readiness.dispatcher
+            prepared.items = dispatcher.describe(
                 list(distinct),
                 [refs[prepared.of_ref.index(i)].param for i in range(len(distinct))],
                 vllm_decodes=True,
@@ -330,7 +229,7 @@ class Gateway:
                 for item in prepared.items:  # vLLM encodes them: nothing is sent to the workers
                     self._inline(prepared, item, Reason.FEW_ITEMS)
             elif not self._decided_inline(prepared):
-                await self.dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
+                await dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
         except DispatchError as exc:
             raise OpenAIError(400, str(exc)) from None
         prepared.dispatch_s = time.monotonic() - started
@@ -454,7 +353,8 @@ class Gateway:
     def _within_limits(self, refs: list) -> None:
         """vLLM's per-prompt limits (as vLLM says them), checked before any worker encodes an
         item vLLM would refuse the request for."""
-        limits = self.engine.limits if self.engine is not None else {}
+        engine = self.readiness.engine
+        limits = engine.limits if engine is not None else {}
         for kind, limit in limits.items():
             count = sum(ref.kind == kind for ref in refs)
             if count > limit:
@@ -466,7 +366,7 @@ class Gateway:
 
     def _cancel(self, prepared: PreparedChat, reason: str) -> None:
         if prepared.placed:
-            self._spawn(self.dispatcher.cancel(prepared.placed, reason))
+            self._spawn(self.readiness.dispatcher.cancel(prepared.placed, reason))
 
     # ---- non-streaming ------------------------------------------------------------------------
 
@@ -775,7 +675,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         """Ready once the gateway knows vLLM's engine, has probed its workers and vLLM is
         healthy; each worker's state either way (an incompatible one with what differs)."""
         workers = gateway.workers.status()
-        engine = gateway.engine
+        engine = gateway.readiness.engine
         model = (
             {
                 "engine": {

@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             settings.engine_url,
         ),
     )
-    if gateway.refused is not None:
-        exit_process(refuse(GatewaySettings.PROG, gateway.refused))
+    if gateway.readiness.refused is not None:
+        exit_process(refuse(GatewaySettings.PROG, gateway.readiness.refused))
     exit_process(0)
 
 
