@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,21 +43,12 @@ from starlette.requests import ClientDisconnect
 from epdserve.bearer_auth import BearerAuth
 from epdserve.dispatcher.media import DispatchError, Media
 from epdserve.dispatcher.staged import StagedWatch
-from epdserve.dispatcher.workers import INCOMPATIBLE, READY, WorkerSet
+from epdserve.dispatcher.workers import WorkerSet
 from epdserve.gateway.chat import BodyBudget, ChatRequest, ChatRequestError, media_refs, read_chat
 from epdserve.gateway.errors import OpenAIError, UpstreamRefusal
 from epdserve.gateway.media import MediaError, MediaFetcher
 from epdserve.gateway.metrics import GatewayMetrics
-from epdserve.gateway.placement import (
-    COST,
-    InlineBudget,
-    PlacementCosts,
-    Reason,
-    Route,
-    busy,
-    min_items,
-    patches,
-)
+from epdserve.gateway.placement import InlineBudget, PlacementCosts, Placements, Reason
 from epdserve.gateway.prepared import PreparedChat
 from epdserve.gateway.readiness import Readiness
 from epdserve.gateway.settings import GatewaySettings
@@ -103,6 +92,7 @@ class Gateway:
         self.metrics = GatewayMetrics(settings.served_model_name, registry)
         self.inline = InlineBudget(settings.max_inline_patches)
         self.costs = PlacementCosts()
+        self.placements = Placements(settings.placement, self.inline, self.costs, self.metrics)
         self.upstream = Upstream(
             settings.vllm_url, settings.request_timeout_s, settings.vllm_api_key
         )
@@ -166,7 +156,7 @@ class Gateway:
             prepared = await self._prepare(body, chat)
             # the request's end releases its inline patches at the latest, even where its stream
             # never started (the client gone before its first byte)
-            request.scope[InFlightLimit.ON_END] = lambda: self._release_inline(prepared)
+            request.scope[InFlightLimit.ON_END] = lambda: self.placements.release_inline(prepared)
         except OpenAIError as exc:
             self.metrics.count("overloaded" if exc.kind == "overloaded" else "refused")
             return exc.response()
@@ -225,130 +215,19 @@ class Gateway:
                 [refs[prepared.of_ref.index(i)].param for i in range(len(distinct))],
                 vllm_decodes=True,
             )
-            if len(prepared.items) < min_items(self.settings.placement):
-                for item in prepared.items:  # vLLM encodes them: nothing is sent to the workers
-                    self._inline(prepared, item, Reason.FEW_ITEMS)
-            elif not self._decided_inline(prepared):
+            if not self.placements.decided_inline(prepared):
                 await dispatcher.place(prepared.request_id, prepared.items, self.settings.near)
         except DispatchError as exc:
             raise OpenAIError(400, str(exc)) from None
         prepared.dispatch_s = time.monotonic() - started
         self.metrics.dispatch.labels(self.metrics.model_name).observe(prepared.dispatch_s)
-        self._overflow(prepared)
-        states = self.workers.states()
-        for item in prepared.items:
-            if item.worker is not None:
-                decided = prepared.prediction
-                reason = decided.reason if decided is not None else Reason.PLACED
-                self._placed(prepared, item, Route.ENCODE_WORKER, reason)
-            elif item.index not in prepared.reasons:  # (overflow is decided already)
-                reason = (
-                    Reason.FORMAT
-                    if item.encoded_by_vllm
-                    else Reason.DISPATCH_FAILED
-                    if item.attempts
-                    else Reason.NO_COMPATIBLE_WORKER
-                    if states[INCOMPATIBLE] and not states[READY]
-                    else Reason.NO_HEALTHY_WORKER
-                )
-                self._inline(prepared, item, reason)
+        try:
+            self.placements.overflow(prepared)
+        except OpenAIError:  # refused whole: the rooms of its placed items are not needed
+            self._cancel(prepared, "the encode workers are busy: request refused")
+            raise
+        self.placements.dispatched(prepared, self.workers.states())
         return prepared
-
-    def _decided_inline(self, prepared: PreparedChat) -> bool:
-        """``--placement cost``: whether the request's images go to vLLM inline, predicted
-        sooner there (or probed) and within ``--max-inline-patches`` (else to the workers,
-        ``inline_full``), then counted; the prediction kept for its report and for its error
-        once the first token came."""
-        if self.settings.placement != COST:
-            return False
-        encodable = [item for item in prepared.items if not item.encoded_by_vllm]
-        if not encodable:
-            return False
-        wanted = sum(patches(item) for item in encodable)
-        prepared.prediction = self.costs.decide(wanted, self.inline.patches)
-        if prepared.prediction.route is not Route.VLLM:
-            return False
-        if not self.inline.overflow(wanted):  # vLLM encodes --max-inline-patches inline already
-            prepared.prediction = dataclasses.replace(
-                prepared.prediction, route=Route.ENCODE_WORKER, reason=Reason.INLINE_FULL
-            )
-            return False
-        for item in encodable:
-            self._inline(prepared, item, prepared.prediction.reason, held=True)
-        return True
-
-    def _first_token(self, prepared: PreparedChat, started: float) -> None:
-        """The request's first token (or answer) came: its time counted, and learned as its
-        route's cost where all its images took one route."""
-        seconds = time.monotonic() - started
-        self.metrics.first_token.labels(self.metrics.model_name).observe(seconds)
-        if not prepared.items:
-            return
-        placed = len(prepared.placed)
-        if 0 < placed < len(prepared.items):
-            return  # both routes: the time is neither's
-        route = Route.ENCODE_WORKER if placed else Route.VLLM
-        self.costs.observe(route, sum(patches(item) for item in prepared.items), seconds)
-        self.metrics.costs_now(self.costs.costs())
-        prediction = prepared.prediction
-        if prediction is not None and prediction.route is route and prediction.taken_s > 0:
-            self.metrics.prediction_error.labels(self.metrics.model_name, route.value).observe(
-                seconds / prediction.taken_s
-            )
-
-    def _overflow(self, prepared: PreparedChat) -> None:
-        """The items every worker refused as busy (their wait there past their deadline) go to
-        vLLM inline if their patches fit under ``--max-inline-patches`` with those vLLM encodes
-        inline already; else the request is refused whole, with when to retry, and its placed
-        items' rooms cancelled: the encode tier is up and will take it later."""
-        refused = [item for item in prepared.items if busy(item)]
-        if not refused:
-            return
-        if self.inline.overflow(sum(patches(item) for item in refused)):
-            for item in refused:
-                item.error = f"the encode workers are busy ({item.error}); vLLM encoded it"
-                self._inline(prepared, item, Reason.WORKERS_BUSY, held=True)
-            return
-        for item in refused:
-            self.metrics.placed(Route.REFUSED.value, Reason.INLINE_FULL.value)
-        self._cancel(prepared, "the encode workers are busy: request refused")
-        raise OpenAIError(
-            503,
-            f"{len(refused)} of the request's {len(prepared.items)} images cannot be encoded "
-            "within their deadline: the encode workers are busy and vLLM encodes "
-            f"{self.inline.patches} patches inline already (--max-inline-patches "
-            f"{self.inline.max_patches}); retry later",
-            kind="overloaded",
-            retry_after_s=max(1, math.ceil(min(item.retry_after_s for item in refused))),
-        )
-
-    def _placed(
-        self, prepared: PreparedChat, item, route: Route, reason: Reason, moved: bool = False
-    ) -> None:
-        """Where the item goes and why, counted (``moved``: a placed item sent inline after
-        all: a placement again, not another image)."""
-        prepared.reasons[item.index] = reason
-        self.metrics.placed(route.value, reason.value)
-        if not moved:
-            encoder = "encode_worker" if route is Route.ENCODE_WORKER else "colocated"
-            self.metrics.images.labels(self.metrics.model_name, encoder).inc()
-
-    def _inline(
-        self, prepared: PreparedChat, item, reason: Reason, held: bool = False, moved: bool = False
-    ) -> None:
-        """The item goes to vLLM inline: counted, and its patches held until the request's
-        prefill is over (``held``: taken from the budget already)."""
-        self._placed(prepared, item, Route.VLLM, reason, moved)
-        self.metrics.colocated.labels(self.metrics.model_name, reason.value).inc()
-        if not held:
-            self.inline.hold(patches(item))
-        prepared.inline_patches += patches(item)
-
-    def _release_inline(self, prepared: PreparedChat) -> None:
-        """The request's prefill is over (its first token, its answer, or its end): vLLM
-        encodes its inline items no more. Once per request."""
-        self.inline.release(prepared.inline_patches)
-        prepared.inline_patches = 0
 
     def _within_limits(self, refs: list) -> None:
         """vLLM's per-prompt limits (as vLLM says them), checked before any worker encodes an
@@ -406,14 +285,14 @@ class Gateway:
         try:
             call = await self._until_client_leaves(request, self._call(prepared), prepared)
         finally:
-            self._release_inline(prepared)
+            self.placements.release_inline(prepared)
         if call is None:
             return Response(status_code=499)
         try:
             payload = call.result()
         except (OpenAIError, UpstreamRefusal) as exc:
             return self._upstream_failed(prepared, exc)
-        self._first_token(prepared, started)
+        self.placements.first_token(prepared, started)
         self.metrics.count("ok")
         return Response(payload, media_type="application/json")
 
@@ -434,7 +313,7 @@ class Gateway:
                     None,
                     f"the encode worker ({item.worker}) failed it, {reason}; vLLM encoded it",
                 )
-                self._inline(prepared, item, Reason.ENCODE_FAILED, moved=True)
+                self.placements.send_inline(prepared, item, Reason.ENCODE_FAILED, moved=True)
 
     async def _call(self, prepared: PreparedChat) -> bytes:
         """vLLM's answer (``UpstreamRefusal`` for another status than 200); on a failed EPD
@@ -474,7 +353,7 @@ class Gateway:
                 None,
                 f"delivery failed in vLLM (worker {item.worker}); vLLM encoded it",
             )
-            self._inline(prepared, item, Reason.DELIVERY_FAILED, moved=True)
+            self.placements.send_inline(prepared, item, Reason.DELIVERY_FAILED, moved=True)
 
     # ---- streaming ----------------------------------------------------------------------------
 
@@ -482,15 +361,15 @@ class Gateway:
         try:
             opened = await self._until_client_leaves(request, self._open(prepared), prepared)
         except BaseException:
-            self._release_inline(prepared)
+            self.placements.release_inline(prepared)
             raise
         if opened is None:
-            self._release_inline(prepared)
+            self.placements.release_inline(prepared)
             return Response(status_code=499)
         try:
             response, held, events = opened.result()
         except (OpenAIError, UpstreamRefusal) as exc:
-            self._release_inline(prepared)
+            self.placements.release_inline(prepared)
             return self._upstream_failed(prepared, exc)
         return StreamingResponse(
             self._relay(response, held, events, prepared, started), media_type="text/event-stream"
@@ -543,8 +422,8 @@ class Gateway:
                     event = with_report(event, report)
                 if waiting_first and first_token_or_error(event) == "token":
                     waiting_first = False
-                    self._release_inline(prepared)
-                    self._first_token(prepared, started)
+                    self.placements.release_inline(prepared)
+                    self.placements.first_token(prepared, started)
                 yield event
             outcome = "ok"
         except (
@@ -560,7 +439,7 @@ class Gateway:
             }
             yield f"data: {json.dumps({'error': error})}\n\n".encode()
         finally:
-            self._release_inline(prepared)
+            self.placements.release_inline(prepared)
             response.close()  # before the end: vLLM sees the connection drop and aborts the request
             if outcome != "ok":
                 self._cancel(prepared, outcome.replace("_", " "))

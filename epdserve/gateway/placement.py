@@ -5,7 +5,8 @@ patches`` (``InlineBudget``: the patches of the images vLLM encodes inline at on
 does not move the whole encode load onto the prefill GPU), and is refused (503) past it. Every
 decision is counted by route and reason (``epd_gateway_placements_total{route,reason}``) and said
 in the answer's ``epd`` report. ``--placement min-items=N`` (SGLang's static rule) sends a request
-of fewer than N distinct images to vLLM inline whole.
+of fewer than N distinct images to vLLM inline whole. ``Placements`` takes and records these
+decisions for each request.
 
 ``--placement cost`` (``PlacementCosts``) predicts, for each request with images, its time to first
 token by each route, and takes the sooner: via the encode workers, the median of the recent
@@ -26,9 +27,17 @@ import enum
 import math
 import re
 import statistics
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from epdserve.dispatcher.media import DispatchedItem
+from epdserve.dispatcher.workers import INCOMPATIBLE, READY
+from epdserve.gateway.errors import OpenAIError
+
+if TYPE_CHECKING:
+    from epdserve.gateway.metrics import GatewayMetrics
+    from epdserve.gateway.prepared import PreparedChat
 
 
 class Route(str, enum.Enum):
@@ -186,3 +195,162 @@ class PlacementCosts:
             (route.value, label): statistics.median(seconds for seconds, _ in seen)
             for (route, label), seen in self._seen.items()
         }
+
+
+class Placements:
+    """Each request's placements, as the gateway decides and records them: an image's route and
+    reason counted (and kept for the request's ``epd`` report), the patches of the images vLLM
+    encodes inline held in the ``InlineBudget`` until the request's prefill is over,
+    ``--placement``'s decisions taken before any worker is asked, busy workers' images overflowed
+    inline or the request refused, and (``--placement cost``) each route's time to first token
+    learned from the requests whose images all took it."""
+
+    def __init__(
+        self,
+        placement: str,
+        inline: InlineBudget,
+        costs: PlacementCosts,
+        metrics: GatewayMetrics,
+    ):
+        """``placement``: ``--placement``'s value (``PLACEMENT_PATTERN``)."""
+        self.placement = placement
+        self.inline = inline
+        self.costs = costs
+        self.metrics = metrics
+
+    def decided_inline(self, prepared: PreparedChat) -> bool:
+        """Whether the request's images go to vLLM inline before any worker is asked: fewer
+        than ``--placement min-items=N`` (every image), or predicted sooner there
+        (``--placement cost``: every image a worker could encode)."""
+        if len(prepared.items) < min_items(self.placement):
+            for item in prepared.items:  # vLLM encodes them: nothing is sent to the workers
+                self.send_inline(prepared, item, Reason.FEW_ITEMS)
+            return True
+        return self._predicted_inline(prepared)
+
+    def _predicted_inline(self, prepared: PreparedChat) -> bool:
+        """``--placement cost``: whether the request's images go to vLLM inline, predicted
+        sooner there (or probed) and within ``--max-inline-patches`` (else to the workers,
+        ``inline_full``), then counted; the prediction kept for its report and for its error
+        once the first token came."""
+        if self.placement != COST:
+            return False
+        encodable = [item for item in prepared.items if not item.encoded_by_vllm]
+        if not encodable:
+            return False
+        wanted = sum(patches(item) for item in encodable)
+        prepared.prediction = self.costs.decide(wanted, self.inline.patches)
+        if prepared.prediction.route is not Route.VLLM:
+            return False
+        if not self.inline.overflow(wanted):  # vLLM encodes --max-inline-patches inline already
+            prepared.prediction = replace(
+                prepared.prediction, route=Route.ENCODE_WORKER, reason=Reason.INLINE_FULL
+            )
+            return False
+        for item in encodable:
+            self.send_inline(prepared, item, prepared.prediction.reason, held=True)
+        return True
+
+    def overflow(self, prepared: PreparedChat) -> None:
+        """The items every worker refused as busy (their wait there past their deadline) go to
+        vLLM inline if their patches fit under ``--max-inline-patches`` with those vLLM encodes
+        inline already; else the request is refused whole (``OpenAIError`` 503, with when to
+        retry: the encode tier is up and will take it later), and the caller cancels its
+        placed items' rooms."""
+        refused = [item for item in prepared.items if busy(item)]
+        if not refused:
+            return
+        if self.inline.overflow(sum(patches(item) for item in refused)):
+            for item in refused:
+                item.error = f"the encode workers are busy ({item.error}); vLLM encoded it"
+                self.send_inline(prepared, item, Reason.WORKERS_BUSY, held=True)
+            return
+        for item in refused:
+            self.metrics.placed(Route.REFUSED.value, Reason.INLINE_FULL.value)
+        raise OpenAIError(
+            503,
+            f"{len(refused)} of the request's {len(prepared.items)} images cannot be encoded "
+            "within their deadline: the encode workers are busy and vLLM encodes "
+            f"{self.inline.patches} patches inline already (--max-inline-patches "
+            f"{self.inline.max_patches}); retry later",
+            kind="overloaded",
+            retry_after_s=max(1, math.ceil(min(item.retry_after_s for item in refused))),
+        )
+
+    def dispatched(self, prepared: PreparedChat, worker_states: dict[str, int]) -> None:
+        """Each image the dispatcher placed recorded with its worker's route; each other one not
+        decided yet goes to vLLM inline, with why no worker took it (``worker_states``: the
+        encode workers by state now)."""
+        for item in prepared.items:
+            if item.worker is not None:
+                decided = prepared.prediction
+                reason = decided.reason if decided is not None else Reason.PLACED
+                self._placed(prepared, item, Route.ENCODE_WORKER, reason)
+            elif item.index not in prepared.reasons:  # (overflow is decided already)
+                reason = (
+                    Reason.FORMAT
+                    if item.encoded_by_vllm
+                    else Reason.DISPATCH_FAILED
+                    if item.attempts
+                    else Reason.NO_COMPATIBLE_WORKER
+                    if worker_states[INCOMPATIBLE] and not worker_states[READY]
+                    else Reason.NO_HEALTHY_WORKER
+                )
+                self.send_inline(prepared, item, reason)
+
+    def _placed(
+        self,
+        prepared: PreparedChat,
+        item: DispatchedItem,
+        route: Route,
+        reason: Reason,
+        moved: bool = False,
+    ) -> None:
+        """Where the item goes and why, counted (``moved``: a placed item sent inline after
+        all: a placement again, not another image)."""
+        prepared.reasons[item.index] = reason
+        self.metrics.placed(route.value, reason.value)
+        if not moved:
+            encoder = "encode_worker" if route is Route.ENCODE_WORKER else "colocated"
+            self.metrics.images.labels(self.metrics.model_name, encoder).inc()
+
+    def send_inline(
+        self,
+        prepared: PreparedChat,
+        item: DispatchedItem,
+        reason: Reason,
+        held: bool = False,
+        moved: bool = False,
+    ) -> None:
+        """The item goes to vLLM inline: counted, and its patches held until the request's
+        prefill is over (``held``: taken from the budget already)."""
+        self._placed(prepared, item, Route.VLLM, reason, moved)
+        self.metrics.colocated.labels(self.metrics.model_name, reason.value).inc()
+        if not held:
+            self.inline.hold(patches(item))
+        prepared.inline_patches += patches(item)
+
+    def release_inline(self, prepared: PreparedChat) -> None:
+        """The request's prefill is over (its first token, its answer, or its end): vLLM
+        encodes its inline items no more. Once per request."""
+        self.inline.release(prepared.inline_patches)
+        prepared.inline_patches = 0
+
+    def first_token(self, prepared: PreparedChat, started: float) -> None:
+        """The request's first token (or answer) came: its time counted, and learned as its
+        route's cost where all its images took one route."""
+        seconds = time.monotonic() - started
+        self.metrics.first_token.labels(self.metrics.model_name).observe(seconds)
+        if not prepared.items:
+            return
+        placed = len(prepared.placed)
+        if 0 < placed < len(prepared.items):
+            return  # both routes: the time is neither's
+        route = Route.ENCODE_WORKER if placed else Route.VLLM
+        self.costs.observe(route, sum(patches(item) for item in prepared.items), seconds)
+        self.metrics.costs_now(self.costs.costs())
+        prediction = prepared.prediction
+        if prediction is not None and prediction.route is route and prediction.taken_s > 0:
+            self.metrics.prediction_error.labels(self.metrics.model_name, route.value).observe(
+                seconds / prediction.taken_s
+            )
