@@ -4,17 +4,14 @@ Before any request: what vLLM runs is read from vLLM itself and followed (``read
 gateway is ready once it knows the engine and has probed its workers.
 
 Per request (``Gateway.chat``): read the body (bounded), find its images and videos, load each
-(``media``), hash and size each distinct one and place it on an encode worker (``dispatcher``),
-rewrite the body so vLLM gets each placed item as its patch grid and identifier, with the rooms in
-``ec_transfer_params`` (``chat.rewrite``), wait until the workers hold every placed item's rows
-(``stage_wait_s``: vLLM then waits for a write, not an encode), forward it to vLLM and relay the
-answer, streamed or not. An item no worker took goes to vLLM inline (vLLM's own tower: colocated; a
-video is then decoded and sampled by vLLM's own video loader); one the workers refused as busy
-overflows inline within ``--max-inline-patches``, past which the request is refused (503,
-Retry-After) (``placement``). A request whose delivery fails inside
-vLLM (vLLM answers 500, or its stream's first event is an error) is sent once more with every item
-inline when ``retry_colocated``. A client that leaves, or a vLLM refusal, cancels the request's
-rooms at once (the workers drop those items).
+(``media``), hash and size each distinct one and place it on an encode worker (``dispatcher``; an
+item no worker took, or one the workers refused as busy within ``--max-inline-patches``, goes to
+vLLM inline, else the request is refused: ``placement``), then forward it to vLLM once the workers
+hold every placed item's rows and relay the answer, streamed or not (``upstream``: the body
+rewritten so vLLM gets each placed item as its patch grid and identifier, with the rooms in
+``ec_transfer_params``, ``chat.rewrite``; a failed delivery retried inline; the rooms cancelled
+when the client leaves or vLLM refuses). At most ``--max-in-flight`` requests at once
+(``InFlightLimit``).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``; vLLM's own errors
 are relayed as vLLM sent them."""
@@ -23,15 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
-import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -45,28 +39,23 @@ from epdserve.dispatcher.media import DispatchError, Media
 from epdserve.dispatcher.staged import StagedWatch
 from epdserve.dispatcher.workers import WorkerSet
 from epdserve.gateway.chat import BodyBudget, ChatRequest, ChatRequestError, media_refs, read_chat
-from epdserve.gateway.errors import OpenAIError, UpstreamRefusal
+from epdserve.gateway.errors import OpenAIError
 from epdserve.gateway.media import MediaError, MediaFetcher
 from epdserve.gateway.metrics import GatewayMetrics
-from epdserve.gateway.placement import InlineBudget, PlacementCosts, Placements, Reason
+from epdserve.gateway.placement import InlineBudget, PlacementCosts, Placements
 from epdserve.gateway.prepared import PreparedChat
 from epdserve.gateway.readiness import Readiness
 from epdserve.gateway.settings import GatewaySettings
-from epdserve.gateway.upstream import (
-    FINISHING,
-    Upstream,
-    chain_events,
-    first_token_or_error,
-    server_events,
-    with_report,
-)
-from epdserve.wire.ec_params import DeliveryReport
+from epdserve.gateway.upstream import Forwarder, Upstream
 from epdserve.wire.modality import BY_VLLM_NAME
 
 log = logging.getLogger(__name__)
 
 
 class Gateway:
+    """One gateway process: its encode workers, vLLM's engine followed (``readiness``), and each
+    chat request read, placed (``placements``) and forwarded (``forwarder``)."""
+
     def __init__(
         self,
         settings: GatewaySettings,
@@ -101,6 +90,9 @@ class Gateway:
             StagedWatch(settings.handshake_token, lost=self.readiness.worker_lost)
             if settings.stage_wait_s > 0 and settings.rooms_url is None
             else None
+        )
+        self.forwarder = Forwarder(
+            self.upstream, settings, self.staged, self.placements, self.metrics, self._cancel
         )
         self._tasks: set[asyncio.Task] = set()
 
@@ -169,8 +161,8 @@ class Gateway:
                 500, f"internal error: {type(exc).__name__}", kind="internal_error"
             ).response()
         if prepared.stream:
-            return await self._stream(request, prepared, started)
-        return await self._complete(request, prepared, started)
+            return await self.forwarder.stream(request, prepared, started)
+        return await self.forwarder.complete(request, prepared, started)
 
     async def _prepare(self, body: dict, chat: ChatRequest) -> PreparedChat:
         try:
@@ -246,210 +238,6 @@ class Gateway:
     def _cancel(self, prepared: PreparedChat, reason: str) -> None:
         if prepared.placed:
             self._spawn(self.readiness.dispatcher.cancel(prepared.placed, reason))
-
-    # ---- non-streaming ------------------------------------------------------------------------
-
-    async def _until_client_leaves(
-        self, request: Request, coroutine, prepared: PreparedChat
-    ) -> asyncio.Task | None:
-        """The finished task of ``coroutine``, or None when the client left first: then the
-        coroutine is cancelled (dropping the vLLM call makes vLLM abort the request) and so are
-        the request's rooms."""
-        work = asyncio.ensure_future(coroutine)
-        left = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            left.cancel()
-        if work.done():
-            return work
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
-        self._cancel(prepared, "the client disconnected")
-        self.metrics.count("client_disconnected")
-        return None
-
-    def _upstream_failed(
-        self, prepared: PreparedChat, exc: OpenAIError | UpstreamRefusal
-    ) -> Response:
-        self._cancel(prepared, str(exc))
-        self.metrics.count("upstream_error")
-        if isinstance(exc, UpstreamRefusal):
-            return Response(exc.payload, status_code=exc.status, media_type="application/json")
-        return exc.response()
-
-    # ---- non-streaming ------------------------------------------------------------------------
-
-    async def _complete(self, request: Request, prepared: PreparedChat, started: float) -> Response:
-        try:
-            call = await self._until_client_leaves(request, self._call(prepared), prepared)
-        finally:
-            self.placements.release_inline(prepared)
-        if call is None:
-            return Response(status_code=499)
-        try:
-            payload = call.result()
-        except (OpenAIError, UpstreamRefusal) as exc:
-            return self._upstream_failed(prepared, exc)
-        self.placements.first_token(prepared, started)
-        self.metrics.count("ok")
-        return Response(payload, media_type="application/json")
-
-    async def _until_staged(self, prepared: PreparedChat) -> None:
-        """Until the encode workers hold the rows of every placed item (or ``stage_wait_s``
-        passed): vLLM then waits for a write, not an encode. An item whose room ended instead
-        (the worker failed it) goes to vLLM inline."""
-        if self.staged is None or not prepared.placed:
-            return
-        started = time.monotonic()
-        ended = await self.staged.until_staged(prepared.placed, self.settings.stage_wait_s)
-        prepared.staged_s = time.monotonic() - started
-        self.metrics.staged.labels(self.metrics.model_name).observe(prepared.staged_s)
-        for item in prepared.placed:
-            reason = ended.get(item.index)
-            if reason is not None:
-                item.worker, item.error = (
-                    None,
-                    f"the encode worker ({item.worker}) failed it, {reason}; vLLM encoded it",
-                )
-                self.placements.send_inline(prepared, item, Reason.ENCODE_FAILED, moved=True)
-
-    async def _call(self, prepared: PreparedChat) -> bytes:
-        """vLLM's answer (``UpstreamRefusal`` for another status than 200); on a failed EPD
-        delivery, once more with the images inline. The answer gets the ``epd`` report (where each
-        image was encoded, and how it arrived)."""
-        await self._until_staged(prepared)
-        async with await self.upstream.post(prepared.vllm_body()) as response:
-            status, payload = response.status, await response.read()
-        if status == 500 and prepared.placed and self.settings.retry_colocated:
-            self._fall_back_inline(prepared)
-            async with await self.upstream.post(prepared.vllm_body()) as response:
-                status, payload = response.status, await response.read()
-        if status != 200:
-            raise UpstreamRefusal(status, payload)
-        try:
-            answer = json.loads(payload)
-            delivery = answer.pop("ec_transfer_params", None)
-            report = prepared.report(DeliveryReport.model_validate(delivery) if delivery else None)
-            answer["epd"] = report.model_dump(mode="json")
-        except (ValueError, AttributeError) as exc:  # not the answer we know: relay vLLM's as it is
-            log.warning(
-                "request %s: vLLM's answer carries no delivery report we read: %s",
-                prepared.request_id,
-                exc,
-            )
-            return payload
-        return json.dumps(answer).encode()
-
-    def _fall_back_inline(self, prepared: PreparedChat) -> None:
-        """The request failed in vLLM with encode-worker images: from now on vLLM encodes them."""
-        log.warning(
-            "request %s failed in vLLM with encode-worker images; retrying with them inline",
-            prepared.request_id,
-        )
-        for item in prepared.placed:
-            item.worker, item.error = (
-                None,
-                f"delivery failed in vLLM (worker {item.worker}); vLLM encoded it",
-            )
-            self.placements.send_inline(prepared, item, Reason.DELIVERY_FAILED, moved=True)
-
-    # ---- streaming ----------------------------------------------------------------------------
-
-    async def _stream(self, request: Request, prepared: PreparedChat, started: float) -> Response:
-        try:
-            opened = await self._until_client_leaves(request, self._open(prepared), prepared)
-        except BaseException:
-            self.placements.release_inline(prepared)
-            raise
-        if opened is None:
-            self.placements.release_inline(prepared)
-            return Response(status_code=499)
-        try:
-            response, held, events = opened.result()
-        except (OpenAIError, UpstreamRefusal) as exc:
-            self.placements.release_inline(prepared)
-            return self._upstream_failed(prepared, exc)
-        return StreamingResponse(
-            self._relay(response, held, events, prepared, started), media_type="text/event-stream"
-        )
-
-    async def _open(
-        self, prepared: PreparedChat
-    ) -> tuple[aiohttp.ClientResponse, list[bytes], AsyncIterator[bytes]]:
-        """vLLM's stream, its events up to the first token held back when a failed delivery must
-        be retried inline (it shows up there as an error event); ``UpstreamRefusal`` for another
-        status than 200. The stream is closed if this is cancelled (the client left)."""
-        await self._until_staged(prepared)
-        response = await self.upstream.post(prepared.vllm_body())
-        try:
-            if response.status != 200:
-                raise UpstreamRefusal(response.status, await response.read())
-            events, held = server_events(response), []
-            if not (prepared.placed and self.settings.retry_colocated):
-                return response, held, events
-            async for event in events:
-                held.append(event)
-                if first_token_or_error(event) is not None:
-                    break
-            if not held or first_token_or_error(held[-1]) != "error":
-                return response, held, events
-            response.close()
-            self._fall_back_inline(prepared)
-            response = await self.upstream.post(prepared.vllm_body())
-            if response.status != 200:
-                raise UpstreamRefusal(response.status, await response.read())
-            return response, [], server_events(response)
-        except BaseException:
-            response.close()
-            raise
-
-    async def _relay(
-        self,
-        response: aiohttp.ClientResponse,
-        held: list[bytes],
-        events: AsyncIterator[bytes],
-        prepared: PreparedChat,
-        started: float,
-    ) -> AsyncIterator[bytes]:
-        outcome, waiting_first = "client_disconnected", True
-        report = None
-        try:
-            async for event in chain_events(held, events):
-                if FINISHING in event:  # a completion's last chunk carries the report
-                    report = report or prepared.report(None).model_dump(mode="json")
-                    event = with_report(event, report)
-                if waiting_first and first_token_or_error(event) == "token":
-                    waiting_first = False
-                    self.placements.release_inline(prepared)
-                    self.placements.first_token(prepared, started)
-                yield event
-            outcome = "ok"
-        except (
-            aiohttp.ClientError
-        ) as exc:  # vLLM's side of the stream broke: the client's ends here too
-            log.warning("request %s: vLLM's stream broke: %s", prepared.request_id, exc)
-            outcome = "upstream_error"
-            error = {
-                "message": f"vLLM's stream broke: {type(exc).__name__}",
-                "type": "upstream_error",
-                "param": None,
-                "code": 502,
-            }
-            yield f"data: {json.dumps({'error': error})}\n\n".encode()
-        finally:
-            self.placements.release_inline(prepared)
-            response.close()  # before the end: vLLM sees the connection drop and aborts the request
-            if outcome != "ok":
-                self._cancel(prepared, outcome.replace("_", " "))
-            self.metrics.count(outcome)
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body was read already: the next message is the end)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class InFlightLimit:
