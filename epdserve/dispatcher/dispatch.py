@@ -28,15 +28,13 @@ import re
 import time
 from typing import NamedTuple
 
-import yarl
-
+from epdserve.dispatcher.connections import WorkerConnections
 from epdserve.dispatcher.media import DispatchedItem, DispatchError, Media, MediaSizer
 from epdserve.dispatcher.workers import MAX_WORKERS, WorkerAddress, WorkerSet
 from epdserve.vision.limits import MAX_PIXELS
 from epdserve.vision.sizing import QWEN_VL, Sizing
-from epdserve.wire.addresses import EncodeHandshake, Endpoint
+from epdserve.wire.addresses import EncodeHandshake
 from epdserve.wire.intake import (
-    AsyncIntakeClient,
     IntakeBusy,
     IntakeLost,
     IntakeRefused,
@@ -45,10 +43,9 @@ from epdserve.wire.intake import (
     IntakeStatus,
 )
 from epdserve.wire.offers import drawn_room_id
-from epdserve.wire.room_client import HandshakeClient, HandshakeError
+from epdserve.wire.room_client import HandshakeError
 from epdserve.wire.room_signatures import RoomSigner
 from epdserve.wire.rooms import RoomView
-from handshake.access import RemoteRooms
 
 log = logging.getLogger(__name__)
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
@@ -62,6 +59,9 @@ class _IntakeOutcome(NamedTuple):
 
 
 class Dispatcher:
+    """Places each request's items on encode workers (see the module's docstring), through
+    ``WorkerConnections``; cancels the rooms of placed items."""
+
     def __init__(
         self,
         workers: WorkerSet,
@@ -85,7 +85,6 @@ class Dispatcher:
         self.sizer = MediaSizer(processor, video_processor, sizing, max_image_pixels)
         self.rooms_url = rooms_url  # a standalone room authority; None: rooms at each item's worker
         self.served_model = served_model
-        self.handshake_token = handshake_token
         # each room's address signed with the handshake token's key: the deployment's processes
         # call only signed endpoints (wire.room_signatures)
         self.signer = RoomSigner(handshake_token) if handshake_token else None
@@ -93,9 +92,7 @@ class Dispatcher:
         self.room_ttl_s = room_ttl_s
         self.intake_timeout_s = intake_timeout_s
         self.max_attempts = max_attempts
-        self._rooms: dict[str, HandshakeClient] = {}
-        self._authority_rooms: RemoteRooms | None = None  # rooms_url's, over its room stream
-        self._intakes: dict[str, AsyncIntakeClient] = {}
+        self._connections = WorkerConnections(workers, rooms_url, handshake_token, intake_timeout_s)
         # a worker that refused busy is not sent more until then (its answer would be the same)
         self._busy_until: dict[str, float] = {}
 
@@ -106,15 +103,7 @@ class Dispatcher:
         self.fingerprint = fingerprint
 
     async def close(self) -> None:
-        if self._authority_rooms is not None:
-            await self._authority_rooms.aclose()
-            self._authority_rooms = None
-        for client in self._rooms.values():
-            await client.close()
-        for intake in self._intakes.values():
-            intake.close()
-        self._rooms.clear()
-        self._intakes.clear()
+        await self._connections.close()
 
     # ---- the request -----------------------------------------------------------------------
 
@@ -197,7 +186,7 @@ class Dispatcher:
                 )
         for url, rooms in by_endpoint.items():
             try:
-                await self._rooms_client(url).cancel(rooms, reason)
+                await self._connections.rooms_client(url).cancel(rooms, reason)
             except HandshakeError as exc:
                 log.warning("could not cancel %d rooms at %s: %s", len(rooms), url, exc)
 
@@ -231,12 +220,12 @@ class Dispatcher:
                 item.error = f"{address.name}: refused: busy for {busy_for:.1f} s more"
                 item.retry_after_s = busy_for
             return
-        rooms_client, endpoint = self._room_endpoint(address)
+        rooms_client, endpoint = self._connections.room_endpoint(address)
         # the worker's intake opens each room with its item; at a standalone handshake, the
         # rooms are opened first, over its room stream
         rooms = [drawn_room_id() for _ in items]
         if self.rooms_url is not None:
-            opened = await self._authority().open_rooms(rooms, self.room_ttl_s)
+            opened = await self._connections.authority().open_rooms(rooms, self.room_ttl_s)
             for item, answer in zip(items, opened):
                 if not isinstance(answer, RoomView):  # (one whose answer was lost may be open:
                     # RemoteRooms cancels it)
@@ -293,7 +282,7 @@ class Dispatcher:
             )
             for item in items
         ]
-        replies = await self._intake(address).send_all(requests)
+        replies = await self._connections.intake(address).send_all(requests)
         timed_out = next((reply for reply in replies if isinstance(reply, TimeoutError)), None)
         if timed_out is not None:
             self.workers.mark_down(address, str(timed_out))
@@ -328,44 +317,3 @@ class Dispatcher:
             self._busy_until.clear()
         self._busy_until[address.name] = time.monotonic() + retry_after_s
         return retry_after_s
-
-    # ---- connections -----------------------------------------------------------------------
-
-    def _room_endpoint(self, address: WorkerAddress) -> tuple[HandshakeClient, Endpoint]:
-        """The client of the endpoint ``address``'s rooms live at, and that endpoint."""
-        if self.rooms_url is None:
-            return self._rooms_client(address.url), address.rooms
-        parsed = yarl.URL(self.rooms_url)
-        return self._rooms_client(self.rooms_url), Endpoint(parsed.host, parsed.port)
-
-    def _authority(self) -> RemoteRooms:
-        """The standalone handshake's rooms (``rooms_url``), over one room stream."""
-        if self._authority_rooms is None:
-            self._authority_rooms = RemoteRooms(
-                None, HandshakeClient(self.rooms_url, self.handshake_token, timeout_s=2.0)
-            )
-        return self._authority_rooms
-
-    def _rooms_client(self, url: str) -> HandshakeClient:
-        url = str(
-            yarl.URL(url)
-        )  # one spelling per endpoint (EncodeHandshake.url and WorkerAddress.url)
-        client = self._rooms.get(url)
-        if client is None:
-            if len(self._rooms) >= MAX_WORKERS:  # workers come and go (DNS): drop the oldest client
-                asyncio.ensure_future(self._rooms.pop(next(iter(self._rooms))).close())
-            client = self._rooms[url] = HandshakeClient(
-                url, self.handshake_token, timeout_s=2.0, retries=1
-            )
-        return client
-
-    def _intake(self, address: WorkerAddress) -> AsyncIntakeClient:
-        intake = self._intakes.get(address.name)
-        if intake is None:
-            if len(self._intakes) >= MAX_WORKERS:  # workers come and go (DNS): drop the gone ones
-                for name in set(self._intakes) - set(self.workers.status()):
-                    self._intakes.pop(name).close()
-            intake = self._intakes[address.name] = AsyncIntakeClient(
-                address.intake_endpoint, self.intake_timeout_s
-            )
-        return intake

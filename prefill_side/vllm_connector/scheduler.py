@@ -1,6 +1,7 @@
 """The connector's scheduler half (the EngineCore process): one zero-copy ``PrefillReceiver``; a
-request with rooms is deferred until its items settle, what arrived is offered to vLLM and turned
-into loads for the worker half, slots are held while a load or the request needs them."""
+request with rooms (its items read by ``request_items``) is deferred until its items settle, what
+arrived is offered to vLLM and turned into loads for the worker half, slots are held while a load
+or the request needs them."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from pydantic import ValidationError
 
 from epdserve.data_plane.shm import namespace_id
-from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
-from epdserve.wire.ec_params import DeliveryReport, Identifier, ItemDelivery, TransferParams
+from epdserve.multimodal.items import MultimodalInputs
+from epdserve.wire.ec_params import DeliveryReport, Identifier, ItemDelivery
 from epdserve.wire.fingerprint import EngineDescription
-from epdserve.wire.modality import BY_VLLM_NAME
 from epdserve.wire.states import ItemState, JobState
 from prefill_side.vllm_connector.loads import Load
+from prefill_side.vllm_connector.request_items import (
+    RequestRefused,
+    RoomsKey,
+    carries_media,
+    request_items,
+)
 from prefill_side.vllm_connector.settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -27,9 +32,6 @@ if TYPE_CHECKING:
     from prefill_side.job import ReceiveJob
 
 log = logging.getLogger(__name__)
-# Keys of an item's processed data that only size its placeholders: an item with nothing else
-# carries no media, so vLLM's tower cannot encode it.
-PLACEHOLDER_KEYS = frozenset({"image_grid_thw", "video_grid_thw"})
 
 
 def kv_connector_transfer_engine():
@@ -53,9 +55,6 @@ def kv_connector_transfer_engine():
             f"connector; this process runs {type(group).__name__}"
         )
     return engine, worker.hostname
-
-
-RoomsKey = frozenset  # of (identifier, host, port, room id): the rooms a request receives from
 
 
 @dataclass
@@ -189,70 +188,19 @@ class SchedulerSide:
 
     def _start(self, request: Request) -> Received | None:
         try:
-            params = TransferParams.model_validate(request.ec_transfer_params)
-        except ValidationError as exc:
-            self._fail(request.request_id, f"invalid ec_transfer_params: {exc}")
+            wanted = request_items(request)
+        except RequestRefused as exc:
+            self._fail(request.request_id, str(exc))
             return None
-        items, slots = [], {}
-        for key, handshake in params.rooms.items():
-            index = next(
-                (i for i, f in enumerate(request.mm_features) if f.identifier == key), None
-            )
-            if index is None:
-                self._fail(
-                    request.request_id,
-                    f"ec_transfer_params names a room for {key!r}, which is "
-                    "no item of this request",
-                )
-                return None
-            feature = request.mm_features[index]
-            if feature.modality not in BY_VLLM_NAME:
-                self._fail(
-                    request.request_id,
-                    f"item {key!r} is {feature.modality}: only "
-                    f"{', '.join(BY_VLLM_NAME)} rows are received",
-                )
-                return None
-            rows = request.get_num_encoder_embeds(index)
-            known = {}
-            grid = _placeholder_data(feature).get(f"{feature.modality}_grid_thw")
-            if (
-                grid is not None
-            ):  # the receiver checks the encoder's grid against the one vLLM placed
-                known[f"{feature.modality}_grid_thw"] = grid.reshape(1, 3)
-            slots[key] = len(items)
-            start = feature.mm_position.offset
-            items.append(
-                MultimodalDataItem(
-                    BY_VLLM_NAME[feature.modality],
-                    offsets=[[start, start + rows - 1]],
-                    model_specific_data=known,
-                    encode_handshake=handshake.model_dump(),
-                )
-            )
-        bare = [
-            f.identifier
-            for f in request.mm_features
-            if f.identifier not in params.rooms and not _carries_media(f)
-        ]
-        if bare:
-            self._fail(
-                request.request_id, f"items {', '.join(bare)} carry neither their media nor a room"
-            )
-            return None
-        rooms = frozenset(
-            (key, room.bootstrap_host, room.bootstrap_port, room.bootstrap_room)
-            for key, room in params.rooms.items()
-        )
-        received = self.by_rooms.get(rooms)
+        received = self.by_rooms.get(wanted.rooms)
         if received is None:
             received = Received(
-                rooms,
-                self.receiver.start(request.request_id, MultimodalInputs(items)),
-                slots,
+                wanted.rooms,
+                self.receiver.start(request.request_id, MultimodalInputs(wanted.items)),
+                wanted.slots,
                 set(),
             )
-            self.by_rooms[rooms] = received
+            self.by_rooms[wanted.rooms] = received
         received.holders.add(request.request_id)
         self.requests[request.request_id] = received
         return received
@@ -273,7 +221,7 @@ class SchedulerSide:
             if outcome.state == ItemState.DONE:
                 continue
             feature = next(f for f in request.mm_features if f.identifier == key)
-            if _carries_media(feature):
+            if carries_media(feature):
                 log.warning(
                     "request %s: item %s falls back to vLLM's own encoder: %s",
                     request.request_id,
@@ -409,13 +357,3 @@ class SchedulerSide:
                 del self.by_rooms[received.rooms]
             # the slots go back to the pool (late arrivals too, once they land)
             received.job.release()
-
-
-def _placeholder_data(feature) -> dict[str, torch.Tensor]:
-    """The tensors of an item's processed data ({} when vLLM holds none for it)."""
-    return feature.data.get_data() if feature.data is not None else {}
-
-
-def _carries_media(feature) -> bool:
-    """Whether the request sent the item itself (vLLM's tower can encode it), not just its grid."""
-    return bool(set(_placeholder_data(feature)) - PLACEHOLDER_KEYS)

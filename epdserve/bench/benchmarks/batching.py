@@ -1,10 +1,10 @@
 """`epd-bench batching`: what the batching window does, side by side at several windows.
 
 One real ``EncodeWorker`` per window (ZMQ intake, the batch queue, prepare / tower / stage
-threads, send ring, commit in its own room table), delivering into a null sink (``bench.encode``'s:
-writes complete without moving a byte), the same small tower, images and settings on every one;
-only ``--batch-window-s`` differs. Two loads, rounds interleaved (the order reversed every other
-round), medians:
+threads, send ring, commit in its own room table), delivering into a null sink
+(``bench.encode_pipeline``'s: writes complete without moving a byte), the same small tower,
+images and settings on every one; only ``--batch-window-s`` differs. Two loads, rounds
+interleaved (the order reversed every other round), medians:
 
 * **bursts**: ``burst`` items sent to intake at once (all in flight, as the dispatcher sends a
   request's items), then wait until every room committed; repeated. Reported: the batch sizes the
@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from epdserve.bench.benchmarks.encode import NullSink, _batch_buckets, _committed
+from epdserve.bench.benchmarks.encode_pipeline import NullSink, batch_buckets, rooms_committed
 from epdserve.bench.benchmarks.results import write_json
 from epdserve.bench.benchmarks.rounds import in_round
 from epdserve.bench.benchmarks.towers import bench_tower, noise_images
@@ -120,7 +120,7 @@ class Worker:
 
         if not all(reply.ok for reply in asyncio.run(send_all())):
             raise RuntimeError("the worker refused an item: its queue is sized for a burst")
-        finished, delivered = worker.loop.run(_committed(worker.table, rooms))
+        finished, delivered = worker.loop.run(rooms_committed(worker.table, rooms))
         if delivered != len(rooms):
             raise RuntimeError(f"{len(rooms) - delivered} items not delivered")
         return finished, rooms
@@ -152,12 +152,12 @@ def run(
         for round_index in range(rounds):
             for level in in_round(levels, round_index):
                 worker = workers[level.window_s]
-                before = _batch_buckets(worker.worker)
+                before = batch_buckets(worker.worker)
                 started = time.monotonic()
                 for _ in range(bursts):
                     worker.send(images, rows)
                 level.burst_items_per_s.append(burst * bursts / (time.monotonic() - started))
-                level.batches += _batch_buckets(worker.worker) - before
+                level.batches += batch_buckets(worker.worker) - before
                 for index in range(lone):
                     _, (room,) = worker.send([images[index % burst]], rows)
                     timings = worker.worker.table.view(room).commit.timings

@@ -141,7 +141,7 @@ def _tower_paths(dry_run: bool) -> dict:
 
 def _worker_imports() -> bool:
     import encode_worker.worker  # noqa: F401  (every package the worker imports)
-    import epdserve.bench.benchmarks.encode  # noqa: F401  (the pipeline bench)
+    import epdserve.bench.benchmarks.encode  # noqa: F401  (the encode bench and its pipeline)
     import prefill_side  # noqa: F401  (its receiver process)
 
     return True

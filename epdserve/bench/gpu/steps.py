@@ -13,8 +13,9 @@ size or round), and returns its result; ``headline`` in a result is what the sum
   worker forms (64 of 224x224, 32 of 448x448) and below; achieved TFLOP/s and % of the card's
   peak from the forward's FLOPs (``flops``);
 * ``pipeline``: the real worker delivering into a receiver process over SHM and into a null sink
-  at the same batch sizes (``bench.benchmarks.encode.pipeline``), and delivered / tower alone;
-  the GPU's busy share from the batches' CUDA events, NVML's beside it, CPU per image by thread;
+  at the same batch sizes (``bench.benchmarks.encode_pipeline.pipeline``), and delivered / tower
+  alone; the GPU's busy share from the batches' CUDA events, NVML's beside it, CPU per image by
+  thread;
 * ``cpu_budget``: the worker around a tower that returns at once, on this machine's CPU: what
   it could feed an infinitely fast GPU, and which thread stops it first.
 """
@@ -353,7 +354,7 @@ def tower(state: State, family: str, report: Report) -> dict:
 
 
 def pipeline(state: State, family: str, report: Report) -> dict:
-    from epdserve.bench.benchmarks.encode import pipeline as run_pipeline
+    from epdserve.bench.benchmarks.encode_pipeline import pipeline as run_pipeline
     from epdserve.bench.benchmarks.towers import noise_images, parse_size
 
     scale = state.scale
