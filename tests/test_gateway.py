@@ -107,7 +107,11 @@ def deployment_secrets(directory: str) -> dict:
 
 
 class Stack:
-    def __init__(self, log_dir: str, family: str = "qwen2_vl"):
+    """vLLM with the connector, an encode worker and a gateway in front of them; unless
+    ``minimal``, the other deployments the module's tests need beside them (a worker no receiver
+    can reach, none, a busy one, a slowed one, each behind a gateway of its own)."""
+
+    def __init__(self, log_dir: str, family: str = "qwen2_vl", minimal: bool = False):
         from epdserve.bench.benchmarks.vllm import Server
 
         secrets = deployment_secrets(log_dir)
@@ -123,13 +127,40 @@ class Stack:
             1024,
             env=secrets,
             images_per_prompt=4,
-            extra=("--distributed-executor-backend", "mp"),
+            # the connector's worker half in a process of its own, as a GPU deployment runs it;
+            # a minimal stack keeps it in the engine core's (one vLLM start-up less)
+            extra=() if minimal else ("--distributed-executor-backend", "mp"),
         )
         self.gateway = self.cluster.start_gateway(
             self.vllm,
             [self.worker.worker],
             extra=("--allow-private-urls", "--max-image-bytes", "1M"),
         )
+        self.busy = None
+        if not minimal:
+            self._start_the_other_deployments(log_dir)
+        self.cluster.wait_ready()
+        eventually(self.vllm.healthy, "the vLLM server answering /health", seconds=300)
+        gateways = (
+            (self.gateway,)
+            if minimal
+            else (self.gateway, self.retrying, self.lonely, self.overflowing, self.costed)
+        )
+        for gateway in gateways:
+            eventually(lambda: knows_the_engine(gateway), f"{gateway.name} reading vLLM's engine")
+        from epdserve.bench.benchmarks.vllm import descendants
+
+        assert len(descendants(self.vllm.process.pid)) >= (1 if minimal else 2), (
+            "expected an EngineCore and a worker process"
+        )
+        self.client = openai.OpenAI(
+            base_url=self.gateway.url + "/v1", api_key="-", max_retries=0, timeout=120
+        )
+        self.direct = openai.OpenAI(
+            base_url=self.vllm.url + "/v1", api_key=VLLM_API_KEY, max_retries=0, timeout=120
+        )
+
+    def _start_the_other_deployments(self, log_dir: str) -> None:
         # a worker that can reach no receiver (it offers loopback only): every room it takes fails
         self.stranger = self.cluster.start_encode_worker("worker-loopback", transports="loopback")
         self.retrying = self.cluster.start_gateway(
@@ -163,21 +194,6 @@ class Stack:
             name="gateway-by-cost",
             extra=("--placement", "cost"),
         )
-        self.cluster.wait_ready()
-        eventually(self.vllm.healthy, "the vLLM server answering /health", seconds=300)
-        for gateway in (self.gateway, self.retrying, self.lonely, self.overflowing, self.costed):
-            eventually(lambda: knows_the_engine(gateway), f"{gateway.name} reading vLLM's engine")
-        from epdserve.bench.benchmarks.vllm import descendants
-
-        assert len(descendants(self.vllm.process.pid)) >= 2, (
-            "expected an EngineCore and a worker process"
-        )
-        self.client = openai.OpenAI(
-            base_url=self.gateway.url + "/v1", api_key="-", max_retries=0, timeout=120
-        )
-        self.direct = openai.OpenAI(
-            base_url=self.vllm.url + "/v1", api_key=VLLM_API_KEY, max_retries=0, timeout=120
-        )
 
     def stop(self) -> list[int]:
         from epdserve.bench.benchmarks.vllm import descendants
@@ -191,7 +207,8 @@ class Stack:
         self.direct.close()
         self.vllm.stop()
         codes = self.cluster.stop()
-        self.busy.stop()
+        if self.busy is not None:
+            self.busy.stop()
         assert codes == {name: 0 for name in codes}, codes
         return pids
 
@@ -647,10 +664,12 @@ def test_a_video_and_an_image_through_the_gateway(stack):
 
 @pytest.fixture
 def qwen3_stack(tmp_path_factory):
-    """The same deployment serving a tiny Qwen3-VL (rows with DeepStack levels; a prompt that
-    times each temporal patch of a video), for its one test: closed after it, not kept beside the
-    module's engine."""
-    running = Stack(str(tmp_path_factory.mktemp("gateway-qwen3-logs")), family="qwen3_vl")
+    """vLLM, a worker and a gateway serving a tiny Qwen3-VL (rows with DeepStack levels; a prompt
+    that times each temporal patch of a video), for its one test: closed after it, not kept beside
+    the module's engine."""
+    running = Stack(
+        str(tmp_path_factory.mktemp("gateway-qwen3-logs")), family="qwen3_vl", minimal=True
+    )
     yield from stopped_cleanly(running)
 
 
