@@ -124,6 +124,44 @@ def _qwen3_video_processor() -> Qwen3VLVideoProcessor:
     )
 
 
+def _qwen3_vision_config(out_width: int, depth: int, width: int) -> dict:
+    """A small Qwen3-family tower's config kwargs (Qwen3.5's as is): a learned position table of
+    64 entries, no DeepStack levels."""
+    return dict(
+        depth=depth,
+        hidden_size=width,
+        out_hidden_size=out_width,
+        num_heads=2,
+        intermediate_size=2 * width,
+        num_position_embeddings=64,
+    )
+
+
+def _qwen3_vl_vision_config(out_width: int, depth: int, width: int) -> dict:
+    """A small Qwen3-VL (or Qwen3-VL-MoE) tower's config kwargs: the Qwen3-family tower with
+    DeepStack levels after its first two blocks (fewer where it has fewer)."""
+    return dict(
+        _qwen3_vision_config(out_width, depth, width),
+        deepstack_visual_indexes=list(range(min(depth, 2))),
+    )
+
+
+def _qwen3_vl_text(**language: object) -> dict:
+    """A small Qwen3-VL language model's text config beyond the shared one, with ``language``'s
+    entries added (a new dict each call): Qwen3's attention takes its head size from the config;
+    interleaved mrope."""
+    return dict(
+        head_dim=32,
+        **language,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [4, 6, 6],
+            "mrope_interleaved": True,
+        },
+    )
+
+
 FAMILIES: dict[str, TowerFamily] = {
     family.model_type: family
     for family in (
@@ -165,29 +203,12 @@ FAMILIES: dict[str, TowerFamily] = {
             Qwen3VLVisionModel,
             Qwen3VLConfig,
             Qwen3VLForConditionalGeneration,
-            lambda out_width, depth, width: dict(
-                depth=depth,
-                hidden_size=width,
-                out_hidden_size=out_width,
-                num_heads=2,
-                intermediate_size=2 * width,
-                num_position_embeddings=64,
-                deepstack_visual_indexes=list(range(min(depth, 2))),
-            ),
+            _qwen3_vl_vision_config,
             _qwen3_image_processor,
             _qwen3_video_processor,
             position_table=True,
             video_timestamps=True,
-            # Qwen3's attention takes its head size from the config; interleaved mrope
-            small_text=dict(
-                head_dim=32,
-                rope_parameters={
-                    "rope_type": "default",
-                    "rope_theta": 5000000.0,
-                    "mrope_section": [4, 6, 6],
-                    "mrope_interleaved": True,
-                },
-            ),
+            small_text=_qwen3_vl_text(),
         ),
         TowerFamily(
             "qwen3_vl_moe",
@@ -195,15 +216,7 @@ FAMILIES: dict[str, TowerFamily] = {
             Qwen3VLMoeVisionModel,
             Qwen3VLMoeConfig,
             Qwen3VLMoeForConditionalGeneration,
-            lambda out_width, depth, width: dict(
-                depth=depth,
-                hidden_size=width,
-                out_hidden_size=out_width,
-                num_heads=2,
-                intermediate_size=2 * width,
-                num_position_embeddings=64,
-                deepstack_visual_indexes=list(range(min(depth, 2))),
-            ),
+            _qwen3_vl_vision_config,
             _qwen3_image_processor,
             _qwen3_video_processor,
             position_table=True,
@@ -214,19 +227,12 @@ FAMILIES: dict[str, TowerFamily] = {
                 "experts.down_proj": (1, 2),
             },
             # Qwen3-VL's tower; a language model of sparse experts (Qwen3-VL-30B-A3B's layout)
-            small_text=dict(
-                head_dim=32,
+            small_text=_qwen3_vl_text(
                 num_experts=4,
                 num_experts_per_tok=2,
                 moe_intermediate_size=64,
                 decoder_sparse_step=1,
                 norm_topk_prob=True,  # vLLM reads it (Qwen3-VL-30B-A3B's config states it)
-                rope_parameters={
-                    "rope_type": "default",
-                    "rope_theta": 5000000.0,
-                    "mrope_section": [4, 6, 6],
-                    "mrope_interleaved": True,
-                },
             ),
         ),
         TowerFamily(
@@ -235,14 +241,7 @@ FAMILIES: dict[str, TowerFamily] = {
             Qwen3_5VisionModel,
             Qwen3_5Config,
             Qwen3_5ForConditionalGeneration,
-            lambda out_width, depth, width: dict(
-                depth=depth,
-                hidden_size=width,
-                out_hidden_size=out_width,
-                num_heads=2,
-                intermediate_size=2 * width,
-                num_position_embeddings=64,
-            ),
+            _qwen3_vision_config,
             _qwen3_image_processor,
             _qwen3_video_processor,
             position_table=True,
