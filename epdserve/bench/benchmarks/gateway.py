@@ -14,6 +14,9 @@ TTFT: from the client's request to the first streamed event (vLLM sends it with 
 medians over rounds of each batch's median. Gateway CPU per image: the gateway process's CPU seconds
 (user + system, /proc) over every batch of a path and size, divided by their images. Rounds are
 interleaved (path order reversed every other round).
+
+The processes (``GatewayStack``) and the request (``chat_body``, ``first_event_s``) are also
+``gateway_burst``'s.
 """
 
 from __future__ import annotations
@@ -25,46 +28,121 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from epdserve.bench.benchmarks.results import write_json
 from epdserve.bench.benchmarks.rounds import in_round
 
+if TYPE_CHECKING:
+    from epdserve.dispatcher.workers import WorkerAddress
+    from epdserve.testing.cluster import Role
+
 PATHS = ("direct", "gateway-colocated", "gateway-epd")
+# vLLM's EPD connector in the gateway scenarios: rows from the encode worker over SHM
+CONNECTOR = {
+    "ec_connector": "EPDConnector",
+    "ec_connector_module_path": "prefill_side.vllm_connector",
+    "ec_role": "ec_consumer",
+    "ec_connector_extra_config": {"pool_bytes": 256 << 20, "transports": ["shm"]},
+}
 
 
-async def _first_token(session, url: str, model: str, image: bytes, max_tokens: int) -> float:
-    body = {
+class GatewayStack:
+    """What the gateway scenarios (this one and ``gateway_burst``) run, on a ``LocalCluster`` of
+    the small Qwen2-VL: one encode worker (SHM), one vLLM OpenAI server with the EPD connector
+    (float32, 4096 tokens) and the gateways a scenario puts in front of them. ``start``, the
+    scenario's ``start_gateway`` calls, ``wait_ready``; ``stop`` always (it ends them all)."""
+
+    def __init__(self, scenario: str) -> None:
+        """``scenario``: names the log folder (``epd-bench-<scenario>-...``)."""
+        from epdserve.testing.cluster import LocalCluster
+        from epdserve.vision.vlm_checkpoints import cached_vlm
+
+        self.model = cached_vlm("qwen2_vl")
+        self.log_dir = tempfile.mkdtemp(prefix=f"epd-bench-{scenario}-")
+        self.cluster = LocalCluster(self.model, log_dir=self.log_dir)
+        self.server = None  # vLLM's, once started
+
+    def start(self, worker_extra: tuple[str, ...] = (), images_per_prompt: int = 1) -> Role:
+        """The encode worker (``worker_extra``: its flags beyond SHM) and vLLM (at most
+        ``images_per_prompt`` images a prompt); returns the worker's role."""
+        from epdserve.bench.benchmarks.vllm import Server
+
+        worker = self.cluster.start_encode_worker("worker", transports="shm", extra=worker_extra)
+        self.server = Server(
+            "vllm",
+            self.model,
+            self.log_dir,
+            CONNECTOR,
+            "float32",
+            4096,
+            extra=("--distributed-executor-backend", "mp"),
+            images_per_prompt=images_per_prompt,
+        )
+        return worker
+
+    def start_gateway(
+        self, name: str, workers: list[WorkerAddress], extra: tuple[str, ...] = ()
+    ) -> Role:
+        """A gateway in front of vLLM and ``workers``, with ``extra`` flags."""
+        return self.cluster.start_gateway(self.server, workers, name=name, extra=extra)
+
+    def wait_ready(self) -> None:
+        """Until every role is ready and vLLM healthy (10 minutes at most); ``RuntimeError`` where
+        vLLM did not start."""
+        from epdserve.bench.benchmarks.vllm import _wait_healthy
+
+        self.cluster.wait_ready()
+        failed = _wait_healthy([self.server], timeout_s=600)
+        if failed:
+            raise RuntimeError(f"vLLM did not start: {failed['vllm']}")
+
+    def stop(self) -> dict[str, int]:
+        """Ends vLLM and every role; each one's exit code."""
+        if self.server is not None:
+            self.server.stop()
+        codes = self.cluster.stop()
+        if self.server is not None:
+            codes["vllm"] = self.server.process.returncode
+        return codes
+
+
+def chat_body(model: str, images: list[bytes], prompt: str, max_tokens: int) -> dict:
+    """A streaming greedy chat request: ``images`` (PNG data URIs), then ``prompt``."""
+    content = [
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()},
+        }
+        for image in images
+    ]
+    content.append({"type": "text", "text": prompt})
+    return {
         "model": model,
         "temperature": 0,
         "max_tokens": max_tokens,
         "stream": True,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {
-                        "type": "image_url",
-                        "image_url": {
-                            "url": "data:image/png;base64," + base64.b64encode(image).decode()
-                        },
-                    },
-                    {"type": "text", "text": "Describe the picture."},
-                ],
-            }
-        ],
+        "messages": [{"role": "user", "content": content}],
     }
-    started = time.monotonic()
+
+
+async def first_event_s(response, started: float) -> float | None:
+    """Reads ``response``'s stream to its end: seconds from ``started`` (``time.monotonic``) to its
+    first event with a choice (vLLM sends it with the first token); None where none came."""
     first = None
+    async for line in response.content:
+        if first is None and line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+            first = time.monotonic() - started
+    return first
+
+
+async def _first_token(session, url: str, model: str, image: bytes, max_tokens: int) -> float:
+    body = chat_body(model, [image], "Describe the picture.", max_tokens)
+    started = time.monotonic()
     async with session.post(url + "/v1/chat/completions", json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{url} answered {response.status}: {(await response.text())[:300]}")
-        async for line in response.content:  # vLLM's first event comes with the first token
-            if (
-                first is None
-                and line.startswith(b"data: {")
-                and json.loads(line[6:]).get("choices")
-            ):
-                first = time.monotonic() - started
+        first = await first_event_s(response, started)
     if first is None:
         raise RuntimeError(f"{url}: the stream carried no choice")
     return first
@@ -73,52 +151,29 @@ async def _first_token(session, url: str, model: str, image: bytes, max_tokens: 
 def run(args) -> dict:
     from tqdm import tqdm
 
-    from epdserve.bench.benchmarks.vllm import Server, _wait_healthy, cpu_seconds
+    from epdserve.bench.benchmarks.vllm import cpu_seconds
     from epdserve.dispatcher.workers import WorkerAddress
-    from epdserve.testing.cluster import HOST, LocalCluster, free_port
+    from epdserve.testing.cluster import HOST, free_port
     from epdserve.testing.images import synthetic_image
-    from epdserve.vision.vlm_checkpoints import cached_vlm
 
-    model = cached_vlm("qwen2_vl")
-    log_dir = tempfile.mkdtemp(prefix="epd-bench-gateway-")
-    cluster = LocalCluster(model, log_dir=log_dir)
-    connector = {
-        "ec_connector": "EPDConnector",
-        "ec_connector_module_path": "prefill_side.vllm_connector",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"pool_bytes": 256 << 20, "transports": ["shm"]},
-    }
-    server = None
+    stack = GatewayStack("gateway")
+    model = stack.model
     raw = []
     try:
         print(
             "epd-bench gateway: starting vLLM, an encode worker and two gateways (logs in "
-            f"{log_dir})",
+            f"{stack.log_dir})",
             flush=True,
         )
-        worker = cluster.start_encode_worker("worker", transports="shm")
-        server = Server(
-            "vllm",
-            model,
-            log_dir,
-            connector,
-            "float32",
-            4096,
-            extra=("--distributed-executor-backend", "mp"),
-        )
+        worker = stack.start()
         gateways = {
-            "gateway-epd": cluster.start_gateway(server, [worker.worker], name="gateway-epd"),
-            "gateway-colocated": cluster.start_gateway(
-                server,
-                [WorkerAddress(HOST, free_port(), free_port())],
-                name="gateway-colocated",
+            "gateway-epd": stack.start_gateway("gateway-epd", [worker.worker]),
+            "gateway-colocated": stack.start_gateway(
+                "gateway-colocated", [WorkerAddress(HOST, free_port(), free_port())]
             ),
         }
-        cluster.wait_ready()
-        failed = _wait_healthy([server], timeout_s=600)
-        if failed:
-            raise RuntimeError(f"vLLM did not start: {failed['vllm']}")
-        urls = {"direct": server.url, **{name: role.url for name, role in gateways.items()}}
+        stack.wait_ready()
+        urls = {"direct": stack.server.url, **{name: role.url for name, role in gateways.items()}}
         seed = [5000]
 
         async def batches():
@@ -174,11 +229,7 @@ def run(args) -> dict:
 
         asyncio.run(batches())
     finally:
-        if server is not None:
-            server.stop()
-        codes = cluster.stop()
-        if server is not None:
-            codes["vllm"] = server.process.returncode
+        codes = stack.stop()
     return {
         "config": {
             "model": model,

@@ -18,11 +18,9 @@ the cap (``epd_gateway_inline_patches_peak``).
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
-import tempfile
 import time
 
+from epdserve.bench.benchmarks.gateway import GatewayStack, chat_body, first_event_s
 from epdserve.bench.benchmarks.results import write_json
 from epdserve.bench.benchmarks.rounds import in_round
 
@@ -37,34 +35,13 @@ COMPARISONS = {
 
 
 async def _request(session, url: str, model: str, images: list[bytes], max_tokens: int) -> dict:
-    content = [
-        {
-            "type": "image_url",
-            "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()},
-        }
-        for image in images
-    ]
-    content.append({"type": "text", "text": "Describe the pictures."})
-    body = {
-        "model": model,
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "messages": [{"role": "user", "content": content}],
-    }
-    started, first = time.monotonic(), None
+    body = chat_body(model, images, "Describe the pictures.", max_tokens)
+    started = time.monotonic()
     async with session.post(url + "/v1/chat/completions", json=body) as response:
         if response.status != 200:
             await response.read()
             return {"status": response.status, "ttft_s": None}
-        async for line in response.content:
-            if (
-                first is None
-                and line.startswith(b"data: {")
-                and json.loads(line[6:]).get("choices")
-            ):
-                first = time.monotonic() - started
-    return {"status": 200, "ttft_s": first}
+        return {"status": 200, "ttft_s": await first_event_s(response, started)}
 
 
 def _placements(text: str) -> dict[str, float]:
@@ -93,52 +70,25 @@ def _percentile(values: list[float], q: float) -> float | None:
 def run(args) -> dict:
     import aiohttp
 
-    from epdserve.bench.benchmarks.vllm import Server, _wait_healthy
-    from epdserve.testing.cluster import LocalCluster
     from epdserve.testing.images import synthetic_image
-    from epdserve.vision.vlm_checkpoints import cached_vlm
 
-    model = cached_vlm("qwen2_vl")
-    log_dir = tempfile.mkdtemp(prefix="epd-bench-gateway-burst-")
-    cluster = LocalCluster(model, log_dir=log_dir)
-    connector = {
-        "ec_connector": "EPDConnector",
-        "ec_connector_module_path": "prefill_side.vllm_connector",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"pool_bytes": 256 << 20, "transports": ["shm"]},
-    }
+    stack = GatewayStack("gateway-burst")
+    model = stack.model
     policies = COMPARISONS[args.compare]
-    server, rows, peaks = None, [], {}
+    rows, peaks = [], {}
     try:
-        print(f"epd-bench gateway --scenario burst: starting (logs in {log_dir})", flush=True)
-        worker = cluster.start_encode_worker(
-            "worker",
-            transports="shm",
-            extra=("--queue-items", str(args.queue_items), "--batch-items", "8"),
-        )
-        server = Server(
-            "vllm",
-            model,
-            log_dir,
-            connector,
-            "float32",
-            4096,
-            extra=("--distributed-executor-backend", "mp"),
+        print(f"epd-bench gateway --scenario burst: starting (logs in {stack.log_dir})", flush=True)
+        worker = stack.start(
+            worker_extra=("--queue-items", str(args.queue_items), "--batch-items", "8"),
             images_per_prompt=args.images,
         )
         gateways = {
-            policy: cluster.start_gateway(
-                server,
-                [worker.worker],
-                name=f"gateway-{policy}",
-                extra=(*flags, "--intake-timeout-s", "1"),
+            policy: stack.start_gateway(
+                f"gateway-{policy}", [worker.worker], extra=(*flags, "--intake-timeout-s", "1")
             )
             for policy, flags in policies.items()
         }
-        cluster.wait_ready()
-        failed = _wait_healthy([server], timeout_s=600)
-        if failed:
-            raise RuntimeError(f"vLLM did not start: {failed['vllm']}")
+        stack.wait_ready()
         seed = [9000]
 
         def fresh() -> list[bytes]:
@@ -192,11 +142,7 @@ def run(args) -> dict:
 
         asyncio.run(bursts())
     finally:
-        if server is not None:
-            server.stop()
-        codes = cluster.stop()
-        if server is not None:
-            codes["vllm"] = server.process.returncode
+        codes = stack.stop()
     summary = {}
     for policy in policies:
         mine = [row for row in rows if row["policy"] == policy]
