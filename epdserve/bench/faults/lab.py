@@ -136,43 +136,21 @@ class FaultLab:
 
     def _start(self, name: str) -> Role:
         c = self.config
-        worker_common = ("--receiver-wait-s", "10", "--cache-bytes", str(64 << 20))
         if name == "handshake":
             role = self.cluster.start_handshake("handshake")
-        elif name == "a":
+        elif name in ("a", "b", "v"):
             role = self.cluster.start_encode_worker(
-                "worker-a",
-                transports="shm,mooncake",
+                f"worker-{name}",
+                transports="shm,mooncake" if name == "a" else "mooncake",
                 extra=(
-                    *worker_common,
+                    "--receiver-wait-s",
+                    "10",
+                    "--cache-bytes",
+                    str(64 << 20),
                     "--ring-bytes",
                     str(64 << 20),
                     "--write-timeout-s",
-                    str(c.steady_write_timeout_s),
-                ),
-            )
-        elif name == "b":
-            role = self.cluster.start_encode_worker(
-                "worker-b",
-                transports="mooncake",
-                extra=(
-                    *worker_common,
-                    "--ring-bytes",
-                    str(64 << 20),
-                    "--write-timeout-s",
-                    str(c.steady_write_timeout_s),
-                ),
-            )
-        elif name == "v":
-            role = self.cluster.start_encode_worker(
-                "worker-v",
-                transports="mooncake",
-                extra=(
-                    *worker_common,
-                    "--ring-bytes",
-                    str(64 << 20),
-                    "--write-timeout-s",
-                    str(c.victim_write_timeout_s),
+                    str(c.victim_write_timeout_s if name == "v" else c.steady_write_timeout_s),
                 ),
             )
         elif name in ("prefill", "pv"):
