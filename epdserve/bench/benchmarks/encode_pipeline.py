@@ -75,8 +75,7 @@ class NullSink(Transport):
 
 def _receiver_main(conn, pool_bytes: int, width: int, dtype: str, transport: str) -> None:
     """The prefill side: the project's receiver library, one job per round for all its items."""
-    from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
-    from epdserve.wire.modality import Modality
+    from epdserve.bench.benchmarks.receive import loopback_job_inputs
     from prefill_side import PrefillReceiver, ReceiverConfig
 
     receiver = PrefillReceiver(
@@ -93,19 +92,7 @@ def _receiver_main(conn, pool_bytes: int, width: int, dtype: str, transport: str
     try:
         while (message := conn.recv()) is not None:
             port, rooms, rows = message
-            items = [
-                MultimodalDataItem(
-                    Modality.IMAGE,
-                    offsets=[[0, rows - 1]],
-                    encode_handshake={
-                        "bootstrap_room": room,
-                        "bootstrap_host": "127.0.0.1",
-                        "bootstrap_port": port,
-                    },
-                )
-                for room in rooms
-            ]
-            job = receiver.start("bench", MultimodalInputs(items))
+            job = receiver.start("bench", loopback_job_inputs(rooms, rows, port))
             job.wait(600)
             conn.send((time.monotonic(), [o.state == "DONE" for o in job.outcomes]))
     finally:

@@ -15,8 +15,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from typing import TYPE_CHECKING
 
 from epdserve.bench.benchmarks.results import write_json
+
+if TYPE_CHECKING:
+    from epdserve.multimodal.items import MultimodalInputs
 
 ROWS, WIDTH = 256, 3584  # a 448x448 image for Qwen2.5-VL-7B, bf16: 1.8 MB
 
@@ -70,11 +74,31 @@ def _p(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1e3
 
 
+def loopback_job_inputs(rooms: list[int], rows: int, port: int) -> MultimodalInputs:
+    """A receive job's inputs: one image item of ``rows`` rows per room, each room on the
+    handshake server at 127.0.0.1:``port`` (``encode_pipeline``'s receiver takes them too)."""
+    from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
+    from epdserve.wire.modality import Modality
+
+    return MultimodalInputs(
+        [
+            MultimodalDataItem(
+                Modality.IMAGE,
+                offsets=[[0, rows - 1]],
+                encode_handshake={
+                    "bootstrap_room": room,
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": port,
+                },
+            )
+            for room in rooms
+        ]
+    )
+
+
 def run(jobs: int = 60, progress=print) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from epdserve.loop_threads import LoopThread
-    from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
-    from epdserve.wire.modality import Modality
     from epdserve.wire.room_client import HandshakeClient
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 
@@ -116,21 +140,9 @@ def run(jobs: int = 60, progress=print) -> dict:
                     receiver,
                 ) in receivers.items():  # interleaved: both modes see the same machine
                     conn.send(images)
-                    rooms = conn.recv()
-                    items = [
-                        MultimodalDataItem(
-                            Modality.IMAGE,
-                            offsets=[[0, ROWS - 1]],
-                            encode_handshake={
-                                "bootstrap_room": room,
-                                "bootstrap_host": "127.0.0.1",
-                                "bootstrap_port": port,
-                            },
-                        )
-                        for room in rooms
-                    ]
+                    inputs = loopback_job_inputs(conn.recv(), ROWS, port)
                     started = time.perf_counter()
-                    job = receiver.start(f"{mode}{index}", MultimodalInputs(items))
+                    job = receiver.start(f"{mode}{index}", inputs)
                     state = job.wait(30)
                     elapsed = time.perf_counter() - started
                     # zero-copy: the engine is done with the views (a no-op for copies)
