@@ -626,16 +626,13 @@ def test_failed_delivery_is_retried_colocated(stack):
     )
 
 
-def test_a_video_and_an_image_through_the_gateway(stack):
-    """A video_url (an MP4 data URI) beside an image: both encoded by the worker (the video sized
-    from its header by the gateway, its sampled frames decoded by the worker) and delivered over
-    SHM; another video gives another answer. (vLLM's own video loader decodes and samples
-    otherwise than transformers' PyAV reader, so there is no colocated answer to equal here:
-    tests/test_vllm_connector.py compares the same frames.)"""
+def assert_a_video_beside_an_image_is_delivered(stack: Stack, image: str, video_rows: int) -> None:
+    """A video (25 frames of 64x96, an MP4 data URI) then ``image`` (a URL) through the gateway:
+    both encoded by the worker and delivered, the video in ``video_rows`` rows (its patches / 4),
+    and another video gives another answer."""
 
     def ask(video: bytes):
         video_uri = "data:video/mp4;base64," + base64.b64encode(video).decode()
-        image_uri = data_uri(synthetic_image(84, 84, seed=81))
         return stack.client.chat.completions.create(
             model=stack.model,
             messages=[
@@ -643,7 +640,7 @@ def test_a_video_and_an_image_through_the_gateway(stack):
                     "role": "user",
                     "content": [
                         {"type": "video_url", "video_url": {"url": video_uri}},
-                        {"type": "image_url", "image_url": {"url": image_uri}},
+                        {"type": "image_url", "image_url": {"url": image}},
                         {"type": "text", "text": "Describe the video and the picture."},
                     ],
                 }
@@ -656,10 +653,20 @@ def test_a_video_and_an_image_through_the_gateway(stack):
     report = answer.model_extra["epd"]["images"]
     assert [item["encoder"] for item in report] == ["encode_worker"] * 2
     assert [item["delivery"]["state"] for item in report] == ["DONE"] * 2
-    assert report[0]["rows"] == 12  # (2, 4, 6) patches / 4
+    assert report[0]["rows"] == video_rows
     assert answer.usage.completion_tokens == MAX_TOKENS
     other = ask(mp4(25, 64, 96, seed=83))
     assert other.choices[0].message.content != answer.choices[0].message.content
+
+
+def test_a_video_and_an_image_through_the_gateway(stack):
+    """A video_url (an MP4 data URI) beside an image: both encoded by the worker (the video sized
+    from its header by the gateway, its sampled frames decoded by the worker) and delivered over
+    SHM; another video gives another answer. (vLLM's own video loader decodes and samples
+    otherwise than transformers' PyAV reader, so there is no colocated answer to equal here:
+    tests/test_vllm_connector.py compares the same frames.)"""
+    image = data_uri(synthetic_image(84, 84, seed=81))
+    assert_a_video_beside_an_image_is_delivered(stack, image, video_rows=12)  # (2, 4, 6) / 4
 
 
 @pytest.fixture
@@ -685,32 +692,7 @@ def test_qwen3_vl_images_and_a_video_through_the_gateway(qwen3_stack):
     assert [image["delivery"]["state"] for image in report] == ["DONE"] * 2
     assert answer.choices[0].message.content == stack.colocated([a, b, a])
 
-    def ask(video: bytes):
-        video_uri = "data:video/mp4;base64," + base64.b64encode(video).decode()
-        return stack.client.chat.completions.create(
-            model=stack.model,
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "video_url", "video_url": {"url": video_uri}},
-                        {"type": "image_url", "image_url": {"url": b}},
-                        {"type": "text", "text": "Describe the video and the picture."},
-                    ],
-                }
-            ],
-            temperature=0,
-            max_tokens=MAX_TOKENS,
-        )
-
-    answer = ask(mp4(25, 64, 96, seed=82))
-    report = answer.model_extra["epd"]["images"]
-    assert [item["encoder"] for item in report] == ["encode_worker"] * 2
-    assert [item["delivery"]["state"] for item in report] == ["DONE"] * 2
-    assert report[0]["rows"] == 18  # (3, 4, 6) patches / 4
-    assert answer.usage.completion_tokens == MAX_TOKENS
-    other = ask(mp4(25, 64, 96, seed=83))
-    assert other.choices[0].message.content != answer.choices[0].message.content
+    assert_a_video_beside_an_image_is_delivered(stack, b, video_rows=18)  # (3, 4, 6) / 4
 
 
 def test_a_video_in_a_container_workers_do_not_decode_is_encoded_by_vllm(stack):
