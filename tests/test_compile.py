@@ -135,8 +135,10 @@ def test_compiled_bfloat16_rows_keep_the_eager_ones_direction(compiled, record_p
 
 RESTART = """
 import json, sys
+import torch
 from torch._dynamo.utils import counters
 from epdserve.vision.tower import VisionTower
+torch.backends.cuda.matmul.fp32_precision = sys.argv[3]
 tower = VisionTower.load(sys.argv[1], vision_attention="varlen", compile="on",
                          compile_cache_dir=sys.argv[2])
 warmed_up = tower.warm_up(batch_items=8, batch_patches=16384)
@@ -144,23 +146,44 @@ print(json.dumps({"graphs": warmed_up["graphs_compiled"], **counters["inductor"]
 """
 
 
-def test_a_restarted_process_loads_its_graphs_from_the_cache(compiled):
+def test_a_restarted_process_loads_its_graphs_from_the_cache(compiled, record_property):
     """A new process over a cache directory a process filled compiles the same graphs without one
-    miss of Inductor's cache: the code is loaded, not generated and built again. Two processes, so
-    that the first's cache keys are a fresh process's: this one's may differ (an engine run in it
-    before, vLLM's, sets Inductor options that are part of the key)."""
-    reports = []
-    for _ in ("the first process", "its restart"):
+    miss of Inductor's cache: the code is loaded, not generated and built again. The session's
+    warm-up filled the directory; the new process runs with this process's settings that are part
+    of the cache key, as a restarted worker runs with its own. An engine run here before (vLLM's)
+    changes two: the C++ backend's dynamic threads (in the environment, after this process's
+    Inductor read it) and the CUDA matmul precision. Should another differ, the new process
+    misses and fills the directory, and a second one is the restart."""
+    import torch._inductor.config
+
+    dynamic_threads = "1" if torch._inductor.config.cpp.dynamic_threads else "0"
+
+    def new_process() -> dict:
         done = subprocess.run(
-            [sys.executable, "-c", RESTART, compiled["directory"], compiled["cache_dir"]],
+            [
+                sys.executable,
+                "-c",
+                RESTART,
+                compiled["directory"],
+                compiled["cache_dir"],
+                torch.backends.cuda.matmul.fp32_precision,
+            ],
             capture_output=True,
             text=True,
             timeout=300,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(sys.path),
+                "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": dynamic_threads,
+            },
         )
         assert done.returncode == 0, done.stderr[-3000:]
-        reports.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    report = reports[-1]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    report = new_process()
+    record_property("first_process_misses", report.get("fxgraph_cache_miss", 0))
+    if report.get("fxgraph_cache_miss", 0):
+        report = new_process()
     assert report["graphs"] == compiled["warmed_up"]["graphs_compiled"]
     assert report.get("fxgraph_cache_miss", 0) == 0, report
     assert report["fxgraph_cache_hit"] >= report["graphs"], report
