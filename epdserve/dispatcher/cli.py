@@ -18,13 +18,13 @@ import base64
 import json
 import os
 import sys
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 from pydantic import Field
 from pydantic_settings import CliPositionalArg, SettingsConfigDict
 
 from epdserve.dispatcher.settings import EncodeWorkerTargets, HttpUrl
-from epdserve.process_settings import SettingError, check_checkpoint, refuse
+from epdserve.process_settings import SettingError, check_checkpoint, exit_process, refuse
 
 VIDEO_SUFFIXES = {".mp4", ".mov", ".m4v"}
 
@@ -206,12 +206,15 @@ async def _post(url: str, body: dict, token: str | None) -> dict:
                 ) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Dispatch, print, and end the process with the exit status (through ``exit_process``: its
+    clients are closed by then)."""
     try:
-        return asyncio.run(run(DispatchSettings.from_command_line(argv)))
+        status = asyncio.run(run(DispatchSettings.from_command_line(argv)))
     except SettingError as exc:
-        return refuse(DispatchSettings.PROG, exc)
+        status = refuse(DispatchSettings.PROG, exc)
+    exit_process(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

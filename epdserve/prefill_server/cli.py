@@ -4,7 +4,7 @@ status 1), the tower loaded, the receive pool reserved, then the app served unti
 from __future__ import annotations
 
 import os
-import sys
+from typing import NoReturn
 
 from epdserve.prefill_server.settings import PrefillSettings
 from epdserve.process_settings import (
@@ -94,8 +94,9 @@ def _start(settings: PrefillSettings):
     return receiver, tower
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Every setting is checked first: a mistake is one line on stderr and exit status 1."""
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Every setting is checked first: a mistake is one line on stderr and exit status 1. The
+    process ends through ``exit_process`` either way."""
     import logging
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = PrefillSettings.from_command_line(argv)
         receiver, tower = _start(settings)
     except SettingError as exc:
-        return refuse(PrefillSettings.PROG, exc)
+        exit_process(refuse(PrefillSettings.PROG, exc))
     from epdserve.prefill_server.app import create_app
     from handshake.server import serve
 
@@ -135,4 +136,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
