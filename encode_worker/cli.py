@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
+from typing import NoReturn
 
 from encode_worker.config import WorkerConfig
 from epdserve.process_settings import (
@@ -63,7 +63,9 @@ def start(config: WorkerConfig):
         raise SettingError(f"cannot start: {exc}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Run until SIGTERM / SIGINT; a refused start is one line on stderr and exit status 1. The
+    process ends through ``exit_process`` either way."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker = start(WorkerConfig.from_command_line(argv))
     except SettingError as exc:
-        return refuse(WorkerConfig.PROG, exc)
+        exit_process(refuse(WorkerConfig.PROG, exc))
     config = worker.config
     logging.info(
         "encode worker ready: model %s (served as %r, %s on %s, attention: %s, compiled: %s); "
@@ -100,4 +102,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -31,8 +31,8 @@ def cluster(tmp_path_factory):
     with LocalCluster(model) as running:
         roles = {
             "a": running.start_encode_worker("worker-a"),
+            # b leaves (SIGKILL) in test_a_worker_leaving_mid_run_...; the tests after it use a
             "b": running.start_encode_worker("worker-b"),
-            "c": running.start_encode_worker("worker-c"),  # the one that leaves
             "mooncake": running.start_prefill("prefill-mooncake", transports="mooncake"),
             "shm": running.start_prefill(
                 "prefill-shm",
@@ -51,8 +51,8 @@ def cluster(tmp_path_factory):
         running.wait_ready()
         yield running, roles
         codes = running.stop()
-    assert {name: code for name, code in codes.items() if name != "worker-c"} == dict.fromkeys(
-        ("worker-a", "worker-b", "prefill-mooncake", "prefill-shm"), 0
+    assert {name: code for name, code in codes.items() if name != "worker-b"} == dict.fromkeys(
+        ("worker-a", "prefill-mooncake", "prefill-shm"), 0
     )  # clean SIGTERM exits
     time.sleep(0.2)
     assert left_since(before) == set()
@@ -149,17 +149,17 @@ def test_a_repeated_image_meets_its_worker_and_cache(cluster):
 def test_a_worker_leaving_mid_run_fails_its_items_fast_and_the_rest_move_on(cluster):
     running, roles = cluster
     images = [synthetic_image(320, 320, 40 + i) for i in range(12)]
-    survivors = {"a": roles["a"], "c": roles["c"]}
+    leaver = roles["b"]
 
     async def scenario():
-        worker_set = WorkerSet([role.worker for role in survivors.values()], check_timeout_s=1)
+        worker_set = WorkerSet([roles["a"].worker, leaver.worker], check_timeout_s=1)
         await worker_set.refresh()
         dispatcher = Dispatcher(worker_set, _processor(running), intake_timeout_s=2)
         try:
             placed = await dispatcher.dispatch("leave-1", images)
-            on_c = [item for item in placed if item.worker == roles["c"].worker.name]
-            assert on_c, "the ring sent nothing to worker c; pick other images"
-            running.kill(roles["c"])  # SIGKILL: its rooms and queued items die with it
+            on_leaver = [item for item in placed if item.worker == leaver.worker.name]
+            assert on_leaver, "the ring sent nothing to worker b; pick other images"
+            running.kill(leaver)  # SIGKILL: its rooms and queued items die with it
             async with aiohttp.ClientSession() as session:
                 started = time.monotonic()
                 async with session.post(
@@ -167,7 +167,7 @@ def test_a_worker_leaving_mid_run_fails_its_items_fast_and_the_rest_move_on(clus
                 ) as response:
                     report = await response.json()
                 elapsed = time.monotonic() - started
-            after = await dispatcher.dispatch("leave-2", images)  # c fails, its items move to a
+            after = await dispatcher.dispatch("leave-2", images)  # b fails, its items move to a
             return placed, report, elapsed, after, worker_set.status()
         finally:
             await dispatcher.close()
@@ -176,14 +176,12 @@ def test_a_worker_leaving_mid_run_fails_its_items_fast_and_the_rest_move_on(clus
     placed, report, elapsed, after, status = asyncio.run(scenario())
     for item, row in zip(placed, report["items"]):
         assert row["state"] == "DONE"
-        if (
-            item.worker == roles["c"].worker.name
-        ):  # its room endpoint died: fast failure, then fallback
+        if item.worker == leaver.worker.name:  # its room endpoint died: fast failure, fallback
             assert row["fallback"] is True and "unreachable" in row["reason"]
         else:
             assert row["fallback"] is False and row["verified"] is True
     assert all(item.worker == roles["a"].worker.name and item.error is None for item in after)
-    assert status[roles["c"].worker.name] != "ready"
+    assert status[leaver.worker.name] != "ready"
 
 
 def test_a_request_larger_than_the_receive_pool_is_refused_and_frees_its_rooms(cluster):

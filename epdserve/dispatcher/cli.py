@@ -18,13 +18,13 @@ import base64
 import json
 import os
 import sys
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 from pydantic import Field
 from pydantic_settings import CliPositionalArg, SettingsConfigDict
 
 from epdserve.dispatcher.settings import EncodeWorkerTargets, HttpUrl
-from epdserve.process_settings import SettingError, refuse
+from epdserve.process_settings import SettingError, check_checkpoint, exit_process, refuse
 
 VIDEO_SUFFIXES = {".mp4", ".mov", ".m4v"}
 
@@ -71,31 +71,46 @@ def prefill_body(request_id: str, items, verify: bool) -> dict:
     return {"request_id": request_id, "items": body, "verify": verify}
 
 
-def _read_media(settings: DispatchSettings) -> list:
-    """Every file the command line names, read: a video by its suffix (.mp4, .mov, .m4v)."""
+def _read_files(paths: list[str]) -> list[bytes]:
+    """Every file the command line names, read (one it cannot read is refused)."""
+    contents = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                contents.append(f.read())
+        except OSError as exc:
+            raise SettingError(f"{path}: {exc.strerror}") from None
+    return contents
+
+
+def _media(paths: list[str], contents: list[bytes]) -> list:
+    """The files as media: a video by its suffix (.mp4, .mov, .m4v), else an image."""
     from epdserve.dispatcher.media import Media
     from epdserve.wire.modality import Modality
 
-    media = []
-    for path in settings.images:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise SettingError(f"{path}: {exc.strerror}") from None
-        video = os.path.splitext(path)[1].lower() in VIDEO_SUFFIXES
-        media.append(Media(data, Modality.VIDEO if video else Modality.IMAGE))
-    return media
+    return [
+        Media(
+            data,
+            Modality.VIDEO
+            if os.path.splitext(path)[1].lower() in VIDEO_SUFFIXES
+            else Modality.IMAGE,
+        )
+        for path, data in zip(paths, contents)
+    ]
 
 
 async def run(args: DispatchSettings) -> int:
+    # a file it cannot read and a --model that is no checkpoint directory are refused before
+    # torch and transformers are imported (in a fraction of a second), in this order
+    contents = _read_files(args.images)
+    check_checkpoint(args.model, weights=False)
     import aiohttp
 
     from epdserve.dispatcher.dispatch import Dispatcher
     from epdserve.dispatcher.media import DispatchError
     from epdserve.dispatcher.workers import WorkerSet
 
-    images = _read_media(args)
+    images = _media(args.images, contents)
     workers = WorkerSet(list(args.workers), args.dns, args.bootstrap_port, args.intake_port)
     dispatcher = Dispatcher(
         workers,
@@ -191,12 +206,15 @@ async def _post(url: str, body: dict, token: str | None) -> dict:
                 ) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Dispatch, print, and end the process with the exit status (through ``exit_process``: its
+    clients are closed by then)."""
     try:
-        return asyncio.run(run(DispatchSettings.from_command_line(argv)))
+        status = asyncio.run(run(DispatchSettings.from_command_line(argv)))
     except SettingError as exc:
-        return refuse(DispatchSettings.PROG, exc)
+        status = refuse(DispatchSettings.PROG, exc)
+    exit_process(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

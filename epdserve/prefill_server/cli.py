@@ -4,7 +4,7 @@ status 1), the tower loaded, the receive pool reserved, then the app served unti
 from __future__ import annotations
 
 import os
-import sys
+from typing import NoReturn
 
 from epdserve.prefill_server.settings import PrefillSettings
 from epdserve.process_settings import (
@@ -16,10 +16,8 @@ from epdserve.process_settings import (
 
 def _start(settings: PrefillSettings):
     """Check every setting, load the tower, reserve the pool: ``(receiver, tower)``, or
-    ``SettingError`` with the one line to print."""
-    from epdserve.data_plane.shm import ShmError
-    from epdserve.data_plane.transport import TransportUnavailable, build_transports
-    from epdserve.prefill_server.app import TowerCalls
+    ``SettingError`` with the one line to print. The checks that need no torch run before it is
+    imported: such a refusal takes a fraction of a second."""
     from epdserve.process_settings import (
         check_checkpoint,
         check_listen,
@@ -27,7 +25,6 @@ def _start(settings: PrefillSettings):
         check_shm_space,
     )
     from epdserve.wire.offers import transport_spec
-    from prefill_side import PrefillReceiver, ReceiverConfig
 
     check_listen(settings.host, settings.port, "--port")
     check_memory(settings.pool_bytes, "--pool-bytes")
@@ -38,10 +35,11 @@ def _start(settings: PrefillSettings):
     tower = fingerprint = None
     width, deepstack = settings.width, settings.deepstack_width
     if settings.model:
+        directory = check_checkpoint(settings.model)
+        from epdserve.prefill_server.app import TowerCalls
         from epdserve.vision.fingerprint import tower_fingerprint
         from epdserve.vision.tower import TowerLoadError, VisionTower
 
-        directory = check_checkpoint(settings.model)
         try:
             tower = TowerCalls(
                 VisionTower.load(
@@ -70,6 +68,10 @@ def _start(settings: PrefillSettings):
         raise SettingError(
             f"--deepstack-width {deepstack} leaves no main embedding in rows of {width}"
         )
+    from epdserve.data_plane.shm import ShmError
+    from epdserve.data_plane.transport import TransportUnavailable, build_transports
+    from prefill_side import PrefillReceiver, ReceiverConfig
+
     try:
         config = ReceiverConfig(
             **settings.receiver_settings(),
@@ -92,11 +94,10 @@ def _start(settings: PrefillSettings):
     return receiver, tower
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Every setting is checked first: a mistake is one line on stderr and exit status 1."""
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Every setting is checked first: a mistake is one line on stderr and exit status 1. The
+    process ends through ``exit_process`` either way."""
     import logging
-
-    from handshake.server import serve
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(
@@ -106,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = PrefillSettings.from_command_line(argv)
         receiver, tower = _start(settings)
     except SettingError as exc:
-        return refuse(PrefillSettings.PROG, exc)
+        exit_process(refuse(PrefillSettings.PROG, exc))
     from epdserve.prefill_server.app import create_app
+    from handshake.server import serve
 
     config = receiver.config
     try:
@@ -134,4 +136,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -87,6 +87,8 @@ def _hub_snapshot(model_id: str, flag: str, files: tuple[str, ...] | None) -> st
 
 def check_device(text: str) -> str:
     """A torch device this build and machine have (``cpu``, ``cuda``, ``cuda:N``)."""
+    if text == "cpu":  # every build has it: the checks after this one need no torch import
+        return text
     import torch
 
     try:
