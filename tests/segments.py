@@ -3,10 +3,15 @@ or a gone process's count (another test run on the machine makes segments of its
 
 Under pytest-xdist a gone process's segment may be the sibling worker's (one its test killed and
 sweeps later), so a worker counts only its own tree's; the session's end, in the controller once
-every worker is done, counts the gone processes' (``conftest.pytest_sessionfinish``)."""
+every worker is done, counts the gone processes' (``conftest.pytest_sessionfinish``).
+
+vLLM's own segments are not ours to count, but a test that starts tensor-parallel ranks sweeps
+those the ranks leave (``sweep_vllms_leftovers``)."""
 
 import glob
 import os
+
+from tests.waiting import eventually
 
 
 def segments() -> set[str]:
@@ -37,6 +42,48 @@ def _of_this_run(pid: int | None) -> bool:
     worker, gone (a segment a test's dead process left); never another process tree's."""
     if pid is None or not os.path.exists(f"/proc/{pid}"):
         return "PYTEST_XDIST_WORKER" not in os.environ
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        pid = _parent(pid)
+    return False
+
+
+def vllm_segments_of_this_process_tree() -> set[str]:
+    """vLLM's CPU communicators' segments (``vllm_dist_<id>-tp:...-cpushm_<rank>``) that this
+    process or one it started maps: its engine's tensor-parallel ranks'."""
+    return {path for path, pids in _vllm_mappers().items() if any(map(_of_this_tree, pids))}
+
+
+def sweep_vllms_leftovers(ours: set[str]) -> None:
+    """Once no process maps any of ``ours`` (the shut-down ranks have exited), unlinks those left:
+    vLLM 0.32's CPU ranks leave them, and /dev/shm is memory."""
+    eventually(
+        lambda: not set(_vllm_mappers()) & ours,
+        "the tensor-parallel ranks gone from their segments",
+        seconds=60,
+    )
+    for path in ours:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _vllm_mappers() -> dict[str, set[int]]:
+    """Each vLLM segment some live process maps, and the pids that map it."""
+    mappers: dict[str, set[int]] = {}
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        pid = int(maps.split("/")[2])
+        try:
+            with open(maps) as f:
+                paths = {line.split(maxsplit=5)[-1].strip() for line in f if "/vllm_dist_" in line}
+        except OSError:  # the process ended while we read
+            continue
+        for path in paths:
+            mappers.setdefault(path.removesuffix(" (deleted)"), set()).add(pid)
+    return mappers
+
+
+def _of_this_tree(pid: int) -> bool:
     while pid > 1:
         if pid == os.getpid():
             return True

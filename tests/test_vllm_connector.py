@@ -42,6 +42,10 @@ from epdserve.wire.ec_params import (
     identifier,  # noqa: E402
 )
 from tests.encode_helpers import mp4  # noqa: E402
+from tests.segments import (  # noqa: E402
+    sweep_vllms_leftovers,
+    vllm_segments_of_this_process_tree,
+)
 from tests.test_video import transformers_frames  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
 
@@ -265,7 +269,9 @@ def closed_cleanly(running: Stack):
     try:
         yield
     finally:
+        ranks = vllm_segments_of_this_process_tree()
         running.close()
+        sweep_vllms_leftovers(ranks)
     assert not os.path.exists(f"/dev/shm/{pool}"), "the connector's receive pool was left behind"
     assert segments_of(pids) == []
 
