@@ -42,11 +42,7 @@ def _of_this_run(pid: int | None) -> bool:
     worker, gone (a segment a test's dead process left); never another process tree's."""
     if pid is None or not os.path.exists(f"/proc/{pid}"):
         return "PYTEST_XDIST_WORKER" not in os.environ
-    while pid > 1:
-        if pid == os.getpid():
-            return True
-        pid = _parent(pid)
-    return False
+    return _of_this_tree(pid)
 
 
 def vllm_segments_of_this_process_tree() -> set[str]:
@@ -84,6 +80,7 @@ def _vllm_mappers() -> dict[str, set[int]]:
 
 
 def _of_this_tree(pid: int) -> bool:
+    """Whether ``pid`` is this process or one it started."""
     while pid > 1:
         if pid == os.getpid():
             return True
