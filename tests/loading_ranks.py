@@ -11,20 +11,32 @@ import traceback
 import torch
 
 WIDTH = 128
+cpu = torch.device("cpu")
 
 
-def _rank(index: int, size: int, init_file: str, loads, elsewhere: set[int], results) -> None:
-    """One rank: load ``loads`` (a list of steps, each a list of ``Load``) into an encoder cache
-    of its own; ranks in ``elsewhere`` are on another node (another /dev/shm)."""
+def _rank(index: int, size: int, init_file: str, loads, scenarios, results) -> None:
+    """One rank: for each scenario (the set of ranks on another node, another /dev/shm), load
+    ``loads`` (a list of steps, each a list of ``Load``) into an encoder cache of its own, with a
+    connector worker half of its own."""
     import torch.distributed as dist
 
     from prefill_side.vllm_connector import worker
 
-    if index in elsewhere:  # the one thing faked: which node this process is on
-        worker.namespace_id = lambda: "another-node"
+    here = worker.namespace_id
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=index, world_size=size)
     group = worker.LoadingGroup(index, tuple(range(size)), dist.group.WORLD, dist.group.WORLD)
-    side = worker.WorkerSide(WIDTH, torch.float32, torch.device("cpu"), group)
+    outcomes = []
+    try:
+        for elsewhere in scenarios:
+            # the one thing faked: which node this process is on
+            worker.namespace_id = (lambda: "another-node") if index in elsewhere else here
+            outcomes.append(_load(worker.WorkerSide(WIDTH, torch.float32, cpu, group), loads))
+    finally:
+        dist.destroy_process_group()
+    results.put((index, outcomes))
+
+
+def _load(side, loads) -> dict:
     cache: dict[str, torch.Tensor] = {}
     outcome: dict = {"errors": []}
     try:
@@ -41,17 +53,17 @@ def _rank(index: int, size: int, init_file: str, loads, elsewhere: set[int], res
         outcome["traceback"] = traceback.format_exc()
     finally:
         side.close()
-        dist.destroy_process_group()
-    results.put((index, outcome))
+    return outcome
 
 
-def run_ranks(loads, elsewhere=(), size: int = 2, timeout_s: float = 120) -> list[dict]:
-    """Each rank's outcome (``cache``, ``loaded``, ``errors`` per failed step), by rank index."""
+def run_ranks(loads, scenarios, size: int = 2, timeout_s: float = 120) -> list[list[dict]]:
+    """Per scenario (the ranks on another node), each rank's outcome (``cache``, ``loaded``,
+    ``errors`` per failed step), by rank index; one process per rank runs every scenario."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     init_file = f"/tmp/epd-ranks-{os.getpid()}-{os.urandom(4).hex()}"
     processes = [
-        context.Process(target=_rank, args=(index, size, init_file, loads, set(elsewhere), results))
+        context.Process(target=_rank, args=(index, size, init_file, loads, scenarios, results))
         for index in range(size)
     ]
     for process in processes:
@@ -67,7 +79,12 @@ def run_ranks(loads, elsewhere=(), size: int = 2, timeout_s: float = 120) -> lis
                 process.kill()
         if os.path.exists(init_file):
             os.unlink(init_file)
-    for index, outcome in outcomes.items():
-        assert "traceback" not in outcome, f"rank {index}:\n{outcome['traceback']}"
-        outcome["cache"] = {key: torch.from_numpy(rows) for key, rows in outcome["cache"].items()}
-    return [outcomes[index] for index in range(size)]
+    for index, per_scenario in outcomes.items():
+        for outcome in per_scenario:
+            assert "traceback" not in outcome, f"rank {index}:\n{outcome['traceback']}"
+            outcome["cache"] = {
+                key: torch.from_numpy(rows) for key, rows in outcome["cache"].items()
+            }
+    return [
+        [outcomes[index][scenario] for index in range(size)] for scenario in range(len(scenarios))
+    ]

@@ -823,8 +823,8 @@ def test_tensor_parallel_ranks_load_the_same_rows_or_none(no_new_segments):
             [load(5, "past", offset=(1 << 16) - 1024)],  # outside the pool: seen where mapped
             [load(4, "y")],  # the ranks still serve after these failures
         ]
-        for elsewhere in ((), (1,)):
-            ranks = run_ranks(steps, elsewhere=elsewhere)
+        scenarios = ((), (1,))
+        for elsewhere, ranks in zip(scenarios, run_ranks(steps, scenarios)):
             for index, rank in enumerate(ranks):
                 assert sorted(rank["cache"]) == ["x", "y"], (elsewhere, index)
                 assert all(torch.equal(rank["cache"][key], rows) for key in ("x", "y"))
