@@ -84,6 +84,10 @@ class TowerFamily:
     # a small test VLM's text config beyond the shared one (vlm_checkpoints.build_vlm): heads of
     # 32 and the rope its language model takes
     small_text: dict = field(default_factory=dict)
+    # whether vLLM takes a request of an item's grid alone (its processor declares embedding
+    # fields); False: an EPD request carries the image itself and the rooms (Gemma 3 asserts it
+    # takes no image_embeds), vLLM preprocesses it and its tower is not run for it
+    grid_only_requests: bool = True
     # the dtype vLLM's CPU build runs its language model in: bfloat16 where its CPU kernels take
     # no other (Qwen3.5's Gated DeltaNet layers); tests run engine and workers in it
     cpu_dtype: str = "float32"
@@ -334,6 +338,7 @@ FAMILIES: dict[str, TowerFamily] = {
             _gemma3_image_processor,
             None,
             sizing=FIXED_SIZE,
+            grid_only_requests=False,
             packed_patches=False,
             # the hub's layout (vision_tower.vision_model.*, as vLLM loads it) or transformers'
             tower_prefixes={
