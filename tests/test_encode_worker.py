@@ -119,6 +119,28 @@ def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family)
         receiver.close()
 
 
+def test_fixed_size_images_are_sized_by_their_token_count_whatever_their_size(checkpoints):
+    """Gemma 3's sizing: every image is ``mm_tokens_per_image`` rows (the processor's
+    ``image_seq_length``, 16 here) as a ``(1, 4, 4)`` grid, from its header as from its pixels;
+    pan-and-scan (several crops) and a token count that is no square are refused."""
+    import copy
+
+    from epdserve.vision.sizing import FIXED_SIZE
+
+    tower = VisionTower.load(checkpoints["gemma3"])
+    for height, width in [(64, 64), (300, 200), (2000, 90)]:
+        grid = FIXED_SIZE.image_grid(tower.processor, height, width)
+        inputs = tower.image_inputs(png(height, width, 1))
+        assert grid == (1, 4, 4) == tuple(inputs["image_grid_thw"][0].tolist())
+        assert tower.rows_per_item(inputs["image_grid_thw"]) == [16]
+        assert tower.encode(inputs["pixel_values"], inputs["image_grid_thw"]).shape == (16, 96)
+    for setting, value in (("do_pan_and_scan", True), ("image_seq_length", 15)):
+        processor = copy.deepcopy(tower.processor)
+        setattr(processor, setting, value)
+        with pytest.raises(ValueError, match="pan-and-scan|not a square"):
+            FIXED_SIZE.image_grid(processor, 64, 64)
+
+
 def encode_in_this_thread(worker, jobs) -> None:
     """The worker's three stages over one known batch, in the test's thread."""
     worker.stage_and_send.send(worker.tower_stage.run(worker.prepare.run(jobs)).ready)

@@ -155,6 +155,7 @@ def fixed_image_grid(processor, height: int, width: int) -> tuple[int, int, int]
 
 
 def fixed_video_grid(processor, frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """None: a family of fixed-size images takes no video (``BadVideo``)."""
     raise BadVideo("this model takes no video")
 
 

@@ -101,9 +101,17 @@ class VisionTower:
         family = FAMILIES[info.family]
         self.packed_patches = family.packed_patches
         if not self.packed_patches:  # fixed-size images: transformers' attention, eager
+            if compile == "on":
+                raise compilation.CompileUnavailable(
+                    f"{info.family}'s tower (fixed-size images) is not compiled"
+                )
             attention_path, compile = "reference", "off"
         self.attention_path = attention_path
-        self.attention_kernel = attention.kernel(device, dtype, attention_path)
+        self.attention_kernel = (
+            attention.kernel(device, dtype, attention_path)
+            if self.packed_patches
+            else "sdpa over the batch of images (transformers' own attention)"
+        )
         self._grid_inputs = (
             GridInputs(model, family.windows, family.position_table)
             if self.packed_patches

@@ -6,11 +6,11 @@ image and video processor configs and a tokenizer whose special tokens (``<|visi
 ``<|image_pad|>``, ...) carry the ids the config names. ``build_vlm`` writes all of it with the
 real transformers classes (random weights; the tower is ``small_checkpoints.vision_config``'s, so
 rows per image are the production ones; the family's text config and hub tensor layout,
-``TowerFamily.small_text`` / ``hub_transposes``) and a byte-level BPE tokenizer of the family's
-tokens trained in memory on a fixed text (``vision.small_tokenizers``), so two builds with the
-same arguments are identical. ``cached_vlm``
-builds once per configuration under ``~/.cache/epd-encode-worker`` (an atomic rename: concurrent
-builders never see half a directory) and returns the directory.
+``TowerFamily.small_text`` / ``hub_transposes`` / ``hub_renames``) and a byte-level BPE
+tokenizer of the family's tokens trained in memory on a fixed text (``vision.small_tokenizers``),
+so two builds with the same arguments are identical. ``cached_vlm`` builds once per configuration
+under ``~/.cache/epd-encode-worker`` (an atomic rename: concurrent builders never see half a
+directory) and returns the directory.
 
 The same directory serves the encode worker (``--model``: it reads the ``visual.`` weights and the
 image processor) and vLLM (``LLM(model=...)``), so both place the same rows per image.
