@@ -87,7 +87,7 @@ class Health:
         """A tiny dummy encode, waited for; runs only when the tower is idle (or before the
         stages start)."""
         try:
-            pixels = self.tower.processor(images=[Image.new("RGB", (56, 56))], return_tensors="pt")
+            pixels = self.tower.preprocess([Image.new("RGB", (56, 56))])
             self.tower.encode(pixels["pixel_values"], pixels["image_grid_thw"]).cpu()
             self.healthy, self.last_ok = True, time.monotonic()
         except Exception:

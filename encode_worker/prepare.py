@@ -172,11 +172,9 @@ class Prepare:
                 image = image_from_pixels(pixels, self.max_image_pixels)
             if self.on_device:  # the uint8 pixels go up (a quarter of the float patches' bytes)
                 pixels = device.upload(torch.from_numpy(np.array(image)).permute(2, 0, 1))
-                out = self.tower.processor(
-                    images=[pixels], device=device.device, return_tensors="pt"
-                )
+                out = self.tower.preprocess([pixels], device=device.device)
             else:
-                out = self.tower.processor(images=[image], return_tensors="pt")
+                out = self.tower.preprocess([image])
             pixel_values, grid_thw = out["pixel_values"], out["image_grid_thw"]
         inputs = TowerInputs(device.upload(pixel_values), grid_thw.cpu())
         if job.grid_thw is not None and inputs.grid != job.grid_thw:

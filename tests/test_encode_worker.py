@@ -39,12 +39,12 @@ SIZES = [(64, 64), (300, 200), (128, 96)]
 
 
 def reference_rows(full_model, tower, image_png: bytes) -> torch.Tensor:
-    """transformers' own get_image_features for this image alone, in the wire layout."""
+    """transformers' own get_image_features for this image alone, in the wire layout (its grid
+    from the processor where the model takes one: none for Gemma 3's fixed-size images)."""
     inputs = tower.processor(images=[image_from_bytes(image_png)], return_tensors="pt")
+    grid = {"image_grid_thw": inputs["image_grid_thw"]} if "image_grid_thw" in inputs else {}
     with torch.inference_mode():
-        out = full_model.get_image_features(
-            inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]
-        )
+        out = full_model.get_image_features(inputs["pixel_values"], **grid)
     (main,) = out.pooler_output
     deepstack = getattr(out, "deepstack_features", None)
     if deepstack:
@@ -117,6 +117,28 @@ def test_mixed_batch_rows_are_bit_identical_to_transformers(checkpoints, family)
     finally:
         worker.stop()
         receiver.close()
+
+
+def test_fixed_size_images_are_sized_by_their_token_count_whatever_their_size(checkpoints):
+    """Gemma 3's sizing: every image is ``mm_tokens_per_image`` rows (the processor's
+    ``image_seq_length``, 16 here) as a ``(1, 4, 4)`` grid, from its header as from its pixels;
+    pan-and-scan (several crops) and a token count that is no square are refused."""
+    import copy
+
+    from epdserve.vision.sizing import FIXED_SIZE
+
+    tower = VisionTower.load(checkpoints["gemma3"])
+    for height, width in [(64, 64), (300, 200), (2000, 90)]:
+        grid = FIXED_SIZE.image_grid(tower.processor, height, width)
+        inputs = tower.image_inputs(png(height, width, 1))
+        assert grid == (1, 4, 4) == tuple(inputs["image_grid_thw"][0].tolist())
+        assert tower.rows_per_item(inputs["image_grid_thw"]) == [16]
+        assert tower.encode(inputs["pixel_values"], inputs["image_grid_thw"]).shape == (16, 96)
+    for setting, value in (("do_pan_and_scan", True), ("image_seq_length", 15)):
+        processor = copy.deepcopy(tower.processor)
+        setattr(processor, setting, value)
+        with pytest.raises(ValueError, match="pan-and-scan|not a square"):
+            FIXED_SIZE.image_grid(processor, 64, 64)
 
 
 def encode_in_this_thread(worker, jobs) -> None:

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from epdserve.bench.gpu import plan, preflight
 from epdserve.bench.gpu.flops import forward_flops, peak_tflops
 from epdserve.bench.gpu.supervisor import Run, install_wheels
-from epdserve.vision.families import FAMILIES
+from epdserve.vision.families import FAMILIES, PATCH_GRID_FAMILIES
 from epdserve.vision.patch_embedding import as_matmul
 from epdserve.vision.small_checkpoints import vision_config
 from tests.waiting import eventually
@@ -194,7 +194,7 @@ def test_the_wheels_that_suit_this_python_are_installed_and_the_others_named(tmp
     assert site == str(tmp_path / "site")
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", PATCH_GRID_FAMILIES)
 def test_the_forward_flops_are_what_torch_counts(family):
     """torch's counter sees matrix products only where they are explicit: transformers' eager
     attention and the patch embedding as a product."""

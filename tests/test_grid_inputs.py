@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epdserve.bench.benchmarks.grid_inputs import whole_batch
-from epdserve.vision.families import FAMILIES
+from epdserve.vision.families import FAMILIES, PATCH_GRID_FAMILIES
 from epdserve.vision.grid_inputs import GridInputs
 from epdserve.vision.small_checkpoints import vision_config
 from tests.profiles import examples
@@ -17,7 +17,8 @@ from tests.profiles import examples
 def towers():
     """Each family's small tower (random weights: only its geometry is read)."""
     out = {}
-    for name, family in FAMILIES.items():
+    for name in PATCH_GRID_FAMILIES:
+        family = FAMILIES[name]
         config = family.vision_config(**vision_config(name, depth=1, width=32))
         out[name] = family.tower(config).eval()
     return out
@@ -45,7 +46,7 @@ grids = st.lists(
 )
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", PATCH_GRID_FAMILIES)
 @settings(
     max_examples=examples(60),
     deadline=None,

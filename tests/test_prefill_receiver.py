@@ -152,7 +152,7 @@ def test_a_video_without_a_grid_in_the_request_gets_the_encoders_video_grid(stac
     worker, receiver, intake, _ = stack
     video = mp4(30, 64, 64, seed=3)
     _, grid = sample_and_size(tower.video_processor, read_header(video), tower.sizing)
-    rows = grid_rows(grid, tower.video_processor.merge_size)
+    rows = grid_rows(grid, tower.video_processor)
     (room,) = worker.table.mint(1, 60)
     handshake = {
         "bootstrap_room": room,

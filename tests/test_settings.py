@@ -244,3 +244,24 @@ def test_a_hugging_face_model_id_resolves_through_the_hub_cache(checkpoints, tmp
     assert lines["family"] == "qwen2_5_vl" and lines["name"] == "epd-tests/tiny-qwen2_5-vl"
     assert lines["gateway"] == "epd-tests/tiny-qwen2_5-vl 2" and lines["video_seconds"] == "True"
     assert "not in the Hugging Face cache" in lines["absent"] and "\n" not in lines["absent"]
+
+
+def test_a_gateway_refuses_an_engine_that_takes_no_request_of_grids_alone(checkpoints):
+    """Gemma 3: vLLM needs the image in the request, which the gateway does not send yet: the
+    engine is refused with the reason, not served with requests vLLM would fail."""
+    from epdserve.gateway.engine import EngineMismatch, EngineModel
+    from epdserve.gateway.settings import GatewaySettings
+    from epdserve.vision.fingerprint import tower_fingerprint
+    from epdserve.vision.tower import VisionTower
+    from epdserve.wire.fingerprint import EngineDescription
+
+    directory = checkpoints["gemma3"]
+    gateway = GatewaySettings.from_command_line(
+        ["--model", directory, "--workers", "127.0.0.1", "--vllm-url", "http://v:1",
+         "--engine-url", "http://v:2"]
+    )  # fmt: skip
+    description = EngineDescription(
+        served_model_name="m", fingerprint=tower_fingerprint(VisionTower.load(directory))
+    )
+    with pytest.raises(EngineMismatch, match="takes no gemma3 request of grids alone"):
+        EngineModel.agree(gateway, description)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.vision import attention
-from epdserve.vision.families import FAMILIES
+from epdserve.vision.families import PATCH_GRID_FAMILIES
 from epdserve.vision.images import image_from_bytes
 from epdserve.vision.tower import VisionTower
 from epdserve.wire.rooms import RoomState
@@ -45,7 +45,7 @@ def _counting_sdpa(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", PATCH_GRID_FAMILIES)
 def test_varlen_calls_attention_once_per_layer_and_matches_the_reference(
     checkpoints, family, monkeypatch, record_property
 ):
@@ -73,7 +73,7 @@ def test_varlen_calls_attention_once_per_layer_and_matches_the_reference(
     assert max_abs < 1e-4 * max(1.0, expected.abs().max().item()), max_abs
 
 
-@pytest.mark.parametrize("family", list(FULL_CLASSES))
+@pytest.mark.parametrize("family", PATCH_GRID_FAMILIES)
 def test_a_worker_on_the_varlen_path_delivers_transformers_rows_within_tolerance(
     checkpoints, family
 ):

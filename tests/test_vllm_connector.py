@@ -33,7 +33,7 @@ from epdserve.dispatcher.vllm_request import vllm_request  # noqa: E402
 from epdserve.multimodal.items import Modality  # noqa: E402
 from epdserve.testing.cluster import LocalCluster, free_port  # noqa: E402
 from epdserve.testing.images import synthetic_image  # noqa: E402
-from epdserve.vision.families import FAMILIES  # noqa: E402
+from epdserve.vision.families import FAMILIES, detect_family  # noqa: E402
 from epdserve.vision.sizing import sampled_indices  # noqa: E402
 from epdserve.vision.video import load_video_processor  # noqa: E402
 from epdserve.vision.vlm_checkpoints import IMAGE_PROMPT, VIDEO_PROMPT, cached_vlm  # noqa: E402
@@ -90,7 +90,10 @@ def dispatch(model: str, worker, images: list[bytes | Media], request_id: str) -
         worker_set = WorkerSet([worker.worker], check_timeout_s=2)
         await worker_set.refresh()
         dispatcher = Dispatcher(
-            worker_set, AutoImageProcessor.from_pretrained(model), load_video_processor(model)
+            worker_set,
+            AutoImageProcessor.from_pretrained(model),
+            load_video_processor(model),
+            sizing=FAMILIES[detect_family(model)].sizing,
         )
         try:
             return await dispatcher.dispatch(request_id, images)
@@ -278,9 +281,12 @@ def closed_cleanly(running: Stack):
 
 # The families vLLM's CPU build runs in float32, where the encode worker's rows and vLLM's own
 # tower's agree closely enough for every comparison below; the bfloat16 ones (vLLM's CPU kernels
-# take no other) run the smaller set at the end of this module.
-FLOAT32 = [name for name in MODEL_TYPES if FAMILIES[name].cpu_dtype == "float32"]
-BFLOAT16 = [name for name in MODEL_TYPES if FAMILIES[name].cpu_dtype == "bfloat16"]
+# take no other) run a smaller set (test_vllm_bfloat16). Both take requests of grids alone; the
+# families whose EPD requests carry the image run theirs in test_vllm_carried_images.
+GRID_ONLY = [name for name in MODEL_TYPES if FAMILIES[name].grid_only_requests]
+FLOAT32 = [name for name in GRID_ONLY if FAMILIES[name].cpu_dtype == "float32"]
+BFLOAT16 = [name for name in GRID_ONLY if FAMILIES[name].cpu_dtype == "bfloat16"]
+CARRIED = [name for name in MODEL_TYPES if not FAMILIES[name].grid_only_requests]
 # The connector's own behaviour (bad parameters, failures, logs, n > 1) is the same whatever the
 # family: those tests run on the first two families, the rows and tokens tests on every one.
 connector_behaviour = pytest.mark.parametrize("stack", FLOAT32[:2], indirect=True)

@@ -152,7 +152,7 @@ class MediaSizer:
             width,
             height,
             grid,
-            self.sizing.rows(grid, self.processor.merge_size),
+            self.sizing.rows(grid, self.processor),
             error=(
                 f"image format {image_format}: encode workers do not decode it; vLLM encodes it"
                 if encoded_by_vllm
@@ -211,7 +211,7 @@ class MediaSizer:
             header.width,
             header.height,
             grid,
-            self.sizing.rows(grid, processor.merge_size),
+            self.sizing.rows(grid, processor),
             image_format="MP4/MOV",
             modality=Modality.VIDEO,
             seconds_per_grid_t=processor.temporal_patch_size / sampled_fps,

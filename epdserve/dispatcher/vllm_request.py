@@ -29,8 +29,11 @@ def vllm_request(
     nothing; a failed room fails the request). ``model_type``: the served model's
     (``FAMILIES``: whether a video's seconds per temporal patch, or its patches' times, go
     along). ``ValueError`` when an item has no room (the dispatcher could not place it) and no
-    media is sent: nothing could encode it."""
+    media is sent: nothing could encode it; or when no media is sent for a model that takes no
+    request of grids alone (Gemma 3: ``TowerFamily.grid_only_requests``)."""
     order = list(range(len(items))) if order is None else order
+    if images is None and not FAMILIES[model_type].grid_only_requests:
+        raise ValueError(f"{model_type} takes no request of grids alone: send the images")
     if images is None and any(item.encode_handshake is None or item.error for item in items):
         raise ValueError(
             "an item has no room ("

@@ -1,7 +1,8 @@
 """The vision weights' digest, read from a checkpoint's safetensors files as stored.
 
-Every tensor under a vision prefix (``VISION_PREFIXES``; every tensor of a vision-only checkpoint,
-which transformers writes under ``visual.`` too) counts by its name without the prefix, its stored
+Every tensor under a vision prefix (``VISION_PREFIXES``: Qwen-VL's tower; Gemma 3's SigLIP and
+projector; every tensor of a vision-only checkpoint, which transformers writes under ``visual.``
+too) counts by its name without the prefix, its stored
 dtype, its shape and an xxh3-128 of its bytes, so a full checkpoint and the vision-only export of
 the same tower agree, and two checkpoints of the same architecture with other weights do not. The
 files are read through ``mmap`` (the safetensors layout: an 8-byte header length, a JSON header,
@@ -20,8 +21,17 @@ import xxhash
 
 from epdserve.wire.fingerprint import digest
 
-# Where a full checkpoint keeps a Qwen-VL tower (hub layouts: transformers 5 writes model.visual.).
-VISION_PREFIXES = ("model.visual.", "visual.")
+# Where a full checkpoint keeps its tower, each prefix -> what stays of it in the tensor's name
+# (hub layouts: transformers 5 writes model.visual.; Gemma 3's tower is two modules, at the top
+# level on the hub, under model. as transformers names them).
+VISION_PREFIXES = {
+    "model.visual.": "",
+    "visual.": "",
+    "model.vision_tower.": "vision_tower.",
+    "vision_tower.": "vision_tower.",
+    "model.multi_modal_projector.": "multi_modal_projector.",
+    "multi_modal_projector.": "multi_modal_projector.",
+}
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
 
 
@@ -68,9 +78,9 @@ def _shards(directory: str) -> list[str]:
 def _vision_name(name: str, vision_only: bool) -> str | None:
     """A tensor's name in the tower (its vision prefix dropped), or None for no tower tensor. A
     vision-only checkpoint's tensors are all the tower's, with or without the prefix."""
-    for prefix in VISION_PREFIXES:
+    for prefix, kept in VISION_PREFIXES.items():
         if name.startswith(prefix):
-            return name[len(prefix) :]
+            return kept + name[len(prefix) :]
     return name if vision_only else None
 
 

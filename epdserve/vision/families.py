@@ -19,6 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3ImageProcessorPil,
+    Gemma3Processor,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
@@ -46,23 +50,26 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
-from epdserve.vision.sizing import QWEN_VL, Sizing
+from epdserve.vision.projected_tower import Gemma3ProjectedTower
+from epdserve.vision.sizing import FIXED_SIZE, QWEN_VL, Sizing
+from epdserve.vision.small_tokenizers import GEMMA3_TOKENS, QWEN_TOKENS, SmallTokens
 from epdserve.wire.ec_params import MODEL_TYPES
 
 
 @dataclass(frozen=True)
 class TowerFamily:
     model_type: str  # the checkpoint's config.json model_type (a vision-only one adds "_vision")
-    vision_config: type  # the tower's transformers config class
-    tower: type  # the tower's transformers model class (loaded alone, out of the full checkpoint)
+    vision_config: type  # the tower's transformers config class (the full model's: Gemma 3)
+    tower: type  # the tower's model class (loaded alone, out of the full checkpoint)
     vlm_config: type  # the full model's config and class (small test checkpoints)
     vlm: type
     # A small test tower's vision config: real patch, temporal and merge sizes, shrunk depth and
     # widths.
     small_vision_config: Callable[[int, int, int], dict]  # (out_width, depth, width) -> kwargs
-    small_image_processor: Callable[[], Qwen2VLImageProcessorPil]
-    # Its video processor: the real sizes and sampling (2 fps), a smaller pixel budget per frame.
-    small_video_processor: Callable[[], Qwen2VLVideoProcessor | Qwen3VLVideoProcessor]
+    small_image_processor: Callable[[], Qwen2VLImageProcessorPil | Gemma3ImageProcessorPil]
+    # Its video processor: the real sizes and sampling (2 fps), a smaller pixel budget per frame;
+    # None: the family takes no video.
+    small_video_processor: Callable[[], Qwen2VLVideoProcessor | Qwen3VLVideoProcessor] | None
     # the model's positions take each video's seconds per temporal patch (second_per_grid_ts)
     video_seconds: bool = False
     # the prompt gives each temporal patch of a video its time ("<1.2 seconds>" before each
@@ -77,12 +84,36 @@ class TowerFamily:
     # a small test VLM's text config beyond the shared one (vlm_checkpoints.build_vlm): heads of
     # 32 and the rope its language model takes
     small_text: dict = field(default_factory=dict)
+    # whether vLLM takes a request of an item's grid alone (its processor declares embedding
+    # fields); False: an EPD request carries the image itself and the rooms (Gemma 3 asserts it
+    # takes no image_embeds), vLLM preprocesses it and its tower is not run for it
+    grid_only_requests: bool = True
     # the dtype vLLM's CPU build runs its language model in: bfloat16 where its CPU kernels take
     # no other (Qwen3.5's Gated DeltaNet layers); tests run engine and workers in it
     cpu_dtype: str = "float32"
     # the hub's layout of tensors transformers saves in another (name suffix -> the dims to swap),
     # applied to the small test VLM's checkpoint so vLLM's loader reads it as a real one
     hub_transposes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # the hub's names of tensors transformers saves under others (a pattern -> its replacement)
+    hub_renames: dict[str, str] = field(default_factory=dict)
+    # How the tower takes a batch: packed patches with their grids (the Qwen-VL towers: what the
+    # forward derives from the grids, ``vision.grid_inputs``; varlen attention; compiled
+    # regions), or False: a batch of fixed-size images ``[n, 3, H, W]``, the forward taking the
+    # pixels alone (Gemma 3's SigLIP and projector).
+    packed_patches: bool = True
+    # where a checkpoint keeps the tower's tensors (a prefix -> the tower module's name for it)
+    tower_prefixes: dict[str, str] = field(
+        default_factory=lambda: {r"^model\.visual\.": "", r"^visual\.": ""}
+    )
+    # the small test VLM's config beyond its vision and text configs, its tokenizer's tokens and
+    # chat template, and the processor vLLM builds from them where it needs its config
+    # (Gemma3Processor's image_seq_length); None: vLLM needs no processor config
+    small_vlm: dict = field(default_factory=dict)
+    small_tokens: SmallTokens = QWEN_TOKENS
+    small_processor: Callable[..., object] | None = None  # (image processor, tokenizer)
+    # the full model's parameters transformers initialises to zero that a small test model draws
+    # (``small_checkpoints.draw_zero_initialised``): Gemma 3's projection would make every row 0
+    small_drawn: tuple[str, ...] = ()
 
 
 def _qwen2_image_processor() -> Qwen2VLImageProcessorPil:
@@ -159,6 +190,28 @@ def _qwen3_vl_text(**language: object) -> dict:
             "mrope_section": [4, 6, 6],
             "mrope_interleaved": True,
         },
+    )
+
+
+# Gemma 3's small test model: 112x112 images in patches of 14 (8x8), pooled to 16 tokens (4x4).
+GEMMA3_SMALL_TOKENS = 16
+
+
+def _gemma3_image_processor() -> Gemma3ImageProcessorPil:
+    return Gemma3ImageProcessorPil(
+        size={"height": 112, "width": 112},
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+        image_seq_length=GEMMA3_SMALL_TOKENS,
+    )
+
+
+def _gemma3_processor(image_processor, tokenizer) -> Gemma3Processor:
+    return Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+        image_seq_length=GEMMA3_SMALL_TOKENS,
     )
 
 
@@ -265,9 +318,57 @@ FAMILIES: dict[str, TowerFamily] = {
                 },
             ),
         ),
+        TowerFamily(
+            "gemma3",
+            Gemma3Config,
+            Gemma3ProjectedTower,
+            Gemma3Config,
+            Gemma3ForConditionalGeneration,
+            # SigLIP (its output width is the projector's input; the rows are the LLM's width)
+            lambda out_width, depth, width: dict(
+                model_type="siglip_vision_model",
+                hidden_size=width,
+                intermediate_size=2 * width,
+                num_hidden_layers=depth,
+                num_attention_heads=2,
+                image_size=112,
+                patch_size=14,
+                vision_use_head=False,
+            ),
+            _gemma3_image_processor,
+            None,
+            sizing=FIXED_SIZE,
+            grid_only_requests=False,
+            packed_patches=False,
+            # the hub's layout (vision_tower.vision_model.*, as vLLM loads it) or transformers'
+            tower_prefixes={
+                r"^(model\.)?vision_tower\.(vision_model\.)?": "vision_tower.",
+                r"^(model\.)?multi_modal_projector\.": "multi_modal_projector.",
+            },
+            hub_renames={r"^vision_tower\.(?!vision_model\.)": "vision_tower.vision_model."},
+            # Gemma 3's language model: heads of 32, a sliding-window layer then a global one
+            small_text=dict(
+                head_dim=32,
+                query_pre_attn_scalar=32,
+                sliding_window=64,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                },
+            ),
+            small_vlm=dict(mm_tokens_per_image=GEMMA3_SMALL_TOKENS),
+            small_tokens=GEMMA3_TOKENS,
+            small_processor=_gemma3_processor,
+            small_drawn=("model.multi_modal_projector.mm_input_projection_weight",),
+        ),
     )
 }
 
+
+# The families whose tower takes packed patches with their grids (``TowerFamily.packed_patches``):
+# what the grid-derived inputs, the varlen attention path and the compiled regions apply to.
+PATCH_GRID_FAMILIES = tuple(name for name, entry in FAMILIES.items() if entry.packed_patches)
 
 unknown = set(MODEL_TYPES) - set(FAMILIES)
 if unknown:

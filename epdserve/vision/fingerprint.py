@@ -15,7 +15,7 @@ def tower_fingerprint(tower: VisionTower) -> ModelFingerprint:
     return fingerprint(
         tower.model_id,  # the checkpoint's directory
         info.family,
-        tower.model.config,
+        getattr(tower.model.config, "vision_config", tower.model.config),  # as vLLM's config
         dtype_to_wire(tower.dtype),
         tower.processor,
         tower.video_processor,

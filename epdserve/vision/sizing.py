@@ -1,13 +1,16 @@
-"""The Qwen-VL families' sizing rules: an image's or a video's patch grid from its sizes alone, as
+"""The families' sizing rules: an image's or a video's patch grid from its sizes alone, as
 the checkpoint's processors will make it (so a dispatcher sizes an item from its header, and the
 worker that decodes it agrees), its rows, and which of a video's frames are sampled (the video
 processor's ``sample_frames``: by fps, clamped to its ``min_frames`` / ``max_frames`` and rounded
 to its temporal patch size, at its ``fps`` or ``DEFAULT_FPS``); a video sized from its container
 header within a worker's limits, before anything is decoded (``plan_video_file``). A family names
-its rules in the registry (``TowerFamily.sizing``)."""
+its rules in the registry (``TowerFamily.sizing``): ``QWEN_VL`` (patch grids the processor sizes
+by ``smart_resize``) or ``FIXED_SIZE`` (Gemma 3: every image resized to one size, the same rows
+whatever its size)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,10 +23,11 @@ from epdserve.vision.video import BadVideo, VideoHeader, VideoPlan, read_header
 DEFAULT_FPS = 2.0
 
 
-def grid_rows(grid_thw: Sequence[int], merge_size: int) -> int:
-    """Rows of an item of patch grid ``(t, h, w)``: its patches over ``merge_size**2``."""
+def grid_rows(grid_thw: Sequence[int], processor) -> int:
+    """Rows of an item of patch grid ``(t, h, w)``: its patches over ``processor``'s (a Qwen-VL
+    image or video processor's) ``merge_size**2``."""
     t, h, w = (int(v) for v in grid_thw)
-    return t * h * w // merge_size**2
+    return t * h * w // processor.merge_size**2
 
 
 def image_grid(processor, height: int, width: int) -> tuple[int, int, int]:
@@ -128,10 +132,40 @@ class Sizing:
 
     image_grid: Callable[..., tuple[int, int, int]]  # (processor, height, width)
     video_grid: Callable[..., tuple[int, int, int]]  # (processor, frames, height, width)
-    rows: Callable[[Sequence[int], int], int]  # (grid, merge size)
+    rows: Callable[[Sequence[int], object], int]  # (grid, the processor that made it)
 
 
 QWEN_VL = Sizing(image_grid, video_grid, grid_rows)
+
+
+def fixed_image_grid(processor, height: int, width: int) -> tuple[int, int, int]:
+    """The grid of a fixed-size image processor's (Gemma 3's) image of any size: ``(1, s, s)``,
+    ``s * s`` its ``image_seq_length`` (the model's ``mm_tokens_per_image``, written in a
+    checkpoint's preprocessor config), one entry per row. ``ValueError`` where the processor
+    makes more than one crop of an image (pan-and-scan) or its row count is not a square."""
+    if getattr(processor, "do_pan_and_scan", False):
+        raise ValueError("pan-and-scan crops are not sized here: serve with do_pan_and_scan off")
+    tokens = getattr(processor, "image_seq_length", None)
+    side = math.isqrt(tokens) if isinstance(tokens, int) and tokens > 0 else 0
+    if side * side != tokens:
+        raise ValueError(
+            f"the image processor's image_seq_length {tokens!r} is not a square token count"
+        )
+    return 1, side, side
+
+
+def fixed_video_grid(processor, frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """None: a family of fixed-size images takes no video (``BadVideo``)."""
+    raise BadVideo("this model takes no video")
+
+
+def fixed_rows(grid_thw: Sequence[int], processor) -> int:
+    """Rows of a fixed-size image of grid ``(1, s, s)``: ``s * s``."""
+    t, h, w = (int(v) for v in grid_thw)
+    return t * h * w
+
+
+FIXED_SIZE = Sizing(fixed_image_grid, fixed_video_grid, fixed_rows)
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,24 @@ def image_processor(name: str) -> Qwen2VLImageProcessorPil:
 
 
 def save_processors(name: str, directory: str) -> None:
-    """The family's image and video processor configs, beside the weights."""
+    """The family's image and video processor configs (a family without video: no video
+    processor), beside the weights."""
     image_processor(name).save_pretrained(directory)
-    family(name).small_video_processor().save_pretrained(directory)
+    video_processor = family(name).small_video_processor
+    if video_processor is not None:
+        video_processor().save_pretrained(directory)
+
+
+# The standard deviation of the weights a small model draws where transformers leaves zeros.
+DRAWN_STD = 0.3
+
+
+def draw_zero_initialised(name: str, model: torch.nn.Module) -> None:
+    """Family ``name``'s parameters that transformers initialises to zero, drawn from
+    N(0, ``DRAWN_STD``) in ``model`` (``TowerFamily.small_drawn``)."""
+    with torch.no_grad():
+        for parameter in family(name).small_drawn:
+            model.get_parameter(parameter).normal_(0.0, DRAWN_STD)
 
 
 def build_full(name: str, directory: str, out_width: int = 96, seed: int = 0) -> str:
@@ -47,8 +62,11 @@ def build_full(name: str, directory: str, out_width: int = 96, seed: int = 0) ->
         num_key_value_heads=1,
         vocab_size=256,
     )
-    config = config_class(vision_config=vision_config(name, out_width), text_config=text)
+    config = config_class(
+        vision_config=vision_config(name, out_width), text_config=text, **family(name).small_vlm
+    )
     model = model_class(config).eval()
+    draw_zero_initialised(name, model)
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, max_shard_size="200KB")
     save_processors(name, directory)

@@ -1,11 +1,16 @@
-"""The vision tower: transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL towers, loaded alone.
+"""The vision tower: transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL towers, or Gemma 3's SigLIP
+and projector (``vision.projected_tower``), loaded alone.
 
 ``VisionTower.load(dir)`` reads a full VLM checkpoint (weights under ``visual.`` or
-``model.visual.``) or a vision-only one, and refuses to start when any tower weight is missing
-(transformers would only warn and random-initialise it). The image and video processors come from
-the same directory, so the encode worker and the prefill side agree on rows per item. A video goes
-through the same tower (its frames as temporal patches, ``video_grid_thw``), so images and videos
-share a batch.
+``model.visual.``; Gemma 3's under ``vision_tower.`` and ``multi_modal_projector.``:
+``TowerFamily.tower_prefixes``) or a vision-only one, and refuses to start when any tower weight
+is missing (transformers would only warn and random-initialise it). The image and video
+processors come from the same directory, so the encode worker and the prefill side agree on rows
+per item. A video goes through the same tower (its frames as temporal patches,
+``video_grid_thw``), so images and videos share a batch. A Qwen-VL tower takes a batch as packed
+patches with their grids; Gemma 3's as fixed-size images (``TowerFamily.packed_patches``), each
+with the grid its sizing gives it (``sizing.FIXED_SIZE``: one entry per row), so the worker
+batches and counts both alike.
 
 Wire layout: one ``[rows, width]`` tensor per item. For Qwen3-VL the DeepStack levels travel in
 the same rows, concatenated on the hidden dimension (as vLLM does):
@@ -45,8 +50,6 @@ from epdserve.vision.video import load_video_processor
 from epdserve.wire.ec_params import row_shape
 
 log = logging.getLogger(__name__)
-# Hub checkpoints keep the tower under `visual.` (Qwen2/2.5-VL) or `model.visual.` (Qwen3-VL).
-KEY_MAPPING = {r"^model\.visual\.": "", r"^visual\.": ""}
 
 
 @contextlib.contextmanager
@@ -66,7 +69,7 @@ class TowerInfo:
     family: str
     out_width: int  # main embedding width (the LLM's hidden size)
     deepstack_levels: int  # 0 except Qwen3-VL
-    merge: int
+    merge: int  # 1 where the grid is the rows already (Gemma 3)
     patch_size: int
 
     @property
@@ -95,18 +98,36 @@ class VisionTower:
         self.dtype = dtype
         self.device = device
         self.model_id = model_id
-        self.attention_path = attention_path
-        self.attention_kernel = attention.kernel(device, dtype, attention_path)
         family = FAMILIES[info.family]
-        self._grid_inputs = GridInputs(model, family.windows, family.position_table)
+        self.packed_patches = family.packed_patches
+        if not self.packed_patches:  # fixed-size images: transformers' attention, eager
+            if compile == "on":
+                raise compilation.CompileUnavailable(
+                    f"{info.family}'s tower (fixed-size images) is not compiled"
+                )
+            attention_path, compile = "reference", "off"
+        self.attention_path = attention_path
+        self.attention_kernel = (
+            attention.kernel(device, dtype, attention_path)
+            if self.packed_patches
+            else "sdpa over the batch of images (transformers' own attention)"
+        )
+        self._grid_inputs = (
+            GridInputs(model, family.windows, family.position_table)
+            if self.packed_patches
+            else None
+        )
         self.sizing = family.sizing  # an item's grid from its sizes, its rows
         self._on_gpu = torch.device(device).type == "cuda"
-        attention.use(model, attention_path)
+        if self.packed_patches:
+            attention.use(model, attention_path)
         if attention_path == "varlen":  # the fast path; the reference stays transformers' own
             patch_embedding.as_matmul(model.patch_embed)
         # --compile: whether its blocks and mergers are compiled, and why or why not
         self.compile_choice = compile
         self.compiled, self.compile_reason = compilation.resolve(compile, device, attention_path)
+        if not self.packed_patches:
+            self.compile_reason = "a tower of fixed-size images runs eagerly"
         if self.compiled:
             compilation.compile_regions(model, compile_cache_dir)
         elif compile != "off":
@@ -129,6 +150,7 @@ class VisionTower:
         (``vision.compilation``; ``CompileUnavailable`` for ``on`` where it cannot be)."""
         family = detect_family(directory)
         config_class, tower_class = FAMILIES[family].vision_config, FAMILIES[family].tower
+        prefixes = FAMILIES[family].tower_prefixes
         torch_dtype = dtype_from_wire(dtype)
         config = config_class.from_pretrained(directory)
         with _quiet_transformers():  # the LLM's weights are "unexpected" here, by design
@@ -136,7 +158,7 @@ class VisionTower:
                 directory,
                 config=config,
                 dtype=torch_dtype,
-                key_mapping=KEY_MAPPING,
+                key_mapping=prefixes,
                 output_loading_info=True,
                 local_files_only=True,
             )
@@ -151,8 +173,9 @@ class VisionTower:
         processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True, **kwargs)
         video_processor = load_video_processor(directory, kwargs)
         out_width, levels = row_shape(config)
+        vision = getattr(config, "vision_config", config)  # Gemma 3's: the full model's config
         tower_info = TowerInfo(
-            family, out_width, levels, config.spatial_merge_size, config.patch_size
+            family, out_width, levels, getattr(vision, "spatial_merge_size", 1), vision.patch_size
         )
         return cls(
             model,
@@ -168,14 +191,16 @@ class VisionTower:
         )
 
     def rows_per_item(self, grid_thw: torch.Tensor) -> list[int]:
-        return [self.sizing.rows(grid, self.info.merge) for grid in grid_thw.tolist()]
+        return [self.sizing.rows(grid, self.processor) for grid in grid_thw.tolist()]
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Packed wire rows ``[sum rows, wire_width]`` for a batch of items, in item order, on the
         tower's device. What the forward derives from the grid is assembled here on the CPU
         (``vision.grid_inputs``), so on a GPU the call only queues kernels: it returns before
-        they have run."""
+        they have run. A tower of fixed-size images takes ``[n, 3, H, W]`` and reads no grid."""
+        if not self.packed_patches:
+            return self.model(pixel_values.to(self.device, self.dtype))
         grid = grid_thw.cpu()
         derived = {
             name: self._to_device(value) if torch.is_tensor(value) else value
@@ -242,7 +267,18 @@ class VisionTower:
             if isinstance(image, (bytes, bytearray))
             else image_from_pixels(image)
         )
-        return self.processor(images=[picture], return_tensors="pt")
+        return self.preprocess([picture])
+
+    def preprocess(self, images: list, **kwargs):
+        """The image processor's output for ``images`` (``kwargs`` to it), with each image's grid
+        (``image_grid_thw``): the processor's own, or for a processor that makes none (fixed-size
+        images) the family's sizing of the processed size."""
+        out = self.processor(images=images, return_tensors="pt", **kwargs)
+        if "image_grid_thw" not in out:
+            height, width = out["pixel_values"].shape[-2:]
+            grid = self.sizing.image_grid(self.processor, height, width)
+            out["image_grid_thw"] = torch.tensor([grid] * len(out["pixel_values"]))
+        return out
 
     def encode_items(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor

@@ -14,15 +14,21 @@ Identifier = str  # vLLM's multimodal identifier of an item (its multi_modal_uui
 # The model types (``vision.families`` entries) whose encoder rows the EPD connector hands vLLM,
 # each run end to end by tests/test_vllm_connector.py; here, below the vision stack, because the
 # connector inside vLLM imports nothing above the prefill wing. A row is ``row_shape`` wide.
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "gemma3")
 
 
-def row_shape(vision_config) -> tuple[int, int]:
-    """One row of a tower of ``vision_config`` (a transformers vision config, or vLLM's copy of
-    it): its main width (the LLM's hidden size) and its DeepStack levels, each as wide again,
+def row_shape(config) -> tuple[int, int]:
+    """One row of a model of ``config`` (a full model's transformers config, or vLLM's copy of
+    it; or a vision-only tower's config): its main width (the LLM's hidden size: the text
+    config's, else the tower's output width) and its DeepStack levels, each as wide again,
     concatenated after it (vLLM's ``embed_multimodal`` layout)."""
-    out_width = getattr(vision_config, "out_hidden_size", None) or vision_config.hidden_size
-    return out_width, len(getattr(vision_config, "deepstack_visual_indexes", None) or [])
+    vision = getattr(config, "vision_config", None) or config
+    text = getattr(config, "text_config", None)
+    if text is not None:
+        out_width = text.hidden_size
+    else:
+        out_width = getattr(vision, "out_hidden_size", None) or vision.hidden_size
+    return out_width, len(getattr(vision, "deepstack_visual_indexes", None) or [])
 
 
 def identifier(content_hash: int) -> Identifier:

@@ -80,7 +80,7 @@ def model_row_width(vllm_config: VllmConfig) -> tuple[int, int, torch.dtype]:
             f"EPDConnector: model type {model_type!r} is not supported (supported: "
             f"{', '.join(MODEL_TYPES)}; docs/models.md)"
         )
-    out_width, levels = row_shape(hf_config.vision_config)
+    out_width, levels = row_shape(hf_config)
     hidden = model_config.get_hidden_size()
     if out_width != hidden:
         raise ValueError(

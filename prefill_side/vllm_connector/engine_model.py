@@ -52,7 +52,7 @@ def engine_description(
             RowLayout(
                 width=width,
                 deepstack_levels=deepstack_levels,
-                merge=vision_config.spatial_merge_size,
+                merge=getattr(vision_config, "spatial_merge_size", 1),  # Gemma 3: none
             ),
         ),
         mm_processor_kwargs=dict(multimodal.mm_processor_kwargs or {}),

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from epdserve.bench.benchmarks.grid_inputs import meta_tower
 from epdserve.bench.benchmarks.results import write_json
 from epdserve.bench.benchmarks.rounds import in_round
-from epdserve.vision.families import FAMILIES
+from epdserve.vision.families import PATCH_GRID_FAMILIES
 from epdserve.vision.patch_embedding import matmul_forward
 
 # (name, patches): batches of images at 14-pixel patches (Qwen3-VL's 16 give fewer)
@@ -79,7 +79,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(device: str = "cpu", rounds: int = 5, families=tuple(FAMILIES), progress=print) -> dict:
+def run(device: str = "cpu", rounds: int = 5, families=PATCH_GRID_FAMILIES, progress=print) -> dict:
     report: dict = {"device": device, "rounds": rounds, "threads": torch.get_num_threads()}
     for name in families:
         report[name] = {}
