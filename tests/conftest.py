@@ -6,9 +6,15 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import pytest  # noqa: E402
 
 import tests.profiles  # noqa: E402,F401  (Hypothesis's profile: HYPOTHESIS_PROFILE)
+from epdserve.testing.cluster import LocalCluster  # noqa: E402
 from tests.segments import left_since, segments  # noqa: E402
 
 SEGMENTS_BEFORE = pytest.StashKey[set[str]]()
+
+# The clusters' roles are forked from a server that has their imports done: each role skips the
+# 3-4 s of CPU a new interpreter spends importing torch and transformers. The CLI tests
+# (test_cli.py, test_k8s.py) start the commands as new interpreters, as a deployment does.
+LocalCluster.fork_roles = True
 
 
 def pytest_sessionstart(session):

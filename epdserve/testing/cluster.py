@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from epdserve.dispatcher.workers import WorkerAddress
+from epdserve.testing.forked_roles import ForkedRole
 from epdserve.wire.addresses import Endpoint
 
 # the checkout's root (epdserve/testing/cluster.py is three levels below it): the roles run its code
@@ -59,7 +60,9 @@ def free_port(host: str = HOST) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low = 10000
     high = _ephemeral_ports().start
-    for port in random.sample(range(low, high), min(200, high - low)):
+    # the system's randomness, not the module's generator: an engine in the same process seeds
+    # that (vLLM: ``random.seed(0)``), and two test processes would then try the same ports
+    for port in random.SystemRandom().sample(range(low, high), min(200, high - low)):
         with socket.socket(family) as s:
             try:
                 s.bind((host, port))
@@ -74,7 +77,7 @@ def free_port(host: str = HOST) -> int:
 @dataclass
 class Role:
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedRole
     url: str  # its HTTP endpoint (rooms, /healthz, /metrics)
     ready_path: str
     log_path: str
@@ -90,6 +93,10 @@ class Role:
 
 
 class LocalCluster:
+    # True: roles are forked from a server that has their imports done (``forked_roles``), as the
+    # test suite sets it (tests/conftest.py); False: each role is a new interpreter, as deployed
+    fork_roles = False
+
     def __init__(
         self,
         model_dir: str,
@@ -262,14 +269,17 @@ class LocalCluster:
             **(env or {}),
         }
         log_path = os.path.join(self.log_dir, f"{name}.log")
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(
-                [*prefix, sys.executable, "-m", *module_args],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-            )
+        if self.fork_roles and not prefix:
+            process = ForkedRole(module_args, env, ROOT, log_path)
+        else:
+            with open(log_path, "ab") as log:
+                process = subprocess.Popen(
+                    [*prefix, sys.executable, "-m", *module_args],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
         role = Role(name, process, url, ready_path, log_path)
         self.roles.append(role)
         return role
