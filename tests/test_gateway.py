@@ -695,6 +695,48 @@ def test_qwen3_vl_images_and_a_video_through_the_gateway(qwen3_stack):
     assert_a_video_beside_an_image_is_delivered(stack, b, video_rows=18)  # (3, 4, 6) / 4
 
 
+@pytest.fixture
+def gemma3_stack(tmp_path_factory):
+    """vLLM, a worker and a gateway serving a tiny Gemma 3 (vLLM takes no request of its grids
+    alone: the gateway's request carries each placed image, named by its identifier), for its one
+    test: closed after it, not kept beside the module's engine."""
+    running = Stack(
+        str(tmp_path_factory.mktemp("gateway-gemma3-logs")), family="gemma3", minimal=True
+    )
+    yield from stopped_cleanly(running)
+
+
+def test_gemma3_images_through_the_gateway_take_the_workers_rows(gemma3_stack, image_server):
+    """Gemma 3 behind the gateway: images of two sizes, one a data URI sent twice, one an http URL
+    the gateway fetched (vLLM gets the fetched bytes, not the URL): each distinct image encoded
+    once by the worker and delivered (the worker's counters and the ``epd`` report), and greedy
+    tokens equal vLLM's colocated answer (its own tower on the same images)."""
+    stack = gemma3_stack
+    a = data_uri(synthetic_image(140, 84, seed=61))
+    served = data_uri(IMAGE_FILES["/a.png"][1])  # 112x84
+    encoded = metric(stack.worker.url, "epd_encoder_items_total", outcome="success")
+    written = metric(stack.worker.url, "epd_encoder_transfer_seconds_count")
+    tokens = {"extra_body": {"return_token_ids": True}}
+    answer = stack.ask(stack.client, [a, image_server + "/a.png", a], **tokens)
+    report = answer.model_extra["epd"]["images"]
+    assert [image["encoder"] for image in report] == ["encode_worker"] * 2
+    assert [image["delivery"]["state"] for image in report] == ["DONE"] * 2
+    assert [image["rows"] for image in report] == [16, 16]  # mm_tokens_per_image, any size
+    eventually(
+        lambda: (
+            metric(stack.worker.url, "epd_encoder_items_total", outcome="success") == encoded + 2
+            and metric(stack.worker.url, "epd_encoder_transfer_seconds_count") == written + 2
+        ),
+        "the worker's two encodes and two writes counted",
+    )
+    colocated = stack.ask(stack.direct, [a, served, a], **tokens)
+    assert answer.usage.completion_tokens == MAX_TOKENS
+    assert (
+        answer.choices[0].model_extra["token_ids"] == colocated.choices[0].model_extra["token_ids"]
+    )
+    assert answer.choices[0].message.content == colocated.choices[0].message.content
+
+
 def test_a_video_in_a_container_workers_do_not_decode_is_encoded_by_vllm(stack):
     """A WebM (vLLM's video loader reads it, the workers take MP4/MOV): its frame size checked at
     the gateway, sent to vLLM inline, never to a worker; the answer is vLLM's own."""

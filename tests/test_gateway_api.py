@@ -121,6 +121,76 @@ def test_rewrite_replaces_each_image_and_video_part_and_keeps_the_rest():
     )  # the client's body is untouched
 
 
+def test_placed_images_go_as_grids_or_carried_by_the_familys_flag():
+    """A placed image reaches vLLM as its grid and identifier where vLLM takes a request of grids
+    alone; else as the image itself (the client's data URI as sent, a fetched URL's bytes as a
+    data URI) named by the same identifier; its room goes in ``ec_transfer_params`` either way,
+    and an image no worker took goes inline, unnamed."""
+    from epdserve.dispatcher.media import DispatchedItem
+    from epdserve.gateway.prepared import PreparedChat
+    from epdserve.wire.addresses import EncodeHandshake
+    from epdserve.wire.ec_params import identifier
+
+    png = synthetic_image(112, 84, seed=72)
+    sent = "data:image/png;base64," + base64.b64encode(png).decode()
+    fetched = "data:image/png;base64," + base64.b64encode(png[::-1]).decode()
+    content = [
+        {"type": "image_url", "image_url": {"url": sent}},
+        {"type": "image_url", "image_url": {"url": "http://example.com/b.png"}},
+        {"type": "image_url", "image_url": {"url": sent}},
+        {"type": "text", "text": "Three:"},
+    ]
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    room = EncodeHandshake(bootstrap_room=7, bootstrap_host="10.0.0.5", bootstrap_port=8990)
+
+    def item(index: int, data: bytes, placed: bool) -> DispatchedItem:
+        return DispatchedItem(
+            index,
+            data,
+            content_hash=1000 + index,
+            width=112,
+            height=84,
+            grid_thw=(1, 4, 4),
+            rows=16,
+            encode_handshake=room if placed else None,
+            worker="127.0.0.1:9000" if placed else None,
+            image_format="PNG",
+        )
+
+    def vllm_body(grid_only_requests: bool, second_placed: bool = True) -> dict:
+        prepared = PreparedChat(
+            "gw-1",
+            body,
+            False,
+            media_refs(ChatRequest.model_validate(body)),
+            items=[item(0, png, True), item(1, png[::-1], second_placed)],
+            of_ref=[0, 1, 0],
+            grid_only_requests=grid_only_requests,
+        )
+        return prepared.vllm_body()
+
+    first, second = identifier(1000), identifier(1001)
+    grids = vllm_body(grid_only_requests=True)
+    assert grids["messages"][0]["content"][:3] == [
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": key}
+        for key in (first, second, first)
+    ]
+    carried = vllm_body(grid_only_requests=False)
+    assert carried["messages"][0]["content"][:3] == [
+        {"type": "image_url", "image_url": {"url": url}, "uuid": key}
+        for url, key in ((sent, first), (fetched, second), (sent, first))
+    ]
+    for out in (grids, carried):
+        assert set(out["ec_transfer_params"]["rooms"]) == {first, second}
+        assert out["messages"][0]["content"][3] == content[3]
+    inline = vllm_body(grid_only_requests=False, second_placed=False)
+    assert inline["messages"][0]["content"][1] == {
+        "type": "image_url",
+        "image_url": {"url": fetched},
+    }
+    assert set(inline["ec_transfer_params"]["rooms"]) == {first}
+
+
 def test_data_uris_are_held_to_their_kinds_type_and_limit():
     fetcher = MediaFetcher(max_bytes=64, max_video_bytes=16)
     video = "data:video/mp4;base64," + base64.b64encode(b"v" * 12).decode()

@@ -246,10 +246,11 @@ def test_a_hugging_face_model_id_resolves_through_the_hub_cache(checkpoints, tmp
     assert "not in the Hugging Face cache" in lines["absent"] and "\n" not in lines["absent"]
 
 
-def test_a_gateway_refuses_an_engine_that_takes_no_request_of_grids_alone(checkpoints):
-    """Gemma 3: vLLM needs the image in the request, which the gateway does not send yet: the
-    engine is refused with the reason, not served with requests vLLM would fail."""
-    from epdserve.gateway.engine import EngineMismatch, EngineModel
+def test_a_gateway_serves_an_engine_that_takes_no_request_of_grids_alone(checkpoints):
+    """Gemma 3: vLLM needs the image in the request; the gateway agrees with such an engine and
+    its requests carry each placed image (``PreparedChat``, by the family's
+    ``grid_only_requests``): no video processor, as the family takes none."""
+    from epdserve.gateway.engine import EngineModel
     from epdserve.gateway.settings import GatewaySettings
     from epdserve.vision.fingerprint import tower_fingerprint
     from epdserve.vision.tower import VisionTower
@@ -263,5 +264,6 @@ def test_a_gateway_refuses_an_engine_that_takes_no_request_of_grids_alone(checkp
     description = EngineDescription(
         served_model_name="m", fingerprint=tower_fingerprint(VisionTower.load(directory))
     )
-    with pytest.raises(EngineMismatch, match="takes no gemma3 request of grids alone"):
-        EngineModel.agree(gateway, description)
+    engine = EngineModel.agree(gateway, description)
+    assert engine.family.model_type == "gemma3" and not engine.family.grid_only_requests
+    assert engine.video_processor is None

@@ -39,10 +39,11 @@ INTRO = """\
 EPD (encode / prefill / decode): the vision tower runs in an encode worker, not in vLLM. Per
 image, the gateway hashes the bytes, mints a room on the worker chosen by the hash and sends the
 image to it; once the worker has run the tower and holds the rows, vLLM gets the request, with
-each image's patch grid and room instead of its pixels. vLLM's scheduler (the EPD connector)
-reserves memory for the rows and registers it in the room; the worker writes the rows straight
-into that memory (SHM on one node, Mooncake between nodes); vLLM's model runner copies them into
-its encoder cache and prefills.
+each image's patch grid and room instead of its pixels (for a model vLLM takes no request of
+grids alone for, Gemma 3: the image and its room; vLLM only preprocesses it to place its rows).
+vLLM's scheduler (the EPD connector) reserves memory for the rows and registers it in the room;
+the worker writes the rows straight into that memory (SHM on one node, Mooncake between nodes);
+vLLM's model runner copies them into its encoder cache and prefills.
 """
 
 
@@ -170,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--family",
         default="qwen2_vl",
-        # the gateway sends grids alone: a family whose requests carry the image is not yet here
-        choices=[name for name in MODEL_TYPES if FAMILIES[name].grid_only_requests],
+        choices=list(MODEL_TYPES),
         help="the tiny default model's architecture (docs/models.md)",
     )
     parser.add_argument(

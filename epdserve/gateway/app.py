@@ -8,10 +8,11 @@ Per request (``Gateway.chat``): read the body (bounded), find its images and vid
 item no worker took, or one the workers refused as busy within ``--max-inline-patches``, goes to
 vLLM inline, else the request is refused: ``placement``), then forward it to vLLM once the workers
 hold every placed item's rows and relay the answer, streamed or not (``upstream``: the body
-rewritten so vLLM gets each placed item as its patch grid and identifier, with the rooms in
-``ec_transfer_params``, ``chat.rewrite``; a failed delivery retried inline; the rooms cancelled
-when the client leaves or vLLM refuses). At most ``--max-in-flight`` requests at once
-(``InFlightLimit``).
+rewritten so vLLM gets each placed item as its patch grid and identifier, or, for a model vLLM
+takes no request of grids alone for, as the item itself and its identifier, with the rooms in
+``ec_transfer_params``, ``prepared``, ``chat.rewrite``; a failed delivery retried inline; the
+rooms cancelled when the client leaves or vLLM refuses). At most ``--max-in-flight`` requests at
+once (``InFlightLimit``).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``; vLLM's own errors
 are relayed as vLLM sent them."""
@@ -185,6 +186,7 @@ class Gateway:
             refs,
             video_seconds=readiness.video_seconds,
             video_timestamps=readiness.video_timestamps,
+            grid_only_requests=readiness.grid_only_requests,
         )
         if not refs:
             return prepared

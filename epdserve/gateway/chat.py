@@ -150,10 +150,25 @@ class InlineMedia:
         return {"type": f"{self.kind}_url", f"{self.kind}_url": {"url": self.url}}
 
 
+@dataclass(frozen=True)
+class CarriedMedia:
+    """An item whose rows the encode workers deliver, for a model vLLM takes no request of grids
+    alone for (``TowerFamily.grid_only_requests`` False): the part carries the item itself (as
+    ``InlineMedia`` does: the bytes the gateway hashed, sized and sent to the worker) named by its
+    identifier; vLLM's front end preprocesses it to place its rows, and the connector loads the
+    worker's rows for that identifier (vLLM's tower is not run for it)."""
+
+    identifier: str
+    media: InlineMedia
+
+    def part(self) -> dict:
+        return {**self.media.part(), "uuid": self.identifier}
+
+
 def rewrite(
     body: dict,
     refs: list[MediaRef],
-    media: list[EncodedMedia | InlineMedia],
+    media: list[EncodedMedia | CarriedMedia | InlineMedia],
     rooms: dict[str, dict] | None,
 ) -> dict:
     """The body for vLLM: each image or video part replaced by ``media[i]``'s part, and the rooms

@@ -104,11 +104,6 @@ class EngineModel:
                 f"--model {settings.model} is a {family.model_type} checkpoint; vLLM runs "
                 f"{fingerprint.model_type}"
             )
-        if not family.grid_only_requests:
-            raise EngineMismatch(
-                f"vLLM takes no {family.model_type} request of grids alone and the gateway sends "
-                "no other yet: send vLLM the images with the rooms (docs/models.md)"
-            )
         for name, mine, engine in (
             ("image", processor, fingerprint.preprocessing),
             ("video", video_processor, fingerprint.video),

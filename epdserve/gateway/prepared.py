@@ -11,7 +11,7 @@ from PIL import Image
 from pydantic import BaseModel
 
 from epdserve.dispatcher.media import DispatchedItem
-from epdserve.gateway.chat import EncodedMedia, InlineMedia, MediaRef, rewrite
+from epdserve.gateway.chat import CarriedMedia, EncodedMedia, InlineMedia, MediaRef, rewrite
 from epdserve.gateway.placement import Prediction, Reason
 from epdserve.wire.ec_params import DeliveryReport, ItemDelivery, identifier
 from epdserve.wire.modality import Modality
@@ -32,6 +32,9 @@ class PreparedChat:
     staged_s: float = 0.0  # placed -> every placed item's rows held by its worker
     video_seconds: bool = False  # the model's positions take a video's seconds per patch
     video_timestamps: bool = False  # the model's prompt states each temporal patch's time
+    # vLLM takes a placed item as its grid alone; False: the part carries the item itself
+    # (TowerFamily.grid_only_requests)
+    grid_only_requests: bool = True
     reasons: dict[int, Reason] = field(default_factory=dict)  # why each item went where it did
     inline_patches: int = 0  # of the items vLLM encodes inline, held in the gateway's budget
     prediction: Prediction | None = None  # --placement cost: each route's time to first token
@@ -42,20 +45,32 @@ class PreparedChat:
         return [item for item in self.items if item.worker is not None]
 
     def vllm_body(self) -> dict:
-        """The body for vLLM as the items stand: a placed item as its grid and identifier, with
-        its room in ``ec_transfer_params``; any other inline (vLLM encodes it)."""
+        """The body for vLLM as the items stand: a placed item named by its identifier, with its
+        room in ``ec_transfer_params`` (``_placed_part``); any other inline (vLLM encodes it)."""
         media, rooms = [], {}
         for ref, index in zip(self.refs, self.of_ref):
             item = self.items[index]
             if item.worker is not None:
                 key = identifier(item.content_hash)
-                seconds = item.seconds_per_grid_t if self.video_seconds else None
-                times = item.patch_times if self.video_timestamps else None
-                media.append(EncodedMedia(key, item.grid_thw, ref.kind, seconds, times))
+                media.append(self._placed_part(ref, item, key))
                 rooms[key] = item.encode_handshake.model_dump()
             else:
                 media.append(InlineMedia.of(ref, item.data, _media_type(item)))
         return rewrite(self.original, self.refs, media, rooms) if self.refs else self.original
+
+    def _placed_part(
+        self, ref: MediaRef, item: DispatchedItem, key: str
+    ) -> EncodedMedia | CarriedMedia:
+        """What vLLM gets of an item an encode worker delivers: its patch grid (and a video's
+        times, where the model takes them) where vLLM takes a request of grids alone, so its
+        front end decodes nothing; else the item itself, as the bytes the gateway hashed (a
+        client's ``data:`` URI as sent, a fetched URL's bytes as one: vLLM must preprocess what
+        the worker encoded, and fetches nothing)."""
+        if not self.grid_only_requests:
+            return CarriedMedia(key, InlineMedia.of(ref, item.data, _media_type(item)))
+        seconds = item.seconds_per_grid_t if self.video_seconds else None
+        times = item.patch_times if self.video_timestamps else None
+        return EncodedMedia(key, item.grid_thw, ref.kind, seconds, times)
 
     def report(self, delivery: DeliveryReport | None) -> GatewayReport:
         images = []

@@ -142,3 +142,10 @@ class Readiness:
             and engine.video_processor is not None
             and engine.family.video_timestamps
         )
+
+    @property
+    def grid_only_requests(self) -> bool:
+        """Whether vLLM takes a placed item as its grid alone (else the request carries the item
+        itself: Gemma 3)."""
+        engine = self.engine
+        return engine is None or engine.family.grid_only_requests
