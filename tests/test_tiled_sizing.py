@@ -3,6 +3,8 @@ equal what its processor makes of the image (the tiles in ``pixel_values``, the 
 the prompt: what vLLM's InternVL processor places), for sizes and aspect ratios of every kind and
 the tiling's ``min_patches`` / ``max_patches`` / ``crop_to_patches`` settings."""
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -84,3 +86,47 @@ def test_a_tile_size_that_is_no_square_token_count_is_refused(processor):
         image_processor.image_seq_length = tokens
         with pytest.raises(ValueError, match="not a square"):
             TILED.image_grid(image_processor, 64, 64)
+
+
+@pytest.fixture(scope="module")
+def untiled_config(tmp_path_factory):
+    """The small InternVL checkpoint's configs (no weights) with ``crop_to_patches`` false in its
+    image processor's config, as InternVL's hub checkpoints write it: InternVL's processor tiles
+    all the same (its own default)."""
+    import json
+    import shutil
+
+    from epdserve.vision.vlm_checkpoints import cached_vlm
+
+    source, directory = cached_vlm("internvl"), tmp_path_factory.mktemp("untiled")
+    for name in os.listdir(source):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(source, name), directory)
+    path = directory / "preprocessor_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "crop_to_patches": False}))
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "tiles"), [({}, 5), ({"max_patches": 2}, 3), ({"crop_to_patches": False}, 1)]
+)
+def test_the_image_processor_tiles_as_its_model_processor_does(untiled_config, kwargs, tiles):
+    """Loaded alone, the image processor takes InternVL's processor's ``crop_to_patches`` over
+    its config, and ``--mm-processor-kwargs`` over both: its sizing and its tiles are the
+    processor's (as vLLM calls it), and its settings are the ones the engine's fingerprint reads
+    off the image processor vLLM builds."""
+    from transformers import AutoImageProcessor, InternVLProcessor
+
+    from epdserve.fingerprints import as_its_processor_applies, processor_settings
+    from epdserve.vision.image_processor import load_image_processor
+
+    image_processor = load_image_processor(untiled_config, kwargs)
+    processor = InternVLProcessor.from_pretrained(untiled_config)
+    assert TILED.image_grid(image_processor, 120, 500)[0] == tiles
+    assert _made(processor, 120, 500, **kwargs) == (tiles, tiles * INTERNVL_SMALL_TOKENS)
+    image = Image.fromarray(np.zeros((120, 500, 3), dtype=np.uint8))
+    assert len(image_processor(images=[image])["pixel_values"]) == tiles
+    engines = AutoImageProcessor.from_pretrained(untiled_config, **kwargs)
+    applied = as_its_processor_applies(engines, InternVLProcessor, kwargs)
+    assert processor_settings(applied) == processor_settings(image_processor)

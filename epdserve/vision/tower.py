@@ -38,7 +38,6 @@ from dataclasses import dataclass
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # before torch runs its first GEMM (see above)
 
 import torch  # noqa: E402
-from transformers import AutoImageProcessor  # noqa: E402
 from transformers.utils import logging as hf_logging
 
 from epdserve.data_plane.dtypes import dtype_from_wire
@@ -47,6 +46,7 @@ from epdserve.process_settings import TowerCompile, VisionAttention
 from epdserve.vision import attention, compilation, patch_embedding
 from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family
 from epdserve.vision.grid_inputs import GridInputs
+from epdserve.vision.image_processor import load_image_processor
 from epdserve.vision.images import image_from_bytes, image_from_pixels
 from epdserve.vision.video import load_video_processor
 from epdserve.wire.ec_params import row_shape
@@ -147,7 +147,8 @@ class VisionTower:
         compile_cache_dir: str | None = None,
     ) -> VisionTower:
         """The tower of ``directory``'s checkpoint with its image and video processors, each
-        with ``processor_kwargs`` (``--mm-processor-kwargs``) over its config; its attention
+        with ``processor_kwargs`` (``--mm-processor-kwargs``) over its config (the image
+        processor as its model's processor applies it: ``vision.image_processor``); its attention
         as ``vision_attention`` says (``vision.attention``), compiled as ``compile`` says
         (``vision.compilation``; ``CompileUnavailable`` for ``on`` where it cannot be)."""
         family = detect_family(directory)
@@ -172,7 +173,7 @@ class VisionTower:
             )
         model = model.to(device).eval()
         kwargs = processor_kwargs or {}
-        processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True, **kwargs)
+        processor = load_image_processor(directory, kwargs)
         video_processor = load_video_processor(directory, kwargs)
         out_width, levels = row_shape(config)
         vision = getattr(config, "vision_config", config)  # Gemma 3's: the full model's config
