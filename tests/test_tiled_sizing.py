@@ -91,8 +91,9 @@ def test_a_tile_size_that_is_no_square_token_count_is_refused(processor):
 @pytest.fixture(scope="module")
 def untiled_config(tmp_path_factory):
     """The small InternVL checkpoint's configs (no weights) with ``crop_to_patches`` false in its
-    image processor's config, as InternVL's hub checkpoints write it: InternVL's processor tiles
-    all the same (its own default)."""
+    image processor's config (InternVL's processor tiles all the same: its own default) and the
+    rows per tile (``image_seq_length``) in its processor's config only, which names no image
+    processor of its own (the hub's layout: transformers 5 nests one there, read first)."""
     import json
     import shutil
 
@@ -104,7 +105,10 @@ def untiled_config(tmp_path_factory):
             shutil.copy(os.path.join(source, name), directory)
     path = directory / "preprocessor_config.json"
     config = json.loads(path.read_text())
+    del config["image_seq_length"]  # the rows per tile: the processor's config's alone
     path.write_text(json.dumps({**config, "crop_to_patches": False}))
+    processor = {"image_seq_length": INTERNVL_SMALL_TOKENS, "processor_class": "InternVLProcessor"}
+    (directory / "processor_config.json").write_text(json.dumps(processor))
     return str(directory)
 
 
@@ -113,9 +117,9 @@ def untiled_config(tmp_path_factory):
 )
 def test_the_image_processor_tiles_as_its_model_processor_does(untiled_config, kwargs, tiles):
     """Loaded alone, the image processor takes InternVL's processor's ``crop_to_patches`` over
-    its config, and ``--mm-processor-kwargs`` over both: its sizing and its tiles are the
-    processor's (as vLLM calls it), and its settings are the ones the engine's fingerprint reads
-    off the image processor vLLM builds."""
+    its config, ``--mm-processor-kwargs`` over both, and the processor's rows per tile: its sizing
+    and its tiles are the processor's (as vLLM calls it), and its settings are the ones the
+    engine's fingerprint reads off the image processor vLLM builds."""
     from transformers import AutoImageProcessor, InternVLProcessor
 
     from epdserve.fingerprints import as_its_processor_applies, processor_settings
@@ -123,10 +127,11 @@ def test_the_image_processor_tiles_as_its_model_processor_does(untiled_config, k
 
     image_processor = load_image_processor(untiled_config, kwargs)
     processor = InternVLProcessor.from_pretrained(untiled_config)
-    assert TILED.image_grid(image_processor, 120, 500)[0] == tiles
+    assert TILED.image_grid(image_processor, 120, 500) == (tiles, 4, 4)
     assert _made(processor, 120, 500, **kwargs) == (tiles, tiles * INTERNVL_SMALL_TOKENS)
     image = Image.fromarray(np.zeros((120, 500, 3), dtype=np.uint8))
     assert len(image_processor(images=[image])["pixel_values"]) == tiles
     engines = AutoImageProcessor.from_pretrained(untiled_config, **kwargs)
-    applied = as_its_processor_applies(engines, InternVLProcessor, kwargs)
+    assert engines.image_seq_length is None
+    applied = as_its_processor_applies(engines, processor, kwargs)
     assert processor_settings(applied) == processor_settings(image_processor)

@@ -16,6 +16,7 @@ from epdserve.wire.fingerprint import ModelFingerprint, RowLayout, digest
 
 __all__ = [
     "VISION_PREFIXES",
+    "PROCESSOR_SIZING_SETTINGS",
     "as_its_processor_applies",
     "fingerprint",
     "processor_image_defaults",
@@ -54,16 +55,25 @@ def processor_image_defaults(processor_class) -> dict:
     return dict(getattr(kwargs, "_defaults", {}).get("images_kwargs", {}))
 
 
-def as_its_processor_applies(image_processor, processor_class, processor_kwargs: dict):
+# The model processor's settings a family's sizing reads off the image processor, set on it where
+# its own config has none: InternVL's rows per tile (its processor's config holds them).
+PROCESSOR_SIZING_SETTINGS = ("image_seq_length",)
+
+
+def as_its_processor_applies(image_processor, processor, processor_kwargs: dict):
     """A copy of ``image_processor`` (whose config already has ``processor_kwargs`` over it) with
-    the settings ``processor_class`` applies over it (``processor_image_defaults``) set, except
-    those ``processor_kwargs`` set: the image processor as it runs under its model's processor."""
+    the settings its model's ``processor`` applies over it (``processor_image_defaults``) set,
+    except those ``processor_kwargs`` set, and the processor's ``PROCESSOR_SIZING_SETTINGS`` it
+    has none of: the image processor as it runs under its model's processor."""
     import copy
 
     applied = copy.copy(image_processor)
-    for name, value in processor_image_defaults(processor_class).items():
+    for name, value in processor_image_defaults(type(processor)).items():
         if name not in processor_kwargs:
             setattr(applied, name, value)
+    for name in PROCESSOR_SIZING_SETTINGS:  # an image processor's unset setting is None
+        if getattr(applied, name, None) is None and getattr(processor, name, None) is not None:
+            setattr(applied, name, getattr(processor, name))
     return applied
 
 

@@ -175,14 +175,14 @@ def tiled_image_grid(processor, height: int, width: int) -> tuple[int, int, int]
     ``height x width`` image: ``(tiles, s, s)``, ``tiles`` the processor's count (its
     ``get_number_of_image_patches``: the tiles of the best grid within ``min_patches`` /
     ``max_patches``, and a thumbnail where there is more than one), ``s * s`` the rows of a tile
-    (its ``image_seq_length``, written in the checkpoint's preprocessor config). ``ValueError``
-    where the processor names no square ``image_seq_length``."""
+    (its ``image_seq_length``: the model's processor's, which ``vision.image_processor`` sets on
+    it where its own config has none). ``ValueError`` where it names no square one."""
     tokens = getattr(processor, "image_seq_length", None)
     side = math.isqrt(tokens) if isinstance(tokens, int) and tokens > 0 else 0
     if side * side != tokens:
         raise ValueError(
             f"the image processor's image_seq_length {tokens!r} is not a square token count "
-            "(the rows of one tile: write the model's processor's into its preprocessor config)"
+            "(the rows of one tile: load it with vision.image_processor)"
         )
     return processor.get_number_of_image_patches(height, width, {}), side, side
 

@@ -49,7 +49,7 @@ def engine_description(
             dtype_to_wire(model_config.dtype),
             as_its_processor_applies(
                 processor.image_processor,
-                type(processor),
+                processor,
                 dict(multimodal.mm_processor_kwargs or {}),
             ),
             getattr(processor, "video_processor", None),
