@@ -1,7 +1,9 @@
 """InternVL's sizing (``sizing.TILED``): an image's tiles and rows from its width and height alone
 equal what its processor makes of the image (the tiles in ``pixel_values``, the context tokens in
 the prompt: what vLLM's InternVL processor places), for sizes and aspect ratios of every kind and
-the tiling's ``min_patches`` / ``max_patches`` / ``crop_to_patches`` settings."""
+the tiling's ``min_patches`` / ``max_patches`` / ``crop_to_patches`` settings; and an image
+processor loaded alone from a checkpoint in the hub's layout tiles and counts as its processor
+does (``vision.image_processor``)."""
 
 import os
 
