@@ -40,11 +40,14 @@ SIZES = [(64, 64), (300, 200), (128, 96)]
 
 def reference_rows(full_model, tower, image_png: bytes) -> torch.Tensor:
     """transformers' own get_image_features for this image alone, in the wire layout (its grid
-    from the processor where the model takes one: none for Gemma 3's fixed-size images)."""
+    from the processor where the model takes one: none for Gemma 3's fixed-size images and
+    InternVL's tiles, whose rows are its tiles' in order)."""
     inputs = tower.processor(images=[image_from_bytes(image_png)], return_tensors="pt")
     grid = {"image_grid_thw": inputs["image_grid_thw"]} if "image_grid_thw" in inputs else {}
     with torch.inference_mode():
         out = full_model.get_image_features(inputs["pixel_values"], **grid)
+    if not FAMILIES[tower.info.family].packed_patches:
+        return out.pooler_output.flatten(0, 1)
     (main,) = out.pooler_output
     deepstack = getattr(out, "deepstack_features", None)
     if deepstack:

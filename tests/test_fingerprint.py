@@ -8,7 +8,7 @@ import torch
 
 from epdserve.vision.families import FAMILIES
 from epdserve.vision.fingerprint import tower_fingerprint
-from epdserve.vision.sizing import FIXED_SIZE
+from epdserve.vision.sizing import FIXED_SIZE, TILED
 from epdserve.vision.small_checkpoints import build_full, save_processors
 from epdserve.vision.tower import VisionTower
 from epdserve.wire.ec_params import MODEL_TYPES
@@ -79,9 +79,11 @@ def test_the_engine_fingerprint_is_the_model_vllm_loaded(family):
     from prefill_side.vllm_connector.engine_model import engine_description
 
     directory = cached_vlm(family)
-    # a setting of the family's image processor (Gemma 3's fixed-size one has no pixel budget)
-    fixed_size = FAMILIES[family].sizing is FIXED_SIZE
-    kwargs = {"do_pan_and_scan": False} if fixed_size else {"max_pixels": 100352}
+    # a setting of the family's image processor (Gemma 3's fixed-size one and InternVL's tiles
+    # have no pixel budget)
+    kwargs = {FIXED_SIZE: {"do_pan_and_scan": False}, TILED: {"max_patches": 4}}.get(
+        FAMILIES[family].sizing, {"max_pixels": 100352}
+    )
     model_config = ModelConfig(model=directory, dtype="float32", mm_processor_kwargs=kwargs)
     vllm_config = VllmConfig(model_config=model_config)
     width, levels, _ = model_row_width(vllm_config)

@@ -1,5 +1,5 @@
 """vLLM on the encode workers' rows for a family whose EPD request carries the image itself
-(Gemma 3: vLLM takes no request of its grid alone): the request sends the image and the
+(Gemma 3, InternVL: vLLM takes no request of their grids alone): the request sends the image and the
 connector's rooms; vLLM preprocesses the image and places its rows, the connector loads the
 worker's rows into its encoder cache, and vLLM's own tower is not run for it. A module of its own,
 so its engine is made after the other modules' are closed and on whichever test worker is free."""
@@ -18,6 +18,12 @@ from tests.test_vllm_connector import CARRIED, Stack, closed_cleanly, dispatch, 
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.vllm
+
+# The test images (width, height) of three sizes and aspect ratios, and each family's rows for
+# them: Gemma 3's are 16 whatever the size; InternVL's 16 per tile (1 tile; 4 and a thumbnail;
+# 2 and a thumbnail).
+SIZES = [(112, 112), (500, 120), (112, 224)]
+ROWS = {"gemma3": [16, 16, 16], "internvl": [16, 80, 48]}
 
 
 @pytest.fixture(scope="module", params=CARRIED)
@@ -62,14 +68,15 @@ def pil(image: bytes) -> Image.Image:
 def test_carried_images_take_the_workers_rows_and_equal_colocated(
     carried_stack, tower_calls, transport
 ):
-    """Images of three sizes and aspect ratios, one repeated (A, B, A, C), each carried with its
+    """Images of three sizes and aspect ratios (InternVL: tile counts), one repeated (A, B, A,
+    C), each carried with its
     room over ``transport``: three rooms delivered, vLLM's tower never run, and greedy tokens equal
     vLLM's colocated run of the same images (where its tower runs)."""
     stack = carried_stack
-    a, b = synthetic_image(112, 84, seed=12 + len(transport)), synthetic_image(300, 200, seed=13)
-    c = synthetic_image(56, 84, seed=14 + len(transport))
+    seeds = [12 + len(transport), 13, 14 + len(transport)]
+    a, b, c = (synthetic_image(*size, seed=seed) for size, seed in zip(SIZES, seeds))
     items = stack.dispatch([a, b, c], stack.workers[transport])
-    assert [item.rows for item in items] == [16, 16, 16]
+    assert [item.rows for item in items] == ROWS[stack.family]
     before = stack.items("done", transport)
     request, params = vllm_request(
         prompt(stack, 4),
@@ -136,9 +143,10 @@ def test_a_worker_killed_mid_request_falls_back_to_vllms_tower(carried_stack, to
 
 
 def test_a_worker_of_another_family_is_refused(carried_stack, tower_calls):
-    """A Qwen2-VL worker's rows for a 112x112 image are as many and as wide as Gemma 3's (16 of
-    128): the room fails on the fingerprint with the row layout in the reason, nothing is written,
-    and vLLM's own tower encodes the carried image (same tokens as colocated)."""
+    """A Qwen2-VL worker's rows for a 112x112 image are as many and as wide as Gemma 3's and
+    InternVL's (16 of 128): the room fails on the fingerprint with the row layout in the reason,
+    nothing is written, and vLLM's own tower encodes the carried image (same tokens as
+    colocated)."""
     stack = carried_stack
     wrong = stack.cluster.start_encode_worker(
         "worker-qwen2_vl", transports="shm", model=cached_vlm("qwen2_vl")

@@ -109,14 +109,15 @@ class EncodeWorkerTargets(HandshakeToken, IntakeToken, ModelNaming):
             raise SettingError(f"--model {self.model}: {exc}") from None
 
     def image_processor(self, processor_kwargs: dict | None = None):
-        """``--model``'s image processor (checked: a checkpoint directory with its config), with
-        ``processor_kwargs`` over its config (default: ``--mm-processor-kwargs``)."""
-        from transformers import AutoImageProcessor
+        """``--model``'s image processor (checked: a checkpoint directory with its config), as
+        its model's processor applies it, with ``processor_kwargs`` over it (default:
+        ``--mm-processor-kwargs``; ``vision.image_processor``)."""
+        from epdserve.vision.image_processor import load_image_processor
 
         directory = check_checkpoint(self.model, weights=False)
         kwargs = self.mm_processor_kwargs if processor_kwargs is None else processor_kwargs
         try:
-            return AutoImageProcessor.from_pretrained(directory, local_files_only=True, **kwargs)
+            return load_image_processor(directory, kwargs)
         except (OSError, ValueError) as exc:
             raise SettingError(
                 f"--model {self.model}: cannot read its image processor config: {exc}"

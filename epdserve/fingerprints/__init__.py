@@ -14,7 +14,15 @@ from __future__ import annotations
 from epdserve.fingerprints.checkpoint import VISION_PREFIXES, vision_weights_digest
 from epdserve.wire.fingerprint import ModelFingerprint, RowLayout, digest
 
-__all__ = ["VISION_PREFIXES", "fingerprint", "processor_settings", "vision_weights_digest"]
+__all__ = [
+    "VISION_PREFIXES",
+    "PROCESSOR_SIZING_SETTINGS",
+    "as_its_processor_applies",
+    "fingerprint",
+    "processor_image_defaults",
+    "processor_settings",
+    "vision_weights_digest",
+]
 
 # Vision-config keys that do not change what the tower computes.
 _CONFIG_NOISE = frozenset(
@@ -35,6 +43,38 @@ _CONFIG_NOISE = frozenset(
 _PROCESSOR_NOISE = frozenset(
     {"image_processor_type", "video_processor_type", "processor_class", "auto_map"}
 )
+
+
+def processor_image_defaults(processor_class) -> dict:
+    """The image settings a model's processor class (transformers' ``InternVLProcessor``, ...)
+    passes its image processor on every call, over the image processor's own config: its kwargs'
+    ``images_kwargs`` defaults (InternVL's ``crop_to_patches``, Gemma 3's pan-and-scan ones; {}
+    for Qwen-VL's or for none). vLLM calls the model's processor, so these, not the image
+    processor's config, are what it applies, unless its ``--mm-processor-kwargs`` set them."""
+    kwargs = getattr(processor_class, "valid_processor_kwargs", None)
+    return dict(getattr(kwargs, "_defaults", {}).get("images_kwargs", {}))
+
+
+# The model processor's settings a family's sizing reads off the image processor, set on it where
+# its own config has none: InternVL's rows per tile (its processor's config holds them).
+PROCESSOR_SIZING_SETTINGS = ("image_seq_length",)
+
+
+def as_its_processor_applies(image_processor, processor, processor_kwargs: dict):
+    """A copy of ``image_processor`` (whose config already has ``processor_kwargs`` over it) with
+    the settings its model's ``processor`` applies over it (``processor_image_defaults``) set,
+    except those ``processor_kwargs`` set, and the processor's ``PROCESSOR_SIZING_SETTINGS`` it
+    has none of: the image processor as it runs under its model's processor."""
+    import copy
+
+    applied = copy.copy(image_processor)
+    for name, value in processor_image_defaults(type(processor)).items():
+        if name not in processor_kwargs:
+            setattr(applied, name, value)
+    for name in PROCESSOR_SIZING_SETTINGS:  # an image processor's unset setting is None
+        if getattr(applied, name, None) is None and getattr(processor, name, None) is not None:
+            setattr(applied, name, getattr(processor, name))
+    return applied
 
 
 def processor_settings(processor) -> dict | None:

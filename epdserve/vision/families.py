@@ -23,6 +23,11 @@ from transformers import (
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessorPil,
     Gemma3Processor,
+    GotOcr2ImageProcessorPil,
+    InternVLConfig,
+    InternVLForConditionalGeneration,
+    InternVLProcessor,
+    InternVLVideoProcessor,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
@@ -50,9 +55,14 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
-from epdserve.vision.projected_tower import Gemma3ProjectedTower
-from epdserve.vision.sizing import FIXED_SIZE, QWEN_VL, Sizing
-from epdserve.vision.small_tokenizers import GEMMA3_TOKENS, QWEN_TOKENS, SmallTokens
+from epdserve.vision.projected_tower import Gemma3ProjectedTower, InternVLProjectedTower
+from epdserve.vision.sizing import FIXED_SIZE, QWEN_VL, TILED, Sizing
+from epdserve.vision.small_tokenizers import (
+    GEMMA3_TOKENS,
+    INTERNVL_TOKENS,
+    QWEN_TOKENS,
+    SmallTokens,
+)
 from epdserve.wire.ec_params import MODEL_TYPES
 
 
@@ -66,7 +76,9 @@ class TowerFamily:
     # A small test tower's vision config: real patch, temporal and merge sizes, shrunk depth and
     # widths.
     small_vision_config: Callable[[int, int, int], dict]  # (out_width, depth, width) -> kwargs
-    small_image_processor: Callable[[], Qwen2VLImageProcessorPil | Gemma3ImageProcessorPil]
+    small_image_processor: Callable[
+        [], Qwen2VLImageProcessorPil | Gemma3ImageProcessorPil | GotOcr2ImageProcessorPil
+    ]
     # Its video processor: the real sizes and sampling (2 fps), a smaller pixel budget per frame;
     # None: the family takes no video.
     small_video_processor: Callable[[], Qwen2VLVideoProcessor | Qwen3VLVideoProcessor] | None
@@ -99,7 +111,7 @@ class TowerFamily:
     # How the tower takes a batch: packed patches with their grids (the Qwen-VL towers: what the
     # forward derives from the grids, ``vision.grid_inputs``; varlen attention; compiled
     # regions), or False: a batch of fixed-size images ``[n, 3, H, W]``, the forward taking the
-    # pixels alone (Gemma 3's SigLIP and projector).
+    # pixels alone (Gemma 3's SigLIP and projector; InternVL's tiles, an image's in order).
     packed_patches: bool = True
     # where a checkpoint keeps the tower's tensors (a prefix -> the tower module's name for it)
     tower_prefixes: dict[str, str] = field(
@@ -212,6 +224,35 @@ def _gemma3_processor(image_processor, tokenizer) -> Gemma3Processor:
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,
         image_seq_length=GEMMA3_SMALL_TOKENS,
+    )
+
+
+# InternVL's small test model: tiles of 112x112 in patches of 14 (8x8), pixel-shuffled to 16 rows
+# (4x4) each; an image is 1 to 6 tiles, plus a thumbnail where it is more than one.
+INTERNVL_SMALL_TOKENS = 16
+
+
+def _internvl_image_processor() -> GotOcr2ImageProcessorPil:
+    """InternVL's dynamic tiling (``crop_to_patches``, as its processor applies it by default)
+    with the tokens per tile its sizing reads (``sizing.TILED``)."""
+    return GotOcr2ImageProcessorPil(
+        size={"height": 112, "width": 112},
+        crop_to_patches=True,
+        min_patches=1,
+        max_patches=6,
+        image_seq_length=INTERNVL_SMALL_TOKENS,
+    )
+
+
+def _internvl_processor(image_processor, tokenizer) -> InternVLProcessor:
+    """InternVL's processor; its video processor of the tile size, as vLLM builds it (the family
+    takes no video here: ``sizing.TILED`` refuses one)."""
+    return InternVLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=InternVLVideoProcessor(size=image_processor.size),
+        chat_template=tokenizer.chat_template,
+        image_seq_length=INTERNVL_SMALL_TOKENS,
     )
 
 
@@ -361,6 +402,40 @@ FAMILIES: dict[str, TowerFamily] = {
             small_tokens=GEMMA3_TOKENS,
             small_processor=_gemma3_processor,
             small_drawn=("model.multi_modal_projector.mm_input_projection_weight",),
+        ),
+        TowerFamily(
+            "internvl",
+            InternVLConfig,
+            InternVLProjectedTower,
+            InternVLConfig,
+            InternVLForConditionalGeneration,
+            # InternViT (its output width is the projector's input; the rows are the LLM's width)
+            lambda out_width, depth, width: dict(
+                hidden_size=width,
+                intermediate_size=2 * width,
+                num_hidden_layers=depth,
+                num_attention_heads=2,
+                image_size=112,
+                patch_size=14,
+            ),
+            _internvl_image_processor,
+            None,
+            sizing=TILED,
+            grid_only_requests=False,
+            packed_patches=False,
+            tower_prefixes={
+                r"^(model\.)?vision_tower\.": "vision_tower.",
+                r"^(model\.)?multi_modal_projector\.": "multi_modal_projector.",
+            },
+            # InternVL's language model (Qwen2's): a plain rope
+            small_text=dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+            small_vlm=dict(image_seq_length=INTERNVL_SMALL_TOKENS),
+            small_tokens=INTERNVL_TOKENS,
+            small_processor=_internvl_processor,
+            small_drawn=(
+                "model.vision_tower.embeddings.cls_token",
+                "model.vision_tower.embeddings.position_embeddings",
+            ),
         ),
     )
 }

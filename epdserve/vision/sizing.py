@@ -5,8 +5,9 @@ processor's ``sample_frames``: by fps, clamped to its ``min_frames`` / ``max_fra
 to its temporal patch size, at its ``fps`` or ``DEFAULT_FPS``); a video sized from its container
 header within a worker's limits, before anything is decoded (``plan_video_file``). A family names
 its rules in the registry (``TowerFamily.sizing``): ``QWEN_VL`` (patch grids the processor sizes
-by ``smart_resize``) or ``FIXED_SIZE`` (Gemma 3: every image resized to one size, the same rows
-whatever its size)."""
+by ``smart_resize``) ``FIXED_SIZE`` (Gemma 3: every image resized to one size, the same rows
+whatever its size) or ``TILED`` (InternVL: an image cut into tiles of one size, the tiles' count
+by its aspect ratio and size)."""
 
 from __future__ import annotations
 
@@ -155,17 +156,39 @@ def fixed_image_grid(processor, height: int, width: int) -> tuple[int, int, int]
 
 
 def fixed_video_grid(processor, frames: int, height: int, width: int) -> tuple[int, int, int]:
-    """None: a family of fixed-size images takes no video (``BadVideo``)."""
+    """None: a family of fixed-size images or tiles takes no video (``BadVideo``)."""
     raise BadVideo("this model takes no video")
 
 
 def fixed_rows(grid_thw: Sequence[int], processor) -> int:
-    """Rows of a fixed-size image of grid ``(1, s, s)``: ``s * s``."""
+    """Rows of a fixed-size image of grid ``(1, s, s)``: ``s * s``; of ``t`` tiles of grid
+    ``(t, s, s)``: ``t * s * s``."""
     t, h, w = (int(v) for v in grid_thw)
     return t * h * w
 
 
 FIXED_SIZE = Sizing(fixed_image_grid, fixed_video_grid, fixed_rows)
+
+
+def tiled_image_grid(processor, height: int, width: int) -> tuple[int, int, int]:
+    """The grid a dynamically tiling image processor's (InternVL's ``crop_to_patches``) makes of a
+    ``height x width`` image: ``(tiles, s, s)``, ``tiles`` the processor's count (its
+    ``get_number_of_image_patches``: the tiles of the best grid within ``min_patches`` /
+    ``max_patches``, and a thumbnail where there is more than one), ``s * s`` the rows of a tile
+    (its ``image_seq_length``: the model's processor's, which ``vision.image_processor`` sets on
+    it where its own config has none). ``ValueError`` where it names no square one."""
+    tokens = getattr(processor, "image_seq_length", None)
+    side = math.isqrt(tokens) if isinstance(tokens, int) and tokens > 0 else 0
+    if side * side != tokens:
+        raise ValueError(
+            f"the image processor's image_seq_length {tokens!r} is not a square token count "
+            "(the rows of one tile: load it with vision.image_processor)"
+        )
+    return processor.get_number_of_image_patches(height, width, {}), side, side
+
+
+# Tiles of one fixed size: rows = tiles x rows per tile, the grid's product as for FIXED_SIZE.
+TILED = Sizing(tiled_image_grid, fixed_video_grid, fixed_rows)
 
 
 @dataclass(frozen=True)

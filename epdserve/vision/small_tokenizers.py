@@ -1,7 +1,8 @@
 """The tokenizers of the small test VLMs (``vision.vlm_checkpoints``), one token set per family's
 chat layout (``TowerFamily.small_tokens``): a byte-level BPE tokenizer trained in memory on a fixed
 text, with the family's special tokens at fixed ids (the config names them), its chat template and
-the attributes its processor reads (Gemma 3's ``boi_token``, ...). Two builds are identical."""
+the attributes its processor reads (Gemma 3's ``boi_token``, InternVL's
+``start_image_token``, ...). Two builds are identical."""
 
 from __future__ import annotations
 
@@ -146,6 +147,37 @@ GEMMA3_TOKENS = SmallTokens(
         "boi_token": "<start_of_image>",
         "eoi_token": "<end_of_image>",
         "image_token": "<image_soft_token>",
+    },
+)
+
+# InternVL's (its hub tokenizer's) image tokens after Qwen2's chat tokens; its processor reads
+# them by name. A prompt's image is its context token: vLLM and the processor replace it with
+# ``<img>``, the image's rows of context tokens and ``</img>``.
+_INTERNVL_SPECIAL = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<video>",
+)
+_INTERNVL_CHAT = _QWEN_CHAT.replace(_QWEN_IMAGE, "<IMG_CONTEXT>").replace(_QWEN_VIDEO, "<video>")
+INTERNVL_TOKENS = SmallTokens(
+    special=_INTERNVL_SPECIAL,
+    bos="<|endoftext|>",
+    tokenizer_bos=False,
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    chat_template=_INTERNVL_CHAT,
+    image_prompt="<IMG_CONTEXT>",
+    video_prompt=None,
+    config_ids={"image_token_id": "<IMG_CONTEXT>"},
+    named={
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>",
     },
 )
 

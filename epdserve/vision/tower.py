@@ -1,5 +1,6 @@
 """The vision tower: transformers' Qwen2-VL / Qwen2.5-VL / Qwen3-VL towers, or Gemma 3's SigLIP
-and projector (``vision.projected_tower``), loaded alone.
+and projector or InternVL's InternViT, pixel shuffle and projector (``vision.projected_tower``),
+loaded alone.
 
 ``VisionTower.load(dir)`` reads a full VLM checkpoint (weights under ``visual.`` or
 ``model.visual.``; Gemma 3's under ``vision_tower.`` and ``multi_modal_projector.``:
@@ -8,9 +9,10 @@ is missing (transformers would only warn and random-initialise it). The image an
 processors come from the same directory, so the encode worker and the prefill side agree on rows
 per item. A video goes through the same tower (its frames as temporal patches,
 ``video_grid_thw``), so images and videos share a batch. A Qwen-VL tower takes a batch as packed
-patches with their grids; Gemma 3's as fixed-size images (``TowerFamily.packed_patches``), each
-with the grid its sizing gives it (``sizing.FIXED_SIZE``: one entry per row), so the worker
-batches and counts both alike.
+patches with their grids; Gemma 3's and InternVL's as fixed-size images or tiles
+(``TowerFamily.packed_patches``), each image with the grid its sizing gives it
+(``sizing.FIXED_SIZE``, ``sizing.TILED``: one entry per row, tiles first), so the worker batches
+and counts all alike.
 
 Wire layout: one ``[rows, width]`` tensor per item. For Qwen3-VL the DeepStack levels travel in
 the same rows, concatenated on the hidden dimension (as vLLM does):
@@ -36,7 +38,6 @@ from dataclasses import dataclass
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # before torch runs its first GEMM (see above)
 
 import torch  # noqa: E402
-from transformers import AutoImageProcessor  # noqa: E402
 from transformers.utils import logging as hf_logging
 
 from epdserve.data_plane.dtypes import dtype_from_wire
@@ -45,6 +46,7 @@ from epdserve.process_settings import TowerCompile, VisionAttention
 from epdserve.vision import attention, compilation, patch_embedding
 from epdserve.vision.families import FAMILIES, TowerLoadError, detect_family
 from epdserve.vision.grid_inputs import GridInputs
+from epdserve.vision.image_processor import load_image_processor
 from epdserve.vision.images import image_from_bytes, image_from_pixels
 from epdserve.vision.video import load_video_processor
 from epdserve.wire.ec_params import row_shape
@@ -145,7 +147,8 @@ class VisionTower:
         compile_cache_dir: str | None = None,
     ) -> VisionTower:
         """The tower of ``directory``'s checkpoint with its image and video processors, each
-        with ``processor_kwargs`` (``--mm-processor-kwargs``) over its config; its attention
+        with ``processor_kwargs`` (``--mm-processor-kwargs``) over its config (the image
+        processor as its model's processor applies it: ``vision.image_processor``); its attention
         as ``vision_attention`` says (``vision.attention``), compiled as ``compile`` says
         (``vision.compilation``; ``CompileUnavailable`` for ``on`` where it cannot be)."""
         family = detect_family(directory)
@@ -170,12 +173,17 @@ class VisionTower:
             )
         model = model.to(device).eval()
         kwargs = processor_kwargs or {}
-        processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True, **kwargs)
+        processor = load_image_processor(directory, kwargs)
         video_processor = load_video_processor(directory, kwargs)
         out_width, levels = row_shape(config)
         vision = getattr(config, "vision_config", config)  # Gemma 3's: the full model's config
+        patch = vision.patch_size  # InternVL's is (height, width), of square patches
         tower_info = TowerInfo(
-            family, out_width, levels, getattr(vision, "spatial_merge_size", 1), vision.patch_size
+            family,
+            out_width,
+            levels,
+            getattr(vision, "spatial_merge_size", 1),
+            patch[0] if isinstance(patch, (list, tuple)) else patch,
         )
         return cls(
             model,
@@ -270,14 +278,21 @@ class VisionTower:
         return self.preprocess([picture])
 
     def preprocess(self, images: list, **kwargs):
-        """The image processor's output for ``images`` (``kwargs`` to it), with each image's grid
-        (``image_grid_thw``): the processor's own, or for a processor that makes none (fixed-size
-        images) the family's sizing of the processed size."""
+        """The image processor's output for ``images`` (PIL images or uint8 ``[3, H, W]``
+        tensors; ``kwargs`` to it), with each image's grid (``image_grid_thw``): the processor's
+        own, or for a processor that makes none (fixed-size images, tiles) the family's sizing of
+        the image's size, whose first entry is the images (tiles) the processor made of it
+        (``ValueError`` where it made another count)."""
         out = self.processor(images=images, return_tensors="pt", **kwargs)
         if "image_grid_thw" not in out:
-            height, width = out["pixel_values"].shape[-2:]
-            grid = self.sizing.image_grid(self.processor, height, width)
-            out["image_grid_thw"] = torch.tensor([grid] * len(out["pixel_values"]))
+            grids = [self.sizing.image_grid(self.processor, *_height_width(i)) for i in images]
+            made = len(out["pixel_values"])
+            if sum(grid[0] for grid in grids) != made:
+                raise ValueError(
+                    f"the image processor made {made} images of {len(images)}, its sizing "
+                    f"counts {[grid[0] for grid in grids]}"
+                )
+            out["image_grid_thw"] = torch.tensor(grids)
         return out
 
     def encode_items(
@@ -285,3 +300,10 @@ class VisionTower:
     ) -> list[torch.Tensor]:
         """One ``[rows_i, wire_width]`` tensor per item (views of one packed output)."""
         return split_rows(self.encode(pixel_values, grid_thw), self.rows_per_item(grid_thw))
+
+
+def _height_width(image) -> tuple[int, int]:
+    """A PIL image's or a ``[..., H, W]`` tensor's height and width."""
+    if torch.is_tensor(image):
+        return int(image.shape[-2]), int(image.shape[-1])
+    return image.height, image.width

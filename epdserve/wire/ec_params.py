@@ -14,7 +14,15 @@ Identifier = str  # vLLM's multimodal identifier of an item (its multi_modal_uui
 # The model types (``vision.families`` entries) whose encoder rows the EPD connector hands vLLM,
 # each run end to end by tests/test_vllm_connector.py; here, below the vision stack, because the
 # connector inside vLLM imports nothing above the prefill wing. A row is ``row_shape`` wide.
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "gemma3")
+MODEL_TYPES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "gemma3",
+    "internvl",
+)
 
 
 def row_shape(config) -> tuple[int, int]:

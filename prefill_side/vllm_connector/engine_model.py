@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from epdserve.data_plane.dtypes import dtype_to_wire
-from epdserve.fingerprints import fingerprint
+from epdserve.fingerprints import as_its_processor_applies, fingerprint
 from epdserve.wire.fingerprint import EngineDescription, RowLayout
 from epdserve.wire.modality import BY_VLLM_NAME
 
@@ -47,7 +47,11 @@ def engine_description(
             hf_config.model_type,
             vision_config,
             dtype_to_wire(model_config.dtype),
-            processor.image_processor,
+            as_its_processor_applies(
+                processor.image_processor,
+                processor,
+                dict(multimodal.mm_processor_kwargs or {}),
+            ),
             getattr(processor, "video_processor", None),
             RowLayout(
                 width=width,
