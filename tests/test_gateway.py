@@ -115,6 +115,7 @@ class Stack:
         from epdserve.bench.benchmarks.vllm import Server
 
         secrets = deployment_secrets(log_dir)
+        self.family = family
         self.model = cached_vlm(family)
         self.cluster = LocalCluster(self.model, log_dir=log_dir, env=secrets)
         self.worker = self.cluster.start_encode_worker("worker", transports="shm")
@@ -695,23 +696,31 @@ def test_qwen3_vl_images_and_a_video_through_the_gateway(qwen3_stack):
     assert_a_video_beside_an_image_is_delivered(stack, b, video_rows=18)  # (3, 4, 6) / 4
 
 
-@pytest.fixture
-def gemma3_stack(tmp_path_factory):
-    """vLLM, a worker and a gateway serving a tiny Gemma 3 (vLLM takes no request of its grids
-    alone: the gateway's request carries each placed image, named by its identifier), for its one
-    test: closed after it, not kept beside the module's engine."""
+# Families whose requests carry the image (vLLM takes no request of their grids alone), with the
+# rows of the test's two images: Gemma 3's are its mm_tokens_per_image whatever the size;
+# InternVL's its tiles' (both images: a 3x2 grid of tiles and the thumbnail, 16 rows each).
+CARRIED_ROWS = {"gemma3": [16, 16], "internvl": [112, 112]}
+
+
+@pytest.fixture(params=list(CARRIED_ROWS))
+def carried_stack(request, tmp_path_factory):
+    """vLLM, a worker and a gateway serving a tiny model of a family whose requests carry each
+    placed image (named by its identifier), for its one test: closed after it, not kept beside
+    the module's engine."""
     running = Stack(
-        str(tmp_path_factory.mktemp("gateway-gemma3-logs")), family="gemma3", minimal=True
+        str(tmp_path_factory.mktemp(f"gateway-{request.param}-logs")),
+        family=request.param,
+        minimal=True,
     )
     yield from stopped_cleanly(running)
 
 
-def test_gemma3_images_through_the_gateway_take_the_workers_rows(gemma3_stack, image_server):
-    """Gemma 3 behind the gateway: images of two sizes, one a data URI sent twice, one an http URL
-    the gateway fetched (vLLM gets the fetched bytes, not the URL): each distinct image encoded
-    once by the worker and delivered (the worker's counters and the ``epd`` report), and greedy
-    tokens equal vLLM's colocated answer (its own tower on the same images)."""
-    stack = gemma3_stack
+def test_carried_images_through_the_gateway_take_the_workers_rows(carried_stack, image_server):
+    """Gemma 3 and InternVL behind the gateway: images of two sizes, one a data URI sent twice,
+    one an http URL the gateway fetched (vLLM gets the fetched bytes, not the URL): each distinct
+    image encoded once by the worker and delivered (the worker's counters and the ``epd``
+    report), and greedy tokens equal vLLM's colocated answer (its own tower on the same images)."""
+    stack = carried_stack
     a = data_uri(synthetic_image(140, 84, seed=61))
     served = data_uri(IMAGE_FILES["/a.png"][1])  # 112x84
     encoded = metric(stack.worker.url, "epd_encoder_items_total", outcome="success")
@@ -721,7 +730,7 @@ def test_gemma3_images_through_the_gateway_take_the_workers_rows(gemma3_stack, i
     report = answer.model_extra["epd"]["images"]
     assert [image["encoder"] for image in report] == ["encode_worker"] * 2
     assert [image["delivery"]["state"] for image in report] == ["DONE"] * 2
-    assert [image["rows"] for image in report] == [16, 16]  # mm_tokens_per_image, any size
+    assert [image["rows"] for image in report] == CARRIED_ROWS[stack.family]
     eventually(
         lambda: (
             metric(stack.worker.url, "epd_encoder_items_total", outcome="success") == encoded + 2
