@@ -81,7 +81,7 @@ def test_the_engine_fingerprint_is_the_model_vllm_loaded(family):
     directory = cached_vlm(family)
     # a setting of the family's image processor (Gemma 3's fixed-size one and InternVL's tiles
     # have no pixel budget)
-    kwargs = {FIXED_SIZE: {"do_pan_and_scan": False}, TILED: {"max_patches": 4}}.get(
+    kwargs = {FIXED_SIZE: {"pan_and_scan_max_num_crops": 2}, TILED: {"max_patches": 4}}.get(
         FAMILIES[family].sizing, {"max_pixels": 100352}
     )
     model_config = ModelConfig(model=directory, dtype="float32", mm_processor_kwargs=kwargs)
