@@ -1,3 +1,4 @@
 """The process harness the tests, the benchmarks and the demo share: every role as a real
-process on loopback (`cluster`), a transfer peer process (`peer`), vLLM servers with the EPD
-connector (`vllm_servers`), and synthetic images (`images`)."""
+process on loopback (`cluster`; in the tests forked from a server with the imports done:
+`forked_roles`), a transfer peer process (`peer`), vLLM servers with the EPD connector
+(`vllm_servers`), and synthetic images (`images`)."""
