@@ -1,15 +1,9 @@
-"""The towers that end in a multimodal projector, as the encode worker runs them: Gemma 3's and
-InternVL's, transformers' own modules loaded alone out of the full checkpoint (the language
-model's tensors are not read).
-
-Gemma 3's tower: SigLIP and the multimodal projector (average pool
-to ``mm_tokens_per_image`` tokens, RMS norm, projection to the LLM's width), transformers' own
-modules loaded alone out of a ``Gemma3ForConditionalGeneration`` checkpoint (the tensors under
+"""The towers that end in a multimodal projector, as the encode worker runs them (Gemma 3's,
+InternVL's): transformers' own modules, loaded alone out of the full checkpoint (the tensors under
 ``model.vision_tower.`` and ``model.multi_modal_projector.``; the language model's are not read).
-
-Its input is a batch of fixed-size images ``[n, 3, H, W]`` (the image processor's resize), its
-output the rows vLLM's ``embed_multimodal`` hands the language model, packed in item order:
-``[n * mm_tokens_per_image, text hidden size]``.
+Each takes a batch of fixed-size images ``[n, 3, H, W]`` (the image processor's resize, or its
+tiles) and returns the rows vLLM's ``embed_multimodal`` hands the language model, packed in input
+order.
 """
 
 from __future__ import annotations
