@@ -1,6 +1,6 @@
-"""vLLM on the encode workers' rows for a family vLLM's CPU build runs in bfloat16 only (Qwen3.5):
-a module of its own, so its engine is made after the float32 ones are closed (each holds
-gigabytes) and on whichever test worker is free."""
+"""vLLM on the encode workers' rows for the families vLLM's CPU build runs in bfloat16 only
+(Qwen3.5, dense and MoE), each in turn: a module of its own, so its engines are made after the
+float32 ones are closed (each holds gigabytes) and on whichever test worker is free."""
 
 import io
 import signal
@@ -29,10 +29,17 @@ from tests.waiting import eventually
 
 pytestmark = pytest.mark.vllm
 
+# The families whose EPD tokens for the video test's inputs differ from the colocated run's: the
+# encode worker's bfloat16 rows and vLLM's bfloat16 tower round differently (at most 0.0015 apart,
+# rows up to 0.18), and the small MoE's routing turns on it at the fifth token. Fed transformers'
+# float32 rows rounded to bfloat16 as embeddings, vLLM gives the colocated tokens; fed the worker's,
+# the EPD ones: the connector delivers the worker's rows as they are.
+VIDEO_ROUNDING_TURNS_TOKENS = ("qwen3_5_moe",)
+
 
 @pytest.fixture(scope="module", params=BFLOAT16)
 def bf16_stack(request, tmp_path_factory):
-    """A family vLLM's CPU build runs in bfloat16 only (Qwen3.5: its Gated DeltaNet kernels), the
+    """A family vLLM's CPU build runs in bfloat16 only (Qwen3.5's Gated DeltaNet kernels), the
     encode workers too: vLLM's tower and transformers' round differently there, so its answers
     are compared where the tokens are the same image's (colocated, fallback) or where the small
     model's greedy tokens do not turn on the last bits of a row (the images below)."""
@@ -59,10 +66,14 @@ def test_bfloat16_family_images_equal_colocated(bf16_stack, transport):
     eventually(stack.pool_idle, "every slot back in the pool", seconds=10)
 
 
-def test_bfloat16_family_video_equals_colocated(bf16_stack):
+def test_bfloat16_family_video_equals_colocated(bf16_stack, request):
     """An MP4 and an image, grids (and the video's patch times) alone: tokens equal vLLM's
-    colocated run of the same frames and image."""
+    colocated run of the same frames and image (not for ``VIDEO_ROUNDING_TURNS_TOKENS``: a strict
+    expected failure)."""
     stack = bf16_stack
+    if stack.family in VIDEO_ROUNDING_TURNS_TOKENS:
+        reason = "bf16 rows round otherwise than vLLM's tower; the MoE's greedy tokens turn on it"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     video, image = mp4(25, 64, 96, seed=71), synthetic_image(84, 84, seed=72)
     items = stack.dispatch([Media(video, Modality.VIDEO), image], stack.workers["shm"])
     assert items[0].grid_thw == (3, 4, 6) and items[0].patch_times == (0.3, 1.5, 2.4)

@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype",
         default=None,
         help="vLLM's and the encode workers' dtype (default: the one vLLM's CPU build runs the "
-        "family in: float32, bfloat16 for qwen3_5)",
+        "family in: float32, bfloat16 for "
+        + ", ".join(name for name in MODEL_TYPES if FAMILIES[name].cpu_dtype == "bfloat16")
+        + ")",
     )
     args = parser.parse_args(argv)
     if args.dtype is None:

@@ -36,6 +36,8 @@ from transformers import (
     Qwen2VLVideoProcessor,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     Qwen3VLMoeConfig,
@@ -49,6 +51,8 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -205,6 +209,28 @@ def _qwen3_vl_text(**language: object) -> dict:
     )
 
 
+def _qwen3_5_text(**language: object) -> dict:
+    """A small Qwen3.5 language model's text config beyond the shared one, with ``language``'s
+    entries added (a new dict each call): Gated DeltaNet (linear attention) layers, then full
+    attention with a partial, interleaved mrope."""
+    return dict(
+        head_dim=32,
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        **language,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+    )
+
+
 # Gemma 3's small test model: 112x112 images in patches of 14 (8x8), pooled to 16 tokens (4x4).
 GEMMA3_SMALL_TOKENS = 16
 
@@ -341,22 +367,27 @@ FAMILIES: dict[str, TowerFamily] = {
             position_table=True,
             video_timestamps=True,
             cpu_dtype="bfloat16",
-            # Qwen3.5's language model: Gated DeltaNet (linear attention) layers, then full
-            # attention with a partial, interleaved mrope
-            small_text=dict(
-                head_dim=32,
-                layer_types=["linear_attention", "full_attention"],
-                linear_key_head_dim=128,
-                linear_value_head_dim=128,
-                linear_num_key_heads=2,
-                linear_num_value_heads=4,
-                rope_parameters={
-                    "rope_type": "default",
-                    "rope_theta": 10000000.0,
-                    "partial_rotary_factor": 0.5,
-                    "mrope_section": [2, 3, 3],
-                    "mrope_interleaved": True,
-                },
+            small_text=_qwen3_5_text(),
+        ),
+        TowerFamily(
+            "qwen3_5_moe",
+            Qwen3_5MoeVisionConfig,
+            Qwen3_5MoeVisionModel,  # Qwen3.5's tower (transformers' subclass of it)
+            Qwen3_5MoeConfig,
+            Qwen3_5MoeForConditionalGeneration,
+            _qwen3_vision_config,
+            _qwen3_image_processor,
+            _qwen3_video_processor,
+            position_table=True,
+            video_timestamps=True,
+            cpu_dtype="bfloat16",
+            # Qwen3.5's language model with sparse experts and a shared one in each layer
+            # (Qwen3.5-35B-A3B's layout); transformers saves the experts as the hub stores them
+            small_text=_qwen3_5_text(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=64,
+                shared_expert_intermediate_size=64,
             ),
         ),
         TowerFamily(

@@ -20,6 +20,7 @@ MODEL_TYPES = (
     "qwen3_vl",
     "qwen3_vl_moe",
     "qwen3_5",
+    "qwen3_5_moe",
     "gemma3",
     "internvl",
 )
