@@ -537,7 +537,7 @@ def test_placement_by_cost_keeps_idle_workers_and_leaves_a_slowed_one_for_vllm(s
     tower, whose prior is slow); once the worker's tower is slowed (a test fault), its measured
     cost grows and within a few requests images go to vLLM's own tower. Every answer equals
     colocated; the report carries both predictions; the learned costs and the prediction errors
-    are exported."""
+    are exported, and the engine's load was read from vLLM's /metrics."""
     url = stack.costed.url
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
 
@@ -577,6 +577,8 @@ def test_placement_by_cost_keeps_idle_workers_and_leaves_a_slowed_one_for_vllm(s
         metric(url, "epd_gateway_placement_prediction_error_ratio_count", route="encode_worker")
         == 2 + len(routes) - 1
     )
+    # the engine's load the vLLM route's prediction counts was read from vLLM's own gauges
+    assert metric(url, "epd_gateway_engine_load_source", source="vllm_metrics") == 1
 
 
 def test_an_image_in_a_format_workers_do_not_decode_is_encoded_by_vllm(stack):

@@ -40,6 +40,7 @@ from epdserve.dispatcher.media import DispatchError, Media
 from epdserve.dispatcher.staged import StagedWatch
 from epdserve.dispatcher.workers import WorkerSet
 from epdserve.gateway.chat import BodyBudget, ChatRequest, ChatRequestError, media_refs, read_chat
+from epdserve.gateway.engine_load import EngineLoad
 from epdserve.gateway.errors import OpenAIError
 from epdserve.gateway.media import MediaError, MediaFetcher
 from epdserve.gateway.metrics import GatewayMetrics
@@ -70,7 +71,9 @@ class Gateway:
         self.workers = WorkerSet(
             list(settings.workers), settings.dns, settings.bootstrap_port, settings.intake_port
         )
-        self.readiness = Readiness(settings, self.workers, on_refusal)
+        self.metrics = GatewayMetrics(settings.served_model_name, registry)
+        self.load = EngineLoad(settings.vllm_url, self.metrics, settings.vllm_api_key)
+        self.readiness = Readiness(settings, self.workers, self.load, on_refusal)
         self.reading = BodyBudget(settings.max_receiving_bytes)
         self.fetcher = MediaFetcher(
             settings.max_image_bytes,
@@ -79,10 +82,11 @@ class Gateway:
             settings.allow_private_urls,
             settings.max_video_bytes,
         )
-        self.metrics = GatewayMetrics(settings.served_model_name, registry)
         self.inline = InlineBudget(settings.max_inline_patches)
         self.costs = PlacementCosts()
-        self.placements = Placements(settings.placement, self.inline, self.costs, self.metrics)
+        self.placements = Placements(
+            settings.placement, self.inline, self.costs, self.metrics, self.load
+        )
         self.upstream = Upstream(
             settings.vllm_url, settings.request_timeout_s, settings.vllm_api_key
         )
@@ -148,8 +152,9 @@ class Gateway:
                 return limit.refusal()
             prepared = await self._prepare(body, chat)
             # the request's end releases its inline patches at the latest, even where its stream
-            # never started (the client gone before its first byte)
-            request.scope[InFlightLimit.ON_END] = lambda: self.placements.release_inline(prepared)
+            # never started (the client gone before its first byte), and leaves vLLM's load
+            self.load.forwarded += 1
+            request.scope[InFlightLimit.ON_END] = lambda: self._ended(prepared)
         except OpenAIError as exc:
             self.metrics.count("overloaded" if exc.kind == "overloaded" else "refused")
             return exc.response()
@@ -222,6 +227,11 @@ class Gateway:
             raise
         self.placements.dispatched(prepared, self.workers.states())
         return prepared
+
+    def _ended(self, prepared: PreparedChat) -> None:
+        """A prepared request has ended (its answer sent, or not): once."""
+        self.placements.release_inline(prepared)
+        self.load.forwarded -= 1
 
     def _within_limits(self, refs: list) -> None:
         """vLLM's per-prompt limits (as vLLM says them), checked before any worker encodes an
@@ -368,6 +378,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def metrics() -> Response:
         gateway.metrics.workers_now(gateway.workers.states())
         gateway.metrics.inline_now(gateway.inline.patches, gateway.inline.peak)
+        gateway.load.exported()
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,6 +1,7 @@
 """The gateway's Prometheus families, each labelled ``model_name``: requests by outcome, images by
 encoder, colocated fallbacks by reason, placements by route and reason, the patches vLLM encodes
-inline, each route's learned cost and the error of its predictions (``--placement cost``),
+inline, each route's learned cost, the error of its predictions and the engine's load they count
+with its source (``--placement cost``),
 dispatch time, time to first token, requests in flight, encode workers by state (an incompatible
 one serves another model than vLLM's)."""
 
@@ -71,6 +72,21 @@ class GatewayMetrics:
             buckets=ERROR_RATIO_BUCKETS,
             registry=self.registry,
         )
+        self.engine_load = Gauge(
+            "epd_gateway_engine_load_requests",
+            "--placement cost: the requests in vLLM (running and waiting) the prediction of "
+            "vLLM's own tower counts: the larger of vLLM's gauges and the gateway's own",
+            labels,
+            registry=self.registry,
+        )
+        self.engine_load_source = Gauge(
+            "epd_gateway_engine_load_source",
+            "Where the engine's load comes from (1: the source now): vllm_metrics (vLLM's "
+            "/metrics gauges, or the gateway's own count where larger), gateway (the gateway's "
+            "own count: vLLM's gauges unreadable)",
+            labels + ["source"],
+            registry=self.registry,
+        )
         self.dispatch = Histogram(
             "epd_gateway_dispatch_seconds",
             "Request start -> every image placed",
@@ -118,6 +134,11 @@ class GatewayMetrics:
     def costs_now(self, costs: dict[tuple[str, str], float]) -> None:
         for (route, size_class), seconds in costs.items():
             self.placement_cost.labels(self.model_name, route, size_class).set(seconds)
+
+    def engine_load_now(self, requests: int, source: str, sources: tuple[str, ...]) -> None:
+        self.engine_load.labels(self.model_name).set(requests)
+        for each in sources:
+            self.engine_load_source.labels(self.model_name, each).set(each == source)
 
     def workers_now(self, states: dict[str, int]) -> None:
         for state, count in states.items():

@@ -11,8 +11,11 @@ decisions for each request.
 ``--placement cost`` (``PlacementCosts``) predicts, for each request with images, its time to first
 token by each route, and takes the sooner: via the encode workers, the median of the recent
 requests whose images all went there (their queue wait, encode, transfer and the prefill, as the
-gateway measured them); via vLLM's own tower, the same median of the requests encoded inline, plus
-the inline patches vLLM encodes ahead of it at that route's measured pace. Both are learned per
+gateway measured them); via vLLM's own tower, the same median of the requests encoded inline,
+each scaled from the engine's load it was measured under to the load now (``EngineLoad``: the
+requests running and waiting in vLLM, as vLLM's ``/metrics`` says or the gateway counts; the
+tower encodes in the engine's steps, which it shares with each of them), plus the inline patches
+vLLM encodes ahead of it at that route's measured pace. Both are learned per
 size class (the request's patches), start from conservative priors (the workers sooner), and
 every ``PROBE_EVERY``-th decision, while vLLM encodes nothing inline, takes the other route so
 that its cost stays measured (a route
@@ -36,6 +39,7 @@ from epdserve.dispatcher.workers import INCOMPATIBLE, READY
 from epdserve.gateway.errors import OpenAIError
 
 if TYPE_CHECKING:
+    from epdserve.gateway.engine_load import EngineLoad
     from epdserve.gateway.metrics import GatewayMetrics
     from epdserve.gateway.prepared import PreparedChat
 
@@ -136,63 +140,90 @@ class Prediction:
     vllm_s: float
     route: Route
     reason: Reason
+    engine_load: int = 0  # the requests in vLLM when it was predicted
 
     @property
     def taken_s(self) -> float:
         return self.encode_worker_s if self.route is Route.ENCODE_WORKER else self.vllm_s
 
 
+def load_scale(route: Route, now: int, then: int) -> float:
+    """How many times as long ``route`` takes with ``now`` other requests in vLLM as it took
+    with ``then``: vLLM's own tower encodes in the engine's steps, shared with each of them;
+    the workers' route is taken as measured."""
+    return (1 + now) / (1 + then) if route is Route.VLLM else 1.0
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A request's time to first token by one route, its patches, and the requests in vLLM
+    when it was decided."""
+
+    seconds: float
+    patches: int
+    engine_load: int
+
+
 class PlacementCosts:
     """Each route's time to first token, learned online: the median of its last ``COST_WINDOW``
     observations per size class (a request's patches), and the seconds per patch they imply;
-    a prior until the first observation."""
+    a prior until the first observation. vLLM's own tower's is scaled by the engine's load: a
+    request measured with ``m`` others in vLLM is predicted to take ``(1 + n) / (1 + m)`` times
+    as long with ``n``."""
 
     ROUTES = (Route.ENCODE_WORKER, Route.VLLM)
 
     def __init__(self):
-        self._seen: dict[tuple[Route, str], collections.deque[tuple[float, int]]] = {}
+        self._seen: dict[tuple[Route, str], collections.deque[Observation]] = {}
         self.decisions = 0
 
-    def cost_s(self, route: Route, patches: int) -> float:
-        """The predicted time to first token of a request of ``patches`` by ``route``."""
+    def cost_s(self, route: Route, patches: int, engine_load: int = 0) -> float:
+        """The predicted time to first token of a request of ``patches`` by ``route`` with
+        ``engine_load`` other requests in vLLM."""
         seen = self._seen.get((route, size_class(patches)))
         if not seen:
-            return PRIOR_S[route.value] + PRIOR_S_PER_PATCH[route.value] * patches
-        return statistics.median(seconds for seconds, _ in seen)
+            prior = PRIOR_S[route.value] + PRIOR_S_PER_PATCH[route.value] * patches
+            return prior * load_scale(route, engine_load, 0)
+        return statistics.median(
+            each.seconds * load_scale(route, engine_load, each.engine_load) for each in seen
+        )
 
     def pace_s(self, route: Route, patches: int) -> float:
         """Seconds per patch by ``route`` for a request of ``patches`` (its size class's)."""
         seen = self._seen.get((route, size_class(patches)))
         if not seen:
             return PRIOR_S_PER_PATCH[route.value]
-        return statistics.median(seconds / max(1, held) for seconds, held in seen)
+        return statistics.median(each.seconds / max(1, each.patches) for each in seen)
 
-    def decide(self, patches: int, inline_patches: int) -> Prediction:
+    def decide(self, patches: int, inline_patches: int, engine_load: int = 0) -> Prediction:
         """The route for a request of ``patches`` while vLLM encodes ``inline_patches`` inline
-        for other requests: the one predicted sooner, or every ``PROBE_EVERY``-th time the
-        other, unless vLLM encodes inline for others already (a probe in a burst would slow
-        every request in the engine)."""
+        for other requests and has ``engine_load`` requests running and waiting: the one
+        predicted sooner, or every ``PROBE_EVERY``-th time the other, unless vLLM encodes inline
+        for others already (a probe in a burst would slow every request in the engine)."""
         workers_s = self.cost_s(Route.ENCODE_WORKER, patches)
-        vllm_s = self.cost_s(Route.VLLM, patches) + inline_patches * self.pace_s(
+        vllm_s = self.cost_s(Route.VLLM, patches, engine_load) + inline_patches * self.pace_s(
             Route.VLLM, patches
         )
         sooner = Route.ENCODE_WORKER if workers_s <= vllm_s else Route.VLLM
         self.decisions += 1
         if self.decisions % PROBE_EVERY == 0 and inline_patches == 0:
             later = Route.VLLM if sooner is Route.ENCODE_WORKER else Route.ENCODE_WORKER
-            return Prediction(workers_s, vllm_s, later, Reason.PROBE)
-        return Prediction(workers_s, vllm_s, sooner, Reason.SOONER)
+            return Prediction(workers_s, vllm_s, later, Reason.PROBE, engine_load)
+        return Prediction(workers_s, vllm_s, sooner, Reason.SOONER, engine_load)
 
-    def observe(self, route: Route, patches: int, seconds: float) -> None:
+    def observe(self, route: Route, patches: int, seconds: float, engine_load: int = 0) -> None:
         """A request of ``patches`` whose images all took ``route`` had its first token after
-        ``seconds``."""
+        ``seconds``, decided with ``engine_load`` requests in vLLM."""
         key = (route, size_class(patches))
-        self._seen.setdefault(key, collections.deque(maxlen=COST_WINDOW)).append((seconds, patches))
+        self._seen.setdefault(key, collections.deque(maxlen=COST_WINDOW)).append(
+            Observation(seconds, patches, engine_load)
+        )
 
     def costs(self) -> dict[tuple[str, str], float]:
-        """Each route's learned cost per size class observed (the metric's values)."""
+        """Each route's learned cost per size class observed, as measured (the metric's
+        values)."""
         return {
-            (route.value, label): statistics.median(seconds for seconds, _ in seen)
+            (route.value, label): statistics.median(each.seconds for each in seen)
             for (route, label), seen in self._seen.items()
         }
 
@@ -203,7 +234,7 @@ class Placements:
     encodes inline held in the ``InlineBudget`` until the request's prefill is over,
     ``--placement``'s decisions taken before any worker is asked, busy workers' images overflowed
     inline or the request refused, and (``--placement cost``) each route's time to first token
-    learned from the requests whose images all took it."""
+    learned from the requests whose images all took it, with the engine's load then."""
 
     def __init__(
         self,
@@ -211,12 +242,15 @@ class Placements:
         inline: InlineBudget,
         costs: PlacementCosts,
         metrics: GatewayMetrics,
+        load: EngineLoad,
     ):
-        """``placement``: ``--placement``'s value (``PLACEMENT_PATTERN``)."""
+        """``placement``: ``--placement``'s value (``PLACEMENT_PATTERN``); ``load``: the
+        requests in vLLM now."""
         self.placement = placement
         self.inline = inline
         self.costs = costs
         self.metrics = metrics
+        self.load = load
 
     def decided_inline(self, prepared: PreparedChat) -> bool:
         """Whether the request's images go to vLLM inline before any worker is asked: fewer
@@ -239,7 +273,7 @@ class Placements:
         if not encodable:
             return False
         wanted = sum(patches(item) for item in encodable)
-        prepared.prediction = self.costs.decide(wanted, self.inline.patches)
+        prepared.prediction = self.costs.decide(wanted, self.inline.patches, self.load.requests)
         if prepared.prediction.route is not Route.VLLM:
             return False
         if not self.inline.overflow(wanted):  # vLLM encodes --max-inline-patches inline already
@@ -347,9 +381,14 @@ class Placements:
         if 0 < placed < len(prepared.items):
             return  # both routes: the time is neither's
         route = Route.ENCODE_WORKER if placed else Route.VLLM
-        self.costs.observe(route, sum(patches(item) for item in prepared.items), seconds)
-        self.metrics.costs_now(self.costs.costs())
         prediction = prepared.prediction
+        # the load it was decided under; else the others in vLLM now (this request is one)
+        engine_load = (
+            prediction.engine_load if prediction is not None else max(0, self.load.requests - 1)
+        )
+        wanted = sum(patches(item) for item in prepared.items)
+        self.costs.observe(route, wanted, seconds, engine_load)
+        self.metrics.costs_now(self.costs.costs())
         if prediction is not None and prediction.route is route and prediction.taken_s > 0:
             self.metrics.prediction_error.labels(self.metrics.model_name, route.value).observe(
                 seconds / prediction.taken_s

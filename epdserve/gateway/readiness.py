@@ -6,7 +6,8 @@ and per-prompt limits, from the EPD connector's ``/v1/engine``) until known, the
 engine, and sized again when its model changes), refuses to serve when its own flags or checkpoint
 disagree with vLLM's, and keeps a worker of another model out of rotation. It is ready once it
 knows the engine and has probed its workers (and, for ``--worker-wait-s`` from then, waited for
-those still starting)."""
+those still starting). On the same loop, vLLM's load is read from its ``/metrics``
+(``engine_load``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import aiohttp
 from epdserve.dispatcher.dispatch import Dispatcher
 from epdserve.dispatcher.workers import WorkerSet
 from epdserve.gateway.engine import EngineMismatch, EngineModel, EngineUnreadable, read_engine
+from epdserve.gateway.engine_load import EngineLoad
 from epdserve.gateway.settings import GatewaySettings
 from epdserve.wire.addresses import Endpoint
 from epdserve.wire.fingerprint import EngineDescription
@@ -30,19 +32,21 @@ ENGINE_RETRY_S = 0.5  # ... while it is not known yet
 
 
 class Readiness:
-    """vLLM's engine as the gateway follows it (``follow``), the dispatcher made for it, and
-    whether the gateway is ready (``not_ready``)."""
+    """vLLM's engine as the gateway follows it (``follow``), the dispatcher made for it, its
+    load (``load``), and whether the gateway is ready (``not_ready``)."""
 
     def __init__(
         self,
         settings: GatewaySettings,
         workers: WorkerSet,
+        load: EngineLoad,
         on_refusal: Callable[[str], None],
     ):
         """``on_refusal(reason)``: called once when the gateway's flags or checkpoint disagree
         with the engine's; until then, and after, the gateway is not ready."""
         self.settings = settings
         self.workers = workers
+        self.load = load
         self.on_refusal = on_refusal
         self.engine: EngineModel | None = None  # what vLLM runs, once read from vLLM
         self.engine_known_at = 0.0
@@ -51,7 +55,8 @@ class Readiness:
         self.dispatcher: Dispatcher | None = None  # made once the engine is known
 
     async def follow(self) -> None:
-        """Read the engine's description until known, then again every ``ENGINE_INTERVAL_S``."""
+        """Read the engine's description until known, then again every ``ENGINE_INTERVAL_S``;
+        once it is known, vLLM's load each time (every call bounded by the session's 2 s)."""
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
             while self.refused is None:
                 try:
@@ -59,6 +64,8 @@ class Readiness:
                 except EngineUnreadable as exc:
                     if self.engine is None:
                         self.engine_problem = str(exc)
+                if self.engine is not None:
+                    await self.load.read(session)
                 await asyncio.sleep(ENGINE_INTERVAL_S if self.engine else ENGINE_RETRY_S)
 
     def _learn(self, description: EngineDescription) -> None:
