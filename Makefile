@@ -40,8 +40,8 @@ demo: setup
 
 # Everything, vLLM and every process included, on three pytest workers (a module's tests on one:
 # its engine or cluster is made once); the 20 slowest tests are printed, so a slowdown shows.
-# Three on two cores: the tests wait on the processes they start, and with two workers the cores
-# were idle 14 % of the run (543 s; three: 496 s, 98 % busy, 8 GiB of memory left at the least).
+# Three on two cores: the tests wait on the processes they start (with two, the cores were idle
+# 14 % of the run); three keep them 97 % busy with 8 GiB of memory left at the least.
 test: setup
 	$(VPY) -m ruff check .
 	$(VPY) -m ruff format --check .
