@@ -17,6 +17,7 @@ import math
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from epdserve.gateway.bounded_body import read_at_most
 from epdserve.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -72,15 +73,9 @@ async def read_metrics_text(
         async with session.get(url + METRICS_PATH, headers=headers) as response:
             if response.status != 200:
                 raise EngineLoadUnreadable(f"{url}{METRICS_PATH} answered {response.status}")
-            if (response.content_length or 0) > MAX_METRICS_BYTES:
+            body = await read_at_most(response, MAX_METRICS_BYTES)
+            if body is None:
                 raise EngineLoadUnreadable(f"{url}{METRICS_PATH} is over {MAX_METRICS_BYTES} bytes")
-            body = bytearray()
-            async for chunk in response.content.iter_chunked(1 << 16):
-                body += chunk
-                if len(body) > MAX_METRICS_BYTES:
-                    raise EngineLoadUnreadable(
-                        f"{url}{METRICS_PATH} is over {MAX_METRICS_BYTES} bytes"
-                    )
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise EngineLoadUnreadable(
             f"{url}{METRICS_PATH} unreachable: {type(exc).__name__}"

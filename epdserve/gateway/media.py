@@ -23,6 +23,8 @@ import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
+from epdserve.gateway.bounded_body import read_at_most
+
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 ARTICLE = {"image": "an", "video": "a"}  # "an image/* type", "a video/* type"
 
@@ -138,16 +140,12 @@ class MediaFetcher:
                             f"{_short(url)} is {answered or 'of no content type'}, "
                             f"not {ARTICLE[kind]} {kind}/* type"
                         )
-                    if (response.content_length or 0) > limit:
+                    data = await read_at_most(response, limit)
+                    if data is None:
                         raise MediaError(f"{_short(url)}: {kind} larger than {limit} bytes")
-                    data = bytearray()
-                    async for chunk in response.content.iter_chunked(1 << 16):
-                        data += chunk
-                        if len(data) > limit:
-                            raise MediaError(f"{_short(url)}: {kind} larger than {limit} bytes")
                     if not data:
                         raise MediaError(f"{_short(url)} answered an empty body")
-                    return bytes(data)
+                    return data
             except aiohttp.ClientError as exc:
                 raise MediaError(f"cannot fetch {_short(url)}: {_reason(exc)}") from None
         raise MediaError(f"{_short(url)}: more than {self.max_redirects} redirects")
