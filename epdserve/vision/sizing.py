@@ -146,13 +146,20 @@ def fixed_image_grid(processor, height: int, width: int) -> tuple[int, int, int]
     makes more than one crop of an image (pan-and-scan) or its row count is not a square."""
     if getattr(processor, "do_pan_and_scan", False):
         raise ValueError("pan-and-scan crops are not sized here: serve with do_pan_and_scan off")
+    side = _rows_side(processor, "")
+    return 1, side, side
+
+
+def _rows_side(processor, hint: str) -> int:
+    """The side ``s`` of the image processor's ``image_seq_length`` rows (an image's, or a
+    tile's) as an ``s x s`` grid; ``ValueError`` (ending in ``hint``) where it is no square."""
     tokens = getattr(processor, "image_seq_length", None)
     side = math.isqrt(tokens) if isinstance(tokens, int) and tokens > 0 else 0
     if side * side != tokens:
         raise ValueError(
-            f"the image processor's image_seq_length {tokens!r} is not a square token count"
+            f"the image processor's image_seq_length {tokens!r} is not a square token count{hint}"
         )
-    return 1, side, side
+    return side
 
 
 def fixed_video_grid(processor, frames: int, height: int, width: int) -> tuple[int, int, int]:
@@ -177,13 +184,7 @@ def tiled_image_grid(processor, height: int, width: int) -> tuple[int, int, int]
     ``max_patches``, and a thumbnail where there is more than one), ``s * s`` the rows of a tile
     (its ``image_seq_length``: the model's processor's, which ``vision.image_processor`` sets on
     it where its own config has none). ``ValueError`` where it names no square one."""
-    tokens = getattr(processor, "image_seq_length", None)
-    side = math.isqrt(tokens) if isinstance(tokens, int) and tokens > 0 else 0
-    if side * side != tokens:
-        raise ValueError(
-            f"the image processor's image_seq_length {tokens!r} is not a square token count "
-            "(the rows of one tile: load it with vision.image_processor)"
-        )
+    side = _rows_side(processor, " (the rows of one tile: load it with vision.image_processor)")
     return processor.get_number_of_image_patches(height, width, {}), side, side
 
 
