@@ -7,6 +7,7 @@ import torch
 
 from epdserve.data_plane.loopback import LoopbackFault
 from epdserve.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from epdserve.testing.receive_items import loopback_handshake, loopback_job_inputs
 from epdserve.vision.images import image_from_bytes
 from epdserve.vision.small_checkpoints import build_full
 from epdserve.vision.tower import VisionTower
@@ -61,11 +62,7 @@ def make_request(worker, tower, images, keep_pixels=False):
                 Modality.IMAGE,
                 offsets=[[10, 10 + rows - 1]],
                 feature=image if keep_pixels else None,
-                encode_handshake={
-                    "bootstrap_room": room,
-                    "bootstrap_host": "127.0.0.1",
-                    "bootstrap_port": worker.bootstrap_port,
-                },
+                encode_handshake=loopback_handshake(room, worker.bootstrap_port),
             )
         )
     return MultimodalInputs(items), rooms
@@ -659,19 +656,7 @@ def test_a_request_of_more_rooms_than_one_call_holds_is_split_not_crashed(tower,
             for room in rooms:
                 worker.table.cancel(room, "dropped by the gateway")
         rows = 4 if reservable else 10_000  # 10,000 rows are more than the whole pool
-        items = [
-            MultimodalDataItem(
-                Modality.IMAGE,
-                offsets=[[0, rows - 1]],
-                encode_handshake={
-                    "bootstrap_room": room,
-                    "bootstrap_host": "127.0.0.1",
-                    "bootstrap_port": worker.bootstrap_port,
-                },
-            )
-            for room in rooms
-        ]
-        job = receiver.start("many", MultimodalInputs(items))
+        job = receiver.start("many", loopback_job_inputs(rooms, rows, worker.bootstrap_port))
         assert job.wait(20) is JobState.FAILED
         expected = (
             "ended CANCELLED before this receiver registered" if reservable else "cannot reserve"

@@ -75,7 +75,7 @@ class NullSink(Transport):
 
 def _receiver_main(conn, pool_bytes: int, width: int, dtype: str, transport: str) -> None:
     """The prefill side: the project's receiver library, one job per round for all its items."""
-    from epdserve.bench.benchmarks.receive import loopback_job_inputs
+    from epdserve.testing.receive_items import loopback_job_inputs
     from prefill_side import PrefillReceiver, ReceiverConfig
 
     receiver = PrefillReceiver(

@@ -15,12 +15,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from typing import TYPE_CHECKING
 
 from epdserve.bench.benchmarks.results import write_json
-
-if TYPE_CHECKING:
-    from epdserve.multimodal.items import MultimodalInputs
 
 ROWS, WIDTH = 256, 3584  # a 448x448 image for Qwen2.5-VL-7B, bf16: 1.8 MB
 
@@ -74,31 +70,10 @@ def _p(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1e3
 
 
-def loopback_job_inputs(rooms: list[int], rows: int, port: int) -> MultimodalInputs:
-    """A receive job's inputs: one image item of ``rows`` rows per room, each room on the
-    handshake server at 127.0.0.1:``port`` (``encode_pipeline``'s receiver takes them too)."""
-    from epdserve.multimodal.items import MultimodalDataItem, MultimodalInputs
-    from epdserve.wire.modality import Modality
-
-    return MultimodalInputs(
-        [
-            MultimodalDataItem(
-                Modality.IMAGE,
-                offsets=[[0, rows - 1]],
-                encode_handshake={
-                    "bootstrap_room": room,
-                    "bootstrap_host": "127.0.0.1",
-                    "bootstrap_port": port,
-                },
-            )
-            for room in rooms
-        ]
-    )
-
-
 def run(jobs: int = 60, progress=print) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from epdserve.loop_threads import LoopThread
+    from epdserve.testing.receive_items import loopback_job_inputs
     from epdserve.wire.room_client import HandshakeClient
     from prefill_side import JobState, PrefillReceiver, ReceiverConfig
 
