@@ -4,6 +4,7 @@ prefill processes (`epd-prefill`), and the dispatcher here, over Mooncake TCP an
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from epdserve.dispatcher import Dispatcher, WorkerSet
 from epdserve.dispatcher.cli import prefill_body
-from epdserve.testing.cluster import ROOT, LocalCluster
+from epdserve.testing.cluster import _HANDED_OUT, ROOT, LocalCluster, free_port
 from epdserve.testing.images import synthetic_image
 from epdserve.vision.small_checkpoints import build_vision_only
 from epdserve.wire.room_client import HandshakeClient
@@ -257,3 +258,15 @@ def test_epd_dispatch_sends_files_and_reports_what_the_prefill_process_received(
     assert [row["rows"] for row in output["prefill"]["items"]] == [
         item["rows"] for item in output["items"]
     ]
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_its_role_binds_it(monkeypatch):
+    """free_port checks a port is free now; a role binds it only once started, so a second call
+    meanwhile (a stack's next port, drawn at random) must not return the same one: a Stack's
+    connector port once equalled its encode worker's, and vLLM could not serve on it."""
+    first, second = free_port(), free_port()
+    drawn = iter([[first, second]] * 2)  # both calls draw the same ports, first first
+    monkeypatch.setattr(random.SystemRandom, "sample", lambda self, population, k: next(drawn))
+    _HANDED_OUT.clear()
+    assert free_port() == first
+    assert free_port() == second

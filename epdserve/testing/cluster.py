@@ -7,6 +7,7 @@ spawn (they start in parallel); ``wait_ready()`` waits until each answers its re
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
@@ -53,22 +54,31 @@ def _ephemeral_ports() -> range:
         return range(32768, 61000)
 
 
+# Ports free_port handed out in this process: free when handed out, but bound only once the
+# role that got one has started, so a later call must not hand one out again meanwhile.
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=4096)
+
+
 def free_port(host: str = HOST) -> int:
-    """A port free on ``host`` now, chosen at random below the kernel's ephemeral range: a port
-    ``bind(0)`` returned could be handed to another process's outgoing connection (or its own
-    ``bind(0)``) before a server binds it, which two test processes at once made happen."""
+    """A port free on ``host`` now and not handed out here before, chosen at random below the
+    kernel's ephemeral range: a port ``bind(0)`` returned could be handed to another process's
+    outgoing connection (or its own ``bind(0)``) before a server binds it, which two test
+    processes at once made happen."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low = 10000
     high = _ephemeral_ports().start
     # the system's randomness, not the module's generator: an engine in the same process seeds
     # that (vLLM: ``random.seed(0)``), and two test processes would then try the same ports
     for port in random.SystemRandom().sample(range(low, high), min(200, high - low)):
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(family) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.append(port)
+        return port
     with socket.socket(family) as s:  # the low range taken: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
