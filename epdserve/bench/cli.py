@@ -200,29 +200,54 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-tokens", type=int, default=4)
     gateway.add_argument(
         "--scenario",
-        choices=("latency", "burst"),
+        choices=("latency", "burst", "steady", "mixed"),
         default="latency",
-        help="latency: added TTFT per path; burst: more than the encode tier takes in time, "
-        "refused (--max-inline-patches 0) against overflowed to vLLM inline",
+        help="latency: added TTFT per path; burst: requests at once; steady: requests at --rate; "
+        "mixed: as steady, 1 to --images images of --mixed-sizes each (gateways compared by "
+        "--compare)",
     )
     gateway.add_argument(
         "--compare",
         choices=("inline-cap", "placement"),
         default="inline-cap",
-        help="burst: refused against overflowed (inline-cap), or --placement workers against "
-        "cost (placement)",
+        help="burst, steady, mixed: refused (--max-inline-patches 0) against overflowed to vLLM "
+        "inline (inline-cap), or the --placement values of --policies (placement)",
+    )
+    gateway.add_argument(
+        "--policies",
+        type=lambda text: text.split(","),
+        default=["workers", "cost"],
+        help="--compare placement: comma-separated --placement values",
     )
     gateway.add_argument(
         "--burst-requests", type=int, default=24, help="burst: requests at once per gateway"
     )
-    gateway.add_argument("--images", type=int, default=4, help="burst: images per request")
-    gateway.add_argument("--size", type=int, default=224, help="burst: square image side")
     gateway.add_argument(
-        "--queue-items", type=int, default=16, help="burst: the encode worker's queue"
+        "--rate", type=float, default=8.0, help="steady, mixed: requests per second (Poisson)"
     )
     gateway.add_argument(
-        "--pause-s", type=float, default=3.0, help="burst: idle time after each burst"
+        "--seconds", type=float, default=15.0, help="steady, mixed: seconds of arrivals a round"
     )
+    gateway.add_argument(
+        "--images", type=int, default=4, help="burst, steady: images per request; mixed: most"
+    )
+    gateway.add_argument("--size", type=int, default=224, help="burst, steady: square image side")
+    gateway.add_argument(
+        "--mixed-sizes",
+        type=lambda text: [int(side) for side in text.split(",")],
+        default=[112, 224, 448],
+        help="mixed: the square image sides drawn from",
+    )
+    gateway.add_argument(
+        "--queue-items",
+        type=int,
+        default=16,
+        help="burst, steady, mixed: the encode worker's queue",
+    )
+    gateway.add_argument(
+        "--pause-s", type=float, default=3.0, help="burst, steady, mixed: idle time after a round"
+    )
+    gateway.add_argument("--seed", type=int, default=0, help="burst, steady, mixed: workloads")
     gateway.add_argument("--json", default=None)
     coalesce = sub.add_parser(
         "coalesce",
@@ -385,11 +410,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return vllm.main(args)
     if args.command == "gateway":
-        if args.scenario == "burst":
-            from epdserve.bench.benchmarks import gateway_burst
+        if args.scenario != "latency":
+            from epdserve.bench.benchmarks import gateway_load
 
-            args.requests = args.burst_requests
-            return gateway_burst.main(args)
+            return gateway_load.main(args)
         from epdserve.bench.benchmarks import gateway
 
         return gateway.main(args)

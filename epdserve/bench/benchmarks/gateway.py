@@ -15,8 +15,8 @@ medians over rounds of each batch's median. Gateway CPU per image: the gateway p
 (user + system, /proc) over every batch of a path and size, divided by their images. Rounds are
 interleaved (path order reversed every other round).
 
-The processes (``GatewayStack``) and the request (``chat_body``, ``first_event_s``) are also
-``gateway_burst``'s.
+The processes (``GatewayStack``) and the request (``chat_body``, ``read_stream``) are also
+``gateway_load``'s.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from epdserve.bench.benchmarks.results import write_json
@@ -48,7 +49,7 @@ CONNECTOR = {
 
 
 class GatewayStack:
-    """What the gateway scenarios (this one and ``gateway_burst``) run, on a ``LocalCluster`` of
+    """What the gateway scenarios (this one and ``gateway_load``) run, on a ``LocalCluster`` of
     the small Qwen2-VL: one encode worker (SHM), one vLLM OpenAI server with the EPD connector
     (float32, 4096 tokens) and the gateways a scenario puts in front of them. ``start``, the
     scenario's ``start_gateway`` calls, ``wait_ready``; ``stop`` always (it ends them all)."""
@@ -126,14 +127,27 @@ def chat_body(model: str, images: list[bytes], prompt: str, max_tokens: int) -> 
     }
 
 
-async def first_event_s(response, started: float) -> float | None:
-    """Reads ``response``'s stream to its end: seconds from ``started`` (``time.monotonic``) to its
-    first event with a choice (vLLM sends it with the first token); None where none came."""
-    first = None
+@dataclass(frozen=True)
+class Streamed:
+    """A streamed answer as the client saw it: seconds to its first event with a choice (vLLM
+    sends it with the first token; None where none came), and the gateway's ``epd`` report (None
+    where it sent none: vLLM called directly)."""
+
+    first_s: float | None
+    epd: dict | None
+
+
+async def read_stream(response, started: float) -> Streamed:
+    """Reads ``response``'s stream to its end (``started``: when sent, ``time.monotonic``)."""
+    first, epd = None, None
     async for line in response.content:
-        if first is None and line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[6:])
+        if first is None and event.get("choices"):
             first = time.monotonic() - started
-    return first
+        epd = event.get("epd", epd)
+    return Streamed(first, epd)
 
 
 async def _first_token(session, url: str, model: str, image: bytes, max_tokens: int) -> float:
@@ -142,7 +156,7 @@ async def _first_token(session, url: str, model: str, image: bytes, max_tokens: 
     async with session.post(url + "/v1/chat/completions", json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{url} answered {response.status}: {(await response.text())[:300]}")
-        first = await first_event_s(response, started)
+        first = (await read_stream(response, started)).first_s
     if first is None:
         raise RuntimeError(f"{url}: the stream carried no choice")
     return first
