@@ -601,6 +601,30 @@ def test_an_image_in_a_format_workers_do_not_decode_is_encoded_by_vllm(stack):
     )
 
 
+def test_a_request_with_images_on_both_routes_is_one_vllm_takes(stack):
+    """One image placed on a worker, one vLLM must encode (a TIFF): vLLM refuses a request that
+    mixes a grid-only part with an image (400, "Mixing raw image and embedding inputs"), so the
+    placed image is carried with its identifier and room; the worker's rows are still used
+    (delivered, vLLM's tower encodes the TIFF alone) and the answer equals colocated, streamed or
+    not."""
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(synthetic_image(96, 80, seed=74))).save(buffer, format="TIFF")
+    images = [data_uri(synthetic_image(112, 84, seed=75)), data_uri(buffer.getvalue(), "tiff")]
+    answer = stack.ask(stack.client, images)
+    placed, inline = answer.model_extra["epd"]["images"]
+    assert placed["encoder"] == "encode_worker", placed
+    assert placed["delivery"] is not None and placed["delivery"]["state"] == "DONE", placed
+    assert inline["encoder"] == "colocated" and inline["reason"] == "format", inline
+    expected = stack.colocated(images)
+    assert answer.choices[0].message.content == expected
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in stack.ask(stack.client, images, stream=True)
+        if chunk.choices
+    )
+    assert streamed == expected
+
+
 def test_failed_delivery_is_retried_colocated(stack):
     """The worker takes the image but cannot deliver it (no transport in common with vLLM's
     receiver): vLLM fails the request (it carries the grid alone); the gateway sends it once more

@@ -47,26 +47,35 @@ class PreparedChat:
     def vllm_body(self) -> dict:
         """The body for vLLM as the items stand: a placed item named by its identifier, with its
         room in ``ec_transfer_params`` (``_placed_part``); any other inline (vLLM encodes it)."""
+        # vLLM refuses a prompt mixing a kind's grid-only parts with that kind's items ("Mixing
+        # raw image and embedding inputs is not allowed"): a kind with an item inline carries
+        # its placed items too
+        inline_kinds = {
+            ref.kind
+            for ref, index in zip(self.refs, self.of_ref)
+            if self.items[index].worker is None
+        }
         media, rooms = [], {}
         for ref, index in zip(self.refs, self.of_ref):
             item = self.items[index]
             if item.worker is not None:
                 key = identifier(item.content_hash)
-                media.append(self._placed_part(ref, item, key))
+                media.append(self._placed_part(ref, item, key, carried=ref.kind in inline_kinds))
                 rooms[key] = item.encode_handshake.model_dump()
             else:
                 media.append(InlineMedia.of(ref, item.data, _media_type(item)))
         return rewrite(self.original, self.refs, media, rooms) if self.refs else self.original
 
     def _placed_part(
-        self, ref: MediaRef, item: DispatchedItem, key: str
+        self, ref: MediaRef, item: DispatchedItem, key: str, carried: bool
     ) -> EncodedMedia | CarriedMedia:
         """What vLLM gets of an item an encode worker delivers: its patch grid (and a video's
         times, where the model takes them) where vLLM takes a request of grids alone, so its
-        front end decodes nothing; else the item itself, as the bytes the gateway hashed (a
-        client's ``data:`` URI as sent, a fetched URL's bytes as one: vLLM must preprocess what
-        the worker encoded, and fetches nothing)."""
-        if not self.grid_only_requests:
+        front end decodes nothing; else (or ``carried``: an item of its kind goes inline) the
+        item itself, as the bytes the gateway hashed (a client's ``data:`` URI as sent, a
+        fetched URL's bytes as one: vLLM must preprocess what the worker encoded, and fetches
+        nothing)."""
+        if carried or not self.grid_only_requests:
             return CarriedMedia(key, InlineMedia.of(ref, item.data, _media_type(item)))
         seconds = item.seconds_per_grid_t if self.video_seconds else None
         times = item.patch_times if self.video_timestamps else None
