@@ -50,6 +50,19 @@ CONNECTOR = {
 }
 
 
+# the burst test's worker queues BURST_QUEUE_ITEMS items and holds at most BURST_QUEUE_ITEMS + 3
+# while its tower sleeps (one batch of one item each in the tower, in the hand-off to it and in
+# Prepare); the burst carries twice that, images of BURST_PATCHES tower patches (112x112), and
+# vLLM's inline cap takes every image beyond the BURST_QUEUE_ITEMS the worker surely queues. One
+# image per request: vLLM refuses (400, "Mixing raw image and embedding inputs is not allowed") a
+# request whose images took both routes, a placed one's grid beside an overflowed one inline
+BURST_QUEUE_ITEMS = 2
+BURST_REQUESTS, BURST_IMAGES_PER_REQUEST = 10, 1
+BURST_IMAGES = BURST_REQUESTS * BURST_IMAGES_PER_REQUEST
+BURST_PATCHES = 64
+BURST_INLINE_CAP = (BURST_IMAGES - BURST_QUEUE_ITEMS) * BURST_PATCHES
+
+
 def readiness(url: str) -> tuple[int, dict]:
     """A gateway's (or worker's) ``/readyz``: its status and its JSON."""
     try:
@@ -145,7 +158,14 @@ class Stack:
         gateways = (
             (self.gateway,)
             if minimal
-            else (self.gateway, self.retrying, self.lonely, self.overflowing, self.costed)
+            else (
+                self.gateway,
+                self.retrying,
+                self.lonely,
+                self.overflowing,
+                self.costed,
+                self.bursting,
+            )
         )
         for gateway in gateways:
             eventually(lambda: knows_the_engine(gateway), f"{gateway.name} reading vLLM's engine")
@@ -194,6 +214,22 @@ class Stack:
             [self.slowed.worker],
             name="gateway-by-cost",
             extra=("--placement", "cost"),
+        )
+        # a worker of a small queue whose tower a test holds (its own delay file) while a burst
+        # arrives, behind a gateway whose inline cap takes every image the worker cannot hold
+        self.burst_delay_file = os.path.join(log_dir, "burst-tower-delay-s")
+        self.burst_worker = self.cluster.start_encode_worker(
+            "worker-of-a-burst",
+            transports="shm",
+            module="tests.slow_worker",
+            extra=("--queue-items", str(BURST_QUEUE_ITEMS), "--batch-items", "1"),
+            env={DELAY_FILE: self.burst_delay_file},
+        )
+        self.bursting = self.cluster.start_gateway(
+            self.vllm,
+            [self.burst_worker.worker],
+            name="gateway-of-a-burst",
+            extra=("--max-inline-patches", str(BURST_INLINE_CAP)),
         )
 
     def stop(self) -> list[int]:
@@ -529,6 +565,86 @@ def test_images_the_busy_workers_cannot_take_in_time_are_encoded_by_vllm_inline(
     assert metric(url, "epd_gateway_inline_patches_peak") == report["rows"] * 4
     # the second request's image was not sent: the worker is busy for its retry-after
     assert stack.busy.items == 1 and stack.busy.table.live_rooms == 0
+
+
+def test_a_burst_twice_what_the_worker_holds_is_served_with_the_excess_inline_within_the_cap(
+    stack,
+):
+    """A burst of twice the images the worker can hold while its tower is held (a test fault)
+    reaches it at once: its queue fills, it refuses the rest busy (queue full), and the gateway
+    retries them until its intake timeout, then overflows them to vLLM's own tower within
+    --max-inline-patches. No request is refused; every answer equals colocated; each image's
+    report says where it went and why; the placements, the worker's intake and the inline peak
+    are counted, and the inline patches are all released once the answers are in."""
+    url = stack.bursting.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+    bursts = [
+        [
+            data_uri(synthetic_image(112, 112, seed=500 + BURST_IMAGES_PER_REQUEST * r + i))
+            for i in range(BURST_IMAGES_PER_REQUEST)
+        ]
+        for r in range(BURST_REQUESTS)
+    ]
+
+    def decided(answers) -> bool:
+        """Every image of the burst placed or overflowed, or a request failed (its error is
+        raised below)."""
+        failed = any(answer.done() and answer.exception() for answer in answers)
+        return failed or metric(url, "epd_gateway_placements_total") == BURST_IMAGES
+
+    try:
+        # longer than the burst's arrival and the gateway's retries (its 5 s intake timeout):
+        # the worker takes no more while the images are decided
+        with open(stack.burst_delay_file, "w") as file:
+            file.write("6")
+        with concurrent.futures.ThreadPoolExecutor(BURST_REQUESTS) as pool:
+            answers = [pool.submit(stack.ask, client, images) for images in bursts]
+            eventually(
+                lambda: decided(answers),
+                "every image of the burst decided",
+                seconds=60,
+                interval=0.1,
+            )
+            with open(stack.burst_delay_file, "w") as file:  # the held work goes on at once
+                file.write("0")
+            answers = [answer.result(timeout=120) for answer in answers]  # none refused
+    finally:
+        with open(stack.burst_delay_file, "w") as file:
+            file.write("0")
+        client.close()
+    routes = {"encode_worker": 0, "colocated": 0}
+    for images, answer in zip(bursts, answers):
+        assert answer.choices[0].message.content == stack.colocated(images)
+        reports = answer.model_extra["epd"]["images"]
+        assert len(reports) == len(images)
+        for report in reports:
+            assert report["rows"] * 4 == BURST_PATCHES, report  # the 2x2 merge
+            routes[report["encoder"]] += 1
+            if report["encoder"] == "encode_worker":
+                assert report["reason"] == "placed", report
+                assert report["worker"] == stack.burst_worker.worker.name, report
+                assert report["delivery"]["state"] == "DONE", report
+            else:
+                assert report["reason"] == "workers_busy", report
+                assert "the encode workers are busy (" in report["error"], report
+    assert routes["encode_worker"] >= 1 and routes["colocated"] >= 1, routes
+    assert metric(url, "epd_gateway_requests_total", outcome="ok") == BURST_REQUESTS
+    placements = {
+        (route, reason): metric(url, "epd_gateway_placements_total", route=route, reason=reason)
+        for route, reason in (("encode_worker", "placed"), ("vllm", "workers_busy"))
+    }
+    assert placements == {
+        ("encode_worker", "placed"): routes["encode_worker"],
+        ("vllm", "workers_busy"): routes["colocated"],
+    }
+    assert metric(url, "epd_gateway_placements_total") == BURST_IMAGES  # no other, none refused
+    worker = stack.burst_worker.url
+    assert metric(worker, "epd_encoder_intake_total", result="accepted") == routes["encode_worker"]
+    assert metric(worker, "epd_encoder_intake_total", result="refused") >= 1
+    peak = metric(url, "epd_gateway_inline_patches_peak")
+    assert BURST_PATCHES <= peak <= BURST_INLINE_CAP, peak
+    # released before each answer was sent
+    assert metric(url, "epd_gateway_inline_patches") == 0
 
 
 @pytest.mark.vllm
