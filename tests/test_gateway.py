@@ -53,11 +53,10 @@ CONNECTOR = {
 # the burst test's worker queues BURST_QUEUE_ITEMS items and holds at most BURST_QUEUE_ITEMS + 3
 # while its tower sleeps (one batch of one item each in the tower, in the hand-off to it and in
 # Prepare); the burst carries twice that, images of BURST_PATCHES tower patches (112x112), and
-# vLLM's inline cap takes every image beyond the BURST_QUEUE_ITEMS the worker surely queues. One
-# image per request: vLLM refuses (400, "Mixing raw image and embedding inputs is not allowed") a
-# request whose images took both routes, a placed one's grid beside an overflowed one inline
+# vLLM's inline cap takes every image beyond the BURST_QUEUE_ITEMS the worker surely queues. Two
+# images a request: a request's images may take both routes
 BURST_QUEUE_ITEMS = 2
-BURST_REQUESTS, BURST_IMAGES_PER_REQUEST = 10, 1
+BURST_REQUESTS, BURST_IMAGES_PER_REQUEST = 5, 2
 BURST_IMAGES = BURST_REQUESTS * BURST_IMAGES_PER_REQUEST
 BURST_PATCHES = 64
 BURST_INLINE_CAP = (BURST_IMAGES - BURST_QUEUE_ITEMS) * BURST_PATCHES

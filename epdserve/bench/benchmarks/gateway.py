@@ -129,25 +129,36 @@ def chat_body(model: str, images: list[bytes], prompt: str, max_tokens: int) -> 
 
 @dataclass(frozen=True)
 class Streamed:
-    """A streamed answer as the client saw it: seconds to its first event with a choice (vLLM
-    sends it with the first token; None where none came), and the gateway's ``epd`` report (None
-    where it sent none: vLLM called directly)."""
+    """A streamed answer as the client saw it: seconds to its first and last events with a choice
+    (vLLM sends the first with the first token; None where none came), how many came, and the
+    gateway's ``epd`` report (None where it sent none: vLLM called directly)."""
 
     first_s: float | None
+    last_s: float | None
+    events: int
     epd: dict | None
+
+    @property
+    def per_token_s(self) -> float | None:
+        """Seconds between a token and the next (the events after the first), None for one."""
+        if self.events < 2:
+            return None
+        return (self.last_s - self.first_s) / (self.events - 1)
 
 
 async def read_stream(response, started: float) -> Streamed:
     """Reads ``response``'s stream to its end (``started``: when sent, ``time.monotonic``)."""
-    first, epd = None, None
+    first, last, events, epd = None, None, 0, None
     async for line in response.content:
         if not line.startswith(b"data: {"):
             continue
         event = json.loads(line[6:])
-        if first is None and event.get("choices"):
-            first = time.monotonic() - started
+        if event.get("choices"):
+            last = time.monotonic() - started
+            first = last if first is None else first
+            events += 1
         epd = event.get("epd", epd)
-    return Streamed(first, epd)
+    return Streamed(first, last, events, epd)
 
 
 async def _first_token(session, url: str, model: str, image: bytes, max_tokens: int) -> float:

@@ -20,7 +20,9 @@ one:
 Per round, each policy's gateway gets the round's workload (policies in alternating order, the
 worker idle before each, ``--pause-s``). Per policy: requests refused (503), other errors with
 their first bytes, TTFT p50 / p99 of the requests served (client-side, to the first streamed
-event), images per route and reason (``epd_gateway_placements_total``), and the most patches vLLM
+event; also by the route their images took, and each round's), the time between a request's
+tokens p50 / p99 (vLLM's steps, which inline encodes delay for every request in the engine),
+images per route and reason (``epd_gateway_placements_total``), and the most patches vLLM
 encoded inline at once (``epd_gateway_inline_patches_peak``).
 """
 
@@ -85,7 +87,12 @@ async def _request(session, url: str, model: str, images: list[bytes], max_token
     routes = {image["encoder"] for image in (streamed.epd or {}).get("images", [])}
     # the route of its images: encode_worker, colocated (vLLM's tower), or both
     route = routes.pop() if len(routes) == 1 else "both" if routes else "none"
-    return {"status": 200, "ttft_s": streamed.first_s, "route": route}
+    return {
+        "status": 200,
+        "ttft_s": streamed.first_s,
+        "per_token_s": streamed.per_token_s,
+        "route": route,
+    }
 
 
 async def _at(offset_s: float, started: float, call):
@@ -224,6 +231,7 @@ def _row(round_index, policy, requests, answers, before, after) -> dict:
         ],
         "ttft_s": [a["ttft_s"] for a in answers if a["ttft_s"] is not None],
         "routes": [a["route"] for a in answers if a["ttft_s"] is not None],
+        "per_token_s": [a["per_token_s"] for a in answers if a.get("per_token_s") is not None],
         "placements": {
             key: after[key] - before.get(key, 0.0) for key in after if key != "inline_patches_peak"
         },
@@ -233,6 +241,7 @@ def _row(round_index, policy, requests, answers, before, after) -> dict:
 def _summary(policy: str, flags: tuple[str, ...], rows: list[dict], peak: float | None) -> dict:
     mine = [row for row in rows if row["policy"] == policy]
     ttft = [t for row in mine for t in row["ttft_s"]]
+    per_token = [t for row in mine for t in row["per_token_s"]]
     routes: dict[str, float] = {}
     for row in mine:
         for key, count in row["placements"].items():
@@ -249,6 +258,9 @@ def _summary(policy: str, flags: tuple[str, ...], rows: list[dict], peak: float 
         "other_errors": sum(len(row["other_errors"]) for row in mine),
         "ttft_p50_s": percentile(ttft, 0.5),
         "ttft_p99_s": percentile(ttft, 0.99),
+        # between a request's tokens (vLLM's steps, which its inline encodes for others delay)
+        "per_token_p50_s": percentile(per_token, 0.5),
+        "per_token_p99_s": percentile(per_token, 0.99),
         # the spread between rounds: each round's p50 and p99
         "round_ttft_p50_s": [percentile(row["ttft_s"], 0.5) for row in mine],
         "round_ttft_p99_s": [percentile(row["ttft_s"], 0.99) for row in mine],
@@ -266,6 +278,10 @@ def _summary(policy: str, flags: tuple[str, ...], rows: list[dict], peak: float 
     }
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
 def main(args) -> int:
     report = run(args)
     first = next(iter(report["summary"].values()))
@@ -280,7 +296,9 @@ def main(args) -> int:
             f"{policy:>11s} ({row['flags']}): refused {row['refused']} of {row['requests']}, "
             f"other errors {row['other_errors']}; TTFT p50 / p99 "
             f"{p50 if p50 is None else round(p50, 3)} / {p99 if p99 is None else round(p99, 3)} s"
-            f"{ratio}; images {row['placements']}; inline patches peak {row['inline_patches_peak']}"
+            f"{ratio}; per token p50 / p99 {_ms(row['per_token_p50_s'])} / "
+            f"{_ms(row['per_token_p99_s'])} ms; images {row['placements']}; inline patches peak "
+            f"{row['inline_patches_peak']}"
         )
     write_json(args.json, report)
     return 0 if all(code == 0 for code in report["exit_codes"].values()) else 1
