@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from epdserve.testing.cluster import free_port
+from epdserve.testing.receive_items import loopback_handshake
 from epdserve.vision.small_checkpoints import build_full
 from tests.encode_helpers import png
 
@@ -273,11 +274,7 @@ def test_encode_worker_says_it_started_and_logs_item_failures_once(checkpoint, t
             {
                 "request_id": "bad",
                 "source": "bytes",
-                "encode_handshake": {
-                    "bootstrap_room": room,
-                    "bootstrap_host": "127.0.0.1",
-                    "bootstrap_port": bootstrap,
-                },
+                "encode_handshake": loopback_handshake(room, bootstrap),
             },
             b"not an image",
         )

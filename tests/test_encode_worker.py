@@ -15,11 +15,11 @@ from encode_worker.worker import EncodeWorker
 from epdserve.data_plane.loopback import LoopbackFault, LoopbackTransport
 from epdserve.data_plane.shm import ShmTensorHandle
 from epdserve.multimodal.hashing import hash_feature
+from epdserve.testing.receive_items import loopback_encode_handshake
 from epdserve.vision.families import FAMILIES
 from epdserve.vision.images import image_from_bytes
 from epdserve.vision.small_checkpoints import build_vision_only
 from epdserve.vision.tower import TowerLoadError, VisionTower
-from epdserve.wire.addresses import EncodeHandshake
 from epdserve.wire.intake import (
     BATCH_MARKER,
     AsyncIntakeClient,
@@ -74,9 +74,7 @@ def make_worker(checkpoint, tower=None, **overrides):
 
 
 def handshake(worker, room):
-    return EncodeHandshake(
-        bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=worker.bootstrap_port
-    )
+    return loopback_encode_handshake(room, worker.bootstrap_port)
 
 
 def request(worker, room, request_id="r1", content_hash=None):

@@ -15,6 +15,7 @@ import torch
 from epdserve.data_plane.mooncake import MooncakeTransport
 from epdserve.data_plane.shm_transport import ShmTransport
 from epdserve.testing.cluster import free_port
+from epdserve.testing.receive_items import loopback_handshake
 from epdserve.vision.images import image_from_bytes
 from epdserve.vision.small_checkpoints import build_full
 from epdserve.vision.tower import VisionTower
@@ -151,11 +152,7 @@ def test_delivery_across_processes(worker_process, transport):
                 {
                     "request_id": f"{transport}{index}",
                     "source": "bytes",
-                    "encode_handshake": {
-                        "bootstrap_room": room,
-                        "bootstrap_host": "127.0.0.1",
-                        "bootstrap_port": int(url.rsplit(":", 1)[1]),
-                    },
+                    "encode_handshake": loopback_handshake(room, int(url.rsplit(":", 1)[1])),
                 },
                 image,
             )
@@ -261,11 +258,7 @@ def test_prefill_receiver_across_processes(worker_process, transport):
             MultimodalDataItem(
                 Modality.IMAGE,
                 offsets=[[0, rows.shape[0] - 1]],
-                encode_handshake={
-                    "bootstrap_room": room,
-                    "bootstrap_host": "127.0.0.1",
-                    "bootstrap_port": port,
-                },
+                encode_handshake=loopback_handshake(room, port),
             )
             for room, rows in zip(rooms, expected)
         ]
@@ -275,11 +268,7 @@ def test_prefill_receiver_across_processes(worker_process, transport):
                 {
                     "request_id": f"p{index}",
                     "source": "bytes",
-                    "encode_handshake": {
-                        "bootstrap_room": room,
-                        "bootstrap_host": "127.0.0.1",
-                        "bootstrap_port": port,
-                    },
+                    "encode_handshake": loopback_handshake(room, port),
                 },
                 image,
             ).ok
@@ -320,11 +309,7 @@ def test_encode_worker_killed_fails_the_job_fast_and_falls_back(checkpoint):
             Modality.IMAGE,
             offsets=[[0, rows.shape[0] - 1]],
             feature=image,
-            encode_handshake={
-                "bootstrap_room": room,
-                "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": port,
-            },
+            encode_handshake=loopback_handshake(room, port),
         )
         job = receiver.start("req", MultimodalInputs([item]))
         wait_room(
@@ -386,11 +371,7 @@ def test_reference_prefill_process_receives_and_verifies(worker_process, checkpo
                 {
                     "offsets": [[5, 5 + rows - 1]],
                     "image_b64": base64.b64encode(image).decode(),
-                    "encode_handshake": {
-                        "bootstrap_room": room,
-                        "bootstrap_host": "127.0.0.1",
-                        "bootstrap_port": port,
-                    },
+                    "encode_handshake": loopback_handshake(room, port),
                 }
             )
         for index, (room, image) in enumerate(zip(rooms, images)):
@@ -398,11 +379,7 @@ def test_reference_prefill_process_receives_and_verifies(worker_process, checkpo
                 {
                     "request_id": f"x{index}",
                     "source": "bytes",
-                    "encode_handshake": {
-                        "bootstrap_room": room,
-                        "bootstrap_host": "127.0.0.1",
-                        "bootstrap_port": port,
-                    },
+                    "encode_handshake": loopback_handshake(room, port),
                 },
                 image,
             ).ok

@@ -18,6 +18,7 @@ import pytest
 
 from epdserve.bench import faults
 from epdserve.bench.faults import FaultLab, LabConfig, lab_model, serves
+from epdserve.testing.receive_items import loopback_handshake
 
 pytestmark = [pytest.mark.processes, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -212,11 +213,7 @@ def test_item_larger_than_the_send_ring(lab):
                 {
                     "request_id": f"ring{room}",
                     "source": "bytes",
-                    "encode_handshake": {
-                        "bootstrap_room": room,
-                        "bootstrap_host": "127.0.0.1",
-                        "bootstrap_port": worker.bootstrap_port,
-                    },
+                    "encode_handshake": loopback_handshake(room, worker.bootstrap_port),
                 },
                 item.data,
             )

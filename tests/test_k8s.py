@@ -1631,6 +1631,7 @@ def test_vllm_dockerfile_adds_the_project_to_vllms_own_image(rendered):
 @pytest.mark.processes
 def test_prefill_offers_mooncake_at_its_mooncake_host(tmp_path):
     """epd-prefill advertises --mooncake-host in its offers (the manifests pass the pod IP)."""
+    from epdserve.testing.receive_items import loopback_handshake
     from handshake.app import create_app
     from handshake.rooms import RoomTable
     from handshake.server import ThreadedServer
@@ -1676,11 +1677,7 @@ def test_prefill_offers_mooncake_at_its_mooncake_host(tmp_path):
                 "items": [
                     {
                         "offsets": [[0, 3]],
-                        "encode_handshake": {
-                            "bootstrap_room": room,
-                            "bootstrap_host": "127.0.0.1",
-                            "bootstrap_port": rooms.port,
-                        },
+                        "encode_handshake": loopback_handshake(room, rooms.port),
                     }
                 ],
             }

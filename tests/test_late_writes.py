@@ -22,6 +22,7 @@ from epdserve.data_plane.loopback import LoopbackFault, LoopbackTransport
 from epdserve.data_plane.pool import MemoryRegion, NoCapacity, SlotPool
 from epdserve.data_plane.shm_transport import ShmTransport
 from epdserve.data_plane.transport import TransferState
+from epdserve.testing.receive_items import loopback_handshake
 from tests.waiting import FakeClock, eventually
 
 SLOT = 1 << 16
@@ -176,11 +177,7 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
             item = MultimodalDataItem(
                 Modality.IMAGE,
                 offsets=[[0, rows_of(image).shape[0] - 1]],
-                encode_handshake={
-                    "bootstrap_room": room,
-                    "bootstrap_host": "127.0.0.1",
-                    "bootstrap_port": worker.bootstrap_port,
-                },
+                encode_handshake=loopback_handshake(room, worker.bootstrap_port),
             )
             return receiver.start(tag, MultimodalInputs([item])), item, room
 
@@ -189,11 +186,7 @@ def test_a_late_write_from_the_encode_worker_is_held_in_quarantine_and_the_next_
                 {
                     "request_id": tag,
                     "source": "bytes",
-                    "encode_handshake": {
-                        "bootstrap_room": room,
-                        "bootstrap_host": "127.0.0.1",
-                        "bootstrap_port": worker.bootstrap_port,
-                    },
+                    "encode_handshake": loopback_handshake(room, worker.bootstrap_port),
                 },
                 image,
             ).ok

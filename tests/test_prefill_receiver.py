@@ -87,11 +87,7 @@ def send(intake, worker, room, image, tag):
         {
             "request_id": tag,
             "source": "bytes",
-            "encode_handshake": {
-                "bootstrap_room": room,
-                "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": worker.bootstrap_port,
-            },
+            "encode_handshake": loopback_handshake(room, worker.bootstrap_port),
         },
         image,
     )
@@ -108,11 +104,7 @@ def test_multi_item_request_is_byte_exact_in_either_order(stack, tower, receiver
         Modality.IMAGE,
         offsets=[[0, 3]],
         encoded=torch.ones(4, 2),
-        encode_handshake={
-            "bootstrap_room": 1,
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": worker.bootstrap_port,
-        },
+        encode_handshake=loopback_handshake(1, worker.bootstrap_port),
     )
     inputs.mm_items += [skipped_text, already]
     if receiver_first:
@@ -151,11 +143,7 @@ def test_a_video_without_a_grid_in_the_request_gets_the_encoders_video_grid(stac
     _, grid = sample_and_size(tower.video_processor, read_header(video), tower.sizing)
     rows = grid_rows(grid, tower.video_processor)
     (room,) = worker.table.mint(1, 60)
-    handshake = {
-        "bootstrap_room": room,
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": worker.bootstrap_port,
-    }
+    handshake = loopback_handshake(room, worker.bootstrap_port)
     item = MultimodalDataItem(Modality.VIDEO, offsets=[[0, rows - 1]], encode_handshake=handshake)
     job = receiver.start("video", MultimodalInputs([item]))
     request = {"request_id": "v", "modality": "VIDEO", "source": "bytes"}
@@ -235,11 +223,7 @@ def test_request_larger_than_the_pool_is_refused_at_once(stack, tower):
     huge = MultimodalDataItem(
         Modality.IMAGE,
         offsets=[[0, 100_000]],
-        encode_handshake={
-            "bootstrap_room": room,
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": worker.bootstrap_port,
-        },
+        encode_handshake=loopback_handshake(room, worker.bootstrap_port),
     )
     job = receiver.start("big", MultimodalInputs([huge]))
     assert job.wait(2) is JobState.FAILED and "cannot reserve" in job.reasons[0]
@@ -284,11 +268,7 @@ def test_unreachable_endpoint_fails_within_a_second(tower):
         item = MultimodalDataItem(
             Modality.IMAGE,
             offsets=[[0, 15]],
-            encode_handshake={
-                "bootstrap_room": 5,
-                "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": 1,
-            },
+            encode_handshake=loopback_handshake(5, 1),
         )
         started = time.monotonic()
         job = receiver.start("dead", MultimodalInputs([item]))
@@ -442,25 +422,24 @@ def test_a_fallback_whose_rows_do_not_match_the_placeholders_is_refused(stack, t
     rooms = worker.table.mint(3, 60)
     for room in rooms:
         worker.table.cancel(room, "dropped by the gateway")  # every item falls back
-    handshake = {"bootstrap_host": "127.0.0.1", "bootstrap_port": worker.bootstrap_port}
     short = MultimodalDataItem(
         Modality.IMAGE,
         offsets=[[10, 13]],
         feature=image,
-        encode_handshake={**handshake, "bootstrap_room": rooms[0]},
+        encode_handshake=loopback_handshake(rooms[0], worker.bootstrap_port),
     )
     other_grid = MultimodalDataItem(
         Modality.IMAGE,
         offsets=[[0, 255]],
         feature=image,
         model_specific_data={"image_grid_thw": torch.tensor([[1, 16, 64]])},
-        encode_handshake={**handshake, "bootstrap_room": rooms[1]},
+        encode_handshake=loopback_handshake(rooms[1], worker.bootstrap_port),
     )
     right = MultimodalDataItem(
         Modality.IMAGE,
         offsets=[[0, 99], [200, 355]],
         feature=image,
-        encode_handshake={**handshake, "bootstrap_room": rooms[2]},
+        encode_handshake=loopback_handshake(rooms[2], worker.bootstrap_port),
     )
     job = receiver.start("fallback-rows", MultimodalInputs([short, other_grid, right]))
     assert job.wait(20) is JobState.FAILED
@@ -605,11 +584,7 @@ def test_an_shm_only_receiver_whose_segment_is_unlinked_says_it_cannot_receive(
         item = MultimodalDataItem(
             Modality.IMAGE,
             offsets=[[0, 3]],
-            encode_handshake={
-                "bootstrap_room": 7,
-                "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": 1,
-            },
+            encode_handshake=loopback_handshake(7, 1),
         )
         job = receiver.start("shm-gone", MultimodalInputs([item]))
         assert (

@@ -14,6 +14,7 @@ import pytest
 
 from epdserve.data_plane.loopback import LoopbackFault
 from epdserve.prefill_server.app import create_app
+from epdserve.testing.receive_items import loopback_handshake
 from epdserve.vision.images import image_from_bytes
 from epdserve.vision.small_checkpoints import build_full
 from epdserve.vision.tower import VisionTower
@@ -76,12 +77,7 @@ def rows_of(tower, image):
 def room_item(worker, room, rows, **handshake):
     return {
         "offsets": [[0, rows - 1]],
-        "encode_handshake": {
-            "bootstrap_room": room,
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": worker.bootstrap_port,
-            **handshake,
-        },
+        "encode_handshake": {**loopback_handshake(room, worker.bootstrap_port), **handshake},
     }
 
 
@@ -90,11 +86,7 @@ def send(intake, worker, room, image):
         {
             "request_id": f"r{room}",
             "source": "bytes",
-            "encode_handshake": {
-                "bootstrap_room": room,
-                "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": worker.bootstrap_port,
-            },
+            "encode_handshake": loopback_handshake(room, worker.bootstrap_port),
         },
         image,
     )

@@ -11,6 +11,7 @@ import pytest
 from encode_worker.config import WorkerConfig
 from encode_worker.worker import EncodeWorker
 from epdserve.data_plane.loopback import LoopbackTransport
+from epdserve.testing.receive_items import loopback_encode_handshake, loopback_handshake
 from epdserve.vision.images import image_from_bytes
 from epdserve.vision.small_checkpoints import build_vision_only
 from epdserve.wire.intake import IntakeClient, IntakeReply, IntakeStatus
@@ -119,11 +120,7 @@ def _request(worker, room, token=None):
     body = {
         "request_id": f"sec-{room}",
         "source": "bytes",
-        "encode_handshake": {
-            "bootstrap_room": room,
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": worker.bootstrap_port,
-        },
+        "encode_handshake": loopback_handshake(room, worker.bootstrap_port),
     }
     if token is not None:
         body["token"] = token
@@ -200,7 +197,6 @@ def test_intake_reaches_no_room_endpoint_the_deployment_did_not_sign(locked_work
     """An item whose room lives at another endpoint, unsigned or signed with another token's key:
     refused at intake, and that endpoint gets no request (nor the worker's bearer token); signed
     with the deployment's key, the same address is taken."""
-    from epdserve.wire.addresses import EncodeHandshake
     from epdserve.wire.room_signatures import RoomSigner
     from tests.image_server import recording
 
@@ -208,9 +204,7 @@ def test_intake_reaches_no_room_endpoint_the_deployment_did_not_sign(locked_work
     intake = IntakeClient(f"tcp://127.0.0.1:{worker.intake_port}")
     try:
         with recording() as (port, seen):
-            address = EncodeHandshake(
-                bootstrap_room=77, bootstrap_host="127.0.0.1", bootstrap_port=port
-            )
+            address = loopback_encode_handshake(77, port)
             for handshake, why in (
                 (address, "is not signed by the deployment"),
                 (RoomSigner("another-token").sign(address, 60), "is not the deployment's"),
@@ -226,12 +220,7 @@ def test_intake_reaches_no_room_endpoint_the_deployment_did_not_sign(locked_work
             assert intake.send(body, png(64, 64, 3)).status is IntakeStatus.REFUSED  # room moved
             body["encode_handshake"] = (
                 RoomSigner("rooms-s3cret")
-                .sign(
-                    EncodeHandshake(
-                        bootstrap_room=78, bootstrap_host="127.0.0.1", bootstrap_port=port
-                    ),
-                    60,
-                )
+                .sign(loopback_encode_handshake(78, port), 60)
                 .model_dump()
             )
             assert intake.send(body, png(64, 64, 4)).ok

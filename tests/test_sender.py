@@ -14,7 +14,7 @@ from epdserve.data_plane.commit import EmbeddingLayout, checksum, checksum_bytes
 from epdserve.data_plane.pool import MemoryRegion, SlotPool
 from epdserve.data_plane.shm_transport import ShmTransport
 from epdserve.loop_threads import LoopThread
-from epdserve.wire.addresses import EncodeHandshake
+from epdserve.testing.receive_items import loopback_encode_handshake
 from epdserve.wire.room_client import HandshakeClient, SyncHandshakeClient
 from epdserve.wire.rooms import Registration, RoomState
 from handshake.access import LocalRooms, RemoteRooms
@@ -52,7 +52,7 @@ def _staged(ring, port: int, room: int, embedding: torch.Tensor) -> StagedItem:
     """``embedding`` staged in ``ring`` for room ``room`` of the room API on ``port``."""
     return StagedItem(
         "r",
-        EncodeHandshake(bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=port),
+        loopback_encode_handshake(room, port),
         stage(ring, embedding),
         EmbeddingLayout.of(embedding),
         checksum(embedding),
@@ -134,9 +134,7 @@ def test_small_shm_writes_run_on_the_handshake_loop_and_large_ones_on_a_sender_t
     layout = EmbeddingLayout.of(embedding)
     (room,) = table.mint(1, 60)
     lease = stage(ring, embedding)
-    handshake = EncodeHandshake(
-        bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
-    )
+    handshake = loopback_encode_handshake(room, server.port)
     sender.submit(
         StagedItem("r", handshake, lease, layout, checksum(embedding), {})
     )  # staged before the receiver
@@ -160,9 +158,7 @@ def test_a_small_write_is_committed_within_the_receivers_register_round_trip(enc
     layout = EmbeddingLayout.of(embedding)
     for _ in range(5):
         (room,) = table.mint(1, 60)
-        handshake = EncodeHandshake(
-            bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
-        )
+        handshake = loopback_encode_handshake(room, server.port)
         sender.submit(
             StagedItem("r", handshake, stage(ring, embedding), layout, checksum(embedding), {})
         )
@@ -193,9 +189,7 @@ def test_a_room_of_this_table_is_marked_staged_whatever_name_its_item_gives(enco
         embedding = torch.randn(16, 256)
         layout = EmbeddingLayout.of(embedding)
         (room,) = table.mint(1, 60)
-        handshake = EncodeHandshake(
-            bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
-        )
+        handshake = loopback_encode_handshake(room, server.port)
         stranger.submit(
             StagedItem("r", handshake, stage(ring, embedding), layout, checksum(embedding), {})
         )
@@ -378,9 +372,7 @@ def test_an_item_waiting_for_its_receiver_fails_at_its_wait_or_at_shutdown(encod
     ):
         (room,) = table.mint(1, 60)
         embedding = torch.randn(16, 256)
-        handshake = EncodeHandshake(
-            bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=server.port
-        )
+        handshake = loopback_encode_handshake(room, server.port)
         sender.submit(
             StagedItem(
                 "r", handshake, stage(ring, embedding), EmbeddingLayout.of(embedding), None, {}
@@ -420,9 +412,7 @@ def test_an_item_waiting_on_a_stalled_room_stream_fails_with_why(encode_side):
     try:
         embedding = torch.randn(16, 256)
         (room,) = rooms_table.mint(1, 60)
-        handshake = EncodeHandshake(
-            bootstrap_room=room, bootstrap_host="127.0.0.1", bootstrap_port=standalone.port
-        )
+        handshake = loopback_encode_handshake(room, standalone.port)
         sender.submit(
             StagedItem(
                 "r", handshake, stage(ring, embedding), EmbeddingLayout.of(embedding), None, {}
