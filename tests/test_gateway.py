@@ -50,6 +50,9 @@ CONNECTOR = {
 }
 
 
+# the seconds the costed gateway's worker sleeps before each batch in its test
+COSTED_WORKER_DELAY_S = 3
+
 # the burst test's worker queues BURST_QUEUE_ITEMS items and holds at most BURST_QUEUE_ITEMS + 3
 # while its tower sleeps (one batch of one item each in the tower, in the hand-off to it and in
 # Prepare); the burst carries twice that, images of BURST_PATCHES tower patches (112x112), and
@@ -647,12 +650,13 @@ def test_a_burst_twice_what_the_worker_holds_is_served_with_the_excess_inline_wi
 
 
 @pytest.mark.vllm
-def test_placement_by_cost_keeps_idle_workers_and_leaves_a_slowed_one_for_vllm(stack):
-    """--placement cost: with its worker idle, images go to it (predicted sooner than vLLM's
-    tower, whose prior is slow); once the worker's tower is slowed (a test fault), its measured
-    cost grows and within a few requests images go to vLLM's own tower. Every answer equals
-    colocated; the report carries both predictions; the learned costs and the prediction errors
-    are exported, and the engine's load was read from vLLM's /metrics."""
+def test_placement_by_cost_corrects_a_wrong_prior_within_two_requests(stack):
+    """--placement cost, its worker slowed (a test fault) so that the prior (the workers sooner)
+    is wrong: the first image goes to the worker by that prior and takes seconds; the second,
+    vLLM's route not yet measured in its size class, probes vLLM's tower; the third goes there
+    as predicted sooner, the worker's slowness learned. Every answer equals colocated; the
+    report carries both predictions; the learned costs and the first prediction's error are
+    exported, and the engine's load was read from vLLM's /metrics."""
     url = stack.costed.url
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
 
@@ -665,33 +669,42 @@ def test_placement_by_cost_keeps_idle_workers_and_leaves_a_slowed_one_for_vllm(s
         return report
 
     try:
-        for seed in (201, 202):
-            report = placed(seed)
-            assert report["encoder"] == "encode_worker" and report["reason"] == "sooner", report
-            assert report["predicted_encode_worker_ms"] < report["predicted_vllm_ms"], report
         with open(stack.delay_file, "w") as file:
-            file.write("6")
-        routes = []
-        for seed in range(210, 216):  # the slowed worker's cost is learned in a few requests
-            report = placed(seed)
-            routes.append(report["encoder"])
-            if report["encoder"] == "colocated":
-                break
-        assert routes[-1] == "colocated", f"still sent to the slowed worker: {routes}"
-        assert report["reason"] == "sooner", report
-        assert report["predicted_vllm_ms"] < report["predicted_encode_worker_ms"], report
+            file.write(str(COSTED_WORKER_DELAY_S))
+        first = placed(201)
+        assert first["encoder"] == "encode_worker" and first["reason"] == "sooner", first
+        assert first["predicted_encode_worker_ms"] < first["predicted_vllm_ms"], first
+        second = placed(202)
+        assert second["encoder"] == "colocated" and second["reason"] == "probe", second
+        third = placed(203)
+        assert third["encoder"] == "colocated" and third["reason"] == "sooner", third
+        assert third["predicted_vllm_ms"] < third["predicted_encode_worker_ms"], third
     finally:
         with open(stack.delay_file, "w") as file:
             file.write("0")
         client.close()
-    assert metric(url, "epd_gateway_placements_total", route="vllm", reason="sooner") == 1
-    assert metric(
-        url, "epd_gateway_placement_cost_seconds", route="encode_worker", size_class="1024"
-    ) > metric(url, "epd_gateway_placement_cost_seconds", route="vllm", size_class="1024")
+    counted = (("encode_worker", "sooner"), ("vllm", "probe"), ("vllm", "sooner"))
+    assert {
+        (route, reason): metric(url, "epd_gateway_placements_total", route=route, reason=reason)
+        for route, reason in counted
+    } == dict.fromkeys(counted, 1)
     assert (
-        metric(url, "epd_gateway_placement_prediction_error_ratio_count", route="encode_worker")
-        == 2 + len(routes) - 1
+        metric(url, "epd_gateway_placement_cost_seconds", route="encode_worker", size_class="1024")
+        >= COSTED_WORKER_DELAY_S
     )
+    assert (
+        metric(url, "epd_gateway_placement_cost_seconds", route="vllm", size_class="1024")
+        < COSTED_WORKER_DELAY_S
+    )
+    # the first prediction, the workers' prior, was wrong by the delay at least
+    errors = {
+        kind: metric(
+            url, f"epd_gateway_placement_prediction_error_ratio_{kind}", route="encode_worker"
+        )
+        for kind in ("count", "sum")
+    }
+    prior_s = first["predicted_encode_worker_ms"] / 1e3
+    assert errors["count"] == 1 and errors["sum"] >= COSTED_WORKER_DELAY_S / prior_s, errors
     # the engine's load the vLLM route's prediction counts was read from vLLM's own gauges
     assert metric(url, "epd_gateway_engine_load_source", source="vllm_metrics") == 1
 

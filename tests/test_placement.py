@@ -55,6 +55,23 @@ def test_a_slowed_route_is_left_within_a_few_requests_and_taken_again_once_fast(
     assert costs.decide(500, 0).route is Route.ENCODE_WORKER
 
 
+def test_an_unmeasured_route_is_probed_once_the_other_is_measured_in_its_size_class():
+    costs = PlacementCosts()
+    assert costs.decide(100, 0).reason is Reason.SOONER  # neither measured: the prior
+    costs.observe(Route.ENCODE_WORKER, 100, 0.3)
+    probe = costs.decide(100, 0)
+    assert probe.route is Route.VLLM and probe.reason is Reason.PROBE
+    # one probe at a time: until it is measured, the sooner route
+    assert costs.decide(100, 0).reason is Reason.SOONER
+    costs.observe(Route.VLLM, 100, 0.1)  # the prior was wrong: vLLM is sooner
+    decided = costs.decide(100, 0)
+    assert decided.route is Route.VLLM and decided.reason is Reason.SOONER
+    # another size class is measured on its own; no probe while vLLM encodes inline for others
+    costs.observe(Route.ENCODE_WORKER, 10_000, 3.0)
+    assert costs.decide(10_000, inline_patches=64).reason is Reason.SOONER
+    assert costs.decide(10_000, 0).reason is Reason.PROBE
+
+
 def test_costs_are_per_size_class():
     costs = PlacementCosts()
     costs.observe(Route.ENCODE_WORKER, 100, 0.3)

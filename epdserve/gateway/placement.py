@@ -16,11 +16,13 @@ each scaled from the engine's load it was measured under to the load now (``Engi
 requests running and waiting in vLLM, as vLLM's ``/metrics`` says or the gateway counts; the
 tower encodes in the engine's steps, which it shares with each of them), plus the inline patches
 vLLM encodes ahead of it at that route's measured pace. Both are learned per
-size class (the request's patches), start from conservative priors (the workers sooner), and
-every ``PROBE_EVERY``-th decision, while vLLM encodes nothing inline, takes the other route so
-that its cost stays measured (a route
-that became slower or faster is seen within a few requests). The predictions of the routes are
-in the ``epd`` report per image; the measured over the predicted time is a histogram."""
+size class (the request's patches) and start from conservative priors (the workers sooner);
+while vLLM encodes nothing inline, a decision takes the route predicted later (a probe) where that
+route is not yet measured in the size class and the other is (so a wrong prior is corrected by the
+second request of a class), and every ``PROBE_EVERY``-th decision, so that its cost stays measured
+(a route that became slower or faster is seen within a few requests). The predictions of the
+routes are in the ``epd`` report per image; the measured over the predicted time is a
+histogram."""
 
 from __future__ import annotations
 
@@ -175,6 +177,8 @@ class PlacementCosts:
 
     def __init__(self):
         self._seen: dict[tuple[Route, str], collections.deque[Observation]] = {}
+        # (route, size class) probed as unmeasured, its first observation not in yet
+        self._probing: set[tuple[Route, str]] = set()
         self.decisions = 0
 
     def cost_s(self, route: Route, patches: int, engine_load: int = 0) -> float:
@@ -198,16 +202,25 @@ class PlacementCosts:
     def decide(self, patches: int, inline_patches: int, engine_load: int = 0) -> Prediction:
         """The route for a request of ``patches`` while vLLM encodes ``inline_patches`` inline
         for other requests and has ``engine_load`` requests running and waiting: the one
-        predicted sooner, or every ``PROBE_EVERY``-th time the other, unless vLLM encodes inline
-        for others already (a probe in a burst would slow every request in the engine)."""
+        predicted sooner, or the other (a probe) where it is not yet measured in the size class
+        while the sooner is, and every ``PROBE_EVERY``-th time; no probe while vLLM encodes
+        inline for others already (a probe in a burst would slow every request in the engine)."""
         workers_s = self.cost_s(Route.ENCODE_WORKER, patches)
         vllm_s = self.cost_s(Route.VLLM, patches, engine_load) + inline_patches * self.pace_s(
             Route.VLLM, patches
         )
         sooner = Route.ENCODE_WORKER if workers_s <= vllm_s else Route.VLLM
+        later = Route.VLLM if sooner is Route.ENCODE_WORKER else Route.ENCODE_WORKER
         self.decisions += 1
-        if self.decisions % PROBE_EVERY == 0 and inline_patches == 0:
-            later = Route.VLLM if sooner is Route.ENCODE_WORKER else Route.ENCODE_WORKER
+        label = size_class(patches)
+        unmeasured = (
+            (sooner, label) in self._seen
+            and (later, label) not in self._seen
+            and (later, label) not in self._probing
+        )
+        if inline_patches == 0 and (unmeasured or self.decisions % PROBE_EVERY == 0):
+            if unmeasured:
+                self._probing.add((later, label))
             return Prediction(workers_s, vllm_s, later, Reason.PROBE, engine_load)
         return Prediction(workers_s, vllm_s, sooner, Reason.SOONER, engine_load)
 
@@ -218,6 +231,7 @@ class PlacementCosts:
         self._seen.setdefault(key, collections.deque(maxlen=COST_WINDOW)).append(
             Observation(seconds, patches, engine_load)
         )
+        self._probing.discard(key)
 
     def costs(self) -> dict[tuple[str, str], float]:
         """Each route's learned cost per size class observed, as measured (the metric's
