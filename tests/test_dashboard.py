@@ -43,6 +43,14 @@ REQUIRED = {
     "epd_gateway_requests_total",
     "epd_gateway_colocated_fallbacks_total",
     "epd_gateway_time_to_first_token_seconds_bucket",
+    # where each image is encoded (docs/vllm.md), and whether --placement cost predicts right
+    "epd_gateway_placements_total",
+    "epd_gateway_inline_patches",
+    "epd_gateway_inline_patches_peak",
+    "epd_gateway_placement_prediction_error_ratio_bucket",
+    "epd_gateway_placement_cost_seconds",
+    "epd_gateway_engine_load_requests",
+    "epd_gateway_engine_load_source",
 }
 
 
