@@ -15,6 +15,9 @@ SEGMENTS_BEFORE = pytest.StashKey[set[str]]()
 # 3-4 s of CPU a new interpreter spends importing torch and transformers. The CLI tests
 # (test_cli.py, test_k8s.py) start the commands as new interpreters, as a deployment does.
 LocalCluster.fork_roles = True
+# The clusters' gateways place every image a worker takes on the workers (the tests assert the
+# disaggregated path); --placement cost, the default, is tested where a test names it.
+LocalCluster.placement = "workers"
 
 
 def pytest_sessionstart(session):

@@ -43,7 +43,10 @@ each image's patch grid and room instead of its pixels (for a model vLLM takes n
 grids alone for, Gemma 3: the image and its room; vLLM only preprocesses it to place its rows).
 vLLM's scheduler (the EPD connector) reserves memory for the rows and registers it in the room;
 the worker writes the rows straight into that memory (SHM on one node, Mooncake between nodes);
-vLLM's model runner copies them into its encoder cache and prefills.
+vLLM's model runner copies them into its encoder cache and prefills. Where each image is encoded
+is the gateway's choice (--placement cost, the default: the route whose first token it predicts
+sooner; the encode workers until vLLM's own tower is measured, which the second request of a size
+class does, so an image may show "colocated" with its reason).
 """
 
 
@@ -110,7 +113,8 @@ def _requests(model: str, gateways: dict, vllm_url: str) -> bool:
                 f"prefill to first token {metrics.get('time_to_first_token_ms') or 0:.1f} ms"
             )
             print(
-                f"  {'image':>12s} {'rows':>5s} {'encoder':>13s} {'transport':>9s} {'queue':>6s} "
+                f"  {'image':>12s} {'rows':>5s} {'encoder':>13s} {'reason':>8s} {'transport':>9s} "
+                f"{'queue':>6s} "
                 f"{'encode':>6s} "
                 f"{'wait':>6s} {'xfer':>6s} {'received':>8s} (ms)"
             )
@@ -146,7 +150,7 @@ def _row(label: str, image: dict) -> str:
     )
     encode_text = "cache" if timings.get("cache_hit") else f"{encode:.1f}"
     return (
-        f"{label:>12s} {image['rows']:>5d} {image['encoder']:>13s} "
+        f"{label:>12s} {image['rows']:>5d} {image['encoder']:>13s} {image['reason'] or '-':>8s} "
         f"{delivery.get('transport') or '-':>9s} {queue:6.1f} {encode_text:>6s} {wait:6.1f} "
         f"{transfer:6.1f} "
         f"{delivery.get('receive_s', 0.0) * 1e3:8.1f}"

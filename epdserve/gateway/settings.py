@@ -133,12 +133,13 @@ class GatewaySettings(EncodeWorkerTargets, ClosedListener):
         "workers only (not with --rooms-url)",
     )
     placement: str = Field(
-        "workers",
+        "cost",
         pattern=PLACEMENT_PATTERN,
-        description="where images are encoded: workers (on the encode workers whenever one "
-        "takes them), cost (by the route whose time to first token, learned from the recent "
-        "requests, is predicted sooner), or min-items=N (a request of fewer than N distinct "
-        "images is encoded by vLLM inline, SGLang's adaptive dispatch rule)",
+        description="where images are encoded: cost (by the route, encode workers or vLLM's own "
+        "tower, whose time to first token, learned from the recent requests, is predicted "
+        "sooner), workers (on the encode workers whenever one takes them), or min-items=N (a "
+        "request of fewer than N distinct images is encoded by vLLM inline, SGLang's adaptive "
+        "dispatch rule)",
     )
     max_inline_patches: NonNegativeInt = Field(
         16384,

@@ -106,6 +106,9 @@ class LocalCluster:
     # True: roles are forked from a server that has their imports done (``forked_roles``), as the
     # test suite sets it (tests/conftest.py); False: each role is a new interpreter, as deployed
     fork_roles = False
+    # every gateway's --placement unless its ``extra`` names one (None: the gateway's default);
+    # the test suite pins ``workers`` (tests/conftest.py): its tests follow the disaggregated path
+    placement: str | None = None
 
     def __init__(
         self,
@@ -254,6 +257,11 @@ class LocalCluster:
                 vllm.engine_url,
                 "--workers",
                 ",".join(str(w) for w in workers),
+                *(
+                    ("--placement", self.placement)
+                    if self.placement is not None and "--placement" not in extra
+                    else ()
+                ),
                 *extra,
             ],
             Endpoint(HOST, port).url("http"),
