@@ -51,7 +51,7 @@ CONNECTOR = {
 
 
 # the seconds the costed gateway's worker sleeps before each batch in its test
-COSTED_WORKER_DELAY_S = 3
+COSTED_WORKER_DELAY_S = 4
 
 # the burst test's worker queues BURST_QUEUE_ITEMS items and holds at most BURST_QUEUE_ITEMS + 3
 # while its tower sleeps (one batch of one item each in the tower, in the hand-off to it and in
@@ -652,11 +652,12 @@ def test_a_burst_twice_what_the_worker_holds_is_served_with_the_excess_inline_wi
 @pytest.mark.vllm
 def test_placement_by_cost_corrects_a_wrong_prior_within_two_requests(stack):
     """--placement cost, its worker slowed (a test fault) so that the prior (the workers sooner)
-    is wrong: the first image goes to the worker by that prior and takes seconds; the second,
-    vLLM's route not yet measured in its size class, probes vLLM's tower; the third goes there
-    as predicted sooner, the worker's slowness learned. Every answer equals colocated; the
-    report carries both predictions; the learned costs and the first prediction's error are
-    exported, and the engine's load was read from vLLM's /metrics."""
+    is wrong: the first image goes to the worker by that prior and takes seconds; the second goes
+    to vLLM's tower (a probe of a route not yet measured in its size class, or, where the slowed
+    worker took longer than vLLM's prior, as sooner); the third goes there as predicted sooner,
+    the worker's slowness learned. Every answer equals colocated; the report carries both
+    predictions; the learned costs and the errors of the measured predictions (not the priors)
+    are exported, and the engine's load was read from vLLM's /metrics."""
     url = stack.costed.url
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
 
@@ -675,7 +676,9 @@ def test_placement_by_cost_corrects_a_wrong_prior_within_two_requests(stack):
         assert first["encoder"] == "encode_worker" and first["reason"] == "sooner", first
         assert first["predicted_encode_worker_ms"] < first["predicted_vllm_ms"], first
         second = placed(202)
-        assert second["encoder"] == "colocated" and second["reason"] == "probe", second
+        probed = second["predicted_encode_worker_ms"] < second["predicted_vllm_ms"]
+        assert second["encoder"] == "colocated", second
+        assert second["reason"] == ("probe" if probed else "sooner"), second
         third = placed(203)
         assert third["encoder"] == "colocated" and third["reason"] == "sooner", third
         assert third["predicted_vllm_ms"] < third["predicted_encode_worker_ms"], third
@@ -687,7 +690,7 @@ def test_placement_by_cost_corrects_a_wrong_prior_within_two_requests(stack):
     assert {
         (route, reason): metric(url, "epd_gateway_placements_total", route=route, reason=reason)
         for route, reason in counted
-    } == dict.fromkeys(counted, 1)
+    } == {counted[0]: 1, counted[1]: int(probed), counted[2]: 2 - int(probed)}
     assert (
         metric(url, "epd_gateway_placement_cost_seconds", route="encode_worker", size_class="1024")
         >= COSTED_WORKER_DELAY_S
@@ -696,15 +699,13 @@ def test_placement_by_cost_corrects_a_wrong_prior_within_two_requests(stack):
         metric(url, "epd_gateway_placement_cost_seconds", route="vllm", size_class="1024")
         < COSTED_WORKER_DELAY_S
     )
-    # the first prediction, the workers' prior, was wrong by the delay at least
-    errors = {
-        kind: metric(
-            url, f"epd_gateway_placement_prediction_error_ratio_{kind}", route="encode_worker"
-        )
-        for kind in ("count", "sum")
-    }
-    prior_s = first["predicted_encode_worker_ms"] / 1e3
-    assert errors["count"] == 1 and errors["sum"] >= COSTED_WORKER_DELAY_S / prior_s, errors
+    # the priors (the first two predictions) are not the model's errors; the third, vLLM's
+    # measured route, is
+    assert (
+        metric(url, "epd_gateway_placement_prediction_error_ratio_count", route="encode_worker")
+        == 0
+    )
+    assert metric(url, "epd_gateway_placement_prediction_error_ratio_count", route="vllm") == 1
     # the engine's load the vLLM route's prediction counts was read from vLLM's own gauges
     assert metric(url, "epd_gateway_engine_load_source", source="vllm_metrics") == 1
 

@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from epdserve.gateway.placement import (
+    COST,
     COST_WINDOW,
     PROBE_EVERY,
     PlacementCosts,
@@ -12,6 +13,7 @@ from epdserve.gateway.placement import (
     Route,
     size_class,
 )
+from epdserve.gateway.settings import GatewaySettings
 
 
 def test_size_classes_bound_a_requests_patches():
@@ -29,6 +31,7 @@ def test_until_measured_the_workers_are_predicted_sooner():
     decided = PlacementCosts().decide(patches=1024, inline_patches=0)
     assert decided.route is Route.ENCODE_WORKER and decided.reason is Reason.SOONER
     assert decided.encode_worker_s < decided.vllm_s
+    assert not decided.measured and decided.patches == 1024  # a prior
 
 
 def test_a_slowed_route_is_left_within_a_few_requests_and_taken_again_once_fast():
@@ -70,6 +73,25 @@ def test_an_unmeasured_route_is_probed_once_the_other_is_measured_in_its_size_cl
     costs.observe(Route.ENCODE_WORKER, 10_000, 3.0)
     assert costs.decide(10_000, inline_patches=64).reason is Reason.SOONER
     assert costs.decide(10_000, 0).reason is Reason.PROBE
+
+
+def test_a_probe_that_taught_nothing_lets_the_next_decision_probe_again():
+    costs = PlacementCosts()
+    costs.observe(Route.ENCODE_WORKER, 100, 0.3)
+    probe = costs.decide(100, 0)
+    assert probe.reason is Reason.PROBE and probe.probed is Route.VLLM and not probe.measured
+    assert costs.decide(100, 0).reason is Reason.SOONER  # one probe at a time
+    costs.settle(probe)  # its request failed, or its images went another way
+    again = costs.decide(100, 0)
+    assert again.reason is Reason.PROBE and again.route is Route.VLLM
+    costs.observe(Route.VLLM, again.patches, 0.5)
+    costs.settle(again)  # (settled after its observation: nothing more)
+    measured = costs.decide(100, 0)
+    assert measured.reason is Reason.SOONER and measured.measured and measured.probed is None
+
+
+def test_the_cost_policy_is_the_default():
+    assert GatewaySettings.model_fields["placement"].default == COST
 
 
 def test_costs_are_per_size_class():

@@ -230,7 +230,7 @@ class Gateway:
 
     def _ended(self, prepared: PreparedChat) -> None:
         """A prepared request has ended (its answer sent, or not): once."""
-        self.placements.release_inline(prepared)
+        self.placements.ended(prepared)
         self.load.forwarded -= 1
 
     def _within_limits(self, refs: list) -> None:

@@ -67,7 +67,8 @@ class GatewayMetrics:
         self.prediction_error = Histogram(
             "epd_gateway_placement_prediction_error_ratio",
             "--placement cost: a request's measured time to first token over the one predicted "
-            "for the route it took (1: right; above: slower than predicted)",
+            "for the route it took, where measured before (not a prior; 1: right; above: slower "
+            "than predicted)",
             labels + ["route"],
             buckets=ERROR_RATIO_BUCKETS,
             registry=self.registry,

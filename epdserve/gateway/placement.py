@@ -18,11 +18,12 @@ tower encodes in the engine's steps, which it shares with each of them), plus th
 vLLM encodes ahead of it at that route's measured pace. Both are learned per
 size class (the request's patches) and start from conservative priors (the workers sooner);
 while vLLM encodes nothing inline, a decision takes the route predicted later (a probe) where that
-route is not yet measured in the size class and the other is (so a wrong prior is corrected by the
-second request of a class), and every ``PROBE_EVERY``-th decision, so that its cost stays measured
-(a route that became slower or faster is seen within a few requests). The predictions of the
-routes are in the ``epd`` report per image; the measured over the predicted time is a
-histogram."""
+route is not yet measured in the size class and the other is, one such probe at a time (so a
+wrong prior is corrected by the first decision of a class after its first measurement; requests
+decided before it, as in a burst, go by the prior), and every ``PROBE_EVERY``-th decision, so
+that its cost stays measured (a route that became slower or faster is seen within a few
+requests). The predictions of the routes are in the ``epd`` report per image; the measured over
+the predicted time, for a route measured (not a prior), is a histogram."""
 
 from __future__ import annotations
 
@@ -143,6 +144,9 @@ class Prediction:
     route: Route
     reason: Reason
     engine_load: int = 0  # the requests in vLLM when it was predicted
+    patches: int = 0  # of the request's images a worker could encode: its size class's
+    measured: bool = True  # the taken route's cost was measured in the size class (not a prior)
+    probed: Route | None = None  # the route probed as not yet measured in the size class
 
     @property
     def taken_s(self) -> float:
@@ -218,11 +222,25 @@ class PlacementCosts:
             and (later, label) not in self._seen
             and (later, label) not in self._probing
         )
+        route, reason, probed = sooner, Reason.SOONER, None
         if inline_patches == 0 and (unmeasured or self.decisions % PROBE_EVERY == 0):
+            route, reason = later, Reason.PROBE
             if unmeasured:
                 self._probing.add((later, label))
-            return Prediction(workers_s, vllm_s, later, Reason.PROBE, engine_load)
-        return Prediction(workers_s, vllm_s, sooner, Reason.SOONER, engine_load)
+                probed = later
+        measured = self.measured(route, patches)
+        return Prediction(workers_s, vllm_s, route, reason, engine_load, patches, measured, probed)
+
+    def measured(self, route: Route, patches: int) -> bool:
+        """Whether ``route``'s cost is measured in the size class of ``patches`` (not a prior)."""
+        return (route, size_class(patches)) in self._seen
+
+    def settle(self, prediction: Prediction) -> None:
+        """``prediction``'s request has ended: a probe of a route not yet measured that taught
+        nothing (the request failed, or its images went another way) lets the next decision of
+        its size class probe again."""
+        if prediction.probed is not None:
+            self._probing.discard((prediction.probed, size_class(prediction.patches)))
 
     def observe(self, route: Route, patches: int, seconds: float, engine_load: int = 0) -> None:
         """A request of ``patches`` whose images all took ``route`` had its first token after
@@ -292,7 +310,10 @@ class Placements:
             return False
         if not self.inline.overflow(wanted):  # vLLM encodes --max-inline-patches inline already
             prepared.prediction = replace(
-                prepared.prediction, route=Route.ENCODE_WORKER, reason=Reason.INLINE_FULL
+                prepared.prediction,
+                route=Route.ENCODE_WORKER,
+                reason=Reason.INLINE_FULL,
+                measured=self.costs.measured(Route.ENCODE_WORKER, wanted),
             )
             return False
         for item in encodable:
@@ -378,6 +399,13 @@ class Placements:
             self.inline.hold(patches(item))
         prepared.inline_patches += patches(item)
 
+    def ended(self, prepared: PreparedChat) -> None:
+        """The request has ended (answered or not): once. Its inline patches are released, and
+        a probe it was is settled."""
+        self.release_inline(prepared)
+        if prepared.prediction is not None:
+            self.costs.settle(prepared.prediction)
+
     def release_inline(self, prepared: PreparedChat) -> None:
         """The request's prefill is over (its first token, its answer, or its end): vLLM
         encodes its inline items no more. Once per request."""
@@ -400,10 +428,21 @@ class Placements:
         engine_load = (
             prediction.engine_load if prediction is not None else max(0, self.load.requests - 1)
         )
-        wanted = sum(patches(item) for item in prepared.items)
+        # the size class it was decided in; else every image's patches
+        wanted = (
+            prediction.patches
+            if prediction is not None
+            else sum(patches(item) for item in prepared.items)
+        )
         self.costs.observe(route, wanted, seconds, engine_load)
         self.metrics.costs_now(self.costs.costs())
-        if prediction is not None and prediction.route is route and prediction.taken_s > 0:
+        # the model's error: a prediction from measurements (a prior is no model's)
+        if (
+            prediction is not None
+            and prediction.route is route
+            and prediction.measured
+            and prediction.taken_s > 0
+        ):
             self.metrics.prediction_error.labels(self.metrics.model_name, route.value).observe(
                 seconds / prediction.taken_s
             )

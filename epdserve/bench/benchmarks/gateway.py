@@ -129,36 +129,41 @@ def chat_body(model: str, images: list[bytes], prompt: str, max_tokens: int) -> 
 
 @dataclass(frozen=True)
 class Streamed:
-    """A streamed answer as the client saw it: seconds to its first and last events with a choice
-    (vLLM sends the first with the first token; None where none came), how many came, and the
-    gateway's ``epd`` report (None where it sent none: vLLM called directly)."""
+    """A streamed answer as the client saw it: seconds to its first event with a choice (vLLM
+    sends it with the first token; None where none came), to its first and last with text, how
+    many had text, and the gateway's ``epd`` report (None where it sent none: vLLM directly)."""
 
     first_s: float | None
-    last_s: float | None
-    events: int
+    first_text_s: float | None
+    last_text_s: float | None
+    texts: int
     epd: dict | None
 
     @property
     def per_token_s(self) -> float | None:
-        """Seconds between a token and the next (the events after the first), None for one."""
-        if self.events < 2:
+        """Seconds between an event with text and the next (vLLM streams a token an event),
+        None for fewer than two."""
+        if self.texts < 2:
             return None
-        return (self.last_s - self.first_s) / (self.events - 1)
+        return (self.last_text_s - self.first_text_s) / (self.texts - 1)
 
 
 async def read_stream(response, started: float) -> Streamed:
     """Reads ``response``'s stream to its end (``started``: when sent, ``time.monotonic``)."""
-    first, last, events, epd = None, None, 0, None
+    first, first_text, last_text, texts, epd = None, None, None, 0, None
     async for line in response.content:
         if not line.startswith(b"data: {"):
             continue
         event = json.loads(line[6:])
-        if event.get("choices"):
-            last = time.monotonic() - started
-            first = last if first is None else first
-            events += 1
+        choices = event.get("choices")
+        if choices:
+            now = time.monotonic() - started
+            first = now if first is None else first
+            if choices[0].get("delta", {}).get("content"):
+                first_text = now if first_text is None else first_text
+                last_text, texts = now, texts + 1
         epd = event.get("epd", epd)
-    return Streamed(first, last, events, epd)
+    return Streamed(first, first_text, last_text, texts, epd)
 
 
 async def _first_token(session, url: str, model: str, image: bytes, max_tokens: int) -> float:
@@ -192,7 +197,10 @@ def run(args) -> dict:
         )
         worker = stack.start()
         gateways = {
-            "gateway-epd": stack.start_gateway("gateway-epd", [worker.worker]),
+            # the workers' path, whatever the default placement
+            "gateway-epd": stack.start_gateway(
+                "gateway-epd", [worker.worker], extra=("--placement", "workers")
+            ),
             "gateway-colocated": stack.start_gateway(
                 "gateway-colocated", [WorkerAddress(HOST, free_port(), free_port())]
             ),

@@ -1,8 +1,9 @@
 """`epd-bench gateway --scenario burst|steady|mixed`: the gateway under load, comparing two or more
-gateways that differ in one flag: ``--compare inline-cap`` (``refuse``, ``--max-inline-patches 0``:
-a request with an image the busy workers refused is refused, 503; against ``overflow``, the
-default cap: such images go to vLLM inline) or ``--compare placement`` (``--placement`` values,
-``--policies``: ``workers`` against ``cost``, and ``min-items=N`` where named).
+gateways that differ in one flag: ``--compare inline-cap`` (both ``--placement workers``:
+``refuse``, ``--max-inline-patches 0``: a request with an image the busy workers refused is
+refused, 503; against ``overflow``, the default cap: such images go to vLLM inline) or
+``--compare placement`` (``--placement`` values, ``--policies``: ``workers`` against ``cost``,
+and ``min-items=N`` where named).
 
 One vLLM OpenAI server (with the EPD connector), one encode worker whose queue holds
 ``--queue-items`` items (more are refused busy), and the compared gateways in front of it. The
@@ -17,13 +18,14 @@ one:
 * ``mixed``: as ``steady``, each request of 1 to ``--images`` images, each image's side drawn from
   ``--mixed-sizes``.
 
-Per round, each policy's gateway gets the round's workload (policies in alternating order, the
-worker idle before each, ``--pause-s``). Per policy: requests refused (503), other errors with
-their first bytes, TTFT p50 / p99 of the requests served (client-side, to the first streamed
-event; also by the route their images took, and each round's), the time between a request's
-tokens p50 / p99 (vLLM's steps, which inline encodes delay for every request in the engine),
-images per route and reason (``epd_gateway_placements_total``), and the most patches vLLM
-encoded inline at once (``epd_gateway_inline_patches_peak``).
+Per round, each policy's gateway gets the round's workload (policies in alternating order; before
+each, the worker's queue empty and no request in vLLM, then ``--pause-s``). Per policy: requests
+refused (503), other errors with their first bytes, TTFT p50 / p99 of the requests served
+(client-side, to the first streamed event; also by the route their images took, and each
+round's), the time between a request's tokens p50 / p99 (vLLM's steps, which inline encodes
+delay for every request in the engine), images per route and reason
+(``epd_gateway_placements_total``), and the most patches vLLM encoded inline at once
+(``epd_gateway_inline_patches_peak``).
 """
 
 from __future__ import annotations
@@ -33,15 +35,18 @@ import random
 import time
 from dataclasses import dataclass
 
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
 from epdserve.bench.benchmarks.gateway import GatewayStack, chat_body, read_stream
-from epdserve.bench.benchmarks.results import write_json
+from epdserve.bench.benchmarks.results import percentile, write_json
 from epdserve.bench.benchmarks.rounds import in_round
 
 SCENARIOS = ("burst", "steady", "mixed")
 # the gateways' flags, per policy, per comparison (``placement``: per ``--policies`` value)
 INLINE_CAP = {
-    "refuse": ("--max-inline-patches", "0"),
-    "overflow": ("--max-inline-patches", "16384"),
+    "refuse": ("--placement", "workers", "--max-inline-patches", "0"),
+    "overflow": ("--placement", "workers", "--max-inline-patches", "16384"),
 }
 ERROR_BYTES = 300  # of an answer that is neither 200 nor 503, kept in the report
 
@@ -77,13 +82,18 @@ def policies(args) -> dict[str, tuple[str, ...]]:
 
 
 async def _request(session, url: str, model: str, images: list[bytes], max_tokens: int) -> dict:
+    """One streaming request: its status, TTFT, time between tokens and its images' route; a
+    connection that failed is an answer of status None (counted among the other errors)."""
     body = chat_body(model, images, "Describe the pictures.", max_tokens)
     started = time.monotonic()
-    async with session.post(url + "/v1/chat/completions", json=body) as response:
-        if response.status != 200:
-            text = (await response.read())[:ERROR_BYTES].decode(errors="replace")
-            return {"status": response.status, "ttft_s": None, "error": text}
-        streamed = await read_stream(response, started)
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body) as response:
+            if response.status != 200:
+                text = (await response.read())[:ERROR_BYTES].decode(errors="replace")
+                return {"status": response.status, "ttft_s": None, "error": text}
+            streamed = await read_stream(response, started)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return {"status": None, "ttft_s": None, "error": f"{type(exc).__name__}: {exc}"}
     routes = {image["encoder"] for image in (streamed.epd or {}).get("images", [])}
     # the route of its images: encode_worker, colocated (vLLM's tower), or both
     route = routes.pop() if len(routes) == 1 else "both" if routes else "none"
@@ -101,32 +111,47 @@ async def _at(offset_s: float, started: float, call):
 
 
 def _placements(text: str) -> dict[str, float]:
-    """``epd_gateway_placements_total`` by "route/reason", and the inline peak."""
+    """``epd_gateway_placements_total`` by "route/reason", and the inline peak (the gateway's
+    over its life, the untimed first request included), from a gateway's ``/metrics``."""
     out = {}
-    for line in text.splitlines():
-        if line.startswith("epd_gateway_placements_total{"):
-            labels = dict(
-                part.split("=", 1)
-                for part in line[line.index("{") + 1 : line.index("}")].split(",")
-            )
-            key = f"{labels['route'].strip(chr(34))}/{labels['reason'].strip(chr(34))}"
-            out[key] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("epd_gateway_inline_patches_peak{"):
-            out["inline_patches_peak"] = float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "epd_gateway_placements_total":
+                out[f"{sample.labels['route']}/{sample.labels['reason']}"] = sample.value
+            elif sample.name == "epd_gateway_inline_patches_peak":
+                out["inline_patches_peak"] = sample.value
     return out
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile of ``values`` (nearest rank below), None for none."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def _gauge(text: str, name: str) -> float:
+    """The sum of gauge ``name``'s samples in a ``/metrics`` ``text``."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+async def _until_idle(session, worker_url: str, vllm_url: str, timeout_s: float = 120) -> None:
+    """Until the encode worker's queue is empty and vLLM runs and waits on no request (its
+    ``/metrics``); ``TimeoutError`` past ``timeout_s``."""
+    from epdserve.gateway.engine_load import engine_requests
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with session.get(worker_url + "/metrics") as response:
+            queued = _gauge(await response.text(), "epd_encoder_queue_depth")
+        async with session.get(vllm_url + "/metrics") as response:
+            in_vllm = engine_requests(await response.text())
+        if queued == 0 and in_vllm == 0:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not idle after {timeout_s} s: {queued} queued, {in_vllm} in vLLM")
+        await asyncio.sleep(0.2)
 
 
 def run(args) -> dict:
-    import aiohttp
-
     from epdserve.testing.images import synthetic_image
 
     stack = GatewayStack(f"gateway-{args.scenario}")
@@ -187,7 +212,8 @@ def run(args) -> dict:
                             f"{rows[-1]['refused']}, placements {rows[-1]['placements']}",
                             flush=True,
                         )
-                        await asyncio.sleep(args.pause_s)  # the worker's queue drains
+                        await _until_idle(session, worker.url, stack.server.url)
+                        await asyncio.sleep(args.pause_s)
 
         asyncio.run(rounds())
     finally:

@@ -38,7 +38,7 @@ import time
 from collections import Counter
 
 from encode_worker.metrics import PREDICTION_FLOOR_S
-from epdserve.bench.benchmarks.results import write_json
+from epdserve.bench.benchmarks.results import percentile, write_json
 from epdserve.testing.images import synthetic_image
 
 HANDSHAKE_P99_GOAL_S = 0.020
@@ -56,13 +56,6 @@ def _rss_bytes(pid: int) -> int | None:
     except OSError:
         return None
     return None
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def probe_handshake(url: str, interval_s: float, stop, results) -> None:
@@ -262,14 +255,14 @@ def _summary(measured: dict, workers: int, requests: int, per_request: int, dead
         "reports_past_deadline": late,
         "intake_refusals": sum(measured["refused"]),
         "request_s": {
-            "p50": _percentile(request_s, 0.5),
-            "p99": _percentile(request_s, 0.99),
+            "p50": percentile(request_s, 0.5),
+            "p99": percentile(request_s, 0.99),
             "max": max(request_s) if request_s else None,
         },
         "handshake_probe_ms": {
             "count": len(probe),
-            "p50": (_percentile(probe, 0.5) or 0) * 1e3,
-            "p99": (_percentile(probe, 0.99) or 0) * 1e3,
+            "p50": (percentile(probe, 0.5) or 0) * 1e3,
+            "p99": (percentile(probe, 0.99) or 0) * 1e3,
             "max": max(probe) * 1e3 if probe else None,
         },
         "rss_mib": {
@@ -284,9 +277,9 @@ def _summary(measured: dict, workers: int, requests: int, per_request: int, dead
         "delivered_items_per_s": outcomes.get("DONE", 0) / measured["seconds"],
         "queue_wait_prediction_ratio": {
             "items": len(ratios),
-            "p01": _percentile(ratios, 0.01),
-            "p50": _percentile(ratios, 0.5),
-            "p99": _percentile(ratios, 0.99),
+            "p01": percentile(ratios, 0.01),
+            "p50": percentile(ratios, 0.5),
+            "p99": percentile(ratios, 0.99),
         },
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 
 def write_json(path: str | None, report: dict) -> None:
@@ -13,3 +14,12 @@ def write_json(path: str | None, report: dict) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=2, default=str)
     print(f"wrote {path}")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` by nearest rank (the smallest value with at least ``q`` of
+    them at or below it), None for none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]

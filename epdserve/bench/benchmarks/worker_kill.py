@@ -66,7 +66,9 @@ def _round(cluster, vllm, model, direct, args, index: int) -> dict:
     import openai
 
     worker = cluster.start_encode_worker(f"worker-{index}", transports="shm")
-    gateway = cluster.start_gateway(vllm, [worker.worker], name=f"gateway-{index}")
+    gateway = cluster.start_gateway(
+        vllm, [worker.worker], name=f"gateway-{index}", extra=("--placement", "workers")
+    )
     cluster.wait_ready()
     deadline = time.monotonic() + 120
     while True:
