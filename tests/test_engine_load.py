@@ -101,9 +101,9 @@ def test_the_engines_gauges_are_summed_and_garbage_falls_back_to_the_gateways_co
                 text = exported(metrics)
                 assert 'epd_gateway_engine_load_requests{model_name="m"} 10.0' in text
                 assert 'source="vllm_metrics"} 1.0' in text and 'source="gateway"} 0.0' in text
-                load.forwarded = 12  # the gateway has more in vLLM than vLLM said
-                assert load.requests == 12
-                load.forwarded = 2
+                load.admitted = 12  # the gateway has more for vLLM than vLLM said
+                assert load.requests == 12 and load.others() == 11
+                load.admitted = 2
                 for path in bodies:
                     if path == "/ok":
                         continue

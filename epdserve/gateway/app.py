@@ -150,10 +150,15 @@ class Gateway:
                 return Response(status_code=400)
             if limit is not None and not limit.admit(request.scope):
                 return limit.refusal()
-            prepared = await self._prepare(body, chat)
+            # counted in vLLM's load from here: a placement decided meanwhile sees it
+            self.load.admitted += 1
+            try:
+                prepared = await self._prepare(body, chat)
+            except BaseException:
+                self.load.admitted -= 1
+                raise
             # the request's end releases its inline patches at the latest, even where its stream
             # never started (the client gone before its first byte), and leaves vLLM's load
-            self.load.forwarded += 1
             request.scope[InFlightLimit.ON_END] = lambda: self._ended(prepared)
         except OpenAIError as exc:
             self.metrics.count("overloaded" if exc.kind == "overloaded" else "refused")
@@ -231,7 +236,7 @@ class Gateway:
     def _ended(self, prepared: PreparedChat) -> None:
         """A prepared request has ended (its answer sent, or not): once."""
         self.placements.ended(prepared)
-        self.load.forwarded -= 1
+        self.load.admitted -= 1
 
     def _within_limits(self, refs: list) -> None:
         """vLLM's per-prompt limits (as vLLM says them), checked before any worker encodes an

@@ -3,7 +3,8 @@
 Read from vLLM's own ``/metrics`` (Prometheus text; its gauges ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting``, one sample per engine, summed) on the gateway's readiness loop,
 every time it reads the engine's description. The load the cost model uses is the larger of that
-and the requests the gateway itself has in vLLM now (other clients of the same vLLM count too);
+and the gateway's own requests for vLLM now, counted from their admission (the requests of a
+burst see each other before they reach vLLM; other clients of the same vLLM count too);
 where ``/metrics`` is unreachable, or lacks the gauges, or hands back what cannot be a count (a
 body over ``MAX_METRICS_BYTES``, no number, NaN, infinite, negative, over
 ``MAX_ENGINE_REQUESTS``), the gateway's own count alone, said once in the log and in the
@@ -92,8 +93,9 @@ class EngineLoad:
         self.url = url
         self.metrics = metrics
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        # the gateway's requests in vLLM now: placed (forwarded, or about to be), answer not ended
-        self.forwarded = 0
+        # the gateway's requests for vLLM now: admitted (being placed, forwarded, or answered),
+        # not ended; a burst's requests count from their admission, before their rows exist
+        self.admitted = 0
         self.engine_requests: int | None = None  # vLLM's gauges as last read; None: unreadable
         self._problem: str | None = None  # why vLLM's gauges are not read, as last logged
         self.exported()
@@ -105,7 +107,12 @@ class EngineLoad:
     @property
     def requests(self) -> int:
         """The requests in vLLM now: the larger of vLLM's gauges and the gateway's own count."""
-        return max(self.engine_requests or 0, self.forwarded)
+        return max(self.engine_requests or 0, self.admitted)
+
+    def others(self) -> int:
+        """The requests in vLLM besides one the gateway admitted (vLLM's gauges do not count
+        it yet; the gateway's own count does)."""
+        return max(self.engine_requests or 0, self.admitted - 1)
 
     async def read(self, session: aiohttp.ClientSession) -> None:
         """vLLM's gauges read again; where they cannot be, the gateway's own count is the load

@@ -305,7 +305,7 @@ class Placements:
         if not encodable:
             return False
         wanted = sum(patches(item) for item in encodable)
-        prepared.prediction = self.costs.decide(wanted, self.inline.patches, self.load.requests)
+        prepared.prediction = self.costs.decide(wanted, self.inline.patches, self.load.others())
         if prepared.prediction.route is not Route.VLLM:
             return False
         if not self.inline.overflow(wanted):  # vLLM encodes --max-inline-patches inline already
@@ -424,10 +424,8 @@ class Placements:
             return  # both routes: the time is neither's
         route = Route.ENCODE_WORKER if placed else Route.VLLM
         prediction = prepared.prediction
-        # the load it was decided under; else the others in vLLM now (this request is one)
-        engine_load = (
-            prediction.engine_load if prediction is not None else max(0, self.load.requests - 1)
-        )
+        # the load it was decided under; else the others in vLLM now
+        engine_load = prediction.engine_load if prediction is not None else self.load.others()
         # the size class it was decided in; else every image's patches
         wanted = (
             prediction.patches
