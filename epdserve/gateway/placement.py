@@ -218,8 +218,8 @@ class PlacementCosts:
         self.decisions += 1
         label = size_class(patches)
         unmeasured = (
-            (sooner, label) in self._seen
-            and (later, label) not in self._seen
+            self.measured(sooner, patches)
+            and not self.measured(later, patches)
             and (later, label) not in self._probing
         )
         route, reason, probed = sooner, Reason.SOONER, None

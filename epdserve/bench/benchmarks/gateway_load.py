@@ -123,25 +123,15 @@ def _placements(text: str) -> dict[str, float]:
     return out
 
 
-def _gauge(text: str, name: str) -> float:
-    """The sum of gauge ``name``'s samples in a ``/metrics`` ``text``."""
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    )
-
-
 async def _until_idle(session, worker_url: str, vllm_url: str, timeout_s: float = 120) -> None:
     """Until the encode worker's queue is empty and vLLM runs and waits on no request (its
     ``/metrics``); ``TimeoutError`` past ``timeout_s``."""
     from epdserve.gateway.engine_load import engine_requests
+    from epdserve.testing.cluster import metric_total
 
     deadline = time.monotonic() + timeout_s
     while True:
-        async with session.get(worker_url + "/metrics") as response:
-            queued = _gauge(await response.text(), "epd_encoder_queue_depth")
+        queued = await metric_total(session, worker_url, "epd_encoder_queue_depth") or 0.0
         async with session.get(vllm_url + "/metrics") as response:
             in_vllm = engine_requests(await response.text())
         if queued == 0 and in_vllm == 0:
